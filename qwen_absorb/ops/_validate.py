@@ -1,0 +1,97 @@
+"""Argument checks shared by the three fused ops.
+
+Every public op validates its inputs here before choosing a path, so the CUDA kernel and the
+torch reference see exactly the same, well-formed arguments. Errors name the argument.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _values_check_enabled(t: torch.Tensor) -> bool:
+    # Checking index *values* needs a device->host copy; on CUDA that is a synchronisation per
+    # call, so it runs there only when asked for (QWEN_ABSORB_VALIDATE=1). Out-of-range values
+    # never give silent wrong numbers: the kernels and the reference both follow diffusers'
+    # torch.where(index == 0, set0, set1), i.e. any non-zero value selects the second set.
+    return t.device.type == "cpu" or os.environ.get("QWEN_ABSORB_VALIDATE", "") == "1"
+
+
+def check_activation(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must have shape [B, L, D], got {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if t.shape[0] < 1 or t.shape[2] < 1:
+        raise ValueError(f"{name} needs B >= 1 and D >= 1, got {tuple(t.shape)}")
+
+
+def check_same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def check_index(index: torch.Tensor | None, x: torch.Tensor) -> None:
+    if index is None:
+        return
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a torch.Tensor or None, got {type(index).__name__}")
+    if index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"index must be an integer (or bool) tensor of 0/1, got dtype {index.dtype}")
+    if index.device != x.device:
+        raise ValueError(f"index is on {index.device} but x is on {x.device}")
+    B, L = x.shape[0], x.shape[1]
+    if tuple(index.shape) != (B, L):
+        raise ValueError(f"index must have shape [B, L] = [{B}, {L}], got {tuple(index.shape)}")
+    if index.numel() and _values_check_enabled(index):
+        bad = (index != 0) & (index != 1)
+        if bool(bad.any()):
+            raise ValueError("index must contain only 0 and 1")
+
+
+def check_param(name: str, p: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None) -> None:
+    """A modulation parameter: [R, D] or [R, 1, D], R = B (or 2B with index), last stride 1."""
+    check_same(name, p, x, "x")
+    B, D = x.shape[0], x.shape[2]
+    rows = 2 * B if index is not None else B
+    ok_shape = (p.dim() == 2 and tuple(p.shape) == (rows, D)) or (
+        p.dim() == 3 and tuple(p.shape) == (rows, 1, D)
+    )
+    if not ok_shape:
+        want = f"[{rows}, {D}] or [{rows}, 1, {D}]"
+        why = " (2B rows because index is given)" if index is not None else ""
+        raise ValueError(f"{name} must have shape {want}{why}, got {tuple(p.shape)}")
+    if D > 1 and p.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {p.stride()}")
+
+
+def check_bias(bias: torch.Tensor | None, x: torch.Tensor) -> None:
+    if bias is None:
+        return
+    check_same("bias", bias, x, "x")
+    if bias.dim() != 1 or bias.shape[0] != x.shape[2]:
+        raise ValueError(f"bias must have shape [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
+
+
+def check_eps(eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps >= 0.0):
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return float(eps)
+
+
+def param_rows(p: torch.Tensor) -> torch.Tensor:
+    """[R, D] view of a [R, D] or [R, 1, D] parameter, without copying."""
+    return p if p.dim() == 2 else p.squeeze(1)

@@ -1,0 +1,56 @@
+// bias_gate_residual: out = residual + gate * (x + bias)   (the FFN residual site)
+// One block per row; each thread handles NV vectors of VEC elements (NV == 0: grid-stride loop).
+#include "common.cuh"
+
+#define QA_BGR_THREADS 128
+
+template <class T, int VEC>
+__device__ __forceinline__ void qa_bias_gate_residual_vec(
+    const typename T::storage* r, const typename T::storage* xx, const typename T::storage* b,
+    const typename T::storage* g, typename T::storage* o, bool vx, bool vb, bool vg) {
+  float rv[VEC], xv[VEC], gv[VEC], ov[VEC];
+  qa_load<T, VEC>(r, vx, rv);
+  qa_load<T, VEC>(xx, vx, xv);
+  qa_load<T, VEC>(g, vg, gv);
+  if (b != nullptr) {
+    float bv[VEC];
+    qa_load<T, VEC>(b, vb, bv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) xv[i] = qa_add<T>(xv[i], bv[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) ov[i] = qa_add<T>(rv[i], qa_mul<T>(gv[i], xv[i]));
+  qa_store<T, VEC>(o, vx, ov);
+}
+
+template <class T, int VEC, int NV>
+__global__ void __launch_bounds__(QA_BGR_THREADS) bias_gate_residual_kernel(
+    const typename T::storage* __restrict__ residual, const typename T::storage* __restrict__ x,
+    const typename T::storage* __restrict__ bias,
+    const typename T::storage* __restrict__ gate, qa_i64 gate_rs,
+    typename T::storage* __restrict__ out,
+    const void* __restrict__ index, int index_kind, qa_i64 B, qa_i64 L, int D, int vec_flags) {
+  typedef typename T::storage S;
+  const qa_i64 row = blockIdx.x;
+  const qa_i64 prow = qa_param_row(row, L, B, index, index_kind);
+  const qa_i64 off = row * (qa_i64)D;
+  const S* rr = residual + off;
+  const S* xr = x + off;
+  S* outr = out + off;
+  const S* gr = gate + prow * gate_rs;
+  const bool vx = vec_flags & 1, vg = vec_flags & 8, vb = vec_flags & 16;
+  const int nvec = D / VEC;
+  if (NV > 0) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = threadIdx.x + k * QA_BGR_THREADS;
+      if (c < nvec)
+        qa_bias_gate_residual_vec<T, VEC>(rr + c * VEC, xr + c * VEC, bias ? bias + c * VEC : nullptr,
+                                          gr + c * VEC, outr + c * VEC, vx, vb, vg);
+    }
+  } else {
+    for (int c = threadIdx.x; c < nvec; c += QA_BGR_THREADS)
+      qa_bias_gate_residual_vec<T, VEC>(rr + c * VEC, xr + c * VEC, bias ? bias + c * VEC : nullptr,
+                                        gr + c * VEC, outr + c * VEC, vx, vb, vg);
+  }
+}

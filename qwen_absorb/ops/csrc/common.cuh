@@ -1,0 +1,139 @@
+// Shared device code for qwen_absorb's fused ops (compiled by NVRTC through CuPy).
+//
+// Numerics rule: every op the diffusers eager expression performs in the tensor dtype is done here
+// as one fp32 operation with an explicit round-to-nearest intrinsic (__fadd_rn/__fmul_rn, never
+// contracted into an FMA), followed by a rounding to the tensor dtype. That reproduces PyTorch's
+// elementwise kernels, which compute bf16/fp16 ops in fp32 and round the result.
+#pragma once
+
+typedef unsigned short qa_u16;
+typedef long long qa_i64;
+
+// ---- dtypes: storage type, widening load, rounding store -------------------------------------
+struct QaF32 {
+  typedef float storage;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+
+struct QaBF16 {
+  typedef qa_u16 storage;
+  static __device__ __forceinline__ float load(qa_u16 v) {
+    return __uint_as_float(((unsigned int)v) << 16);
+  }
+  // Round to nearest even, NaN -> canonical NaN: the same instruction PyTorch's CUDA
+  // float -> bfloat16 conversion uses on sm_80+.
+  static __device__ __forceinline__ qa_u16 store(float v) {
+    qa_u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+  }
+};
+
+struct QaF16 {
+  typedef qa_u16 storage;
+  static __device__ __forceinline__ float load(qa_u16 v) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+    return r;
+  }
+  static __device__ __forceinline__ qa_u16 store(float v) {
+    qa_u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+  }
+};
+
+// Value of v after rounding to T (what an eager op writing a T tensor leaves behind).
+template <class T>
+__device__ __forceinline__ float qa_round(float v) { return T::load(T::store(v)); }
+
+// One eager elementwise op each: fp32 op, then rounding to T.
+template <class T>
+__device__ __forceinline__ float qa_add(float a, float b) { return qa_round<T>(__fadd_rn(a, b)); }
+template <class T>
+__device__ __forceinline__ float qa_mul(float a, float b) { return qa_round<T>(__fmul_rn(a, b)); }
+
+// ---- vector access ---------------------------------------------------------------------------
+template <class S, int N>
+struct __align__(sizeof(S) * N) QaVec { S v[N]; };
+
+// Load N consecutive elements as floats; one vector load when `vec` (alignment checked on host).
+template <class T, int N>
+__device__ __forceinline__ void qa_load(const typename T::storage* p, bool vec, float (&out)[N]) {
+  typedef typename T::storage S;
+  if (vec) {
+    QaVec<S, N> r = *reinterpret_cast<const QaVec<S, N>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = T::load(p[i]);
+  }
+}
+
+template <class T, int N>
+__device__ __forceinline__ void qa_store(typename T::storage* p, bool vec, const float (&in)[N]) {
+  typedef typename T::storage S;
+  if (vec) {
+    QaVec<S, N> r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.v[i] = T::store(in[i]);
+    *reinterpret_cast<QaVec<S, N>*>(p) = r;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = T::store(in[i]);
+  }
+}
+
+// ---- per-sample / per-token modulation rows --------------------------------------------------
+// Parameters have B rows (or 2B with a 0/1 token index, diffusers' modulate_index): token (b, l)
+// uses row b where index[b, l] == 0 and row B + b otherwise, like torch.where(index == 0, ...).
+__device__ __forceinline__ qa_i64 qa_param_row(qa_i64 row, qa_i64 L, qa_i64 B,
+                                               const void* index, int index_kind) {
+  const qa_i64 b = row / L;
+  if (index_kind == 0) return b;
+  bool second;
+  if (index_kind == 8) second = reinterpret_cast<const long long*>(index)[row] != 0;
+  else if (index_kind == 4) second = reinterpret_cast<const int*>(index)[row] != 0;
+  else if (index_kind == 2) second = reinterpret_cast<const short*>(index)[row] != 0;
+  else second = reinterpret_cast<const unsigned char*>(index)[row] != 0;
+  return second ? B + b : b;
+}
+
+// ---- FP8 e4m3 per-tensor fake quantization (ModelOpt's QuantLayerNorm input quantizer) --------
+// Round a float to the nearest e4m3fn value (ties to even), saturating to +-448; NaN stays NaN.
+// Exact in fp32: every step is a clamp, a multiplication by a power of two, or rintf.
+__device__ __forceinline__ float qa_pow2(int k) { return __int_as_float((k + 127) << 23); }
+
+__device__ __forceinline__ float qa_e4m3_rne_satfinite(float v) {
+  if (v != v) return v;
+  v = fminf(fmaxf(v, -448.f), 448.f);
+  const float a = fabsf(v);
+  if (a == 0.f) return v;
+  int ex = (int)((__float_as_uint(a) >> 23) & 0xff) - 127;  // fp32 subnormals give -127
+  if (ex < -6) ex = -6;       // e4m3 subnormals: spacing 2^-9
+  const float r = __fmul_rn(rintf(__fmul_rn(a, qa_pow2(3 - ex))), qa_pow2(ex - 3));
+  return copysignf(r, v);
+}
+
+// quant_mode 1: ModelOpt's CUDA extension (scale = 448 / amax, inv = 1 / scale, true divisions)
+// quant_mode 2: ModelOpt's eager fallback (Python's 448 / t is t.reciprocal() * 448)
+// Both: amax <= 2^-24 counts as 1; q = e4m3(x * scale) * inv, then rounded to T by the caller.
+__device__ __forceinline__ void qa_fp8_scales(const float* amax_ptr, int quant_mode,
+                                              float& scale, float& inv) {
+  float amax = *amax_ptr;
+  if (amax <= 1.0f / 16777216.0f) amax = 1.0f;
+  if (quant_mode == 1) {
+    scale = __fdiv_rn(448.f, amax);
+    inv = __fdiv_rn(1.f, scale);
+  } else {
+    scale = __fmul_rn(__frcp_rn(amax), 448.f);
+    inv = __frcp_rn(scale);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float qa_fp8_fake_quant(float x, float scale, float inv) {
+  return qa_round<T>(__fmul_rn(qa_e4m3_rne_satfinite(__fmul_rn(x, scale)), inv));
+}
