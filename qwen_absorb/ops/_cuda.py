@@ -75,6 +75,7 @@ def kernel_source(filename: str) -> str:
             seen.add(inc)
             return expand(inc)
 
+        text = re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
         return re.sub(r'^#include "([^"]+)"\s*$', repl, text, flags=re.M)
 
     return expand(filename)

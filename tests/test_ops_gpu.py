@@ -1,0 +1,319 @@
+"""GPU tests of the fused CUDA kernels against the eager diffusers expressions (run on the H200).
+
+Outputs are poisoned (the caching allocator hands the kernels blocks pre-filled with NaN bits), so
+an element the kernel did not write shows up as a NaN where eager has a number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import qwen_absorb.ops as ops
+from qwen_absorb.ops import _cuda
+from qwen_absorb.ops.fp8 import Fp8PerTensorQuant
+
+from .ops_helpers import (
+    EPS,
+    assert_bit_identical,
+    chunk_views,
+    diffusers_layer_norm,
+    diffusers_modulate,
+    ln_output_stats,
+    make_index,
+    make_mod_params,
+)
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or _cuda.cupy_unavailable_reason() is not None:
+    pytest.skip(
+        f"needs CUDA and CuPy ({_cuda.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
+        allow_module_level=True,
+    )
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BS = [1, 2, 3]
+LS = [0, 1, 7, 128, 4096, 4097]
+DS = [8, 64, 3072, 3080, 5120]
+STATS: list[dict] = []  # LayerNorm-output agreement per case, printed at the end of the session
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill the next cached blocks with 0xFF (NaN in every float dtype) and give them back."""
+    blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=DEV).fill_(0xFF) for _ in range(3)]
+    del blocks
+
+
+def fp64_chain(h, attn, bias, mod1, mod2, index):
+    """The same chain in float64 from the same (rounded) inputs: the accuracy yardstick."""
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    m1, g1 = diffusers_modulate(torch.nn.functional.layer_norm(d(h), (h.shape[-1],), eps=EPS), d(mod1), index)
+    y = d(attn) + d(bias) if bias is not None else d(attn)
+    h2 = d(h) + g1 * y
+    m2, _ = diffusers_modulate(torch.nn.functional.layer_norm(h2, (h.shape[-1],), eps=EPS), d(mod2), index)
+    return m1, h2, m2
+
+
+def check_accuracy(fused, eager, ref64, what):
+    """flash-attention's rule: fused error <= 2 x eager's own error + a tiny atol."""
+    keep = torch.isfinite(ref64) & torch.isfinite(eager.double())
+    if not keep.any():
+        return
+    e_err = (eager.double() - ref64)[keep].abs().max().item()
+    f_err = (fused.double() - ref64)[keep].abs().max().item()
+    assert f_err <= 2 * e_err + 1e-6, f"{what}: fused error {f_err} > 2 x eager error {e_err}"
+
+
+def _cases():
+    """Every (dtype, D, L) with B, bias, index and gate layout rotating through their values."""
+    rnd = random.Random(0)
+    for i, (dtype, D, L) in enumerate(itertools.product(DTYPES, DS, LS)):
+        yield pytest.param(dtype, BS[i % 3], L, D, bool(i % 2), bool((i // 2) % 2), rnd.random() < 0.5,
+                           id=f"{str(dtype)[6:]}-B{BS[i % 3]}-L{L}-D{D}-bias{i % 2}-idx{(i // 2) % 2}")
+
+
+@pytest.mark.parametrize("dtype,B,L,D,with_bias,with_index,gate_3d", list(_cases()))
+def test_ops_match_eager(dtype, B, L, D, with_bias, with_index, gate_3d):
+    gen = torch.Generator(device=DEV).manual_seed(hash((B, L, D, str(dtype))) % 2**31)
+    rows = 2 * B if with_index else B
+    index = make_index(B, L, DEV, gen) if with_index else None
+    h = torch.randn(B, L, D, generator=gen, device=DEV).to(dtype)
+    attn = torch.randn(B, L, D, generator=gen, device=DEV).to(dtype)
+    bias = torch.randn(D, generator=gen, device=DEV).to(dtype) if with_bias else None
+    mod1 = make_mod_params(rows, D, dtype, DEV, gen)
+    mod2 = make_mod_params(rows, D, dtype, DEV, gen)
+    sh1, sc1, g1 = chunk_views(mod1, as_3d=gate_3d)
+    sh2, sc2, g2 = chunk_views(mod2, as_3d=not gate_3d)
+
+    # eager diffusers
+    m1, gate1 = diffusers_modulate(diffusers_layer_norm(h), mod1, index)
+    h2 = h + gate1 * ((attn + bias) if with_bias else attn)
+    m2, gate2 = diffusers_modulate(diffusers_layer_norm(h2), mod2, index)
+    h3 = h2 + gate2 * ((attn + bias) if with_bias else attn)
+
+    nbytes = h.numel() * h.element_size()
+    poison_allocator(nbytes)
+    assert ops.layer_norm_scale_shift_not_supported_reasons(h, shift=sh1, scale=sc1, index=index) == []
+    o1 = ops.layer_norm_scale_shift(h, shift=sh1, scale=sc1, eps=EPS, index=index)
+    poison_allocator(nbytes)
+    nr, o2 = ops.bias_residual_layer_norm_scale_shift(
+        h, attn, bias=bias, gate=g1, shift=sh2, scale=sc2, eps=EPS, index=index
+    )
+    poison_allocator(nbytes)
+    o3 = ops.bias_gate_residual(h2, attn, bias=bias, gate=g2, index=index)
+    torch.cuda.synchronize()
+
+    assert_bit_identical(nr, h2, "new_residual")
+    assert_bit_identical(o3, h3, "bias_gate_residual")
+    for name, got, want in (("layer_norm_scale_shift", o1, m1), ("modulated", o2, m2)):
+        s = ln_output_stats(got, want)
+        STATS.append({"op": name, "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
+        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, f"{name}: {s}"
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{name}: unwritten or extra NaN"
+    if L and D >= 64:
+        ref_m1, _, ref_m2 = fp64_chain(h, attn, bias, mod1, mod2, index)
+        check_accuracy(o1, m1, ref_m1, "layer_norm_scale_shift")
+        check_accuracy(o2, m2, ref_m2, "modulated")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_misaligned_storage_offsets(dtype, offset):
+    gen = torch.Generator(device=DEV).manual_seed(offset)
+    B, L, D = 2, 37, 3072
+    base = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
+    h = base[offset: offset + B * L * D].view(B, L, D)
+    base2 = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
+    attn = base2[offset + 1: offset + 1 + B * L * D].view(B, L, D)
+    bias = torch.randn(D + 8, generator=gen, device=DEV).to(dtype)[offset: offset + D]
+    mod = make_mod_params(B, 2 * D, dtype, DEV, gen)[:, offset: offset + 3 * D]  # odd row offsets
+    sh, sc, g = chunk_views(mod)
+    m, gate = diffusers_modulate(diffusers_layer_norm(h), mod, None)
+    h2 = h + gate * (attn + bias)
+    m2, _ = diffusers_modulate(diffusers_layer_norm(h2), mod, None)
+    poison_allocator(h.numel() * h.element_size())
+    o1 = ops.layer_norm_scale_shift(h, shift=sh, scale=sc)
+    nr, o2 = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g, shift=sh, scale=sc)
+    o3 = ops.bias_gate_residual(h, attn, bias=bias, gate=g)
+    assert_bit_identical(nr, h2, "new_residual")
+    assert_bit_identical(o3, h2, "bias_gate_residual")
+    for name, got, want in (("layer_norm_scale_shift(misaligned x)", o1, m), ("modulated(misaligned)", o2, m2)):
+        s = ln_output_stats(got, want)
+        STATS.append({"op": name, "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
+        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, f"{name}: {s}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_inf_and_large_magnitudes(dtype):
+    """NaN/Inf propagate like eager; large values exercise overflow and bf16 midpoint ties."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    B, L, D = 2, 64, 3072
+    big = {torch.bfloat16: 1e30, torch.float16: 3e4, torch.float32: 1e30}[dtype]
+    h = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
+    attn = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
+    h[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device=DEV).to(dtype)
+    attn[1, 3, 7] = float("nan")
+    mod = make_mod_params(B, D, dtype, DEV, gen, magnitude=3.0)
+    sh, sc, g = chunk_views(mod)
+    bias = torch.randn(D, generator=gen, device=DEV).to(dtype)
+    m, gate = diffusers_modulate(diffusers_layer_norm(h), mod, None)
+    h2 = h + gate * (attn + bias)
+    m2, _ = diffusers_modulate(diffusers_layer_norm(h2), mod, None)
+    o1 = ops.layer_norm_scale_shift(h, shift=sh, scale=sc)
+    nr, o2 = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g, shift=sh, scale=sc)
+    assert_bit_identical(nr, h2, "new_residual")
+    assert_bit_identical(ops.bias_gate_residual(h, attn, bias=bias, gate=g), h2, "bias_gate_residual")
+    for got, want in ((o1, m), (o2, m2)):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        s = ln_output_stats(got, want)
+        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_midpoint_ties_round_like_two_eager_roundings(dtype):
+    """gate * x exactly halfway between two representable values before adding the residual."""
+    D = 1024
+    one_ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    residual = torch.ones(1, 8, D, device=DEV, dtype=dtype)
+    # gate * x = 1.5 ulp(1) / 2 ... products that land on and around midpoints
+    x = (torch.arange(8 * D, device=DEV).view(1, 8, D) % 7 - 3).to(dtype) * (one_ulp / 2)
+    gate = torch.full((1, D), 1.0, device=DEV, dtype=dtype)
+    bias = torch.full((D,), one_ulp / 4, device=DEV, dtype=dtype)
+    want = residual + gate.unsqueeze(1) * (x + bias)
+    got = ops.bias_gate_residual(residual, x, bias=bias, gate=gate)
+    assert_bit_identical(got, want, "ties")
+    single_rounding = (residual.float() + gate.float().unsqueeze(1) * (x.float() + bias.float())).to(dtype)
+    assert not torch.equal(want, single_rounding), "test inputs do not exercise the double rounding"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_norm_input_quant_matches_modelopt(dtype):
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    B, L, D = 2, 300, 3072
+    h = (torch.randn(B, L, D, generator=gen, device=DEV) * 4).to(dtype)
+    attn = torch.randn(B, L, D, generator=gen, device=DEV).to(dtype)
+    bias = torch.randn(D, generator=gen, device=DEV).to(dtype)
+    mod = make_mod_params(B, D, dtype, DEV, gen)
+    sh, sc, g = chunk_views(mod)
+    q = TensorQuantizer(mtq.config.QuantizerAttributeConfig(num_bits=(4, 3), axis=None)).to(DEV)
+    q.amax = torch.tensor(9.5, device=DEV)
+    h2 = h + g * (attn + bias)
+    norm_in = q(h2)
+    m2, _ = diffusers_modulate(diffusers_layer_norm(norm_in), mod, None)
+    assert_bit_identical(Fp8PerTensorQuant.from_modelopt(q).reference(h2), norm_in, "fp8 reference")
+    poison_allocator(h.numel() * h.element_size())
+    nr, o2 = ops.bias_residual_layer_norm_scale_shift(
+        h, attn, bias=bias, gate=g, shift=sh, scale=sc, norm_input_quant=q
+    )
+    assert_bit_identical(nr, h2, "new_residual (never quantized)")
+    s = ln_output_stats(o2, m2)
+    STATS.append({"op": "modulated(fp8 norm input)", "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
+    assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, s
+    # both ModelOpt formulas, explicitly
+    for formula in ("cuda_ext", "eager"):
+        fq = Fp8PerTensorQuant(q.amax, formula)
+        want = diffusers_modulate(diffusers_layer_norm(fq.reference(h2)), mod, None)[0]
+        got = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g, shift=sh, scale=sc, norm_input_quant=fq)[1]
+        s = ln_output_stats(got, want)
+        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, (formula, s)
+
+
+@pytest.mark.parametrize("D", [16384, 20000])
+def test_wide_rows_streaming_variant(D):
+    gen = torch.Generator(device=DEV).manual_seed(D)
+    B, L = 1, 33
+    h = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    attn = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    mod = make_mod_params(B, D, torch.bfloat16, DEV, gen)
+    sh, sc, g = chunk_views(mod)
+    m, gate = diffusers_modulate(diffusers_layer_norm(h), mod, None)
+    h2 = h + gate * attn
+    m2, _ = diffusers_modulate(diffusers_layer_norm(h2), mod, None)
+    nr, o2 = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=None, gate=g, shift=sh, scale=sc)
+    assert_bit_identical(nr, h2, "new_residual")
+    assert_bit_identical(ops.bias_gate_residual(h, attn, bias=None, gate=g), h2, "bgr")
+    for got, want in ((ops.layer_norm_scale_shift(h, shift=sh, scale=sc), m), (o2, m2)):
+        s = ln_output_stats(got, want)
+        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, s
+
+
+def _chain(h, attn, bias, mod, index):
+    m1, m2 = mod.chunk(2, dim=-1)
+    sh1, sc1, g1 = chunk_views(m1)
+    sh2, sc2, g2 = chunk_views(m2)
+    x = ops.layer_norm_scale_shift(h, shift=sh1, scale=sc1, index=index)
+    h2, y = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g1, shift=sh2, scale=sc2, index=index)
+    return x, h2, y, ops.bias_gate_residual(h2, y, bias=bias, gate=g2, index=index)
+
+
+def _chain_inputs(seed=0, B=2, L=200, D=3072):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    h = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    attn = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    bias = torch.randn(D, generator=gen, device=DEV).bfloat16()
+    mod = make_mod_params(2 * B, 2 * D, torch.bfloat16, DEV, gen)
+    return h, attn, bias, mod, make_index(B, L, DEV, gen)
+
+
+def test_torch_compile_fullgraph_same_numbers():
+    torch._dynamo.reset()
+    compiled = torch.compile(_chain, fullgraph=True)
+    args = _chain_inputs(1)
+    for got, want in zip(compiled(*args), _chain(*args)):
+        assert_bit_identical(got, want, "compiled")
+    args = _chain_inputs(2)  # fresh inputs through the same compiled graph
+    for got, want in zip(compiled(*args), _chain(*args)):
+        assert_bit_identical(got, want, "compiled, second inputs")
+
+
+def test_cuda_graph_capture_and_replay():
+    static = _chain_inputs(3)
+    _chain(*static)  # compile + load modules before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _chain(*static)
+        with torch.cuda.graph(g):
+            outs = _chain(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    fresh = _chain_inputs(4)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, _chain(*fresh)):
+        assert_bit_identical(got, want, "graph replay")
+
+
+def test_launch_uses_current_stream():
+    args = _chain_inputs(5)
+    want = _chain(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = _chain(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(got, want):
+        assert_bit_identical(a, b, "side stream")
+
+
+def test_print_layer_norm_agreement_summary():
+    """Not a check: records the LayerNorm-output agreement of the cases above in the log."""
+    if not STATS:
+        pytest.skip("no stats collected")
+    worst = min(s["identical"] for s in STATS)
+    exact = sum(s["identical"] == 1.0 for s in STATS)
+    print(f"\nLN-output agreement: {exact}/{len(STATS)} cases bit-identical; worst identical share {worst:.6f}; "
+          f"max ulp {max(s['max_ulp'] for s in STATS)}")
+    for s in STATS:
+        if s["identical"] < 1.0:
+            print("  not bit-identical:", s)
