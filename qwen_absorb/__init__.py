@@ -1,5 +1,12 @@
-"""qwen_absorb: fused CUDA kernels for diffusers' Qwen-Image transformer blocks."""
+"""qwen_absorb: fused CUDA kernels for diffusers' Qwen-Image transformer blocks.
+
+``qwen_absorb.patch(pipe)`` makes every ``QwenImageTransformerBlock`` run the fused ops of
+:mod:`qwen_absorb.ops` (deferring output-projection biases of ModelOpt FP8/NVFP4 transformers into
+them where validated) and returns a :class:`PatchReport`; ``qwen_absorb.unpatch(pipe)`` undoes it.
+"""
 
 from . import ops
+from .patch import patch, patch_report, unpatch
+from .report import PatchReport
 
-__all__ = ["ops"]
+__all__ = ["PatchReport", "ops", "patch", "patch_report", "unpatch"]

@@ -1,0 +1,115 @@
+"""When an output-projection bias may be deferred into the fused op that follows: gating as data.
+
+Every decision is a function returning a list of human-readable reasons; an empty list means yes.
+
+Deferral moves a bf16 rounding point (the bias leaves the GEMM epilogue and is added in fp32 inside
+the fused op), so ``defer_bias="auto"`` only defers on device capabilities where this project's
+fidelity benchmark (``benchmarks/fidelity.py``: patched error <= 1.05x unpatched error) has passed.
+Those live in :data:`VALIDATED_DEFER_CAPABILITIES`, each with the GPU and date of the passing run.
+
+Capabilities are keyed like :func:`capability_key`: ``(major, minor)`` for a CUDA device, the
+device type string (``"cpu"``) otherwise. Passing ``capabilities=`` to :func:`qwen_absorb.patch`
+replaces the validated set for that call, e.g. ``capabilities={(9, 0)}`` to force the decision on
+a GPU before validation, or ``capabilities={"cpu"}`` (see :data:`CPU`) so CPU tests can exercise
+deferral: a non-CUDA key in the set also accepts the ops' torch references as "the fused path".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from .quant import FP8_E4M3, NVFP4, ProjectionInfo
+
+# (major, minor) -> "GPU name, date of the passing fidelity run". Starts empty on purpose.
+VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {}
+
+CPU = "cpu"  # capability key of the CPU (for capabilities= overrides in tests)
+DEFERRABLE_FORMATS = (FP8_E4M3, NVFP4)
+DEFER_MODES = ("auto", True, False)
+
+CapabilityKey = tuple[int, int] | str
+
+
+def capability_key(device: torch.device) -> CapabilityKey:
+    """``(major, minor)`` of a CUDA device, else the device type (``"cpu"``, ``"meta"``, ...)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+    return device.type
+
+
+def normalize_capabilities(capabilities: Collection[CapabilityKey] | None) -> frozenset[CapabilityKey]:
+    """The capability set in force: ``capabilities`` if given, else the validated set."""
+    if capabilities is None:
+        return frozenset(VALIDATED_DEFER_CAPABILITIES)
+    if isinstance(capabilities, (str, tuple)) and (isinstance(capabilities, str) or _is_cap_tuple(capabilities)):
+        capabilities = [capabilities]  # a single key given bare
+    out = set()
+    for c in capabilities:
+        if isinstance(c, str):
+            out.add(c)
+        elif _is_cap_tuple(c):
+            out.add((int(c[0]), int(c[1])))
+        else:
+            raise ValueError(f"capabilities: {c!r} is neither (major, minor) nor a device type string")
+    return frozenset(out)
+
+
+def _is_cap_tuple(c: object) -> bool:
+    return isinstance(c, tuple) and len(c) == 2 and all(isinstance(v, int) for v in c)
+
+
+def hard_refusals(info: ProjectionInfo, consumer_fused: bool) -> list[str]:
+    """Why deferring this projection's bias would be wrong or impossible (even if forced)."""
+    r = []
+    if not info.bias_holder_ok:
+        r.append(f"{info.name} keeps no bias parameter")
+    elif not info.has_bias:
+        r.append(f"{info.name} has no bias")
+    if info.output_quantizer_enabled:
+        r.append(f"{info.name} has an enabled output quantizer: Q(xW + b) != Q(xW) + b")
+    if info.lora_bias:
+        r.append(f"{info.name} has a PEFT adapter with lora_bias")
+    if not consumer_fused:
+        r.append("the site consuming the output is not fused")
+    return r
+
+
+def auto_refusals(
+    info: ProjectionInfo, device: torch.device, capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
+) -> list[str]:
+    """The extra conditions of ``defer_bias="auto"``."""
+    r = []
+    if not info.modelopt:
+        r.append(f"{info.name} is not ModelOpt-quantized (the bias stays in the GEMM)")
+    elif info.weight_format not in DEFERRABLE_FORMATS:
+        r.append(f"{info.name} is {info.weight_format or 'not weight-quantized'}; deferral is for FP8/NVFP4")
+    key = capability_key(device)
+    cpu_like_override = isinstance(key, str) and key in capabilities
+    if kernel_reasons and not cpu_like_override:
+        r.append("fused CUDA path unavailable: " + "; ".join(kernel_reasons))
+    if key not in capabilities:
+        shown = f"sm_{key[0]}{key[1]}" if isinstance(key, tuple) else key
+        r.append(f"device capability {shown} is not in the validated set {sorted(map(str, capabilities))}")
+    return r
+
+
+def defer_refusals(
+    info: ProjectionInfo, *, mode: str | bool, consumer_fused: bool, device: torch.device,
+    capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
+) -> list[str]:
+    """Why this projection's bias is not deferred under ``defer_bias=mode`` (empty: it is)."""
+    if mode is False:
+        return ["defer_bias=False"]
+    r = hard_refusals(info, consumer_fused)
+    if mode == "auto":
+        r += auto_refusals(info, device, capabilities, kernel_reasons)
+    return r
+
+
+def check_mode(mode: object) -> str | bool:
+    if mode not in DEFER_MODES or (mode is not True and mode is not False and mode != "auto"):
+        raise ValueError(f"defer_bias must be 'auto', True or False, got {mode!r}")
+    return mode  # type: ignore[return-value]

@@ -1,0 +1,203 @@
+"""Per-layer detection of ModelOpt quantization in a Qwen-Image block.
+
+Detection is per module, never per model: configs exclude layers, AutoQuantize mixes formats, and
+diffusers' ``NVIDIAModelOptConfig`` / ``hf_quantizer`` cannot be relied on (it raises with
+modelopt >= 0.44), so nothing here reads model-level flags. A module counts as ModelOpt-quantized
+when it carries a ModelOpt quantizer object, which is true however it was made: ``mtq.quantize``
+(fake quant), ``mtq.compress`` (real-quant ``QTensorWrapper`` weights) or a restored checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .ops.fp8 import modelopt_not_supported_reasons
+
+FP8_E4M3 = "FP8_E4M3"
+NVFP4 = "NVFP4"
+MXFP4 = "MXFP4"
+INT8 = "INT8"
+INT4 = "INT4"
+OTHER = "other"
+
+
+def unwrap_peft(module: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    """``(innermost base layer, [wrappers outermost first])``; PEFT LoRA layers keep the original
+    linear as ``.base_layer`` (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
+    wrappers = []
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        wrappers.append(module)
+        module = module.base_layer
+    return module, wrappers
+
+
+def is_modelopt_quantizer(q: Any) -> bool:
+    return q is not None and type(q).__module__.startswith("modelopt.")
+
+
+def _first_quantizer(q: Any) -> Any:
+    # A SequentialQuantizer (e.g. W4A8) is an nn.Sequential of TensorQuantizers; the first one
+    # sees the tensor first and names the storage format.
+    if isinstance(q, nn.Sequential) and len(q) > 0:
+        return q[0]
+    return q
+
+
+def quantizer_enabled(q: Any) -> bool:
+    if not is_modelopt_quantizer(q):
+        return False
+    if isinstance(q, nn.Sequential):
+        return any(bool(getattr(s, "is_enabled", False)) for s in q)
+    return bool(getattr(q, "is_enabled", False))
+
+
+def quantizer_format(q: Any) -> str | None:
+    """FP8_E4M3 / NVFP4 / MXFP4 / INT8 / INT4 / other for an enabled ModelOpt quantizer, else None."""
+    if not quantizer_enabled(q):
+        return None
+    q = _first_quantizer(q)
+    bits = getattr(q, "num_bits", None)
+    blocks = getattr(q, "block_sizes", None) or {}
+    if bits == (4, 3):
+        return FP8_E4M3
+    if bits == (2, 1):
+        scale_bits = blocks.get("scale_bits")
+        if blocks.get(-1) == 16 and scale_bits == (4, 3):
+            return NVFP4
+        if scale_bits == (8, 0):
+            return MXFP4
+        return OTHER
+    if bits == 8:
+        return INT8
+    if bits == 4:
+        return INT4
+    return OTHER
+
+
+@dataclass
+class ProjectionInfo:
+    """What one output projection (``to_out.0``, ``to_add_out``, ``net.2``) is."""
+
+    name: str
+    cls: str
+    modelopt: bool = False
+    weight_format: str | None = None
+    input_format: str | None = None
+    compressed: bool = False
+    input_quantizer_enabled: bool = False
+    output_quantizer_enabled: bool = False
+    pre_quant_scale: bool = False
+    peft_wrapped: bool = False
+    lora_bias: bool = False
+    has_bias: bool = False
+    bias_holder_ok: bool = True  # the innermost module keeps its bias in _parameters["bias"]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _lora_bias(wrapper: nn.Module) -> bool:
+    # peft >= 0.14 keeps lora_bias as {adapter_name: bool}; a biased adapter adds its own bias,
+    # which the projection's output then contains: deferring only the base bias stays correct,
+    # but we refuse (conservative) since such adapters are rare and untested with deferral.
+    lb = getattr(wrapper, "lora_bias", None)
+    if isinstance(lb, dict):
+        return any(bool(v) for v in lb.values())
+    return bool(lb)
+
+
+def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:
+    base, wrappers = unwrap_peft(module)
+    info = ProjectionInfo(name=name, cls=type(module).__name__, peft_wrapped=bool(wrappers))
+    info.lora_bias = any(_lora_bias(w) for w in wrappers)
+    # The quantizers may sit on the base layer (LoRA added after quantization) or on a ModelOpt-
+    # converted PEFT wrapper (LoRA present at quantize time): take the outermost that has them.
+    qmod = next((m for m in [*wrappers, base] if is_modelopt_quantizer(getattr(m, "weight_quantizer", None))), None)
+    params = getattr(base, "_parameters", {})
+    info.bias_holder_ok = "bias" in params
+    info.has_bias = params.get("bias") is not None
+    if qmod is None:
+        return info
+    wq = getattr(qmod, "weight_quantizer", None)
+    iq = getattr(qmod, "input_quantizer", None)
+    oq = getattr(qmod, "output_quantizer", None)
+    info.modelopt = True
+    info.cls = type(qmod).__name__ if qmod is module else f"{type(module).__name__}({type(qmod).__name__})"
+    info.weight_format = quantizer_format(wq)
+    info.input_format = quantizer_format(iq)
+    info.input_quantizer_enabled = quantizer_enabled(iq)
+    info.output_quantizer_enabled = quantizer_enabled(oq)
+    info.pre_quant_scale = getattr(_first_quantizer(iq), "pre_quant_scale", None) is not None if iq is not None else False
+    w = getattr(qmod, "_parameters", {}).get("weight")
+    info.compressed = type(w).__name__ == "QTensorWrapper"
+    if not quantizer_enabled(wq):
+        info.notes.append("weight quantizer disabled")
+    return info
+
+
+@dataclass
+class NormInfo:
+    """A block LayerNorm (``img_norm1`` ...): plain, or a ModelOpt ``QuantLayerNorm``."""
+
+    name: str
+    cls: str
+    eps: float = 1e-6
+    affine: bool = False
+    modelopt: bool = False
+    input_quantizer_enabled: bool = False
+    input_format: str | None = None
+    output_quantizer_enabled: bool = False
+    # Why the FP8 path of bias_residual_layer_norm_scale_shift cannot reproduce the input quantizer
+    # (empty: it can). Irrelevant when the input quantizer is disabled.
+    fp8_kernel_reasons: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # why the site cannot be fused at all
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
+    info = NormInfo(name=name, cls=type(norm).__name__)
+    if not isinstance(norm, nn.LayerNorm):
+        info.unsupported.append(f"{name} is a {type(norm).__name__}, not an nn.LayerNorm")
+        return info
+    info.eps = float(norm.eps)
+    info.affine = norm.weight is not None or norm.bias is not None
+    if info.affine:
+        info.unsupported.append(f"{name} has an elementwise affine (the fused ops have none)")
+    if len(norm.normalized_shape) != 1:
+        info.unsupported.append(f"{name} normalises over {tuple(norm.normalized_shape)}, not the last dim")
+    iq = getattr(norm, "input_quantizer", None)
+    oq = getattr(norm, "output_quantizer", None)
+    info.modelopt = is_modelopt_quantizer(iq) or is_modelopt_quantizer(oq)
+    info.input_quantizer_enabled = quantizer_enabled(iq)
+    info.input_format = quantizer_format(iq)
+    info.output_quantizer_enabled = quantizer_enabled(oq)
+    if info.output_quantizer_enabled:
+        info.unsupported.append(f"{name} has an enabled output quantizer")
+    if info.input_quantizer_enabled:
+        info.fp8_kernel_reasons = modelopt_not_supported_reasons(iq)
+    if info.modelopt and type(norm).forward is not _quant_input_forward():
+        # Something other than QuantInputBase.forward (LN(Q(x)) then Q_out) would run.
+        info.unsupported.append(f"{name}: unknown ModelOpt forward {type(norm).forward.__qualname__}")
+    if info.modelopt and "_forward_pre_dm" in norm.__dict__:
+        info.unsupported.append(f"{name}: its forward was replaced before ModelOpt converted it")
+    return info
+
+
+def _quant_input_forward():
+    try:
+        from modelopt.torch.quantization.nn.modules.quant_module import QuantInputBase  # noqa: PLC0415
+    except Exception:  # modelopt missing: no norm can be a ModelOpt norm
+        return None
+    return QuantInputBase.forward
+
+
+def norm_input_quantizer(norm: nn.Module):
+    """The norm's enabled ModelOpt input quantizer, else None."""
+    q = getattr(norm, "input_quantizer", None)
+    return q if quantizer_enabled(q) else None

@@ -1,0 +1,301 @@
+"""Builders for tests, examples and benchmarks: random Qwen-Image transformers and pipelines.
+
+Stable names (other code imports them):
+
+- :func:`tiny_transformer`          a 2-block, 64-wide QwenImageTransformer2DModel (CPU friendly)
+- :func:`full_size_transformer`     the real Qwen-Image geometry (3072 = 24 x 128), fast random init
+- :func:`transformer_inputs`        keyword arguments for a transformer forward (text-to-image or edit)
+- :func:`tiny_pipeline`             any Qwen-Image pipeline class with a tiny transformer and VAE,
+                                    ``text_encoder=None`` / ``tokenizer=None`` (use precomputed embeds)
+- :func:`tiny_prompt_embeds`        ``(prompt_embeds, prompt_embeds_mask)`` for those pipelines
+- :func:`fp8_quantize`              ModelOpt FP8 (``FP8_DEFAULT_CFG``) with a calibration loop
+- :func:`nvfp4_weight_only_compress` ModelOpt NVFP4 weight-only, calibrated and compressed
+
+Weights are random; nothing is downloaded. Every builder takes a ``seed`` and draws from its own
+generator, so building a model never disturbs the caller's global RNG stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TINY_CONFIG",
+    "fp8_quantize",
+    "full_size_transformer",
+    "modelopt_calibrate",
+    "nvfp4_weight_only_compress",
+    "tiny_pipeline",
+    "tiny_prompt_embeds",
+    "tiny_transformer",
+    "tiny_vae",
+    "transformer_inputs",
+]
+
+# inner_dim 64 = 2 heads x 32: a multiple of 16, so NVFP4's 16-element blocks fit; the three rope
+# axes add up to the head dim as diffusers requires.
+TINY_CONFIG: dict[str, Any] = dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
+    num_attention_heads=2, joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+)
+
+FULL_SIZE_CONFIG: dict[str, Any] = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+)
+
+
+def _transformer_cls():
+    from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
+
+    return QwenImageTransformer2DModel
+
+
+def tiny_transformer(
+    dtype: torch.dtype = torch.float32, zero_cond_t: bool = False, num_layers: int = 2, seed: int = 0,
+    **overrides: Any,
+) -> nn.Module:
+    """A tiny random ``QwenImageTransformer2DModel`` on CPU in eval mode (config: :data:`TINY_CONFIG`).
+
+    diffusers' default init gives non-zero biases everywhere, so bias deferral is exercised.
+    ``overrides`` replace config entries (e.g. ``use_additional_t_cond=True`` for Layered).
+    """
+    cfg = {**TINY_CONFIG, "num_layers": num_layers, "zero_cond_t": zero_cond_t, **overrides}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _transformer_cls()(**cfg)
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def full_size_transformer(
+    num_layers: int = 60, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+    seed: int = 0, bias_std: float = 0.02, **overrides: Any,
+) -> nn.Module:
+    """The real Qwen-Image transformer geometry with random weights, built in seconds on ``device``.
+
+    The model is created on the meta device and materialised directly in ``dtype`` on ``device``
+    (60 blocks are ~20.4 B parameters: ~41 GB in bf16, ~82 GB in fp32), so no fp32 CPU copy is
+    ever made. Init: weights N(0, 1/fan_in) (unit-gain, which keeps activations O(1) through 60
+    gated residual blocks), biases N(0, ``bias_std``) (non-zero so bias deferral matters), RMSNorm
+    weights 1. The rope module keeps its CPU frequency tables, as diffusers builds them.
+    """
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
+
+    cfg = {**FULL_SIZE_CONFIG, "num_layers": num_layers, **overrides}
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = _transformer_cls()(**cfg)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    if not cfg.get("use_layer3d_rope", False):
+        # QwenEmbedRope's frequency tables are plain attributes (complex), built in __init__: on
+        # meta they would be empty, so rebuild the module for real (it is tiny and has no weights).
+        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(cfg["axes_dims_rope"]), scale_rope=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.normal_(0.0, bias_std, generator=gen)
+        elif p.dim() >= 2:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
+        else:  # RMSNorm weights (txt_norm, norm_q/k, norm_added_q/k)
+            p.fill_(1.0)
+    for b in model.buffers():  # none today; keep any future buffer defined
+        b.zero_()
+    return model.eval()
+
+
+def transformer_inputs(
+    transformer: nn.Module, batch_size: int = 1, height: int = 4, width: int = 4, text_len: int = 7,
+    masked_tail: int = 2, num_cond_images: int | None = None, timestep: float = 0.5, seed: int = 0,
+    device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``transformer(**kwargs)``: random latents and text embeddings.
+
+    ``height``/``width`` are in packed latent tokens (the image has ``height*width`` tokens).
+    ``num_cond_images`` (default: 1 when the model has ``zero_cond_t``, else 0) appends condition
+    images of the same size, as the Edit pipelines do. ``masked_tail`` text tokens of sample 0 are
+    masked out (0 -> mask None).
+    """
+    cfg = transformer.config
+    p = next(transformer.parameters())
+    device = torch.device(device) if device is not None else (p.device if p.device.type != "meta" else torch.device("cpu"))
+    dtype = dtype or (p.dtype if p.is_floating_point() else torch.float32)
+    if num_cond_images is None:
+        num_cond_images = 1 if cfg.zero_cond_t else 0
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n_img = height * width * (1 + num_cond_images)
+    in_ch = cfg.in_channels
+    hidden = torch.randn(batch_size, n_img, in_ch, generator=gen)
+    ehs = torch.randn(batch_size, text_len, cfg.joint_attention_dim, generator=gen)
+    mask = None
+    if masked_tail:
+        mask = torch.ones(batch_size, text_len, dtype=torch.long)
+        mask[0, text_len - masked_tail:] = 0
+    shapes = [(1, height, width)] * (1 + num_cond_images)
+    kwargs: dict[str, Any] = dict(
+        hidden_states=hidden.to(device, dtype),
+        encoder_hidden_states=ehs.to(device, dtype),
+        encoder_hidden_states_mask=None if mask is None else mask.to(device),
+        timestep=torch.full((batch_size,), timestep, device=device, dtype=dtype),
+        img_shapes=[shapes] * batch_size,
+        attention_kwargs={},
+        return_dict=False,
+    )
+    if getattr(cfg, "use_additional_t_cond", False):
+        kwargs["additional_t_cond"] = torch.zeros(batch_size, dtype=torch.long, device=device)
+    return kwargs
+
+
+def tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny random ``AutoencoderKLQwenImage`` (z_dim 4, spatial factor 4)."""
+    from diffusers import AutoencoderKLQwenImage  # noqa: PLC0415
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLQwenImage(
+            base_dim=4 * 6, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        )
+    return vae.to(dtype).eval()
+
+
+def tiny_pipeline(
+    pipeline_cls: type | None = None, dtype: torch.dtype = torch.float32, zero_cond_t: bool = False,
+    seed: int = 0, transformer: nn.Module | None = None,
+) -> Any:
+    """A Qwen-Image pipeline of class ``pipeline_cls`` (default ``QwenImagePipeline``) with a tiny
+    transformer and VAE, a FlowMatch scheduler and ``text_encoder=None, tokenizer=None`` (and
+    ``processor=None`` where the class takes one). Call it with ``prompt_embeds`` from
+    :func:`tiny_prompt_embeds`. ControlNet pipelines get a tiny ``QwenImageControlNetModel``;
+    Layered gets ``use_additional_t_cond`` and the 3D rope, like the real checkpoint.
+    """
+    import inspect  # noqa: PLC0415
+
+    import diffusers  # noqa: PLC0415
+
+    pipeline_cls = pipeline_cls or diffusers.QwenImagePipeline
+    params = inspect.signature(pipeline_cls.__init__).parameters
+    overrides: dict[str, Any] = {}
+    if "Layered" in pipeline_cls.__name__:
+        overrides = dict(use_additional_t_cond=True, use_layer3d_rope=True)
+    if transformer is None:
+        transformer = tiny_transformer(dtype=dtype, zero_cond_t=zero_cond_t, seed=seed, **overrides)
+    components: dict[str, Any] = dict(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=tiny_vae(seed=seed + 1, dtype=dtype),
+        text_encoder=None, tokenizer=None, transformer=transformer,
+    )
+    for optional in ("processor", "image_processor"):
+        if optional in params:
+            components[optional] = None
+    if "controlnet" in params:
+        cfg = {k: v for k, v in TINY_CONFIG.items() if k not in ("guidance_embeds",)}
+        cfg["num_layers"] = 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 2)
+            components["controlnet"] = diffusers.QwenImageControlNetModel(**cfg).to(dtype).eval()
+    components = {k: v for k, v in components.items() if k in params}
+    return pipeline_cls(**components)
+
+
+def tiny_prompt_embeds(
+    batch_size: int = 1, seq_len: int = 7, dim: int = 32, masked_tail: int = 2, seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(prompt_embeds [B, L, dim], prompt_embeds_mask [B, L] long)``; the last
+    ``masked_tail`` tokens of sample 0 are masked (a mask of all ones becomes None in the pipelines)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    embeds = torch.randn(batch_size, seq_len, dim, generator=gen).to(device, dtype)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if masked_tail:
+        mask[0, seq_len - masked_tail:] = 0
+    return embeds, mask.to(device)
+
+
+# ---------------------------------------------------------------- ModelOpt helpers
+
+
+def _as_calib_list(calib_inputs: dict[str, Any] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [calib_inputs] if isinstance(calib_inputs, dict) else list(calib_inputs)
+
+
+def modelopt_calibrate(
+    transformer: nn.Module, config: dict[str, Any], calib_inputs: dict[str, Any] | Iterable[dict[str, Any]],
+) -> nn.Module:
+    """``mtq.quantize(transformer, config, forward_loop)`` where the loop runs the transformer on
+    each kwargs dict of ``calib_inputs`` (one dict or several) under ``torch.no_grad()``."""
+    import modelopt.torch.quantization as mtq  # noqa: PLC0415
+
+    batches = _as_calib_list(calib_inputs)
+
+    def forward_loop(model: nn.Module) -> None:
+        with torch.no_grad():
+            for kw in batches:
+                model(**kw)
+
+    mtq.quantize(transformer, copy.deepcopy(config), forward_loop=forward_loop)
+    return transformer
+
+
+def fp8_quantize(
+    transformer: nn.Module, calib_inputs: dict[str, Any] | Iterable[dict[str, Any]], compress: bool = False,
+) -> nn.Module:
+    """ModelOpt FP8 e4m3 W8A8 per-tensor (``mtq.FP8_DEFAULT_CFG``), calibrated on ``calib_inputs``
+    (fake quant; block LayerNorms get enabled FP8 input quantizers). ``compress=True`` then runs
+    ``mtq.compress`` (real-quant float8 weights). In place; returns the transformer."""
+    import modelopt.torch.quantization as mtq  # noqa: PLC0415
+
+    modelopt_calibrate(transformer, mtq.FP8_DEFAULT_CFG, calib_inputs)
+    if compress:
+        mtq.compress(transformer)
+    return transformer
+
+
+def nvfp4_weight_only_config() -> dict[str, Any]:
+    """``NVFP4_DEFAULT_CFG`` with every input quantizer disabled: weight-only NVFP4 (runs on CPU)."""
+    import modelopt.torch.quantization as mtq  # noqa: PLC0415
+
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    qc = cfg["quant_cfg"]
+    off = {"enable": False}
+    if isinstance(qc, dict):
+        qc["*input_quantizer"] = off
+    else:  # modelopt >= 0.44: an ordered list of {"quantizer_name": ..., ...} entries; later wins
+        qc.append({"quantizer_name": "*input_quantizer", "enable": False})
+    return cfg
+
+
+def nvfp4_weight_only_compress(
+    transformer: nn.Module, calib_inputs: dict[str, Any] | Iterable[dict[str, Any]], compress: bool = True,
+) -> nn.Module:
+    """ModelOpt NVFP4 weight-only (16-element blocks, e4m3 scales), calibrated, then ``mtq.compress``
+    (uint8 packed weights; on CPU / Hopper the forward dequantizes). In place; returns the transformer."""
+    import modelopt.torch.quantization as mtq  # noqa: PLC0415
+
+    modelopt_calibrate(transformer, nvfp4_weight_only_config(), calib_inputs)
+    if compress:
+        mtq.compress(transformer)
+    return transformer
+
+
+def run_transformer(transformer: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """``transformer(**inputs)[0]`` under ``torch.no_grad()``."""
+    with torch.no_grad():
+        return transformer(**inputs)[0]
+
+
+def calib_loop(batches: Sequence[dict[str, Any]]) -> Callable[[nn.Module], None]:
+    """A ModelOpt ``forward_loop`` running ``batches`` of transformer kwargs."""
+
+    def loop(model: nn.Module) -> None:
+        with torch.no_grad():
+            for kw in batches:
+                model(**kw)
+
+    return loop
