@@ -1,0 +1,472 @@
+"""Shared helpers for the qwen_absorb examples (compare_outputs.py, benchmark.py).
+
+Nothing here is public API. The helpers prefer ``qwen_absorb.testing`` and keep a small private fallback
+only where the examples need something it does not offer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime as _dt
+import importlib
+import importlib.metadata as _md
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_qwen_absorb_importable() -> None:
+    """Let the examples run from a checkout that was not pip-installed (e.g. on a GPU box with PYTHONPATH)."""
+    try:
+        importlib.import_module("qwen_absorb")
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        importlib.import_module("qwen_absorb")
+
+
+ensure_qwen_absorb_importable()
+
+import torch  # noqa: E402
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise SystemExit(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: this torch sees no CUDA device (torch {torch.__version__})")
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Environment record (for JSON results)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def cupy_version() -> str | None:
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        v = _version(dist)
+        if v:
+            return f"{dist} {v}"
+    return None
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "nvidia_modelopt": _version("nvidia-modelopt"),
+        "cupy": cupy_version(),
+        "qwen_absorb_commit": git_commit(),
+        "device": str(device),
+        "gpu": None,
+        "gpu_capability": None,
+        "driver": None,
+    }
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        env["gpu"] = torch.cuda.get_device_name(idx)
+        cap = torch.cuda.get_device_capability(idx)
+        env["gpu_capability"] = f"sm_{cap[0]}{cap[1]}"
+        env["driver"] = nvidia_driver_version()
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def nvidia_driver_version() -> str | None:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        line = out.stdout.strip().splitlines()
+        return line[0].strip() if out.returncode == 0 and line else None
+    except Exception:
+        return None
+
+
+def git_commit() -> str | None:
+    head = REPO_ROOT / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            ref_path = REPO_ROOT / ".git" / ref[5:]
+            if ref_path.exists():
+                return ref_path.read_text().strip()[:12]
+            packed = REPO_ROOT / ".git" / "packed-refs"
+            for line in packed.read_text().splitlines() if packed.exists() else []:
+                if line.endswith(ref[5:]):
+                    return line.split()[0][:12]
+            return None
+        return ref[:12]
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models
+
+
+def _testing():
+    return importlib.import_module("qwen_absorb.testing")
+
+
+def tiny_vae(z_dim: int, scale_factor: int = 4, dtype=torch.float32, device="cpu"):
+    """A tiny random Qwen-Image VAE. ``scale_factor`` 4 or 8 (pixels per latent pixel)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    if scale_factor == 4:
+        dim_mult, down = [1, 2, 4], [False, True]
+    elif scale_factor == 8:
+        dim_mult, down = [1, 2, 4, 4], [False, True, True]
+    else:
+        raise ValueError("scale_factor must be 4 or 8")
+    vae = AutoencoderKLQwenImage(
+        base_dim=4 * 6, z_dim=z_dim, dim_mult=dim_mult, num_res_blocks=1, temperal_downsample=down,
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+    )
+    return vae.to(device=device, dtype=dtype).eval()
+
+
+def tiny_pipeline(dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """The embedded tiny random QwenImagePipeline (no text encoder) from qwen_absorb.testing."""
+    t = _testing()
+    pipe = t.tiny_pipeline(dtype=dtype, seed=seed)
+    return pipe.to(device)
+
+
+def tiny_prompt_kwargs(pipe, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Precomputed prompt embeddings (and negative ones, so true CFG runs) for a pipeline without text encoder."""
+    t = _testing()
+    dim = pipe.transformer.config.joint_attention_dim
+    pe, mask = t.tiny_prompt_embeds(seq_len=7, dim=dim, masked_tail=2, seed=seed + 1, dtype=dtype, device=device)
+    npe, nmask = t.tiny_prompt_embeds(seq_len=3, dim=dim, masked_tail=0, seed=seed + 2, dtype=dtype, device=device)
+    return {
+        "prompt_embeds": pe,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": npe,
+        "negative_prompt_embeds_mask": nmask,
+        "true_cfg_scale": 4.0,
+    }
+
+
+def random_prompt_kwargs(dim: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                         length: int = 7, neg_length: int = 3, padded: int = 2) -> dict:
+    """Random prompt embeddings with a padded mask, plus all-ones negative ones (true CFG on)."""
+    g = torch.Generator().manual_seed(seed + 1234)
+    pe = torch.randn(1, length, dim, generator=g)
+    mask = torch.ones(1, length, dtype=torch.long)
+    if padded:
+        mask[:, length - padded:] = 0
+    npe = torch.randn(1, neg_length, dim, generator=g)
+    nmask = torch.ones(1, neg_length, dtype=torch.long)
+    return {
+        "prompt_embeds": pe.to(device=device, dtype=dtype),
+        "prompt_embeds_mask": mask.to(device),
+        "negative_prompt_embeds": npe.to(device=device, dtype=dtype),
+        "negative_prompt_embeds_mask": nmask.to(device),
+        "true_cfg_scale": 4.0,
+    }
+
+
+def full_size_pipeline(dtype: torch.dtype, device: torch.device, num_layers: int, seed: int = 0):
+    """A full-width (hidden 3072, 24x128 heads) random transformer with a tiny random VAE (8x), no text encoder."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    transformer = full_size_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed)
+    vae = tiny_vae(z_dim=transformer.config.out_channels, scale_factor=8, dtype=dtype, device=device)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+        transformer=transformer,
+    )
+    return pipe
+
+
+def full_size_transformer(num_layers: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    t = _testing()
+    return t.full_size_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed).eval()
+
+
+def tiny_transformer(dtype: torch.dtype, device: torch.device, seed: int = 0, num_layers: int = 2):
+    return _testing().tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
+
+
+def load_pipeline(model: str, dtype: torch.dtype, device: torch.device):
+    """Real weights: a local folder or a hub id (needs network access to the hub for an id)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    return pipe.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# ModelOpt quantization
+
+QUANT_FORMATS = ("none", "fp8", "nvfp4")
+
+
+def quant_unavailable_reason(fmt: str, device: torch.device) -> str | None:
+    """Why ``fmt`` cannot run here, or None."""
+    if fmt == "none":
+        return None
+    try:
+        importlib.import_module("modelopt.torch.quantization")
+    except Exception as e:  # ImportError, or modelopt failing to import its own deps
+        return f"nvidia-modelopt is not importable ({type(e).__name__}: {e}); pip install 'qwen_absorb[modelopt]'"
+    if fmt == "nvfp4" and device.type != "cuda":
+        return ("ModelOpt's NVFP4 fake quantization (dynamic 16-element block scales for activations) runs "
+                "only on CUDA: its quantizer asserts that amax is a CUDA tensor. Run --quant nvfp4 on a GPU.")
+    return None
+
+
+def quantize_transformer(transformer, fmt: str, forward_loop) -> dict:
+    """``mtq.quantize`` the transformer in place with ModelOpt's stock config for ``fmt``.
+
+    ``forward_loop(model)`` runs calibration data through the model (max calibration of the static amaxes).
+    Returns a small description for the results.
+    """
+    import modelopt.torch.quantization as mtq
+
+    cfg = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[fmt]
+    t0 = time.perf_counter()
+    with _quiet_modelopt():
+        mtq.quantize(transformer, copy.deepcopy(cfg), forward_loop)
+    n_enabled = 0
+    for _, m in transformer.named_modules():
+        q = getattr(m, "weight_quantizer", None)
+        if q is not None and getattr(q, "is_enabled", False):
+            n_enabled += 1
+    return {
+        "format": fmt,
+        "config": {"fp8": "mtq.FP8_DEFAULT_CFG", "nvfp4": "mtq.NVFP4_DEFAULT_CFG"}[fmt],
+        "quantized_linears": n_enabled,
+        "calibration_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+@contextlib.contextmanager
+def _quiet_modelopt():
+    """ModelOpt prints one line per inserted quantizer group; keep the example output readable."""
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report helpers (the PatchReport API of qwen_absorb.patch)
+
+
+def report_dict(report) -> dict:
+    try:
+        return report.to_dict()
+    except Exception as e:  # keep the example useful even if the report cannot be serialised
+        return {"error": f"report.to_dict() failed: {type(e).__name__}: {e}", "str": str(report)}
+
+
+def kernels_note(report) -> str | None:
+    """A plain sentence when the fused CUDA kernels could not run, else None."""
+    if getattr(report, "kernels_available", False):
+        return None
+    reasons = list(getattr(report, "kernel_unavailable_reasons", []) or []) or ["(no reason given)"]
+    return (
+        "The fused CUDA kernels could NOT run here: " + "; ".join(reasons) + ".\n"
+        "The patched blocks ran qwen_absorb's torch reference path instead (the diffusers eager "
+        "expressions, same rounding), so this comparison checks the patch's wiring and exactness, "
+        "not kernel speed. Run on a CUDA GPU with CuPy installed to use the kernels."
+    )
+
+
+def runtime_fallbacks(report) -> dict:
+    fb = getattr(report, "runtime_fallbacks", None)
+    return {str(k): int(v) for k, v in dict(fb or {}).items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Image metrics (scikit-image) and the side-by-side PNG
+
+
+def to_hwc(images: torch.Tensor):
+    """[B, 3, H, W] in [0, 1] -> numpy float64 [B, H, W, 3]."""
+    return images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().double().numpy()
+
+
+def image_metrics(ref, test) -> dict:
+    """max abs / mean abs difference, PSNR and SSIM (scikit-image) of two [B, H, W, 3] arrays in [0, 1]."""
+    import numpy as np
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    diff = np.abs(ref - test)
+    psnrs, ssims = [], []
+    for a, b in zip(ref, test):
+        if np.array_equal(a, b):
+            psnrs.append(math.inf)
+            ssims.append(1.0)
+            continue
+        psnrs.append(float(peak_signal_noise_ratio(a, b, data_range=1.0)))
+        win = min(7, a.shape[0], a.shape[1])
+        win -= 1 - win % 2  # odd
+        ssims.append(float(structural_similarity(a, b, data_range=1.0, channel_axis=-1, win_size=win)))
+    return {
+        "identical": bool(np.array_equal(ref, test)),
+        "max_abs": float(diff.max()) if diff.size else 0.0,
+        "mean_abs": float(diff.mean()) if diff.size else 0.0,
+        "psnr_db": min(psnrs),
+        "ssim": min(ssims),
+        "differing_pixels_fraction": float((diff.max(axis=-1) > 0).mean()) if diff.size else 0.0,
+    }
+
+
+def json_safe(obj):
+    """inf/nan -> strings, tensors/paths -> str, recursively."""
+    if isinstance(obj, float):
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        if math.isnan(obj):
+            return "nan"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    return str(obj)
+
+
+def fmt_psnr(v: float) -> str:
+    return "inf (identical)" if math.isinf(v) else f"{v:.2f} dB"
+
+
+def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: float | None = None,
+                     min_panel: int = 256) -> float:
+    """Save unpatched | patched | amplified |difference| of the first image, with a caption below.
+
+    Returns the amplification factor used.
+    """
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    a, b = ref[0], test[0]
+    diff = np.abs(a - b)
+    dmax = float(diff.max())
+    if amplify is None:
+        amplify = 1.0 if dmax == 0 else float(min(1000.0, max(1.0, 1.0 / dmax)))
+    d = np.clip(diff * amplify, 0, 1)
+    h, w = a.shape[:2]
+    scale = max(1, math.ceil(min_panel / max(h, w)))
+    panels = []
+    for arr in (a, b, d):
+        im = Image.fromarray((arr * 255).round().astype(np.uint8))
+        if scale > 1:
+            im = im.resize((w * scale, h * scale), Image.NEAREST)
+        panels.append(im)
+    pw, ph = panels[0].size
+    gap = 8
+    font = _font(14)
+    titles = ["unpatched", "patched (qwen_absorb)",
+              "identical (difference is zero)" if dmax == 0 else f"|difference| x {amplify:.3g}"]
+    line_h = 20
+    width = 3 * pw + 4 * gap
+    lines = [ln for text in caption_lines for ln in _wrap(text, max(20, width // 8))]
+    height = gap + line_h + ph + gap + line_h * len(lines) + gap
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i, (panel, title) in enumerate(zip(panels, titles)):
+        x = gap + i * (pw + gap)
+        draw.text((x, gap), title, fill=(0, 0, 0), font=font)
+        canvas.paste(panel, (x, gap + line_h))
+    y = gap + line_h + ph + gap
+    for ln in lines:
+        draw.text((gap, y), ln, fill=(0, 0, 0), font=font)
+        y += line_h
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+    return amplify
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow without FreeType sizes
+        return ImageFont.load_default()
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width) or [""]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        synchronize(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.t0
+        return False
+
+
+def disable_tqdm_if_not_tty() -> bool:
+    """tqdm bars only when stderr is a terminal, unless QWEN_ABSORB_PROGRESS=1 forces them."""
+    if os.environ.get("QWEN_ABSORB_PROGRESS") == "1":
+        return False
+    return not sys.stderr.isatty()
