@@ -150,6 +150,14 @@ def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: tor
     return None
 
 
+def _fp8_direct(q: Any) -> bool:
+    """Whether the op can reproduce the norm's ModelOpt quantizer itself (FP8 per-tensor static,
+    with an amax it can read: on the meta device, e.g. under accelerate leaf offload, it cannot)."""
+    if modelopt_not_supported_reasons(q):
+        return False
+    return q._amax.device.type != "meta"
+
+
 def _bias_for_op(d: DeferredBias, x: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     b = d.linear._parameters["bias"]
     if b.device != x.device or b.dtype != x.dtype:
@@ -168,7 +176,7 @@ def _this_call(plan: BlockPlan, a: DeferredBias | None, b: DeferredBias | None):
     out = []
     for d in (a, b):
         if d is not None and not d.usable_before_gemm():
-            plan.count(f"{d.name}: bias not materialised outside its GEMM (offload hook); added in the GEMM")
+            plan.count(f"{d.name}: bias not usable outside its GEMM (meta device under an offload hook, or re-assigned); added in the GEMM")
             lift.append(d)
             d = None
         out.append(d)
@@ -217,7 +225,7 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
                 q = norm.input_quantizer if name in plan.quant_norms else None
                 if q is not None and not quantizer_enabled(q):
                     q = None
-                if q is None or not modelopt_not_supported_reasons(q):
+                if q is None or _fp8_direct(q):
                     return brln(h, y, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
                                 norm_input_quant=q, force_reference=fref)
                 # A quantizer the FP8 path cannot reproduce (e.g. NVFP4 dynamic): apply it exactly

@@ -124,9 +124,12 @@ def transformer_inputs(
     masked out (0 -> mask None).
     """
     cfg = transformer.config
-    p = next(transformer.parameters())
-    device = torch.device(device) if device is not None else (p.device if p.device.type != "meta" else torch.device("cpu"))
-    dtype = dtype or (p.dtype if p.is_floating_point() else torch.float32)
+    # the first parameter in a compute dtype (compressed ModelOpt weights are float8 / uint8)
+    p = next((q for q in transformer.parameters() if q.dtype in (torch.float32, torch.bfloat16, torch.float16)), None)
+    if device is None:
+        device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
+    device = torch.device(device)
+    dtype = dtype or (p.dtype if p is not None else torch.float32)
     if num_cond_images is None:
         num_cond_images = 1 if cfg.zero_cond_t else 0
     gen = torch.Generator(device="cpu").manual_seed(seed)

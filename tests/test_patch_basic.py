@@ -1,0 +1,202 @@
+"""patch/unpatch on unquantized tiny transformers: exactness, report, idempotence, state_dict, fallbacks.
+
+On CPU the fused ops run their torch references, which are diffusers' expressions op for op, and
+unquantized models keep their biases in the GEMMs: patched outputs must equal unpatched bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import testing as T
+from qwen_absorb.report import SITES, STREAMS
+
+
+def _structure(model):
+    return [(n, type(m).__name__, sorted(m.__dict__.get("_parameters", {}))) for n, m in model.named_modules()]
+
+
+@pytest.mark.parametrize(
+    "dtype,zero_cond_t",
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True),
+     (torch.float16, False)],
+)
+def test_patched_equals_unpatched_bitwise(dtype, zero_cond_t, seed):
+    model = T.tiny_transformer(dtype=dtype, zero_cond_t=zero_cond_t, seed=seed)
+    inputs = T.transformer_inputs(model, batch_size=2, seed=seed + 1)
+    ref = T.run_transformer(model, inputs)
+    structure = _structure(model)
+    sd = model.state_dict(keep_vars=True)
+
+    report = qwen_absorb.patch(model)
+    assert report.summary["blocks_patched"] == 2
+    assert report.summary["sites_fused"] == 12
+    assert report.summary["biases_deferred"] == 0
+    out = T.run_transformer(model, inputs)
+    assert torch.equal(out, ref)
+    # a second call with new inputs, other batch and no mask
+    inputs2 = T.transformer_inputs(model, batch_size=1, masked_tail=0, seed=seed + 2, height=2, width=6)
+    out2 = T.run_transformer(model, inputs2)
+
+    qwen_absorb.unpatch(model)
+    assert torch.equal(T.run_transformer(model, inputs), ref)
+    assert torch.equal(T.run_transformer(model, inputs2), out2)
+    assert _structure(model) == structure
+    sd2 = model.state_dict(keep_vars=True)
+    assert list(sd2) == list(sd) and all(sd2[k] is sd[k] for k in sd)
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+    assert not report.active
+
+
+def test_patch_changes_the_forward_and_the_ops_are_called(seed, monkeypatch):
+    """Guard against a patch that silently does nothing: the fused ops must actually run."""
+    model = T.tiny_transformer(seed=seed)
+    inputs = T.transformer_inputs(model, seed=seed)
+    calls = []
+    import qwen_absorb.ops as ops
+
+    for name in ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
+    qwen_absorb.patch(model)
+    T.run_transformer(model, inputs)
+    assert calls.count("layer_norm_scale_shift") == 4  # 2 blocks x 2 streams
+    assert calls.count("bias_residual_layer_norm_scale_shift") == 4
+    assert calls.count("bias_gate_residual") == 4
+    # and a wrong op would be caught: break one and the output changes
+    monkeypatch.setattr(ops, "bias_gate_residual", lambda r, x, *, bias, gate, index=None, force_reference=False: r + x)
+    qwen_absorb.unpatch(model)
+    ref = T.run_transformer(model, inputs)
+    qwen_absorb.patch(model)
+    assert not torch.equal(T.run_transformer(model, inputs), ref)
+
+
+def test_report_contents(seed):
+    model = T.tiny_transformer(seed=seed)
+    report = qwen_absorb.patch(model)
+    assert isinstance(report, qwen_absorb.PatchReport)
+    assert report.kernels_available is False
+    assert report.kernel_unavailable_reasons == ["tensors are on cpu, the kernels need CUDA"]
+    assert len(report.blocks) == 2
+    for b in report.blocks:
+        assert b.patched and b.install == "forward"
+        assert {(s.stream, s.site) for s in b.sites} == {(st, si) for st in STREAMS for si in SITES}
+        for s in b.sites:
+            assert s.fused and not s.reasons
+            if s.site == "norm1":
+                assert s.projection is None
+            else:
+                assert s.projection is not None and not s.bias_deferred
+                assert any("not ModelOpt-quantized" in r for r in s.defer_reasons)
+        assert set(b.projections) == {"attn.to_out.0", "attn.to_add_out", "img_mlp.net.2", "txt_mlp.net.2"}
+        assert all(not p.modelopt and p.has_bias for p in b.projections.values())
+    d = report.to_dict()
+    json.dumps(d)
+    assert d["summary"]["sites"] == 12 and d["kernels_available"] is False
+    text = str(report)
+    assert "blocks patched 2/2" in text and "kernels need CUDA" in text
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed))
+    assert sum(report.runtime_fallbacks.values()) == 2  # one "ran the references" per block call
+    assert all("torch references" in r for r in report.runtime_fallbacks)
+    assert "runtime fallbacks" in str(report)
+    assert qwen_absorb.patch_report(model) is report
+
+
+def test_idempotent_and_repatch(seed):
+    model = T.tiny_transformer(seed=seed)
+    inputs = T.transformer_inputs(model, seed=seed)
+    ref = T.run_transformer(model, inputs)
+    r1 = qwen_absorb.patch(model)
+    fwd = model.transformer_blocks[0].forward
+    r2 = qwen_absorb.patch(model, defer_bias=False)
+    assert r2 is r1
+    assert model.transformer_blocks[0].forward is fwd
+    assert torch.equal(T.run_transformer(model, inputs), ref)
+    qwen_absorb.unpatch(model)
+    qwen_absorb.unpatch(model)  # no-op
+    assert qwen_absorb.patch_report(model) is None
+    r3 = qwen_absorb.patch(model)
+    assert r3 is not r1 and r3.active
+    assert torch.equal(T.run_transformer(model, inputs), ref)
+    qwen_absorb.unpatch(model)
+    assert torch.equal(T.run_transformer(model, inputs), ref)
+
+
+def test_pipeline_target_and_bad_targets(seed):
+    pipe = T.tiny_pipeline(seed=seed)
+    report = qwen_absorb.patch(pipe)
+    assert qwen_absorb.patch(pipe.transformer) is report
+    qwen_absorb.unpatch(pipe)
+    with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
+        qwen_absorb.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="defer_bias"):
+        qwen_absorb.patch(pipe, defer_bias="yes")
+    with pytest.raises(ValueError, match="capabilities"):
+        qwen_absorb.patch(pipe, capabilities=[1.5])
+    assert qwen_absorb.patch_report(pipe) is None
+
+
+def test_grad_enabled_runs_original_forward(seed):
+    model = T.tiny_transformer(seed=seed)
+    inputs = T.transformer_inputs(model, seed=seed)
+    ref = model(**inputs)[0]
+    report = qwen_absorb.patch(model)
+    out = model(**inputs)[0]
+    assert out.requires_grad and torch.equal(out, ref)
+    assert report.runtime_fallbacks["grad enabled: original diffusers forward"] == 2
+    out.sum().backward()
+    assert model.transformer_blocks[0].img_mod[1].weight.grad is not None
+
+
+def test_runtime_fallback_is_exact_and_counted(seed):
+    """A broadcast batch (temb of batch 1 for activations of batch 2) is legal in diffusers but not
+    for the fused ops: every site falls back to the diffusers expression, bit-identically."""
+    model = T.tiny_transformer(seed=seed)
+    block = model.transformer_blocks[0]
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(2, 16, 64, generator=g)
+    ehs = torch.randn(2, 5, 64, generator=g)
+    temb = torch.randn(1, 64, generator=g)
+    rope = model.pos_embed([(1, 4, 4)], max_txt_seq_len=5, device=torch.device("cpu"))
+    kw = dict(hidden_states=hs, encoder_hidden_states=ehs, encoder_hidden_states_mask=None, temb=temb,
+              image_rotary_emb=rope)
+    with torch.no_grad():
+        ref = block(**kw)
+        report = qwen_absorb.patch(model)
+        out = block(**kw)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    fallbacks = {r: n for r, n in report.runtime_fallbacks.items() if "broadcast batch" in r}
+    assert len(fallbacks) == 6 and all(n == 1 for n in fallbacks.values())
+
+
+def test_custom_processor_gets_joint_attention_kwargs(seed):
+    """joint_attention_kwargs reach the processor; a foreign processor blocks deferral but not fusion."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    seen = []
+
+    class Recording(QwenDoubleStreamAttnProcessor2_0):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                     attention_mask=None, image_rotary_emb=None, tag=None):
+            seen.append(tag)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                    attention_mask, image_rotary_emb)
+
+    model = T.tiny_transformer(seed=seed)
+    model.set_attn_processor(Recording())
+    inputs = T.transformer_inputs(model, seed=seed)
+    inputs["attention_kwargs"] = {"tag": "x"}
+    ref = T.run_transformer(model, inputs)
+    report = qwen_absorb.patch(model, defer_bias=True)
+    out = T.run_transformer(model, inputs)
+    # FFN biases deferred (forced): the bias add leaves the fp32 GEMM, float rounding only
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert seen == ["x"] * 4
+    s = report.blocks[0].site("img", "attn_residual")
+    assert s.fused and not s.bias_deferred
+    assert any("Recording is not QwenDoubleStreamAttnProcessor2_0" in r for r in s.defer_reasons)
+    assert report.blocks[0].site("img", "ffn_residual").bias_deferred
