@@ -22,8 +22,11 @@ import torch
 log = logging.getLogger("qwen_absorb")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-LN_THREADS = 128  # must equal QA_LN_THREADS (PyTorch's LayerNorm block size, see layer_norm.cuh)
+# LayerNorm reduction layouts (csrc/layer_norm.cuh): mode -> (threads per row, elements per slot).
+# Mode 0 is PyTorch's vectorized LayerNorm path, mode 1 its rowwise path.
+LN_MODES = {0: (128, 4), 1: (512, 1)}
 BGR_THREADS = 128  # QA_BGR_THREADS
+BGR_ROWS_PER_BLOCK = 2  # rows per block of bias_gate_residual (see benchmarks/bench_ops.py)
 _NV_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 MIN_CAPABILITY = (8, 0)  # cvt.rn.bf16.f32 needs sm_80
 
@@ -146,10 +149,15 @@ def _index_args(index: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
     return index, index.element_size()
 
 
-def _ln_layout(x: torch.Tensor) -> tuple[int, int]:
-    D = x.shape[-1]
-    ch = 4 if D % 4 == 0 else 1
-    return ch, _pick_nv(math.ceil((D // ch) / LN_THREADS))
+def _ln_layout(D: int, vectorized: bool) -> tuple[int, int, int, int]:
+    """(mode, threads, elements per slot, slots per thread) of the LayerNorm kernels.
+
+    ``vectorized``: whether eager PyTorch would take its vectorized LayerNorm path for this input
+    (D % 4 == 0 and the LayerNorm input 4-element aligned); the kernel then uses the same layout.
+    """
+    mode = 0 if (vectorized and D % 4 == 0) else 1
+    threads, ch = LN_MODES[mode]
+    return mode, threads, ch, _pick_nv(math.ceil((D // ch) / threads))
 
 
 # ---- launchers (inputs already validated; activations contiguous) --------------------------------
@@ -158,7 +166,8 @@ def layer_norm_scale_shift(x, shift, scale, eps, index):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
         return out
-    ch, nv = _ln_layout(x)
+    # eager's norm1 sees x itself: a misaligned x sends PyTorch down its rowwise path
+    mode, threads, ch, nv = _ln_layout(D, _aligned(x, 4 * x.element_size()))
     a = ch * x.element_size()
     shift, shift_rs = _rows(shift)
     scale, scale_rs = _rows(scale)
@@ -168,13 +177,13 @@ def layer_norm_scale_shift(x, shift, scale, eps, index):
         | (_aligned(shift, a, shift_rs) << 1)
         | (_aligned(scale, a, scale_rs) << 2)
     )
-    expr = f"layer_norm_scale_shift_kernel<{TRAITS[x.dtype]}, {ch}, {nv}>"
+    expr = f"layer_norm_scale_shift_kernel<{TRAITS[x.dtype]}, {mode}, {nv}>"
     args = (
         _ptr(x), _ptr(out), _ptr(shift), np.int64(shift_rs), _ptr(scale), np.int64(scale_rs),
         _ptr(index), np.int32(ikind), np.int64(B), np.int64(L), np.int32(D), np.float32(eps),
         np.int32(flags),
     )
-    _launch("layer_norm_scale_shift.cu", expr, x.device, B * L, LN_THREADS, args)
+    _launch("layer_norm_scale_shift.cu", expr, x.device, B * L, threads, args)
     return out
 
 
@@ -184,7 +193,8 @@ def bias_residual_layer_norm_scale_shift(residual, x, bias, gate, shift, scale, 
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
         return new_residual, out
-    ch, nv = _ln_layout(x)
+    # eager's norm2 sees a freshly allocated (aligned) tensor
+    mode, threads, ch, nv = _ln_layout(D, True)
     a = ch * x.element_size()
     gate, gate_rs = _rows(gate)
     shift, shift_rs = _rows(shift)
@@ -197,14 +207,14 @@ def bias_residual_layer_norm_scale_shift(residual, x, bias, gate, shift, scale, 
         | (_aligned(gate, a, gate_rs) << 3)
         | (_aligned(bias, a) << 4)
     )
-    expr = f"bias_residual_layer_norm_scale_shift_kernel<{TRAITS[x.dtype]}, {ch}, {nv}>"
+    expr = f"bias_residual_layer_norm_scale_shift_kernel<{TRAITS[x.dtype]}, {mode}, {nv}>"
     args = (
         _ptr(residual), _ptr(x), _ptr(bias), _ptr(gate), np.int64(gate_rs), _ptr(shift),
         np.int64(shift_rs), _ptr(scale), np.int64(scale_rs), _ptr(new_residual), _ptr(out),
         _ptr(index), np.int32(ikind), np.int64(B), np.int64(L), np.int32(D), np.float32(eps),
         _ptr(amax), np.int32(quant_mode), np.int32(flags),
     )
-    _launch("bias_residual_layer_norm_scale_shift.cu", expr, x.device, B * L, LN_THREADS, args)
+    _launch("bias_residual_layer_norm_scale_shift.cu", expr, x.device, B * L, threads, args)
     return new_residual, out
 
 
@@ -227,12 +237,13 @@ def bias_gate_residual(residual, x, bias, gate, index):
         | (_aligned(gate, a, gate_rs) << 3)
         | (_aligned(bias, a) << 4)
     )
-    expr = f"bias_gate_residual_kernel<{TRAITS[x.dtype]}, {vec}, {nv}>"
+    r = BGR_ROWS_PER_BLOCK
+    expr = f"bias_gate_residual_kernel<{TRAITS[x.dtype]}, {vec}, {nv}, {r}>"
     args = (
         _ptr(residual), _ptr(x), _ptr(bias), _ptr(gate), np.int64(gate_rs), _ptr(out),
         _ptr(index), np.int32(ikind), np.int64(B), np.int64(L), np.int32(D), np.int32(flags),
     )
-    _launch("bias_gate_residual.cu", expr, x.device, B * L, BGR_THREADS, args)
+    _launch("bias_gate_residual.cu", expr, x.device, (B * L + r - 1) // r, BGR_THREADS, args)
     return out
 
 
@@ -240,17 +251,18 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
     """Every (file, template instance) the launchers can ask for: used by the compile test."""
     out = []
     for t in TRAITS.values():
-        for ch in (1, 4):
+        for mode in LN_MODES:
             for nv in (*_NV_CHOICES, 0):
-                out.append(("layer_norm_scale_shift.cu", f"layer_norm_scale_shift_kernel<{t}, {ch}, {nv}>"))
+                out.append(("layer_norm_scale_shift.cu", f"layer_norm_scale_shift_kernel<{t}, {mode}, {nv}>"))
                 out.append(
                     (
                         "bias_residual_layer_norm_scale_shift.cu",
-                        f"bias_residual_layer_norm_scale_shift_kernel<{t}, {ch}, {nv}>",
+                        f"bias_residual_layer_norm_scale_shift_kernel<{t}, {mode}, {nv}>",
                     )
                 )
         vec = 8 if t != "QaF32" else 4
         for v in (1, vec):
             for nv in (1, 2, 3, 4, 5, 6, 8, 0):
-                out.append(("bias_gate_residual.cu", f"bias_gate_residual_kernel<{t}, {v}, {nv}>"))
+                for r in (1, 2, 4):
+                    out.append(("bias_gate_residual.cu", f"bias_gate_residual_kernel<{t}, {v}, {nv}, {r}>"))
     return out

@@ -58,31 +58,25 @@ __device__ __forceinline__ float qa_mul(float a, float b) { return qa_round<T>(_
 template <class S, int N>
 struct __align__(sizeof(S) * N) QaVec { S v[N]; };
 
-// Load N consecutive elements as floats; one vector load when `vec` (alignment checked on host).
+// Load N consecutive elements in storage form; one vector load when `vec` (alignment checked on
+// the host). Kept raw in registers (bf16/fp16: two per register) and widened where used.
 template <class T, int N>
-__device__ __forceinline__ void qa_load(const typename T::storage* p, bool vec, float (&out)[N]) {
+__device__ __forceinline__ QaVec<typename T::storage, N> qa_load_raw(const typename T::storage* p, bool vec) {
   typedef typename T::storage S;
-  if (vec) {
-    QaVec<S, N> r = *reinterpret_cast<const QaVec<S, N>*>(p);
+  if (vec) return *reinterpret_cast<const QaVec<S, N>*>(p);
+  QaVec<S, N> r;
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = T::load(p[i]);
-  }
+  for (int i = 0; i < N; ++i) r.v[i] = p[i];
+  return r;
 }
 
 template <class T, int N>
-__device__ __forceinline__ void qa_store(typename T::storage* p, bool vec, const float (&in)[N]) {
-  typedef typename T::storage S;
+__device__ __forceinline__ void qa_store_raw(typename T::storage* p, bool vec, const QaVec<typename T::storage, N>& r) {
   if (vec) {
-    QaVec<S, N> r;
-#pragma unroll
-    for (int i = 0; i < N; ++i) r.v[i] = T::store(in[i]);
-    *reinterpret_cast<QaVec<S, N>*>(p) = r;
+    *reinterpret_cast<QaVec<typename T::storage, N>*>(p) = r;
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) p[i] = T::store(in[i]);
+    for (int i = 0; i < N; ++i) p[i] = r.v[i];
   }
 }
 

@@ -1,37 +1,56 @@
 // Row statistics for LayerNorm, reproducing PyTorch's CUDA LayerNorm forward bit for bit.
 //
-// PyTorch (aten/src/ATen/native/cuda/layer_norm_kernel.cu, vectorized path, taken when D % 4 == 0
-// and the buffers are 4-element aligned, which holds for the freshly allocated tensors eager feeds
-// to the block LayerNorms) gives each row one block of 4 warps (num_threads() = 128). Thread t folds
-// the 4-element chunks t, t + 128, t + 256, ... into a Welford accumulator, element by element; the
-// warps then combine with __shfl_down (offsets 16..1) and the 4 warp results combine through shared
-// memory (offsets 2, 1). The same operations in the same order, with the same fused multiply-adds
-// (nvcc contracts `a + b * c` there), give the same mean and rstd, hence identical LayerNorm
-// outputs. Everything here is that arithmetic; QA_LN_THREADS must stay 128.
+// PyTorch (aten/src/ATen/native/cuda/layer_norm_kernel.cu) has two forward paths, and eager
+// diffusers takes one or the other depending on the input:
+//
+// MODE 0, "vectorized" (D % 4 == 0 and the input 4-element aligned: always the case for the fresh
+//   tensors the block's norm2 sees, and for norm1 on an aligned hidden state). One block of 4 warps
+//   (num_threads() = 128) per row; thread t folds the 4-element chunks t, t+128, ... into a
+//   Welford accumulator element by element (mean += delta * (1/n), nvcc contracting it into an
+//   FMA); warps combine with __shfl_down (16..1), then the 4 warp results through shared memory
+//   (offsets 2, 1). var = m2 / D, rstd = rsqrtf(var + eps), y = rstd * (x - mean).
+// MODE 1, "rowwise" (RowwiseMomentsCUDAKernel + LayerNormForwardCUDAKernel: D % 4 != 0 or a
+//   misaligned input). 512 threads per row, element j to thread j % 512, WelfordOps (mean +=
+//   delta / n, a true division), cuda_utils::BlockReduce (warp shuffles, 16 warp results through
+//   shared memory, a second warp reduction). y = (x - mean) * rstd * 1 + 0.
+//
+// The same operations in the same order give the same mean and rstd, hence identical outputs
+// (checked against torch on the H200: benchmarks/probe_layer_norm_order.py, tests/test_ops_gpu.py).
 #pragma once
 
-#define QA_LN_THREADS 128
-#define QA_LN_WARPS 4
-
 #ifndef QA_WELFORD_MEAN_ORDER
-#define QA_WELFORD_MEAN_ORDER 0
+#define QA_WELFORD_MEAN_ORDER 0  // which product nvcc keeps unrounded in nA*meanA + nB*meanB
 #endif
+
+template <int MODE> struct QaLn;
+// MIN_BLOCKS caps registers (65536 / (THREADS * MIN_BLOCKS)) so enough rows are in flight per SM.
+// 1: the shift/scale loads are issued before the row reduction (they overlap it, more registers).
+#ifndef QA_LN_PREFETCH
+#define QA_LN_PREFETCH 1
+#endif
+#ifndef QA_LN_MIN_BLOCKS
+#define QA_LN_MIN_BLOCKS 6
+#endif
+template <> struct QaLn<0> { static constexpr int THREADS = 128, CH = 4, MIN_BLOCKS = QA_LN_MIN_BLOCKS; };
+template <> struct QaLn<1> { static constexpr int THREADS = 512, CH = 1, MIN_BLOCKS = 2; };
 
 struct QaWelford {
   float mean, m2, count;
 };
 
-__device__ __forceinline__ QaWelford qa_welford_add(QaWelford w, float v) {
+// Fold element number n (1-based) into a thread's accumulator. rn = 1/n, a compile-time constant
+// when the caller's loop is unrolled (the value of PyTorch's `1.f/new_count`, correctly rounded).
+template <int MODE>
+__device__ __forceinline__ void qa_welford_add(QaWelford& w, float v, float n, float rn) {
   const float delta = __fsub_rn(v, w.mean);
-  const float n = __fadd_rn(w.count, 1.f);
-  const float mean = __fmaf_rn(delta, __frcp_rn(n), w.mean);
-  const float m2 = __fmaf_rn(delta, __fsub_rn(v, mean), w.m2);
-  QaWelford r = {mean, m2, n};
-  return r;
+  const float mean = MODE == 0 ? __fmaf_rn(delta, rn, w.mean) : __fadd_rn(w.mean, __fdiv_rn(delta, n));
+  w.m2 = __fmaf_rn(delta, __fsub_rn(v, mean), w.m2);
+  w.mean = mean;
+  w.count = n;
 }
 
-// PyTorch's cuWelfordCombine(dataB = own, dataA = other).
-__device__ __forceinline__ QaWelford qa_welford_combine(QaWelford b, QaWelford a) {
+// MODE 0: PyTorch's cuWelfordCombine(dataB = own, dataA = other).
+__device__ __forceinline__ QaWelford qa_combine_vectorized(QaWelford b, QaWelford a) {
   const float delta = __fsub_rn(b.mean, a.mean);
   const float count = __fadd_rn(a.count, b.count);
   QaWelford r = {0.f, 0.f, count};
@@ -49,47 +68,90 @@ __device__ __forceinline__ QaWelford qa_welford_combine(QaWelford b, QaWelford a
   return r;
 }
 
-// Block-wide combine; returns (mean, biased variance) to every thread. smem: 6 floats.
-__device__ __forceinline__ float2 qa_row_mean_var(QaWelford w, int D, float* smem) {
+// MODE 1: PyTorch's WelfordOps::combine(a = own, b = other).
+__device__ __forceinline__ QaWelford qa_combine_rowwise(QaWelford a, QaWelford b) {
+  if (a.count == 0.f) return b;
+  if (b.count == 0.f) return a;
+  const float delta = __fsub_rn(b.mean, a.mean);
+  const float count = __fadd_rn(a.count, b.count);
+  const float nb_over_n = __fdiv_rn(b.count, count);
+  QaWelford r;
+  r.mean = __fmaf_rn(delta, nb_over_n, a.mean);
+  r.m2 = __fmaf_rn(__fmul_rn(__fmul_rn(delta, delta), a.count), nb_over_n, __fadd_rn(a.m2, b.m2));
+  r.count = count;
+  return r;
+}
+
+__device__ __forceinline__ QaWelford qa_shfl_down(QaWelford w, int off) {
+  QaWelford o;
+  o.mean = __shfl_down_sync(0xffffffffu, w.mean, off);
+  o.m2 = __shfl_down_sync(0xffffffffu, w.m2, off);
+  o.count = __shfl_down_sync(0xffffffffu, w.count, off);
+  return o;
+}
+
+// Block-wide combine; returns (mean, rstd) to every thread. smem: at least 48 floats.
+template <int MODE>
+__device__ __forceinline__ float2 qa_row_mean_rstd(QaWelford w, int D, float eps, float* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (MODE == 0) {
+    constexpr int WARPS = QaLn<0>::THREADS / 32;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    QaWelford o;
-    o.mean = __shfl_down_sync(0xffffffffu, w.mean, off);
-    o.m2 = __shfl_down_sync(0xffffffffu, w.m2, off);
-    o.count = __shfl_down_sync(0xffffffffu, w.count, off);
-    w = qa_welford_combine(w, o);
-  }
+    for (int off = 16; off > 0; off >>= 1) w = qa_combine_vectorized(w, qa_shfl_down(w, off));
 #pragma unroll
-  for (int off = QA_LN_WARPS / 2; off > 0; off /= 2) {
-    if (lane == 0 && warp >= off && warp < 2 * off) {
-      smem[2 * (warp - off)] = w.mean;
-      smem[2 * (warp - off) + 1] = w.m2;
-      smem[QA_LN_WARPS + (warp - off)] = w.count;
+    for (int off = WARPS / 2; off > 0; off /= 2) {
+      if (lane == 0 && warp >= off && warp < 2 * off) {
+        smem[2 * (warp - off)] = w.mean;
+        smem[2 * (warp - off) + 1] = w.m2;
+        smem[WARPS + (warp - off)] = w.count;
+      }
+      __syncthreads();
+      if (lane == 0 && warp < off) {
+        QaWelford o = {smem[2 * warp], smem[2 * warp + 1], smem[WARPS + warp]};
+        w = qa_combine_vectorized(w, o);
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      smem[0] = w.mean;
+      smem[1] = rsqrtf(__fadd_rn(__fdiv_rn(w.m2, (float)D), eps));
+    }
+  } else {
+    constexpr int WARPS = QaLn<1>::THREADS / 32;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) w = qa_combine_rowwise(w, qa_shfl_down(w, off));
+    if (lane == 0) {
+      smem[warp] = w.mean;
+      smem[WARPS + warp] = w.m2;
+      smem[2 * WARPS + warp] = w.count;
     }
     __syncthreads();
-    if (lane == 0 && warp < off) {
-      QaWelford o = {smem[2 * warp], smem[2 * warp + 1], smem[QA_LN_WARPS + warp]};
-      w = qa_welford_combine(w, o);
+    if (warp == 0) {
+      QaWelford o = {0.f, 0.f, 0.f};
+      if (lane < WARPS) o = {smem[lane], smem[WARPS + lane], smem[2 * WARPS + lane]};
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) o = qa_combine_rowwise(o, qa_shfl_down(o, off));
+      w = o;
     }
     __syncthreads();
-  }
-  if (tid == 0) {
-    smem[0] = w.mean;
-    smem[1] = __fdiv_rn(w.m2, (float)D);
+    if (tid == 0) {
+      smem[0] = w.mean;
+      smem[1] = rsqrtf(__fadd_rn(__fdiv_rn(w.m2, w.count), eps));
+    }
   }
   __syncthreads();
   return make_float2(smem[0], smem[1]);
 }
 
 // LayerNorm output (no affine) rounded to T, as PyTorch writes it.
-template <class T>
+template <int MODE, class T>
 __device__ __forceinline__ float qa_ln_out(float v, float mean, float rstd) {
-  return qa_round<T>(__fmul_rn(rstd, __fsub_rn(v, mean)));
+  return MODE == 0 ? qa_round<T>(__fmul_rn(rstd, __fsub_rn(v, mean)))
+                   : qa_round<T>(__fadd_rn(__fmul_rn(__fsub_rn(v, mean), rstd), 0.f));
 }
 
-// x * (1 + scale) + shift, each op rounded to T (diffusers' _modulate).
+// x * (1 + scale) + shift with diffusers' roundings, stored as T (the store is the last rounding).
 template <class T>
-__device__ __forceinline__ float qa_scale_shift(float y, float scale, float shift) {
-  return qa_add<T>(qa_mul<T>(y, qa_add<T>(1.f, scale)), shift);
+__device__ __forceinline__ typename T::storage qa_scale_shift_store(float y, float scale, float shift) {
+  return T::store(__fadd_rn(qa_mul<T>(y, qa_add<T>(1.f, scale)), shift));
 }

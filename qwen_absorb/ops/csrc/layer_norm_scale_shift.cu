@@ -1,20 +1,23 @@
 // layer_norm_scale_shift: out = LayerNorm(x) * (1 + scale) + shift   (the norm1 site)
 //
-// One block of QA_LN_THREADS threads per row. NV > 0: each thread keeps its NV chunks of CH
-// elements in registers between the statistics and the output (one read of x). NV == 0: streaming
-// variant for very wide rows, which reads x twice (the second read mostly hits L2).
+// One block per row (QaLn<MODE>::THREADS threads, PyTorch's LayerNorm layout, see layer_norm.cuh).
+// NV > 0: each thread loads its NV slots of x, shift and scale up front and keeps them in
+// registers in storage form (one read of x; parameter loads overlap the reduction). NV == 0:
+// streaming variant for very wide rows, which reads x twice (the second read mostly hits L2).
 #include "common.cuh"
 #include "layer_norm.cuh"
 
-template <class T, int CH, int NV>
-__global__ void __launch_bounds__(QA_LN_THREADS) layer_norm_scale_shift_kernel(
+template <class T, int MODE, int NV>
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) layer_norm_scale_shift_kernel(
     const typename T::storage* __restrict__ x, typename T::storage* __restrict__ out,
     const typename T::storage* __restrict__ shift, qa_i64 shift_rs,
     const typename T::storage* __restrict__ scale, qa_i64 scale_rs,
     const void* __restrict__ index, int index_kind, qa_i64 B, qa_i64 L, int D, float eps,
     int vec_flags) {
   typedef typename T::storage S;
-  __shared__ float smem[2 * QA_LN_WARPS];
+  constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
+  typedef QaVec<S, CH> V;
+  __shared__ float smem[48];
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, L, B, index, index_kind);
   const S* xr = x + row * (qa_i64)D;
@@ -22,60 +25,81 @@ __global__ void __launch_bounds__(QA_LN_THREADS) layer_norm_scale_shift_kernel(
   const S* shr = shift + prow * shift_rs;
   const S* scr = scale + prow * scale_rs;
   const bool vx = vec_flags & 1, vsh = vec_flags & 2, vsc = vec_flags & 4;
-  const int nchunks = D / CH;
+  const int nslots = D / CH;
   const int tid = threadIdx.x;
-
   QaWelford w = {0.f, 0.f, 0.f};
-  float v[NV > 0 ? NV : 1][CH];
+
   if (NV > 0) {
+    V xv[NV > 0 ? NV : 1], shv[NV > 0 ? NV : 1], scv[NV > 0 ? NV : 1];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * QA_LN_THREADS;
-      if (c < nchunks) qa_load<T, CH>(xr + c * CH, vx, v[k]);
+      const int c = tid + k * TH;
+      if (c < nslots) xv[k] = qa_load_raw<T, CH>(xr + c * CH, vx);
     }
+#if QA_LN_PREFETCH
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * QA_LN_THREADS;
-      if (c < nchunks) {
-#pragma unroll
-        for (int i = 0; i < CH; ++i) w = qa_welford_add(w, v[k][i]);
+      const int c = tid + k * TH;
+      if (c < nslots) {
+        shv[k] = qa_load_raw<T, CH>(shr + c * CH, vsh);
+        scv[k] = qa_load_raw<T, CH>(scr + c * CH, vsc);
       }
     }
-  } else {
-    for (int c = tid; c < nchunks; c += QA_LN_THREADS) {
-      float t[CH];
-      qa_load<T, CH>(xr + c * CH, vx, t);
-#pragma unroll
-      for (int i = 0; i < CH; ++i) w = qa_welford_add(w, t[i]);
-    }
-  }
-  const float2 mv = qa_row_mean_var(w, D, smem);
-  const float rstd = rsqrtf(__fadd_rn(mv.y, eps));
-
-  if (NV > 0) {
+#endif
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * QA_LN_THREADS;
-      if (c < nchunks) {
-        float sh[CH], sc[CH], o[CH];
-        qa_load<T, CH>(shr + c * CH, vsh, sh);
-        qa_load<T, CH>(scr + c * CH, vsc, sc);
+      if (tid + k * TH < nslots) {
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          const int n = k * CH + i + 1;  // slots are filled in order: the count is a constant
+          qa_welford_add<MODE>(w, T::load(xv[k].v[i]), (float)n, 1.0f / (float)n);
+        }
+      }
+    }
+    const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+#if !QA_LN_PREFETCH
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = tid + k * TH;
+      if (c < nslots) {
+        shv[k] = qa_load_raw<T, CH>(shr + c * CH, vsh);
+        scv[k] = qa_load_raw<T, CH>(scr + c * CH, vsc);
+      }
+    }
+#endif
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = tid + k * TH;
+      if (c < nslots) {
+        V o;
 #pragma unroll
         for (int i = 0; i < CH; ++i)
-          o[i] = qa_scale_shift<T>(qa_ln_out<T>(v[k][i], mv.x, rstd), sc[i], sh[i]);
-        qa_store<T, CH>(outr + c * CH, vx, o);
+          o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(T::load(xv[k].v[i]), mr.x, mr.y),
+                                           T::load(scv[k].v[i]), T::load(shv[k].v[i]));
+        qa_store_raw<T, CH>(outr + c * CH, vx, o);
       }
     }
   } else {
-    for (int c = tid; c < nchunks; c += QA_LN_THREADS) {
-      float t[CH], sh[CH], sc[CH], o[CH];
-      qa_load<T, CH>(xr + c * CH, vx, t);
-      qa_load<T, CH>(shr + c * CH, vsh, sh);
-      qa_load<T, CH>(scr + c * CH, vsc, sc);
+    int n = 0;
+    for (int c = tid; c < nslots; c += TH) {
+      const V t = qa_load_raw<T, CH>(xr + c * CH, vx);
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        ++n;
+        qa_welford_add<MODE>(w, T::load(t.v[i]), (float)n, __frcp_rn((float)n));
+      }
+    }
+    const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+    for (int c = tid; c < nslots; c += TH) {
+      const V t = qa_load_raw<T, CH>(xr + c * CH, vx);
+      const V sh = qa_load_raw<T, CH>(shr + c * CH, vsh);
+      const V sc = qa_load_raw<T, CH>(scr + c * CH, vsc);
+      V o;
 #pragma unroll
       for (int i = 0; i < CH; ++i)
-        o[i] = qa_scale_shift<T>(qa_ln_out<T>(t[i], mv.x, rstd), sc[i], sh[i]);
-      qa_store<T, CH>(outr + c * CH, vx, o);
+        o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(T::load(t.v[i]), mr.x, mr.y),
+                                         T::load(sc.v[i]), T::load(sh.v[i]));
+      qa_store_raw<T, CH>(outr + c * CH, vx, o);
     }
   }
 }
