@@ -247,6 +247,13 @@ def main(argv=None) -> int:
     rows, skipped, quant_info = [], [], {}
     budget_hit = False
     for quant in args.quant:
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget_s and elapsed > args.time_budget_s:
+            budget_hit = True
+            skipped.append({"quant": quant, "variant": "*",
+                            "reason": f"time budget {args.time_budget_s:.0f} s reached ({elapsed:.0f} s)"})
+            print(f"SKIP quant={quant}: time budget reached")
+            continue
         if quant != "none":
             why = C.quant_unavailable_reason(quant, device)
             if why:
@@ -287,6 +294,13 @@ def main(argv=None) -> int:
             report = setup_variant(model, variant, args, {})
             for r in args.resolutions:
                 inp, n_img = inputs[r]
+                elapsed = time.perf_counter() - t_start
+                if args.time_budget_s and elapsed > args.time_budget_s:
+                    budget_hit = True
+                    skipped.append({"quant": quant, "variant": variant, "resolution": r,
+                                    "reason": f"time budget {args.time_budget_s:.0f} s reached ({elapsed:.0f} s)"})
+                    print(f"SKIP quant={quant} {variant} {r}^2: time budget reached")
+                    continue
                 try:
                     first, ms, all_ms = bench.latency(inp)
                     k = bench.kernels(inp)
@@ -392,7 +406,8 @@ def markdown(result) -> str:
         lines.append(f"| {r['resolution']}^2 | {r['image_tokens']} | {q} | {r['variant']} | {r['ms_measured']:.3f} "
                      f"| {r['ms_extrapolated']:.3f} | {sp} | {km} | {kx} | {r['first_call_s']:.1f} |")
     for s in result["skipped"]:
-        lines.append(f"\nSkipped: quant={s['quant']} variant={s['variant']}: {s['reason']}")
+        res = f" {s['resolution']}^2" if "resolution" in s else ""
+        lines.append(f"\nSkipped: quant={s['quant']} variant={s['variant']}{res}: {s['reason']}")
     reports = {(r["quant"], r["variant"]): r["report"] for r in rows if r.get("report")}
     if reports:
         lines.append("\nPatch reports:")
