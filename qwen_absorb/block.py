@@ -13,9 +13,8 @@ reason is counted in the report's ``runtime_fallbacks``.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,18 +34,22 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 class DeferredBias:
     """A projection whose bias is consumed by the fused op after it instead of by its GEMM.
 
-    Storage (why it looks like this): the bias ``Parameter`` stays exactly where it was, in the
-    innermost linear's ``_parameters["bias"]`` (the PEFT ``base_layer`` if wrapped). So
-    ``state_dict()`` / ``save_pretrained`` / ``load_state_dict`` see the same keys and the very same
-    tensor objects (nothing is copied, memory does not grow), ``.to()`` moves it, and offload hooks
-    (accelerate, diffusers group offloading), which manage ``_parameters``, keep managing it. The
-    GEMM stops seeing it because an instance-``__dict__`` entry ``bias = None`` shadows the parameter
-    for attribute lookup (``nn.Module.__getattr__``, which serves ``_parameters``, only runs when
-    normal lookup fails): ``F.linear(x, W, self.bias)``, ModelOpt's real-quant GEMMs and PEFT's
-    ``base_layer`` all read ``self.bias`` and get None. Removing the entry restores the module
-    exactly. The fused op reads ``_parameters["bias"]`` when it runs, i.e. after whatever hook
-    placed it; if it is then still on the meta device (accelerate leaf offload materialises weights
-    only inside the leaf's own forward) the call lifts the shadow so the GEMM adds the bias itself.
+    Storage (why it looks like this): the bias ``Parameter`` never moves. It stays in the innermost
+    linear's ``_parameters["bias"]`` (the PEFT ``base_layer`` if wrapped), and outside the patched
+    forward the module is untouched. So ``state_dict()`` / ``save_pretrained`` / ``load_state_dict``
+    see the same keys and the very same tensor objects (nothing is copied, memory does not grow),
+    ``.to()`` moves it, and offload hooks, which manage ``_parameters`` and read ``module.bias``
+    (accelerate's ``set_module_tensor_to_device`` does), keep working whenever they run.
+
+    Only while the patched block calls the attention / FFN does an instance-``__dict__`` entry
+    ``bias = None`` shadow the parameter for attribute lookup (``nn.Module.__getattr__``, which
+    serves ``_parameters``, runs only when normal lookup fails): ``F.linear(x, W, self.bias)``,
+    ModelOpt's real-quant GEMMs and PEFT's ``base_layer`` read ``self.bias`` and get None. The
+    entry is removed right after (also on error), and the fused op then reads
+    ``_parameters["bias"]``, i.e. wherever the hooks left it. A bias still on the meta device
+    before the GEMM (accelerate leaf offload materialises weights only inside the leaf's own
+    forward) is not shadowed for that call: its GEMM adds it, as unpatched. Not thread-safe for
+    concurrent calls of the same block (neither is ModelOpt's QuantAttention).
     """
 
     __slots__ = ("linear", "name")
@@ -61,30 +64,10 @@ class DeferredBias:
     def unshadow(self) -> None:
         self.linear.__dict__.pop("bias", None)
 
-    @property
-    def shadowed(self) -> bool:
-        return "bias" in self.linear.__dict__
-
-    @property
-    def parameter(self) -> torch.Tensor | None:
-        return self.linear._parameters.get("bias")
-
-    def usable_before_gemm(self) -> bool:
+    def usable(self) -> bool:
+        """The bias exists, is materialised, and nothing else shadows it already."""
         b = self.linear._parameters.get("bias")
-        return b is not None and b.device.type != "meta" and self.shadowed
-
-
-@contextlib.contextmanager
-def biases_in_gemm(deferred: list[DeferredBias]) -> Iterator[None]:
-    """Temporarily give the biases back to their GEMMs (exact original behaviour)."""
-    lifted = [d for d in deferred if d.shadowed]
-    for d in lifted:
-        d.unshadow()
-    try:
-        yield
-    finally:
-        for d in lifted:
-            d.shadow()
+        return b is not None and b.device.type != "meta" and "bias" not in self.linear.__dict__
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -169,18 +152,29 @@ def _bias_for_op(d: DeferredBias, x: torch.Tensor, plan: BlockPlan) -> torch.Ten
 
 
 def _this_call(plan: BlockPlan, a: DeferredBias | None, b: DeferredBias | None):
-    """The deferred biases the op can read after this call's GEMMs, and those to lift into the
-    GEMMs for this call (still on the meta device: accelerate leaf offload materialises a weight
-    only inside its own module's forward)."""
-    lift = []
+    """The deferred biases to take out of this call's GEMMs (others stay in, counted)."""
     out = []
     for d in (a, b):
-        if d is not None and not d.usable_before_gemm():
-            plan.count(f"{d.name}: bias not usable outside its GEMM (meta device under an offload hook, or re-assigned); added in the GEMM")
-            lift.append(d)
+        if d is not None and not d.usable():
+            plan.count(f"{d.name}: bias not materialised before its GEMM (meta device under an offload hook); "
+                       "added in the GEMM")
             d = None
         out.append(d)
-    return out[0], out[1], lift
+    return out[0], out[1]
+
+
+def _shadow(a: DeferredBias | None, b: DeferredBias | None) -> None:
+    if a is not None:
+        a.shadow()
+    if b is not None:
+        b.shadow()
+
+
+def _unshadow(a: DeferredBias | None, b: DeferredBias | None) -> None:
+    if a is not None:
+        a.unshadow()
+    if b is not None:
+        b.unshadow()
 
 
 # ---------------------------------------------------------------------------- the forward
@@ -263,14 +257,13 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
         modulate_index: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.is_grad_enabled():
-            # The kernels have no backward: training runs diffusers' forward with the biases back
-            # in their GEMMs, i.e. exactly the unpatched block.
+            # The kernels have no backward: training runs diffusers' forward, i.e. exactly the
+            # unpatched block (biases are shadowed only inside the fused path below).
             plan.count("grad enabled: original diffusers forward")
-            with biases_in_gemm(plan.all_deferred):
-                return original(
-                    self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                    image_rotary_emb, joint_attention_kwargs, modulate_index,
-                )
+            return original(
+                self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                image_rotary_emb, joint_attention_kwargs, modulate_index,
+            )
         if not torch.compiler.is_compiling():
             why = plan.kernel_reason(hidden_states.device)
             if why is not None:
@@ -293,8 +286,9 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
 
         joint_attention_kwargs = joint_attention_kwargs or {}
         d_img, d_txt = plan.deferred[("img", "attn_residual")], plan.deferred[("txt", "attn_residual")]
-        d_img, d_txt, lift = _this_call(plan, d_img, d_txt)
-        with biases_in_gemm(lift) if lift else contextlib.nullcontext():
+        d_img, d_txt = _this_call(plan, d_img, d_txt)
+        _shadow(d_img, d_txt)
+        try:
             img_attn_output, txt_attn_output = self.attn(
                 hidden_states=img_modulated,
                 encoder_hidden_states=txt_modulated,
@@ -302,6 +296,8 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
                 image_rotary_emb=image_rotary_emb,
                 **joint_attention_kwargs,
             )
+        finally:
+            _unshadow(d_img, d_txt)
 
         hidden_states, img_modulated2 = attn_site(
             self, "img", self.img_norm2, hidden_states, img_attn_output, d_img, i_gate1, i_shift2, i_scale2, index, img_mod2
@@ -312,10 +308,13 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
         )
 
         d_iffn, d_tffn = plan.deferred[("img", "ffn_residual")], plan.deferred[("txt", "ffn_residual")]
-        d_iffn, d_tffn, lift = _this_call(plan, d_iffn, d_tffn)
-        with biases_in_gemm(lift) if lift else contextlib.nullcontext():
+        d_iffn, d_tffn = _this_call(plan, d_iffn, d_tffn)
+        _shadow(d_iffn, d_tffn)
+        try:
             img_mlp_output = self.img_mlp(img_modulated2)
             txt_mlp_output = self.txt_mlp(txt_modulated2)
+        finally:
+            _unshadow(d_iffn, d_tffn)
         hidden_states = ffn_site("img", hidden_states, img_mlp_output, d_iffn, i_gate2, index)
         encoder_hidden_states = ffn_site("txt", encoder_hidden_states, txt_mlp_output, d_tffn, t_gate2, None)
 

@@ -305,7 +305,6 @@ def _patch_block(
         if s.bias_deferred:
             base = _base(mods[s.projection])
             d = DeferredBias(base, f"block {i} {s.projection}")
-            d.shadow()
             deferred[(s.stream, s.site)] = d
             rec.deferred.append(d)
     plan.all_deferred = list(rec.deferred)
@@ -334,7 +333,7 @@ def unpatch(target: Any) -> None:
         return
     for rec in state.records:
         for d in rec.deferred:
-            d.unshadow()
+            d.unshadow()  # only set during a call; cleared here too in case a call was interrupted
         if not _uninstall(rec):
             log.warning("qwen_absorb: block forward of %s not found in its hook chain; left in place", rec.block)
     state.report.active = False
