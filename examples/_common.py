@@ -385,7 +385,7 @@ def fmt_psnr(v: float) -> str:
 
 
 def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: float | None = None,
-                     min_panel: int = 256) -> float:
+                     min_panel: int = 256, max_panel: int = 512) -> float:
     """Save unpatched | patched | amplified |difference| of the first image, with a caption below.
 
     Returns the amplification factor used.
@@ -406,15 +406,19 @@ def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: f
         im = Image.fromarray((arr * 255).round().astype(np.uint8))
         if scale > 1:
             im = im.resize((w * scale, h * scale), Image.NEAREST)
+        elif max(h, w) > max_panel:  # keep the PNG small; the JSON has the exact metrics
+            f = max_panel / max(h, w)
+            im = im.resize((max(1, round(w * f)), max(1, round(h * f))), Image.LANCZOS)
         panels.append(im)
     pw, ph = panels[0].size
     gap = 8
-    font = _font(14)
+    font = _font(max(14, (3 * pw) // 60))
     titles = ["unpatched", "patched (qwen_absorb)",
               "identical (difference is zero)" if dmax == 0 else f"|difference| x {amplify:.3g}"]
-    line_h = 20
+    fsize = max(14, (3 * pw) // 60)
+    line_h = fsize + 6
     width = 3 * pw + 4 * gap
-    lines = [ln for text in caption_lines for ln in _wrap(text, max(20, width // 8))]
+    lines = [ln for text in caption_lines for ln in _wrap(text, max(20, int(width / (0.56 * fsize))))]
     height = gap + line_h + ph + gap + line_h * len(lines) + gap
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)

@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="A watercolor painting of a lighthouse at dawn",
                    help="prompt for --model (the random pipelines use random prompt embeddings)")
+    p.add_argument("--image", default=None, metavar="PATH",
+                   help="input image for --model pipelines that take one (Edit, EditPlus, Img2Img, ...)")
     p.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale (default 4.0: two transformer calls per step)")
     p.add_argument("--defer-bias", choices=("auto", "true", "false"), default="auto",
                    help="qwen_absorb.patch(defer_bias=...) (default auto)")
@@ -95,9 +97,10 @@ def main(argv=None) -> int:
     h0, w0, s0 = DEFAULTS[size]
     height, width, steps = args.height or h0, args.width or w0, args.steps or s0
     warmup = args.warmup
-    if not args.verbose:
-        from diffusers.utils import logging as dlogging
+    from diffusers.utils import logging as dlogging
 
+    verbosity = dlogging.get_verbosity()
+    if not args.verbose:
         dlogging.set_verbosity_error()
     tag = args.tag or "_".join(
         [size if not args.model else "model", *([f"{args.num_layers}l"] if size == "full" else []),
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         print(f"\nFAILED with an exception: {type(e).__name__}: {e}", file=sys.stderr)
         code = EXIT_ERROR
+    finally:
+        dlogging.set_verbosity(verbosity)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(C.json_safe(results), indent=2) + "\n")
     print(f"wrote {json_path}")
@@ -141,6 +146,10 @@ def build(args, device, dtype, size):
     if args.model:
         pipe = C.load_pipeline(args.model, dtype, device)
         call_kwargs = {"prompt": args.prompt, "negative_prompt": " ", "true_cfg_scale": args.cfg}
+        if args.image:
+            from PIL import Image
+
+            call_kwargs["image"] = Image.open(args.image).convert("RGB")
 
         def calib_kwargs(i):
             prompts = ["a photo of a cat", "a city street at night, neon signs", "a bowl of fruit, still life",
