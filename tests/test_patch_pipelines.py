@@ -1,0 +1,106 @@
+"""Whole pipelines (tiny transformer + tiny VAE, precomputed prompt embeddings, no text encoder)."""
+
+from __future__ import annotations
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import qwen_absorb
+from qwen_absorb import testing as T
+
+PIPELINES = [
+    "QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
+    "QwenImageEditInpaintPipeline", "QwenImageEditPlusPipeline", "QwenImageControlNetPipeline",
+    "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline",
+]
+
+
+def _embeds(seed):
+    pe, pm = T.tiny_prompt_embeds(seq_len=7, masked_tail=2, seed=seed)
+    ne, nm = T.tiny_prompt_embeds(seq_len=3, masked_tail=0, seed=seed + 1)
+    return dict(prompt_embeds=pe, prompt_embeds_mask=pm, negative_prompt_embeds=ne, negative_prompt_embeds_mask=nm)
+
+
+def _image(seed, size=32):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_pipeline_class_can_be_patched(name, seed):
+    cls = getattr(diffusers, name)
+    pipe = T.tiny_pipeline(cls, seed=seed, zero_cond_t="Edit" in name)
+    report = qwen_absorb.patch(pipe)
+    assert report.summary["blocks_patched"] == len(pipe.transformer.transformer_blocks)
+    assert report.summary["sites_fused"] == report.summary["sites"]
+    qwen_absorb.unpatch(pipe)
+    assert qwen_absorb.patch_report(pipe) is None
+
+
+def test_qwen_image_21_is_refused():
+    if not hasattr(diffusers, "QwenImage21Transformer2DModel"):
+        pytest.skip("no Qwen-Image 2.1 in this diffusers")
+    with pytest.raises(TypeError):
+        qwen_absorb.patch(object.__new__(diffusers.QwenImage21Transformer2DModel))
+
+
+def _run(pipe, seed, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return pipe(generator=gen, height=32, width=32, num_inference_steps=2, output_type="pt", **kw).images
+
+
+def test_qwen_image_pipeline_same_images(seed):
+    pipe = T.tiny_pipeline(seed=seed)
+    kw = dict(_embeds(seed), true_cfg_scale=4.0)
+    ref = _run(pipe, seed + 2, **kw)
+    report = qwen_absorb.patch(pipe)
+    out = _run(pipe, seed + 2, **kw)
+    assert out.shape == ref.shape == (1, 3, 32, 32)
+    assert torch.equal(out, ref)
+    # 2 steps x (cond + uncond) x 2 blocks, all through the patched forward
+    assert sum(report.runtime_fallbacks.values()) == 8
+    qwen_absorb.unpatch(pipe)
+    assert torch.equal(_run(pipe, seed + 2, **kw), ref)
+
+
+def test_edit_plus_zero_cond_t_same_images(seed, monkeypatch):
+    # Edit-Plus encodes each condition image at ~1024^2 px: a minute on 2 CPU cores with the tiny
+    # VAE. 64^2 px keeps the path (condition tokens, modulate_index) and takes a second.
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
+
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(edit_plus, "CONDITION_IMAGE_SIZE", 64 * 64)
+    pipe = T.tiny_pipeline(diffusers.QwenImageEditPlusPipeline, zero_cond_t=True, seed=seed)
+    assert pipe.transformer.config.zero_cond_t
+    kw = dict(_embeds(seed), image=[_image(seed)], true_cfg_scale=1.0)
+    kw.pop("negative_prompt_embeds"), kw.pop("negative_prompt_embeds_mask")
+    seen = []
+    blk = pipe.transformer.transformer_blocks[0]
+    handle = blk.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("modulate_index")), with_kwargs=True)
+    ref = _run(pipe, seed + 2, **kw)
+    report = qwen_absorb.patch(pipe)
+    out = _run(pipe, seed + 2, **kw)
+    handle.remove()
+    assert seen and seen[0] is not None and bool((seen[0] == 1).any())  # condition tokens present
+    assert torch.equal(out, ref)
+    assert report.summary["sites_fused"] == 12
+    qwen_absorb.unpatch(pipe)
+
+
+def test_qwen_image_pipeline_quantized_deferred(seed):
+    """FP8 transformer in a pipeline, deferral forced on CPU: images close to unpatched ones."""
+    pipe = T.tiny_pipeline(seed=seed)
+    calib = T.transformer_inputs(pipe.transformer, height=4, width=4, seed=seed)
+    T.fp8_quantize(pipe.transformer, calib)
+    kw = dict(_embeds(seed), true_cfg_scale=4.0)
+    ref = _run(pipe, seed + 2, **kw)
+    report = qwen_absorb.patch(pipe, capabilities={"cpu"})
+    assert report.summary["biases_deferred"] == 8
+    out = _run(pipe, seed + 2, **kw)
+    assert (out - ref).abs().max().item() <= 2e-2  # images in [0, 1]; fp32, FP8 rounding flips only
+    qwen_absorb.unpatch(pipe)
+    assert torch.equal(_run(pipe, seed + 2, **kw), ref)
