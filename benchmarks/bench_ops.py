@@ -135,32 +135,28 @@ def sweep(l2, reps):
     from qwen_absorb.ops import _cuda
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    base_opts, base_rows = _cuda.nvrtc_options, _cuda.BGR_ROWS_PER_BLOCK
-    variants = [("QA_LN_MIN_BLOCKS", v) for v in (4, 5, 6)] + [("QA_LN_PREFETCH", 0)]
+    base_opts = _cuda.nvrtc_options
+    variants = {
+        "layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
+        "bias_residual_layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
+        "bias_gate_residual": [("QA_BGR_MIN_BLOCKS", v) for v in (1, 12, 16)],
+    }
     out = []
     for shape in [(1, 16384, 3072), (1, 4096, 3072)]:
         tensor_bytes = shape[0] * shape[1] * shape[2] * 2
-        for op in ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift"):
+        for op, vs in variants.items():
             k = max(2, math.ceil(3 * l2 / (FULL_TENSORS[op] * tensor_bytes)))
             sets = make_sets(shape, k, gen)
-            for name, val in variants:
+            fn = globals()[f"fused_{op}"]
+            for name, val in vs:
                 _cuda._kernels.clear()
                 _cuda.nvrtc_options = lambda n=name, v=val: (*base_opts(), f"-D{n}={v}")
-                fn = globals()[f"fused_{op}"]
                 ms, _ = time_graph(lambda: [fn(*s) for s in sets], reps=reps)
                 out.append({"op": op, "shape": list(shape), "variant": f"{name}={val}", "us": ms * 1e3 / k})
                 print(f"sweep {op:38s} {str(shape):16s} {name}={val}: {ms * 1e3 / k:8.1f} us", flush=True)
-        _cuda.nvrtc_options = base_opts
-        _cuda._kernels.clear()
-        op = "bias_gate_residual"
-        k = max(2, math.ceil(3 * l2 / (3 * tensor_bytes)))
-        sets = make_sets(shape, k, gen)
-        for r in (1, 2, 4):
-            _cuda.BGR_ROWS_PER_BLOCK = r
-            ms, _ = time_graph(lambda: [fused_bias_gate_residual(*s) for s in sets], reps=reps)
-            out.append({"op": op, "shape": list(shape), "variant": f"rows_per_block={r}", "us": ms * 1e3 / k})
-            print(f"sweep {op:38s} {str(shape):16s} rows_per_block={r}: {ms * 1e3 / k:8.1f} us", flush=True)
-        _cuda.BGR_ROWS_PER_BLOCK = base_rows
+            del sets
+    _cuda.nvrtc_options = base_opts
+    _cuda._kernels.clear()
     return out
 
 

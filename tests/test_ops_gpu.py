@@ -175,19 +175,32 @@ def test_nan_inf_and_large_magnitudes(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_midpoint_ties_round_like_two_eager_roundings(dtype):
-    """gate * x exactly halfway between two representable values before adding the residual."""
+    """residual + gate * (x + bias) where rounding x + bias first creates an exact tie.
+
+    With p the precision, x = 2^-p (half an ulp of 1) and bias = 2^-2p: x + bias needs p + 1 bits and
+    ties to even (down to x); 1 + x then ties to even (down to 1). One fp32 evaluation rounded once
+    gives 1 + ulp instead. Mixed with random values so most elements are ordinary.
+    """
+    p = {torch.bfloat16: 8, torch.float16: 11}[dtype]
     D = 1024
-    one_ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
-    residual = torch.ones(1, 8, D, device=DEV, dtype=dtype)
-    # gate * x = 1.5 ulp(1) / 2 ... products that land on and around midpoints
-    x = (torch.arange(8 * D, device=DEV).view(1, 8, D) % 7 - 3).to(dtype) * (one_ulp / 2)
-    gate = torch.full((1, D), 1.0, device=DEV, dtype=dtype)
-    bias = torch.full((D,), one_ulp / 4, device=DEV, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    residual = torch.randn(1, 8, D, generator=gen, device=DEV).to(dtype)
+    x = torch.randn(1, 8, D, generator=gen, device=DEV).to(dtype)
+    bias = torch.randn(D, generator=gen, device=DEV).to(dtype)
+    gate = torch.randn(1, D, generator=gen, device=DEV).to(dtype)
+    tie = torch.arange(D, device=DEV) % 3 == 0
+    residual[:, :, tie] = 1.0
+    x[:, :, tie] = 2.0 ** -p
+    bias[tie] = 2.0 ** (-2 * p)
+    gate[:, tie] = 1.0
     want = residual + gate.unsqueeze(1) * (x + bias)
+    assert bool((want[:, :, tie] == 1.0).all())
     got = ops.bias_gate_residual(residual, x, bias=bias, gate=gate)
     assert_bit_identical(got, want, "ties")
     single_rounding = (residual.float() + gate.float().unsqueeze(1) * (x.float() + bias.float())).to(dtype)
     assert not torch.equal(want, single_rounding), "test inputs do not exercise the double rounding"
+    nr, _ = ops.bias_residual_layer_norm_scale_shift(residual, x, bias=bias, gate=gate, shift=gate, scale=gate)
+    assert_bit_identical(nr, want, "ties (new_residual)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -26,7 +26,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # Mode 0 is PyTorch's vectorized LayerNorm path, mode 1 its rowwise path.
 LN_MODES = {0: (128, 4), 1: (512, 1)}
 BGR_THREADS = 128  # QA_BGR_THREADS
-BGR_ROWS_PER_BLOCK = 2  # rows per block of bias_gate_residual (see benchmarks/bench_ops.py)
 _NV_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 MIN_CAPABILITY = (8, 0)  # cvt.rn.bf16.f32 needs sm_80
 
@@ -237,13 +236,12 @@ def bias_gate_residual(residual, x, bias, gate, index):
         | (_aligned(gate, a, gate_rs) << 3)
         | (_aligned(bias, a) << 4)
     )
-    r = BGR_ROWS_PER_BLOCK
-    expr = f"bias_gate_residual_kernel<{TRAITS[x.dtype]}, {vec}, {nv}, {r}>"
+    expr = f"bias_gate_residual_kernel<{TRAITS[x.dtype]}, {vec}, {nv}>"
     args = (
         _ptr(residual), _ptr(x), _ptr(bias), _ptr(gate), np.int64(gate_rs), _ptr(out),
         _ptr(index), np.int32(ikind), np.int64(B), np.int64(L), np.int32(D), np.int32(flags),
     )
-    _launch("bias_gate_residual.cu", expr, x.device, (B * L + r - 1) // r, BGR_THREADS, args)
+    _launch("bias_gate_residual.cu", expr, x.device, B * L, BGR_THREADS, args)
     return out
 
 
@@ -263,6 +261,5 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
         vec = 8 if t != "QaF32" else 4
         for v in (1, vec):
             for nv in (1, 2, 3, 4, 5, 6, 8, 0):
-                for r in (1, 2, 4):
-                    out.append(("bias_gate_residual.cu", f"bias_gate_residual_kernel<{t}, {v}, {nv}, {r}>"))
+                out.append(("bias_gate_residual.cu", f"bias_gate_residual_kernel<{t}, {v}, {nv}>"))
     return out

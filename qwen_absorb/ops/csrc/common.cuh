@@ -80,6 +80,14 @@ __device__ __forceinline__ void qa_store_raw(typename T::storage* p, bool vec, c
   }
 }
 
+// Load N consecutive elements widened to float (one vector load when `vec`).
+template <class T, int N>
+__device__ __forceinline__ void qa_load(const typename T::storage* p, bool vec, float (&out)[N]) {
+  const QaVec<typename T::storage, N> r = qa_load_raw<T, N>(p, vec);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+}
+
 // ---- per-sample / per-token modulation rows --------------------------------------------------
 // Parameters have B rows (or 2B with a 0/1 token index, diffusers' modulate_index): token (b, l)
 // uses row b where index[b, l] == 0 and row B + b otherwise, like torch.where(index == 0, ...).

@@ -24,12 +24,10 @@
 
 template <int MODE> struct QaLn;
 // MIN_BLOCKS caps registers (65536 / (THREADS * MIN_BLOCKS)) so enough rows are in flight per SM.
-// 1: the shift/scale loads are issued before the row reduction (they overlap it, more registers).
-#ifndef QA_LN_PREFETCH
-#define QA_LN_PREFETCH 1
-#endif
+// Minimum resident blocks per SM for mode 0 (caps registers at 65536 / (128 * QA_LN_MIN_BLOCKS));
+// 1 leaves the compiler free. Tuned on the H200 by benchmarks/bench_ops.py --sweep.
 #ifndef QA_LN_MIN_BLOCKS
-#define QA_LN_MIN_BLOCKS 6
+#define QA_LN_MIN_BLOCKS 1
 #endif
 template <> struct QaLn<0> { static constexpr int THREADS = 128, CH = 4, MIN_BLOCKS = QA_LN_MIN_BLOCKS; };
 template <> struct QaLn<1> { static constexpr int THREADS = 512, CH = 1, MIN_BLOCKS = 2; };
