@@ -10,6 +10,8 @@ Stable names (other code imports them):
 - :func:`tiny_prompt_embeds`        ``(prompt_embeds, prompt_embeds_mask)`` for those pipelines
 - :func:`fp8_quantize`              ModelOpt FP8 (``FP8_DEFAULT_CFG``) with a calibration loop
 - :func:`nvfp4_weight_only_compress` ModelOpt NVFP4 weight-only, calibrated and compressed
+- :func:`modelopt_calibrate`        ``mtq.quantize`` with a loop over transformer kwargs
+- :func:`run_transformer`           ``transformer(**inputs)[0]`` without grad
 
 Weights are random; nothing is downloaded. Every builder takes a ``seed`` and draws from its own
 generator, so building a model never disturbs the caller's global RNG stream.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ __all__ = [
     "full_size_transformer",
     "modelopt_calibrate",
     "nvfp4_weight_only_compress",
+    "nvfp4_weight_only_config",
+    "run_transformer",
     "tiny_pipeline",
     "tiny_prompt_embeds",
     "tiny_transformer",
@@ -292,13 +296,3 @@ def run_transformer(transformer: nn.Module, inputs: dict[str, Any]) -> torch.Ten
     with torch.no_grad():
         return transformer(**inputs)[0]
 
-
-def calib_loop(batches: Sequence[dict[str, Any]]) -> Callable[[nn.Module], None]:
-    """A ModelOpt ``forward_loop`` running ``batches`` of transformer kwargs."""
-
-    def loop(model: nn.Module) -> None:
-        with torch.no_grad():
-            for kw in batches:
-                model(**kw)
-
-    return loop
