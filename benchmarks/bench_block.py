@@ -243,6 +243,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.compile:
         r, _ = measure("bf16 patched compile", compiled_call(), device, args, ref)
         results.append(r)
+        qwen_absorb.unpatch(model)
+        reports["bf16_kernels_under_compile"] = qwen_absorb.patch(model, kernels_under_compile=True)
+        r, _ = measure("bf16 patched compile (kernels_under_compile)", compiled_call(), device, args, ref)
+        results.append(r)
     qwen_absorb.unpatch(model)
     torch._dynamo.reset()
 
@@ -258,11 +262,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.fp8_compile:
             r, _ = measure("fp8 unpatched compile", compiled_call(), device, args, ref8)
             results.append(r)
-        reports["fp8"] = qwen_absorb.patch(model)
+        reports["fp8"] = qwen_absorb.patch(model, defer_bias=False)
         r, _ = measure("fp8 patched eager", call, device, args, ref8)
         results.append(r)
         qwen_absorb.unpatch(model)
-        rep = qwen_absorb.patch(model, capabilities={gating.capability_key(device)})
+        rep = qwen_absorb.patch(model)  # auto: deferral where validated (sm_90 is)
+        if rep.summary["biases_deferred"] == 0:
+            qwen_absorb.unpatch(model)
+            rep = qwen_absorb.patch(model, capabilities={gating.capability_key(device)})
         reports["fp8_deferred"] = rep
         r, _ = measure("fp8 patched+deferred eager", call, device, args, ref8)
         r["biases_deferred"] = rep.summary["biases_deferred"]

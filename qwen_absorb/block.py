@@ -84,12 +84,17 @@ class BlockPlan:
     fuse: dict[tuple[str, str], bool]  # (stream, site) -> fused statically
     deferred: dict[tuple[str, str], DeferredBias | None]  # (stream, site) -> deferred projection
     quant_norms: frozenset[str]  # norm names that are ModelOpt QuantLayerNorms
+    kernels_under_compile: bool = False  # see qwen_absorb.patch
     all_deferred: list[DeferredBias] = field(default_factory=list)
     _kernel_reasons: dict[torch.device, str | None] = field(default_factory=dict)
 
     def count(self, reason: str) -> None:
         if not torch.compiler.is_compiling():
             self.counter[reason] += 1
+
+    def fused(self, key: tuple[str, str]) -> bool:
+        """Whether this site takes the fused op in this call (statically, and under compile)."""
+        return self.fuse[key] and (self.kernels_under_compile or not torch.compiler.is_compiling())
 
     def kernel_reason(self, device: torch.device) -> str | None:
         """Why the fused ops will run their references on ``device`` (cached), else None."""
@@ -195,7 +200,7 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
     def norm1_site(block, stream, norm, h, shift, scale, index, mod1):
         key = (stream, "norm1")
         name = f"{stream}_norm1"
-        if plan.fuse[key]:
+        if plan.fused(key):
             why = _params_reason(h, (shift, scale), index)
             if why is None:
                 x = h
@@ -210,7 +215,7 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
         key = (stream, "attn_residual")
         name = f"{stream}_norm2"
         bias = _bias_for_op(d, h, plan) if d is not None else None
-        if plan.fuse[key]:
+        if plan.fused(key):
             why = _params_reason(h, (gate, shift, scale), index)
             if why is None and y.dtype != h.dtype:
                 why = f"attention output is {y.dtype}, residual {h.dtype}"
@@ -235,7 +240,7 @@ def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[...,
     def ffn_site(stream, h, y, d, gate, index):
         key = (stream, "ffn_residual")
         bias = _bias_for_op(d, h, plan) if d is not None else None
-        if plan.fuse[key]:
+        if plan.fused(key):
             why = _params_reason(h, (gate,), index)
             if why is None and y.dtype != h.dtype:
                 why = f"FFN output is {y.dtype}, residual {h.dtype}"

@@ -190,6 +190,7 @@ def _is_identity_dropout(m: nn.Module) -> bool:
 def patch(
     target: Any, *, defer_bias: str | bool = "auto",
     capabilities: Collection[tuple[int, int] | str] | None = None, force_reference: bool = False,
+    kernels_under_compile: bool = False,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
@@ -203,6 +204,11 @@ def patch(
     capabilities: replaces :data:`qwen_absorb.gating.VALIDATED_DEFER_CAPABILITIES` for this call, e.g.
         ``{(9, 0)}``, or ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
     force_reference: make the fused ops run their torch references (debugging).
+    kernels_under_compile: while ``torch.compile`` traces a patched block, use the fused CUDA
+        kernels (as custom ops, bit-exact to eager) instead of leaving the chains to Inductor. Off by
+        default: Inductor fuses the same chains into Triton kernels about as fast as ours and without
+        the per-op Python launch cost (benchmarks/results/bench_block.md), so "patch + compile" stays
+        as fast as compile alone; deferred biases are still taken out of the GEMMs either way.
 
     Patching an already patched model is a no-op that returns the current report.
     """
@@ -228,7 +234,9 @@ def patch(
     _, block_cls, _ = _classes()
     records: list[_BlockRecord] = []
     for i, block in enumerate(getattr(transformer, "transformer_blocks", [])):
-        br, rec = _patch_block(i, block, block_cls, report, mode, caps, device, kernel_reasons, force_reference)
+        br, rec = _patch_block(
+            i, block, block_cls, report, mode, caps, device, kernel_reasons, force_reference, kernels_under_compile
+        )
         report.blocks.append(br)
         if rec is not None:
             records.append(rec)
@@ -240,6 +248,7 @@ def patch(
 def _patch_block(
     i: int, block: nn.Module, block_cls: type, report: PatchReport, mode: str | bool,
     caps: frozenset, device: torch.device, kernel_reasons: list[str], force_reference: bool,
+    kernels_under_compile: bool,
 ) -> tuple[BlockReport, _BlockRecord | None]:
     br = BlockReport(index=i, patched=False)
     if not isinstance(block, block_cls):
@@ -285,6 +294,7 @@ def _patch_block(
 
     plan = BlockPlan(
         index=i, counter=report.runtime_fallbacks, force_reference=bool(force_reference),
+        kernels_under_compile=bool(kernels_under_compile),
         eps={n: norms[n].eps for n in _NORMS}, fuse=fuse, deferred=deferred,
         quant_norms=frozenset(n for n in _NORMS if norms[n].modelopt),
     )

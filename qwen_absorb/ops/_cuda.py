@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -88,13 +89,15 @@ def nvrtc_options() -> tuple[str, ...]:
 
 
 def _get_kernel(filename: str, expr: str, device_index: int):
+    """The compiled kernel as a low-level cupy Function (its call takes the stream directly)."""
     key = (filename, expr, device_index)
     fn = _kernels.get(key)
     if fn is None:
         cp = _cupy
         with cp.cuda.Device(device_index):
             mod = cp.RawModule(code=kernel_source(filename), options=nvrtc_options(), name_expressions=[expr])
-            fn = mod.get_function(expr)
+            raw = mod.get_function(expr)
+            fn = raw.kernel  # compiles and loads the module now, before any graph capture
         log.debug("compiled %s for device %d", expr, device_index)
         _kernels[key] = fn
     return fn
@@ -104,16 +107,27 @@ def _stream(device_index: int):
     ptr = torch.cuda.current_stream(device_index).cuda_stream
     s = _streams.get((device_index, ptr))
     if s is None:
-        s = _cupy.cuda.ExternalStream(ptr, device_index)
+        with warnings.catch_warnings():  # CuPy 14 deprecates the name, not the behaviour
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _cupy.cuda.ExternalStream(ptr, device_index)
         _streams[(device_index, ptr)] = s
     return s
+
+
+_multi_gpu: list[bool] = []
 
 
 def _launch(filename: str, expr: str, device: torch.device, grid: int, block: int, args: tuple) -> None:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = _get_kernel(filename, expr, idx)
-    with _cupy.cuda.Device(idx), _stream(idx):
-        fn((grid,), (block,), args)
+    if not _multi_gpu:
+        _multi_gpu.append(torch.cuda.device_count() > 1)
+    if _multi_gpu[0]:
+        with _cupy.cuda.Device(idx):
+            fn((grid, 1, 1), (block, 1, 1), args, 0, _stream(idx))
+    else:
+        # One GPU: no device switch; the stream is passed to the launch, not made current.
+        fn((grid, 1, 1), (block, 1, 1), args, 0, _stream(idx))
 
 
 # ---- argument helpers ------------------------------------------------------------------------
