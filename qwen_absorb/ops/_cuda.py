@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -89,18 +90,18 @@ def nvrtc_options() -> tuple[str, ...]:
 
 
 def _get_kernel(filename: str, expr: str, device_index: int):
-    """The compiled kernel as a low-level cupy Function (its call takes the stream directly)."""
+    """(RawKernel, its low-level cupy Function), compiled and loaded (before any graph capture)."""
     key = (filename, expr, device_index)
-    fn = _kernels.get(key)
-    if fn is None:
+    k = _kernels.get(key)
+    if k is None:
         cp = _cupy
         with cp.cuda.Device(device_index):
             mod = cp.RawModule(code=kernel_source(filename), options=nvrtc_options(), name_expressions=[expr])
             raw = mod.get_function(expr)
-            fn = raw.kernel  # compiles and loads the module now, before any graph capture
+            k = (raw, raw.kernel)
         log.debug("compiled %s for device %d", expr, device_index)
-        _kernels[key] = fn
-    return fn
+        _kernels[key] = k
+    return k
 
 
 def _stream(device_index: int):
@@ -114,20 +115,20 @@ def _stream(device_index: int):
     return s
 
 
-_multi_gpu: list[bool] = []
+# "context": make torch's stream (and the device) current for CuPy and call the RawKernel;
+# "direct": pass the stream to the low-level Function call. Same launch; the host cost differs
+# (benchmarks/launch_overhead.py measures both on the GPU).
+LAUNCH_STYLE = os.environ.get("QWEN_ABSORB_LAUNCH_STYLE", "context")
 
 
 def _launch(filename: str, expr: str, device: torch.device, grid: int, block: int, args: tuple) -> None:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _get_kernel(filename, expr, idx)
-    if not _multi_gpu:
-        _multi_gpu.append(torch.cuda.device_count() > 1)
-    if _multi_gpu[0]:
-        with _cupy.cuda.Device(idx):
-            fn((grid, 1, 1), (block, 1, 1), args, 0, _stream(idx))
-    else:
-        # One GPU: no device switch; the stream is passed to the launch, not made current.
+    raw, fn = _get_kernel(filename, expr, idx)
+    if LAUNCH_STYLE == "direct":
         fn((grid, 1, 1), (block, 1, 1), args, 0, _stream(idx))
+    else:
+        with _cupy.cuda.Device(idx), _stream(idx):
+            raw((grid,), (block,), args)
 
 
 # ---- argument helpers ------------------------------------------------------------------------
