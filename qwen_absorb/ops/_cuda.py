@@ -118,7 +118,7 @@ def _stream(device_index: int):
 # "context": make torch's stream (and the device) current for CuPy and call the RawKernel;
 # "direct": pass the stream to the low-level Function call. Same launch; the host cost differs
 # (benchmarks/launch_overhead.py measures both on the GPU).
-LAUNCH_STYLE = os.environ.get("QWEN_ABSORB_LAUNCH_STYLE", "context")
+LAUNCH_STYLE = os.environ.get("QWEN_ABSORB_LAUNCH_STYLE", "direct")
 
 
 def _launch(filename: str, expr: str, device: torch.device, grid: int, block: int, args: tuple) -> None:
