@@ -141,32 +141,15 @@ __device__ __forceinline__ float2 qa_row_mean_rstd(QaWelford w, int D, float eps
   return make_float2(smem[0], smem[1]);
 }
 
-// LayerNorm output (no affine) before its rounding to T, as PyTorch computes it.
-template <int MODE>
-__device__ __forceinline__ float qa_ln_value(float v, float mean, float rstd) {
-  return MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v, mean)) : __fadd_rn(__fmul_rn(__fsub_rn(v, mean), rstd), 0.f);
+// LayerNorm output (no affine) rounded to T, as PyTorch writes it.
+template <int MODE, class T>
+__device__ __forceinline__ float qa_ln_out(float v, float mean, float rstd) {
+  return MODE == 0 ? qa_round<T>(__fmul_rn(rstd, __fsub_rn(v, mean)))
+                   : qa_round<T>(__fadd_rn(__fmul_rn(__fsub_rn(v, mean), rstd), 0.f));
 }
 
-// The modulated output of CH LayerNorm inputs: round(round(round(y) * round(1 + scale)) + shift),
-// diffusers' roundings; bf16/fp16 on packed pairs (exact, see common.cuh).
-template <class T, int MODE, int CH>
-__device__ __forceinline__ QaVec<typename T::storage, CH> qa_modulated(
-    const float (&v)[CH], float mean, float rstd, const QaVec<typename T::storage, CH>& sc,
-    const QaVec<typename T::storage, CH>& sh) {
-  QaVec<typename T::storage, CH> o;
-  if constexpr (T::kPacked && CH % 2 == 0) {
-#pragma unroll
-    for (int p = 0; p < CH / 2; ++p) {
-      const unsigned y = T::pack2(qa_ln_value<MODE>(v[2 * p], mean, rstd), qa_ln_value<MODE>(v[2 * p + 1], mean, rstd));
-      const unsigned t = T::add2(T::kOne2, qa_pair(sc, p));
-      qa_set_pair(o, p, T::add2(T::mul2(y, t), qa_pair(sh, p)));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float y = qa_round<T>(qa_ln_value<MODE>(v[i], mean, rstd));
-      o.v[i] = T::store(__fadd_rn(qa_mul<T>(y, qa_add<T>(1.f, T::load(sc.v[i]))), T::load(sh.v[i])));
-    }
-  }
-  return o;
+// x * (1 + scale) + shift with diffusers' roundings, stored as T (the store is the last rounding).
+template <class T>
+__device__ __forceinline__ typename T::storage qa_scale_shift_store(float y, float scale, float shift) {
+  return T::store(__fadd_rn(qa_mul<T>(y, qa_add<T>(1.f, scale)), shift));
 }

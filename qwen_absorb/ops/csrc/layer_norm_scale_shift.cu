@@ -63,16 +63,20 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
 #pragma unroll
   for (int k = 0; k < (NV > 0 ? NV : 1); ++k) {
     for (int c = tid + k * TH; c < nslots; c += (NV > 0 ? nslots : TH)) {
-      float t[CH];
+      float t[CH], sh[CH], sc[CH];
       if (NV > 0) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) t[i] = v[k][i];
       } else {
         qa_load<T, CH>(xr + c * CH, vx, t);
       }
-      const QaVec<S, CH> shv = qa_load_raw<T, CH>(shr + c * CH, vsh);
-      const QaVec<S, CH> scv = qa_load_raw<T, CH>(scr + c * CH, vsc);
-      qa_store_raw<T, CH>(outr + c * CH, vx, qa_modulated<T, MODE, CH>(t, mr.x, mr.y, scv, shv));
+      qa_load<T, CH>(shr + c * CH, vsh, sh);
+      qa_load<T, CH>(scr + c * CH, vsc, sc);
+      QaVec<S, CH> o;
+#pragma unroll
+      for (int i = 0; i < CH; ++i)
+        o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(t[i], mr.x, mr.y), sc[i], sh[i]);
+      qa_store_raw<T, CH>(outr + c * CH, vx, o);
     }
   }
 }
