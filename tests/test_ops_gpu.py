@@ -319,10 +319,13 @@ def test_launch_uses_current_stream():
         assert_bit_identical(a, b, "side stream")
 
 
-def test_print_layer_norm_agreement_summary():
-    """Not a check: records the LayerNorm-output agreement of the cases above in the log."""
+@pytest.fixture(scope="module", autouse=True)
+def _layer_norm_agreement_summary():
+    """Reports, at the end of the module, the LayerNorm-output agreement of the cases above (the
+    checks themselves are in the tests)."""
+    yield
     if not STATS:
-        pytest.skip("no stats collected")
+        return
     worst = min(s["identical"] for s in STATS)
     exact = sum(s["identical"] == 1.0 for s in STATS)
     print(f"\nLN-output agreement: {exact}/{len(STATS)} cases bit-identical; worst identical share {worst:.6f}; "
