@@ -132,10 +132,9 @@ def env_info():
 
 def sweep(l2, reps):
     """Times kernel build variants (compile-time knobs) on the large shapes; prints a table."""
-    from qwen_absorb.ops import _cuda
+    from qwen_absorb.ops import _runtime
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    base_opts = _cuda.nvrtc_options
     variants = {
         "layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
         "bias_residual_layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
@@ -149,14 +148,12 @@ def sweep(l2, reps):
             sets = make_sets(shape, k, gen)
             fn = globals()[f"fused_{op}"]
             for name, val in vs:
-                _cuda._kernels.clear()
-                _cuda.nvrtc_options = lambda n=name, v=val: (*base_opts(), f"-D{n}={v}")
+                _runtime.set_defines({name: val})
                 ms, _ = time_graph(lambda: [fn(*s) for s in sets], reps=reps)
                 out.append({"op": op, "shape": list(shape), "variant": f"{name}={val}", "us": ms * 1e3 / k})
                 print(f"sweep {op:38s} {str(shape):16s} {name}={val}: {ms * 1e3 / k:8.1f} us", flush=True)
             del sets
-    _cuda.nvrtc_options = base_opts
-    _cuda._kernels.clear()
+    _runtime.set_defines(None)
     return out
 
 

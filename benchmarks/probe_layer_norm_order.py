@@ -11,13 +11,11 @@ import sys
 
 import torch
 
-from qwen_absorb.ops import _cuda, layer_norm_scale_shift
+from qwen_absorb.ops import _runtime, layer_norm_scale_shift
 
-base_opts = _cuda.nvrtc_options
 results = {}
 for order in (0, 1):
-    _cuda._kernels.clear()
-    _cuda.nvrtc_options = lambda o=order: (*base_opts(), f"-DQA_WELFORD_MEAN_ORDER={o}")
+    _runtime.set_defines({"QA_WELFORD_MEAN_ORDER": order})
     row = {}
     for dtype in (torch.float32, torch.bfloat16):
         for D in (64, 3072, 3080, 5120):
@@ -29,7 +27,6 @@ for order in (0, 1):
             same = (got == want).float().mean().item()
             row[f"{str(dtype)[6:]}-D{D}"] = same
     results[f"order{order}"] = row
-_cuda.nvrtc_options = base_opts
-_cuda._kernels.clear()
+_runtime.set_defines(None)
 json.dump(results, sys.stdout, indent=1)
 print()

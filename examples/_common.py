@@ -6,15 +6,18 @@ only where the examples need something it does not offer.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import datetime as _dt
 import importlib
 import importlib.metadata as _md
+import inspect
 import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,19 +49,255 @@ SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """argparse ``type=``: an unknown name is an argument error (exit 2), not a crash."""
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise SystemExit(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu; anything else must parse and exist (ValueError says why)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: this torch sees no CUDA device (torch {torch.__version__})")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name!r} is not a device torch knows (e.g. auto, cpu, cuda, cuda:1)") from None
+    why = device_problem(dev)
+    if why:
+        raise ValueError(why)
     return dev
+
+
+def device_problem(dev: torch.device) -> str | None:
+    """Why ``dev`` cannot hold the example's tensors on this machine, or None."""
+    if dev.type == "cpu":
+        return None if dev.index in (None, 0) else f"{dev}: there is one CPU device, use cpu"
+    if dev.type == "meta":
+        return "meta tensors hold no data: nothing to generate or time"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"{dev}: this torch ({torch.__version__}) sees no CUDA device"
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            return f"{dev} does not exist: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}"
+        return None
+    try:  # other backends (mps, xpu, ...): can a tensor live there at all?
+        torch.empty(0, device=dev)
+    except Exception as e:
+        return f"{dev} is not usable here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def device_arg(name: str) -> torch.device:
+    """argparse ``type=`` for --device: parsed and checked to exist before any work (else exit 2)."""
+    try:
+        return resolve_device(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts that must be >= 1 (steps, layers, repeats, ...)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def multiple_of_16(text: str) -> int:
+    """Image sides: the pipelines pack 2x2 latent pixels of an 8x VAE, so one token is 16x16 pixels;
+    other sizes are silently rounded down by diffusers (to 0 below 16, which crashes)."""
+    value = positive_int(text)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 16, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {value}")
+    return value
+
+
+def file_tag(text: str) -> str:
+    """--tag becomes part of file names: no path separators (it would write elsewhere), not empty."""
+    if not text or any(c in text for c in "/\\\0") or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not usable in a file name")
+    return text
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Create ``path`` if needed and write a probe file into it: an unwritable --out is found before
+    minutes of work, not after. Returns why it is unusable, or None. (A real write, not os.access:
+    os.access says yes to root even on a read-only mount.)"""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {str(path)!r}: {e.strerror or e}"
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write_probe_")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write into {str(path)!r}: {e.strerror or e}"
+    return None
+
+
+_UMASK = os.umask(0o022)  # read the process umask (the only way is to set it) and put it back
+os.umask(_UMASK)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``: a reader
+    (or a run killed mid-write) sees the old complete file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared like any file
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def timings_are_speed(device: torch.device) -> bool:
+    """Only CUDA timings say anything about qwen_absorb's speed: elsewhere the kernels do not run, and
+    CPU wall-clock of these small runs swung from 0.07x to 21x between identical runs."""
+    return device.type == "cuda"
+
+
+CPU_TIMING_NOTE = ("not a speed measurement: the fused kernels need CUDA, and CPU wall-clock of these runs "
+                   "varies many-fold between identical runs")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options of qwen_absorb.patch that the examples expose
+
+
+def patch_options(args) -> dict:
+    """Keyword arguments for ``qwen_absorb.patch`` from --cuda-graph / --fp8-gemm.
+
+    Only non-default choices are passed, so the default path works with a qwen_absorb that predates
+    these options (it would raise TypeError for an unknown keyword).
+    """
+    kw = {}
+    if getattr(args, "cuda_graph", False):
+        kw["cuda_graph"] = True
+    fp8 = getattr(args, "fp8_gemm", "auto")
+    if fp8 != "auto":
+        kw["fp8_gemm"] = {"on": True, "off": False}[fp8]
+    return kw
+
+
+def patch_supports(name: str, patch_fn=None) -> bool:
+    """Whether ``qwen_absorb.patch`` (or ``patch_fn``) takes the keyword ``name``."""
+    fn = patch_fn or importlib.import_module("qwen_absorb").patch
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def unsupported_patch_options(kwargs: dict, patch_fn=None) -> str | None:
+    """A sentence naming the requested patch options this qwen_absorb lacks, or None."""
+    missing = [k for k in kwargs if not patch_supports(k, patch_fn)]
+    if not missing:
+        return None
+    return (f"this qwen_absorb's patch() has no {', '.join(f'{k}=' for k in missing)} option "
+            "(it predates it); update qwen_absorb or leave the switch at its default")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory needed by the full-size random transformer
+
+
+def _param_count(num_layers: int) -> int:
+    """Parameters of the full-size transformer with ``num_layers`` blocks, counted on the meta device."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = {**_testing().FULL_SIZE_CONFIG, "num_layers": num_layers}
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def full_size_params(num_layers: int) -> tuple[int, int]:
+    """(parameters outside the blocks, parameters per block) of ``qwen_absorb.testing.FULL_SIZE_CONFIG``:
+    about 40.5 M + 340 M per block, 20.4 B for 60 blocks. Built on meta: no memory, well under a second."""
+    outside = _param_count(0)
+    return outside, _param_count(1) - outside
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free for new tensors, where) on ``device``, or None where it cannot be told."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(idx)
+        return free, f"{device} ({torch.cuda.get_device_name(idx)}) has {free / 1e9:.1f} GB free"
+    if device.type == "cpu":
+        avail = _host_available_bytes()
+        return None if avail is None else (avail, f"this host has {avail / 1e9:.1f} GB of RAM available")
+    return None
+
+
+def _host_available_bytes() -> int | None:
+    try:  # Linux: MemAvailable counts reclaimable page cache, unlike the free pages sysconf reports
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+MEMORY_HEADROOM = 1.10  # activations, the VAE and ModelOpt's quantizer state on top of the weights
+
+
+def full_size_memory_problem(num_layers: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a full-size transformer of ``num_layers`` blocks in ``dtype`` will not fit on ``device``, or None.
+
+    Refusing up front beats an out-of-memory kill (or a swapping host) after minutes: 60 fp32 blocks are
+    ~82 GB of weights alone.
+    """
+    avail = available_memory(device)
+    if avail is None:
+        return None
+    free, where = avail
+    outside, per_block = full_size_params(num_layers)
+    size = dtype.itemsize
+    need = (outside + per_block * num_layers) * size
+    if need * MEMORY_HEADROOM <= free:
+        return None
+    fit = int((free / MEMORY_HEADROOM - outside * size) // (per_block * size))
+    hint = f"at most --num-layers {fit} fits" if fit >= 1 else "not even one layer fits"
+    return (f"the full-size transformer with {num_layers} layers in {SHORT_DTYPE.get(dtype, dtype)} needs about "
+            f"{need / 1e9:.1f} GB for its weights alone ({(outside + per_block * num_layers) / 1e9:.2f} B "
+            f"parameters x {size} bytes, {per_block * size / 1e9:.2f} GB per layer), plus about "
+            f"{(MEMORY_HEADROOM - 1) * 100:.0f}% for activations; {where}. {hint[0].upper() + hint[1:]} here; "
+            "use fewer --num-layers, a 2-byte --dtype, or a device with more memory")
 
 
 def synchronize(device: torch.device) -> None:
@@ -321,6 +560,24 @@ def kernels_note(report) -> str | None:
     )
 
 
+def fp8_gemm_count(report) -> int:
+    """Linears the patch runs as real FP8 GEMMs (entries ``{"path": ..., "fp8_gemm": True}`` anywhere in
+    ``report.to_dict()``); 0 for a qwen_absorb without the fp8_gemm option. Read from the report rather
+    than from the request: ``fp8_gemm=True`` still refuses a linear where it would be wrong or cannot run."""
+    def walk(node) -> int:
+        if isinstance(node, dict):
+            own = int(node.get("fp8_gemm") is True and "path" in node)
+            return own + sum(walk(v) for v in node.values())
+        if isinstance(node, (list, tuple)):
+            return sum(walk(v) for v in node)
+        return 0
+
+    try:
+        return walk(report.to_dict())
+    except Exception:  # a report that cannot serialise says nothing either way
+        return 0
+
+
 def runtime_fallbacks(report) -> dict:
     fb = getattr(report, "runtime_fallbacks", None)
     return {str(k): int(v) for k, v in dict(fb or {}).items()}
@@ -385,10 +642,11 @@ def fmt_psnr(v: float) -> str:
 
 
 def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: float | None = None,
-                     min_panel: int = 256, max_panel: int = 512) -> float:
-    """Save unpatched | patched | amplified |difference| of the first image, with a caption below.
+                     min_panel: int = 256, max_panel: int = 512,
+                     titles: tuple[str, str] = ("unpatched", "patched (qwen_absorb)")) -> float:
+    """Save ref | test | amplified |difference| of the first image, with a caption below.
 
-    Returns the amplification factor used.
+    ``titles`` name the first two panels. Returns the amplification factor used.
     """
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
@@ -413,8 +671,7 @@ def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: f
     pw, ph = panels[0].size
     gap = 8
     font = _font(max(14, (3 * pw) // 60))
-    titles = ["unpatched", "patched (qwen_absorb)",
-              "identical (difference is zero)" if dmax == 0 else f"|difference| x {amplify:.3g}"]
+    titles = [*titles, "identical (difference is zero)" if dmax == 0 else f"|difference| x {amplify:.3g}"]
     fsize = max(14, (3 * pw) // 60)
     line_h = fsize + 6
     width = 3 * pw + 4 * gap
@@ -431,7 +688,9 @@ def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: f
         draw.text((gap, y), ln, fill=(0, 0, 0), font=font)
         y += line_h
     path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # atomic, as write_atomic: never a truncated PNG
+    canvas.save(tmp, format="PNG")
+    os.replace(tmp, path)
     return amplify
 
 

@@ -7,15 +7,23 @@
 
 Default: an embedded tiny random pipeline (tiny transformer, tiny VAE, precomputed prompt embeddings, no
 text encoder). ``--size full`` swaps in a full-width random transformer (hidden 3072, 24 heads of 128; the
-real model has 60 layers, ``--num-layers`` keeps it quick). ``--model`` loads real weights.
+real model has 60 layers, ``--num-layers`` keeps it quick; a size that the device cannot hold is refused up
+front with the memory it needs). ``--model`` loads real weights.
 
 It prints the PatchReport, the difference (max abs, PSNR, SSIM from scikit-image) and the timings, and
 writes DIR/side_by_side_<tag>.png (unpatched | patched | amplified difference, with a caption) and
-DIR/results_<tag>.json.
+DIR/results_<tag>.json. Timings are speed measurements on CUDA only; elsewhere they are printed as plain
+wall-clock, labelled "not a speed measurement", without a speed ratio.
+
+``--quant fp8 --three-way`` (the default for --quant fp8 on CUDA) compares three runs: the unquantized
+model, ModelOpt FP8 fake quantization (unpatched) and qwen_absorb's real FP8 GEMMs (patched with
+fp8_gemm=True), with PSNR/SSIM between each pair and the timings of each.
 
 Exit codes: 0 the outputs agree (exactly where the contract promises it, else within --min-psnr and
---min-ssim) and unpatch restored the original output; 1 they do not; 3 the requested configuration cannot
-run on this device (e.g. NVFP4 fake quantization needs CUDA); 4 an unexpected error (traceback printed).
+--min-ssim) and unpatch restored the original output; 1 they do not; 2 bad arguments (checked before any
+work); 3 the requested configuration cannot run here (NVFP4 fake quantization needs CUDA, the model does
+not fit in the device's memory, a patch option this qwen_absorb lacks); 4 an unexpected error (traceback
+printed).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
 
-EXIT_OK, EXIT_MISMATCH, EXIT_UNSUPPORTED, EXIT_ERROR = 0, 1, 3, 4
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_ARGS, EXIT_UNSUPPORTED, EXIT_ERROR = 0, 1, 2, 3, 4
 
 DEFAULTS = {  # size -> (height, width, steps)
     "tiny": (64, 64, 4),
@@ -43,45 +51,86 @@ DEFAULTS = {  # size -> (height, width, steps)
     "model": (1024, 1024, 20),
 }
 
+# The second and third run of --three-way (the first is the unquantized model)
+FAKE_FP8 = "ModelOpt FP8 fake quant (unpatched)"
+REAL_FP8 = "qwen_absorb real FP8 (patched, fp8_gemm=True)"
+PANEL_TITLES = {"fake": "FP8 fake quant (ModelOpt)", "real": "real FP8 (qwen_absorb)"}  # fit a 256 px panel
 
-def parse_args(argv=None):
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="load real weights with DiffusionPipeline.from_pretrained (a folder, or a hub id)")
     p.add_argument("--size", choices=("tiny", "full"), default="tiny",
                    help="random pipeline to build when --model is not given (default tiny)")
-    p.add_argument("--num-layers", type=int, default=60, help="layers of the --size full transformer (default 60)")
+    p.add_argument("--num-layers", type=C.positive_int, default=60,
+                   help="layers of the --size full transformer (default 60)")
     p.add_argument("--quant", choices=C.QUANT_FORMATS, default="none",
                    help="quantize the transformer with ModelOpt (mtq.quantize + calibration) first")
-    p.add_argument("--calib-steps", type=int, default=2, help="denoising steps per calibration prompt")
-    p.add_argument("--calib-prompts", type=int, default=2, help="calibration prompts (pipeline calls)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: tiny 4, full 8, model 20)")
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--calib-steps", type=C.positive_int, default=2, help="denoising steps per calibration prompt")
+    p.add_argument("--calib-prompts", type=C.positive_int, default=2, help="calibration prompts (pipeline calls)")
+    p.add_argument("--device", type=C.device_arg, default="auto",
+                   help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", type=C.parse_dtype, default=None,
+                   help="float32|bfloat16|float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--steps", type=C.positive_int, default=None,
+                   help="denoising steps (default: tiny 4, full 8, model 20)")
+    p.add_argument("--height", type=C.multiple_of_16, default=None, help="image height, a multiple of 16")
+    p.add_argument("--width", type=C.multiple_of_16, default=None, help="image width, a multiple of 16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="A watercolor painting of a lighthouse at dawn",
                    help="prompt for --model (the random pipelines use random prompt embeddings)")
     p.add_argument("--image", default=None, metavar="PATH",
                    help="input image for --model pipelines that take one (Edit, EditPlus, Img2Img, ...)")
-    p.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale (default 4.0: two transformer calls per step)")
+    p.add_argument("--cfg", type=C.finite_float, default=4.0,
+                   help="true_cfg_scale (default 4.0: two transformer calls per step)")
     p.add_argument("--defer-bias", choices=("auto", "true", "false"), default="auto",
                    help="qwen_absorb.patch(defer_bias=...) (default auto)")
     p.add_argument("--force-reference", action="store_true",
                    help="patch with force_reference=True: the patched blocks use the torch references")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per variant before timing (default 1)")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the median is reported)")
-    p.add_argument("--min-psnr", type=float, default=30.0,
+    p.add_argument("--cuda-graph", action="store_true", help="qwen_absorb.patch(cuda_graph=True)")
+    p.add_argument("--fp8-gemm", choices=("auto", "on", "off"), default="auto",
+                   help="qwen_absorb.patch(fp8_gemm=\"auto\"|True|False): real FP8 GEMMs for ModelOpt FP8 linears "
+                        "(default auto: passed only when set)")
+    p.add_argument("--three-way", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --quant fp8: compare unquantized, ModelOpt FP8 fake quant and qwen_absorb real FP8 "
+                        "(fp8_gemm=True) (default: on for --quant fp8 on CUDA)")
+    p.add_argument("--warmup", type=C.nonnegative_int, default=1,
+                   help="untimed runs per variant before timing (default 1)")
+    p.add_argument("--repeats", type=C.positive_int, default=1,
+                   help="timed runs per variant (the median is reported)")
+    p.add_argument("--min-psnr", type=C.finite_float, default=30.0,
                    help="pass threshold in dB where outputs are not promised bit-identical (default 30)")
-    p.add_argument("--min-ssim", type=float, default=0.95, help="pass threshold for SSIM (default 0.95)")
+    p.add_argument("--min-ssim", type=C.finite_float, default=0.95, help="pass threshold for SSIM (default 0.95)")
     p.add_argument("--skip-unpatch-check", action="store_true",
                    help="do not re-run after qwen_absorb.unpatch() to check the original output comes back")
-    p.add_argument("--out", default="compare_outputs", metavar="DIR", help="output folder (default ./compare_outputs)")
-    p.add_argument("--tag", default=None, help="file name tag (default derived from the configuration)")
+    p.add_argument("--out", default="compare_outputs", metavar="DIR",
+                   help="output folder (default ./compare_outputs); created and checked writable before any work")
+    p.add_argument("--tag", type=C.file_tag, default=None,
+                   help="file name tag (default derived from the configuration)")
     p.add_argument("-v", "--verbose", action="store_true", help="log qwen_absorb's decisions (logger 'qwen_absorb')")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """Parse and check every argument; a bad one exits 2 (argparse) before anything is built."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.image and not args.model:
+        p.error("--image is for --model pipelines that take an input image; the random pipelines ignore it")
+    if args.image and not Path(args.image).is_file():
+        p.error(f"--image {args.image}: no such file")
+    if args.three_way and args.quant != "fp8":
+        p.error("--three-way compares unquantized, ModelOpt FP8 fake quant and qwen_absorb real FP8: it needs --quant fp8")
+    if args.three_way and args.fp8_gemm == "off":
+        p.error("--three-way patches with fp8_gemm=True; it contradicts --fp8-gemm off")
+    if args.dtype is None:
+        args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    why = C.writable_dir_problem(Path(args.out))  # last: it creates the folder
+    if why:
+        p.error(f"--out: {why}")
+    return args
 
 
 class Unsupported(Exception):
@@ -91,21 +140,20 @@ class Unsupported(Exception):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    device = C.resolve_device(args.device)
-    dtype = C.parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = args.device, args.dtype
     size = "model" if args.model else args.size
     h0, w0, s0 = DEFAULTS[size]
-    height, width, steps = args.height or h0, args.width or w0, args.steps or s0
-    warmup = args.warmup
+    # "is None", not "or": an explicit value is never replaced by the default
+    height = h0 if args.height is None else args.height
+    width = w0 if args.width is None else args.width
+    steps = s0 if args.steps is None else args.steps
     from diffusers.utils import logging as dlogging
 
     verbosity = dlogging.get_verbosity()
     if not args.verbose:
         dlogging.set_verbosity_error()
-    tag = args.tag or "_".join(
-        [size if not args.model else "model", *([f"{args.num_layers}l"] if size == "full" else []),
-         args.quant, C.SHORT_DTYPE[dtype], device.type, f"{height}x{width}"])
     out_dir = Path(args.out)
+    tag = args.tag or default_tag(args, size, dtype, device, height, width)
     png_path, json_path = out_dir / f"side_by_side_{tag}.png", out_dir / f"results_{tag}.json"
     results = {
         "status": "error",
@@ -114,7 +162,8 @@ def main(argv=None) -> int:
             "quant": args.quant, "device": str(device), "dtype": str(dtype), "steps": steps,
             "height": height, "width": width, "seed": args.seed, "true_cfg_scale": args.cfg,
             "defer_bias": args.defer_bias, "force_reference": args.force_reference,
-            "warmup": warmup, "repeats": args.repeats,
+            "cuda_graph": args.cuda_graph, "fp8_gemm": args.fp8_gemm,
+            "warmup": args.warmup, "repeats": args.repeats,
         },
         "environment": C.environment(device),
     }
@@ -122,7 +171,9 @@ def main(argv=None) -> int:
           f"{height}x{width}, {steps} steps, seed {args.seed}")
     code = EXIT_ERROR
     try:
-        code = run(args, device, dtype, size, height, width, steps, warmup, results, png_path)
+        preflight(args, device, dtype, size)
+        results["config"]["three_way"] = args.three_way
+        code = run(args, device, dtype, size, height, width, steps, results, png_path)
     except Unsupported as e:
         results["status"] = "unsupported"
         results["error"] = str(e)
@@ -136,10 +187,55 @@ def main(argv=None) -> int:
         code = EXIT_ERROR
     finally:
         dlogging.set_verbosity(verbosity)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(C.json_safe(results), indent=2) + "\n")
+    C.write_atomic(json_path, json.dumps(C.json_safe(results), indent=2) + "\n")
     print(f"wrote {json_path}")
     return code
+
+
+def default_tag(args, size, dtype, device, height, width) -> str:
+    parts = [size, *([f"{args.num_layers}l"] if size == "full" else []), args.quant, C.SHORT_DTYPE[dtype],
+             device.type, f"{height}x{width}"]
+    # non-default patch options get their own files instead of overwriting the default run's
+    if args.fp8_gemm != "auto":
+        parts.append(f"fp8gemm-{args.fp8_gemm}")
+    if args.cuda_graph:
+        parts.append("cudagraph")
+    return "_".join(parts)
+
+
+def preflight(args, device, dtype, size) -> None:
+    """Everything that can refuse the run on this machine, checked before anything is built (Unsupported)."""
+    why = C.quant_unavailable_reason(args.quant, device)
+    if why:
+        raise Unsupported(f"--quant {args.quant} on {device}: {why}")
+    if size == "full":
+        why = C.full_size_memory_problem(args.num_layers, dtype, device)
+        if why:
+            raise Unsupported(f"--size full on {device}: {why}")
+    resolve_three_way(args, device)
+    why = C.unsupported_patch_options(patch_kwargs(args), qwen_absorb.patch)
+    if why:
+        raise Unsupported(why)
+
+
+def resolve_three_way(args, device) -> None:
+    """--three-way defaults to on for --quant fp8 on CUDA, where this qwen_absorb has fp8_gemm."""
+    if args.three_way is not None:
+        return
+    wanted = args.quant == "fp8" and device.type == "cuda" and args.fp8_gemm != "off"
+    if wanted and not C.patch_supports("fp8_gemm", qwen_absorb.patch):
+        print("note: the three-way comparison (unquantized / fake quant / real FP8) is off: this qwen_absorb's "
+              "patch() has no fp8_gemm option")
+        wanted = False
+    args.three_way = wanted
+
+
+def patch_kwargs(args) -> dict:
+    kw = {"defer_bias": {"auto": "auto", "true": True, "false": False}[args.defer_bias],
+          "force_reference": args.force_reference, **C.patch_options(args)}
+    if args.three_way:
+        kw["fp8_gemm"] = True  # the third leg is qwen_absorb's real FP8 path, by definition
+    return kw
 
 
 def build(args, device, dtype, size):
@@ -175,14 +271,53 @@ def build(args, device, dtype, size):
     return pipe, call_kwargs, calib_kwargs
 
 
-def run(args, device, dtype, size, height, width, steps, warmup, results, png_path) -> int:
+class Runner:
+    """Generates with fixed noise and times warm-up + repeats of one pipeline state."""
+
+    def __init__(self, pipe, call_kwargs, args, device, height, width, steps):
+        self.pipe, self.call_kwargs, self.args, self.device = pipe, call_kwargs, args, device
+        self.height, self.width, self.steps = height, width, steps
+        self.quiet = C.disable_tqdm_if_not_tty()
+
+    def generate(self, kwargs=None, n_steps=None):
+        gen = torch.Generator("cpu").manual_seed(self.args.seed)
+        with torch.inference_mode():
+            out = self.pipe(**(kwargs or self.call_kwargs), height=self.height, width=self.width,
+                            num_inference_steps=n_steps or self.steps, generator=gen, output_type="pt")
+        return out.images
+
+    def timed(self, label):
+        from tqdm.auto import tqdm
+
+        warmup = self.args.warmup
+        for _ in tqdm(range(warmup), desc=f"warm-up {label}", disable=self.quiet or warmup == 0):
+            self.generate()
+        images, secs = None, []
+        for _ in tqdm(range(self.args.repeats), desc=label, disable=self.quiet):
+            with C.Timer(self.device) as t:
+                img = self.generate()
+            secs.append(t.seconds)
+            images = img if images is None else images
+        return images, secs
+
+
+def quantize(runner, calib_kwargs, args, device, results) -> None:
     from tqdm.auto import tqdm
 
-    quiet = C.disable_tqdm_if_not_tty()
-    why = C.quant_unavailable_reason(args.quant, device)
-    if why:
-        raise Unsupported(f"--quant {args.quant} on {device}: {why}")
+    def forward_loop(model):
+        for i in tqdm(range(args.calib_prompts), desc=f"calibrating {args.quant}", disable=runner.quiet):
+            runner.generate(calib_kwargs(i), n_steps=args.calib_steps)
 
+    try:
+        qinfo = C.quantize_transformer(runner.pipe.transformer, args.quant, forward_loop)
+    except AssertionError as e:
+        raise Unsupported(f"ModelOpt could not quantize to {args.quant} on {device}: {e}") from e
+    print(f"quantized the transformer with ModelOpt {qinfo['config']}: {qinfo['quantized_linears']} linears "
+          f"with an enabled weight quantizer, calibration {qinfo['calibration_s']:.1f} s")
+    results["quantization"] = qinfo
+
+
+def run(args, device, dtype, size, height, width, steps, results, png_path) -> int:
     with C.Timer(device) as t_build:
         pipe, call_kwargs, calib_kwargs = build(args, device, dtype, size)
     pipe.set_progress_bar_config(disable=True)
@@ -193,78 +328,72 @@ def run(args, device, dtype, size, height, width, steps, warmup, results, png_pa
           f"{n_params / 1e6:.1f} M parameters")
     results["config"]["pipeline"] = type(pipe).__name__
     results["config"]["transformer_layers"] = pipe.transformer.config.num_layers
+    runner = Runner(pipe, call_kwargs, args, device, height, width, steps)
 
-    def generate(kwargs=None, n_steps=steps):
-        gen = torch.Generator("cpu").manual_seed(args.seed)
-        with torch.inference_mode():
-            out = pipe(**(kwargs or call_kwargs), height=height, width=width, num_inference_steps=n_steps,
-                       generator=gen, output_type="pt")
-        return out.images
-
+    images, times = {}, {}
+    if args.three_way:  # before quantizing: mtq.quantize changes the model in place
+        images["unquantized"], times["unquantized"] = runner.timed(f"unquantized {C.SHORT_DTYPE[dtype]}")
     if args.quant != "none":
-        def forward_loop(model):
-            for i in tqdm(range(args.calib_prompts), desc=f"calibrating {args.quant}", disable=quiet):
-                generate(calib_kwargs(i), n_steps=args.calib_steps)
+        quantize(runner, calib_kwargs, args, device, results)
+    images["unpatched"], times["unpatched"] = runner.timed("unpatched")
 
-        try:
-            qinfo = C.quantize_transformer(pipe.transformer, args.quant, forward_loop)
-        except AssertionError as e:
-            raise Unsupported(f"ModelOpt could not quantize to {args.quant} on {device}: {e}") from e
-        print(f"quantized the transformer with ModelOpt {qinfo['config']}: {qinfo['quantized_linears']} linears "
-              f"with an enabled weight quantizer, calibration {qinfo['calibration_s']:.1f} s")
-        results["quantization"] = qinfo
-
-    def timed(label):
-        for _ in tqdm(range(warmup), desc=f"warm-up {label}", disable=quiet or warmup == 0):
-            generate()
-        images, secs = None, []
-        for _ in tqdm(range(args.repeats), desc=f"{label}", disable=quiet):
-            with C.Timer(device) as t:
-                img = generate()
-            secs.append(t.seconds)
-            images = img if images is None else images
-        return images, secs
-
-    ref_images, t_ref = timed("unpatched")
-
-    report = qwen_absorb.patch(pipe, defer_bias={"auto": "auto", "true": True, "false": False}[args.defer_bias],
-                               force_reference=args.force_reference)
+    report = qwen_absorb.patch(pipe, **patch_kwargs(args))
     print("\n" + str(report) + "\n")
     note = C.kernels_note(report)
     if note:
         print(note + "\n")
-    patched_images, t_patched = timed("patched")
-
-    results["report"] = C.report_dict(report)
-    results["kernels_available"] = bool(getattr(report, "kernels_available", False))
-    results["kernel_unavailable_reasons"] = list(getattr(report, "kernel_unavailable_reasons", []) or [])
-    results["runtime_fallbacks"] = C.runtime_fallbacks(report)
-    deferred = deferred_bias_count(report)
-    results["deferred_biases"] = deferred
+    images["patched"], times["patched"] = runner.timed("patched")
+    record_report(results, report)
 
     unpatch_ok = None
     if not args.skip_unpatch_check:
         qwen_absorb.unpatch(pipe)
-        again = generate()
-        unpatch_ok = bool(torch.equal(again, ref_images))
+        unpatch_ok = bool(torch.equal(runner.generate(), images["unpatched"]))
         results["unpatch_restores_output"] = unpatch_ok
 
-    ref, test = C.to_hwc(ref_images), C.to_hwc(patched_images)
-    m = C.image_metrics(ref, test)
+    arrays = {k: C.to_hwc(v) for k, v in images.items()}
+    m = C.image_metrics(arrays["unpatched"], arrays["patched"])
     results["metrics"] = m
-    med_ref, med_pat = statistics.median(t_ref), statistics.median(t_patched)
-    results["timings_s"] = {"unpatched": t_ref, "patched": t_patched, "unpatched_median": med_ref,
-                            "patched_median": med_pat, "speedup": med_ref / med_pat if med_pat > 0 else None,
-                            "build": t_build.seconds}
+    results["timings_s"] = timings(times, device, t_build.seconds)
+    if args.three_way:
+        results["three_way"] = three_way(arrays, times, dtype)
+    failures, criterion, ok = judge(args, results, m, unpatch_ok)
 
-    # What the contract promises: with no fused kernel and no deferred bias, the patched blocks run the
-    # diffusers expressions themselves, so the images must be bit-identical. Otherwise the fused
-    # LayerNorm outputs may differ by 1 ulp on a few elements (and a deferred bias moves one rounding
-    # point), which the denoising loop propagates: judge by PSNR/SSIM.
-    exact_expected = (not results["kernels_available"] or args.force_reference) and deferred == 0
+    print_metrics(m, criterion, ok, unpatch_ok, results["runtime_fallbacks"])
+    if args.three_way:
+        print_three_way(results["three_way"])
+    print(timing_line(results["timings_s"], steps, args, device, dtype))
+    write_pngs(args, results, arrays, png_path, size, dtype, height, width, steps, failures, criterion)
+    if failures:
+        print("\nFAIL: " + "; ".join(failures), file=sys.stderr)
+        return EXIT_MISMATCH
+    print("\nPASS")
+    return EXIT_OK
+
+
+def record_report(results, report) -> None:
+    results["report"] = C.report_dict(report)
+    results["kernels_available"] = bool(getattr(report, "kernels_available", False))
+    results["kernel_unavailable_reasons"] = list(getattr(report, "kernel_unavailable_reasons", []) or [])
+    results["runtime_fallbacks"] = C.runtime_fallbacks(report)
+    results["deferred_biases"] = deferred_bias_count(report)
+    results["fp8_gemms"] = C.fp8_gemm_count(report)
+
+
+def judge(args, results, m, unpatch_ok):
+    """(failures, criterion, ok) for patched vs unpatched and the unpatch check.
+
+    What the contract promises: with no fused kernel, no deferred bias and no real FP8 GEMM, the patched
+    blocks run the diffusers expressions themselves, so the images must be bit-identical. Otherwise the
+    fused LayerNorm outputs may differ by 1 ulp on a few elements, a deferred bias moves one rounding
+    point and a real FP8 GEMM accumulates differently from ModelOpt's fake quantization, all of which
+    the denoising loop propagates: judge by PSNR/SSIM.
+    """
+    exact_expected = ((not results["kernels_available"] or args.force_reference)
+                      and results["deferred_biases"] == 0 and results["fp8_gemms"] == 0)
     if exact_expected:
         ok = m["identical"]
-        criterion = "bit-identical (no fused kernel ran and no bias was deferred)"
+        criterion = "bit-identical (no fused kernel ran, no bias was deferred, no real FP8 GEMM)"
     else:
         ok = m["identical"] or (m["psnr_db"] >= args.min_psnr and m["ssim"] >= args.min_ssim)
         criterion = f"PSNR >= {args.min_psnr} dB and SSIM >= {args.min_ssim}"
@@ -276,7 +405,34 @@ def run(args, device, dtype, size, height, width, steps, warmup, results, png_pa
     results["criterion"] = criterion
     results["failures"] = failures
     results["status"] = "pass" if not failures else "fail"
+    return failures, criterion, ok
 
+
+def timings(times, device, build_s) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {**times, **{f"{k}_median": v for k, v in med.items()}, "build": build_s,
+           "speed_measurement": C.timings_are_speed(device)}
+    if C.timings_are_speed(device):
+        out["speedup"] = med["unpatched"] / med["patched"] if med["patched"] > 0 else None
+    else:  # a ratio of CPU wall-clock would read as a speed-up; it is not one
+        out["speedup"] = None
+        out["note"] = C.CPU_TIMING_NOTE
+    return out
+
+
+def three_way(arrays, times, dtype) -> dict:
+    """PSNR/SSIM between each pair of the three runs; the pass criterion stays fake vs real FP8."""
+    names = {"unquantized": f"unquantized ({C.SHORT_DTYPE[dtype]})", "unpatched": FAKE_FP8, "patched": REAL_FP8}
+    pairs = (("unquantized", "unpatched"), ("unquantized", "patched"), ("unpatched", "patched"))
+    keys = {"unquantized": "unquantized", "unpatched": "fake_fp8", "patched": "real_fp8"}
+    return {
+        "legs": {keys[k]: v for k, v in names.items()},
+        "metrics": {f"{keys[a]}_vs_{keys[b]}": C.image_metrics(arrays[a], arrays[b]) for a, b in pairs},
+        "median_s": {keys[k]: statistics.median(times[k]) for k in names},
+    }
+
+
+def print_metrics(m, criterion, ok, unpatch_ok, fallbacks) -> None:
     print("difference, patched vs unpatched (images in [0, 1]):")
     print(f"  identical: {m['identical']}   max abs: {m['max_abs']:.3g}   mean abs: {m['mean_abs']:.3g}   "
           f"PSNR: {C.fmt_psnr(m['psnr_db'])}   SSIM: {m['ssim']:.5f}   "
@@ -284,34 +440,62 @@ def run(args, device, dtype, size, height, width, steps, warmup, results, png_pa
     print(f"  criterion: {criterion} -> {'OK' if ok else 'FAIL'}")
     if unpatch_ok is not None:
         print(f"  unpatch restores the original output bit for bit: {unpatch_ok}")
-    fb = results["runtime_fallbacks"]
-    if fb:
-        print("  runtime fallbacks: " + ", ".join(f"{k}: {v}" for k, v in fb.items()))
-    print(f"timings (pipeline call, {steps} steps, median of {args.repeats}, {warmup} warm-up): "
-          f"unpatched {med_ref:.3f} s, patched {med_pat:.3f} s"
-          + (f" ({med_ref / med_pat:.2f}x)" if med_pat > 0 else ""))
+    if fallbacks:
+        print("  runtime fallbacks: " + ", ".join(f"{k}: {v}" for k, v in fallbacks.items()))
 
-    env = results["environment"]
+
+def print_three_way(tw) -> None:
+    legs = tw["legs"]
+    print("three-way comparison:")
+    for pair, m in tw["metrics"].items():
+        a, b = pair.split("_vs_")
+        print(f"  {legs[a]} vs {legs[b]}: PSNR {C.fmt_psnr(m['psnr_db'])}, SSIM {m['ssim']:.5f}, "
+              f"max abs {m['max_abs']:.3g}")
+
+
+def timing_line(t, steps, args, device, dtype) -> str:
+    what = f"pipeline call, {steps} steps, median of {args.repeats}, {args.warmup} warm-up"
+    if "unquantized" in t:  # three-way
+        legs = [(f"unquantized {C.SHORT_DTYPE[dtype]}", "unquantized"), ("FP8 fake quant (unpatched)", "unpatched"),
+                ("real FP8 (patched)", "patched")]
+    else:
+        legs = [("unpatched", "unpatched"), ("patched", "patched")]
+    times = ", ".join(f"{label} {t[f'{k}_median']:.3f} s" for label, k in legs)
+    if not t["speed_measurement"]:
+        return f"timings ({what}; {device} wall-clock): {times}\n  {device} timings are {C.CPU_TIMING_NOTE}"
+    ratio = f" (patched {t['speedup']:.2f}x unpatched)" if t.get("speedup") else ""
+    return f"timings ({what}): {times}{ratio}"
+
+
+def write_pngs(args, results, arrays, png_path, size, dtype, height, width, steps, failures, criterion) -> None:
+    env, m, t = results["environment"], results["metrics"], results["timings_s"]
     where = env["gpu"] or f"CPU ({env.get('cpu_threads')} threads)"
+    kernels = "yes" if results["kernels_available"] else "no (" + "; ".join(results["kernel_unavailable_reasons"]) + ")"
+    clock = "" if t["speed_measurement"] else " (CPU wall-clock, not a speed measurement)"
     caption = [
         f"qwen_absorb compare_outputs | {size} pipeline ({results['config']['transformer_layers']} layers), "
         f"quant={args.quant}, {C.SHORT_DTYPE[dtype]}, {height}x{width}, {steps} steps, seed {args.seed}, "
         f"{where}, {env['date']}",
-        f"fused CUDA kernels: {'yes' if results['kernels_available'] else 'no (' + '; '.join(results['kernel_unavailable_reasons']) + ')'}"
-        f" | deferred biases: {deferred}",
+        f"fused CUDA kernels: {kernels} | deferred biases: {results['deferred_biases']} | "
+        f"real FP8 GEMMs: {results['fp8_gemms']}",
         f"max abs diff {m['max_abs']:.3g}, PSNR {C.fmt_psnr(m['psnr_db'])}, SSIM {m['ssim']:.5f} -> "
         f"{'PASS' if not failures else 'FAIL'} ({criterion})",
-        f"time per pipeline call: unpatched {med_ref:.3f} s, patched {med_pat:.3f} s",
+        f"time per pipeline call{clock}: unpatched {t['unpatched_median']:.3f} s, patched {t['patched_median']:.3f} s",
     ]
-    amp = C.side_by_side_png(ref, test, png_path, caption)
+    titles = (PANEL_TITLES["fake"], PANEL_TITLES["real"]) if args.three_way else ("unpatched", "patched (qwen_absorb)")
+    results["difference_amplification"] = C.side_by_side_png(
+        arrays["unpatched"], arrays["patched"], png_path, caption, titles=titles)
     results["png"] = str(png_path)
-    results["difference_amplification"] = amp
     print(f"wrote {png_path}")
-    if failures:
-        print("\nFAIL: " + "; ".join(failures), file=sys.stderr)
-        return EXIT_MISMATCH
-    print("\nPASS")
-    return EXIT_OK
+    if args.three_way:
+        path = png_path.with_name(png_path.stem + "_vs_unquantized.png")
+        mq = results["three_way"]["metrics"]["unquantized_vs_real_fp8"]
+        caption = caption[:1] + [f"unquantized vs qwen_absorb real FP8: max abs diff {mq['max_abs']:.3g}, "
+                                 f"PSNR {C.fmt_psnr(mq['psnr_db'])}, SSIM {mq['ssim']:.5f} (informational)"]
+        C.side_by_side_png(arrays["unquantized"], arrays["patched"], path, caption,
+                           titles=(f"unquantized ({C.SHORT_DTYPE[dtype]})", PANEL_TITLES["real"]))
+        results["png_vs_unquantized"] = str(path)
+        print(f"wrote {path}")
 
 
 def deferred_bias_count(report) -> int:

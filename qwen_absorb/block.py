@@ -1,112 +1,142 @@
-"""The patched ``QwenImageTransformerBlock.forward``: same math, fused elementwise sites.
+"""The patched ``QwenImageTransformerBlock.forward``: the block's math, through the fused ops.
 
-Per stream: norm1 + modulate -> ``layer_norm_scale_shift``; attention residual + norm2 + modulate
--> ``bias_residual_layer_norm_scale_shift``; FFN residual -> ``bias_gate_residual``. Everything that
-can be decided once (norm eps, which sites fuse, which biases are deferred) is decided at patch time
-in a :class:`BlockPlan`; a call only checks what can change between calls (dtypes, devices, shapes,
-whether a ModelOpt norm quantizer is enabled, grad mode).
+The forward is one module-level function bound to the block by :class:`PatchedForward` (a small
+picklable, deep-copyable callable); everything it decides by is the block's own
+:class:`~qwen_absorb.plan.BlockPlan` (``block._qwen_absorb_plan``), and every module it calls is
+looked up on the block at call time. Whatever the plan cannot vouch for in this call (grad
+enabled, modules replaced or converted since patching, a ModelOpt calibration running) runs
+diffusers' original forward, counted in the report.
 
-A site that cannot take the fused path for a call runs the diffusers expression for that site,
-with a deferred bias added as the separate add ``x + bias`` (what the ops' references do), and the
-reason is counted in the report's ``runtime_fallbacks``.
+Deferred biases of linears that still run as their modules (ModelOpt fake quant, NVFP4): the bias
+``Parameter`` never moves (so ``state_dict``, ``.to()`` and offload hooks see it); only while the
+block calls the attention / FFN does an instance-``__dict__`` entry ``bias = None`` shadow it for
+attribute lookup (``F.linear``, ModelOpt's GEMMs and PEFT read ``self.bias``). The shadowing runs
+under the plan's lock, so concurrent calls of one model from several threads are serialised there
+instead of dropping or doubling biases. A bias still on the meta device before its GEMM (accelerate
+leaf offload) is not shadowed for that call: its GEMM adds it, as unpatched.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import ops
-from .ops.fp8 import modelopt_not_supported_reasons
-from .quant import quantizer_enabled
+from . import attention
+from .parallel import local_view, tp_defer_refusals
+from .ops import _validate
+from .ops.bias_gate_residual import bias_gate_residual_reference
+from .ops.bias_gate_residual import launch as bgr_launch
+from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
+from .ops.bias_residual_layer_norm_scale_shift import launch as brln_launch
+from .ops.layer_norm_scale_shift import launch as lnss_launch
+from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
+from .ops.quantize_fp8 import launch as qf8_launch
+from .plan import PLAN_ATTR, BlockPlan
+from .projection import fp8_linear
+from .quant import quantizer_enabled, unwrap_peft
+from .sites import resolve
 
-_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+_SUPPORTED = _validate.SUPPORTED_DTYPES
 
 
-# ---------------------------------------------------------------------------- deferred biases
+class PatchedForward:
+    """What :func:`qwen_absorb.patch` installs in a block's forward slot (or hook chain).
 
-
-class DeferredBias:
-    """A projection whose bias is consumed by the fused op after it instead of by its GEMM.
-
-    Storage (why it looks like this): the bias ``Parameter`` never moves. It stays in the innermost
-    linear's ``_parameters["bias"]`` (the PEFT ``base_layer`` if wrapped), and outside the patched
-    forward the module is untouched. So ``state_dict()`` / ``save_pretrained`` / ``load_state_dict``
-    see the same keys and the very same tensor objects (nothing is copied, memory does not grow),
-    ``.to()`` moves it, and offload hooks, which manage ``_parameters`` and read ``module.bias``
-    (accelerate's ``set_module_tensor_to_device`` does), keep working whenever they run.
-
-    Only while the patched block calls the attention / FFN does an instance-``__dict__`` entry
-    ``bias = None`` shadow the parameter for attribute lookup (``nn.Module.__getattr__``, which
-    serves ``_parameters``, runs only when normal lookup fails): ``F.linear(x, W, self.bias)``,
-    ModelOpt's real-quant GEMMs and PEFT's ``base_layer`` read ``self.bias`` and get None. The
-    entry is removed right after (also on error), and the fused op then reads
-    ``_parameters["bias"]``, i.e. wherever the hooks left it. A bias still on the meta device
-    before the GEMM (accelerate leaf offload materialises weights only inside the leaf's own
-    forward) is not shadowed for that call: its GEMM adds it, as unpatched. Not thread-safe for
-    concurrent calls of the same block (neither is ModelOpt's QuantAttention).
+    A plain object holding the block, so ``copy.deepcopy`` rebinds it to the copy and pickle
+    restores it (a bound method of a closure would keep pointing at the original's layers).
     """
 
-    __slots__ = ("linear", "name")
+    __slots__ = ("block", "__weakref__")
+    __qwen_absorb__ = True
 
-    def __init__(self, linear: nn.Module, name: str) -> None:
-        self.linear = linear
-        self.name = name
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
 
-    def shadow(self) -> None:
-        object.__setattr__(self.linear, "bias", None)
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return patched_forward(self.block, *args, **kwargs)
 
-    def unshadow(self) -> None:
-        self.linear.__dict__.pop("bias", None)
+    def __getstate__(self) -> nn.Module:
+        return self.block
 
-    def usable(self) -> bool:
-        """The bias exists, is materialised, and nothing else shadows it already."""
-        b = self.linear._parameters.get("bias")
-        return b is not None and b.device.type != "meta" and "bias" not in self.linear.__dict__
+    def __setstate__(self, block: nn.Module) -> None:
+        self.block = block
 
-
-# ---------------------------------------------------------------------------- the plan
+    def __repr__(self) -> str:
+        return f"<qwen_absorb patched forward of {type(self.block).__name__}>"
 
 
-@dataclass
-class BlockPlan:
-    """What a patched block does, decided at patch time (see :mod:`qwen_absorb.patch`)."""
+@torch.compiler.disable
+def _opaque(module: nn.Module, *args: Any) -> Any:
+    """Run a module outside the compiled graph: ModelOpt's quantized modules (dynamic attributes,
+    global function swaps) cannot be traced by Dynamo in torch 2.11, so under ``torch.compile``
+    the patched block calls them eagerly (a graph break) instead of failing."""
+    return module(*args)
 
-    index: int
-    counter: Counter
-    force_reference: bool
-    eps: dict[str, float]  # norm name -> eps
-    fuse: dict[tuple[str, str], bool]  # (stream, site) -> fused statically
-    deferred: dict[tuple[str, str], DeferredBias | None]  # (stream, site) -> deferred projection
-    quant_norms: frozenset[str]  # norm names that are ModelOpt QuantLayerNorms
-    kernels_under_compile: bool = False  # see qwen_absorb.patch
-    all_deferred: list[DeferredBias] = field(default_factory=list)
-    _kernel_reasons: dict[torch.device, str | None] = field(default_factory=dict)
 
-    def count(self, reason: str) -> None:
-        if not torch.compiler.is_compiling():
-            self.counter[reason] += 1
+def _call(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
+    if compiling and plan.modelopt:
+        return _opaque(module, *args)
+    return module(*args)
 
-    def fused(self, key: tuple[str, str]) -> bool:
-        """Whether this site takes the fused op in this call (statically, and under compile)."""
-        return self.fuse[key] and (self.kernels_under_compile or not torch.compiler.is_compiling())
 
-    def kernel_reason(self, device: torch.device) -> str | None:
-        """Why the fused ops will run their references on ``device`` (cached), else None."""
-        try:
-            return self._kernel_reasons[device]
-        except KeyError:
-            r = ops.kernel_runtime_reasons(device)
-            if self.force_reference or ops._eligibility.force_reference_requested():
-                r = ["reference forced", *r]
-            why = ("fused ops ran their torch references: " + "; ".join(r)) if r else None
-            self._kernel_reasons[device] = why
-            return why
+def _original(block, hs, ehs, mask, temb, rope, kwargs, index):
+    return type(block).forward(block, hs, ehs, mask, temb, rope, kwargs, index)
+
+
+def patched_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None = None,
+    temb: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    modulate_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``QwenImageTransformerBlock.forward`` with the same signature and outputs."""
+    args = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
+            joint_attention_kwargs, modulate_index)
+    plan: BlockPlan | None = self.__dict__.get(PLAN_ATTR)
+    if plan is None:  # unpatched while a foreign wrapper still held us
+        return _original(self, *args)
+    if torch.is_grad_enabled():
+        # The kernels have no backward: training runs diffusers' forward, exactly the unpatched block.
+        plan.count("grad enabled: original diffusers forward")
+        return _original(self, *args)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        why = _call_check(plan, self, hidden_states)
+        if why is not None:
+            plan.count(why)
+            return _original(self, *args)
+        if not plan.kernels:
+            plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
+    if _validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states):
+        plan.count("DTensor activations: original diffusers forward")
+        return _original(self, *args)
+    return _fused_forward(self, plan, compiling, *args)
+
+
+def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | None:
+    """Why this call cannot take the planned path (None: it can); re-decides on a new device."""
+    if plan.stale is not None:
+        return plan.stale
+    why = plan.changed(block)
+    if why is not None:
+        plan.stale = f"block structure changed ({why}): original diffusers forward; call qwen_absorb.patch() again"
+        return plan.stale
+    if plan.calib_watch and plan.calibrating(block):
+        plan.recalibrated = True
+        return "ModelOpt calibration running: original diffusers forward"
+    if x.device != plan.runtime_device or getattr(plan, "recalibrated", False):
+        from .patch import redecide  # noqa: PLC0415  (patch imports this module)
+
+        redecide(plan, block, x.device)
+        plan.recalibrated = False
+    return None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -124,6 +154,8 @@ def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: tor
     """Why the fused ops would reject these arguments where diffusers accepts them (else None)."""
     if x.dtype not in _SUPPORTED:
         return f"activation dtype {x.dtype} not supported by the fused ops"
+    if type(x) is not torch.Tensor:
+        return f"activations are a {type(x).__name__}, not a plain tensor"
     rows = x.shape[0] * (2 if index is not None else 1)
     for p in params:
         if p.dtype != x.dtype:
@@ -138,197 +170,247 @@ def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: tor
     return None
 
 
-def _fp8_direct(q: Any) -> bool:
-    """Whether the op can reproduce the norm's ModelOpt quantizer itself (FP8 per-tensor static,
-    with an amax it can read: on the meta device, e.g. under accelerate leaf offload, it cannot)."""
-    if modelopt_not_supported_reasons(q):
-        return False
-    return q._amax.device.type != "meta"
+class _Deferred:
+    """The deferred biases of one GEMM call: shadowed while it runs (see the module docstring)."""
+
+    __slots__ = ("bases", "names", "plan")
+
+    def __init__(self, plan: BlockPlan, block: nn.Module, paths: tuple[str | None, ...]) -> None:
+        self.plan, self.bases, self.names = plan, [], []
+        for p in paths:
+            base = unwrap_peft(resolve(block, p))[0] if p is not None else None
+            if base is not None:
+                b = base._parameters.get("bias")
+                if b is None or b.device.type == "meta" or "bias" in base.__dict__:
+                    plan.count(f"{p}: bias not materialised before its GEMM (meta device under an offload "
+                               "hook); added in the GEMM")
+                    base = None
+                elif type(b) is not torch.nn.Parameter and type(b.data) is not torch.Tensor:
+                    why = tp_defer_refusals(base)  # a DTensor bias: tensor parallelism
+                    if why:
+                        plan.count(f"{p}: {why[0]}; added in the GEMM")
+                        base = None
+            self.bases.append(base)
+            self.names.append(p)
+
+    def __bool__(self) -> bool:
+        return any(b is not None for b in self.bases)
+
+    def __enter__(self) -> None:
+        for b in self.bases:
+            if b is not None:
+                object.__setattr__(b, "bias", None)
+
+    def __exit__(self, *exc: object) -> None:
+        for b in self.bases:
+            if b is not None:
+                b.__dict__.pop("bias", None)
+
+    def bias(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        base = self.bases[i]
+        if base is None:
+            return None
+        b = base._parameters["bias"]
+        if type(b.data) is not torch.Tensor:
+            b = local_view(b)[0]  # a replicated DTensor bias under tensor parallelism
+        if b.device != x.device or b.dtype != x.dtype:
+            # e.g. leaf-level group offloading moved it back after the GEMM, or layerwise casting
+            # stores it in another dtype: the value is the one the GEMM would have used.
+            self.plan.count(f"{self.names[i]}: deferred bias was {b.dtype} on {b.device} at use; converted")
+            b = b.to(device=x.device, dtype=x.dtype)
+        return b
 
 
-def _bias_for_op(d: DeferredBias, x: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-    b = d.linear._parameters["bias"]
-    if b.device != x.device or b.dtype != x.dtype:
-        # e.g. leaf-level group offloading moved it back after the GEMM, or layerwise casting
-        # stores it in another dtype: the value is the same one the GEMM would have used.
-        plan.count(f"{d.name}: deferred bias was {b.dtype} on {b.device} at use; converted")
-        b = b.to(device=x.device, dtype=x.dtype)
-    return b
+def _deferred(plan: BlockPlan, block: nn.Module, keys: tuple[str, str], compiling: bool) -> _Deferred:
+    return _Deferred(plan, block, tuple(plan.deferred.get(k) for k in keys))
 
 
-def _this_call(plan: BlockPlan, a: DeferredBias | None, b: DeferredBias | None):
-    """The deferred biases to take out of this call's GEMMs (others stay in, counted)."""
-    out = []
-    for d in (a, b):
-        if d is not None and not d.usable():
-            plan.count(f"{d.name}: bias not materialised before its GEMM (meta device under an offload hook); "
-                       "added in the GEMM")
-            d = None
-        out.append(d)
-    return out[0], out[1]
+# ---------------------------------------------------------------------------- the fused forward
 
 
-def _shadow(a: DeferredBias | None, b: DeferredBias | None) -> None:
-    if a is not None:
-        a.shadow()
-    if b is not None:
-        b.shadow()
+def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                   temb, image_rotary_emb, joint_attention_kwargs, modulate_index):
+    use_kernels = plan.kernels and not compiling
+    use_fused = not compiling or plan.options.kernels_under_compile
+    img_mod_params = _modulation(plan, self, "img_mod", temb, use_kernels, compiling)
+    if self.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod_params = _modulation(plan, self, "txt_mod", temb, use_kernels, compiling)
+    img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
+    i_shift1, i_scale1, i_gate1 = img_mod1.chunk(3, dim=-1)
+    i_shift2, i_scale2, i_gate2 = img_mod2.chunk(3, dim=-1)
+    t_shift1, t_scale1, t_gate1 = txt_mod1.chunk(3, dim=-1)
+    t_shift2, t_scale2, t_gate2 = txt_mod2.chunk(3, dim=-1)
+    index = modulate_index
+    site = plan.site
 
+    img_in = _norm1(plan, self, site("img", "norm1"), self.img_norm1, hidden_states, i_shift1, i_scale1, index,
+                    img_mod1, use_kernels, use_fused, compiling)
+    txt_in = _norm1(plan, self, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t_shift1, t_scale1,
+                    None, txt_mod1, use_kernels, use_fused, compiling)
 
-def _unshadow(a: DeferredBias | None, b: DeferredBias | None) -> None:
-    if a is not None:
-        a.unshadow()
-    if b is not None:
-        b.unshadow()
-
-
-# ---------------------------------------------------------------------------- the forward
-
-
-def make_forward(plan: BlockPlan, original: Callable[..., Any]) -> Callable[..., Any]:
-    """The patched forward for one block, to be bound to it (``types.MethodType``).
-
-    ``original`` is the unbound class forward (``QwenImageTransformerBlock.forward``), run when
-    grad is enabled. The signature is the class forward's, so hooks that map positional arguments
-    through ``inspect.signature(type(block).forward)`` (context parallel, caches, checkpointing) work.
-    """
-    fref = plan.force_reference
-    lnss = ops.layer_norm_scale_shift
-    brln = ops.bias_residual_layer_norm_scale_shift
-    bgr = ops.bias_gate_residual
-
-    def norm1_site(block, stream, norm, h, shift, scale, index, mod1):
-        key = (stream, "norm1")
-        name = f"{stream}_norm1"
-        if plan.fused(key):
-            why = _params_reason(h, (shift, scale), index)
-            if why is None:
-                x = h
-                if name in plan.quant_norms and quantizer_enabled(norm.input_quantizer):
-                    x = norm.input_quantizer(h)  # exactly what QuantLayerNorm feeds its LayerNorm
-                return lnss(x, shift=shift, scale=scale, eps=plan.eps[name], index=index, force_reference=fref)
-            plan.count(f"{stream}.norm1: {why}")
-        return block._modulate(norm(h), mod1, index)[0]
-
-    def attn_site(block, stream, norm, h, y, d, gate, shift, scale, index, mod2):
-        """Returns (new residual, modulated norm2 output); ``d``: the bias deferred for this call."""
-        key = (stream, "attn_residual")
-        name = f"{stream}_norm2"
-        bias = _bias_for_op(d, h, plan) if d is not None else None
-        if plan.fused(key):
-            why = _params_reason(h, (gate, shift, scale), index)
-            if why is None and y.dtype != h.dtype:
-                why = f"attention output is {y.dtype}, residual {h.dtype}"
-            if why is None:
-                eps = plan.eps[name]
-                q = norm.input_quantizer if name in plan.quant_norms else None
-                if q is not None and not quantizer_enabled(q):
-                    q = None
-                if q is None or _fp8_direct(q):
-                    return brln(h, y, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-                                norm_input_quant=q, force_reference=fref)
-                # A quantizer the FP8 path cannot reproduce (e.g. NVFP4 dynamic): apply it exactly
-                # between the two other fused ops.
-                new_h = bgr(h, y, bias=bias, gate=gate, index=index, force_reference=fref)
-                return new_h, lnss(q(new_h), shift=shift, scale=scale, eps=eps, index=index, force_reference=fref)
-            plan.count(f"{stream}.attn_residual: {why}")
-        if bias is not None:
-            y = y + bias
-        new_h = h + _expand(gate, index) * y
-        return new_h, block._modulate(norm(new_h), mod2, index)[0]
-
-    def ffn_site(stream, h, y, d, gate, index):
-        key = (stream, "ffn_residual")
-        bias = _bias_for_op(d, h, plan) if d is not None else None
-        if plan.fused(key):
-            why = _params_reason(h, (gate,), index)
-            if why is None and y.dtype != h.dtype:
-                why = f"FFN output is {y.dtype}, residual {h.dtype}"
-            if why is None:
-                return bgr(h, y, bias=bias, gate=gate, index=index, force_reference=fref)
-            plan.count(f"{stream}.ffn_residual: {why}")
-        if bias is not None:
-            y = y + bias
-        return h + _expand(gate, index) * y
-
-    def forward(
-        self: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_mask: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict[str, Any] | None = None,
-        modulate_index: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled():
-            # The kernels have no backward: training runs diffusers' forward, i.e. exactly the
-            # unpatched block (biases are shadowed only inside the fused path below).
-            plan.count("grad enabled: original diffusers forward")
-            return original(
-                self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                image_rotary_emb, joint_attention_kwargs, modulate_index,
+    deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"), compiling)
+    with plan.lock if deferred else contextlib.nullcontext(), deferred:
+        if plan.fp8_attention:
+            img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
+                                               image_rotary_emb, use_kernels, compiling)
+        else:
+            img_attn, txt_attn = self.attn(
+                hidden_states=img_in, encoder_hidden_states=txt_in,
+                encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
+                **(joint_attention_kwargs or {}),
             )
-        if not torch.compiler.is_compiling():
-            why = plan.kernel_reason(hidden_states.device)
-            if why is not None:
-                plan.counter[why] += 1
+    hidden_states, img_ffn_in = _attn_residual(
+        plan, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
+        i_gate1, i_shift2, i_scale2, index, img_mod2, use_kernels, use_fused)
+    encoder_hidden_states, txt_ffn_in = _attn_residual(
+        plan, self, site("txt", "attn_residual"), self.txt_norm2, encoder_hidden_states, txt_attn,
+        deferred.bias(1, txt_attn), t_gate1, t_shift2, t_scale2, None, txt_mod2, use_kernels, use_fused)
 
-        img_mod_params = self.img_mod(temb)
-        if self.zero_cond_t:
-            temb = torch.chunk(temb, 2, dim=0)[0]
-        txt_mod_params = self.txt_mod(temb)
-        img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
-        txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
-        i_shift1, i_scale1, i_gate1 = img_mod1.chunk(3, dim=-1)
-        i_shift2, i_scale2, i_gate2 = img_mod2.chunk(3, dim=-1)
-        t_shift1, t_scale1, t_gate1 = txt_mod1.chunk(3, dim=-1)
-        t_shift2, t_scale2, t_gate2 = txt_mod2.chunk(3, dim=-1)
-        index = modulate_index
+    deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"), compiling)
+    with plan.lock if deferred else contextlib.nullcontext(), deferred:
+        img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
+        txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
+    hidden_states = _ffn_residual(plan, site("img", "ffn_residual"), hidden_states, img_ffn,
+                                  deferred.bias(0, img_ffn), i_gate2, index, use_kernels, use_fused)
+    encoder_hidden_states = _ffn_residual(plan, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,
+                                          deferred.bias(1, txt_ffn), t_gate2, None, use_kernels, use_fused)
 
-        img_modulated = norm1_site(self, "img", self.img_norm1, hidden_states, i_shift1, i_scale1, index, img_mod1)
-        txt_modulated = norm1_site(self, "txt", self.txt_norm1, encoder_hidden_states, t_shift1, t_scale1, None, txt_mod1)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
 
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        d_img, d_txt = plan.deferred[("img", "attn_residual")], plan.deferred[("txt", "attn_residual")]
-        d_img, d_txt = _this_call(plan, d_img, d_txt)
-        _shadow(d_img, d_txt)
-        try:
-            img_attn_output, txt_attn_output = self.attn(
-                hidden_states=img_modulated,
-                encoder_hidden_states=txt_modulated,
-                encoder_hidden_states_mask=encoder_hidden_states_mask,
-                image_rotary_emb=image_rotary_emb,
-                **joint_attention_kwargs,
-            )
-        finally:
-            _unshadow(d_img, d_txt)
 
-        hidden_states, img_modulated2 = attn_site(
-            self, "img", self.img_norm2, hidden_states, img_attn_output, d_img, i_gate1, i_shift2, i_scale2, index, img_mod2
-        )
-        encoder_hidden_states, txt_modulated2 = attn_site(
-            self, "txt", self.txt_norm2, encoder_hidden_states, txt_attn_output, d_txt, t_gate1, t_shift2, t_scale2, None,
-            txt_mod2,
-        )
+def _local(y):
+    """A tensor subclass reaching a fused site (under tensor parallelism the row-wise projections
+    return an AsyncCollectiveTensor still being all-reduced): its complete local value, else why not.
+    A subclass's storage must never reach a raw kernel."""
+    local, why = local_view(y)
+    return (local, None) if why is None else (y, f"output is a {type(y).__name__}: {why}")
 
-        d_iffn, d_tffn = plan.deferred[("img", "ffn_residual")], plan.deferred[("txt", "ffn_residual")]
-        d_iffn, d_tffn = _this_call(plan, d_iffn, d_tffn)
-        _shadow(d_iffn, d_tffn)
-        try:
-            img_mlp_output = self.img_mlp(img_modulated2)
-            txt_mlp_output = self.txt_mlp(txt_modulated2)
-        finally:
-            _unshadow(d_iffn, d_tffn)
-        hidden_states = ffn_site("img", hidden_states, img_mlp_output, d_iffn, i_gate2, index)
-        encoder_hidden_states = ffn_site("txt", encoder_hidden_states, txt_mlp_output, d_tffn, t_gate2, None)
 
-        if encoder_hidden_states.dtype == torch.float16:
-            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-        return encoder_hidden_states, hidden_states
+def _modulation(plan, block, name, temb, use_kernels, compiling):
+    """``img_mod`` / ``txt_mod`` (SiLU, Linear): a real FP8 GEMV from SiLU+quantize where planned."""
+    lp = plan.linears[f"{name}.1"]
+    if not lp.fp8_gemm:
+        return _call(plan, compiling, block._modules[name], temb)
+    x = temb.unsqueeze(0)  # [1, rows, D]: the quantize op's [B, S, D] layout
+    if use_kernels:
+        codes = qf8_launch(x, 0, None, lp.weight.input_amax, "silu")[1]
+    else:
+        codes = attention.fp8_codes(torch.nn.functional.silu(x), lp.weight.input_amax)
+    return fp8_linear(codes, lp, plan)[0]
 
-    forward.__qwen_absorb_plan__ = plan  # type: ignore[attr-defined]
-    forward.__doc__ = "qwen_absorb fused forward of QwenImageTransformerBlock (same signature and outputs)."
-    return forward
+
+def _rows(p: torch.Tensor) -> torch.Tensor:
+    return p if p.dim() == 2 else p.squeeze(1)
+
+
+def _norm1(plan, block, sp, norm, h, shift, scale, index, mod1, use_kernels, use_fused, compiling):
+    """norm1 + modulation. Returns the attention input: the modulated tensor, or its FP8 codes."""
+    eps = plan.norms[f"{sp.stream}_norm1"].eps
+    if sp.fused and use_fused:
+        why = _params_reason(h, (shift, scale), index)
+        if why is None:
+            x, nq = h, None
+            if sp.norm_quantizer is not None and quantizer_enabled(norm.input_quantizer):
+                nq = sp.norm_quant  # reproduced inside the op ("fp8-fused")
+                if nq is None or not use_kernels:
+                    # what QuantLayerNorm feeds its LayerNorm, by ModelOpt itself
+                    x, nq = _call(plan, compiling, norm.input_quantizer, h), None
+            if use_kernels:
+                amax, mode = (nq.amax_fp32(h.device), nq.mode_for(h.device)) if nq is not None else (None, 0)
+                out, codes = lnss_launch(x.contiguous(), _rows(shift), _rows(scale), eps, _contig(index),
+                                         out=not sp.fp8_out, fp8_amax=sp.fp8_amax, amax=amax, quant_mode=mode)
+                return codes if sp.fp8_out else out
+            out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
+            return attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out
+        plan.count(f"{sp.stream}.norm1: {why}")
+    out = block._modulate(norm(h), mod1, index)[0]
+    return attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out
+
+
+def _contig(t):
+    return t.contiguous() if t is not None else None
+
+
+def _attn_residual(plan, block, sp, norm, h, y, bias, gate, shift, scale, index, mod2, use_kernels, use_fused):
+    """Returns (new residual, FFN input: modulated norm2 output or its FP8 codes)."""
+    eps = plan.norms[f"{sp.stream}_norm2"].eps
+    if sp.fused and use_fused:
+        why = _params_reason(h, (gate, shift, scale), index)
+        if why is None and type(y) is not torch.Tensor:
+            y, why = _local(y)
+        if why is None and y.dtype != h.dtype:
+            why = f"attention output is {y.dtype}, residual {h.dtype}"
+        if why is None:
+            q = norm.input_quantizer if sp.norm_quantizer is not None else None
+            if q is not None and not quantizer_enabled(q):
+                q = None
+            nq = sp.norm_quant if q is not None else None
+            if q is None or nq is not None:
+                if use_kernels:
+                    amax, mode = (nq.amax_fp32(h.device), nq.mode_for(h.device)) if nq is not None else (None, 0)
+                    new_h, out, codes = brln_launch(
+                        h.contiguous(), y.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+                        _contig(index), amax, mode, out=not sp.fp8_out, fp8_amax=sp.fp8_amax)
+                    return new_h, (codes if sp.fp8_out else out)
+                new_h, out = bias_residual_layer_norm_scale_shift_reference(
+                    h, y, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index, norm_input_quant=nq)
+                return new_h, (attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out)
+            # A quantizer the op cannot reproduce (e.g. NVFP4 dynamic): applied exactly between
+            # the residual op and the norm op.
+            new_h = _ffn_residual_op(h, y, bias, gate, index, use_kernels)
+            x = q(new_h)
+            if use_kernels:
+                out = lnss_launch(x.contiguous(), _rows(shift), _rows(scale), eps, _contig(index))[0]
+            else:
+                out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
+            return new_h, out
+        plan.count(f"{sp.stream}.attn_residual: {why}")
+    if bias is not None:
+        y = y + bias
+    new_h = h + _expand(gate, index) * y
+    out = block._modulate(norm(new_h), mod2, index)[0]
+    return new_h, (attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out)
+
+
+def _ffn_residual_op(h, y, bias, gate, index, use_kernels):
+    if use_kernels:
+        return bgr_launch(h.contiguous(), y.contiguous(), bias, _rows(gate), _contig(index))
+    return bias_gate_residual_reference(h, y, bias=bias, gate=gate, index=index)
+
+
+def _ffn_residual(plan, sp, h, y, bias, gate, index, use_kernels, use_fused):
+    if sp.fused and use_fused:
+        why = _params_reason(h, (gate,), index)
+        if why is None and type(y) is not torch.Tensor:
+            y, why = _local(y)
+        if why is None and y.dtype != h.dtype:
+            why = f"FFN output is {y.dtype}, residual {h.dtype}"
+        if why is None:
+            return _ffn_residual_op(h, y, bias, gate, index, use_kernels)
+        plan.count(f"{sp.stream}.ffn_residual: {why}")
+    if bias is not None:
+        y = y + bias
+    return h + _expand(gate, index) * y
+
+
+def _ffn(plan, block, mlp_name, x, use_kernels, compiling):
+    """The FeedForward (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8 where planned."""
+    mlp = block._modules[mlp_name]
+    up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
+    if not up.fp8_gemm and not down.fp8_gemm:
+        return _call(plan, compiling, mlp, x)
+    net = mlp.net
+    h = fp8_linear(x, up, plan) if up.fp8_gemm else _call(plan, compiling, net[0].proj, x)
+    if not down.fp8_gemm:
+        return _call(plan, compiling, net[2], net[1](net[0].gelu(h)))
+    if use_kernels:
+        codes = qf8_launch(h, 0, None, down.weight.input_amax, "gelu_tanh")[1]
+    else:
+        codes = attention.fp8_codes(net[0].gelu(h), down.weight.input_amax)
+    return fp8_linear(codes, down, plan)

@@ -30,6 +30,10 @@ VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {
     (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
 }
 
+# (major, minor) -> GPU and date of the passing fidelity run of the real FP8 GEMM path
+# (benchmarks/transformer_suite.py: real-FP8 error <= 1.05x ModelOpt fake-quant error, 60 blocks).
+VALIDATED_FP8_CAPABILITIES: dict[tuple[int, int], str] = {}
+
 CPU = "cpu"  # capability key of the CPU (for capabilities= overrides in tests)
 DEFERRABLE_FORMATS = (FP8_E4M3, NVFP4)
 DEFER_MODES = ("auto", True, False)
@@ -45,15 +49,27 @@ def capability_key(device: torch.device) -> CapabilityKey:
     return device.type
 
 
-def normalize_capabilities(capabilities: Collection[CapabilityKey] | None) -> frozenset[CapabilityKey]:
-    """The capability set in force: ``capabilities`` if given, else the validated set."""
+_DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hip")
+FP8_MODES = ("auto", True, False)
+
+
+def normalize_capabilities(
+    capabilities: Collection[CapabilityKey] | None, validated: dict | None = None,
+) -> frozenset[CapabilityKey]:
+    """The capability set in force: ``capabilities`` if given, else the validated set (deferral's
+    unless another is named). Raises ValueError for anything that is not ``(major, minor)`` or a
+    device type name."""
     if capabilities is None:
-        return frozenset(VALIDATED_DEFER_CAPABILITIES)
+        return frozenset(VALIDATED_DEFER_CAPABILITIES if validated is None else validated)
     if isinstance(capabilities, (str, tuple)) and (isinstance(capabilities, str) or _is_cap_tuple(capabilities)):
         capabilities = [capabilities]  # a single key given bare
+    if not isinstance(capabilities, Collection):
+        raise ValueError(f"capabilities must be a collection of (major, minor) pairs, got {capabilities!r}")
     out = set()
     for c in capabilities:
         if isinstance(c, str):
+            if c not in _DEVICE_TYPES:
+                raise ValueError(f"capabilities: {c!r} is neither (major, minor) nor a device type {_DEVICE_TYPES}")
             out.add(c)
         elif _is_cap_tuple(c):
             out.add((int(c[0]), int(c[1])))
@@ -63,7 +79,8 @@ def normalize_capabilities(capabilities: Collection[CapabilityKey] | None) -> fr
 
 
 def _is_cap_tuple(c: object) -> bool:
-    return isinstance(c, tuple) and len(c) == 2 and all(isinstance(v, int) for v in c)
+    return isinstance(c, tuple) and len(c) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                        for v in c)
 
 
 def hard_refusals(info: ProjectionInfo, consumer_fused: bool) -> list[str]:
@@ -117,4 +134,10 @@ def defer_refusals(
 def check_mode(mode: object) -> str | bool:
     if mode not in DEFER_MODES or (mode is not True and mode is not False and mode != "auto"):
         raise ValueError(f"defer_bias must be 'auto', True or False, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def check_fp8_mode(mode: object) -> str | bool:
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"fp8_gemm must be 'auto', True or False, got {mode!r}")
     return mode  # type: ignore[return-value]

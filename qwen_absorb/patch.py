@@ -9,12 +9,14 @@ whole chain. So the patched forward goes where the *original* bound forward is k
 after patching wrap the patched forward as they would the original. The block class, the forward
 signature and the ``(encoder_hidden_states, hidden_states)`` return order never change, so diffusers'
 block registry, ``compile_repeated_blocks`` and signature-mapping hooks keep working.
+
+All blocks are planned first, then installed; an exception (or Ctrl-C) while installing undoes the
+blocks already installed, so a model is never left half patched.
 """
 
 from __future__ import annotations
 
 import logging
-import types
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -23,29 +25,34 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating, ops
-from .block import BlockPlan, DeferredBias, make_forward
-from .quant import inspect_norm, inspect_projection
-from .report import SITE_PROJECTION, SITES, STREAMS, BlockReport, PatchReport, SiteReport
+from . import gating
+from .attention import Fp8AttnProcessor
+from .block import PatchedForward
+from .plan import PLAN_ATTR, BlockPlan, Options, decide, new_plan
+from .quant import unwrap_peft
+from .report import PatchReport
+from .sites import resolve
 
 log = logging.getLogger("qwen_absorb")
 
 _STATE_ATTR = "_qwen_absorb_state"
-_NORMS = ("img_norm1", "txt_norm1", "img_norm2", "txt_norm2")
 
 
 @dataclass
 class _BlockRecord:
     block: nn.Module
-    patched_forward: Any  # the bound method we installed
-    original: Any  # the object that held the slot before (None: the class forward, no instance attr)
-    deferred: list[DeferredBias] = field(default_factory=list)
+    installed: PatchedForward
+    had_instance_forward: bool  # False: the slot was empty (the class forward ran)
+    slot: str = ""
 
 
 @dataclass
 class _PatchState:
     report: PatchReport
     records: list[_BlockRecord]
+    options: Options
+    graph: Any = None
+    offloaded: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- target resolution
@@ -62,12 +69,14 @@ def _classes():
 
 
 def resolve_transformer(target: Any) -> nn.Module:
-    """The ``QwenImageTransformer2DModel`` of a pipeline, or ``target`` itself."""
+    """The ``QwenImageTransformer2DModel`` of a pipeline, or ``target`` itself (``torch.compile``
+    wrappers of either are looked through)."""
     model_cls = _classes()[0]
-    target = getattr(target, "_orig_mod", target)  # torch.compile(transformer) wrapper
+    target = getattr(target, "_orig_mod", target)
     if isinstance(target, model_cls):
         return target
     inner = getattr(target, "transformer", None)
+    inner = getattr(inner, "_orig_mod", inner)
     if isinstance(inner, model_cls):
         return inner
     raise TypeError(
@@ -120,77 +129,87 @@ def _is_class_forward(fn: Any, block: nn.Module) -> bool:
     return getattr(fn, "__func__", None) is type(block).forward and getattr(fn, "__self__", None) is block
 
 
-def _install(block: nn.Module, bound: Any) -> tuple[str, Any] | None:
-    """Put ``bound`` where the original forward is held; returns (where, the object replaced)."""
+def _install(block: nn.Module, fwd: PatchedForward) -> tuple[str, bool] | None:
+    """Put ``fwd`` where the original forward is held; returns (where, an instance forward existed)."""
     if "forward" not in block.__dict__:  # no hook, no instance forward: the class forward runs
-        object.__setattr__(block, "forward", bound)
-        return "forward", None
+        object.__setattr__(block, "forward", fwd)
+        return "forward", False
     for where, get, set_ in _slots(block):
         if where == "forward" and "forward" not in block.__dict__:
             continue
-        current = get()
-        if _is_class_forward(current, block):
-            set_(bound)
-            return where, current
+        if _is_class_forward(get(), block):
+            set_(fwd)
+            return where, True
     return None
 
 
 def _uninstall(rec: _BlockRecord) -> bool:
     block = rec.block
     for where, get, set_ in _slots(block):
-        if get() is rec.patched_forward:
-            if where == "forward" and rec.original is None:
+        if get() is rec.installed:
+            if where == "forward" and not rec.had_instance_forward:
                 del block.__dict__["forward"]
             else:
-                set_(rec.original if rec.original is not None else type(block).forward.__get__(block))
+                set_(type(block).forward.__get__(block))
             return True
     return False
+
+
+# ---------------------------------------------------------------------------- deciding
+
+
+def _processor(block: nn.Module, plan: BlockPlan) -> None:
+    """Install (or remove) qwen_absorb's attention processor as the plan needs it."""
+    attn = block.attn
+    proc = attn.processor
+    if plan.fp8_attention and not isinstance(proc, Fp8AttnProcessor):
+        attn.set_processor(Fp8AttnProcessor(proc))
+    elif not plan.fp8_attention and isinstance(proc, Fp8AttnProcessor):
+        attn.set_processor(proc.original)
+    plan.expected_processor = attn.processor
+
+
+def redecide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
+    """Decide again for a new device (or after a recalibration); called from the block's forward."""
+    with plan.lock:
+        decide(plan, block, device, _classes()[2])
+        _processor(block, plan)
+    log.info("qwen_absorb: block %d decided anew for %s", plan.index, device)
+
+
+def _offload_originals(state: _PatchState) -> None:
+    """Move the original weights of FP8-GEMM linears to host memory (their values stay intact)."""
+    for rec in state.records:
+        plan = rec.block.__dict__[PLAN_ATTR]
+        for path, lp in plan.linears.items():
+            if lp.fp8_gemm and lp.weight is not None and not lp.weight.reused_storage:
+                w = unwrap_peft(resolve(rec.block, path))[0]._parameters["weight"]
+                if w.device.type != "cpu":
+                    state.offloaded.append((w, w.device))
+                    w.data = w.data.to("cpu")
+                    lp.offloaded = True
+    if state.offloaded:
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- patch
 
 
-def _projections(block: nn.Module) -> dict[str, nn.Module | None]:
-    attn = block.attn
-    to_out = getattr(attn, "to_out", None)
-    return {
-        "attn.to_out.0": to_out[0] if to_out is not None and len(to_out) > 0 else None,
-        "attn.to_add_out": getattr(attn, "to_add_out", None),
-        "img_mlp.net.2": _ffn_out(block.img_mlp),
-        "txt_mlp.net.2": _ffn_out(block.txt_mlp),
-    }
-
-
-def _ffn_out(ffn: nn.Module) -> nn.Module | None:
-    net = getattr(ffn, "net", None)
-    return net[2] if net is not None and len(net) > 2 else None
-
-
-def _structure_refusals(block: nn.Module, name: str) -> list[str]:
-    """Deferral needs the projection to be the last thing that touches the output."""
-    _, _, proc_cls = _classes()
-    if name.startswith("attn."):
-        proc = getattr(block.attn, "processor", None)
-        if type(proc) is not proc_cls:
-            return [f"attention processor {type(proc).__name__} is not {proc_cls.__name__}"]
-        to_out = block.attn.to_out
-        if len(to_out) > 2 or (len(to_out) == 2 and not _is_identity_dropout(to_out[1])):
-            return ["attn.to_out has modules after the projection"]
-        return []
-    net = (block.img_mlp if name.startswith("img") else block.txt_mlp).net
-    if len(net) != 3:
-        return [f"{name.split('.')[0]}.net has {len(net)} modules (expected GELU, Dropout, Linear)"]
-    return []
-
-
-def _is_identity_dropout(m: nn.Module) -> bool:
-    return isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training)
+def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
+             offload_original_weights, use_fast_accum) -> Options:
+    return Options(
+        defer_bias=gating.check_mode(defer_bias), fp8_gemm=gating.check_fp8_mode(fp8_gemm),
+        capabilities=gating.normalize_capabilities(capabilities),
+        fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
+        force_reference=bool(force_reference), kernels_under_compile=bool(kernels_under_compile),
+        offload_original_weights=bool(offload_original_weights), use_fast_accum=bool(use_fast_accum),
+    )
 
 
 def patch(
-    target: Any, *, defer_bias: str | bool = "auto",
-    capabilities: Collection[tuple[int, int] | str] | None = None, force_reference: bool = False,
-    kernels_under_compile: bool = False,
+    target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: bool = False,
+    offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
+    force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: bool = False,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
@@ -201,151 +220,153 @@ def patch(
         the projection is ModelOpt FP8/NVFP4 without an enabled output quantizer, the CUDA kernels are
         available and the device capability is validated (:mod:`qwen_absorb.gating`); ``True`` defers
         wherever it is not wrong; ``False`` never.
-    capabilities: replaces :data:`qwen_absorb.gating.VALIDATED_DEFER_CAPABILITIES` for this call, e.g.
-        ``{(9, 0)}``, or ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
+    fp8_gemm: run ModelOpt FP8 (e4m3, per-tensor, static) linears as real FP8 ``torch._scaled_mm``
+        fed by FP8-emitting fused kernels: ``"auto"`` on validated capabilities
+        (:data:`qwen_absorb.gating.VALIDATED_FP8_CAPABILITIES`), ``True`` wherever possible (sm_89+),
+        ``False`` never (the linears run as ModelOpt runs them). Every linear that does not qualify
+        runs as ModelOpt runs it, with the reason in the report.
+    cuda_graph: capture the transformer call once per input signature and replay it
+        (:mod:`qwen_absorb.cuda_graph`); refused per call, with a reason, where replay would be wrong.
+    offload_original_weights: keep only the FP8 weights of real-FP8 linears on the GPU; their original
+        weights move to host memory (values intact, ``state_dict`` the same values on the CPU) and
+        :func:`unpatch` moves them back. Moving the model with ``.to()`` afterwards moves them too.
+    capabilities: replaces the validated capability sets for this call, e.g. ``{(9, 0)}``, or
+        ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
     force_reference: make the fused ops run their torch references (debugging).
     kernels_under_compile: while ``torch.compile`` traces a patched block, use the fused CUDA
-        kernels (as custom ops, bit-exact to eager) instead of leaving the chains to Inductor. Off by
-        default: Inductor fuses the same chains into Triton kernels about as fast as ours and without
-        the per-op Python launch cost (benchmarks/results/bench_block.md), so "patch + compile" stays
-        as fast as compile alone; deferred biases are still taken out of the GEMMs either way.
+        kernels (custom ops) instead of leaving the elementwise chains to Inductor (off: Inductor
+        fuses them about as fast, without the per-op launch cost).
+    use_fast_accum: ``torch._scaled_mm``'s faster, less exact accumulation for the FP8 GEMMs.
 
-    Patching an already patched model is a no-op that returns the current report.
+    Patching again with the same arguments returns the current report; with other arguments (or
+    after the model changed under the patch, e.g. ``mtq.quantize`` after patching) it unpatches and
+    patches anew.
     """
     transformer = resolve_transformer(target)
+    options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
+                       offload_original_weights, use_fast_accum)
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
-        log.debug("qwen_absorb: %s is already patched; returning the current report", type(transformer).__name__)
-        return state.report
-    mode = gating.check_mode(defer_bias)
-    caps = gating.normalize_capabilities(capabilities)
-    device = _decision_device(transformer)
-    kernel_reasons = list(ops.kernel_runtime_reasons(device))
-    if force_reference or ops._eligibility.force_reference_requested():
-        kernel_reasons.insert(0, "reference forced (force_reference=True or QWEN_ABSORB_FORCE_REFERENCE=1)")
-    p0 = next(transformer.parameters(), None)
+        stale = _stale(state)
+        if state.options == options and bool(state.graph) == bool(cuda_graph) and stale is None:
+            log.debug("qwen_absorb: already patched with these arguments; returning the current report")
+            return state.report
+        log.info("qwen_absorb: patching again (%s)", stale or "other arguments")
+        unpatch(transformer)
     report = PatchReport(
-        transformer_class=type(transformer).__name__, device=str(device),
-        dtype=str(p0.dtype).replace("torch.", "") if p0 is not None else "?",
-        defer_bias=mode, capabilities=sorted(str(c) for c in caps),
-        kernels_available=not kernel_reasons, kernel_unavailable_reasons=kernel_reasons,
-        force_reference=bool(force_reference), runtime_fallbacks=Counter(),
+        transformer_class=type(transformer).__name__, dtype=_dtype(transformer), defer_bias=options.defer_bias,
+        capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
+        force_reference=options.force_reference, runtime_fallbacks=Counter(),
+        offload_original_weights=options.offload_original_weights,
     )
-    _, block_cls, _ = _classes()
-    records: list[_BlockRecord] = []
+    device = _decision_device(transformer)
+    _, block_cls, proc_cls = _classes()
+    plans: list[tuple[nn.Module, BlockPlan]] = []
     for i, block in enumerate(getattr(transformer, "transformer_blocks", [])):
-        br, rec = _patch_block(
-            i, block, block_cls, report, mode, caps, device, kernel_reasons, force_reference, kernels_under_compile
-        )
-        report.blocks.append(br)
-        if rec is not None:
-            records.append(rec)
-    object.__setattr__(transformer, _STATE_ATTR, _PatchState(report, records))
+        plan = new_plan(i, options, report.runtime_fallbacks)
+        report.blocks.append(plan)
+        if not isinstance(block, block_cls):
+            plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
+            continue
+        decide(plan, block, device, proc_cls)
+        plans.append((block, plan))
+    state = _PatchState(report, [], options)
+    try:
+        for block, plan in plans:
+            _install_block(state, block, plan)
+        if options.offload_original_weights:
+            _offload_originals(state)
+        if cuda_graph:
+            from . import cuda_graph as graphs  # noqa: PLC0415
+
+            state.graph = report.cuda_graph = graphs.install(transformer, fallbacks=report.runtime_fallbacks)
+    except BaseException:
+        _undo(state)
+        raise
+    object.__setattr__(transformer, _STATE_ATTR, state)
+    if not report.kernels_available:
+        log.warning("qwen_absorb: the fused CUDA kernels cannot run here (%s); the patched blocks run the "
+                    "torch references (same numbers, no speed-up)", "; ".join(report.kernel_unavailable_reasons))
     log.info("%s", report)
     return report
 
 
-def _patch_block(
-    i: int, block: nn.Module, block_cls: type, report: PatchReport, mode: str | bool,
-    caps: frozenset, device: torch.device, kernel_reasons: list[str], force_reference: bool,
-    kernels_under_compile: bool,
-) -> tuple[BlockReport, _BlockRecord | None]:
-    br = BlockReport(index=i, patched=False)
-    if not isinstance(block, block_cls):
-        br.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
-        return br, None
-    norms = {n: inspect_norm(n, getattr(block, n)) for n in _NORMS}
-    br.norms = norms
-    mods = _projections(block)
-    for name, m in mods.items():
-        if m is not None:
-            br.projections[name] = inspect_projection(name, m)
+def _dtype(transformer: nn.Module) -> str:
+    p0 = next(transformer.parameters(), None)
+    return str(p0.dtype).replace("torch.", "") if p0 is not None else "?"
 
-    fuse: dict[tuple[str, str], bool] = {}
-    deferred: dict[tuple[str, str], DeferredBias | None] = {}
-    for stream in STREAMS:
-        for site in SITES:
-            s = SiteReport(block=i, stream=stream, site=site, fused=True)
-            if site == "norm1":
-                s.reasons = list(norms[f"{stream}_norm1"].unsupported)
-            elif site == "attn_residual":
-                s.reasons = list(norms[f"{stream}_norm2"].unsupported)
-            s.fused = not s.reasons
-            norm = norms[f"{stream}_norm1" if site == "norm1" else f"{stream}_norm2"]
-            if site != "ffn_residual" and norm.input_quantizer_enabled:
-                s.norm_quantizer = "fp8-fused" if (site == "attn_residual" and not norm.fp8_kernel_reasons) \
-                    else "applied-before-op"
-            fuse[(stream, site)] = s.fused
-            deferred[(stream, site)] = None
-            proj_name = SITE_PROJECTION.get((stream, site))
-            if proj_name is not None:
-                s.projection = proj_name
-                info = br.projections.get(proj_name)
-                if info is None:
-                    s.defer_reasons = [f"{proj_name} not found"]
-                else:
-                    s.defer_reasons = _structure_refusals(block, proj_name) + gating.defer_refusals(
-                        info, mode=mode, consumer_fused=s.fused, device=device, capabilities=caps,
-                        kernel_reasons=kernel_reasons,
-                    )
-                if not s.defer_reasons:
-                    s.bias_deferred = True
-            br.sites.append(s)
 
-    plan = BlockPlan(
-        index=i, counter=report.runtime_fallbacks, force_reference=bool(force_reference),
-        kernels_under_compile=bool(kernels_under_compile),
-        eps={n: norms[n].eps for n in _NORMS}, fuse=fuse, deferred=deferred,
-        quant_norms=frozenset(n for n in _NORMS if norms[n].modelopt),
-    )
-    forward = make_forward(plan, type(block).forward)
-    bound = types.MethodType(forward, block)
-    installed = _install(block, bound)
+def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> None:
+    fwd = PatchedForward(block)
+    installed = _install(block, fwd)
     if installed is None:
-        br.reasons.append("the block's forward is wrapped by something unknown (no slot holds the class forward)")
-        for s in br.sites:
+        plan.reasons.append("the block's forward is wrapped by something unknown (no slot holds the class forward)")
+        for s in plan.sites:
             s.fused, s.bias_deferred = False, False
             s.reasons = ["block not patched"]
             if s.projection:
                 s.defer_reasons = ["block not patched"]
-        return br, None
-    br.patched, br.install = True, installed[0]
-    rec = _BlockRecord(block=block, patched_forward=bound, original=installed[1])
-    for s in br.sites:
-        if s.bias_deferred:
-            base = _base(mods[s.projection])
-            d = DeferredBias(base, f"block {i} {s.projection}")
-            deferred[(s.stream, s.site)] = d
-            rec.deferred.append(d)
-    plan.all_deferred = list(rec.deferred)
-    return br, rec
+        plan.deferred.clear()
+        for lp in plan.linears.values():
+            if lp.fp8_gemm:
+                lp.fp8_gemm, lp.fp8_reasons, lp.weight = False, ["block not patched"], None
+        return
+    object.__setattr__(block, PLAN_ATTR, plan)
+    state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
+    plan.patched = True
+    plan.install = installed[0]
+    _processor(block, plan)
 
 
-def _base(m: nn.Module) -> nn.Module:
-    while isinstance(getattr(m, "base_layer", None), nn.Module):
-        m = m.base_layer
-    return m
+def _stale(state: _PatchState) -> str | None:
+    """Why the active patch no longer matches the model (None: it does)."""
+    for rec in state.records:
+        plan = rec.block.__dict__.get(PLAN_ATTR)
+        if plan is None:
+            return f"block {rec.block} lost its plan"
+        why = plan.stale or plan.changed(rec.block)
+        if why is not None:
+            return f"block {plan.index}: {why}"
+    return None
 
 
 # ---------------------------------------------------------------------------- unpatch
 
 
+def _undo(state: _PatchState) -> None:
+    if state.graph is not None:
+        state.graph.remove()
+        state.graph = None
+    for w, dev in state.offloaded:
+        w.data = w.data.to(dev)
+    state.offloaded.clear()
+    for rec in state.records:
+        proc = getattr(rec.block.attn, "processor", None)
+        if isinstance(proc, Fp8AttnProcessor):
+            rec.block.attn.set_processor(proc.original)
+        for path in {p for plan in [rec.block.__dict__.get(PLAN_ATTR)] if plan for p in plan.deferred.values()}:
+            base = unwrap_peft(resolve(rec.block, path))[0] if resolve(rec.block, path) is not None else None
+            if base is not None:
+                base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
+        rec.block.__dict__.pop(PLAN_ATTR, None)
+        if not _uninstall(rec):
+            log.warning("qwen_absorb: block forward of %s not found in its hook chain; left in place "
+                        "(it runs the original forward)", type(rec.block).__name__)
+
+
 def unpatch(target: Any) -> None:
-    """Undo :func:`patch`: the original forwards (in the same hook slots) and biases back in their GEMMs.
+    """Undo :func:`patch`: the original forwards (in the same hook slots), processors and biases.
 
     Module structure, parameters and ``state_dict`` are exactly those of the unpatched model (they
-    never changed); outputs are bit-identical to a never-patched model. A no-op if not patched.
+    never changed; offloaded originals come back to their device); outputs are bit-identical to a
+    never-patched model. A no-op if not patched.
     """
     transformer = resolve_transformer(target)
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         log.debug("qwen_absorb: unpatch on a model that is not patched")
         return
-    for rec in state.records:
-        for d in rec.deferred:
-            d.unshadow()  # only set during a call; cleared here too in case a call was interrupted
-        if not _uninstall(rec):
-            log.warning("qwen_absorb: block forward of %s not found in its hook chain; left in place", rec.block)
+    _undo(state)
     state.report.active = False
     log.info("qwen_absorb: unpatched %d blocks", len(state.records))
 

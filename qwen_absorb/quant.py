@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from .ops.fp8 import modelopt_not_supported_reasons
+from .ops.fp8 import Fp8PerTensorQuant, dequant_scale, quantize_fp8_reference
 
 FP8_E4M3 = "FP8_E4M3"
 NVFP4 = "NVFP4"
@@ -75,6 +76,57 @@ def quantizer_format(q: Any) -> str | None:
     if bits == 4:
         return INT4
     return OTHER
+
+
+def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
+    """Why a ModelOpt quantizer is not an FP8 e4m3 per-tensor static fake quantizer (empty: it is)."""
+    r = []
+    cls = type(quantizer)
+    if not cls.__module__.startswith("modelopt."):
+        return [f"{cls.__name__} is not a ModelOpt quantizer"]
+    if cls.__name__ != "TensorQuantizer":
+        r.append(f"{cls.__name__} is not a plain TensorQuantizer")
+    if not getattr(quantizer, "is_enabled", False):
+        r.append("quantizer is disabled")
+    if getattr(quantizer, "num_bits", None) != (4, 3):
+        r.append(f"num_bits {getattr(quantizer, 'num_bits', None)} is not FP8 e4m3 (4, 3)")
+    if getattr(quantizer, "axis", None) is not None:
+        r.append("not per-tensor (axis is set)")
+    if getattr(quantizer, "block_sizes", None):
+        r.append("block quantization")
+    if getattr(quantizer, "pre_quant_scale", None) is not None:
+        r.append("pre_quant_scale is set")
+    if getattr(quantizer, "_if_calib", False):
+        r.append("calibration is running")
+    if not getattr(quantizer, "_if_quant", True):
+        r.append("quantization is switched off")
+    if getattr(quantizer, "backend", None) is not None:
+        r.append("custom backend")
+    if getattr(quantizer, "_use_constant_amax", False):
+        r.append("constant amax")
+    if getattr(quantizer, "rotate_is_enabled", False):
+        r.append("rotation enabled")
+    if getattr(quantizer, "_bias_calibrator", None) is not None or getattr(quantizer, "bias", None) is not None:
+        r.append("quantizer has a bias")
+    amax = getattr(quantizer, "_amax", None)
+    if not isinstance(amax, torch.Tensor):
+        r.append("no static amax (dynamic quantization or not calibrated)")
+    elif amax.numel() != 1:
+        r.append("amax is not a single value")
+    elif amax.device.type == "meta":
+        r.append("amax is on the meta device (offloaded)")
+    return r
+
+
+def norm_input_fp8(quantizer: Any) -> tuple[Fp8PerTensorQuant | None, list[str]]:
+    """The norm-input fake quantizer as the ops' :class:`Fp8PerTensorQuant` (holding the quantizer's
+    own ``_amax`` tensor, so an in-place recalibration is seen), else ``(None, reasons)``."""
+    r = fp8_quantizer_reasons(quantizer)
+    if not getattr(quantizer, "fake_quant", False):
+        r.append("not fake quantization")
+    if r:
+        return None, r
+    return Fp8PerTensorQuant(amax=quantizer._amax, formula="auto"), []
 
 
 @dataclass
@@ -180,7 +232,7 @@ def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
     if info.output_quantizer_enabled:
         info.unsupported.append(f"{name} has an enabled output quantizer")
     if info.input_quantizer_enabled:
-        info.fp8_kernel_reasons = modelopt_not_supported_reasons(iq)
+        info.fp8_kernel_reasons = norm_input_fp8(iq)[1]
     if info.modelopt and type(norm).forward is not _quant_input_forward():
         # Something other than QuantInputBase.forward (LN(Q(x)) then Q_out) would run.
         info.unsupported.append(f"{name}: unknown ModelOpt forward {type(norm).forward.__qualname__}")
@@ -201,3 +253,86 @@ def norm_input_quantizer(norm: nn.Module):
     """The norm's enabled ModelOpt input quantizer, else None."""
     q = getattr(norm, "input_quantizer", None)
     return q if quantizer_enabled(q) else None
+
+
+# ---------------------------------------------------------------------------- real FP8 GEMMs
+
+FP8_GEMM_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm with e4m3 needs Ada or newer
+
+
+def fp8_gemm_reasons(module: nn.Module) -> list[str]:
+    """Why a linear cannot run as a real FP8 ``torch._scaled_mm`` exactly where ModelOpt fake-quantizes
+    it (empty: it can). Device-independent part; the caller adds the device's."""
+    base, wrappers = unwrap_peft(module)
+    if wrappers:
+        return ["PEFT adapter: runs as ModelOpt runs it"]
+    iq, wq = getattr(base, "input_quantizer", None), getattr(base, "weight_quantizer", None)
+    if not is_modelopt_quantizer(wq):
+        return ["not ModelOpt-quantized"]
+    r = []
+    if type(base).__name__ not in ("QuantLinear", "RealQuantQuantLinear"):
+        r.append(f"{type(base).__name__} is not a ModelOpt QuantLinear")
+    r += [f"input quantizer: {x}" for x in fp8_quantizer_reasons(iq)]
+    r += [f"weight quantizer: {x}" for x in fp8_quantizer_reasons(wq)]
+    if quantizer_enabled(getattr(base, "output_quantizer", None)):
+        r.append("output quantizer enabled")
+    w = base._parameters.get("weight")
+    if w is None or w.dim() != 2:
+        r.append("no 2-D weight")
+    else:
+        n, k = _weight_shape(base)
+        if k % 16 or n % 16:
+            r.append(f"weight {n}x{k}: _scaled_mm needs both dims multiples of 16")
+    if type(w).__name__ == "QTensorWrapper" and w.dtype != torch.float8_e4m3fn:
+        r.append(f"compressed weight stored as {w.dtype}, not float8_e4m3fn")
+    if getattr(wq, "fake_quant", True) and type(w).__name__ == "QTensorWrapper":
+        r.append("compressed weight with a fake-quant weight quantizer")
+    return r
+
+
+def _weight_shape(base: nn.Module) -> tuple[int, int]:
+    w = base._parameters["weight"]
+    shape = getattr(w, "metadata", {}).get("shape") if type(w).__name__ == "QTensorWrapper" else None
+    return tuple(shape) if shape is not None else tuple(w.shape)  # type: ignore[return-value]
+
+
+@dataclass
+class Fp8Weight:
+    """A linear's weight as ``torch._scaled_mm`` takes it: e4m3 codes [out, in] and the per-tensor
+    dequantization scale (``amax / 448``, one fp32 element), plus the input quantizer's ``_amax``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    input_amax: torch.Tensor
+    reused_storage: bool  # the codes are ModelOpt's own compressed weight (mtq.compress)
+    out_dtype: torch.dtype  # the dtype the linear computes in (its original weight's)
+
+
+def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
+    """Build (once, at decision time) the FP8 weight of a linear that passed :func:`fp8_gemm_reasons`.
+
+    Fake quant: codes = e4m3(W * 448 / amax_w), the codes inside ModelOpt's own fake quantization
+    of W (CUDA-extension formula). ``mtq.compress``ed: ModelOpt's stored codes and its ``_scale``.
+    """
+    base, _ = unwrap_peft(module)
+    wq, iq = base.weight_quantizer, base.input_quantizer
+    w = base._parameters["weight"]
+    # A snapshot: the emitting kernels and the GEMM's dequantization scale must agree. ModelOpt
+    # recalibrates through calibration mode, which the plan detects and then decides anew.
+    input_amax = iq._amax.detach().float().reshape(1).to(device).clone()
+    if type(w).__name__ == "QTensorWrapper":
+        codes = w.as_subclass(torch.Tensor).detach()
+        scale = wq._scale.detach().float().reshape(1)
+        return Fp8Weight(codes.to(device), scale.to(device), input_amax, True, w.metadata["dtype"])
+    with torch.no_grad():
+        codes = quantize_fp8_reference(w.detach().to(device), wq._amax)
+    return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)
+
+
+def calibrating(module: nn.Module) -> bool:
+    """Whether a ModelOpt quantizer of this module is collecting calibration statistics now."""
+    for name in ("input_quantizer", "weight_quantizer"):
+        q = getattr(module, name, None)
+        if q is not None and getattr(q, "_if_calib", False):
+            return True
+    return False

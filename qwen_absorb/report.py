@@ -18,58 +18,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .quant import NormInfo, ProjectionInfo
+from .plan import BlockPlan, SitePlan
+from .sites import SITE_TABLE, SITES, STREAMS
 
-SITES = ("norm1", "attn_residual", "ffn_residual")
-STREAMS = ("img", "txt")
-# The projection whose bias each site can consume.
-SITE_PROJECTION = {
-    ("img", "attn_residual"): "attn.to_out.0",
-    ("txt", "attn_residual"): "attn.to_add_out",
-    ("img", "ffn_residual"): "img_mlp.net.2",
-    ("txt", "ffn_residual"): "txt_mlp.net.2",
-}
-
-
-@dataclass
-class SiteReport:
-    block: int
-    stream: str
-    site: str
-    fused: bool
-    reasons: list[str] = field(default_factory=list)  # why not fused
-    projection: str | None = None  # the projection whose bias this site can take
-    bias_deferred: bool = False
-    defer_reasons: list[str] = field(default_factory=list)  # why the bias stays in the GEMM
-    norm_quantizer: str | None = None  # "fp8-fused", "applied-before-op" or None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class BlockReport:
-    index: int
-    patched: bool
-    reasons: list[str] = field(default_factory=list)  # why the block forward was not replaced
-    install: str = ""  # where the patched forward went: "forward", "diffusers hook chain", ...
-    sites: list[SiteReport] = field(default_factory=list)
-    projections: dict[str, ProjectionInfo] = field(default_factory=dict)
-    norms: dict[str, NormInfo] = field(default_factory=dict)
-
-    def site(self, stream: str, site: str) -> SiteReport:
-        for s in self.sites:
-            if s.stream == stream and s.site == site:
-                return s
-        raise KeyError((stream, site))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
-            "sites": [s.to_dict() for s in self.sites],
-            "projections": {k: v.to_dict() for k, v in self.projections.items()},
-            "norms": {k: v.to_dict() for k, v in self.norms.items()},
-        }
+# The projection whose bias each site can consume (read off the site table).
+SITE_PROJECTION = {(s.stream, s.name): s.takes_bias_of for s in SITE_TABLE.values() if s.takes_bias_of}
+# The report's block and site records are the plans themselves: one record of every decision.
+BlockReport = BlockPlan
+SiteReport = SitePlan
 
 
 @dataclass
@@ -77,16 +33,35 @@ class PatchReport:
     """The result of :func:`qwen_absorb.patch` (also kept on the transformer while patched)."""
 
     transformer_class: str
-    device: str
     dtype: str
     defer_bias: str | bool
     capabilities: list[str]
-    kernels_available: bool
-    kernel_unavailable_reasons: list[str]
+    fp8_gemm: str | bool = "auto"
     force_reference: bool = False
-    blocks: list[BlockReport] = field(default_factory=list)
+    blocks: list[BlockPlan] = field(default_factory=list)
     runtime_fallbacks: Counter = field(default_factory=Counter)
     active: bool = True  # False once unpatched
+    cuda_graph: Any = None  # the qwen_absorb.cuda_graph runner when patch(cuda_graph=True)
+    offload_original_weights: bool = False
+
+    def _decided(self) -> BlockPlan | None:
+        return next((b for b in self.blocks if b.patched), self.blocks[0] if self.blocks else None)
+
+    @property
+    def device(self) -> str:
+        """The device the current decisions were made for (where the blocks last ran or will run)."""
+        b = self._decided()
+        return b.device if b is not None else "?"
+
+    @property
+    def kernels_available(self) -> bool:
+        b = self._decided()
+        return b is not None and not b.kernel_reasons
+
+    @property
+    def kernel_unavailable_reasons(self) -> list[str]:
+        b = self._decided()
+        return list(b.kernel_reasons) if b is not None else ["no blocks"]
 
     @property
     def sites(self) -> list[SiteReport]:
@@ -114,6 +89,8 @@ class PatchReport:
             "quantized_norms": sum(
                 n.input_quantizer_enabled for b in self.blocks for n in b.norms.values()
             ),
+            "fp8_gemm_linears": sum(lp.fp8_gemm for b in self.blocks for lp in b.linears.values()),
+            "fp8_emitting_sites": sum(s.fp8_out for s in sites),
             "runtime_fallbacks": sum(self.runtime_fallbacks.values()),
             "kernels_available": self.kernels_available,
         }
@@ -124,8 +101,10 @@ class PatchReport:
             "defer_bias": self.defer_bias, "capabilities": list(self.capabilities),
             "kernels_available": self.kernels_available,
             "kernel_unavailable_reasons": list(self.kernel_unavailable_reasons),
+            "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
             "force_reference": self.force_reference, "active": self.active,
             "summary": self.summary, "runtime_fallbacks": dict(self.runtime_fallbacks),
+            "cuda_graph": self.cuda_graph.describe() if self.cuda_graph is not None else None,
             "blocks": [b.to_dict() for b in self.blocks],
         }
         json.dumps(d)  # fail here, not in the caller's serialiser, if something is not JSON-able
@@ -141,12 +120,25 @@ class PatchReport:
             f"  CUDA kernels: {'available' if self.kernels_available else 'unavailable'}"
             + ("" if self.kernels_available else " (" + "; ".join(self.kernel_unavailable_reasons) + ")"),
         ]
+        if s["fp8_gemm_linears"] or any(lp.fp8_reasons for b in self.blocks for lp in b.linears.values()
+                                        if lp.fp8_reasons and lp.fp8_reasons[0] != "not ModelOpt-quantized"):
+            lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} linears (fp8_gemm={self.fp8_gemm!r}); "
+                         f"FP8-emitting fused sites: {s['fp8_emitting_sites']}")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
                          f"quantized block norms: {s['quantized_norms']}")
         lines += _grouped("  not patched", [(r, b.index) for b in self.blocks for r in b.reasons])
         lines += _grouped("  not fused", [(r, x.block) for x in self.sites for r in x.reasons])
+        lines += _grouped(
+            "  linear not run as a real FP8 GEMM",
+            [(f"{lp.path}: {r}", b.index) for b in self.blocks for lp in b.linears.values()
+             if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in ("not ModelOpt-quantized",
+                                                                                  "fp8_gemm=False")
+             for r in lp.fp8_reasons],
+        )
+        if self.cuda_graph is not None:
+            lines.append(f"  CUDA graph mode: {self.cuda_graph.describe()}")
         lines += _grouped(
             "  bias kept in GEMM",
             [(r, x.block) for x in self.sites if x.projection and not x.bias_deferred for r in x.defer_reasons],

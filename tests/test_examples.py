@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,9 @@ def test_compare_outputs_default_tiny(tmp_path):
         assert "could NOT run" in p.stdout and "CUDA" in p.stdout
         assert m["identical"] is True and m["max_abs"] == 0.0 and m["ssim"] == 1.0 and m["psnr_db"] == "inf"
         assert res["criterion"].startswith("bit-identical")
+        # CPU wall-clock is labelled as such and never turned into a speed ratio
+        assert res["timings_s"]["speedup"] is None and res["timings_s"]["speed_measurement"] is False
+        assert "not a speed measurement" in p.stdout and not re.search(r"\d\.\d+x\b", p.stdout)
     assert "PatchReport" in p.stdout and "PSNR" in p.stdout and "SSIM" in p.stdout
 
     from PIL import Image
@@ -105,12 +109,32 @@ def test_compare_outputs_nvfp4_refused_on_cpu(tmp_path):
     assert res["status"] == "unsupported"
 
 
-def _load_compare_module():
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location("compare_outputs_under_test", EXAMPLES / "compare_outputs.py")
+def _load(script: str):
+    """The example as a module, to call main(argv) in-process: no interpreter start, no torch import."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_under_test", EXAMPLES / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _load_compare_module():
+    return _load("compare_outputs.py")
+
+
+def _exit_code(fn, *args) -> int:
+    """fn's return value, or the code of the SystemExit it raised (argparse errors exit 2)."""
+    try:
+        return fn(*args)
+    except SystemExit as e:
+        return e.code
+
+
+def _must_not_run(what: str):
+    def fail(*a, **k):
+        raise AssertionError(f"{what} ran: the run should have been refused before any work")
+    return fail
 
 
 def test_compare_outputs_exits_nonzero_on_mismatch(tmp_path, monkeypatch):
@@ -155,6 +179,123 @@ def test_compare_outputs_exits_nonzero_on_exception(tmp_path, monkeypatch):
     assert res["status"] == "error" and "boom" in res["error"]
 
 
+# Bad arguments: exit 2 with one argparse line, before anything is built. One subprocess shows the real
+# exit status; the rest call main() in-process (an interpreter start costs seconds on a 2-core runner).
+
+
+def test_compare_outputs_bad_argument_exits_2(tmp_path):
+    out = tmp_path / "out"
+    p = _run("compare_outputs.py", "--steps", "0", "--out", str(out))
+    assert p.returncode == 2, _explain(p)
+    assert "--steps: must be a positive integer" in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()  # refused before the output folder was even made
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps: must be a positive integer"),  # ran 4 steps
+    (["--steps", "-3"], "--steps: must be a positive integer"),  # traceback
+    (["--num-layers", "0", "--size", "full"], "--num-layers: must be a positive integer"),  # 0-block PASS
+    (["--repeats", "0"], "--repeats: must be a positive integer"),  # traceback
+    (["--warmup", "-1"], "--warmup: must be >= 0"),
+    (["--calib-prompts", "0"], "--calib-prompts: must be a positive integer"),
+    (["--device", "bogus"], "--device: 'bogus' is not a device"),  # traceback
+    (["--device", "cuda:99"], "--device: cuda:99"),  # a CUDA index past device_count (or no CUDA at all)
+    (["--dtype", "fp13"], "--dtype: unknown dtype"),  # exited 1 ("outputs disagree")
+    (["--height", "70"], "--height: must be a positive multiple of 16"),
+    (["--tag", "../x"], "--tag"),
+    (["--three-way"], "it needs --quant fp8"),
+    (["--quant", "fp8", "--three-way", "--fp8-gemm", "off"], "contradicts --fp8-gemm off"),
+])
+def test_compare_outputs_refuses_bad_arguments(tmp_path, monkeypatch, capsys, argv, message):
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    assert _exit_code(mod.main, [*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _file_in_a_file(tmp_path) -> Path:
+    """An --out nobody can create, root included (os.access would say yes to root)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    return blocker / "out"
+
+
+def test_compare_outputs_unwritable_out_refused_before_work(tmp_path, monkeypatch, capsys):
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    assert _exit_code(mod.main, ["--out", str(_file_in_a_file(tmp_path))]) == 2
+    assert "--out: cannot create the folder" in capsys.readouterr().err
+
+
+def test_compare_outputs_refuses_full_size_that_cannot_fit(tmp_path, monkeypatch, capsys):
+    """A model larger than the device is refused with the size it needs (exit 3), not started."""
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    code = mod.main(["--size", "full", "--num-layers", "100000", "--device", "cpu", "--dtype", "fp32",
+                     "--out", str(tmp_path)])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "CANNOT RUN HERE" in err and re.search(r"needs about [\d.]+ GB", err) and "--num-layers" in err
+    res = json.loads(_one("results_*.json", tmp_path).read_text())
+    assert res["status"] == "unsupported"
+
+
+def _recording_patch(seen: dict, real_patch):
+    """qwen_absorb.patch that records its keyword arguments, then patches (dropping the options this
+    qwen_absorb does not have yet, so the test does not depend on them landing)."""
+    import _common
+
+    def patch(target, **kw):
+        seen.update(kw)
+        return real_patch(target, **{k: v for k, v in kw.items() if _common.patch_supports(k, real_patch)})
+    return patch
+
+
+def test_compare_outputs_patch_switches_passed_only_when_set(tmp_path, monkeypatch):
+    mod = _load_compare_module()
+    default, switched = {}, {}
+    monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(default, mod.qwen_absorb.patch))
+    assert mod.main(["--steps", "1", "--warmup", "0", "--skip-unpatch-check", "--out", str(tmp_path)]) == 0
+    assert "fp8_gemm" not in default and "cuda_graph" not in default  # the default path predates them
+    monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(switched, mod.qwen_absorb.patch))
+    assert mod.main(["--steps", "1", "--warmup", "0", "--skip-unpatch-check", "--fp8-gemm", "off", "--cuda-graph",
+                     "--out", str(tmp_path)]) == 0
+    assert switched["fp8_gemm"] is False and switched["cuda_graph"] is True
+
+
+def test_compare_outputs_patch_option_missing_is_unavailable(tmp_path, monkeypatch, capsys):
+    """A switch this qwen_absorb's patch() lacks: exit 3 before any work, not a TypeError after it."""
+    mod = _load_compare_module()
+
+    def old_patch(target, *, defer_bias="auto", force_reference=False):
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(mod.qwen_absorb, "patch", old_patch)
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    assert mod.main(["--fp8-gemm", "on", "--out", str(tmp_path)]) == 3
+    assert "fp8_gemm=" in capsys.readouterr().err
+
+
+def test_compare_outputs_three_way(tmp_path, monkeypatch):
+    """unquantized, ModelOpt FP8 fake quant (unpatched), qwen_absorb with fp8_gemm=True: three pairs compared."""
+    pytest.importorskip("modelopt.torch.quantization")
+    mod = _load_compare_module()
+    seen = {}
+    monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(seen, mod.qwen_absorb.patch))
+    code = mod.main(["--quant", "fp8", "--three-way", "--steps", "1", "--warmup", "0", "--calib-prompts", "1",
+                     "--calib-steps", "1", "--out", str(tmp_path), "--tag", "t"])
+    assert code == 0
+    assert seen["fp8_gemm"] is True
+    res = json.loads((tmp_path / "results_t.json").read_text())
+    tw = res["three_way"]
+    assert set(tw["metrics"]) == {"unquantized_vs_fake_fp8", "unquantized_vs_real_fp8", "fake_fp8_vs_real_fp8"}
+    assert set(tw["median_s"]) == {"unquantized", "fake_fp8", "real_fp8"}
+    assert (tmp_path / "side_by_side_t_vs_unquantized.png").is_file()
+    if not HAS_CUDA:  # no real FP8 GEMM on CPU: qwen_absorb's leg is ModelOpt's, bit for bit
+        assert res["fp8_gemms"] == 0 and tw["metrics"]["fake_fp8_vs_real_fp8"]["identical"] is True
+        assert tw["metrics"]["unquantized_vs_fake_fp8"]["identical"] is False  # FP8 did quantize
+
+
 # ------------------------------------------------------------------------------------------ benchmark.py
 
 
@@ -179,6 +320,112 @@ def test_benchmark_tiny_smoke(tmp_path):
             assert r["kernels_measured"] is None  # launches are counted on CUDA only
     assert res["environment"]["torch"] == torch.__version__
     assert "| resolution |" in md and "extrapolated to 4 layers" in md
+
+
+TINY_ONE = ["--tiny", "--quant", "none", "--resolutions", "64", "--warmup", "0", "--iters", "1"]
+
+
+def test_benchmark_bad_argument_exits_2(tmp_path):
+    p = _run("benchmark.py", "--tiny", "--iters", "0", "--out-dir", str(tmp_path / "out"))  # the old name works
+    assert p.returncode == 2, _explain(p)
+    assert "--iters: must be a positive integer" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--iters", "0"], "--iters: must be a positive integer"),  # every row an error
+    (["--num-layers", "0"], "--num-layers: must be a positive integer"),
+    (["--text-tokens", "0"], "--text-tokens: must be a positive integer"),  # silently became 128
+    (["--resolutions", "100"], "multiple of 16"),
+    (["--quant", "int4"], "--quant: 'int4'"),  # exited 1
+    (["--device", "bogus"], "--device: 'bogus' is not a device"),  # traceback
+    (["--time-budget-s", "-5"], "--time-budget-s: must be >= 0"),
+])
+def test_benchmark_refuses_bad_arguments(tmp_path, monkeypatch, capsys, argv, message):
+    mod = _load("benchmark.py")
+    monkeypatch.setattr(mod, "build_model", _must_not_run("build_model"))
+    assert _exit_code(mod.main, ["--tiny", *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_benchmark_unwritable_out_refused_before_work(tmp_path, monkeypatch, capsys):
+    mod = _load("benchmark.py")
+    monkeypatch.setattr(mod, "build_model", _must_not_run("build_model"))
+    assert _exit_code(mod.main, [*TINY_ONE, "--out", str(_file_in_a_file(tmp_path))]) == 2
+    assert "--out: cannot create the folder" in capsys.readouterr().err
+
+
+def test_benchmark_tiny_does_not_write_into_benchmarks_results(tmp_path, monkeypatch):
+    """Smoke runs go to ./benchmark_results by default; benchmarks/results/ holds recorded GPU runs only."""
+    mod = _load("benchmark.py")
+    committed = REPO / "benchmarks" / "results"
+    before = set(committed.glob("transformer_tiny*"))
+    monkeypatch.chdir(tmp_path)
+    assert mod.main([*TINY_ONE, "--variants", "eager"]) == 0
+    assert set(committed.glob("transformer_tiny*")) == before
+    res = json.loads(_one("transformer_tiny_*.json", tmp_path / "benchmark_results").read_text())
+    assert res["status"] == "complete" and len(res["rows"]) == 1
+    assert res["rows"][0]["speedup_vs_eager"] is None and res["speed_measurement"] is False  # CPU: no ratios
+
+
+def test_benchmark_writes_results_after_each_configuration(tmp_path, monkeypatch):
+    """The results file is on disk, complete, while later configurations are still running."""
+    mod = _load("benchmark.py")
+    path = tmp_path / "t.json"
+    rows_on_disk = []
+    real_latency = mod.Bench.latency
+
+    def latency(self, inputs):
+        rows_on_disk.append(len(json.loads(path.read_text())["rows"]) if path.exists() else None)
+        return real_latency(self, inputs)
+
+    monkeypatch.setattr(mod.Bench, "latency", latency)
+    assert mod.main([*TINY_ONE, "--variants", "eager,patched", "--out", str(tmp_path), "--tag", "t"]) == 0
+    # calls: T(0), eager, patched; when patched started, eager's row was already written
+    assert rows_on_disk[-1] == 1, rows_on_disk
+    assert json.loads(path.read_text())["status"] == "complete"
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_benchmark_keeps_going_when_a_configuration_fails(tmp_path, monkeypatch):
+    mod = _load("benchmark.py")
+
+    def broken_patch(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(mod.qwen_absorb, "patch", broken_patch)
+    code = mod.main([*TINY_ONE, "--variants", "eager,patched", "--out", str(tmp_path), "--tag", "t"])
+    assert code == 1  # a failed configuration is reported in the exit status
+    res = json.loads((tmp_path / "t.json").read_text())
+    assert res["status"] == "complete"
+    assert [r["variant"] for r in res["rows"]] == ["eager"] and "error" not in res["rows"][0]
+    assert res["errors"][0]["variant"] == "patched" and "boom" in res["errors"][0]["error"]
+    assert "boom" in (tmp_path / "t.md").read_text()
+
+
+def test_benchmark_interrupt_keeps_results(tmp_path, monkeypatch):
+    mod = _load("benchmark.py")
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod.qwen_absorb, "patch", ctrl_c)
+    try:
+        code = mod.main([*TINY_ONE, "--variants", "eager,patched", "--out", str(tmp_path), "--tag", "t"])
+    except KeyboardInterrupt:  # escaping main() would also stop this pytest session
+        pytest.fail("Ctrl-C escaped main() without writing the results")
+    assert code == 130
+    res = json.loads((tmp_path / "t.json").read_text())
+    assert res["status"] == "interrupted" and [r["variant"] for r in res["rows"]] == ["eager"]
+
+
+def test_benchmark_patch_switches(tmp_path, monkeypatch):
+    mod = _load("benchmark.py")
+    seen = {}
+    monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(seen, mod.qwen_absorb.patch))
+    assert mod.main([*TINY_ONE, "--variants", "patched", "--fp8-gemm", "on", "--cuda-graph",
+                     "--out", str(tmp_path)]) == 0
+    assert seen["fp8_gemm"] is True and seen["cuda_graph"] is True
 
 
 # ------------------------------------------------------------------------------------------- notebook

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import qwen_absorb.ops as ops
-from qwen_absorb.ops import _cuda
+from qwen_absorb.ops import _runtime
+from qwen_absorb.quant import fp8_quantizer_reasons, norm_input_fp8
 from qwen_absorb.ops.fp8 import Fp8PerTensorQuant
 
 from .ops_helpers import (
@@ -97,10 +98,10 @@ def test_fp8_reference_matches_modelopt_quantizer():
         x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30]).to(dtype)
         q = TensorQuantizer(mtq.config.QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
         q.amax = torch.tensor(37.3)
-        got = Fp8PerTensorQuant.from_modelopt(q).reference(x)
+        got = norm_input_fp8(q)[0].reference(x)
         assert_bit_identical(got, q(x), f"fp8 {dtype}")
         q.amax = torch.tensor(0.0)  # amax <= 2^-24 counts as 1
-        assert_bit_identical(Fp8PerTensorQuant.from_modelopt(q).reference(x), q(x), "fp8 zero amax")
+        assert_bit_identical(norm_input_fp8(q)[0].reference(x), q(x), "fp8 zero amax")
 
 
 def test_fp8_formulas_differ_only_in_scale_rounding():
@@ -117,21 +118,22 @@ def test_modelopt_quantizer_qualification():
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     q = TensorQuantizer(mtq.config.QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
-    assert "no static amax (dynamic quantization)" in ops.fp8.modelopt_not_supported_reasons(q)
+    assert "no static amax (dynamic quantization or not calibrated)" in fp8_quantizer_reasons(q)
     q.amax = torch.tensor(2.0)
-    assert ops.fp8.modelopt_not_supported_reasons(q) == []
+    assert fp8_quantizer_reasons(q) == []
     q.disable()
-    assert "quantizer is disabled" in ops.fp8.modelopt_not_supported_reasons(q)
+    assert "quantizer is disabled" in fp8_quantizer_reasons(q)
     nv = TensorQuantizer(
         mtq.config.QuantizerAttributeConfig(
             num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
         )
     )
-    reasons = ops.fp8.modelopt_not_supported_reasons(nv)
+    reasons = fp8_quantizer_reasons(nv)
     assert any("num_bits" in r for r in reasons) and any("block" in r for r in reasons)
     x = torch.randn(1, 2, 16)
     p = torch.randn(1, 16)
-    with pytest.raises(ValueError, match="norm_input_quant"):
+    assert norm_input_fp8(nv)[0] is None and norm_input_fp8(nv)[1]
+    with pytest.raises(TypeError, match="norm_input_quant"):  # ops take descriptions, not ModelOpt objects
         ops.bias_residual_layer_norm_scale_shift(x, x, bias=None, gate=p, shift=p, scale=p, norm_input_quant=nv)
 
 
@@ -239,12 +241,17 @@ def test_custom_op_fake_shapes():
     with FakeTensorMode():
         x = torch.empty(2, 5, 16, dtype=torch.bfloat16)
         g = torch.empty(2, 1, 16, dtype=torch.bfloat16)
-        out = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(x, x, None, g, g, g, 1e-6, None, None, 0)
-        assert [tuple(t.shape) for t in out] == [(2, 5, 16), (2, 5, 16)]
+        out = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(x, x, None, g, g, g, 1e-6, None, None, 0, None)
+        assert [tuple(t.shape) for t in out] == [(2, 5, 16), (2, 5, 16), (0,)]
+        amax = torch.empty(1)
+        out = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(x, x, None, g, g, g, 1e-6, None, None, 0, amax)
+        assert out[2].shape == (2, 5, 16) and out[2].dtype == torch.float8_e4m3fn
+        a, b = torch.ops.qwen_absorb.quantize_fp8(x, 2, amax, amax, "")
+        assert a.shape == (2, 2, 16) and b.shape == (2, 3, 16)
 
 
 def test_kernel_source_inlines_headers():
-    src = _cuda.kernel_source("bias_residual_layer_norm_scale_shift.cu")
+    src = _runtime.kernel_source("bias_residual_layer_norm_scale_shift.cu")
     assert "#include \"" not in src and src.count("struct QaWelford {") == 1
 
 
@@ -256,10 +263,10 @@ def _nvcc() -> str | None:
 def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     """Instantiates every template the launchers can request and compiles it for sm_90 with nvcc."""
     by_file = defaultdict(list)
-    for f, expr in _cuda.all_kernel_expressions():
+    for f, expr in ops.all_kernel_expressions():
         by_file[f].append(expr)
     for f, exprs in by_file.items():
-        src = _cuda.kernel_source(f) + "\nvoid* qa_instances[] = {\n" + ",\n".join(f"(void*)&{e}" for e in exprs) + "};\n"
+        src = _runtime.kernel_source(f) + "\nvoid* qa_instances[] = {\n" + ",\n".join(f"(void*)&{e}" for e in exprs) + "};\n"
         path = tmp_path / f
         path.write_text(src)
         cmd = [_nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(path.with_suffix(".cubin")), str(path)]

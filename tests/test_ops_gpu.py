@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import qwen_absorb.ops as ops
-from qwen_absorb.ops import _cuda
+from qwen_absorb.ops import _runtime
 from qwen_absorb.ops.fp8 import Fp8PerTensorQuant
+from qwen_absorb.quant import norm_input_fp8
 
 from .ops_helpers import (
     EPS,
@@ -28,9 +29,9 @@ from .ops_helpers import (
 )
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available() or _cuda.cupy_unavailable_reason() is not None:
+if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
     pytest.skip(
-        f"needs CUDA and CuPy ({_cuda.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
+        f"needs CUDA and CuPy ({_runtime.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
         allow_module_level=True,
     )
 
@@ -220,10 +221,10 @@ def test_fp8_norm_input_quant_matches_modelopt(dtype):
     h2 = h + g * (attn + bias)
     norm_in = q(h2)
     m2, _ = diffusers_modulate(diffusers_layer_norm(norm_in), mod, None)
-    assert_bit_identical(Fp8PerTensorQuant.from_modelopt(q).reference(h2), norm_in, "fp8 reference")
+    assert_bit_identical(norm_input_fp8(q)[0].reference(h2), norm_in, "fp8 reference")
     poison_allocator(h.numel() * h.element_size())
     nr, o2 = ops.bias_residual_layer_norm_scale_shift(
-        h, attn, bias=bias, gate=g, shift=sh, scale=sc, norm_input_quant=q
+        h, attn, bias=bias, gate=g, shift=sh, scale=sc, norm_input_quant=norm_input_fp8(q)[0]
     )
     assert_bit_identical(nr, h2, "new_residual (never quantized)")
     s = ln_output_stats(o2, m2)

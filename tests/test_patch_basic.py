@@ -53,22 +53,26 @@ def test_patched_equals_unpatched_bitwise(dtype, zero_cond_t, seed):
 
 
 def test_patch_changes_the_forward_and_the_ops_are_called(seed, monkeypatch):
-    """Guard against a patch that silently does nothing: the fused ops must actually run."""
+    """Guard against a patch that silently does nothing: the fused ops must actually run.
+
+    On CPU the patched block runs each op's torch reference through the block's checked-once
+    path (qwen_absorb.block), so that is where the calls are counted."""
     model = T.tiny_transformer(seed=seed)
     inputs = T.transformer_inputs(model, seed=seed)
     calls = []
-    import qwen_absorb.ops as ops
+    import qwen_absorb.block as blk
 
-    for name in ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
+    for name in ("layer_norm_scale_shift_reference", "bias_residual_layer_norm_scale_shift_reference",
+                 "bias_gate_residual_reference"):
+        real = getattr(blk, name)
+        monkeypatch.setattr(blk, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
     qwen_absorb.patch(model)
     T.run_transformer(model, inputs)
-    assert calls.count("layer_norm_scale_shift") == 4  # 2 blocks x 2 streams
-    assert calls.count("bias_residual_layer_norm_scale_shift") == 4
-    assert calls.count("bias_gate_residual") == 4
+    assert calls.count("layer_norm_scale_shift_reference") == 4  # 2 blocks x 2 streams
+    assert calls.count("bias_residual_layer_norm_scale_shift_reference") == 4
+    assert calls.count("bias_gate_residual_reference") == 4
     # and a wrong op would be caught: break one and the output changes
-    monkeypatch.setattr(ops, "bias_gate_residual", lambda r, x, *, bias, gate, index=None, force_reference=False: r + x)
+    monkeypatch.setattr(blk, "bias_gate_residual_reference", lambda r, x, *, bias, gate, index=None: r + x)
     qwen_absorb.unpatch(model)
     ref = T.run_transformer(model, inputs)
     qwen_absorb.patch(model)
@@ -112,9 +116,12 @@ def test_idempotent_and_repatch(seed):
     ref = T.run_transformer(model, inputs)
     r1 = qwen_absorb.patch(model)
     fwd = model.transformer_blocks[0].forward
-    r2 = qwen_absorb.patch(model, defer_bias=False)
-    assert r2 is r1
+    assert qwen_absorb.patch(model) is r1  # same arguments: the current patch stands
     assert model.transformer_blocks[0].forward is fwd
+    # other arguments (issue 7): patched anew with them, never silently the first ones
+    r2 = qwen_absorb.patch(model, defer_bias=False)
+    assert r2 is not r1 and not r1.active and r2.active and r2.defer_bias is False
+    assert qwen_absorb.patch_report(model) is r2
     assert torch.equal(T.run_transformer(model, inputs), ref)
     qwen_absorb.unpatch(model)
     qwen_absorb.unpatch(model)  # no-op

@@ -1,40 +1,81 @@
 """qwen_absorb.ops: fused CUDA kernels (CuPy/NVRTC) for Qwen-Image block chains, with exact torch
-references. Each op dispatches to its kernel when ``not_supported_reasons`` is empty, else to its
-reference, which is the diffusers eager expression itself.
+references. Each op dispatches to its kernel when its ``*_not_supported_reasons`` is empty, else to
+its reference, which is the diffusers eager expression itself.
 
 - :func:`layer_norm_scale_shift`                 LayerNorm(x) * (1 + scale) + shift
 - :func:`bias_residual_layer_norm_scale_shift`   r + gate * (x + bias), then LayerNorm(Q(.)) * (1 + scale) + shift
 - :func:`bias_gate_residual`                     r + gate * (x + bias)
+- :func:`quantize_fp8`, :func:`quantize_fp8_split`  FP8 e4m3 codes of an activation (optionally GELU'd)
+- ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output.
+- :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
 
-Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``.
+Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is
+one module (reference, launcher, reasons, custom op) plus one ``csrc/*.cu``; the module's ``launch``
+is the checked-once entry the patched block uses.
 """
 
-from . import _custom_ops  # noqa: F401  (registers torch.ops.qwen_absorb.*)
 from ._eligibility import FORCE_REFERENCE_ENV, kernel_runtime_reasons
-from .bias_gate_residual import bias_gate_residual, bias_gate_residual_reference
-from .bias_gate_residual import not_supported_reasons as bias_gate_residual_not_supported_reasons
+from .bias_gate_residual import (
+    bias_gate_residual,
+    bias_gate_residual_not_supported_reasons,
+    bias_gate_residual_reference,
+)
 from .bias_residual_layer_norm_scale_shift import (
     bias_residual_layer_norm_scale_shift,
+    bias_residual_layer_norm_scale_shift_fp8,
+    bias_residual_layer_norm_scale_shift_not_supported_reasons,
     bias_residual_layer_norm_scale_shift_reference,
 )
-from .bias_residual_layer_norm_scale_shift import (
-    not_supported_reasons as bias_residual_layer_norm_scale_shift_not_supported_reasons,
+from .fp8 import Fp8PerTensorQuant, dequant_scale, quant_scale, quantize_fp8_reference
+from .layer_norm_scale_shift import (
+    layer_norm_scale_shift,
+    layer_norm_scale_shift_fp8,
+    layer_norm_scale_shift_fp8_reference,
+    layer_norm_scale_shift_not_supported_reasons,
+    layer_norm_scale_shift_reference,
 )
-from .fp8 import Fp8PerTensorQuant
-from .layer_norm_scale_shift import layer_norm_scale_shift, layer_norm_scale_shift_reference
-from .layer_norm_scale_shift import not_supported_reasons as layer_norm_scale_shift_not_supported_reasons
+from .quantize_fp8 import quantize_fp8, quantize_fp8_split
+from .qk_norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_multi,
+    qk_norm_rope_not_supported_reasons,
+    qk_norm_rope_reference,
+)
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    """Every (csrc file, template instance) the launchers can ask for (the compile test builds them)."""
+    import importlib  # noqa: PLC0415  (the op functions above shadow their modules' names)
+
+    mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
+            "qk_norm_rope")
+    return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
+
 
 __all__ = [
     "FORCE_REFERENCE_ENV",
+    "all_kernel_expressions",
     "Fp8PerTensorQuant",
     "bias_gate_residual",
     "bias_gate_residual_not_supported_reasons",
     "bias_gate_residual_reference",
     "bias_residual_layer_norm_scale_shift",
+    "bias_residual_layer_norm_scale_shift_fp8",
     "bias_residual_layer_norm_scale_shift_not_supported_reasons",
     "bias_residual_layer_norm_scale_shift_reference",
+    "dequant_scale",
     "kernel_runtime_reasons",
     "layer_norm_scale_shift",
+    "layer_norm_scale_shift_fp8",
+    "layer_norm_scale_shift_fp8_reference",
     "layer_norm_scale_shift_not_supported_reasons",
     "layer_norm_scale_shift_reference",
+    "qk_norm_rope",
+    "qk_norm_rope_multi",
+    "qk_norm_rope_not_supported_reasons",
+    "qk_norm_rope_reference",
+    "quant_scale",
+    "quantize_fp8",
+    "quantize_fp8_reference",
+    "quantize_fp8_split",
 ]

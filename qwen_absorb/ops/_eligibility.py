@@ -1,7 +1,8 @@
-"""Why the CUDA kernel of a fused op cannot run for given inputs, as a list of readable reasons.
+"""Why the CUDA kernel of a fused op cannot run, as a list of readable reasons (empty: it runs).
 
-An empty list means the kernel runs. Anything else sends the call to the op's torch reference,
-which is the diffusers eager expression itself, so a fallback never changes the numbers.
+Anything else sends the call to the op's torch reference, which is the diffusers eager expression
+itself, so a fallback never changes the numbers. Machine reasons are cached per device; the public
+ops add the per-call ones (dtype, size, autograd, force_reference).
 """
 
 from __future__ import annotations
@@ -10,15 +11,14 @@ import os
 
 import torch
 
-from . import _cuda
+from . import _runtime
 from ._validate import SUPPORTED_DTYPES
 
 FORCE_REFERENCE_ENV = "QWEN_ABSORB_FORCE_REFERENCE"
 MAX_D = 1 << 24  # the Welford count is a float, exact up to 2^24 (PyTorch has the same bound)
 MAX_ROWS = (1 << 31) - 1  # one block per row, grid.x limit
 
-# Set by _custom_ops when torch.library registration succeeded.
-CUSTOM_OPS: dict[str, bool] = {"registered": False}
+_machine: dict[torch.device, tuple[str, ...]] = {}
 
 
 def force_reference_requested(force_reference: bool = False) -> bool:
@@ -26,19 +26,27 @@ def force_reference_requested(force_reference: bool = False) -> bool:
 
 
 def kernel_runtime_reasons(device: torch.device) -> list[str]:
-    """Reasons tied to the machine, not to the inputs (checked inside the custom op too)."""
+    """Reasons tied to the machine, not to the inputs (memoised per device)."""
+    r = _machine.get(device)
+    if r is None:
+        r = _machine[device] = tuple(_machine_reasons(device))
+    return list(r)
+
+
+def _machine_reasons(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return [f"tensors are on {device.type}, the kernels need CUDA"]
-    why = _cuda.cupy_unavailable_reason()
+    why = _runtime.cupy_unavailable_reason()
     if why is not None:
         return [why]
-    cap = _cuda.device_capability(device)
-    if cap < _cuda.MIN_CAPABILITY:
-        return [f"compute capability {cap[0]}.{cap[1]} < {_cuda.MIN_CAPABILITY[0]}.{_cuda.MIN_CAPABILITY[1]}"]
+    cap = _runtime.device_capability(device)
+    if cap < _runtime.MIN_CAPABILITY:
+        return [f"compute capability {cap[0]}.{cap[1]} < {_runtime.MIN_CAPABILITY[0]}.{_runtime.MIN_CAPABILITY[1]}"]
     return []
 
 
 def common_reasons(tensors: list[torch.Tensor | None], force_reference: bool = False) -> list[str]:
+    """The per-call reasons of the public ops (inputs already validated)."""
     x = tensors[0]
     reasons = []
     if force_reference_requested(force_reference):
@@ -47,13 +55,26 @@ def common_reasons(tensors: list[torch.Tensor | None], force_reference: bool = F
         reasons.append(f"dtype {x.dtype} not supported")
     if x.shape[-1] > MAX_D:
         reasons.append(f"D = {x.shape[-1]} > {MAX_D}")
-    if x.shape[0] * x.shape[1] > MAX_ROWS:
-        reasons.append(f"B*L = {x.shape[0] * x.shape[1]} rows > {MAX_ROWS}")
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
+        reasons.append(f"{x.numel() // x.shape[-1]} rows > {MAX_ROWS}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         reasons.append("autograd: an input requires grad and the kernels have no backward")
     if torch.compiler.is_compiling():
-        if not CUSTOM_OPS["registered"]:
-            reasons.append("under torch.compile tracing and the custom ops are not registered")
         return reasons  # the custom op checks the machine when it runs
     reasons.extend(kernel_runtime_reasons(x.device))
     return reasons
+
+
+def dispatch(reasons: list[str], reference, custom_op, kernel):
+    """The one dispatch rule of every public op: reference if any reason, custom op under compile,
+    else the kernel (each a zero-argument callable)."""
+    if reasons:
+        return reference()
+    if torch.compiler.is_compiling():
+        return custom_op()
+    return kernel()
+
+
+def kernel_usable_now(x: torch.Tensor) -> bool:
+    """What a custom op body checks when it runs (eagerly, inside a compiled graph)."""
+    return x.device.type == "cuda" and not force_reference_requested() and not kernel_runtime_reasons(x.device)

@@ -22,9 +22,16 @@ def _values_check_enabled(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("QWEN_ABSORB_VALIDATE", "") == "1"
 
 
+def is_dtensor(t: object) -> bool:
+    """A torch.distributed DTensor (its storage is a shard; a raw kernel must never read it)."""
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
+
+
 def check_activation(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if is_dtensor(t):
+        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()) where the math is token-local")
     if t.dim() != 3:
         raise ValueError(f"{name} must have shape [B, L, D], got {tuple(t.shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
@@ -36,6 +43,8 @@ def check_activation(name: str, t: torch.Tensor) -> None:
 def check_same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if is_dtensor(t):
+        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local())")
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
     if t.device != ref.device:
@@ -82,6 +91,14 @@ def check_bias(bias: torch.Tensor | None, x: torch.Tensor) -> None:
     check_same("bias", bias, x, "x")
     if bias.dim() != 1 or bias.shape[0] != x.shape[2]:
         raise ValueError(f"bias must have shape [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
+
+
+def check_amax(name: str, amax: torch.Tensor, x: torch.Tensor) -> None:
+    """A per-tensor FP8 amax: one floating-point value on x's device (read there by the kernel)."""
+    if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or not amax.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor holding one value")
+    if amax.device != x.device:
+        raise ValueError(f"{name} is on {amax.device} but x is on {x.device}")
 
 
 def check_eps(eps: float) -> float:

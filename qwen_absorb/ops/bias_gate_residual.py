@@ -1,17 +1,30 @@
-"""bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site).
+"""bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel.
 
 ``x`` is the FFN output projection (``net[2]``) computed without its bias when the bias is deferred
-(``bias`` given) or with it (``bias=None``: then ``residual + gate * x``).
+(``bias`` given) or with it (``bias=None``: then ``residual + gate * x``). Layers as in
+:mod:`qwen_absorb.ops.layer_norm_scale_shift`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import _cuda
-from ._eligibility import common_reasons, force_reference_requested
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._layer_norm import pick_nv
 from ._modulation import expand_param
 from ._validate import check_activation, check_bias, check_index, check_param, check_same
+
+CU = "bias_gate_residual.cu"
+THREADS = 128  # QA_BGR_THREADS
+_NV = (1, 2, 3, 4, 5, 6, 8)
+
+
+# BiasGateResidualParams in the .cu: residual, x, bias, gate, out, index (pointers);
+# gate_rs, B, L (int64); D, index_kind, vec_flags (int32)
+LAYOUT = "6P3qiii"
 
 
 def bias_gate_residual_reference(
@@ -21,6 +34,50 @@ def bias_gate_residual_reference(
     """The diffusers eager expression, op for op (the bias added the way a separate add would)."""
     y = x + bias if bias is not None else x
     return residual + expand_param(gate, index) * y
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+    index: torch.Tensor | None,
+) -> torch.Tensor:
+    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate rows
+    with unit last stride, index contiguous."""
+    if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, residual,)))
+    B, L, D = x.shape
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    esize = x.element_size()
+    dev = x.get_device()
+    key = (x.dtype, D, dev)
+    hit = _fns.get(key)
+    if hit is None:
+        vec = 16 // esize
+        if D % vec:
+            vec = 1
+        nv = pick_nv(math.ceil((D // vec) / THREADS), _NV)
+        fn = rt.function(CU, f"bias_gate_residual_kernel<{rt.TRAITS[x.dtype]}, {vec}, {nv}>", dev)
+        hit = _fns[key] = (rt.Launcher(fn, THREADS, LAYOUT, dev), vec * esize)
+    launcher, a = hit
+    grs = gate.stride(0)
+    xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
+    bp = bias.data_ptr() if bias is not None else 0
+    flags = (((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4))
+    launcher(B * L, rp, xp, bp, gp, out.data_ptr(), index.data_ptr() if index is not None else 0,
+             grs, B, L, D, index.element_size() if index is not None else 0, flags)
+    return out
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    out = []
+    for dtype, t in rt.TRAITS.items():
+        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()):
+            out += [(CU, f"bias_gate_residual_kernel<{t}, {v}, {nv}>") for nv in (*_NV, 0)]
+    return out
 
 
 def _validate(residual, x, bias, gate, index) -> None:
@@ -34,7 +91,12 @@ def _validate(residual, x, bias, gate, index) -> None:
     check_param("gate", gate, x, index)
 
 
-def not_supported_reasons(
+def _kernel(residual, x, bias, gate, index):
+    return launch(residual.contiguous(), x.contiguous(), bias, gate if gate.dim() == 2 else gate.squeeze(1),
+                  index.contiguous() if index is not None else None)
+
+
+def bias_gate_residual_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     index: torch.Tensor | None = None, force_reference: bool = False,
 ) -> list[str]:
@@ -52,15 +114,24 @@ def bias_gate_residual(
     residual, x: [B, L, D]; bias: [D] or None; gate: [B, D] or [B, 1, D] (2B rows with ``index``).
     """
     _validate(residual, x, bias, gate, index)
-    if common_reasons([x, residual, bias, gate], force_reference):
-        return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
-    if torch.compiler.is_compiling():
-        return torch.ops.qwen_absorb.bias_gate_residual(residual, x, bias, gate, index)
-    return _cuda.bias_gate_residual(residual.contiguous(), x.contiguous(), bias, gate, index)
+    return dispatch(
+        common_reasons([x, residual, bias, gate], force_reference),
+        lambda: bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index),
+        lambda: torch.ops.qwen_absorb.bias_gate_residual(residual, x, bias, gate, index),
+        lambda: _kernel(residual, x, bias, gate, index),
+    )
 
 
-def _custom_op_impl(residual, x, bias, gate, index):
-    """Body of the registered custom op (eager, opaque to the compiler)."""
-    if x.device.type != "cuda" or force_reference_requested() or common_reasons([x]):
-        return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
-    return _cuda.bias_gate_residual(residual.contiguous(), x.contiguous(), bias, gate, index)
+@torch.library.custom_op("qwen_absorb::bias_gate_residual", mutates_args=())
+def _custom_op(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+    index: torch.Tensor | None,
+) -> torch.Tensor:
+    if kernel_usable_now(x):
+        return _kernel(residual, x, bias, gate, index)
+    return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
+
+
+@_custom_op.register_fake
+def _(residual, x, bias, gate, index):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

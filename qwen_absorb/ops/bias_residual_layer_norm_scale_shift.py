@@ -1,4 +1,4 @@
-"""bias_residual_layer_norm_scale_shift: the attention residual, norm2 and its modulation, fused.
+"""bias_residual_layer_norm_scale_shift: the attention residual, norm2 and its modulation, one kernel.
 
     new_residual = residual + gate * (x + bias)
     modulated    = LayerNorm(Q(new_residual)) * (1 + scale) + shift
@@ -6,35 +6,110 @@
 ``x`` is the attention output projection (``to_out[0]`` / ``to_add_out``) computed without its bias
 when the bias is deferred (``bias`` given), or with it (``bias=None``). ``Q`` is the identity, or the
 FP8 per-tensor fake quantization ModelOpt's ``QuantLayerNorm.input_quantizer`` applies before the
-norm (``norm_input_quant``, see :mod:`qwen_absorb.ops.fp8`). ``new_residual`` is never quantized.
+norm (``norm_input_quant``, an :class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`). ``new_residual``
+is never quantized. :func:`bias_residual_layer_norm_scale_shift_fp8` also (or only) writes the
+e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``. Layers as in
+:mod:`qwen_absorb.ops.layer_norm_scale_shift`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _cuda
-from ._eligibility import common_reasons, force_reference_requested
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._layer_norm import LN_MODES, NV_CHOICES, layout
 from ._modulation import expand_param, layer_norm
-from ._validate import check_activation, check_bias, check_eps, check_index, check_param, check_same
-from .fp8 import QUANT_MODE, Fp8PerTensorQuant, as_fp8_quant
+from ._validate import check_activation, check_amax, check_bias, check_eps, check_index, check_param, check_same
+from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quantize_fp8_reference
+
+CU = "bias_residual_layer_norm_scale_shift.cu"
+_FORMULA = {1: "cuda_ext", 2: "eager"}
+
+
+# BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale,
+# new_residual, out, out_fp8, index, amax, out_amax (pointers); gate_rs, shift_rs, scale_rs, B, L
+# (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
+LAYOUT = "12P5qifiii"
+
+
+# ---------------------------------------------------------------------------- references
 
 
 def bias_residual_layer_norm_scale_shift_reference(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
-    norm_input_quant=None,
+    norm_input_quant: Fp8PerTensorQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The diffusers eager expressions, op for op (the bias added the way a separate add would)."""
-    quant = as_fp8_quant(norm_input_quant)
     y = x + bias if bias is not None else x
     new_residual = residual + expand_param(gate, index) * y
-    normed_in = quant.reference(new_residual) if quant is not None else new_residual
+    normed_in = norm_input_quant.reference(new_residual) if norm_input_quant is not None else new_residual
     modulated = layer_norm(normed_in, eps) * (1 + expand_param(scale, index)) + expand_param(shift, index)
     return new_residual, modulated
 
 
-def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant):
+# ---------------------------------------------------------------------------- the launcher
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
+    scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(new_residual, modulated or None, e4m3 codes of modulated or None)``.
+
+    residual, x: contiguous [B, L, D] on a usable CUDA device; gate/shift/scale rows with unit last
+    stride; amax (norm-input quantizer, quant_mode 1/2) and fp8_amax fp32 one-element on the device.
+    """
+    if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, residual,)))
+    B, L, D = x.shape
+    h = torch.empty_like(x)
+    o = torch.empty_like(x) if out else None
+    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    if x.numel() == 0:
+        return h, o, f8
+    esize = x.element_size()
+    dev = x.get_device()
+    key = (x.dtype, D, dev)
+    hit = _fns.get(key)
+    if hit is None:
+        # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
+        mode, threads, ch, nv = layout(D, True)
+        fn = rt.function(CU, f"bias_residual_layer_norm_scale_shift_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
+        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
+    launcher, a = hit
+    grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
+    xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
+    bp = bias.data_ptr() if bias is not None else 0
+    flags = (
+        ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
+        | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
+    )
+    launcher(
+        B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), o.data_ptr() if o is not None else 0,
+        f8.data_ptr() if f8 is not None else 0, index.data_ptr() if index is not None else 0,
+        amax.data_ptr() if amax is not None else 0, fp8_amax.data_ptr() if fp8_amax is not None else 0,
+        grs, srs, crs, B, L, D, eps, index.element_size() if index is not None else 0, quant_mode, flags,
+    )
+    return h, o, f8
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [
+        (CU, f"bias_residual_layer_norm_scale_shift_kernel<{t}, {mode}, {nv}>")
+        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
+    ]
+
+
+# ---------------------------------------------------------------------------- public ops
+
+
+def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax=None):
     check_activation("x", x)
     check_activation("residual", residual)
     check_same("residual", residual, x, "x")
@@ -46,16 +121,35 @@ def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quan
     check_param("gate", gate, x, index)
     check_param("shift", shift, x, index)
     check_param("scale", scale, x, index)
-    quant = as_fp8_quant(norm_input_quant)
+    quant = check_norm_input_quant(norm_input_quant)
     if quant is not None and quant.amax.device != x.device:
         raise ValueError(f"norm_input_quant.amax is on {quant.amax.device} but x is on {x.device}")
+    if fp8_amax is not None:
+        check_amax("fp8_amax", fp8_amax, x)
     return eps, quant
 
 
-def not_supported_reasons(
+def _rows(p: torch.Tensor) -> torch.Tensor:
+    return p if p.dim() == 2 else p.squeeze(1)
+
+
+def _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, *, out=True, fp8_amax=None):
+    amax, mode = _quant_args(quant, x.device)
+    return launch(
+        residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+        index.contiguous() if index is not None else None, amax, mode, out=out,
+        fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None,
+    )
+
+
+def _quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    return (quant.amax_fp32(device), quant.mode_for(device)) if quant is not None else (None, 0)
+
+
+def bias_residual_layer_norm_scale_shift_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
-    norm_input_quant=None, force_reference: bool = False,
+    norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False,
 ) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
@@ -65,46 +159,89 @@ def not_supported_reasons(
 def bias_residual_layer_norm_scale_shift(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
-    norm_input_quant: Fp8PerTensorQuant | object | None = None, force_reference: bool = False,
+    norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(new_residual, modulated)``; see the module docstring.
 
     residual, x: [B, L, D]; bias: [D] or None; gate, shift, scale: [B, D] or [B, 1, D]
-    (2B rows with ``index`` [B, L] of 0/1); norm_input_quant: None, an
-    :class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant` or a ModelOpt FP8 per-tensor TensorQuantizer.
+    (2B rows with ``index`` [B, L] of 0/1); norm_input_quant: None or an Fp8PerTensorQuant.
     """
     eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
-    if common_reasons([x, residual, bias, gate, shift, scale], force_reference):
-        return bias_residual_layer_norm_scale_shift_reference(
+
+    def compiled():
+        amax, mode = _quant_args(quant, x.device)
+        h, o, _ = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(
+            residual, x, bias, gate, shift, scale, eps, index, amax, mode, None)
+        return h, o
+
+    return dispatch(
+        common_reasons([x, residual, bias, gate, shift, scale], force_reference),
+        lambda: bias_residual_layer_norm_scale_shift_reference(
             residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-            norm_input_quant=quant,
-        )
-    amax, mode = _quant_args(quant, x.device)
-    if torch.compiler.is_compiling():
-        return torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(
-            residual, x, bias, gate, shift, scale, eps, index, amax, mode
-        )
-    return _cuda.bias_residual_layer_norm_scale_shift(
-        residual.contiguous(), x.contiguous(), bias, gate, shift, scale, eps, index, amax, mode
+            norm_input_quant=quant),
+        compiled,
+        lambda: _kernel(residual, x, bias, gate, shift, scale, eps, index, quant)[:2],
     )
 
 
-def _quant_args(quant: Fp8PerTensorQuant | None, device: torch.device):
-    if quant is None:
-        return None, 0
-    return quant.amax_fp32(device), QUANT_MODE[quant.formula_for(device)]
+def bias_residual_layer_norm_scale_shift_fp8(
+    residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
+    shift: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
+    index: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
+    also_output: bool = False, force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(new_residual, codes, modulated or None)``: as :func:`bias_residual_layer_norm_scale_shift`,
+    plus the e4m3 codes of ``modulated`` under ``fp8_amax`` (bit-identical to the reference
+    quantizer applied to it); ``modulated`` itself only when ``also_output``."""
+    eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax)
 
-
-def _custom_op_impl(residual, x, bias, gate, shift, scale, eps, index, amax, mode):
-    """Body of the registered custom op (eager, opaque to the compiler)."""
-    if x.device.type != "cuda" or force_reference_requested() or common_reasons([x]):
-        quant = None
-        if mode:
-            quant = Fp8PerTensorQuant(amax, formula={1: "cuda_ext", 2: "eager"}[mode])
-        return bias_residual_layer_norm_scale_shift_reference(
+    def reference():
+        h, o = bias_residual_layer_norm_scale_shift_reference(
             residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-            norm_input_quant=quant,
-        )
-    return _cuda.bias_residual_layer_norm_scale_shift(
-        residual.contiguous(), x.contiguous(), bias, gate, shift, scale, eps, index, amax, mode
-    )
+            norm_input_quant=quant)
+        return h, quantize_fp8_reference(o, fp8_amax), (o if also_output else None)
+
+    def compiled():
+        amax, mode = _quant_args(quant, x.device)
+        h, o, codes = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(
+            residual, x, bias, gate, shift, scale, eps, index, amax, mode, fp8_amax)
+        return h, codes, (o if also_output else None)
+
+    def kernel():
+        h, o, codes = _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, out=also_output,
+                              fp8_amax=fp8_amax)
+        return h, codes, o
+
+    return dispatch(common_reasons([x, residual, bias, gate, shift, scale], force_reference),
+                    reference, compiled, kernel)
+
+
+# ---------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("qwen_absorb::bias_residual_layer_norm_scale_shift", mutates_args=())
+def _custom_op(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+    shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
+    amax: torch.Tensor | None, quant_mode: int, fp8_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes)``
+    (codes empty without ``fp8_amax``)."""
+    if kernel_usable_now(x):
+        h, o, codes = launch(
+            residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+            index.contiguous() if index is not None else None, amax, quant_mode,
+            fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None)
+    else:
+        quant = Fp8PerTensorQuant(amax, formula=_FORMULA[quant_mode]) if quant_mode else None
+        h, o = bias_residual_layer_norm_scale_shift_reference(
+            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index, norm_input_quant=quant)
+        codes = quantize_fp8_reference(o, fp8_amax) if fp8_amax is not None else None
+    return h, o, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+
+
+@_custom_op.register_fake
+def _(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax):
+    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
+    like = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like), codes

@@ -30,22 +30,33 @@ __device__ __forceinline__ void qa_bias_gate_residual_vec(
   qa_store_raw<T, VEC>(o, vx, ov);
 }
 
+struct BiasGateResidualParams {
+  const void* residual;
+  const void* x;
+  const void* bias;
+  const void* gate;
+  void* out;
+  const void* index;
+  qa_i64 gate_rs, B, L;
+  int D;
+  int index_kind;
+  int vec_flags;  // 1: activations, 8: gate rows, 16: bias vector-aligned
+};
+
 template <class T, int VEC, int NV>
-__global__ void __launch_bounds__(QA_BGR_THREADS, QA_BGR_MIN_BLOCKS) bias_gate_residual_kernel(
-    const typename T::storage* __restrict__ residual, const typename T::storage* __restrict__ x,
-    const typename T::storage* __restrict__ bias,
-    const typename T::storage* __restrict__ gate, qa_i64 gate_rs,
-    typename T::storage* __restrict__ out,
-    const void* __restrict__ index, int index_kind, qa_i64 B, qa_i64 L, int D, int vec_flags) {
+__global__ void __launch_bounds__(QA_BGR_THREADS, QA_BGR_MIN_BLOCKS)
+bias_gate_residual_kernel(const BiasGateResidualParams p) {
   typedef typename T::storage S;
+  const int D = p.D;
   const qa_i64 row = blockIdx.x;
-  const qa_i64 prow = qa_param_row(row, L, B, index, index_kind);
+  const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)D;
-  const S* rr = residual + off;
-  const S* xr = x + off;
-  S* outr = out + off;
-  const S* gr = gate + prow * gate_rs;
-  const bool vx = vec_flags & 1, vg = vec_flags & 8, vb = vec_flags & 16;
+  const S* rr = reinterpret_cast<const S*>(p.residual) + off;
+  const S* xr = reinterpret_cast<const S*>(p.x) + off;
+  const S* bias = reinterpret_cast<const S*>(p.bias);
+  S* outr = reinterpret_cast<S*>(p.out) + off;
+  const S* gr = reinterpret_cast<const S*>(p.gate) + prow * p.gate_rs;
+  const bool vx = p.vec_flags & 1, vg = p.vec_flags & 8, vb = p.vec_flags & 16;
   const int nvec = D / VEC;
   if (NV > 0) {
 #pragma unroll

@@ -2,9 +2,32 @@
 //   new_residual = residual + gate * (x + bias)
 //   modulated    = LayerNorm(Q(new_residual)) * (1 + scale) + shift
 // Q is identity (quant_mode 0) or ModelOpt's FP8 per-tensor fake quantization (1, 2); the residual
-// written out is never quantized. Layout and variants as in layer_norm_scale_shift.cu.
+// written out is never quantized. Layout and variants as in layer_norm_scale_shift.cu; `out` and
+// `out_fp8` as there (out_fp8: the FP8 input of net[0].proj when it runs as a real FP8 GEMM).
 #include "common.cuh"
+#include "fp8.cuh"
 #include "layer_norm.cuh"
+
+struct BiasResidualLayerNormScaleShiftParams {
+  const void* residual;
+  const void* x;
+  const void* bias;
+  const void* gate;
+  const void* shift;
+  const void* scale;
+  void* new_residual;
+  void* out;
+  unsigned char* out_fp8;
+  const void* index;
+  const float* amax;      // norm-input quantizer (quant_mode != 0)
+  const float* out_amax;  // consumer input quantizer (out_fp8 != null)
+  qa_i64 gate_rs, shift_rs, scale_rs, B, L;
+  int D;
+  float eps;
+  int index_kind;
+  int quant_mode;
+  int vec_flags;  // 1: activations, 2: shift, 4: scale, 8: gate rows, 16: bias vector-aligned
+};
 
 // One slot: writes new_residual (rounded like eager: x + bias, gate * that, residual + that) and
 // returns the LayerNorm input Q(new_residual) in q.
@@ -34,34 +57,33 @@ __device__ __forceinline__ void qa_residual_slot(
 }
 
 template <class T, int MODE, int NV>
-__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) bias_residual_layer_norm_scale_shift_kernel(
-    const typename T::storage* __restrict__ residual, const typename T::storage* __restrict__ x,
-    const typename T::storage* __restrict__ bias,
-    const typename T::storage* __restrict__ gate, qa_i64 gate_rs,
-    const typename T::storage* __restrict__ shift, qa_i64 shift_rs,
-    const typename T::storage* __restrict__ scale, qa_i64 scale_rs,
-    typename T::storage* __restrict__ new_residual, typename T::storage* __restrict__ out,
-    const void* __restrict__ index, int index_kind, qa_i64 B, qa_i64 L, int D, float eps,
-    const float* __restrict__ amax, int quant_mode, int vec_flags) {
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
+bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShiftParams p) {
   typedef typename T::storage S;
   constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
   __shared__ float smem[48];
+  const int D = p.D;
+  const int quant_mode = p.quant_mode;
   const qa_i64 row = blockIdx.x;
-  const qa_i64 prow = qa_param_row(row, L, B, index, index_kind);
+  const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)D;
-  const S* rr = residual + off;
-  const S* xr = x + off;
-  S* hr = new_residual + off;
-  S* outr = out + off;
-  const S* gr = gate + prow * gate_rs;
-  const S* shr = shift + prow * shift_rs;
-  const S* scr = scale + prow * scale_rs;
-  const bool vx = vec_flags & 1, vsh = vec_flags & 2, vsc = vec_flags & 4, vg = vec_flags & 8,
-             vb = vec_flags & 16;
+  const S* rr = reinterpret_cast<const S*>(p.residual) + off;
+  const S* xr = reinterpret_cast<const S*>(p.x) + off;
+  const S* bias = reinterpret_cast<const S*>(p.bias);
+  S* hr = reinterpret_cast<S*>(p.new_residual) + off;
+  S* outr = p.out ? reinterpret_cast<S*>(p.out) + off : nullptr;
+  unsigned char* f8r = p.out_fp8 ? p.out_fp8 + off : nullptr;
+  const S* gr = reinterpret_cast<const S*>(p.gate) + prow * p.gate_rs;
+  const S* shr = reinterpret_cast<const S*>(p.shift) + prow * p.shift_rs;
+  const S* scr = reinterpret_cast<const S*>(p.scale) + prow * p.scale_rs;
+  const bool vx = p.vec_flags & 1, vsh = p.vec_flags & 2, vsc = p.vec_flags & 4, vg = p.vec_flags & 8,
+             vb = p.vec_flags & 16;
   const int nslots = D / CH;
   const int tid = threadIdx.x;
   float qscale = 1.f, qinv = 1.f;
-  if (quant_mode != 0) qa_fp8_scales(amax, quant_mode, qscale, qinv);
+  if (quant_mode != 0) qa_fp8_scales(p.amax, quant_mode, qscale, qinv);
+  float f8scale = 1.f, f8inv = 1.f;
+  if (f8r) qa_fp8_scales(p.out_amax, 1, f8scale, f8inv);
   QaWelford w = {0.f, 0.f, 0.f};
   float v[NV > 0 ? NV : 1][CH];  // Q(new_residual), the LayerNorm input
 
@@ -96,7 +118,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) b
       }
     }
   }
-  const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+  const float2 mr = qa_row_mean_rstd<MODE>(w, D, p.eps, smem);
 
   // NV > 0: slot k once (values from registers); NV == 0: a strided loop that re-reads the
   // new_residual slots this thread wrote itself (program order makes them visible).
@@ -120,7 +142,8 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) b
 #pragma unroll
       for (int i = 0; i < CH; ++i)
         o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(t[i], mr.x, mr.y), sc[i], sh[i]);
-      qa_store_raw<T, CH>(outr + c * CH, vx, o);
+      if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
+      if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
     }
   }
 }

@@ -1,29 +1,65 @@
-// layer_norm_scale_shift: out = LayerNorm(x) * (1 + scale) + shift   (the norm1 site)
+// layer_norm_scale_shift: out = LayerNorm(Q(x)) * (1 + scale) + shift   (the norm1 site)
 //
 // One block per row (QaLn<MODE>::THREADS threads, PyTorch's LayerNorm layout, see layer_norm.cuh).
 // NV > 0: each thread keeps its NV slots of x in registers between the statistics and the output
 // (x is read once). NV == 0: streaming variant for very wide rows, which reads x twice (the second
 // read mostly hits L2).
+// Q: the identity, or ModelOpt's FP8 per-tensor fake quantization of the norm's input (quant_mode
+// 1/2 with amax at `amax`, QuantLayerNorm's input quantizer), applied as x is loaded.
+// Outputs: `out` in the tensor dtype (skipped when null) and/or `out_fp8`, the e4m3 codes of that
+// same rounded value under the consumer linears' input quantizer (amax at `out_amax`): the FP8
+// input of to_q/to_k/to_v when they run as real FP8 GEMMs.
 #include "common.cuh"
+#include "fp8.cuh"
 #include "layer_norm.cuh"
 
+struct LayerNormScaleShiftParams {
+  const void* x;
+  void* out;
+  unsigned char* out_fp8;
+  const void* shift;
+  const void* scale;
+  const void* index;
+  const float* out_amax;
+  const float* amax;
+  qa_i64 shift_rs, scale_rs, B, L;
+  int D;
+  float eps;
+  int index_kind;
+  int quant_mode;
+  int vec_flags;  // 1: x/out rows vector-aligned, 2: shift rows, 4: scale rows
+};
+
+template <class T, int CH>
+__device__ __forceinline__ void qa_load_quant(const typename T::storage* p, bool vec, int quant_mode, float qs,
+                                              float qi, float (&v)[CH]) {
+  qa_load<T, CH>(p, vec, v);
+  if (quant_mode != 0) {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) v[i] = qa_fp8_fake_quant<T>(v[i], qs, qi);
+  }
+}
+
 template <class T, int MODE, int NV>
-__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) layer_norm_scale_shift_kernel(
-    const typename T::storage* __restrict__ x, typename T::storage* __restrict__ out,
-    const typename T::storage* __restrict__ shift, qa_i64 shift_rs,
-    const typename T::storage* __restrict__ scale, qa_i64 scale_rs,
-    const void* __restrict__ index, int index_kind, qa_i64 B, qa_i64 L, int D, float eps,
-    int vec_flags) {
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
+layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
   typedef typename T::storage S;
   constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
   __shared__ float smem[48];
+  const int D = p.D;
   const qa_i64 row = blockIdx.x;
-  const qa_i64 prow = qa_param_row(row, L, B, index, index_kind);
-  const S* xr = x + row * (qa_i64)D;
-  S* outr = out + row * (qa_i64)D;
-  const S* shr = shift + prow * shift_rs;
-  const S* scr = scale + prow * scale_rs;
-  const bool vx = vec_flags & 1, vsh = vec_flags & 2, vsc = vec_flags & 4;
+  const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
+  const S* xr = reinterpret_cast<const S*>(p.x) + row * (qa_i64)D;
+  S* outr = p.out ? reinterpret_cast<S*>(p.out) + row * (qa_i64)D : nullptr;
+  unsigned char* f8r = p.out_fp8 ? p.out_fp8 + row * (qa_i64)D : nullptr;
+  const S* shr = reinterpret_cast<const S*>(p.shift) + prow * p.shift_rs;
+  const S* scr = reinterpret_cast<const S*>(p.scale) + prow * p.scale_rs;
+  const bool vx = p.vec_flags & 1, vsh = p.vec_flags & 2, vsc = p.vec_flags & 4;
+  float f8scale = 1.f, f8inv = 1.f;
+  if (f8r) qa_fp8_scales(p.out_amax, 1, f8scale, f8inv);
+  const int qm = p.quant_mode;
+  float qs = 1.f, qi = 1.f;
+  if (qm != 0) qa_fp8_scales(p.amax, qm, qs, qi);
   const int nslots = D / CH;
   const int tid = threadIdx.x;
   QaWelford w = {0.f, 0.f, 0.f};
@@ -33,7 +69,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int c = tid + k * TH;
-      if (c < nslots) qa_load<T, CH>(xr + c * CH, vx, v[k]);
+      if (c < nslots) qa_load_quant<T, CH>(xr + c * CH, vx, qm, qs, qi, v[k]);
     }
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -49,7 +85,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
     int n = 0;
     for (int c = tid; c < nslots; c += TH) {
       float t[CH];
-      qa_load<T, CH>(xr + c * CH, vx, t);
+      qa_load_quant<T, CH>(xr + c * CH, vx, qm, qs, qi, t);
 #pragma unroll
       for (int i = 0; i < CH; ++i) {
         ++n;
@@ -57,7 +93,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
       }
     }
   }
-  const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+  const float2 mr = qa_row_mean_rstd<MODE>(w, D, p.eps, smem);
 
   // NV > 0: slot k once (values from registers); NV == 0: a strided loop re-reading x.
 #pragma unroll
@@ -68,7 +104,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
 #pragma unroll
         for (int i = 0; i < CH; ++i) t[i] = v[k][i];
       } else {
-        qa_load<T, CH>(xr + c * CH, vx, t);
+        qa_load_quant<T, CH>(xr + c * CH, vx, qm, qs, qi, t);
       }
       qa_load<T, CH>(shr + c * CH, vsh, sh);
       qa_load<T, CH>(scr + c * CH, vsc, sc);
@@ -76,7 +112,8 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS) l
 #pragma unroll
       for (int i = 0; i < CH; ++i)
         o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(t[i], mr.x, mr.y), sc[i], sh[i]);
-      qa_store_raw<T, CH>(outr + c * CH, vx, o);
+      if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
+      if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
     }
   }
 }

@@ -1,0 +1,156 @@
+"""The joint attention of a block whose attention linears run as real FP8 GEMMs.
+
+It is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (joint mask, q/k/v, per-head
+RMSNorm, RoPE, ``[text, image]`` concatenation, ``dispatch_attention_fn`` with the processor's own
+backend and context-parallel config, split, output projections), except that each planned linear
+is an FP8 ``torch._scaled_mm`` fed by e4m3 codes: q/k/v read the codes norm1 emitted, and the
+attention output is split and quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight
+from the [B, S, H, D] tensor the attention returns (no flatten copy).
+
+:class:`Fp8AttnProcessor` is what the patch installs with ``attn.set_processor`` on such blocks
+(diffusers' seam; undone by ``unpatch``). Called the ordinary way (``attn(...)``, e.g. by the
+original block forward on a fallback) it is exactly diffusers' processor; it proxies that
+processor's ``_attention_backend`` and ``_parallel_config``, so ``set_attention_backend`` and
+``enable_parallelism`` keep working before or after patching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ops.fp8 import quantize_fp8_reference
+from .ops.quantize_fp8 import launch as qf8_launch
+from .projection import fp8_linear
+
+
+def fp8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Reference emission (CPU, compile, references forced): the codes the kernels write."""
+    return quantize_fp8_reference(x, amax)
+
+
+class Fp8AttnProcessor:
+    """diffusers' Qwen double-stream processor, with qwen_absorb's FP8 path beside it."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+    @property
+    def _attention_backend(self):
+        return self.original._attention_backend
+
+    @_attention_backend.setter
+    def _attention_backend(self, value) -> None:
+        self.original._attention_backend = value
+
+    @property
+    def _parallel_config(self):
+        return self.original._parallel_config
+
+    @_parallel_config.setter
+    def _parallel_config(self, value) -> None:
+        self.original._parallel_config = value
+
+    def __call__(
+        self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                             attention_mask, image_rotary_emb)
+
+
+def _diffusers():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: PLC0415
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen  # noqa: PLC0415
+
+    return dispatch_attention_fn, apply_rotary_emb_qwen
+
+
+def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, compiling: bool) -> torch.Tensor:
+    lp = plan.linears[path]
+    if lp.fp8_gemm:
+        return fp8_linear(x, lp, plan)
+    return _run_module(plan, compiling, _module(attn, path), x)
+
+
+def _run_module(plan, compiling, module, x):
+    from .block import _call  # noqa: PLC0415  (block imports this module)
+
+    return _call(plan, compiling, module, x)
+
+
+def _module(attn: nn.Module, path: str) -> nn.Module:
+    name = path.split(".", 1)[1]
+    return attn.to_out[0] if name == "to_out.0" else attn._modules[name]
+
+
+def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb, use_kernels: bool, compiling: bool):
+    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are e4m3 codes where norm1
+    emitted them for FP8 q/k/v, else the modulated tensors."""
+    dispatch_attention_fn, apply_rotary_emb_qwen = _diffusers()
+    proc = attn.processor
+    B, seq_img = img_in.shape[0], img_in.shape[1]
+    seq_txt = txt_in.shape[1]
+    attention_mask = None
+    if encoder_hidden_states_mask is not None:
+        image_mask = torch.ones((B, seq_img), dtype=torch.bool, device=img_in.device)
+        attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+
+    head_dim = attn.inner_dim // attn.heads
+    qkv = []
+    for paths, x in ((("attn.to_q", "attn.to_k", "attn.to_v"), img_in),
+                     (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in)):
+        qkv.append([_linear(attn, plan, p, x, compiling).unflatten(-1, (-1, head_dim)) for p in paths])
+    (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
+    if attn.norm_q is not None:
+        img_q = attn.norm_q(img_q)
+    if attn.norm_k is not None:
+        img_k = attn.norm_k(img_k)
+    if attn.norm_added_q is not None:
+        txt_q = attn.norm_added_q(txt_q)
+    if attn.norm_added_k is not None:
+        txt_k = attn.norm_added_k(txt_k)
+    if image_rotary_emb is not None:
+        img_freqs, txt_freqs = image_rotary_emb
+        img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+        img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+        txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+        txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+    joint_q = torch.cat([txt_q, img_q], dim=1)
+    out = dispatch_attention_fn(
+        joint_q, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
+        attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=proc._attention_backend, parallel_config=proc._parallel_config,
+    )
+    out = out.to(joint_q.dtype)  # [B, S, H, D]
+    img_lp, txt_lp = plan.linears["attn.to_out.0"], plan.linears["attn.to_add_out"]
+    if img_lp.fp8_gemm and txt_lp.fp8_gemm:
+        if use_kernels:
+            txt_codes, img_codes, _ = qf8_launch(out, seq_txt, txt_lp.weight.input_amax, img_lp.weight.input_amax)
+        else:
+            flat = out.flatten(2, 3)
+            txt_codes = fp8_codes(flat[:, :seq_txt], txt_lp.weight.input_amax)
+            img_codes = fp8_codes(flat[:, seq_txt:], img_lp.weight.input_amax)
+        img_out, txt_out = fp8_linear(img_codes, img_lp, plan), fp8_linear(txt_codes, txt_lp, plan)
+    else:
+        flat = out.flatten(2, 3)
+        img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling)
+        txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling)
+    if len(attn.to_out) > 1:
+        img_out = attn.to_out[1](img_out)  # dropout, as diffusers
+    return img_out, txt_out
+
+
+def _out_projection(attn, plan, path, x, use_kernels, compiling):
+    lp = plan.linears[path]
+    if not lp.fp8_gemm:
+        return _run_module(plan, compiling, _module(attn, path), x.contiguous())
+    if use_kernels:
+        codes = qf8_launch(x, 0, None, lp.weight.input_amax)[1]
+    else:
+        codes = fp8_codes(x, lp.weight.input_amax)
+    return fp8_linear(codes, lp, plan)

@@ -1,0 +1,185 @@
+"""CuPy runtime of the fused ops: NVRTC compilation, kernel cache, lean launches on torch's stream.
+
+Kernels are CUDA C sources in ``csrc/`` compiled by CuPy's ``RawModule`` (NVRTC) on first use and
+cached per (file, template instance, device). CuPy also caches the binary on disk, keyed by the
+source text and options; headers are inlined into the source so that key covers them too.
+
+Launch path (why it looks like this): a fused op's host cost is what decides whether the patched
+model is faster at all (an eager Qwen-Image call is bound by the host below 2048^2). CuPy boxes
+every kernel argument (about 0.7 us each), so every kernel takes ONE by-value ``struct`` of
+parameters. A :class:`Launcher` (one per kernel signature) packs the values with a precompiled
+``struct.Struct`` in native layout (C's alignment rules, the same as the device side) into a
+per-thread host buffer and hands the driver a single pointer to it (``CPointer``): the driver
+copies the bytes at launch, and a CUDA graph node keeps its own copy, so the buffer is reused by
+the next launch of that thread. The stream is torch's current raw stream
+(``torch._C._cuda_getCurrentRawStream``, what Inductor's generated code calls). Launches
+allocate nothing on the device and never synchronise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("qwen_absorb")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+MIN_CAPABILITY = (8, 0)  # cvt.rn.bf16.f32 needs sm_80
+TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16", torch.float32: "QaF32"}
+NVRTC_OPTIONS = ("-std=c++17",)
+
+_cupy = None
+_cpointer = None
+_cupy_reason: str | None = None
+_cupy_checked = False
+_functions: dict[tuple[str, str, int], object] = {}
+_caches: list[dict] = [_functions]  # every per-signature kernel cache (cleared by set_defines)
+_streams: dict[int, object] = {}
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def cupy_unavailable_reason() -> str | None:
+    """None when CuPy imports, sees a GPU and can pass a struct argument; else why not (memoised)."""
+    global _cupy, _cpointer, _cupy_reason, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy  # noqa: PLC0415
+            from cupy.cuda.function import CPointer  # noqa: PLC0415
+
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                _cupy_reason = "CuPy sees no CUDA device"
+            else:
+                _cupy, _cpointer = cupy, CPointer
+        except Exception as e:  # ImportError, CUDARuntimeError, missing libraries
+            _cupy_reason = f"CuPy is not usable: {type(e).__name__}: {e}".strip()
+    return _cupy_reason
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    idx = device_index(device)
+    if idx not in _capability:
+        _capability[idx] = torch.cuda.get_device_capability(idx)
+    return _capability[idx]
+
+
+def kernel_source(filename: str) -> str:
+    """The .cu file with its local #include "x.cuh" lines replaced by the header text (once each)."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        text = (CSRC / name).read_text()
+
+        def repl(m: re.Match) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return ""
+            seen.add(inc)
+            return expand(inc)
+
+        text = re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
+        return re.sub(r'^#include "([^"]+)"\s*$', repl, text, flags=re.M)
+
+    return expand(filename)
+
+
+def function(filename: str, expr: str, device_idx: int):
+    """The compiled kernel ``expr`` (a template instance) of ``csrc/filename`` on a device.
+
+    Compiles on first use; call it once before a CUDA-graph capture (the ops do so on their first
+    eager call), since NVRTC and module loading cannot be captured.
+    """
+    key = (filename, expr, device_idx)
+    fn = _functions.get(key)
+    if fn is None:
+        with _cupy.cuda.Device(device_idx):
+            mod = _cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS, name_expressions=[expr])
+            fn = mod.get_function(expr).kernel  # the low-level Function: no argument preprocessing
+        log.debug("qwen_absorb: compiled %s for device %d", expr, device_idx)
+        _functions[key] = fn
+    return fn
+
+
+def register_cache(cache: dict) -> dict:
+    """Register an op's per-signature cache of compiled kernels (see :func:`set_defines`)."""
+    _caches.append(cache)
+    return cache
+
+
+def set_defines(defines: dict[str, int] | None = None) -> None:
+    """Compile later kernels with ``-DNAME=VALUE`` options (tuning sweeps, probes); clears every
+    kernel cache so the next launch recompiles. ``None`` restores the defaults."""
+    global NVRTC_OPTIONS
+    NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in (defines or {}).items()))
+    for c in _caches:
+        c.clear()
+
+
+class _Stream:
+    """What CuPy's low-level launch needs of a stream: its ``ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+def _stream(device_idx: int) -> _Stream:
+    ptr = torch._C._cuda_getCurrentRawStream(device_idx)
+    s = _streams.get(ptr)
+    if s is None:
+        s = _streams[ptr] = _Stream(ptr)
+    return s
+
+
+class Launcher:
+    """Launches one compiled kernel whose only parameter is a struct laid out as ``layout``
+    (a :mod:`struct` format in native mode, fields in the order of the C struct)."""
+
+    __slots__ = ("fn", "block", "dev", "_pack", "_size", "_tls")
+
+    def __init__(self, fn, block: int, layout: str, device_idx: int) -> None:
+        self.fn, self.block, self.dev = fn, (block, 1, 1), device_idx
+        packer = struct.Struct("@" + layout)
+        self._pack = packer.pack_into
+        self._size = (packer.size + 15) // 16 * 16  # room for the C struct's trailing padding
+        self._tls = threading.local()
+
+    def __call__(self, grid: int, *values) -> None:
+        tls = self._tls
+        buf = getattr(tls, "buf", None)
+        if buf is None:
+            buf = tls.buf = ctypes.create_string_buffer(self._size)
+            tls.arg = (_cpointer(ctypes.addressof(buf)),)
+        self._pack(buf, 0, *values)
+        dev = self.dev
+        if torch._C._cuda_getDevice() == dev:
+            self.fn((grid, 1, 1), self.block, tls.arg, 0, _stream(dev))
+        else:
+            # CuPy launches in the current context: a kernel loaded for cuda:1 launched while
+            # cuda:0 is current fails with an invalid handle.
+            with torch.cuda.device(dev):
+                self.fn((grid, 1, 1), self.block, tls.arg, 0, _stream(dev))
+
+
+def ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def aligned(t: torch.Tensor | None, nbytes: int, row_stride: int | None = None) -> bool:
+    """Whether vector loads of ``nbytes`` are legal on ``t`` (and on each row start)."""
+    if t is None:
+        return True
+    if t.data_ptr() % nbytes:
+        return False
+    return row_stride is None or (row_stride * t.element_size()) % nbytes == 0

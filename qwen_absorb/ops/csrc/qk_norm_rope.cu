@@ -1,0 +1,115 @@
+// qk_norm_rope: diffusers' q/k RMSNorm followed by Qwen-Image's complex RoPE, per (b, l, h) head row
+// of DH = 128 elements, for up to QA_QKR_MAX_JOBS tensors in one launch (a block's four: img q/k,
+// txt q/k). One warp per row; lane u holds elements 4u .. 4u+3 (two complex pairs).
+//
+// The eager chain it reproduces (diffusers 0.42.1, RMSNorm.forward + apply_rotary_emb_qwen):
+//   var = x.float().pow(2).mean(-1)          fp32 squares, PyTorch's reduction order (below), * (1/128)
+//   n   = x * torch.rsqrt(var + eps)         fp32: rsqrtf, one rounded multiply
+//   n   = n.to(w.dtype) * w                  rounding to T, then a T multiply (T = x's = w's dtype)
+//   out = (n as complex pairs (a, b)) * (c + di), then rounded to T
+//
+// Reduction order of `.pow(2).mean(-1)` over a contiguous fp32 last dim of 128 in PyTorch >= 2.11
+// (Reduce.cuh: `dim0 >= 128` turns on input vectorization, input_vec_size 4 for float, block width
+// 32, one warp per output): lane u sums its aligned float4 as ((s0 + s1) + s2) + s3, then the
+// warp combines lanes with shfl_down at offsets 1, 2, 4, 8, 16 (lane 0's value). MeanOps projects
+// with `sum * (1/128)`, an exact power-of-two scaling.
+//
+// Complex multiply: c10::complex<float>::operator*= as nvcc compiles it for PyTorch's mul kernel
+// (read off torch 2.11.0+cu130's sm_90 SASS): re = fma(a, c, -(b*d)), im = fma(a, d, b*c), the
+// inner products rounded. QA_QKR_CMUL selects other groupings for probes (1: no contraction,
+// 2: the mirrored fma choice).
+#include "common.cuh"
+
+#ifndef QA_QKR_WARPS
+#define QA_QKR_WARPS 4  // rows (warps) per block; qk_norm_rope.py's WARPS must match
+#endif
+#ifndef QA_QKR_CMUL
+#define QA_QKR_CMUL 0
+#endif
+#define QA_QKR_MAX_JOBS 4
+
+struct QkNormRopeJob {
+  const void* x;         // [B, L, H, 128], unit stride inside a head
+  const void* weight;    // [128], same dtype as x
+  const float* freqs;    // view_as_real(freqs): [L, 64, 2] fp32, rows freqs_stride floats apart
+  void* out;             // contiguous [B, L, H, 128]
+  qa_i64 stride_b, stride_l, stride_h;  // x strides, elements
+  qa_i64 freqs_stride;                  // floats
+  int L, H;
+  int rows;              // B * L * H
+  int block_start;       // first block of this job in the grid
+  float eps;
+  int vec_flags;         // 1: x rows, 2: weight, 4: freqs rows are vector-aligned
+};
+
+struct QkNormRopeParams {
+  QkNormRopeJob job[QA_QKR_MAX_JOBS];
+  int njobs;
+};
+
+// (a + bi) * (c + di) with the rounding of PyTorch's CUDA complex<float> multiply.
+__device__ __forceinline__ void qa_qkr_cmul(float a, float b, float c, float d, float& re, float& im) {
+#if QA_QKR_CMUL == 0
+  re = __fmaf_rn(a, c, -__fmul_rn(b, d));
+  im = __fmaf_rn(a, d, __fmul_rn(b, c));
+#elif QA_QKR_CMUL == 1
+  re = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, d));
+  im = __fadd_rn(__fmul_rn(a, d), __fmul_rn(b, c));
+#else
+  re = __fmaf_rn(-b, d, __fmul_rn(a, c));
+  im = __fmaf_rn(b, c, __fmul_rn(a, d));
+#endif
+}
+
+template <class T>
+__global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
+  typedef typename T::storage S;
+  // Which job this block belongs to (block-uniform), then its parameters by constant-index selects
+  // (a dynamically indexed kernel parameter would be copied to local memory).
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
+    if (k < p.njobs && (int)blockIdx.x >= p.job[k].block_start) j = k;
+  QkNormRopeJob J = p.job[0];
+#pragma unroll
+  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
+    if (j == k) J = p.job[k];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = ((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp;
+  if (row >= J.rows) return;  // whole warps only: the shuffles below need all 32 lanes
+  const int lh = J.L * J.H;
+  const int b = row / lh;
+  const int rem = row - b * lh;
+  const int l = rem / J.H;
+  const int h = rem - l * J.H;
+  const int e = lane * 4;
+
+  const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
+  float v[4];
+  qa_load<T, 4>(xr, J.vec_flags & 1, v);
+
+  // variance: PyTorch's order (see the header comment)
+  float s = __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(v[0], v[0]), __fmul_rn(v[1], v[1])), __fmul_rn(v[2], v[2])),
+                      __fmul_rn(v[3], v[3]));
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+  const float var = __fmul_rn(__shfl_sync(0xffffffffu, s, 0), 0.0078125f);
+  const float r = rsqrtf(__fadd_rn(var, J.eps));  // torch.rsqrt: ::rsqrt(float), same libdevice call
+
+  float w[4];
+  qa_load<T, 4>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = qa_mul<T>(qa_round<T>(__fmul_rn(v[i], r)), w[i]);
+
+  float f[4];  // (c, d) of pairs e/2 and e/2 + 1
+  qa_load<QaF32, 4>(J.freqs + l * J.freqs_stride + e, J.vec_flags & 4, f);
+  float o[4];
+  qa_qkr_cmul(y[0], y[1], f[0], f[1], o[0], o[1]);
+  qa_qkr_cmul(y[2], y[3], f[2], f[3], o[2], o[3]);
+  QaVec<S, 4> ov;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ov.v[i] = T::store(o[i]);
+  qa_store_raw<T, 4>(reinterpret_cast<S*>(J.out) + (qa_i64)row * 128 + e, true, ov);
+}

@@ -1,0 +1,315 @@
+"""qk_norm_rope: the q/k RMSNorm + RoPE of Qwen-Image's joint attention, one kernel.
+
+In ``QwenDoubleStreamAttnProcessor2_0`` each of img_query, img_key, txt_query, txt_key ([B, L, H, DH]
+after ``unflatten``) goes through ``attn.norm_q/norm_k/norm_added_q/norm_added_k`` (diffusers
+``RMSNorm(DH, eps=1e-6)``) and then ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` — in eager
+about 8 + 3 kernels per tensor, 44 per block. This op does the pair in one pass, and up to four
+tensors (the whole block: img q/k with the image freqs, txt q/k with the text freqs) in ONE launch:
+
+- :func:`qk_norm_rope` ``(x, weight, freqs, eps=1e-6)``: one tensor;
+- :func:`qk_norm_rope_multi` ``(xs, weights, freqs, eps)``: up to four tensors, one launch;
+- :func:`launch`: the checked-once entry of the patched attention (no validation).
+
+Output: a new contiguous [B, L, H, DH] tensor in the weight's dtype (diffusers' RMSNorm returns the
+weight's dtype; the kernel runs when x and weight share it). ``x`` may be any strided view with unit
+stride inside a head (e.g. a column slice of a fused QKV projection).
+
+Exactness (see csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op,
+including the bf16/fp16 rounding of the normalized value before the weight multiply and the FMA
+grouping nvcc gives PyTorch's complex<float> multiply; the variance follows PyTorch's reduction order
+for a 128-wide fp32 row (torch >= 2.11, what the project supports). Where the variance matches, the
+output is bit-identical; the promise is the project's LayerNorm one (>= 99.9% identical, <= 1 ulp).
+The kernel needs DH == 128 (Qwen-Image's head_dim), complex64 freqs and weight.dtype == x.dtype;
+anything else runs the reference.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._validate import SUPPORTED_DTYPES, check_eps, is_dtensor
+
+CU = "qk_norm_rope.cu"
+WARPS = 4  # QA_QKR_WARPS: rows (one warp each) per block
+MAX_JOBS = 4  # QA_QKR_MAX_JOBS
+HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
+_FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+# QkNormRopeJob in the .cu: x, weight, freqs, out (pointers); stride_b, stride_l, stride_h,
+# freqs_stride (int64); L, H, rows, block_start (int32), eps (float), vec_flags (int32). 88 bytes.
+JOB_LAYOUT = "4P4q4ifi"
+# QkNormRopeParams: MAX_JOBS jobs, then njobs (int32)
+LAYOUT = JOB_LAYOUT * MAX_JOBS + "i"
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """diffusers' ``RMSNorm.forward`` (0.42.1, the non-NPU branch, elementwise_affine, no bias), op for op."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = x * torch.rsqrt(variance + eps)
+    if weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(weight.dtype)
+    return hidden_states * weight
+
+
+def rope_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb_qwen(x, freqs, use_real=False)``, op for op."""
+    x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    x_out = torch.view_as_real(x_rotated * freqs.unsqueeze(1)).flatten(3)
+    return x_out.type_as(x)
+
+
+def qk_norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float = 1e-6,
+) -> torch.Tensor:
+    """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``: the diffusers eager chain."""
+    return rope_reference(rms_norm_reference(x, weight, eps), freqs)
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # RMSNorm returns the weight's dtype whatever x's (bf16/fp16 weights: .to(weight.dtype) then
+    # a same-dtype multiply; fp32 weights: fp32 * fp32), and RoPE's type_as keeps it.
+    return weight.dtype
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+_PAD_JOB = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # through block_start (exclusive); eps, flags follow
+
+
+def launch(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
+    eps: Sequence[float],
+) -> list[torch.Tensor]:
+    """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to
+    four tensors in ONE launch; returns the outputs (new contiguous [B, L, H, 128] tensors).
+
+    The caller guarantees, once: all xs on one usable CUDA device, one dtype (bf16/fp16/fp32),
+    shape [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that
+    dtype; freqs complex64 [L, 64] (L of its x) with unit last stride; eps finite fp32 values.
+    """
+    n = len(xs)
+    x0 = xs[0]
+    dev = x0.get_device()
+    key = (x0.dtype, dev)
+    launcher = _fns.get(key)
+    if launcher is None:
+        if n > MAX_JOBS:
+            raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
+        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}>", dev)
+        launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
+    esize = x0.element_size()
+    a = 4 * esize  # one lane's 4 elements
+    vals: list = []
+    outs = []
+    blocks = 0
+    for i in range(n):
+        x, w, f = xs[i], weights[i], freqs[i]
+        if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+            raise TypeError("qwen_absorb kernels take plain tensors; got " + type(x).__name__)
+        B, L, H, _ = x.shape
+        out = torch.empty((B, L, H, HEAD_DIM), dtype=x.dtype, device=x.device)
+        outs.append(out)
+        rows = B * L * H
+        sb, sl, sh, _ = x.stride()
+        xp, wp, fp = x.data_ptr(), w.data_ptr(), f.data_ptr()
+        fs = 2 * f.stride(0)
+        flags = (((xp | sb * esize | sl * esize | sh * esize) % a == 0)
+                 | ((wp % a == 0) << 1) | (((fp | fs * 4) % 16 == 0) << 2))
+        vals += (xp, wp, fp, out.data_ptr(), sb, sl, sh, fs, L, H, rows, blocks, eps[i], flags)
+        blocks += (rows + WARPS - 1) // WARPS
+    for _ in range(n, MAX_JOBS):
+        vals += _PAD_JOB
+        vals += (blocks, 0.0, 0)
+    if blocks:
+        launcher(blocks, *vals, n)
+    return outs
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [(CU, f"qk_norm_rope_kernel<{t}>") for t in rt.TRAITS.values()]
+
+
+# ---------------------------------------------------------------------------- validation, reasons
+
+
+def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
+    name, wn, fn = ("x", "weight", "freqs") if i is None else (f"xs[{i}]", f"weights[{i}]", f"freqs[{i}]")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if is_dtensor(x):
+        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()): the op is token-local")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have shape [B, L, H, DH], got {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    DH = x.shape[3]
+    if DH < 2 or DH % 2:
+        raise ValueError(f"{name} needs an even head dim DH >= 2 (RoPE pairs), got {tuple(x.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{wn} must be a torch.Tensor, got {type(weight).__name__}")
+    if is_dtensor(weight):
+        raise TypeError(f"{wn} is a DTensor; pass its local tensor (t.to_local())")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{wn} has dtype {weight.dtype}; supported: bfloat16, float16, float32")
+    if tuple(weight.shape) != (DH,):
+        raise ValueError(f"{wn} must have shape [DH] = [{DH}], got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{wn} is on {weight.device} but {name} is on {x.device}")
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"{fn} must be a torch.Tensor, got {type(freqs).__name__}")
+    if is_dtensor(freqs):
+        raise TypeError(f"{fn} is a DTensor; pass its local tensor (t.to_local())")
+    if not freqs.is_complex():
+        raise TypeError(f"{fn} must be a complex tensor (torch.polar(...), as diffusers' QwenEmbedRope makes it), "
+                        f"got dtype {freqs.dtype}")
+    L = x.shape[1]
+    if tuple(freqs.shape) != (L, DH // 2):
+        raise ValueError(f"{fn} must have shape [L, DH/2] = [{L}, {DH // 2}], got {tuple(freqs.shape)}")
+    if freqs.device != x.device:
+        raise ValueError(f"{fn} is on {freqs.device} but {name} is on {x.device}")
+    check_eps(eps)
+
+
+def _kernel_reasons(x, weight, freqs, eps, force_reference: bool) -> list[str]:
+    """Why the kernel would not run for one (validated) tensor."""
+    return common_reasons([x, weight, freqs], force_reference) + _input_reasons(x, weight, freqs, eps)
+
+
+def _input_reasons(x, weight, freqs, eps) -> list[str]:
+    """The op-specific part: shapes, dtypes, strides, eps."""
+    reasons = []
+    if x.shape[3] != HEAD_DIM:
+        reasons.append(f"head dim {x.shape[3]} != {HEAD_DIM} (the kernel's row width)")
+    if weight.dtype != x.dtype:
+        reasons.append(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if freqs.dtype != torch.complex64:
+        reasons.append(f"freqs dtype {freqs.dtype} (the kernel reads complex64)")
+    if x.numel() and x.stride(3) != 1:
+        reasons.append(f"x must have unit stride inside a head, got strides {x.stride()}")
+    if weight.stride(0) != 1:
+        reasons.append(f"weight must be contiguous, got stride {weight.stride()}")
+    if freqs.numel() and freqs.stride(1) != 1:
+        reasons.append(f"freqs must have unit stride in its last dimension, got strides {freqs.stride()}")
+    if not (float(eps) <= _FLT_MAX):
+        reasons.append(f"eps = {eps} is not representable in fp32")
+    return reasons
+
+
+def _as_list(eps, n: int) -> list[float]:
+    if isinstance(eps, (list, tuple)):
+        if len(eps) != n:
+            raise ValueError(f"eps must be one float or {n} floats, got {len(eps)}")
+        return [float(check_eps(e)) for e in eps]
+    return [check_eps(eps)] * n
+
+
+def _check_multi(xs, weights, freqs, eps) -> list[float]:
+    for nm, seq in (("xs", xs), ("weights", weights), ("freqs", freqs)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{nm} must be a list or tuple of tensors, got {type(seq).__name__}")
+    n = len(xs)
+    if not 1 <= n <= MAX_JOBS:
+        raise ValueError(f"xs must hold 1 to {MAX_JOBS} tensors, got {n}")
+    if len(weights) != n or len(freqs) != n:
+        raise ValueError(f"xs, weights and freqs must have the same length, got {n}, {len(weights)}, {len(freqs)}")
+    eps_l = _as_list(eps, n)
+    for i in range(n):
+        _validate(xs[i], weights[i], freqs[i], eps_l[i], i)
+        if i and xs[i].device != xs[0].device:
+            raise ValueError(f"xs[{i}] is on {xs[i].device} but xs[0] is on {xs[0].device}")
+    return eps_l
+
+
+def _multi_reasons(xs, weights, freqs, eps_l, force_reference) -> list[str]:
+    reasons: list[str] = []
+    for i in range(len(xs)):
+        for r in _kernel_reasons(xs[i], weights[i], freqs[i], eps_l[i], force_reference):
+            if r not in reasons:
+                reasons.append(r)
+    if any(x.dtype != xs[0].dtype for x in xs):
+        reasons.append("one launch needs all tensors in one dtype")
+    return reasons
+
+
+def qk_norm_rope_not_supported_reasons(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
+    force_reference: bool = False,
+) -> list[str]:
+    """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
+    _validate(x, weight, freqs, eps)
+    return _kernel_reasons(x, weight, freqs, eps, force_reference)
+
+
+# ---------------------------------------------------------------------------- public ops
+
+
+def _kernel(xs, weights, freqs, eps_l) -> list[torch.Tensor]:
+    return launch(xs, weights, freqs, eps_l)
+
+
+def _reference_multi(xs, weights, freqs, eps_l) -> list[torch.Tensor]:
+    return [qk_norm_rope_reference(x, w, f, e) for x, w, f, e in zip(xs, weights, freqs, eps_l)]
+
+
+def qk_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
+    force_reference: bool = False,
+) -> torch.Tensor:
+    """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``, fused on CUDA.
+
+    x: [B, L, H, DH] (any strides, unit stride inside a head for the kernel); weight: [DH] (the
+    RMSNorm weight); freqs: complex [L, DH/2] (one of the pair diffusers' QwenEmbedRope returns).
+    Returns a contiguous [B, L, H, DH] tensor in weight's dtype.
+    """
+    _validate(x, weight, freqs, eps)
+    eps = float(eps)
+    return dispatch(
+        _kernel_reasons(x, weight, freqs, eps, force_reference),
+        lambda: qk_norm_rope_reference(x, weight, freqs, eps),
+        lambda: torch.ops.qwen_absorb.qk_norm_rope([x], [weight], [freqs], [eps])[0],
+        lambda: _kernel([x], [weight], [freqs], [eps])[0],
+    )
+
+
+def qk_norm_rope_multi(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor], *,
+    eps: float | Sequence[float] = 1e-6, force_reference: bool = False,
+) -> list[torch.Tensor]:
+    """:func:`qk_norm_rope` of up to four tensors in one launch (a block's img q/k and txt q/k:
+    ``xs=[img_q, img_k, txt_q, txt_k]``, ``freqs=[img_f, img_f, txt_f, txt_f]``). The kernel runs
+    only when every tensor qualifies and all share one dtype; otherwise every output comes from
+    the reference."""
+    eps_l = _check_multi(xs, weights, freqs, eps)
+    xs, weights, freqs = list(xs), list(weights), list(freqs)
+    return dispatch(
+        _multi_reasons(xs, weights, freqs, eps_l, force_reference),
+        lambda: _reference_multi(xs, weights, freqs, eps_l),
+        lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
+        lambda: _kernel(xs, weights, freqs, eps_l),
+    )
+
+
+@torch.library.custom_op("qwen_absorb::qk_norm_rope", mutates_args=())
+def _custom_op(
+    xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: list[torch.Tensor], eps: list[float],
+) -> list[torch.Tensor]:
+    if kernel_usable_now(xs[0]) and not any(
+        x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) for x, w, f, e in zip(xs, weights, freqs, eps)
+    ):
+        return _kernel(xs, weights, freqs, eps)
+    return _reference_multi(xs, weights, freqs, eps)
+
+
+@_custom_op.register_fake
+def _(xs, weights, freqs, eps):
+    return [x.new_empty(x.shape, dtype=_output_dtype(x, w)) for x, w in zip(xs, weights)]

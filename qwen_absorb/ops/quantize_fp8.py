@@ -1,0 +1,177 @@
+"""quantize_fp8: the FP8 e4m3 codes of an activation, for the real FP8 GEMM that consumes it.
+
+- :func:`quantize_fp8` ``(x, amax, activation=None | "gelu_tanh" | "silu")``: codes of ``x`` (or of
+  ``F.gelu(x, approximate="tanh")`` rounded to x's dtype: the input of ``net[2]``, with GELU fused;
+  or of ``F.silu(x)``: the input of the modulation linears ``img_mod[1]`` / ``txt_mod[1]``);
+- :func:`quantize_fp8_split` ``(x, split, amax_a, amax_b)``: rows ``[:, :split]`` and ``[:, split:]``
+  of ``x`` quantized under two scales in one launch: the joint [text, image] attention output
+  becomes the inputs of ``to_add_out`` and ``to_out[0]``. ``x`` may be the [B, S, H, DH] tensor the
+  attention returns (any batch/sequence/head strides, unit stride inside a head): no flatten copy.
+
+Codes are bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of the (activated,
+rounded) value. Layers as in :mod:`qwen_absorb.ops.layer_norm_scale_shift`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
+from .fp8 import quantize_fp8_reference
+
+CU = "quantize_fp8.cu"
+THREADS = 256  # QA_QF8_THREADS
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
+
+
+# QuantizeFp8Params in the .cu: x, out_a, out_b, act_out, amax_a, amax_b (pointers);
+# stride_b, stride_s, stride_h, B, S, split (int64); H, DH, vec (int32)
+LAYOUT = "6P6qiii"
+
+
+def activation_reference(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def quantize_fp8_reference_op(x: torch.Tensor, amax: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """The reference of :func:`quantize_fp8`: the activation in x's dtype, then the quantizer."""
+    return quantize_fp8_reference(activation_reference(x, activation), amax)
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    x: torch.Tensor, split: int, amax_a: torch.Tensor | None, amax_b: torch.Tensor,
+    activation: str | None = None, act_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checked-once entry. ``x``: [B, S, H, DH] (unit last stride) or [B, S, D] on a usable CUDA
+    device; amax fp32 one-element tensors. Returns ``(codes[:, :split], codes[:, split:], act or None)``
+    with codes contiguous [B, n, H * DH]."""
+    if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x,)))
+    if x.dim() == 3:
+        B, S, D = x.shape
+        H, DH = 1, D
+        sb, ss = x.stride(0), x.stride(1)
+        sh = D
+    else:
+        B, S, H, DH = x.shape
+        D = H * DH
+        sb, ss, sh = x.stride(0), x.stride(1), x.stride(2)
+    dev = x.get_device()
+    e4m3 = torch.float8_e4m3fn
+    out_a = torch.empty((B, split, D), dtype=e4m3, device=x.device) if split else None
+    out_b = torch.empty((B, S - split, D), dtype=e4m3, device=x.device)
+    act = torch.empty((B, S, D), dtype=x.dtype, device=x.device) if act_out else None
+    if B * S * D == 0:
+        return out_a if out_a is not None else out_b[:, :0], out_b, act
+    esize = x.element_size()
+    xp = x.data_ptr()
+    vec = 16 // esize
+    if DH % vec or (xp | sb * esize | ss * esize | sh * esize) % 16:
+        vec = 1
+    key = (x.dtype, ACTIVATIONS[activation], vec, dev)
+    launcher = _fns.get(key)
+    if launcher is None:
+        fn = rt.function(CU, f"quantize_fp8_kernel<{rt.TRAITS[x.dtype]}, {key[1]}, {vec}>", dev)
+        launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
+    bp = out_b.data_ptr()
+    launcher(
+        B * S, xp, out_a.data_ptr() if out_a is not None else bp, bp, act.data_ptr() if act is not None else 0,
+        (amax_a if split else amax_b).data_ptr(), amax_b.data_ptr(), sb, ss, sh, B, S, split, H, DH, int(vec > 1),
+    )
+    if out_a is None:
+        out_a = out_b[:, :0]
+    return out_a, out_b, act
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [
+        (CU, f"quantize_fp8_kernel<{t}, {a}, {v}>")
+        for dtype, t in rt.TRAITS.items() for a in ACTIVATIONS.values()
+        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size())
+    ]
+
+
+def _check_x(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or is_dtensor(x):
+        raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (3, 4):
+        raise ValueError(f"x must be [B, S, D] or [B, S, H, DH], got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"x must have unit stride in its last dimension, got strides {x.stride()}")
+
+
+def _amax1(a: torch.Tensor) -> torch.Tensor:
+    return a.float().reshape(1)
+
+
+def quantize_fp8(
+    x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None, force_reference: bool = False,
+) -> torch.Tensor:
+    """e4m3 codes of ``activation(x)`` under a per-tensor ``amax``; x [B, S, D] -> codes [B, S, D]
+    (a [B, S, H, DH] input gives [B, S, H * DH])."""
+    _check_x(x)
+    check_amax("amax", amax, x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    flat = x if x.dim() == 3 else x.flatten(2)
+    return dispatch(
+        common_reasons([flat], force_reference),
+        lambda: quantize_fp8_reference_op(flat, amax, activation),
+        lambda: torch.ops.qwen_absorb.quantize_fp8(x, 0, amax, amax, activation or "")[1],
+        lambda: launch(x, 0, None, _amax1(amax), activation)[1],
+    )
+
+
+def quantize_fp8_split(
+    x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, *, force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes of x[:, :split] under amax_a, codes of x[:, split:] under amax_b)``, each contiguous."""
+    _check_x(x)
+    check_amax("amax_a", amax_a, x)
+    check_amax("amax_b", amax_b, x)
+    if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= x.shape[1]:
+        raise ValueError(f"split must be an int in [0, {x.shape[1]}], got {split!r}")
+    flat = x if x.dim() == 3 else x.flatten(2)
+
+    def reference():
+        return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
+
+    def kernel():
+        a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b))
+        return a, b
+
+    return dispatch(
+        common_reasons([flat], force_reference), reference,
+        lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""), kernel,
+    )
+
+
+@torch.library.custom_op("qwen_absorb::quantize_fp8", mutates_args=())
+def _custom_op(
+    x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    act = activation or None
+    if kernel_usable_now(x):
+        a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b), act)
+        return a, b
+    flat = activation_reference(x if x.dim() == 3 else x.flatten(2), act)
+    return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
+
+
+@_custom_op.register_fake
+def _(x, split, amax_a, amax_b, activation):
+    B, S = x.shape[:2]
+    D = x.shape[2] if x.dim() == 3 else x.shape[2] * x.shape[3]
+    e4m3 = torch.float8_e4m3fn
+    return x.new_empty((B, split, D), dtype=e4m3), x.new_empty((B, S - split, D), dtype=e4m3)

@@ -1,0 +1,365 @@
+"""Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it, and small helpers.
+
+Everything below was observed by running it (2 processes, gloo, CPU, torch 2.13, diffusers 0.42.1,
+tiny Qwen-Image transformer; ``tests/parallel_worker.py`` records it again on every CI run), not
+read off documentation.
+
+Tensor parallelism: ``transformer.enable_parallelism(config=TensorParallelConfig(tp_degree=N))``
+-------------------------------------------------------------------------------------------------
+diffusers calls torch's ``parallelize_module`` once per block with the model's ``_tp_plan``:
+``ColwiseParallel()`` for ``attn.to_q/to_k/to_v/add_q_proj/add_k_proj/add_v_proj`` and
+``img_mlp.net.0.proj`` / ``txt_mlp.net.0.proj``; ``RowwiseParallel()`` for ``attn.to_out.0``,
+``attn.to_add_out``, ``img_mlp.net.2`` and ``txt_mlp.net.2``; default layouts,
+``use_local_output=True``. Nothing else is touched: ``img_mod`` / ``txt_mod``, the block norms,
+``norm_q/k``, ``img_in``, ``txt_in``, ``norm_out`` and ``proj_out`` keep plain parameters.
+
+- Parameters (the ``nn.Parameter`` objects are *replaced*, so a plan made at patch time before
+  ``enable_parallelism`` still holds the module but sees new parameter objects afterwards):
+  column-wise weight ``DTensor [out, in]`` placements ``(Shard(0),)``, local ``[out/N, in]``, bias
+  ``(Shard(0),)`` local ``[out/N]``; row-wise weight ``(Shard(1),)`` local ``[out, in/N]``, bias
+  ``DTensor [out]`` placements ``(Replicate(),)``, local ``[out]`` (the full bias on every rank).
+- The block forward receives **plain local tensors with the full (global) shapes**, identical on
+  every rank: ``hidden_states [B, L_img, D]``, ``encoder_hidden_states [B, L_txt, D]``,
+  ``encoder_hidden_states_mask [B, L_txt]``, ``temb [B, D]`` (``[2B, D]`` with ``zero_cond_t``),
+  ``image_rotary_emb`` (plain complex
+  ``[L_img, hd/2]``, ``[L_txt, hd/2]``), ``modulate_index [B, L_img]`` or None. ``img_mod(temb)`` /
+  ``txt_mod`` outputs, the shift/scale/gate chunks and the norm outputs are plain full tensors.
+- Inside attention/FFN: a column-wise linear gets a ``Replicate`` DTensor input made from the plain
+  tensor and returns a plain local tensor sharded on the last dim (``to_q``: ``[B, L, D/N]``, i.e.
+  ``heads/N`` heads; ``net.0.proj``: ``[B, L, 4D/N]``); the processor reshapes with a fixed
+  ``head_dim`` so each rank runs ordinary attention over its own heads.
+- A row-wise linear gets its input wrapped as ``Shard(-1)`` DTensor; ``F.linear`` on DTensors yields
+  a ``Partial(sum)`` DTensor whose local value is ``x_local @ W_local.T + b / N``: **DTensor adds the
+  bias before the all-reduce**, after redistributing the ``Replicate`` bias to ``Partial`` by dividing
+  it by N (so unpatched TP already rounds differently from one GPU). The output hook then
+  redistributes ``Partial -> Replicate`` with ``async_op=True`` and returns ``.to_local()``.
+- So the attention outputs and the FFN outputs that the block hands to its residual sites are
+  ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` with the full shape
+  ``[B, L, D]``: a *wrapper subclass* around the all-reduce result whose collective may still be in
+  flight. Torch ops on it wait first, but it has no storage of its own: **``data_ptr()`` is 0** and
+  ``.contiguous()`` returns the wrapper itself. A raw CUDA kernel handed one reads address 0 (or,
+  via the inner tensor without a wait, a buffer NCCL may still be writing): that is the "illegal
+  memory access" of issue 12. It is not a DTensor, so a DTensor check alone does not catch it.
+- ModelOpt-quantized models cannot be tensor-parallelised by diffusers 0.42.1: ``parallelize_module``
+  fails inside ``RowwiseParallel._partition_linear_fn`` (``'TensorQuantizer' object has no attribute
+  'weight'``: ``distribute_module`` visits the quantizer submodules too). Bias deferral (ModelOpt only)
+  therefore never meets TP through the stock API; the plan still has to refuse or handle it.
+
+Context parallelism: ``ContextParallelConfig(ulysses_degree=N)`` (ring needs an LSE backend)
+--------------------------------------------------------------------------------------------
+No parameter changes. diffusers' hooks split ``hidden_states`` / ``encoder_hidden_states`` on dim 1
+at ``transformer_blocks.0`` and ``modulate_index`` / ``encoder_hidden_states_mask`` on dim 1 at every
+block (``tensor.chunk(N, 1)[rank]``: a *view*, non-contiguous when B > 1, so block 0's
+``hidden_states`` / ``encoder_hidden_states`` and every block's ``modulate_index`` and mask are
+non-contiguous for B > 1; the kernels must keep calling ``.contiguous()``), and the rope tables at
+``pos_embed``; ``proj_out``'s output is all-gathered (the *model* output is an
+``AsyncCollectiveTensor``). Inside the block everything is a plain tensor with the rank-local
+sequence length: ``[B, L_img/N, D]``, ``[B, L_txt/N, D]``, ``modulate_index [B, L_img/N]``, ``temb``
+full (the modulation runs redundantly on each rank). Attention and FFN outputs are plain
+tensors ``[B, L/N, D]`` (Ulysses' all-to-alls are waited inside ``dispatch_attention_fn``). Every
+fused op is token-local, so the patched block needs nothing for CP; patched CP is bit-identical to
+unpatched CP.
+
+Measured on CPU (references, no bias deferred): unpatched CP / TP vs one process max |diff|
+2.4e-7..3.6e-7 (fp32); patched (before or after ``enable_parallelism``) vs unpatched parallel:
+bit-identical for both, B = 1 and B = 2 with ``zero_cond_t``; ``unpatch`` restores it bit for bit.
+
+What the patched block must do under TP (the rest of this module): pass every operand of a fused
+op through :func:`local_view` (the attention / FFN outputs become the waited plain tensors; a
+refusal means "run the diffusers expression for this site"); take a deferred bias with
+:func:`local_view` (``Replicate`` DTensor -> full local bias); decide deferral per call with
+:func:`tp_defer_refusals` (TP may be applied after patching); never launch a kernel on a tensor that
+fails :func:`is_plain_tensor` (:func:`kernel_arg_refusal`).
+
+On a CPU ``_resolve_parallel_config`` calls ``torch.accelerator.device_count()`` (0) and
+``apply_tensor_parallel`` rejects device type ``"cpu"``; :func:`allow_cpu_parallelism` lifts both for
+tests and ``--tiny`` runs.
+
+The helpers below are cheap (type checks; ``torch.distributed.tensor`` is never imported by them:
+no DTensor can exist unless it is already loaded) and pure, except :func:`local_view`, which waits
+for a pending collective (that is its purpose), and :func:`allow_cpu_parallelism`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "allow_cpu_parallelism",
+    "describe_tensor",
+    "is_async_collective",
+    "is_dtensor",
+    "is_plain_tensor",
+    "kernel_arg_refusal",
+    "local_view",
+    "parallel_kind",
+    "projection_tp_style",
+    "tp_defer_refusals",
+]
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+_FUNCOL_MODULE = "torch.distributed._functional_collectives"
+
+
+def _loaded_class(module: str, name: str) -> type | None:
+    """``module.name`` if ``module`` is already imported, else None (never imports anything)."""
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def _base(m: nn.Module) -> nn.Module:
+    while isinstance(getattr(m, "base_layer", None), nn.Module):  # PEFT wrappers
+        m = m.base_layer
+    return m
+
+
+# ------------------------------------------------------------------------------ tensor kinds
+
+
+def is_plain_tensor(t: Any) -> bool:
+    """``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass.
+
+    Why: only those own their storage, so ``data_ptr()`` is the address of the values a raw kernel
+    reads. Tensor subclasses seen under diffusers parallelism (DTensor, AsyncCollectiveTensor) are
+    wrapper subclasses whose ``data_ptr()`` is 0.
+    """
+    tp = type(t)
+    return tp is torch.Tensor or tp is nn.Parameter
+
+
+def is_dtensor(t: Any) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (a DTensor parameter included).
+
+    Cheap on the hot path: plain tensors return after one type check, and the DTensor class is only
+    looked up in ``sys.modules`` (if ``torch.distributed.tensor`` was never imported, no DTensor
+    exists, and nothing is imported here).
+    """
+    if is_plain_tensor(t):
+        return False
+    cls = _loaded_class(_DTENSOR_MODULE, "DTensor")
+    return cls is not None and isinstance(t, cls)
+
+
+def is_async_collective(t: Any) -> bool:
+    """``t`` is an ``AsyncCollectiveTensor``: what a TP row-wise linear returns in diffusers 0.42.1.
+
+    Why it matters: its all-reduce may still be in flight and its ``data_ptr()`` is 0; torch ops on
+    it wait first, raw kernels do not. Same cheap lookup as :func:`is_dtensor`.
+    """
+    if is_plain_tensor(t):
+        return False
+    cls = _loaded_class(_FUNCOL_MODULE, "AsyncCollectiveTensor")
+    return cls is not None and isinstance(t, cls)
+
+
+def _placements(t: Any) -> tuple:
+    return tuple(getattr(t, "placements", ()))
+
+
+def describe_tensor(t: Any) -> str:
+    """A short description for reports and logs, e.g. ``DTensor[64] (Replicate(),) local [64]``,
+    ``AsyncCollectiveTensor[1, 16, 64] float32``, ``Tensor[1, 16, 64] float32``."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    shape = list(t.shape)
+    if is_dtensor(t):
+        return f"DTensor{shape} {_placements(t)} local {list(t.to_local().shape)} {str(t.dtype)[6:]}"
+    return f"{type(t).__name__}{shape} {str(t.dtype)[6:]}"
+
+
+# ------------------------------------------------------------------------------ local views
+
+
+def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, str | None]:
+    """``(plain tensor, None)`` when the per-token math on it is complete on this rank, else ``(None, reason)``.
+
+    - plain tensor: itself (one type check; the hot path under CP and without parallelism);
+    - ``AsyncCollectiveTensor`` (a TP row-wise output): waits for its collective and returns the
+      inner tensor, which holds the all-reduced full value;
+    - ``DTensor`` whose placements are all ``Replicate()`` (e.g. a row-wise bias): its local tensor,
+      the full value, itself waited if it came from an async redistribution;
+    - ``DTensor`` with ``Shard(d)``: refused (the local tensor is a slice; for ``d`` = the hidden dim a
+      LayerNorm or a bias add over it would be wrong), unless ``d`` (normalised) is in
+      ``shard_ok_dims``, i.e. the caller knows every other operand is sharded the same way on a
+      token dim;
+    - ``DTensor`` with ``Partial``: refused (a pending reduction: no rank has the value);
+    - anything else (None, other subclasses): refused.
+
+    The returned tensor is what a raw kernel may be handed (``is_plain_tensor`` holds).
+    """
+    if is_plain_tensor(t):
+        return t, None
+    if not isinstance(t, torch.Tensor):
+        return None, f"not a tensor ({type(t).__name__})"
+    if is_async_collective(t):
+        if torch.compiler.is_compiling():
+            return None, "AsyncCollectiveTensor under torch.compile tracing"
+        inner = t.trigger_wait()
+        return local_view(inner)
+    if is_dtensor(t):
+        ndim = t.dim()
+        for p in _placements(t):
+            if p.is_replicate():
+                continue
+            if p.is_shard():
+                d = p.dim % ndim if ndim else p.dim
+                if ndim and d in {k % ndim for k in shard_ok_dims}:
+                    continue
+                return None, (f"DTensor sharded on dim {d} (global {list(t.shape)}, local "
+                              f"{list(t.to_local().shape)}): the rank-local tensor is a slice")
+            if p.is_partial():
+                return None, f"DTensor with {p!r} placement: a pending reduction, no rank holds the value"
+            return None, f"DTensor with placement {p!r}"
+        return local_view(t.to_local())
+    return None, f"tensor subclass {type(t).__name__} (no storage of its own for a raw kernel)"
+
+
+def kernel_arg_refusal(*tensors: Any) -> str | None:
+    """Why a raw kernel must not be handed these arguments, or None (None arguments are skipped).
+
+    A second line of defence for the fused ops' eligibility: any tensor subclass (DTensor,
+    AsyncCollectiveTensor, ...) goes to the torch reference, which handles subclasses correctly.
+    """
+    for t in tensors:
+        if t is not None and not is_plain_tensor(t):
+            return (f"argument is a {type(t).__name__} (a tensor subclass under distributed parallelism; "
+                    "data_ptr() is not its values), the kernels need plain tensors")
+    return None
+
+
+# ------------------------------------------------------------------------------ projections
+
+
+def _weight(linear: nn.Module) -> Any:
+    m = _base(linear)
+    w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+    return w if w is not None else getattr(m, "weight", None)
+
+
+def projection_tp_style(linear: nn.Module) -> str | None:
+    """``"colwise"`` (weight ``Shard(0)``: output sharded on the hidden dim), ``"rowwise"``
+    (weight ``Shard(1)``: output all-reduced to the full value), or None (weight not a sharded
+    DTensor). PEFT ``base_layer`` wrappers are unwrapped.
+
+    Why: it decides whether the bias may be deferred into the fused op after the projection under TP
+    (see :func:`tp_defer_refusals`). Read it at call time, or after ``enable_parallelism``: TP
+    applied after patching replaces the parameters.
+    """
+    w = _weight(linear)
+    if not is_dtensor(w):
+        return None
+    ndim = w.dim()
+    for p in _placements(w):
+        if p.is_shard():
+            d = p.dim % ndim if ndim else p.dim
+            return "colwise" if d == 0 else "rowwise" if d == 1 else None
+    return None
+
+
+def _tp_output_hook(linear: nn.Module) -> tuple[tuple, bool] | None:
+    """``(output_layouts, use_local_output)`` of a torch ``ParallelStyle`` output hook, if found.
+
+    ``distribute_module`` registers ``lambda mod, inputs, outputs: output_fn(mod, outputs, mesh)``
+    where ``output_fn`` is ``functools.partial(style._prepare_output_fn, output_layouts,
+    use_local_output)``: look for that partial in the hook or its closure (best effort; None if the
+    layout of torch's hooks changes).
+    """
+    for hook in getattr(linear, "_forward_hooks", {}).values():
+        cells = getattr(hook, "__closure__", None) or ()
+        for obj in (hook, *(c.cell_contents for c in cells if _cell_filled(c))):
+            if isinstance(obj, functools.partial) and getattr(obj.func, "__name__", "") == "_prepare_output_fn":
+                if len(obj.args) >= 2:
+                    layouts = obj.args[0]
+                    return (tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)), bool(obj.args[1])
+    return None
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def tp_defer_refusals(linear: nn.Module) -> list[str]:
+    """Why the bias of an output projection must stay in its GEMM under tensor parallelism ([]: fine).
+
+    - not TP-sharded and the bias is no DTensor: [] (nothing TP-specific to refuse);
+    - column-wise: refused, the output the fused op would get is a hidden-dim shard;
+    - row-wise: allowed when the bias is a ``Replicate`` DTensor (take it with :func:`local_view`)
+      and the output hook reduces to ``Replicate``: with the bias shadowed, the GEMM's ``Partial``
+      output is all-reduced without it and the fused op adds the full bias once, after the
+      reduction. Unpatched, DTensor adds ``b / N`` on each rank *before* the all-reduce, so the two
+      agree up to rounding (as deferral does anyway), not bit for bit.
+    """
+    m = _base(linear)
+    style = projection_tp_style(m)
+    b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
+    if style is None:
+        w = _weight(m)
+        if is_dtensor(w) or is_dtensor(b):
+            return [f"TP layout not understood (weight {describe_tensor(w)}, bias {describe_tensor(b)})"]
+        return []
+    if style == "colwise":
+        return ["tensor parallel column-wise projection: its output is sharded on the hidden dim"]
+    out: list[str] = []
+    if b is not None:
+        if not is_dtensor(b):
+            out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
+        elif not all(p.is_replicate() for p in _placements(b)):
+            out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
+    hook = _tp_output_hook(m)
+    if hook is not None and not all(p.is_replicate() for p in hook[0]):
+        out.append(f"row-wise TP projection whose output stays {hook[0]} (not reduced to Replicate)")
+    return out
+
+
+def parallel_kind(transformer: nn.Module) -> str | None:
+    """``"tp"``, ``"cp"`` or None: what ``enable_parallelism`` applied to this diffusers model
+    (read from its ``_parallel_config``). For reports and plan building."""
+    cfg = getattr(transformer, "_parallel_config", None)
+    if cfg is None:
+        return None
+    if getattr(cfg, "tensor_parallel_config", None) is not None:
+        return "tp"
+    if getattr(cfg, "context_parallel_config", None) is not None:
+        return "cp"
+    return None
+
+
+# ------------------------------------------------------------------------------ CPU testing support
+
+
+@contextlib.contextmanager
+def allow_cpu_parallelism() -> Iterator[None]:
+    """Let diffusers' ``enable_parallelism`` build a CPU (gloo) mesh: for tests and ``--tiny`` runs.
+
+    diffusers 0.42.1 computes ``rank % torch.accelerator.device_count()`` (0 on a CPU: modulo by
+    zero) and ``apply_tensor_parallel`` accepts only cuda/neuron/tpu/xpu meshes. Inside this context
+    the device count reads 1 when it is 0, and "cpu" is an accepted TP device type; both are undone
+    on exit. Process-global: use it in single-purpose processes (workers, scripts), not in threads.
+    """
+    import diffusers.hooks.tensor_parallel as tpmod  # noqa: PLC0415
+
+    orig_count = torch.accelerator.device_count
+    orig_devices = tpmod._SUPPORTED_TP_DEVICES
+
+    def device_count() -> int:
+        return orig_count() or 1
+
+    torch.accelerator.device_count = device_count
+    if "cpu" not in orig_devices:
+        tpmod._SUPPORTED_TP_DEVICES = (*orig_devices, "cpu")
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = orig_count
+        tpmod._SUPPORTED_TP_DEVICES = orig_devices

@@ -1,0 +1,92 @@
+"""The layout of a QwenImageTransformerBlock as qwen_absorb sees it: one declarative table.
+
+Per stream (``img``, ``txt``) a block has three fused sites and six linears. Everything that
+patching decides (what is fused, which bias is deferred into which op, which linear runs as a real
+FP8 GEMM fed by which producer) is built from these two tables (:mod:`qwen_absorb.plan`); nothing
+else names modules of the block. Paths are attribute paths from the block (``"attn.to_out.0"``),
+resolved at call time (:func:`resolve`), so a copied block or a replaced linear is never confused
+with the one seen at patch time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+STREAMS = ("img", "txt")
+SITES = ("norm1", "attn_residual", "ffn_residual")
+
+
+@dataclass(frozen=True)
+class Site:
+    stream: str
+    name: str
+    op: str  # the fused op of qwen_absorb.ops that runs it
+    norm: str | None  # the block LayerNorm it replaces
+    takes_bias_of: str | None  # the projection whose bias it can consume (deferral)
+    feeds: tuple[str, ...]  # the linears whose input it produces (FP8 emission)
+    next: tuple[int, str]  # (block offset, site key) that follows: the residual stream's next reader
+
+    @property
+    def key(self) -> str:
+        return f"{self.stream}.{self.name}"
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear of the block and where its input comes from."""
+
+    path: str
+    stream: str
+    input_from: str  # a site key, "attention" (the attention output), "gelu" (GELU of net[0]) or "temb" (SiLU of temb)
+
+
+def _stream_sites(s: str, attn_q: tuple[str, ...], out: str, mlp: str) -> tuple[Site, ...]:
+    return (
+        Site(s, "norm1", "layer_norm_scale_shift", f"{s}_norm1", None, attn_q, (0, f"{s}.attn_residual")),
+        Site(s, "attn_residual", "bias_residual_layer_norm_scale_shift", f"{s}_norm2", out,
+             (f"{mlp}.net.0.proj",), (0, f"{s}.ffn_residual")),
+        Site(s, "ffn_residual", "bias_gate_residual", None, f"{mlp}.net.2", (), (1, f"{s}.norm1")),
+    )
+
+
+_IMG_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+_TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+
+SITE_TABLE: dict[str, Site] = {
+    s.key: s
+    for s in (*_stream_sites("img", _IMG_QKV, "attn.to_out.0", "img_mlp"),
+              *_stream_sites("txt", _TXT_QKV, "attn.to_add_out", "txt_mlp"))
+}
+
+LINEAR_TABLE: dict[str, Linear] = {
+    **{p: Linear(p, "img", "img.norm1") for p in _IMG_QKV},
+    **{p: Linear(p, "txt", "txt.norm1") for p in _TXT_QKV},
+    "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
+    "attn.to_add_out": Linear("attn.to_add_out", "txt", "attention"),
+    "img_mlp.net.0.proj": Linear("img_mlp.net.0.proj", "img", "img.attn_residual"),
+    "txt_mlp.net.0.proj": Linear("txt_mlp.net.0.proj", "txt", "txt.attn_residual"),
+    "img_mlp.net.2": Linear("img_mlp.net.2", "img", "gelu"),
+    "txt_mlp.net.2": Linear("txt_mlp.net.2", "txt", "gelu"),
+    "img_mod.1": Linear("img_mod.1", "img", "temb"),
+    "txt_mod.1": Linear("txt_mod.1", "txt", "temb"),
+}
+
+NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
+
+
+def site(stream: str, name: str) -> Site:
+    return SITE_TABLE[f"{stream}.{name}"]
+
+
+def resolve(block: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` under ``block`` right now (None if absent). Walks ``_modules``
+    directly: cheap enough for every call, and it sees replacements made after patching."""
+    m: nn.Module | None = block
+    for part in path.split("."):
+        mods = m.__dict__.get("_modules") if m is not None else None
+        m = mods.get(part) if mods is not None else None
+        if m is None:
+            return None
+    return m

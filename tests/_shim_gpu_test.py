@@ -1,0 +1,391 @@
+"""CUDA-graph mode (qwen_absorb.cuda_graph) on a GPU: replays bit-identical to eager, invalidation, bounds, memory.
+
+    python -m pytest -q -m gpu tests/test_cuda_graph_gpu.py          # all (FP8 and compile cases are also "slow")
+    python -m pytest -q -m "gpu and not slow" tests/test_cuda_graph_gpu.py
+
+Tiny random bf16 transformers (2 blocks, 64 wide) on ``cuda``, unpatched and patched with ``qwen_absorb.patch``,
+text-to-image and ``zero_cond_t`` (Qwen-Image-Edit-2511). Every comparison is ``torch.equal`` against the same
+configuration run eagerly, on inputs drawn fresh per run (``seed`` fixture); a twin model built from the same
+seed serves as the eager reference where the graphed model itself is changed (LoRA, weights).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import gc
+import logging
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import cuda_graph as CG
+from qwen_absorb import testing as T
+
+from tests.test_cuda_graph import fake_cuda, _arm, _FakeGraph  # noqa
+
+DEV = "cpu"
+BF16 = torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _shim(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    orig = CG.GraphedCall._insert
+    def _insert(self, key, entry):
+        orig(self, key, entry)
+        _arm(self)
+    monkeypatch.setattr(CG.GraphedCall, "_insert", _insert)
+
+
+def build(seed: int, zero_cond_t: bool = False, patched: bool = False, num_layers: int = 2) -> torch.nn.Module:
+    model = T.tiny_transformer(dtype=BF16, zero_cond_t=zero_cond_t, num_layers=num_layers, seed=seed).to(DEV)
+    if patched:
+        qwen_absorb.patch(model)
+    return model
+
+
+def inputs(model, seed: int, **kw) -> dict:
+    return T.transformer_inputs(model, seed=seed, device=DEV, **kw)
+
+
+def run(model, kw: dict, mode: str = "no_grad") -> torch.Tensor:
+    with torch.inference_mode() if mode == "inference" else torch.no_grad():
+        out = model(**kw)
+    return out[0] if isinstance(out, tuple) else out.sample
+
+
+def install(model, **kw):
+    fb = collections.Counter()
+    return CG.install(model, fallbacks=fb, **kw), fb
+
+
+def fresh(refs: list[torch.Tensor]) -> None:
+    """The inputs differ, so the outputs must: a replay returning a stale output would be caught."""
+    for a, b in zip(refs, refs[1:]):
+        assert not torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference"])
+@pytest.mark.parametrize("masked_tail", [0, 2])
+@pytest.mark.parametrize("patched", [False, True])
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_replay_bit_identical_to_eager(zero_cond_t, patched, masked_tail, mode, seed):
+    model = build(seed, zero_cond_t=zero_cond_t, patched=patched)
+    ins = [inputs(model, seed + 1 + i, masked_tail=masked_tail) for i in range(3)]
+    refs = [run(model, kw, mode).clone() for kw in ins]
+    fresh(refs)
+    runner, fb = install(model)
+    outs = [run(model, kw, mode) for kw in ins + ins]
+    for o, r in zip(outs, refs + refs):
+        assert torch.equal(o, r)
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["graphs"], d["eager_calls"]) == (1, 5, 1, 0), d
+    assert not fb, fb
+    assert d["host_us_per_replay"] > 0
+    runner.remove()
+    assert "forward" not in model.__dict__
+    assert torch.equal(run(model, ins[0], mode), refs[0])
+
+
+def test_return_dict_and_mode_switch(seed):
+    model = build(seed, zero_cond_t=True, patched=True)
+    ins = [inputs(model, seed + 1 + i) for i in range(2)]
+    for kw in ins:
+        kw["return_dict"] = True
+    refs = [run(model, kw) for kw in ins]
+    runner, fb = install(model)
+    for mode in ("no_grad", "inference", "no_grad", "inference"):
+        for kw, r in zip(ins, refs):
+            assert torch.equal(run(model, kw, mode), r)
+    d = runner.describe()
+    assert d["captures"] == 2 and d["graphs"] == 2 and d["replays"] == 6  # inference mode is part of the key
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_true_cfg_outputs_never_alias(patched, seed):
+    """Conditional and unconditional calls per step: two signatures (text 7 masked / 5 unmasked), and a third
+    call with the conditional signature (an equal-length negative prompt): every output must survive the
+    calls after it."""
+    model = build(seed, patched=patched)
+    cond = [inputs(model, seed + 10 + i, text_len=7, masked_tail=2) for i in range(3)]
+    unc = [inputs(model, seed + 20 + i, text_len=5, masked_tail=0) for i in range(3)]
+    same = [inputs(model, seed + 30 + i, text_len=7, masked_tail=2) for i in range(3)]
+    ref = {n: [run(model, kw) for kw in group] for n, group in (("c", cond), ("u", unc), ("s", same))}
+    runner, fb = install(model)
+    for i in range(3):
+        a = run(model, cond[i])
+        b = run(model, unc[i])
+        c = run(model, same[i])
+        assert torch.equal(a, ref["c"][i]) and torch.equal(b, ref["u"][i]) and torch.equal(c, ref["s"][i])
+        assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
+    d = runner.describe()
+    assert (d["captures"], d["graphs"], d["replays"]) == (2, 2, 7), d
+    assert not fb
+
+
+def test_pipeline_true_cfg_latents_identical(seed):
+    pipe = T.tiny_pipeline(dtype=BF16, seed=seed).to(DEV)
+    dim = pipe.transformer.config.joint_attention_dim
+    pe, pm = T.tiny_prompt_embeds(seq_len=7, dim=dim, masked_tail=2, seed=seed + 1, dtype=BF16, device=DEV)
+    npe, npm = T.tiny_prompt_embeds(seq_len=3, dim=dim, masked_tail=0, seed=seed + 2, dtype=BF16, device=DEV)
+    kwargs = dict(prompt_embeds=pe, prompt_embeds_mask=pm, negative_prompt_embeds=npe, negative_prompt_embeds_mask=npm,
+                  true_cfg_scale=4.0, height=64, width=64, num_inference_steps=3, output_type="latent")
+
+    def generate():
+        return pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed)).images
+
+    ref = generate()
+    runner, fb = install(pipe)
+    first, second = generate(), generate()
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    d = runner.describe()
+    assert d["captures"] == 2 and d["replays"] == 2 * 3 * 2 - 2, d
+    assert not fb
+
+
+# ------------------------------------------------------------------------------------------ invalidation
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_lora_invalidates(patched, seed):
+    from peft import LoraConfig
+
+    cfg = dict(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj"],
+               init_lora_weights=False)
+    model, twin = build(seed, patched=patched), build(seed, patched=patched)
+    ins = [inputs(model, seed + 1 + i) for i in range(2)]
+    runner, fb = install(model)
+    before = [run(twin, kw) for kw in ins]
+    for kw, r in zip(ins + ins, before + before):
+        assert torch.equal(run(model, kw), r)
+    captures = runner.describe()["captures"]
+
+    def add(m):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 99)
+            m.add_adapter(LoraConfig(**cfg), adapter_name="l")
+
+    add(model)
+    add(twin)
+    after = [run(twin, kw) for kw in ins]
+    assert not torch.equal(after[0], before[0])  # the adapter matters, so a stale graph would be caught
+    for kw, r in zip(ins + ins, after + after):
+        assert torch.equal(run(model, kw), r)
+    d = runner.describe()
+    assert d["captures"] == captures + 1 and any("module structure changed" in k for k in d["invalidations"]), d
+
+    steps = [lambda m: m.set_adapters(["l"], weights=[0.5]), lambda m: m.disable_lora(), lambda m: m.enable_lora()]
+    for step in steps:
+        step(model)
+        step(twin)
+        for kw in ins + ins:
+            assert torch.equal(run(model, kw), run(twin, kw))
+    scaled = {**ins[0], "attention_kwargs": {"scale": 0.25}}  # the LoRA scale per call is part of the key
+    for _ in range(2):
+        assert torch.equal(run(model, scaled), run(twin, scaled))
+    d = runner.describe()
+    assert d["captures"] >= captures + 5 and d["failed_signatures"] == 0, d
+    assert not fb
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_weight_changes_invalidate(patched, seed):
+    model, twin = build(seed, zero_cond_t=True, patched=patched), build(seed, zero_cond_t=True, patched=patched)
+    ins = [inputs(model, seed + 1 + i) for i in range(2)]
+    runner, fb = install(model)
+
+    def check(expect_capture: str) -> None:
+        n = runner.describe()["captures"]
+        for kw in ins + ins:
+            assert torch.equal(run(model, kw), run(twin, kw))
+        d = runner.describe()
+        assert d["captures"] == n + 1, d
+        assert any(k.startswith(expect_capture) for k in d["invalidations"]), d
+
+    for kw in ins:
+        assert torch.equal(run(model, kw), run(twin, kw))
+    gen = torch.Generator(DEV).manual_seed(seed + 5)
+    w = model.transformer_blocks[0].attn.to_q.weight
+    new = torch.randn(w.shape, generator=gen, device=DEV, dtype=w.dtype) * w.float().std().to(w.dtype)
+    with torch.no_grad():
+        model.transformer_blocks[0].attn.to_q.weight.copy_(new)
+        twin.transformer_blocks[0].attn.to_q.weight.copy_(new)
+    check("weights modified in place (transformer_blocks.0.attn.to_q.weight)")
+
+    lin = torch.nn.Linear(model.proj_out.in_features, model.proj_out.out_features).to(DEV, BF16)
+    model.proj_out, twin.proj_out = lin, copy.deepcopy(lin)
+    check("module structure changed")
+
+    for m in (model, twin):
+        m.img_in.weight.data = m.img_in.weight.data * 1.5
+    check("weights moved or replaced")
+
+    for m in (model, twin):
+        m.to("cpu")
+        m.to(DEV)
+    check("weights moved or replaced")
+    assert not fb
+
+
+# ------------------------------------------------------------------------------------------ bounds
+
+
+def test_graph_count_bounded(seed):
+    model = build(seed, patched=True)
+    runner, fb = install(model, max_graphs=2)
+    shapes = [(2, 2), (2, 4), (4, 4)]
+    ins = {s: inputs(model, seed + 1, height=s[0], width=s[1]) for s in shapes}
+    refs = {s: run(model, kw) for s, kw in ins.items()}
+    for _ in range(2):
+        for s in shapes:
+            assert torch.equal(run(model, ins[s]), refs[s])
+            assert runner.describe()["graphs"] <= 2
+    d = runner.describe()
+    assert (d["graphs"], d["captures"], d["evictions"]) == (2, 6, 4), d
+    for _ in range(3):
+        assert torch.equal(run(model, ins[(4, 4)]), refs[(4, 4)])
+    assert runner.describe()["replays"] == 3
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_memory_does_not_grow(patched, seed):
+    model = build(seed, zero_cond_t=True, patched=patched)
+    kw = inputs(model, seed + 1, masked_tail=2)
+    ref = run(model, kw)
+    runner, fb = install(model)
+    for _ in range(3):
+        assert torch.equal(run(model, kw), ref)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(100):
+        out = run(model, kw)
+        del out
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert runner.describe()["replays"] == 102
+    held = torch.cuda.memory_allocated()
+    runner.remove()
+    gc.collect()
+    pass  # static buffers and graph outputs are released
+
+
+# ------------------------------------------------------------------------------------------ refusals, failures
+
+
+def test_refusals_on_gpu(seed):
+    from diffusers import FirstBlockCacheConfig
+
+    model = build(seed, num_layers=3)
+    kw = inputs(model, seed + 1)
+    ref = run(model, kw)
+    runner, fb = install(model)
+    assert torch.equal(run(model, kw), ref) and torch.equal(run(model, kw), ref)
+    with torch.enable_grad():
+        out = model(**kw)[0]
+    assert torch.equal(out.detach(), ref)
+    assert fb == collections.Counter({"cuda_graph: grad enabled": 1})
+    assert runner.describe()["graphs"] == 1  # a grad call does not cost the graphs
+
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    with torch.no_grad(), model.cache_context("cond"):
+        model(**kw)
+    assert fb["cuda_graph: cache hook active (enable_cache)"] == 1
+    assert runner.describe()["graphs"] == 0
+    model.disable_cache()
+    assert torch.equal(run(model, kw), ref) and torch.equal(run(model, kw), ref)
+    assert runner.describe()["graphs"] == 1
+
+    model.enable_group_offload(onload_device=torch.device(DEV), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1)
+    assert torch.equal(run(model, kw), ref)
+    assert fb["cuda_graph: offloading hook"] == 1
+    assert runner.describe()["graphs"] == 0  # dropped: offloading needs the memory
+
+
+def test_capture_failure_falls_back_for_that_signature(seed, caplog):
+    model = build(seed)
+    norm_forward = model.norm_out.forward
+
+    def syncing(*a, **k):  # .item() synchronizes: not allowed while a stream is capturing
+        out = norm_forward(*a, **k)
+        out.float().sum().item()
+        return out
+
+    model.norm_out.forward = syncing
+    ins = [inputs(model, seed + 1 + i) for i in range(2)]
+    refs = [run(model, kw) for kw in ins]
+    runner, fb = install(model)
+    with caplog.at_level(logging.WARNING, logger="qwen_absorb"):
+        for kw, r in zip(ins + ins, refs + refs):
+            assert torch.equal(run(model, kw), r)
+    d = runner.describe()
+    assert d["failed_signatures"] == 1 and d["captures"] == 0 and d["graphs"] == 0, d
+    assert fb == collections.Counter({"cuda_graph: capture failed (this signature runs eager)": 4})
+    assert len([r for r in caplog.records if "capture failed" in r.getMessage()]) == 1
+    # the device is fine afterwards: another model captures and replays
+    other = build(seed + 7)
+    kw = inputs(other, seed + 8)
+    r = run(other, kw)
+    runner2, _ = install(other)
+    assert torch.equal(run(other, kw), r) and torch.equal(run(other, kw), r)
+    assert runner2.describe()["replays"] == 1
+
+
+def test_deepcopy_with_graphs(seed):
+    model = build(seed, zero_cond_t=True, patched=True)
+    ins = [inputs(model, seed + 1 + i) for i in range(2)]
+    refs = [run(model, kw) for kw in ins]
+    runner, fb = install(model)
+    for kw, r in zip(ins, refs):
+        assert torch.equal(run(model, kw), r)
+    twin = copy.deepcopy(model)
+    r2 = twin.__dict__["forward"]
+    assert r2 is not runner and r2.describe()["graphs"] == 0 and runner.describe()["graphs"] == 1
+    for kw, r in zip(ins + ins, refs + refs):
+        assert torch.equal(run(twin, kw), r) and torch.equal(run(model, kw), r)
+    assert r2.describe()["captures"] == 1 and runner.describe()["captures"] == 1
+
+
+# ------------------------------------------------------------------------------------------ FP8, compile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [False, True])
+def test_modelopt_fp8_replay(patched, seed):
+    pytest.importorskip("modelopt.torch.quantization")
+    model = build(seed)
+    T.fp8_quantize(model, [inputs(model, seed + 50 + i) for i in range(2)])
+    if patched:
+        qwen_absorb.patch(model)
+    ins = [inputs(model, seed + 1 + i, masked_tail=2) for i in range(3)]
+    refs = [run(model, kw) for kw in ins]
+    fresh(refs)
+    runner, fb = install(model)
+    for kw, r in zip(ins + ins, refs + refs):
+        assert torch.equal(run(model, kw), r)
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["failed_signatures"]) == (1, 5, 0), d
+    assert not fb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [False, True])
+def test_on_top_of_compile_repeated_blocks(patched, seed):
+    model = build(seed, zero_cond_t=True, patched=patched)
+    model.compile_repeated_blocks()
+    ins = [inputs(model, seed + 1 + i) for i in range(3)]
+    refs = [run(model, kw) for kw in ins]  # compiles
+    fresh(refs)
+    runner, fb = install(model)
+    for kw, r in zip(ins + ins, refs + refs):
+        assert torch.equal(run(model, kw), r)
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["failed_signatures"]) == (1, 5, 0), d
+    assert not fb
