@@ -377,8 +377,10 @@ def section_bf16(b: Bench) -> None:
     for r in a.extra_resolutions:
         b.run(f"bf16_{r}_eager_ms", r, graph=False)
     rep = qwen_absorb.patch(b.model)
-    b.res.doc["details"]["patch_report"] = {"kernels_available": getattr(rep, "kernels_available", None),
-                                            "kernel_unavailable_reasons": getattr(rep, "kernel_unavailable_reasons", None)}
+    b.res.doc["details"]["patch_report"] = {
+        "kernels_available": getattr(rep, "kernels_available", None),
+        "kernel_unavailable_reasons": getattr(rep, "kernel_unavailable_reasons", None),
+    }
     b.run("bf16_patched_ms", a.resolution, graph=False)
     b.run("bf16_graph_ms", a.resolution, graph=True)
     for r in a.extra_resolutions:
@@ -509,19 +511,21 @@ def markdown(d: dict[str, Any]) -> str:
     env = d.get("environment") or {}
     cfg = d.get("config") or {}
     lines = [
-        "# CUDA-graph mode of the Qwen-Image transformer call" + (" (--tiny smoke run, not a benchmark)" if d.get("tiny") else ""),
+        "# CUDA-graph mode of the Qwen-Image transformer call"
+        + (" (--tiny smoke run, not a benchmark)" if d.get("tiny") else ""),
         "",
         f"- GPU: {d.get('gpu') or 'none (CPU)'}" + (f" ({env.get('gpu_capability')}), driver {env.get('driver')}"
                                                     if d.get("gpu") else ""),
         f"- torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), diffusers {env.get('diffusers')}, "
-        f"nvidia-modelopt {env.get('nvidia_modelopt')}, cupy {env.get('cupy')}, qwen_absorb {env.get('qwen_absorb_commit')}",
+        f"nvidia-modelopt {env.get('nvidia_modelopt')}, cupy {env.get('cupy')}, "
+        f"qwen_absorb {env.get('qwen_absorb_commit')}",
         f"- date: {d.get('date')}",
         f"- model: {cfg.get('num_layers')} layers, random weights, B=1, {cfg.get('text_tokens')} text tokens, "
-        f"{'fp32 (--tiny; keys keep the bf16 names)' if d.get('tiny') else 'bf16'} activations, torch.inference_mode(); "
-        "graph = qwen_absorb.cuda_graph.install, patched = qwen_absorb.patch",
-        f"- method: median of {cfg.get('iters')} calls (CUDA events, synchronized after each) after {cfg.get('warmup')} "
-        f"warm-up calls; back-to-back = {cfg.get('b2b')} calls between two events; GPU busy = sum of kernel durations "
-        "of one call (torch.profiler); first call timed apart (graph mode: warm-up + capture)",
+        f"{'fp32 (--tiny; keys keep the bf16 names)' if d.get('tiny') else 'bf16'} activations, "
+        "torch.inference_mode(); graph = qwen_absorb.cuda_graph.install, patched = qwen_absorb.patch",
+        f"- method: median of {cfg.get('iters')} calls (CUDA events, synchronized after each) after "
+        f"{cfg.get('warmup')} warm-up calls; back-to-back = {cfg.get('b2b')} calls between two events; GPU busy = "
+        "sum of kernel durations of one call (torch.profiler); first call timed apart (graph mode: warm-up + capture)",
         "",
         "| case | ms/call (median) | back-to-back ms/call | GPU busy ms | kernels | vs eager | first call s |",
         "|---|---|---|---|---|---|---|",
@@ -574,7 +578,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--num-layers", type=int, default=None, help="default 60 (--tiny: 2)")
     p.add_argument("--resolution", type=int, default=None, help="main resolution in pixels (default 1024; --tiny: 64)")
-    p.add_argument("--extra-resolutions", default=None, help="eager vs graph also here (default 512,2048; --tiny: 32,128)")
+    p.add_argument("--extra-resolutions", default=None,
+                   help="eager vs graph also at these (default 512,2048; --tiny: 32,128)")
     p.add_argument("--text-tokens", type=int, default=None, help="default 128 (--tiny: 8)")
     p.add_argument("--neg-text-tokens", type=int, default=32, help="negative prompt tokens in the pipeline sections")
     p.add_argument("--warmup", type=int, default=None, help="default 2 (--tiny: 1)")

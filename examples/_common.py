@@ -57,6 +57,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
+    """For scripts without ``device_arg``: as :func:`parse_device`, exiting with the reason when it fails."""
+    try:
+        return parse_device(name)
+    except ValueError as e:
+        raise SystemExit(f"--device {name}: {e}") from None
+
+
+def parse_device(name: str) -> torch.device:
     """``auto`` -> cuda if available else cpu; anything else must parse and exist (ValueError says why)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +101,7 @@ def device_problem(dev: torch.device) -> str | None:
 def device_arg(name: str) -> torch.device:
     """argparse ``type=`` for --device: parsed and checked to exist before any work (else exit 2)."""
     try:
-        return resolve_device(name)
+        return parse_device(name)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

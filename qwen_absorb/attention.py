@@ -1,13 +1,16 @@
-"""The joint attention of a block whose attention linears run as real FP8 GEMMs.
+"""The joint attention of a patched block: q/k RMSNorm + RoPE fused, linears as real FP8 GEMMs.
 
 It is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (joint mask, q/k/v, per-head
 RMSNorm, RoPE, ``[text, image]`` concatenation, ``dispatch_attention_fn`` with the processor's own
-backend and context-parallel config, split, output projections), except that each planned linear
-is an FP8 ``torch._scaled_mm`` fed by e4m3 codes: q/k/v read the codes norm1 emitted, and the
-attention output is split and quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight
-from the [B, S, H, D] tensor the attention returns (no flatten copy).
+backend and context-parallel config, split, output projections), except that
 
-:class:`Fp8AttnProcessor` is what the patch installs with ``attn.set_processor`` on such blocks
+- the four RMSNorm + RoPE chains (44 eager kernels in bf16) are one ``qk_norm_rope`` launch where
+  the plan allows it (``plan.qk_fused``), and
+- each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes: q/k/v read the codes
+  norm1 emitted, and the attention output is split and quantized for ``to_add_out`` /
+  ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the attention returns.
+
+:class:`FusedAttnProcessor` is what the patch installs with ``attn.set_processor`` on such blocks
 (diffusers' seam; undone by ``unpatch``). Called the ordinary way (``attn(...)``, e.g. by the
 original block forward on a fallback) it is exactly diffusers' processor; it proxies that
 processor's ``_attention_backend`` and ``_parallel_config``, so ``set_attention_backend`` and
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from .ops.fp8 import quantize_fp8_reference
+from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
 from .projection import fp8_linear
 
@@ -31,7 +35,7 @@ def fp8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return quantize_fp8_reference(x, amax)
 
 
-class Fp8AttnProcessor:
+class FusedAttnProcessor:
     """diffusers' Qwen double-stream processor, with qwen_absorb's FP8 path beside it."""
 
     def __init__(self, original: Any) -> None:
@@ -91,7 +95,7 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
         encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb, use_kernels: bool, compiling: bool):
     """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are e4m3 codes where norm1
     emitted them for FP8 q/k/v, else the modulated tensors."""
-    dispatch_attention_fn, apply_rotary_emb_qwen = _diffusers()
+    dispatch_attention_fn, _ = _diffusers()
     proc = attn.processor
     B, seq_img = img_in.shape[0], img_in.shape[1]
     seq_txt = txt_in.shape[1]
@@ -106,20 +110,14 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
                      (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in)):
         qkv.append([_linear(attn, plan, p, x, compiling).unflatten(-1, (-1, head_dim)) for p in paths])
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
-    if attn.norm_q is not None:
-        img_q = attn.norm_q(img_q)
-    if attn.norm_k is not None:
-        img_k = attn.norm_k(img_k)
-    if attn.norm_added_q is not None:
-        txt_q = attn.norm_added_q(txt_q)
-    if attn.norm_added_k is not None:
-        txt_k = attn.norm_added_k(txt_k)
-    if image_rotary_emb is not None:
+    if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb):
         img_freqs, txt_freqs = image_rotary_emb
-        img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-        img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-        txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-        txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+        img_q, img_k, txt_q, txt_k = qkr_launch(
+            (img_q, img_k, txt_q, txt_k),
+            (attn.norm_q.weight, attn.norm_k.weight, attn.norm_added_q.weight, attn.norm_added_k.weight),
+            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps)
+    else:
+        img_q, img_k, txt_q, txt_k = _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb)
     joint_q = torch.cat([txt_q, img_q], dim=1)
     out = dispatch_attention_fn(
         joint_q, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
@@ -143,6 +141,34 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)  # dropout, as diffusers
     return img_out, txt_out
+
+
+def _qk_ok(img_q, txt_q, rope) -> bool:
+    """Per-call conditions of the fused q/k path the plan cannot know: one dtype for q/k (the norms'
+    weight dtype, checked at plan time), complex64 rope tables on the activations' device."""
+    f_img, f_txt = rope
+    return (img_q.dtype == txt_q.dtype and f_img.dtype == torch.complex64 and f_txt.dtype == torch.complex64
+            and f_img.device == img_q.device and type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor)
+
+
+def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
+    """diffusers' own RMSNorm modules and apply_rotary_emb_qwen, as its processor calls them."""
+    _, apply_rotary_emb_qwen = _diffusers()
+    if attn.norm_q is not None:
+        img_q = attn.norm_q(img_q)
+    if attn.norm_k is not None:
+        img_k = attn.norm_k(img_k)
+    if attn.norm_added_q is not None:
+        txt_q = attn.norm_added_q(txt_q)
+    if attn.norm_added_k is not None:
+        txt_k = attn.norm_added_k(txt_k)
+    if image_rotary_emb is not None:
+        img_freqs, txt_freqs = image_rotary_emb
+        img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+        img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+        txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+        txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+    return img_q, img_k, txt_q, txt_k
 
 
 def _out_projection(attn, plan, path, x, use_kernels, compiling):

@@ -19,6 +19,7 @@ leaf offload) is not shadowed for that call: its GEMM adds it, as unpatched.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -40,6 +41,10 @@ from .quant import quantizer_enabled, unwrap_peft
 from .sites import resolve
 
 _SUPPORTED = _validate.SUPPORTED_DTYPES
+# ModelOpt's QuantAttention swaps torch.nn.functional.scaled_dot_product_attention module-globally for
+# the duration of its forward: two threads inside it at once break each other. Patched blocks call such
+# an attention under this lock.
+_GLOBAL_SWAP_LOCK = threading.RLock()
 
 
 class PatchedForward:
@@ -117,6 +122,12 @@ def patched_forward(
     if _validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states):
         plan.count("DTensor activations: original diffusers forward")
         return _original(self, *args)
+    if plan.modelopt and not compiling:
+        # ModelOpt's modules keep per-call state on the module (quantize_weight() toggles a flag,
+        # QuantAttention swaps global functions): concurrent calls of one block would see each
+        # other's state. One thread at a time per block; different blocks still overlap.
+        with plan.lock:
+            return _fused_forward(self, plan, compiling, *args)
     return _fused_forward(self, plan, compiling, *args)
 
 
@@ -250,17 +261,21 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     txt_in = _norm1(plan, self, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t_shift1, t_scale1,
                     None, txt_mod1, use_kernels, use_fused, compiling)
 
-    deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"), compiling)
-    with plan.lock if deferred else contextlib.nullcontext(), deferred:
-        if plan.fp8_attention:
-            img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
-                                               image_rotary_emb, use_kernels, compiling)
-        else:
-            img_attn, txt_attn = self.attn(
-                hidden_states=img_in, encoder_hidden_states=txt_in,
-                encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
-                **(joint_attention_kwargs or {}),
-            )
+    swaps = plan.quant_attention and not plan.own_attention
+    # the shadowing decision and the shadowed GEMMs under one lock: another thread in this block
+    # must neither see a shadowed bias as missing nor run its GEMM while the bias is shadowed
+    with plan.lock if plan.deferred else contextlib.nullcontext():
+        deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"), compiling)
+        with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
+            if plan.own_attention:
+                img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
+                                                   image_rotary_emb, use_kernels, compiling)
+            else:
+                img_attn, txt_attn = self.attn(
+                    hidden_states=img_in, encoder_hidden_states=txt_in,
+                    encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
+                    **(joint_attention_kwargs or {}),
+                )
     hidden_states, img_ffn_in = _attn_residual(
         plan, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
         i_gate1, i_shift2, i_scale2, index, img_mod2, use_kernels, use_fused)
@@ -268,10 +283,11 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         plan, self, site("txt", "attn_residual"), self.txt_norm2, encoder_hidden_states, txt_attn,
         deferred.bias(1, txt_attn), t_gate1, t_shift2, t_scale2, None, txt_mod2, use_kernels, use_fused)
 
-    deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"), compiling)
-    with plan.lock if deferred else contextlib.nullcontext(), deferred:
-        img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
-        txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
+    with plan.lock if plan.deferred else contextlib.nullcontext():
+        deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"), compiling)
+        with deferred:
+            img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
+            txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
     hidden_states = _ffn_residual(plan, site("img", "ffn_residual"), hidden_states, img_ffn,
                                   deferred.bias(0, img_ffn), i_gate2, index, use_kernels, use_fused)
     encoder_hidden_states = _ffn_residual(plan, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,

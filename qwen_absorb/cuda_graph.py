@@ -1,49 +1,33 @@
-"""CUDA-graph mode for the Qwen-Image transformer call: capture the whole call once per input signature, replay it.
+"""CUDA-graph mode for the Qwen-Image transformer call: capture the call once per input signature, then replay it.
 
-Eager Qwen-Image is host-bound on fast GPUs (thousands of kernel launches per call, each paying Python and
-dispatcher cost); a replayed CUDA graph runs the same kernels with no Python in between. :func:`install`
-puts a :class:`GraphedCall` on a ``QwenImageTransformer2DModel`` as the instance attribute ``forward``,
-wrapping whatever forward was current (the class forward or a hook's wrapper); ``remove()`` restores it.
-It works on unpatched and patched transformers (``qwen_absorb.patch``: the CuPy kernels launch on torch's
-current stream, so they are captured like any torch op) and on top of ``compile_repeated_blocks()``.
+Eager Qwen-Image is host-bound (thousands of launches per call, each paying Python and dispatcher cost); a
+replayed CUDA graph runs the same kernels with no Python in between. :func:`install` puts a
+:class:`GraphedCall` on the transformer as its instance attribute ``forward``, wrapping whatever forward was
+current (the class forward, a hook's wrapper; patched by ``qwen_absorb.patch`` or not, compiled blocks or
+not); ``GraphedCall.remove()`` restores it. Per call:
 
-A call goes like this:
+- **refuse** (run the wrapped forward, count ``"cuda_graph: <reason>"`` in ``fallbacks``) when a replay could
+  differ from eager: grad enabled, training mode, diffusers hooks (``enable_cache``, offloading, casting,
+  parallelism), accelerate hooks, forward hooks on submodules, ModelOpt calibration, a model or input off
+  CUDA, a Python number where a tensor is expected (it would be baked in), arguments a signature cannot
+  describe, a signature whose capture failed;
+- **invalidate** (drop every graph) when what graphs baked in changed: a per-call fingerprint of parameter
+  and buffer ``data_ptr`` / ``_version``, module attributes and hooks, the forwards, processors, ModelOpt and
+  LoRA switches, plus torch's registration hooks for assigned modules and parameters;
+- **key** a graph by tensor shapes, strides, dtypes, devices and alignment, every non-tensor argument by value,
+  and the global switches that change kernel choice; at most ``max_graphs`` graphs, least recently used first;
+- **capture** a new signature: inputs copied into static buffers, one eager warm-up on a side stream (its
+  output answers this call), then capture into the runner's one memory pool. ``torch.tensor(host data,
+  device=cuda)`` (the edit models' ``modulate_index``, the text length next to a mask) cannot be captured:
+  during the capture that exact call is answered by a device copy of what the warm-up created;
+- **replay**: ``copy_`` into the static buffers, ``replay()``, return a **clone** of the static output. A
+  clone because true CFG's two calls may share a signature (equal text lengths) and because graphs share
+  one pool, so a static output may be another graph's scratch memory; it is one small copy.
 
-1. **Refusals** (the call runs the wrapped forward as is, and is counted in ``fallbacks`` under a readable
-   ``"cuda_graph: ..."`` reason): grad enabled, training mode, a diffusers hook on the model (caches from
-   ``enable_cache``, group offloading, layerwise casting, context parallelism, ...), accelerate offload hooks,
-   forward hooks on submodules, a ModelOpt calibration running, a model or input not on one CUDA device, a
-   Python number where diffusers expects a tensor (``timestep``: it would be baked into the graph), argument
-   types the signature cannot describe, a signature whose capture failed once.
-2. **Validity**: a cheap per-call fingerprint of what a graph bakes in (parameter and buffer ``data_ptr`` and
-   ``_version``, the number of instance attributes of every module, forward hooks, the forwards / processors /
-   ModelOpt flags / LoRA state that decide which kernels run, plus torch's global registration hooks for
-   assigned modules, parameters and buffers). Any change (LoRA loaded, fused or switched, weights replaced,
-   re-quantized, modified in place, moved, patched, compiled, ...) drops every graph; the next call captures
-   anew.
-3. **Signature**: tensor shapes, strides, dtypes, devices and address alignment class (kernels choose
-   vectorized paths by alignment), every non-tensor argument by value (``img_shapes``, ``attention_kwargs``,
-   ``return_dict``, ``txt_seq_lens``, ...), and the global switches that change kernel choice (inference mode,
-   autocast, TF32 / reduced-precision flags, SDPA backends, diffusers' attention backend). At most
-   ``max_graphs`` graphs are kept, least recently used dropped first.
-4. **First call of a signature**: the inputs are copied into static buffers (same strides and alignment), one
-   eager warm-up runs on a side stream (it fills lazy caches, compiles kernels, and its output is this
-   call's result, so the first call is exactly eager), then the call is captured into the runner's one
-   shared memory pool. ``torch.tensor(host data, device=cuda)`` (Qwen-Image-Edit's ``modulate_index``, the
-   text-length scalar when a mask is given) cannot be captured: the values the warm-up created are kept, and
-   during capture exactly that call is answered by a device copy of them (same values: the signature fixes
-   ``img_shapes`` and the text length). A failed capture is logged once; the signature then runs eager.
-5. **Later calls**: ``copy_`` into the static buffers, ``replay()``, and return a **clone** of the static
-   output. Clone, not the static output itself: true CFG calls the transformer twice per step, and with equal
-   text lengths both calls share one signature (a returned static output would be overwritten by the second
-   call), and graphs share one pool, so a graph's static output may be another graph's scratch memory. The
-   clone is one small copy (the latent output).
-
-Outputs are bit-identical to the wrapped forward run eagerly on the same inputs (same kernels, same inputs,
-same order). Not thread-safe: one runner serves one thread and replays on the caller's current stream.
-Not seen by the fingerprint (call ``invalidate()`` after them): in-place writes through ``param.data`` (they
-bypass ``_version``; replay reads the new values anyway, only caches derived from weights would be stale),
-``del`` of a submodule or parameter, and a direct write into a module's ``_parameters`` / ``_modules`` dict.
+Outputs are bit-identical to the wrapped forward run eagerly. Not thread-safe (one runner, one thread, replays
+on the caller's current stream). Not seen by the fingerprint, so call ``invalidate()`` after them: writes
+through ``param.data`` (replay reads the new values anyway; only caches derived from weights would be stale),
+``del`` of a submodule or parameter, direct writes into ``_parameters`` / ``_modules``.
 """
 
 from __future__ import annotations
@@ -51,9 +35,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-import math
 import os
-import sys
 import threading
 import time
 import weakref
@@ -85,13 +67,13 @@ _TENSOR_SLOTS = frozenset({
     "additional_t_cond",
 })
 # Instance attributes whose identity decides what a call runs (hook chains, compiled wrappers, processors,
-# ModelOpt quantizer switches, PEFT switches); watched wherever present.
+# ModelOpt quantizer switches, PEFT switches): their identity is compared per call wherever present.
 _WATCH_KEYS = (
     "forward", "_old_forward", "_compiled_call_impl", "_diffusers_hook", "_hf_hook", "processor",
     "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize", "_num_bits",
     "_disable_adapters", "_active_adapter",
 )
-# Keys of nn.Module's own bookkeeping that hold no per-call decision (skipped when looking for plain tensors).
+# diffusers' RoPE caches (QwenEmbedRope / QwenEmbedLayer3DRope) whose tensors a graph reads: see _KeepRope.
 _ROPE_METHODS = ("_compute_video_freqs", "_compute_condition_freqs", "_get_device_freqs")
 
 _version_of = attrgetter("_version")
@@ -203,8 +185,8 @@ class _Scan:
 
     __slots__ = (
         "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watch_dicts",
-        "watch_keys", "watch_objs", "watch_ids", "tensors", "names", "ptrs", "indices", "vtensors", "vnames", "vers", "peft",
-        "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
+        "watch_keys", "watch_objs", "watch_ids", "tensors", "names", "ptrs", "indices", "vtensors", "vnames",
+        "vers", "peft", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
     )
 
     def __init__(self, t: nn.Module) -> None:
@@ -274,8 +256,8 @@ class _Scan:
             if d.get("_hf_hook") is not None:
                 refuse("offloading hook", f"accelerate hook on {label}")
             proc = d.get("processor")
-            if proc is not None and not isinstance(proc, nn.Module) and isinstance(getattr(proc, "__dict__", None), dict):
-                pd = proc.__dict__
+            pd = getattr(proc, "__dict__", None) if proc is not None and not isinstance(proc, nn.Module) else None
+            if isinstance(pd, dict):
                 self.len_dicts.append(pd)
                 for k in pd:
                     self.watch_dicts.append(pd)
@@ -564,9 +546,9 @@ def _freeze_data(x: Any) -> Any:
             out.append(f)
         return (tx, tuple(out))
     if isinstance(x, torch.Tensor) and x.device.type == "cpu" and type(x) is torch.Tensor:
-        c = x.detach().contiguous()
-        return ("tensor", c.dtype, tuple(c.shape), bytes(c.view(torch.uint8).reshape(-1).tolist())
-                if c.dtype != torch.bool else tuple(c.reshape(-1).tolist()))
+        flat = x.detach().reshape(-1).contiguous()
+        raw = flat.tolist() if flat.dtype == torch.bool else flat.view(torch.uint8).tolist()
+        return ("tensor", flat.dtype, tuple(x.shape), bytes(raw))
     if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):
         return ("numpy", str(getattr(x, "dtype", "")), tuple(getattr(x, "shape", ())), x.tobytes())
     return None
@@ -1093,8 +1075,9 @@ class GraphedCall:
         return inspect.signature(self._inner)
 
     def __repr__(self) -> str:
-        return (f"<qwen_absorb GraphedCall on {type(self._transformer).__name__}: {len(self._graphs)}/{self.max_graphs} "
-                f"graphs, {self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
+        return (f"<qwen_absorb GraphedCall on {type(self._transformer).__name__}: {len(self._graphs)}/"
+                f"{self.max_graphs} graphs, {self.captures} captures, {self.replays} replays"
+                f"{', removed' if self._removed else ''}>")
 
     # ------------------------------------------------------------------ copy / pickle
 
@@ -1115,7 +1098,8 @@ class GraphedCall:
 
     def __getstate__(self) -> dict[str, Any]:
         t = self._transformer
-        cls_forward = getattr(self._inner, "__func__", None) is type(t).forward and getattr(self._inner, "__self__", None) is t
+        inner = self._inner
+        cls_forward = getattr(inner, "__func__", None) is type(t).forward and getattr(inner, "__self__", None) is t
         return {
             "transformer": t, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
             "prev_present": self._prev_present, "prev": self._prev,
@@ -1165,7 +1149,8 @@ def _resolve(target: Any) -> nn.Module:
     inner = getattr(target, "transformer", None)
     if isinstance(inner, nn.Module):
         return inner
-    raise TypeError(f"install needs a transformer module (or a pipeline with .transformer); got {type(target).__name__}")
+    raise TypeError(f"install needs a transformer module (or a pipeline with .transformer); "
+                    f"got {type(target).__name__}")
 
 
 def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8) -> GraphedCall:

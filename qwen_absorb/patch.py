@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import gating
-from .attention import Fp8AttnProcessor
+from .attention import FusedAttnProcessor
 from .block import PatchedForward
 from .plan import PLAN_ATTR, BlockPlan, Options, decide, new_plan
 from .quant import unwrap_peft
@@ -162,9 +162,9 @@ def _processor(block: nn.Module, plan: BlockPlan) -> None:
     """Install (or remove) qwen_absorb's attention processor as the plan needs it."""
     attn = block.attn
     proc = attn.processor
-    if plan.fp8_attention and not isinstance(proc, Fp8AttnProcessor):
-        attn.set_processor(Fp8AttnProcessor(proc))
-    elif not plan.fp8_attention and isinstance(proc, Fp8AttnProcessor):
+    if plan.own_attention and not isinstance(proc, FusedAttnProcessor):
+        attn.set_processor(FusedAttnProcessor(proc))
+    elif not plan.own_attention and isinstance(proc, FusedAttnProcessor):
         attn.set_processor(proc.original)
     plan.expected_processor = attn.processor
 
@@ -342,7 +342,7 @@ def _undo(state: _PatchState) -> None:
     state.offloaded.clear()
     for rec in state.records:
         proc = getattr(rec.block.attn, "processor", None)
-        if isinstance(proc, Fp8AttnProcessor):
+        if isinstance(proc, FusedAttnProcessor):
             rec.block.attn.set_processor(proc.original)
         for path in {p for plan in [rec.block.__dict__.get(PLAN_ATTR)] if plan for p in plan.deferred.values()}:
             base = unwrap_peft(resolve(rec.block, path))[0] if resolve(rec.block, path) is not None else None

@@ -103,8 +103,13 @@ class BlockPlan:
     counter: Counter = field(default_factory=Counter)
     runtime_device: torch.device | None = None
     kernels: bool = False  # fused ops launch their kernels (else their references)
-    fp8_attention: bool = False  # the attention runs qwen_absorb's processor path
+    fp8_attention: bool = False  # an attention linear runs as a real FP8 GEMM
+    qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
+    qk_eps: tuple[float, ...] = ()
+    own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
+    qk_reasons: list[str] = field(default_factory=list)  # why the q/k chains are not fused
     modelopt: bool = False  # the block holds ModelOpt-quantized modules (called outside compiled graphs)
+    quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
     deferred: dict[str, str] = field(default_factory=dict)  # site key -> deferred projection path
     expected: tuple = ()  # ((path parts), module, class) of what the fused path bypasses or reimplements
     stale: str | None = None  # set when a call found the block changed; patch() re-patches
@@ -127,6 +132,7 @@ class BlockPlan:
         return {
             "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
             "device": self.device, "sites": [s.to_dict() for s in self.sites],
+            "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
             "projections": {k: v.to_dict() for k, v in self.projections.items()},
             "norms": {k: v.to_dict() for k, v in self.norms.items()},
@@ -226,6 +232,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device, proc_cls: ty
     plan.expected = tuple((tuple(p.split(".")), m, type(m)) for p in dict.fromkeys(watched)
                           if (m := resolve(block, p)) is not None)
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
+    plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")
     plan.calib_watch = tuple(p for p in (*LINEAR_TABLE, *NORMS) if _has_quantizers(resolve(block, p)))
     plan.stale = None
 
@@ -257,6 +264,8 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         elif o.fp8_gemm == "auto" and cap not in o.fp8_capabilities:
             r.append(f"device capability sm_{cap[0]}{cap[1]} is not in the FP8-validated set "
                      f"{sorted(map(str, o.fp8_capabilities))}")
+    if m is not None and _offload_hooked(m):
+        r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
     w = m._parameters.get("weight") if m is not None else None
     if w is not None and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
         r.append(f"weight is a {type(w.data).__name__} (tensor parallelism): the GEMM must stay the module's")
@@ -270,6 +279,19 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         return lp
     lp.fp8_gemm = True
     return lp
+
+
+def _offload_hooked(m: nn.Module) -> bool:
+    """An offload hook onloads this module's parameters only inside its own forward (which the FP8
+    path does not call): diffusers group offloading or an accelerate hook, on it or a wrapper."""
+    base = unwrap_peft(m)[0]
+    for mod in (m, base):
+        if getattr(mod, "_hf_hook", None) is not None:
+            return True
+        reg = getattr(mod, "_diffusers_hook", None)
+        if reg is not None and any("offload" in str(name) for name in getattr(reg, "_hook_order", [])):
+            return True
+    return False
 
 
 def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
@@ -367,6 +389,39 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
         if sp.fp8_out:
             sp.fp8_amax = plan.linears[s.feeds[0]].weight.input_amax
     plan.fp8_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn."))
+    plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
+    plan.own_attention = plan.fp8_attention or plan.qk_fused
+
+
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# The fused q/k RMSNorm + RoPE kernel does not yet reproduce PyTorch's variance reduction order
+# (H200, 2026-11-30: ~70% of rows bit-identical, bf16 outputs up to 22 ulp off; the GPU log in
+# benchmarks/results/gpu_tests_h200.log): exactness is the contract, so it stays off until it does.
+QK_FUSION = False
+QK_OFF_REASON = "qk_norm_rope is not yet bit-exact to diffusers on the GPU (variance reduction order); off"
+
+
+def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ...], list[str]]:
+    """Whether the q/k RMSNorm + RoPE chains can run as one ``qk_norm_rope`` launch."""
+    attn = block.attn
+    if not QK_FUSION:
+        return False, (), [QK_OFF_REASON]
+    r = [] if plan.kernels else ["the fused kernels cannot run here"]
+    r += _fp8_context_reasons(block, "attn.to_q")
+    norms = [getattr(attn, n, None) for n in QK_NORMS]
+    dtype = next((p.dtype for p in block.parameters()), None)
+    for name, n in zip(QK_NORMS, norms):
+        if type(n).__name__ != "RMSNorm" or not type(n).__module__.startswith("diffusers."):
+            r.append(f"attn.{name} is {type(n).__name__}, not diffusers' RMSNorm")
+        elif getattr(n, "weight", None) is None or getattr(n, "bias", None) is not None:
+            r.append(f"attn.{name} is not an RMSNorm with weight and no bias")
+        elif n.weight.dtype != dtype or type(n.weight.data) is not torch.Tensor:
+            r.append(f"attn.{name}.weight is {n.weight.dtype} / {type(n.weight.data).__name__}")
+    if attn.inner_dim // attn.heads != 128:
+        r.append(f"head_dim {attn.inner_dim // attn.heads} != 128")
+    if r:
+        return False, (), r
+    return True, tuple(float(n.eps) for n in norms), []
 
 
 def _refuse(lp: LinearPlan, why: str) -> None:

@@ -304,7 +304,8 @@ def test_signature_keys(seed):
     assert all(k != k0 for k in keys)
     assert len(set(keys)) == len(keys)
     assert _key({**base, "txt_seq_lens": [7]}) != _key({**base, "txt_seq_lens": [8]})
-    assert _key({**base, "attention_kwargs": {"scale": math.nan}}) == _key({**base, "attention_kwargs": {"scale": math.nan}})
+    nan = {**base, "attention_kwargs": {"scale": math.nan}}
+    assert _key(nan) == _key(dict(nan))
     assert _key({**base, "attention_kwargs": {"scale": 0.0}}) != _key({**base, "attention_kwargs": {"scale": -0.0}})
     # process-wide switches that change kernel choice are part of the key
     old = torch.backends.cuda.matmul.allow_tf32
@@ -369,16 +370,21 @@ def _call_unchanged(model, kw, scan):
     return scan.changed()
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 @pytest.mark.parametrize("patched", [False, True])
-def test_snapshot_is_stable_across_calls(zero_cond_t, patched, seed):
+def test_snapshot_is_stable_across_calls(zero_cond_t, patched, quantized, seed):
     """A forward must not change what the snapshot compares, or every call would re-capture."""
     model = T.tiny_transformer(seed=seed, zero_cond_t=zero_cond_t)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    if quantized:
+        pytest.importorskip("modelopt.torch.quantization")
+        T.fp8_quantize(model, kw)
     if patched:
         qwen_absorb.patch(model)
-    kw = T.transformer_inputs(model, seed=seed + 1)
     _run(model, kw)  # lazy first-call state
     scan = CG._Scan(model)
+    assert scan.refusal == "model not on CUDA"  # and nothing else: no hook, no calibration
     for _ in range(3):
         assert _call_unchanged(model, kw, scan) is None
 
@@ -488,7 +494,8 @@ def test_registration_drops_snapshot_and_graphs(seed):
 
     runner._current_scan()
     _fake_graphs(runner, 1, replayed=True)
-    model.transformer_blocks[0].attn.to_k.weight = nn.Parameter(torch.zeros_like(model.transformer_blocks[0].attn.to_k.weight))
+    to_k = model.transformer_blocks[0].attn.to_k
+    to_k.weight = nn.Parameter(torch.zeros_like(to_k.weight))
     runner._current_scan()
     assert runner.describe()["graphs"] == 0
 
@@ -649,7 +656,8 @@ def test_host_constants_record_and_replay_edit_model(masked_tail, seed):
     with consts.active("replay"):
         assert torch.equal(_first(_run(model, kw)), ref)
         # a call without a recorded twin is the real one
-        assert torch.equal(torch.tensor([[5, 6]], device="cpu", dtype=torch.int), real_tensor([[5, 6]], dtype=torch.int))
+        other = torch.tensor([[5, 6]], device="cpu", dtype=torch.int)
+        assert torch.equal(other, real_tensor([[5, 6]], dtype=torch.int))
     assert consts.hits == len(recorded)
     assert torch.tensor is real_tensor and torch.as_tensor is real_as_tensor
 
@@ -668,15 +676,19 @@ def test_host_constants_keys_and_exception_safety(seed):
         with consts.active("record"):
             raise RuntimeError("boom")
     assert torch.tensor is real
-    assert consts._key("tensor", [1, 2], (), {"device": "cpu"}) != consts._key("tensor", [1, 2.0], (), {"device": "cpu"})
-    assert consts._key("tensor", [1, 2], (), {"device": "cpu"}) != consts._key("tensor", (1, 2), (), {"device": "cpu"})
+    cpu = {"device": "cpu"}
+    assert consts._key("tensor", [1, 2], (), cpu) != consts._key("tensor", [1, 2.0], (), cpu)
+    assert consts._key("tensor", [1, 2], (), cpu) != consts._key("tensor", (1, 2), (), cpu)
     assert consts._key("tensor", [1], (), {"device": "cpu", "dtype": torch.int}) != consts._key(
         "tensor", [1], (), {"device": "cpu", "dtype": torch.long})
     assert consts._key("tensor", [1], (), {}) is None  # no device: a host tensor, nothing to intercept
     assert consts._key("as_tensor", 3, (None, "cpu"), {}) == consts._key("as_tensor", 3, (), {"device": "cpu"})
     assert consts._key("tensor", [object()], (), {"device": "cpu"}) is None
     x = torch.arange(4)
-    assert consts._key("as_tensor", x, (), {"device": "cpu"}) == consts._key("as_tensor", x.clone(), (), {"device": "cpu"})
+    assert consts._key("as_tensor", x, (), cpu) == consts._key("as_tensor", x.clone(), (), cpu)
+    assert consts._key("as_tensor", x, (), cpu) != consts._key("as_tensor", x.to(torch.int32), (), cpu)
+    k = consts._key("as_tensor", torch.tensor(3.5), (), cpu)  # a 0-dim host tensor
+    assert k is not None and k != consts._key("as_tensor", torch.tensor(3.25), (), cpu)
     assert CG._HostConstants()._key("tensor", [1], (), {"device": "cpu"}) is None  # default: CUDA targets only
 
 

@@ -178,7 +178,9 @@ def test_lora_invalidates(patched, seed):
         step(twin)
         for kw in ins + ins:
             assert torch.equal(run(model, kw), run(twin, kw))
-    scaled = {**ins[0], "attention_kwargs": {"scale": 0.25}}  # the LoRA scale per call is part of the key
+    # the LoRA scale per call is part of the key; a power of two, so that diffusers' scale-then-unscale of the
+    # layers' Python floats around each eager call is exact (another value drifts by an ulp per call)
+    scaled = {**ins[0], "attention_kwargs": {"scale": 0.25}}
     for _ in range(2):
         assert torch.equal(run(model, scaled), run(twin, scaled))
     d = runner.describe()
@@ -218,10 +220,15 @@ def test_weight_changes_invalidate(patched, seed):
         m.img_in.weight.data = m.img_in.weight.data * 1.5
     check("weights moved or replaced")
 
+    # a round trip through the host: the caching allocator may hand the same addresses back (then the graph
+    # reads the right weights where it always did); either way the outputs must be the twin's
+    n = runner.describe()["captures"]
     for m in (model, twin):
         m.to("cpu")
         m.to(DEV)
-    check("weights moved or replaced")
+    for kw in ins + ins:
+        assert torch.equal(run(model, kw), run(twin, kw))
+    assert runner.describe()["captures"] <= n + 1
     assert not fb
 
 
@@ -230,10 +237,10 @@ def test_weight_changes_invalidate(patched, seed):
 
 def test_graph_count_bounded(seed):
     model = build(seed, patched=True)
-    runner, fb = install(model, max_graphs=2)
     shapes = [(2, 2), (2, 4), (4, 4)]
     ins = {s: inputs(model, seed + 1, height=s[0], width=s[1]) for s in shapes}
     refs = {s: run(model, kw) for s, kw in ins.items()}
+    runner, fb = install(model, max_graphs=2)
     for _ in range(2):
         for s in shapes:
             assert torch.equal(run(model, ins[s]), refs[s])

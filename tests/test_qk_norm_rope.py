@@ -268,3 +268,16 @@ def test_launch_packs_jobs(monkeypatch):
     assert j1[12] == 2e-6
     assert j1[13] & 1 == 0 and (j1[13] >> 1) & 1 == (wt.data_ptr() % 8 == 0)
     assert all(j[10] == 0 and j[11] == grid for j in jobs[2:])  # padding jobs: no rows
+
+
+def test_launch_refuses_subclasses_and_too_many_jobs(monkeypatch):
+    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), _Recorder())
+    x, w, f = _args()
+
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match="plain tensors"):
+        qkr.launch([x.as_subclass(Sub)], [w], [f], [1e-6])
+    with pytest.raises(ValueError, match="at most 4"):
+        qkr.launch([x] * 5, [w] * 5, [f] * 5, [1e-6] * 5)

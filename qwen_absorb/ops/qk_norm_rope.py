@@ -83,7 +83,7 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 _fns: dict[tuple, object] = rt.register_cache({})
-_PAD_JOB = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # through block_start (exclusive); eps, flags follow
+_PAD_JOB = (0,) * 11  # an unused job: pointers, strides, L, H, rows; then block_start, eps, flags
 
 
 def launch(
@@ -98,13 +98,13 @@ def launch(
     dtype; freqs complex64 [L, 64] (L of its x) with unit last stride; eps finite fp32 values.
     """
     n = len(xs)
+    if n > MAX_JOBS:
+        raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
     x0 = xs[0]
     dev = x0.get_device()
     key = (x0.dtype, dev)
     launcher = _fns.get(key)
     if launcher is None:
-        if n > MAX_JOBS:
-            raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
         fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}>", dev)
         launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
     esize = x0.element_size()
@@ -114,8 +114,10 @@ def launch(
     blocks = 0
     for i in range(n):
         x, w, f = xs[i], weights[i], freqs[i]
-        if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
-            raise TypeError("qwen_absorb kernels take plain tensors; got " + type(x).__name__)
+        if type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter) or type(f) is not torch.Tensor:
+            # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+            raise TypeError("qwen_absorb kernels take plain tensors; got "
+                            + ", ".join(type(t).__name__ for t in (x, w, f)))
         B, L, H, _ = x.shape
         out = torch.empty((B, L, H, HEAD_DIM), dtype=x.dtype, device=x.device)
         outs.append(out)
