@@ -28,6 +28,7 @@ from torch import nn
 from . import attention
 from .parallel import local_view, tp_defer_refusals
 from .ops import _validate
+from .ops._modulation import expand_param
 from .ops.bias_gate_residual import bias_gate_residual_reference
 from .ops.bias_gate_residual import launch as bgr_launch
 from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
@@ -151,14 +152,6 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _expand(p: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """A [R, D] chunk as diffusers' ``_modulate`` broadcasts it ([B, 1, D] or per-token [B, L, D])."""
-    if index is None:
-        return p.unsqueeze(1)
-    b = p.size(0) // 2
-    return torch.where(index.unsqueeze(-1) == 0, p[:b].unsqueeze(1), p[b:].unsqueeze(1))
 
 
 def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: torch.Tensor | None) -> str | None:
@@ -389,7 +382,7 @@ def _attn_residual(plan, block, sp, norm, h, y, bias, gate, shift, scale, index,
         plan.count(f"{sp.stream}.attn_residual: {why}")
     if bias is not None:
         y = y + bias
-    new_h = h + _expand(gate, index) * y
+    new_h = h + expand_param(gate, index) * y
     out = block._modulate(norm(new_h), mod2, index)[0]
     return new_h, (attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out)
 
@@ -412,7 +405,7 @@ def _ffn_residual(plan, sp, h, y, bias, gate, index, use_kernels, use_fused):
         plan.count(f"{sp.stream}.ffn_residual: {why}")
     if bias is not None:
         y = y + bias
-    return h + _expand(gate, index) * y
+    return h + expand_param(gate, index) * y
 
 
 def _ffn(plan, block, mlp_name, x, use_kernels, compiling):

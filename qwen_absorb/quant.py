@@ -249,12 +249,6 @@ def _quant_input_forward():
     return QuantInputBase.forward
 
 
-def norm_input_quantizer(norm: nn.Module):
-    """The norm's enabled ModelOpt input quantizer, else None."""
-    q = getattr(norm, "input_quantizer", None)
-    return q if quantizer_enabled(q) else None
-
-
 # ---------------------------------------------------------------------------- real FP8 GEMMs
 
 FP8_GEMM_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm with e4m3 needs Ada or newer
