@@ -29,6 +29,7 @@ from . import attention
 from .parallel import local_view, tp_defer_refusals
 from .ops import _validate
 from .ops._modulation import expand_param
+from .ops._validate import param_rows as _rows
 from .ops.bias_gate_residual import bias_gate_residual_reference
 from .ops.bias_gate_residual import launch as bgr_launch
 from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
@@ -143,7 +144,7 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
     if plan.calib_watch and plan.calibrating(block):
         plan.recalibrated = True
         return "ModelOpt calibration running: original diffusers forward"
-    if x.device != plan.runtime_device or getattr(plan, "recalibrated", False):
+    if x.device != plan.runtime_device or plan.recalibrated:
         from .patch import redecide  # noqa: PLC0415  (patch imports this module)
 
         redecide(plan, block, x.device)
@@ -225,7 +226,7 @@ class _Deferred:
         return b
 
 
-def _deferred(plan: BlockPlan, block: nn.Module, keys: tuple[str, str], compiling: bool) -> _Deferred:
+def _deferred(plan: BlockPlan, block: nn.Module, keys: tuple[str, str]) -> _Deferred:
     return _Deferred(plan, block, tuple(plan.deferred.get(k) for k in keys))
 
 
@@ -258,7 +259,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     # the shadowing decision and the shadowed GEMMs under one lock: another thread in this block
     # must neither see a shadowed bias as missing nor run its GEMM while the bias is shadowed
     with plan.lock if plan.deferred else contextlib.nullcontext():
-        deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"), compiling)
+        deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
             if plan.own_attention:
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
@@ -277,7 +278,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         deferred.bias(1, txt_attn), t_gate1, t_shift2, t_scale2, None, txt_mod2, use_kernels, use_fused)
 
     with plan.lock if plan.deferred else contextlib.nullcontext():
-        deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"), compiling)
+        deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
         with deferred:
             img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
             txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
@@ -312,10 +313,6 @@ def _modulation(plan, block, name, temb, use_kernels, compiling):
     else:
         codes = attention.fp8_codes(torch.nn.functional.silu(x), lp.weight.input_amax)
     return fp8_linear(codes, lp, plan)[0]
-
-
-def _rows(p: torch.Tensor) -> torch.Tensor:
-    return p if p.dim() == 2 else p.squeeze(1)
 
 
 def _norm1(plan, block, sp, norm, h, shift, scale, index, mod1, use_kernels, use_fused, compiling):

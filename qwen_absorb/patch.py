@@ -28,7 +28,7 @@ from torch import nn
 from . import gating
 from .attention import FusedAttnProcessor
 from .block import PatchedForward
-from .plan import PLAN_ATTR, BlockPlan, Options, decide, new_plan
+from .plan import PLAN_ATTR, BlockPlan, Options, decide
 from .quant import unwrap_peft
 from .report import PatchReport
 from .sites import resolve
@@ -263,7 +263,7 @@ def patch(
     _, block_cls, proc_cls = _classes()
     plans: list[tuple[nn.Module, BlockPlan]] = []
     for i, block in enumerate(getattr(transformer, "transformer_blocks", [])):
-        plan = new_plan(i, options, report.runtime_fallbacks)
+        plan = BlockPlan(index=i, options=options, counter=report.runtime_fallbacks)
         report.blocks.append(plan)
         if not isinstance(block, block_cls):
             plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")

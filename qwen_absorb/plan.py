@@ -113,6 +113,7 @@ class BlockPlan:
     deferred: dict[str, str] = field(default_factory=dict)  # site key -> deferred projection path
     expected: tuple = ()  # ((path parts), module, class) of what the fused path bypasses or reimplements
     stale: str | None = None  # set when a call found the block changed; patch() re-patches
+    recalibrated: bool = False  # a ModelOpt calibration ran since the last decision: decide anew
     expected_processor: Any = None  # the processor object installed on block.attn (or found there)
     calib_watch: tuple[str, ...] = ()  # modules whose ModelOpt quantizers may enter calibration
     lock: Any = field(default_factory=threading.RLock)
@@ -429,8 +430,4 @@ def _refuse(lp: LinearPlan, why: str) -> None:
     lp.fp8_reasons = [why]
 
 
-def new_plan(index: int, options: Options, counter: Counter) -> BlockPlan:
-    return BlockPlan(index=index, options=options, counter=counter)
-
-
-__all__ = ["PLAN_ATTR", "BlockPlan", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide", "new_plan"]
+__all__ = ["PLAN_ATTR", "BlockPlan", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide"]

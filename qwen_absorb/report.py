@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import BlockPlan, SitePlan
-from .sites import SITE_TABLE, SITES, STREAMS
+from .sites import SITE_TABLE, SITES, STREAMS  # noqa: F401  (SITES, STREAMS: re-exported)
 
 # The projection whose bias each site can consume (read off the site table).
 SITE_PROJECTION = {(s.stream, s.name): s.takes_bias_of for s in SITE_TABLE.values() if s.takes_bias_of}

@@ -15,7 +15,7 @@ from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._layer_norm import pick_nv
 from ._modulation import expand_param
-from ._validate import check_activation, check_bias, check_index, check_param, check_same
+from ._validate import check_activation, check_bias, check_index, check_param, check_same, param_rows
 
 CU = "bias_gate_residual.cu"
 THREADS = 128  # QA_BGR_THREADS
@@ -92,7 +92,7 @@ def _validate(residual, x, bias, gate, index) -> None:
 
 
 def _kernel(residual, x, bias, gate, index):
-    return launch(residual.contiguous(), x.contiguous(), bias, gate if gate.dim() == 2 else gate.squeeze(1),
+    return launch(residual.contiguous(), x.contiguous(), bias, param_rows(gate),
                   index.contiguous() if index is not None else None)
 
 

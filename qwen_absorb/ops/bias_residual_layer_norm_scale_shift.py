@@ -21,6 +21,7 @@ from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._layer_norm import LN_MODES, NV_CHOICES, layout
 from ._modulation import expand_param, layer_norm
 from ._validate import check_activation, check_amax, check_bias, check_eps, check_index, check_param, check_same
+from ._validate import param_rows as _rows
 from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quantize_fp8_reference
 
 CU = "bias_residual_layer_norm_scale_shift.cu"
@@ -127,10 +128,6 @@ def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quan
     if fp8_amax is not None:
         check_amax("fp8_amax", fp8_amax, x)
     return eps, quant
-
-
-def _rows(p: torch.Tensor) -> torch.Tensor:
-    return p if p.dim() == 2 else p.squeeze(1)
 
 
 def _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, *, out=True, fp8_amax=None):

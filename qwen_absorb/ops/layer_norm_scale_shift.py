@@ -18,6 +18,7 @@ from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._layer_norm import LN_MODES, NV_CHOICES, layout
 from ._modulation import expand_param, layer_norm
 from ._validate import check_activation, check_amax, check_eps, check_index, check_param
+from ._validate import param_rows as _as_rows
 from .fp8 import quantize_fp8_reference
 
 CU = "layer_norm_scale_shift.cu"
@@ -118,10 +119,6 @@ def _validate(x, shift, scale, eps, index, fp8_amax=None) -> float:
     if fp8_amax is not None:
         check_amax("fp8_amax", fp8_amax, x)
     return eps
-
-
-def _as_rows(p: torch.Tensor) -> torch.Tensor:
-    return p if p.dim() == 2 else p.squeeze(1)
 
 
 def layer_norm_scale_shift_not_supported_reasons(
