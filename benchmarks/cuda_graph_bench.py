@@ -6,7 +6,10 @@ B = 1, 128 text tokens (no mask: the pipelines pass None when it is all ones), `
 
 section ``bf16``           1024^2: unpatched eager, graph (unpatched), patched eager, patched + graph; 512^2 and
                            2048^2: unpatched eager vs patched + graph
-section ``compile``        1024^2: ``compile_repeated_blocks()`` (unpatched), then graph mode on top of it
+section ``compile``        1024^2, ``compile_repeated_blocks()`` (torch.compile defaults): unpatched; then
+                           ``qwen_absorb.patch`` + compile (recompiled from scratch); then graph mode on top of
+                           that patched compiled model; with ``--compile-kernels`` also
+                           ``patch(kernels_under_compile=True)`` + compile
 section ``pipeline_bf16``  QwenImagePipeline around the same transformer (tiny random 8x VAE, no text encoder,
                            precomputed prompt embeddings of 128 / 32 tokens), 1024^2, 8 steps, true CFG: unpatched
                            eager vs patched + graph mode (its first call, which captures, timed apart)
@@ -23,12 +26,18 @@ torch.profiler. Keys of ``<out>/cuda_graph.json`` (written after every measureme
 done; a key not measured stays null with a reason under ``skipped``):
 
     bf16_eager_ms  bf16_graph_ms (patched + graph)  bf16_graph_unpatched_ms  bf16_patched_ms
-    bf16_compile_ms  bf16_compile_graph_ms  bf16_512_eager_ms  bf16_512_graph_ms  bf16_2048_eager_ms
+    bf16_compile_ms (unpatched + compile_repeated_blocks)  bf16_patched_compile_ms (patch + compile)
+    bf16_compile_graph_ms (patch + compile + graph)  bf16_patched_compile_kernels_ms (patch(kernels_under_compile=
+    True) + compile; only with --compile-kernels)  bf16_512_eager_ms  bf16_512_graph_ms  bf16_2048_eager_ms
     bf16_2048_graph_ms  fp8_eager_ms  fp8_graph_ms (patched + graph)  fp8_graph_unpatched_ms
     <each>_gpu_busy_ms  pipeline_bf16_s / pipeline_fp8_s: {eager, graph, first_call}  gpu  date  versions
+    speedups (ratios of the medians, > 1: the second faster), among them compile_graph_vs_compile =
+    bf16_compile_ms / bf16_compile_graph_ms (issue 10 target >= 1.05) and patched_compile_vs_compile =
+    bf16_compile_ms / bf16_patched_compile_ms (issue 11 target >= 1.05)
 
     python benchmarks/cuda_graph_bench.py                          # H200: ~5-6 min (+60 s ModelOpt ext build once)
     python benchmarks/cuda_graph_bench.py --sections bf16,fp8      # a subset
+    python benchmarks/cuda_graph_bench.py --sections compile       # H200: ~3-4 min (two cold compiles + graph)
     python benchmarks/cuda_graph_bench.py --tiny --out /tmp/cg     # CPU smoke run of the same code paths (seconds)
 
 ``--time-budget-s`` (default 330) stops starting new sections once exceeded. ``--tiny`` never writes into
@@ -69,6 +78,7 @@ SECTIONS = ("bf16", "compile", "pipeline_bf16", "fp8", "pipeline_fp8")
 TARGETS = {  # issue: CUDA-graph mode for the patched transformer call
     "bf16_graph_vs_eager": 1.10,
     "compile_graph_vs_compile": 1.05,
+    "patched_compile_vs_compile": 1.05,  # issue 11: patched + compile_repeated_blocks vs compile alone
     "fp8_graph_vs_eager": 2.5,
 }
 
@@ -76,7 +86,7 @@ TARGETS = {  # issue: CUDA-graph mode for the patched transformer call
 def keys(extra_resolutions: list[int]) -> list[str]:
     """The per-call keys (ms), in table order; with the default resolutions exactly the documented ones."""
     out = ["bf16_eager_ms", "bf16_graph_ms", "bf16_graph_unpatched_ms", "bf16_patched_ms", "bf16_compile_ms",
-           "bf16_compile_graph_ms"]
+           "bf16_patched_compile_ms", "bf16_compile_graph_ms", "bf16_patched_compile_kernels_ms"]
     for r in extra_resolutions:
         out += [f"bf16_{r}_eager_ms", f"bf16_{r}_graph_ms"]
     return out + ["fp8_eager_ms", "fp8_graph_ms", "fp8_graph_unpatched_ms"]
@@ -141,6 +151,9 @@ class Results:
             "bf16_graph_unpatched_vs_eager": ratio("bf16_eager_ms", "bf16_graph_unpatched_ms"),
             "bf16_patched_vs_eager": ratio("bf16_eager_ms", "bf16_patched_ms"),
             "compile_graph_vs_compile": ratio("bf16_compile_ms", "bf16_compile_graph_ms"),
+            "patched_compile_vs_compile": ratio("bf16_compile_ms", "bf16_patched_compile_ms"),
+            "compile_graph_vs_patched_compile": ratio("bf16_patched_compile_ms", "bf16_compile_graph_ms"),
+            "patched_compile_kernels_vs_compile": ratio("bf16_compile_ms", "bf16_patched_compile_kernels_ms"),
             "compile_vs_eager": ratio("bf16_eager_ms", "bf16_compile_ms"),
             **{f"bf16_{r}_graph_vs_eager": ratio(f"bf16_{r}_eager_ms", f"bf16_{r}_graph_ms")
                for r in d["config"]["extra_resolutions"]},
@@ -153,7 +166,7 @@ class Results:
                 sp[name.replace("_s", "_graph_vs_eager")] = p["eager"] / p["graph"]
         d["speedups"] = {k: (round(v, 4) if v is not None else None) for k, v in sp.items()}
         graph_key = {"bf16_graph_vs_eager": "bf16_graph_ms", "compile_graph_vs_compile": "bf16_compile_graph_ms",
-                     "fp8_graph_vs_eager": "fp8_graph_ms"}
+                     "patched_compile_vs_compile": "bf16_patched_compile_ms", "fp8_graph_vs_eager": "fp8_graph_ms"}
         d["targets"] = {}
         for k, t in TARGETS.items():
             m = d["speedups"].get(k)
@@ -389,15 +402,69 @@ def section_bf16(b: Bench) -> None:
 
 
 def section_compile(b: Bench) -> None:
+    """``compile_repeated_blocks()`` at the main resolution, each case compiled from scratch:
+
+    1. unpatched + compile                                   -> ``bf16_compile_ms``
+    2. ``qwen_absorb.patch(model)`` + compile                -> ``bf16_patched_compile_ms``
+    3. graph mode on top of 2 (patched + compiled + graph)   -> ``bf16_compile_graph_ms``
+    4. only with ``--compile-kernels``: ``patch(model, kernels_under_compile=True)`` + compile
+                                                             -> ``bf16_patched_compile_kernels_ms``
+
+    Between cases ``b.plain()`` unpatches and uncompiles (``_compiled_call_impl = None`` on every module, then
+    ``torch._dynamo.reset()``), so each case traces its own forward; checked before every compile. Per case the
+    details keep the compile + first call time and Dynamo's counters (graphs, graph breaks, recompiles).
+    """
     a = b.args
-    b.plain()
+    det = b.res.doc["details"]
     kw = {"backend": "eager"} if a.tiny else {}  # --tiny: no C++/Triton toolchain needed
-    t0 = time.perf_counter()
-    b.model.compile_repeated_blocks(**kw)
-    b.res.doc["details"]["compile_call"] = f"compile_repeated_blocks({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
-    b.run("bf16_compile_ms", a.resolution, graph=False)
-    b.res.doc["details"]["bf16_compile_ms"]["compile_and_first_call_s"] = round(time.perf_counter() - t0, 2)
-    b.run("bf16_compile_graph_ms", a.resolution, graph=True)
+    det["compile_call"] = f"compile_repeated_blocks({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+
+    def dynamo_stats() -> dict[str, Any]:
+        from torch._dynamo.utils import counters
+
+        out: dict[str, Any] = {k: dict(counters[k]) for k in ("stats", "frames") if k in counters}
+        gb = counters.get("graph_break") or {}
+        out["graph_breaks"] = int(sum(gb.values()))
+        if gb:
+            out["graph_break_reasons"] = {str(k)[:200]: int(v) for k, v in list(gb.items())[:5]}
+        out.update({k: dict(counters[k]) for k in counters if "recompil" in k})
+        cfg = torch._dynamo.config
+        out["recompile_limit"] = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", None))
+        return out
+
+    def compiled(key: str, patch_kw: dict[str, Any] | None, how: str) -> None:
+        b.plain()
+        left = [n for n, m in b.model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        if left:
+            raise RuntimeError(f"b.plain() left {len(left)} compiled module(s), e.g. {left[:3]}")
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        rep = qwen_absorb.patch(b.model, **patch_kw) if patch_kw is not None else None
+        t0 = time.perf_counter()
+        b.model.compile_repeated_blocks(**kw)  # only wraps; Dynamo/Inductor compile in the first call
+        wrap_s = time.perf_counter() - t0
+        b.run(key, a.resolution, graph=False)
+        d = det[key]
+        d["compile_and_first_call_s"] = round(wrap_s + d["first_call_s"], 2)
+        d["how"] = how
+        d["dynamo"] = dynamo_stats()
+        if rep is not None:
+            d["patch_summary"] = C.json_safe(dict(rep.summary))
+            d["runtime_fallbacks"] = C.runtime_fallbacks(rep)
+        log(f"  {key}: dynamo {json.dumps(d['dynamo'], default=str)[:300]}")
+        b.res.write()
+
+    compiled("bf16_compile_ms", None, "unpatched + " + det["compile_call"])
+    compiled("bf16_patched_compile_ms", {}, "qwen_absorb.patch(model) + " + det["compile_call"])
+    b.run("bf16_compile_graph_ms", a.resolution, graph=True)  # on top of the patched compiled model
+    det["bf16_compile_graph_ms"]["how"] = ("qwen_absorb.patch(model) + " + det["compile_call"]
+                                           + " + cuda_graph.install(model)")
+    if a.compile_kernels:
+        compiled("bf16_patched_compile_kernels_ms", {"kernels_under_compile": True},
+                 "qwen_absorb.patch(model, kernels_under_compile=True) + " + det["compile_call"])
+    else:
+        b.res.doc["skipped"]["bf16_patched_compile_kernels_ms"] = "not requested (--compile-kernels)"
     b.plain()
 
 
@@ -543,6 +610,20 @@ def markdown(d: dict[str, Any]) -> str:
         lines.append(f"| {k[:-3]}{' (' + r['note'] + ')' if r.get('note') else ''} | {_f(r['median_ms'])} "
                      f"| {_f(r.get('b2b_ms'))} | {_f(prof.get('gpu_busy_ms'))} | {_f(prof.get('kernels'))} | {sp} "
                      f"| {_f(r.get('first_call_s'), 2)} |")
+    ck = [k for k in ("bf16_compile_ms", "bf16_patched_compile_ms", "bf16_compile_graph_ms",
+                      "bf16_patched_compile_kernels_ms") if det.get(k)]
+    if ck:
+        sp = d.get("speedups") or {}
+        lines += ["", "compile rows (each compiled from scratch, " + str(det.get("compile_call")) + "): "
+                  + "; ".join(f"{k[:-3]} = {det[k].get('how', '?')} ("
+                              + (f"compile + first call {_f(det[k]['compile_and_first_call_s'], 1)} s)"
+                                 if "compile_and_first_call_s" in det[k] else
+                                 f"first call {_f(det[k].get('first_call_s'), 2)} s)")
+                              for k in ck),
+                  f"ratios: patched_compile_vs_compile {_f(sp.get('patched_compile_vs_compile'))}, "
+                  f"compile_graph_vs_compile {_f(sp.get('compile_graph_vs_compile'))}, "
+                  f"compile_graph_vs_patched_compile {_f(sp.get('compile_graph_vs_patched_compile'))}, "
+                  f"patched_compile_kernels_vs_compile {_f(sp.get('patched_compile_kernels_vs_compile'))}"]
     for name in ("pipeline_bf16_s", "pipeline_fp8_s"):
         p = d.get(name)
         if p:
@@ -592,6 +673,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline-runs-fp8", type=int, default=1, help="timed pipeline runs per mode, fp8 (eager is slow)")
     p.add_argument("--max-graphs", type=int, default=8)
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler GPU busy measurement")
+    p.add_argument("--compile-kernels", action="store_true",
+                   help="section compile: also patch(kernels_under_compile=True) + compile_repeated_blocks()")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     t = a.tiny

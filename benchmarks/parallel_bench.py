@@ -17,11 +17,36 @@ Medians of ``--iters`` (>= 5) forwards after ``--warmup``. CUDA time is taken wi
 synchronisation around each forward. NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are enforced before NCCL starts.
 
-TP patched runs last: if the patched block hands a raw kernel an AsyncCollectiveTensor (issue 12),
-the CUDA context dies; the results file then says which run was in progress.
+TP patched runs last among the bf16 runs: if the patched block hands a raw kernel an
+AsyncCollectiveTensor (issue 12), the CUDA context dies; the results file (written after every
+step) then says which run was in progress.
 
-    torchrun --nproc_per_node=2 benchmarks/parallel_bench.py                 # H200 x2: ~3-5 min
-    torchrun --nproc_per_node=2 benchmarks/parallel_bench.py --num-layers 8  # quicker look
+FP8 part (``--dtypes bf16,fp8``, the default; json key ``fp8``): a ModelOpt FP8 per-tensor model
+(``mtq.FP8_DEFAULT_CFG``: e4m3 W8A8, max calibration on one forward at ``--calib-resolution``),
+``--fp8-num-layers`` blocks (default 60; fewer when ``--time-budget-s`` would not allow them, said
+in ``fp8.num_layers_reason``), at ``--fp8-resolutions`` (default 1024):
+
+- ``single``: rank 0, one GPU: ModelOpt fake quant (unpatched) and patched (``fp8_gemm="auto"``: real
+  FP8 GEMMs where a linear qualifies); ``rel_err`` patched vs unpatched;
+- ``cp``: the same model (unpatched again), then ``enable_parallelism`` (Ulysses): unpatched vs
+  patched parallel, ``rel_err`` (real FP8 vs fake quant is never bit-identical: on 60 random blocks
+  it is ~0.06 on one GPU too, fp8_gemm.json ``real_vs_fake_rel_diff_forward``);
+- ``tp``: diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model (a 1-block probe
+  records the exception in ``fp8.tp.quantize_before_parallelism_error``), so the TP model is
+  parallelised first and then quantized and calibrated (ModelOpt quantizes the rank-local shards:
+  per-rank weight / row-wise input scales, hence ``rel_err_unpatched_vs_single`` > 0); its
+  DTensor-weight linears stay ModelOpt's (reason per linear in ``fp8_reasons``), the modulation
+  linears (plain weights) can run real FP8.
+
+Each records the patch summary (``fp8_gemm_linears``: linears run as real FP8 GEMMs), the
+not-real-FP8 reasons and, instead of dying, the exception text of a failed step.
+
+Orders (``orders``, bf16, ``--order-check-layers``, default 4 blocks, 0 = off; runs after the bf16
+timings and before the FP8 part): per mode, patch *before* ``enable_parallelism``, run; unpatch,
+run; patch again, run: all bit-identical to each other.
+
+    torchrun --nproc_per_node=2 benchmarks/parallel_bench.py                 # H200 x2: ~4-6 min
+    torchrun --nproc_per_node=2 benchmarks/parallel_bench.py --dtypes bf16 --num-layers 8  # quicker look
     torchrun --nproc_per_node=2 benchmarks/parallel_bench.py --tiny --out /tmp/pb   # CPU, gloo: the script logic
 
 Writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/parallel``; with ``--tiny`` the
@@ -35,6 +60,7 @@ import os
 
 _ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 _ENV_BEFORE = {k: os.environ.get(k) for k in _ENV}
+_T_START = __import__("time").monotonic()  # the --time-budget-s clock starts before torch is imported
 os.environ.update(_ENV)  # before torch / NCCL read them
 
 import argparse  # noqa: E402
@@ -72,6 +98,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-len", type=int, default=None, help=f"text tokens (default {TEXT_LEN}; --tiny: 8)")
     p.add_argument("--mask", action="store_true", help="pad the text: pass a mask with 2 masked tokens")
     p.add_argument("--no-single-patched", action="store_true", help="skip the patched one-GPU run")
+    p.add_argument("--dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8 (default both)")
+    p.add_argument("--fp8-num-layers", type=int, default=None, help="FP8 part: blocks (default 60; --tiny: 2)")
+    p.add_argument("--fp8-resolutions", default=None, help="FP8 part: pixels (default 1024; --tiny: 64)")
+    p.add_argument("--fp8-warmup", type=int, default=None, help="FP8 part: default 1")
+    p.add_argument("--fp8-iters", type=int, default=None, help="FP8 part: default 5 (>= 5; --tiny: 2)")
+    p.add_argument("--calib-resolution", type=int, default=None,
+                   help="FP8 part: pixels of the one calibration forward (default 512; --tiny: 32)")
+    p.add_argument("--order-check-layers", type=int, default=None,
+                   help="blocks of the patch-order check (default 4; --tiny: 2; 0: skip)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="wall-clock budget: the FP8 part gets fewer blocks (or is skipped) to end inside it")
     p.add_argument("--out", default=None, help="output path prefix or existing folder (see above)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -97,11 +134,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.text_len = a.text_len or (8 if a.tiny else TEXT_LEN)
     if a.warmup < 0 or a.iters < 1 or (not a.tiny and a.iters < 5):
         p.error("--iters must be >= 5 (>= 1 with --tiny), --warmup >= 0")
+    a.dtypes = [d for d in a.dtypes.split(",") if d]
+    if not a.dtypes or any(d not in ("bf16", "fp8") for d in a.dtypes):
+        p.error("--dtypes: a comma-separated subset of bf16,fp8")
+    a.fp8_num_layers = a.fp8_num_layers if a.fp8_num_layers is not None else (2 if a.tiny else 60)
+    if not 1 <= a.fp8_num_layers <= 60:
+        p.error("--fp8-num-layers must be in 1..60")
+    try:
+        a.fp8_resolutions = [int(r) for r in (a.fp8_resolutions or ("64" if a.tiny else "1024")).split(",") if r]
+    except ValueError:
+        p.error("--fp8-resolutions: comma-separated integers")
+    a.calib_resolution = a.calib_resolution or (32 if a.tiny else 512)
+    if not a.fp8_resolutions or any(r < unit or r % unit for r in a.fp8_resolutions + [a.calib_resolution]):
+        p.error(f"--fp8-resolutions / --calib-resolution must be positive multiples of {unit}")
+    a.fp8_warmup = a.fp8_warmup if a.fp8_warmup is not None else 1
+    a.fp8_iters = a.fp8_iters if a.fp8_iters is not None else (2 if a.tiny else 5)
+    if a.fp8_warmup < 0 or a.fp8_iters < 1 or (not a.tiny and a.fp8_iters < 5):
+        p.error("--fp8-iters must be >= 5 (>= 1 with --tiny), --fp8-warmup >= 0")
+    a.order_check_layers = a.order_check_layers if a.order_check_layers is not None else (2 if a.tiny else 4)
+    if not 0 <= a.order_check_layers <= 60:
+        p.error("--order-check-layers must be in 0..60")
     heads = 2 if a.tiny else FULL_HEADS
     if "tp" in a.modes and heads % world:
         p.error(f"tp: the world size {world} must divide the {heads} heads")
     if "cp" in a.modes:
-        bad = [r for r in a.resolutions if ((r // unit) ** 2) % world]
+        bad = [r for r in a.resolutions + (a.fp8_resolutions if "fp8" in a.dtypes else [])
+               if ((r // unit) ** 2) % world]
         if bad or a.text_len % world:
             p.error(f"cp: image tokens (resolution/{unit})^2 and --text-len must be divisible by the world size {world}")
     import torch  # noqa: PLC0415
@@ -139,6 +197,8 @@ def env_info(device, world: int) -> dict[str, Any]:
         "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
         "diffusers": version("diffusers"), "modelopt": version("modelopt"), "cupy": version("cupy"),
         "qwen_absorb_commit": _run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+        "qwen_absorb_dirty": _run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "qwen_absorb"]) is not None,
+        "qwen_absorb_sources_sha256": _sources_sha256(),
         "env": {k: os.environ.get(k) for k in _ENV},
         "env_overridden": {k: v for k, v in _ENV_BEFORE.items() if v is not None and v != _ENV[k]},
     }
@@ -154,6 +214,17 @@ def env_info(device, world: int) -> dict[str, Any]:
         info["gpu"] = None
         info["cpu"] = platform.processor() or platform.machine()
     return info
+
+
+def _sources_sha256() -> str:
+    """sha256 (first 16 hex digits) over qwen_absorb's .py / .cu / .cuh files: which code was measured."""
+    import hashlib  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for f in sorted((ROOT / "qwen_absorb").rglob("*")):
+        if f.suffix in (".py", ".cu", ".cuh") and f.is_file():
+            h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -197,16 +268,17 @@ class Bench:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def model(self):
+    def model(self, num_layers: int | None = None):
         from qwen_absorb import testing as T  # noqa: PLC0415
 
+        num_layers = num_layers or self.a.num_layers
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
         if self.a.tiny:
-            m = T.tiny_transformer(dtype=self.dtype, num_layers=self.a.num_layers, seed=self.a.seed)
+            m = T.tiny_transformer(dtype=self.dtype, num_layers=num_layers, seed=self.a.seed)
         else:
-            m = T.full_size_transformer(num_layers=self.a.num_layers, dtype=self.dtype, device=self.device,
+            m = T.full_size_transformer(num_layers=num_layers, dtype=self.dtype, device=self.device,
                                         seed=self.a.seed)
         self._same_weights(m)
         return m
@@ -240,13 +312,13 @@ class Bench:
             raise RuntimeError(f"model output is not a full local tensor: {why}")
         return v
 
-    def timed(self, m, inp, parallel: bool) -> tuple[float, Any]:
+    def timed(self, m, inp, parallel: bool, warmup: int | None = None, iters: int | None = None) -> tuple[float, Any]:
         """(median ms of this rank, or of the slowest rank when ``parallel``; last output)."""
         out = None
-        for _ in range(self.a.warmup):
+        for _ in range(self.a.warmup if warmup is None else warmup):
             out = self.forward(m, inp)
         times = []
-        for _ in range(self.a.iters):
+        for _ in range(self.a.iters if iters is None else iters):
             if parallel:
                 self.dist.barrier()
             self.sync()
@@ -343,6 +415,276 @@ class Bench:
         self.dist.barrier()
         return r
 
+    # ---------------------------------------------------------------------------------------- FP8
+
+    def fp8_timed(self, m, inp, parallel: bool):
+        return self.timed(m, inp, parallel, warmup=self.a.fp8_warmup, iters=self.a.fp8_iters)
+
+    def fp8_quantize(self, m) -> float:
+        """ModelOpt FP8 (FP8_DEFAULT_CFG), calibrated on one forward at --calib-resolution; seconds taken."""
+        from qwen_absorb import testing as T  # noqa: PLC0415
+
+        self.sync()
+        t0 = time.perf_counter()
+        T.fp8_quantize(m, self.inputs(m, self.a.calib_resolution))
+        self.sync()
+        return time.perf_counter() - t0
+
+    def amax_agree(self, m) -> bool:
+        """Every rank calibrated the same amax (CP: each rank quantizes with its own copy)."""
+        torch = self.torch
+        vals = [q.amax.detach().float().reshape(-1)[:1] for n, q in m.named_modules()
+                if n.endswith("_quantizer") and getattr(q, "amax", None) is not None]
+        if not vals:
+            return True
+        return self.ranks_agree(torch.cat(vals).to(self.device))
+
+    @staticmethod
+    def fp8_report(report) -> dict[str, Any]:
+        """Patch summary, real-FP8 linears by path, not-real-FP8 reasons by path (counts over blocks)."""
+        from collections import Counter  # noqa: PLC0415
+
+        real, why = Counter(), Counter()
+        for b in report.blocks:
+            for lp in b.linears.values():
+                if lp.fp8_gemm:
+                    real[lp.path] += 1
+                else:
+                    for r in lp.fp8_reasons or ():
+                        if r != "not ModelOpt-quantized":
+                            why[f"{lp.path}: {r}"] += 1
+        summary = {k: v for k, v in report.summary.items()
+                   if isinstance(v, (int, float, str, bool)) or k == "quantized_projections"}
+        return {"patch_summary": summary, "fp8_gemm_linears": report.summary.get("fp8_gemm_linears"),
+                "fp8_gemm_paths": dict(real), "fp8_reasons": dict(why),
+                "runtime_fallbacks": {k: int(v) for k, v in report.runtime_fallbacks.items()}}
+
+    def fp8_single(self, m, fp: dict[str, Any], write) -> dict[int, dict[str, Any]]:
+        """Rank 0: one-GPU FP8, fake quant vs patched (real FP8 GEMMs where they qualify)."""
+        import qwen_absorb  # noqa: PLC0415
+
+        single: dict[int, dict[str, Any]] = {}
+        r: dict[str, Any] = {"resolutions": {}, "status": "running"}
+        fp["single"] = r
+        write()
+        if self.rank == 0:
+            for res in self.a.fp8_resolutions:
+                inp = self.inputs(m, res)
+                ms, out = self.fp8_timed(m, inp, parallel=False)
+                row = {"single_ms": ms}
+                r["resolutions"][str(res)] = row
+                single[res] = {"single_ms": ms, "out": out.cpu()}
+                self.say(f"fp8 single {res}: fake quant {ms:.1f} ms")
+                write()
+            report = qwen_absorb.patch(m)
+            try:
+                for res in self.a.fp8_resolutions:
+                    inp = self.inputs(m, res)
+                    ms, out = self.fp8_timed(m, inp, parallel=False)
+                    ref = single[res]["out"].to(self.device)
+                    row = r["resolutions"][str(res)]
+                    row.update(single_patched_ms=ms, rel_err=self.rel_err(out, ref),
+                               max_abs=float((out.float() - ref.float()).abs().max()),
+                               bit_identical=bool(self.torch.equal(out, ref)))
+                    single[res]["single_patched_ms"] = ms
+                    single[res]["out_patched"] = out.cpu()
+                    self.say(f"fp8 single {res}: patched {ms:.1f} ms, rel err {row['rel_err']:.3g}")
+                r.update(self.fp8_report(report))
+                r["report"] = str(report)[:4000]
+            finally:
+                qwen_absorb.unpatch(m)
+            r["rel_err"] = max(x["rel_err"] for x in r["resolutions"].values())
+        r["status"] = "done"
+        write()
+        return single
+
+    def fp8_parallel(self, mode: str, m, single, r: dict[str, Any], write) -> None:
+        """Unpatched vs patched parallel FP8 on ``m`` (already parallelised and quantized)."""
+        import qwen_absorb  # noqa: PLC0415
+
+        outs = {}
+        r.setdefault("resolutions", {})
+        for res in self.a.fp8_resolutions:
+            inp = self.inputs(m, res)
+            ms, out = self.fp8_timed(m, inp, parallel=True)
+            outs[res] = out
+            s = single.get(res, {})
+            row = {"single_ms": s.get("single_ms"), "single_patched_ms": s.get("single_patched_ms"),
+                   "parallel_unpatched_ms": ms, "ranks_agree_unpatched": self.ranks_agree(out)}
+            if "out" in s:
+                row["rel_err_unpatched_vs_single"] = self.rel_err(out, s["out"].to(self.device))
+            r["resolutions"][str(res)] = row
+            self.say(f"fp8 {mode} {res}: unpatched {ms:.1f} ms")
+        r["status"] = "patched run in progress (a crash here leaves this status)"
+        write()
+        report = qwen_absorb.patch(m)
+        for res in self.a.fp8_resolutions:
+            inp = self.inputs(m, res)
+            ms, out = self.fp8_timed(m, inp, parallel=True)
+            row = r["resolutions"][str(res)]
+            s = single.get(res, {})
+            row.update(parallel_patched_ms=ms, ranks_agree_patched=self.ranks_agree(out),
+                       bit_identical=bool(self.torch.equal(out, outs[res])), rel_err=self.rel_err(out, outs[res]),
+                       max_abs=float((out.float() - outs[res].float()).abs().max()))
+            if "out" in s:
+                row["rel_err_vs_single"] = self.rel_err(out, s["out"].to(self.device))
+            if "out_patched" in s:
+                row["rel_err_vs_single_patched"] = self.rel_err(out, s["out_patched"].to(self.device))
+            self.say(f"fp8 {mode} {res}: patched {ms:.1f} ms, rel err vs unpatched {row['rel_err']:.3g}")
+        rows = list(r["resolutions"].values())
+        r["bit_identical"] = all(x["bit_identical"] for x in rows)
+        r["rel_err"] = max(x["rel_err"] for x in rows)
+        for k in ("rel_err_vs_single", "rel_err_unpatched_vs_single", "rel_err_vs_single_patched"):
+            if all(k in x for x in rows):
+                r[k] = max(x[k] for x in rows)
+        r.update(self.fp8_report(report))
+        r["report"] = str(report)[:4000]
+        r["status"] = "done"
+        write()
+
+    def load_modelopt_fp8_extension(self) -> float | None:
+        """Load (or build) ModelOpt's FP8 fake-quant CUDA extension, rank 0 first; its seconds (None on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        t0 = time.perf_counter()
+        for r in range(self.world):
+            if self.rank == r:
+                with contextlib.suppress(Exception):
+                    from modelopt.torch.quantization.extensions import get_cuda_ext_fp8  # noqa: PLC0415
+
+                    get_cuda_ext_fp8(raise_if_failed=False)
+            self.dist.barrier()
+        return round(time.perf_counter() - t0, 1)
+
+    def tp_quantize_before_probe(self) -> str | None:
+        """A 1-block model quantized, then tensor-parallelised: the exception text, or None if it works."""
+        from diffusers import TensorParallelConfig  # noqa: PLC0415
+
+        from qwen_absorb import testing as T  # noqa: PLC0415
+
+        m = T.tiny_transformer(dtype=self.dtype, num_layers=1, seed=self.a.seed).to(self.device)
+        T.fp8_quantize(m, T.transformer_inputs(m, height=4, width=4, text_len=8, masked_tail=0,
+                                               device=self.device, dtype=self.dtype))
+        try:
+            m.enable_parallelism(config=TensorParallelConfig(tp_degree=self.world))
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        del m
+        self.dist.barrier()
+        return err
+
+    def fp8(self, fp: dict[str, Any], write) -> int:
+        """The FP8 part; every step's exception is recorded in ``fp`` (returns 1 if any failed)."""
+        from diffusers import ContextParallelConfig, TensorParallelConfig  # noqa: PLC0415
+
+        rc = 0
+        L = fp["num_layers"]
+
+        def failed(where: str, r: dict[str, Any], e: Exception) -> None:
+            nonlocal rc
+            rc = 1
+            r["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            r["status"] = f"failed in {where}"
+            self.say(f"fp8 {where} failed: {type(e).__name__}: {e}")
+            write()
+            self.dist.barrier()  # both ranks usually fail at the same step; keep them in step
+
+        # one model: quantized before enable_parallelism, timed on one GPU (rank 0), then CP
+        single: dict[int, dict[str, Any]] = {}
+        m = None
+        cp: dict[str, Any] = {"config": f"ContextParallelConfig(degree={self.world})",
+                              "order": "quantize + calibrate, enable_parallelism, patch"}
+        try:
+            t0 = time.perf_counter()
+            m = self.model(L)
+            fp["build_s"] = round(time.perf_counter() - t0, 1)
+            fp["calibration_s"] = round(self.fp8_quantize(m), 1)
+            fp["amax_agree_between_ranks"] = self.amax_agree(m)
+            self.say(f"fp8: {L} blocks built in {fp['build_s']} s, quantized + calibrated in {fp['calibration_s']} s")
+            write()
+            single = self.fp8_single(m, fp, write)
+            self.dist.barrier()
+        except Exception as e:  # noqa: BLE001
+            failed("single", fp.setdefault("single", {}), e)
+        if "cp" in self.a.modes and m is not None:
+            fp["cp"] = cp
+            try:
+                m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=self.world))
+                self.fp8_parallel("cp", m, single, cp, write)
+            except Exception as e:  # noqa: BLE001
+                failed("cp", cp, e)
+        del m
+        self.dist.barrier()
+        if "tp" in self.a.modes:
+            tp: dict[str, Any] = {"config": f"TensorParallelConfig(degree={self.world})"}
+            fp["tp"] = tp
+            m = None
+            try:
+                tp["quantize_before_parallelism_error"] = err = self.tp_quantize_before_probe()
+                m = self.model(L)
+                if err is None:
+                    tp["order"] = "quantize + calibrate, enable_parallelism, patch"
+                    self.fp8_quantize(m)
+                    m.enable_parallelism(config=TensorParallelConfig(tp_degree=self.world))
+                else:
+                    tp["order"] = ("enable_parallelism, quantize + calibrate (ModelOpt quantizes the rank-local "
+                                   "shards), patch: quantizing first fails in diffusers' parallelize_module")
+                    m.enable_parallelism(config=TensorParallelConfig(tp_degree=self.world))
+                    tp["calibration_s"] = round(self.fp8_quantize(m), 1)
+                write()
+                self.fp8_parallel("tp", m, single, tp, write)
+            except Exception as e:  # noqa: BLE001
+                failed("tp", tp, e)
+            del m
+            self.dist.barrier()
+        return rc
+
+    # ---------------------------------------------------------------------------------------- orders
+
+    def orders(self, write, data: dict[str, Any]) -> int:
+        """Per mode: patch before enable_parallelism, run; unpatch, run; patch again, run (bit-identical)."""
+        import qwen_absorb  # noqa: PLC0415
+        from diffusers import ContextParallelConfig, TensorParallelConfig  # noqa: PLC0415
+
+        L, res = self.a.order_check_layers, self.a.resolutions[0]
+        o: dict[str, Any] = {"num_layers": L, "resolution": res,
+                             "sequence": "patch, enable_parallelism, run; unpatch, run; patch, run"}
+        data["orders"] = o
+        rc = 0
+        for mode in self.a.modes:
+            r: dict[str, Any] = {"status": "running"}
+            o[mode] = r
+            write()
+            try:
+                cfg = TensorParallelConfig(tp_degree=self.world) if mode == "tp" else \
+                    ContextParallelConfig(ulysses_degree=self.world)
+                m = self.model(L)
+                inp = self.inputs(m, res)
+                qwen_absorb.patch(m)
+                m.enable_parallelism(config=cfg)
+                a_ = self.forward(m, inp).clone()
+                qwen_absorb.unpatch(m)
+                b_ = self.forward(m, inp).clone()
+                report = qwen_absorb.patch(m)
+                c_ = self.forward(m, inp).clone()
+                r.update(patched_before_eq_unpatched=bool(self.torch.equal(a_, b_)),
+                         patched_after_eq_unpatched=bool(self.torch.equal(c_, b_)),
+                         ranks_agree=self.ranks_agree(c_), biases_deferred=report.summary["biases_deferred"],
+                         runtime_fallbacks={k: int(v) for k, v in report.runtime_fallbacks.items()})
+                r["bit_identical"] = r["patched_before_eq_unpatched"] and r["patched_after_eq_unpatched"]
+                r["status"] = "done"
+                self.say(f"orders {mode}: bit-identical {r['bit_identical']}")
+                del m
+            except Exception as e:  # noqa: BLE001
+                rc = 1
+                r["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                r["status"] = "failed"
+                self.say(f"orders {mode} failed: {type(e).__name__}: {e}")
+            write()
+            self.dist.barrier()
+        return rc
+
 
 # ------------------------------------------------------------------------------------------ output
 
@@ -354,7 +696,9 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"{e.get('gpu') or e.get('cpu')} x {e['world_size']}, {e['date']}; torch {e['torch']} (CUDA {e['cuda_runtime']}), "
         f"diffusers {e['diffusers']}, cupy {e['cupy']}, NCCL {e.get('nccl')}, driver {e.get('driver')}, "
-        f"commit {e['qwen_absorb_commit']}; NCCL_NVLS_ENABLE={e['env']['NCCL_NVLS_ENABLE']}, "
+        f"commit {e['qwen_absorb_commit']}" + (f" + uncommitted qwen_absorb changes (sources sha256 "
+                                                f"{e.get('qwen_absorb_sources_sha256')})" if e.get("qwen_absorb_dirty")
+                                                else "") + f"; NCCL_NVLS_ENABLE={e['env']['NCCL_NVLS_ENABLE']}, "
         f"TORCH_SYMM_MEM_DISABLE_MULTICAST={e['env']['TORCH_SYMM_MEM_DISABLE_MULTICAST']}.",
         "",
         f"Model: {data['config']['model']}; batch 1, {data['config']['text_len']} text tokens, "
@@ -362,6 +706,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['config']['warmup']} warm-up; parallel times are the slowest rank's.",
         "",
     ]
+    for note in data.get("notes", []):  # free text added when results of several runs are merged
+        lines += [note, ""]
     for mode in ("cp", "tp"):
         r = data.get(mode)
         if r is None:
@@ -384,11 +730,114 @@ def markdown(data: dict[str, Any]) -> str:
                          f"{_f(s / pu if s and pu else None, '.2f')}x | {_f(pu / pp if pu and pp else None, '.3f')}x | "
                          f"{x.get('bit_identical')} |")
         lines.append("")
+    lines += _markdown_fp8(data.get("fp8"))
+    o = data.get("orders")
+    if o:
+        lines += ["## Call orders (unquantized model)", "",
+                  f"{o.get('num_layers')} blocks at {o.get('resolution')}^2: {o.get('sequence', '')}; "
+                  f"outputs compared bit for bit. {o.get('status', '')}", ""]
+        for mode in ("cp", "tp"):
+            r = o.get(mode)
+            if r:
+                lines.append(f"- {mode}: bit_identical **{r.get('bit_identical')}** (patched before = unpatched: "
+                             f"{r.get('patched_before_eq_unpatched')}, patched after = unpatched: "
+                             f"{r.get('patched_after_eq_unpatched')}, ranks agree {r.get('ranks_agree')}); "
+                             f"{r.get('status')}" + (f": `{r['error'].splitlines()[0]}`" if "error" in r else ""))
+        lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _markdown_fp8(fp: dict[str, Any] | None) -> list[str]:
+    if not fp:
+        return []
+    lines = ["## ModelOpt FP8", ""]
+    if "num_layers" not in fp:
+        return lines + [f"{fp.get('status')}", ""]
+    lines += [f"Model: {fp['model']}; blocks: {fp['num_layers_reason']}; medians of {fp['iters']} forwards after "
+              f"{fp['warmup']} warm-up; patched = `qwen_absorb.patch(m)` (fp8_gemm=\"auto\": real FP8 GEMMs "
+              f"where a linear qualifies); rel err = patched vs unpatched (ModelOpt fake quant) in the same mode. "
+              f"ModelOpt FP8 extension load {fp.get('modelopt_fp8_extension_load_s', '-')} s, "
+              f"build {fp.get('build_s', '-')} s, quantize + calibrate {fp.get('calibration_s', '-')} s, amax "
+              f"equal on all ranks: {fp.get('amax_agree_between_ranks')}. Status: {fp.get('status', 'running')}.", "",
+              "| run | resolution | 1 GPU fake quant ms | 1 GPU patched ms | parallel unpatched ms | "
+              "parallel patched ms | patched speed-up | rel err patched vs unpatched | rel err vs 1 GPU "
+              "(unpatched / patched) | real FP8 linears |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ("single", "cp", "tp"):
+        r = fp.get(name)
+        if not r:
+            continue
+        for res, x in r.get("resolutions", {}).items():
+            s, sp = x.get("single_ms"), x.get("single_patched_ms")
+            pu, pp = x.get("parallel_unpatched_ms"), x.get("parallel_patched_ms")
+            base, new = (s, sp) if name == "single" else (pu, pp)
+            lines.append(
+                f"| {name} | {res}^2 | {_f(s)} | {_f(sp)} | {_f(pu)} | {_f(pp)} | "
+                f"{_f(base / new if base and new else None, '.2f')}x | {_f(x.get('rel_err'), '.3g')} | "
+                f"{_f(x.get('rel_err_unpatched_vs_single'), '.3g')} / {_f(x.get('rel_err_vs_single'), '.3g')} | "
+                f"{r.get('fp8_gemm_linears', '-')} |")
+    lines.append("")
+    for name in ("single", "cp", "tp"):
+        r = fp.get(name)
+        if not r:
+            continue
+        how = "; ".join(x for x in (r.get("config", "one GPU, rank 0"), r.get("order")) if x)
+        ps = r.get("patch_summary") or {}
+        lines.append(f"- **{name}** ({how}): status {r.get('status')}; "
+                     f"real FP8 GEMMs: {_paths(r.get('fp8_gemm_paths'))}; biases deferred "
+                     f"{ps.get('biases_deferred', '-')}/{ps.get('biases_deferrable_sites', '-')}; runtime fallbacks: "
+                     f"{r.get('runtime_fallbacks') or 'none'}")
+        if r.get("quantize_before_parallelism_error"):
+            lines.append(f"  - quantize before `enable_parallelism` (1-block probe): "
+                         f"`{r['quantize_before_parallelism_error']}`")
+        why = r.get("fp8_reasons") or {}
+        if why:
+            short = {}
+            for k, n in why.items():
+                reason = k.split(": ", 1)[-1]
+                short[reason] = short.get(reason, 0) + n
+            lines.append("  - linears not run as real FP8 (linear-blocks per reason): "
+                         + "; ".join(f"{k} ({n})" for k, n in sorted(short.items(), key=lambda kv: -kv[1])))
+        if "error" in r:
+            lines += ["", "```", r["error"][-2000:], "```"]
+    lines.append("")
+    return lines
+
+
+def _paths(counts: dict[str, int] | None) -> str:
+    """``{"attn.to_q": 60, ...}`` -> ``attn.to_q, ... (x60 each)``."""
+    if not counts:
+        return "none"
+    if len(set(counts.values())) == 1:
+        return f"{', '.join(counts)} (x{next(iter(counts.values()))} each)"
+    return ", ".join(f"{k} x{v}" for k, v in counts.items())
 
 
 def _f(v, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
+
+
+def fp8_layers(a: argparse.Namespace, data: dict[str, Any]) -> tuple[int, str]:
+    """FP8 blocks that fit the time left (``--time-budget-s``), and why that many.
+
+    Estimate per block: 90 bf16-forward equivalents (fake quant ~4.4x bf16; single, CP and TP,
+    unpatched and patched, warm-up included) at the measured one-GPU bf16 time per block at the
+    first FP8 resolution (3 ms per block if not measured: 60-block bf16 at 1024^2 is ~175 ms on one
+    H200), plus 0.8 s of building, quantizing, calibrating and patching.
+    """
+    want = a.fp8_num_layers
+    if a.time_budget_s is None:
+        return want, "as requested (no --time-budget-s)"
+    left = a.time_budget_s - (time.monotonic() - _T_START)
+    per_fwd_block = 0.003
+    row = (data.get("cp") or data.get("tp") or {}).get("resolutions", {}).get(str(a.fp8_resolutions[0]))
+    if row and row.get("single_ms"):
+        per_fwd_block = row["single_ms"] / 1e3 / a.num_layers
+    forwards = (a.fp8_warmup + a.fp8_iters) / 6 * 15 * len(a.fp8_resolutions)
+    per_block = forwards * per_fwd_block * (a.fp8_resolutions[0] / 1024) ** 2 + 0.8
+    n = min(want, int(left / per_block))
+    why = (f"{left:.0f} s left of --time-budget-s {a.time_budget_s:.0f}, estimated {per_block:.2f} s per block")
+    return n, ("as requested; " + why) if n == want else f"reduced from {want}: {why}"
 
 
 def main(argv=None) -> int:
@@ -402,7 +851,8 @@ def main(argv=None) -> int:
         "env": env_info(b.device, b.world),
         "config": {"model": ("tiny" if a.tiny else "full-size random") + f" transformer, {a.num_layers} blocks, "
                             f"{str(b.dtype)[6:]}", "num_layers": a.num_layers, "resolutions": a.resolutions,
-                   "text_len": a.text_len, "mask": a.mask, "warmup": a.warmup, "iters": a.iters, "tiny": a.tiny},
+                   "text_len": a.text_len, "mask": a.mask, "warmup": a.warmup, "iters": a.iters, "tiny": a.tiny,
+                   "dtypes": a.dtypes, "time_budget_s": a.time_budget_s},
     }
     data["gpu"], data["world_size"], data["date"] = data["env"]["gpu"], b.world, data["env"]["date"]
     data["versions"] = {k: data["env"][k] for k in ("torch", "cuda_runtime", "diffusers", "modelopt", "cupy")}
@@ -410,6 +860,7 @@ def main(argv=None) -> int:
 
     def write() -> None:
         if b.rank == 0:
+            data["elapsed_s"] = round(time.monotonic() - _T_START, 1)
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str) + "\n")
             a.out.with_suffix(".md").write_text(markdown(data))
@@ -419,20 +870,60 @@ def main(argv=None) -> int:
         write()
 
     b.say(f"parallel_bench: {data['config']['model']}, world {b.world}, {b.device.type}, modes {a.modes}, "
-          f"resolutions {a.resolutions}")
+          f"resolutions {a.resolutions}, dtypes {a.dtypes}")
     rc = 0
+    broken = None
     ctx = allow_cpu_parallelism() if a.tiny else contextlib.nullcontext()
     with ctx:
-        single = b.single()
-        for mode in a.modes:
-            try:
-                data[mode] = b.mode(mode, single, progress)
-            except Exception as e:  # noqa: BLE001  (recorded; a CUDA fault usually kills the process instead)
-                data.setdefault(mode, {})["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-                data[mode]["status"] = "failed"
-                rc = 1
-                b.say(f"{mode} failed: {type(e).__name__}: {e}")
-                break  # the ranks may be out of step after a failure
+        if "bf16" in a.dtypes:
+            t0 = time.monotonic()
+            single = b.single()
+            data["config"]["single_s"] = round(time.monotonic() - t0, 1)
+            for mode in a.modes:
+                t0 = time.monotonic()
+                try:
+                    data[mode] = b.mode(mode, single, progress)
+                    data[mode]["wall_s"] = round(time.monotonic() - t0, 1)
+                except Exception as e:  # noqa: BLE001  (recorded; a CUDA fault usually kills the process instead)
+                    data.setdefault(mode, {})["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                    data[mode]["status"] = "failed"
+                    rc = 1
+                    broken = f"the bf16 {mode} run failed (the ranks may be out of step)"
+                    b.say(f"{mode} failed: {type(e).__name__}: {e}")
+                    break  # the ranks may be out of step after a failure
+                write()
+            del single
+        if a.order_check_layers and broken:
+            data["orders"] = {"status": f"skipped: {broken}"}
+        elif a.order_check_layers:
+            rc |= b.orders(write, data)
+        if "fp8" in a.dtypes and broken:
+            data["fp8"] = {"status": f"skipped: {broken}"}
+        elif "fp8" in a.dtypes:
+            ext_s = b.load_modelopt_fp8_extension()  # its first build (~1 min) is not counted in the FP8 timings
+            n, why = fp8_layers(a, data)
+            fp: dict[str, Any] = {
+                "num_layers": n, "num_layers_requested": a.fp8_num_layers, "num_layers_reason": why,
+                "resolutions": a.fp8_resolutions, "calib_resolution": a.calib_resolution,
+                "warmup": a.fp8_warmup, "iters": a.fp8_iters,
+                "model": ("tiny" if a.tiny else "full-size random") + f" transformer, {n} blocks, "
+                         f"{str(b.dtype)[6:]}, ModelOpt FP8 per-tensor (mtq.FP8_DEFAULT_CFG, e4m3 W8A8, max "
+                         f"calibration on one forward at {a.calib_resolution}^2)",
+                "patch_args": {"fp8_gemm": "auto", "defer_bias": "auto"},
+                "modelopt_fp8_extension_load_s": ext_s,
+                "metrics": "rel_err: ||patched - unpatched|| / ||unpatched|| (real FP8 GEMMs vs ModelOpt fake "
+                           "quant, same mode); rel_err_vs_single: patched parallel vs one-GPU fake quant",
+            }
+            data["fp8"] = fp
+            b.say(f"fp8: {n} blocks ({why})")
+            if n < 1:
+                fp["status"] = "skipped: no time left in --time-budget-s"
+            else:
+                t0 = time.monotonic()
+                rc |= b.fp8(fp, write)
+                fp["wall_s"] = round(time.monotonic() - t0, 1)
+                fp["status"] = "done" if not any("error" in fp.get(k, {}) for k in ("single", "cp", "tp")) \
+                    else "done with failures"
             write()
     write()
     if b.rank == 0:

@@ -84,6 +84,18 @@ NEEDS_CUDA = "needs CUDA"
 T0 = time.perf_counter()
 
 
+def md_footer(d: dict[str, Any]) -> list[str]:
+    """The closing lines of a results markdown: what was not measured, errors, run time per step."""
+    lines: list[str] = []
+    if d.get("skipped"):
+        lines += ["", "Not measured:"] + [f"- `{k}`: {v}" for k, v in d["skipped"].items()]
+    if d.get("errors"):
+        lines += ["", "Errors:"] + [f"- {e['step']}: {e['error']}" for e in d["errors"]]
+    if d.get("timings_s"):
+        lines += ["", f"Run time per step (s): `{json.dumps(d['timings_s'])}`"]
+    return lines
+
+
 def log(msg: str) -> None:
     now = _dt.datetime.now().strftime("%H:%M:%S")
     print(f"[{now} +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
@@ -1473,13 +1485,7 @@ def fp8_markdown(d: dict[str, Any]) -> str:
         f"Real FP8 patch report summary: `{json.dumps(g('fp8_real_report_summary'))}`; runtime fallbacks: "
         f"`{json.dumps(g('fp8_real_runtime_fallbacks'))}`",
     ]
-    if d.get("skipped"):
-        lines += ["", "Not measured:"] + [f"- `{k}`: {v}" for k, v in d["skipped"].items()]
-    if d.get("errors"):
-        lines += ["", "Errors:"] + [f"- {e['step']}: {e['error']}" for e in d["errors"]]
-    if d.get("timings_s"):
-        lines += ["", f"Run time per step (s): `{json.dumps(d['timings_s'])}`"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + md_footer(d)) + "\n"
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -118,7 +118,9 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--mode tp: the world size {world} must divide the {heads} attention heads")
         if a.quant != "none":
             p.error("--mode tp --quant fp8: diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model "
-                    "(parallelize_module fails on the quantizer submodules)")
+                    "(parallelize_module fails on the quantizer submodules: AttributeError: 'TensorQuantizer' object "
+                    "has no attribute 'weight'); benchmarks/parallel_bench.py measures the workaround, "
+                    "enable_parallelism first, then mtq.quantize")
         a.degree = world
     else:
         u, r = a.ulysses or 1, a.ring or 1

@@ -110,7 +110,7 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
                      (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in)):
         qkv.append([_linear(attn, plan, p, x, compiling).unflatten(-1, (-1, head_dim)) for p in paths])
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
-    if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb):
+    if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
         img_q, img_k, txt_q, txt_k = qkr_launch(
             (img_q, img_k, txt_q, txt_k),
@@ -143,12 +143,23 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
     return img_out, txt_out
 
 
-def _qk_ok(img_q, txt_q, rope) -> bool:
+def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
     """Per-call conditions of the fused q/k path the plan cannot know: one dtype for q/k (the norms'
-    weight dtype, checked at plan time), complex64 rope tables on the activations' device."""
+    weight dtype, checked at plan time), complex64 rope tables of the activations' lengths on their
+    device (context parallelism shards both; a mismatch runs diffusers' chain, which raises as
+    diffusers would), unit stride inside a head, enough rows for the probed variance order."""
     f_img, f_txt = rope
-    return (img_q.dtype == txt_q.dtype and f_img.dtype == torch.complex64 and f_txt.dtype == torch.complex64
-            and f_img.device == img_q.device and type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor)
+    if not (type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor
+            and type(f_img) is torch.Tensor and type(f_txt) is torch.Tensor):
+        return False
+    half = img_q.shape[-1] // 2
+    rows = min(img_q.numel(), txt_q.numel()) // img_q.shape[-1]
+    return (rows >= min_rows and img_q.dtype == txt_q.dtype
+            and f_img.dtype == torch.complex64 and f_txt.dtype == torch.complex64
+            and f_img.device == img_q.device and f_txt.device == img_q.device
+            and tuple(f_img.shape) == (img_q.shape[1], half) and tuple(f_txt.shape) == (txt_q.shape[1], half)
+            and f_img.stride(-1) == 1 and f_txt.stride(-1) == 1
+            and img_q.stride(-1) == 1 and txt_q.stride(-1) == 1)
 
 
 def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention
+from . import attention, handoff
 from .parallel import local_view, tp_defer_refusals
 from .ops import _validate
 from .ops._modulation import expand_param
@@ -107,22 +107,27 @@ def patched_forward(
     args = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
             joint_attention_kwargs, modulate_index)
     plan: BlockPlan | None = self.__dict__.get(PLAN_ATTR)
+    compiling = torch.compiler.is_compiling()
     if plan is None:  # unpatched while a foreign wrapper still held us
         return _original(self, *args)
     if torch.is_grad_enabled():
         # The kernels have no backward: training runs diffusers' forward, exactly the unpatched block.
         plan.count("grad enabled: original diffusers forward")
+        if not compiling:
+            handoff.drop()
         return _original(self, *args)
-    compiling = torch.compiler.is_compiling()
     if not compiling:
         why = _call_check(plan, self, hidden_states)
         if why is not None:
             plan.count(why)
+            handoff.drop()
             return _original(self, *args)
         if not plan.kernels:
             plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
     if _validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states):
         plan.count("DTensor activations: original diffusers forward")
+        if not compiling:
+            handoff.drop()
         return _original(self, *args)
     if plan.modelopt and not compiling:
         # ModelOpt's modules keep per-call state on the module (quantize_weight() toggles a flag,
@@ -192,6 +197,10 @@ class _Deferred:
                     base = None
                 elif type(b) is not torch.nn.Parameter and type(b.data) is not torch.Tensor:
                     why = tp_defer_refusals(base)  # a DTensor bias: tensor parallelism
+                    if not why and plan.options.defer_bias == "auto":
+                        # measured on 2 H200s (benchmarks/results/parallel.md): the FP8 model under TP
+                        # ran slower with its row-wise biases deferred; only defer_bias=True defers them
+                        why = ["tensor parallelism: defer_bias='auto' leaves row-wise biases in the GEMM"]
                     if why:
                         plan.count(f"{p}: {why[0]}; added in the GEMM")
                         base = None
@@ -237,10 +246,12 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
                    temb, image_rotary_emb, joint_attention_kwargs, modulate_index):
     use_kernels = plan.kernels and not compiling
     use_fused = not compiling or plan.options.kernels_under_compile
-    img_mod_params = _modulation(plan, self, "img_mod", temb, use_kernels, compiling)
-    if self.zero_cond_t:
-        temb = torch.chunk(temb, 2, dim=0)[0]
-    txt_mod_params = _modulation(plan, self, "txt_mod", temb, use_kernels, compiling)
+    temb_in = temb
+    given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, modulate_index)
+    if given is not None:
+        img_mod_params, txt_mod_params = given.img_mod, given.txt_mod
+    else:
+        img_mod_params, txt_mod_params = _modulations(plan, self, temb, use_kernels, compiling)
     img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
     txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
     i_shift1, i_scale1, i_gate1 = img_mod1.chunk(3, dim=-1)
@@ -250,10 +261,13 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     index = modulate_index
     site = plan.site
 
-    img_in = _norm1(plan, self, site("img", "norm1"), self.img_norm1, hidden_states, i_shift1, i_scale1, index,
-                    img_mod1, use_kernels, use_fused, compiling)
-    txt_in = _norm1(plan, self, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t_shift1, t_scale1,
-                    None, txt_mod1, use_kernels, use_fused, compiling)
+    if given is not None:
+        img_in, txt_in = given.img_in, given.txt_in
+    else:
+        img_in = _norm1(plan, self, site("img", "norm1"), self.img_norm1, hidden_states, i_shift1, i_scale1, index,
+                        img_mod1, use_kernels, use_fused, compiling)
+        txt_in = _norm1(plan, self, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t_shift1, t_scale1,
+                        None, txt_mod1, use_kernels, use_fused, compiling)
 
     swaps = plan.quant_attention and not plan.own_attention
     # the shadowing decision and the shadowed GEMMs under one lock: another thread in this block
@@ -270,18 +284,37 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
                     encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
                     **(joint_attention_kwargs or {}),
                 )
-    hidden_states, img_ffn_in = _attn_residual(
-        plan, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
-        i_gate1, i_shift2, i_scale2, index, img_mod2, use_kernels, use_fused)
-    encoder_hidden_states, txt_ffn_in = _attn_residual(
-        plan, self, site("txt", "attn_residual"), self.txt_norm2, encoder_hidden_states, txt_attn,
-        deferred.bias(1, txt_attn), t_gate1, t_shift2, t_scale2, None, txt_mod2, use_kernels, use_fused)
+    hidden_states, img_ffn_in = _residual_norm(
+        plan, self, site("img", "attn_residual"), self.img_norm2, plan.norms["img_norm2"].eps, hidden_states, img_attn,
+        deferred.bias(0, img_attn), i_gate1, i_shift2, i_scale2, index, img_mod2, use_kernels, use_fused,
+        "img.attn_residual")
+    encoder_hidden_states, txt_ffn_in = _residual_norm(
+        plan, self, site("txt", "attn_residual"), self.txt_norm2, plan.norms["txt_norm2"].eps, encoder_hidden_states,
+        txt_attn, deferred.bias(1, txt_attn), t_gate1, t_shift2, t_scale2, None, txt_mod2, use_kernels, use_fused,
+        "txt.attn_residual")
 
     with plan.lock if plan.deferred else contextlib.nullcontext():
         deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
         with deferred:
             img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
             txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
+    nxt = handoff.target(plan, self, hidden_states) if use_fused and not compiling else None
+    if nxt is not None:
+        nb, np_, frame, code = nxt
+        n_img_mod, n_txt_mod = _modulations(np_, nb, temb_in, use_kernels, compiling)
+        ni_shift1, ni_scale1, _ = n_img_mod.chunk(2, dim=-1)[0].chunk(3, dim=-1)
+        nt_shift1, nt_scale1, _ = n_txt_mod.chunk(2, dim=-1)[0].chunk(3, dim=-1)
+        hidden_states, n_img_in = _residual_norm(
+            plan, nb, np_.site("img", "norm1"), nb.img_norm1, np_.norms["img_norm1"].eps, hidden_states, img_ffn,
+            deferred.bias(0, img_ffn), i_gate2, ni_shift1, ni_scale1, index, n_img_mod.chunk(2, dim=-1)[0],
+            use_kernels, use_fused, "img.ffn_residual + next img.norm1")
+        encoder_hidden_states, n_txt_in = _residual_norm(
+            plan, nb, np_.site("txt", "norm1"), nb.txt_norm1, np_.norms["txt_norm1"].eps, encoder_hidden_states,
+            txt_ffn, deferred.bias(1, txt_ffn), t_gate2, nt_shift1, nt_scale1, None, n_txt_mod.chunk(2, dim=-1)[0],
+            use_kernels, use_fused, "txt.ffn_residual + next txt.norm1")
+        handoff.give(handoff.Handoff(np_, frame, code, hidden_states, encoder_hidden_states, temb_in, modulate_index,
+                                     n_img_mod, n_txt_mod, n_img_in, n_txt_in))
+        return encoder_hidden_states, hidden_states  # bf16/fp32 only (fp16 blocks do not receive)
     hidden_states = _ffn_residual(plan, site("img", "ffn_residual"), hidden_states, img_ffn,
                                   deferred.bias(0, img_ffn), i_gate2, index, use_kernels, use_fused)
     encoder_hidden_states = _ffn_residual(plan, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,
@@ -300,6 +333,14 @@ def _local(y):
     A subclass's storage must never reach a raw kernel."""
     local, why = local_view(y)
     return (local, None) if why is None else (y, f"output is a {type(y).__name__}: {why}")
+
+
+def _modulations(plan, block, temb, use_kernels, compiling):
+    """(img_mod(temb), txt_mod(temb)) of a block, with diffusers' zero_cond_t split of temb."""
+    img = _modulation(plan, block, "img_mod", temb, use_kernels, compiling)
+    if block.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    return img, _modulation(plan, block, "txt_mod", temb, use_kernels, compiling)
 
 
 def _modulation(plan, block, name, temb, use_kernels, compiling):
@@ -343,9 +384,11 @@ def _contig(t):
     return t.contiguous() if t is not None else None
 
 
-def _attn_residual(plan, block, sp, norm, h, y, bias, gate, shift, scale, index, mod2, use_kernels, use_fused):
-    """Returns (new residual, FFN input: modulated norm2 output or its FP8 codes)."""
-    eps = plan.norms[f"{sp.stream}_norm2"].eps
+def _residual_norm(plan, block, sp, norm, eps, h, y, bias, gate, shift, scale, index, mod, use_kernels, use_fused,
+                   where):
+    """``h + gate * (y + bias)``, then ``norm`` + modulation of it: the attention residual + norm2 of
+    a block, or the FFN residual + the next block's norm1 (cross-block). Returns (new residual,
+    the consumer's input: the modulated norm output or its FP8 codes)."""
     if sp.fused and use_fused:
         why = _params_reason(h, (gate, shift, scale), index)
         if why is None and type(y) is not torch.Tensor:
@@ -376,11 +419,11 @@ def _attn_residual(plan, block, sp, norm, h, y, bias, gate, shift, scale, index,
             else:
                 out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
             return new_h, out
-        plan.count(f"{sp.stream}.attn_residual: {why}")
+        plan.count(f"{where}: {why}")
     if bias is not None:
         y = y + bias
     new_h = h + expand_param(gate, index) * y
-    out = block._modulate(norm(new_h), mod2, index)[0]
+    out = block._modulate(norm(new_h), mod, index)[0]
     return new_h, (attention.fp8_codes(out, sp.fp8_amax) if sp.fp8_out else out)
 
 

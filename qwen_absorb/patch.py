@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating
+from . import gating, handoff
 from .attention import FusedAttnProcessor
 from .block import PatchedForward
 from .plan import PLAN_ATTR, BlockPlan, Options, decide
@@ -173,6 +173,7 @@ def redecide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     """Decide again for a new device (or after a recalibration); called from the block's forward."""
     with plan.lock:
         decide(plan, block, device, _classes()[2])
+        plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
         _processor(block, plan)
     log.info("qwen_absorb: block %d decided anew for %s", plan.index, device)
 
@@ -196,13 +197,14 @@ def _offload_originals(state: _PatchState) -> None:
 
 
 def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-             offload_original_weights, use_fast_accum) -> Options:
+             offload_original_weights, use_fast_accum, cross_block=True) -> Options:
     return Options(
         defer_bias=gating.check_mode(defer_bias), fp8_gemm=gating.check_fp8_mode(fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
         force_reference=bool(force_reference), kernels_under_compile=bool(kernels_under_compile),
         offload_original_weights=bool(offload_original_weights), use_fast_accum=bool(use_fast_accum),
+        cross_block=bool(cross_block),
     )
 
 
@@ -210,6 +212,7 @@ def patch(
     target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: bool = False,
     offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
     force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: bool = False,
+    cross_block: bool = True,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
@@ -237,6 +240,9 @@ def patch(
         kernels (custom ops) instead of leaving the elementwise chains to Inductor (off: Inductor
         fuses them about as fast, without the per-op launch cost).
     use_fast_accum: ``torch._scaled_mm``'s faster, less exact accumulation for the FP8 GEMMs.
+    cross_block: let each block's FFN residual op also compute the next block's norm1 (one kernel
+        instead of two at every block boundary, :mod:`qwen_absorb.handoff`); the next block takes it
+        only when it receives exactly the tensors handed over, else it recomputes (counted).
 
     Patching again with the same arguments returns the current report; with other arguments (or
     after the model changed under the patch, e.g. ``mtq.quantize`` after patching) it unpatches and
@@ -244,7 +250,7 @@ def patch(
     """
     transformer = resolve_transformer(target)
     options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-                       offload_original_weights, use_fast_accum)
+                       offload_original_weights, use_fast_accum, cross_block)
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
         stale = _stale(state)
@@ -269,11 +275,13 @@ def patch(
             plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
             continue
         decide(plan, block, device, proc_cls)
+        plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
         plans.append((block, plan))
     state = _PatchState(report, [], options)
     try:
         for block, plan in plans:
             _install_block(state, block, plan)
+        handoff.link(report.blocks, list(getattr(transformer, "transformer_blocks", [])), transformer)
         if options.offload_original_weights:
             _offload_originals(state)
         if cuda_graph:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import gating, ops, quant
+from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo, unwrap_peft
 from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, resolve
 
@@ -42,6 +43,7 @@ class Options:
     kernels_under_compile: bool = False
     offload_original_weights: bool = False
     use_fast_accum: bool = False
+    cross_block: bool = True
 
 
 @dataclass
@@ -106,8 +108,16 @@ class BlockPlan:
     fp8_attention: bool = False  # an attention linear runs as a real FP8 GEMM
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
+    qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
     own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
     qk_reasons: list[str] = field(default_factory=list)  # why the q/k chains are not fused
+    # cross-block fusion: this block's FFN residual also computes the next block's norm1 (+ its
+    # modulation), handed over per call (qwen_absorb.handoff)
+    handoff_to: nn.Module | None = None  # the next block, or None
+    handoff_reasons: list[str] = field(default_factory=list)  # why not (reported)
+    handoffs_used: int = 0  # calls of this block that took a norm1 handed over by the previous one
+    handoff_in_reasons: list[str] = field(default_factory=list)  # why this block cannot take one
+    loop_owner: Any = None  # the transformer class whose forward loop calls the blocks
     modelopt: bool = False  # the block holds ModelOpt-quantized modules (called outside compiled graphs)
     quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
     deferred: dict[str, str] = field(default_factory=dict)  # site key -> deferred projection path
@@ -134,6 +144,8 @@ class BlockPlan:
             "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
             "device": self.device, "sites": [s.to_dict() for s in self.sites],
             "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
+            "cross_block_handoff": self.handoff_to is not None, "cross_block_reasons": list(self.handoff_reasons),
+            "cross_block_receive_reasons": list(self.handoff_in_reasons),
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
             "projections": {k: v.to_dict() for k, v in self.projections.items()},
             "norms": {k: v.to_dict() for k, v in self.norms.items()},
@@ -395,11 +407,11 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
 
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
-# The fused q/k RMSNorm + RoPE kernel does not yet reproduce PyTorch's variance reduction order
-# (H200, 2026-11-30: ~70% of rows bit-identical, bf16 outputs up to 22 ulp off; the GPU log in
-# benchmarks/results/gpu_tests_h200.log): exactness is the contract, so it stays off until it does.
-QK_FUSION = False
-QK_OFF_REASON = "qk_norm_rope is not yet bit-exact to diffusers on the GPU (variance reduction order); off"
+# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
+# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); False turns the
+# fusion off everywhere (a switch for measurements).
+QK_FUSION = True
+QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (qwen_absorb.plan.QK_FUSION = False)"
 
 
 def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ...], list[str]]:
@@ -420,6 +432,12 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
             r.append(f"attn.{name}.weight is {n.weight.dtype} / {type(n.weight.data).__name__}")
     if attn.inner_dim // attn.heads != 128:
         r.append(f"head_dim {attn.inner_dim // attn.heads} != 128")
+    if not r:
+        vo = probe_variance_order(plan.runtime_device)
+        if vo.order is None:
+            r.append(f"PyTorch's fp32 reduction order here is not one the kernel implements: {vo.detail}")
+        else:
+            plan.qk_min_rows = vo.min_rows
     if r:
         return False, (), r
     return True, tuple(float(n.eps) for n in norms), []

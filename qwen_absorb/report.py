@@ -92,6 +92,8 @@ class PatchReport:
             "fp8_gemm_linears": sum(lp.fp8_gemm for b in self.blocks for lp in b.linears.values()),
             "fp8_emitting_sites": sum(s.fp8_out for s in sites),
             "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in self.blocks),
+            "cross_block_links": sum(b.handoff_to is not None for b in self.blocks),
+            "cross_block_handoffs_taken": sum(b.handoffs_used for b in self.blocks),
             "runtime_fallbacks": sum(self.runtime_fallbacks.values()),
             "kernels_available": self.kernels_available,
         }

@@ -230,7 +230,7 @@ def test_layout_matches_the_c_struct():
 
 def test_kernel_expressions_are_listed():
     mine = qkr.all_kernel_expressions()
-    assert len(mine) == 3 and set(mine) <= set(ops.all_kernel_expressions())
+    assert len(mine) == 3 * len(qkr.ORDERS) and set(mine) <= set(ops.all_kernel_expressions())
 
 
 class _Recorder:
@@ -281,3 +281,58 @@ def test_launch_refuses_subclasses_and_too_many_jobs(monkeypatch):
         qkr.launch([x.as_subclass(Sub)], [w], [f], [1e-6])
     with pytest.raises(ValueError, match="at most 4"):
         qkr.launch([x] * 5, [w] * 5, [f] * 5, [1e-6] * 5)
+
+
+# ---------------------------------------------------------------------------- variance orders
+
+
+def _scalar_order_sum(row: list[float], order: int) -> float:
+    """The kernel's ORDER, written out with numpy fp32 scalars (an independent statement of the
+    header table in csrc/qk_norm_rope.cu)."""
+    import numpy as np  # noqa: PLC0415
+
+    f = np.float32
+    sq = [f(v) * f(v) for v in row]
+    descending, order = order >= 10, order % 10
+    if order == 0:
+        lanes = [((sq[4 * u] + sq[4 * u + 1]) + sq[4 * u + 2]) + sq[4 * u + 3] for u in range(32)]
+    elif order == 1:
+        lanes = [((sq[u] + sq[u + 32]) + sq[u + 64]) + sq[u + 96] for u in range(32)]
+    elif order == 3:
+        lanes = [(sq[2 * u] + sq[2 * u + 64]) + (sq[2 * u + 1] + sq[2 * u + 65]) for u in range(32)]
+    else:
+        v = 8 if order == 2 else 16
+        lanes = []
+        for u in range(128 // v):
+            a = sq[v * u]
+            for i in range(1, v):
+                a = a + sq[v * u + i]
+            lanes.append(a)
+    while len(lanes) > 1:
+        h = len(lanes) // 2
+        lanes = ([lanes[i] + lanes[i + h] for i in range(h)] if descending
+                 else [lanes[2 * i] + lanes[2 * i + 1] for i in range(h)])
+    return float(lanes[0] * f(1.0 / 128))
+
+
+@pytest.mark.parametrize("order", sorted(qkr.ORDERS))
+def test_variance_in_order_is_the_stated_order(order):
+    """The torch emulation used by the probe and the GPU tests equals the order table, bit for bit,
+    and the orders really differ (else the probe could not tell them apart)."""
+    gen = torch.Generator().manual_seed(order)
+    x = torch.randn(64, DH, generator=gen) * torch.exp(torch.randn(64, DH, generator=gen) * 2)  # as the probe
+    got = qkr.variance_in_order(x, order)
+    want = torch.tensor([_scalar_order_sum(r, order) for r in x.float().tolist()], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    others = [qkr.variance_in_order(x, o) for o in qkr.ORDERS if o != order]
+    assert all(not torch.equal(got, o) for o in others)
+    exact = x.double().pow(2).mean(-1)
+    assert torch.allclose(got.double(), exact, rtol=1e-6, atol=0)
+
+
+def test_order_probe_needs_cuda_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    x, w, f = _inputs(1, 4, 24, torch.bfloat16, torch.Generator().manual_seed(0))
+    reasons = ops.qk_norm_rope_not_supported_reasons(x, w, f)
+    assert reasons and not any("order" in r for r in reasons)  # the machine reason comes first, no probe

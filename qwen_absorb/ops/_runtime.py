@@ -22,6 +22,7 @@ import ctypes
 import logging
 import re
 import struct
+import os
 import threading
 from pathlib import Path
 
@@ -32,7 +33,21 @@ log = logging.getLogger("qwen_absorb")
 CSRC = Path(__file__).resolve().parent / "csrc"
 MIN_CAPABILITY = (8, 0)  # cvt.rn.bf16.f32 needs sm_80
 TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16", torch.float32: "QaF32"}
-NVRTC_OPTIONS = ("-std=c++17",)
+DEFINES_ENV = "QWEN_ABSORB_NVRTC_DEFINES"  # "NAME=VALUE,..." compile-time knobs (tests of kernel variants)
+
+
+def _env_defines() -> dict[str, int]:
+    raw = os.environ.get(DEFINES_ENV, "").strip()
+    out = {}
+    for item in filter(None, (t.strip() for t in raw.split(","))):
+        name, _, value = item.partition("=")
+        if not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise ValueError(f"{DEFINES_ENV}: expected NAME=INT[,NAME=INT...], got {raw!r}")
+        out[name] = int(value)
+    return out
+
+
+NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in _env_defines().items()))
 
 _cupy = None
 _cpointer = None
@@ -118,9 +133,11 @@ def register_cache(cache: dict) -> dict:
 
 def set_defines(defines: dict[str, int] | None = None) -> None:
     """Compile later kernels with ``-DNAME=VALUE`` options (tuning sweeps, probes); clears every
-    kernel cache so the next launch recompiles. ``None`` restores the defaults."""
+    kernel cache so the next launch recompiles. ``None`` restores the defaults (those of the
+    ``QWEN_ABSORB_NVRTC_DEFINES`` environment variable, if set)."""
     global NVRTC_OPTIONS
-    NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in (defines or {}).items()))
+    merged = {**_env_defines(), **(defines or {})}
+    NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in merged.items()))
     for c in _caches:
         c.clear()
 

@@ -16,17 +16,24 @@ stride inside a head (e.g. a column slice of a fused QKV projection).
 
 Exactness (see csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op,
 including the bf16/fp16 rounding of the normalized value before the weight multiply and the FMA
-grouping nvcc gives PyTorch's complex<float> multiply; the variance follows PyTorch's reduction order
-for a 128-wide fp32 row (torch >= 2.11, what the project supports). Where the variance matches, the
-output is bit-identical; the promise is the project's LayerNorm one (>= 99.9% identical, <= 1 ulp).
-The kernel needs DH == 128 (Qwen-Image's head_dim), complex64 freqs and weight.dtype == x.dtype;
-anything else runs the reference.
+grouping nvcc gives PyTorch's complex<float> multiply. The fp32 variance is a sum of 128 squares
+whose rounding depends on the order PyTorch's reduction kernel adds them in, and that order follows
+its launch configuration, which differs between versions. So the kernel implements the candidate
+orders, and :func:`probe_variance_order` measures, once per device, which one the running PyTorch
+uses (``x.float().pow(2).mean(-1)`` against :func:`variance_in_order` on a probe batch). With none
+matching, the kernel does not run (a stated reason) and the reference does. With the order matched
+the output is bit-identical to diffusers' eager chain.
+The kernel needs DH == 128 (Qwen-Image's head_dim), complex64 freqs, weight.dtype == x.dtype and at
+least ``min_rows`` rows (PyTorch's layout for fewer rows can differ; the probe says from which row
+count on its order holds); anything else runs the reference.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +41,7 @@ from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._validate import SUPPORTED_DTYPES, check_eps, is_dtensor
 
+log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
 WARPS = 4  # QA_QKR_WARPS: rows (one warp each) per block
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
@@ -79,6 +87,123 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+# ---------------------------------------------------------------------------- variance order
+
+# The kernel's ORDER template parameter: per-lane grouping (ORDER % 10) and lane tree (ORDER // 10).
+# Lane u sums the indices of each of its groups in sequence into one accumulator, the accumulators
+# in sequence; then the lanes combine pairwise with shfl_down at increasing offsets 1, 2, 4, ...
+# (ORDER < 10, PyTorch's Reduce.cuh before 2.10) or decreasing ..., 4, 2, 1 (ORDER >= 10, its
+# "offset decreasing, matching Triton" change). See the header of csrc/qk_norm_rope.cu.
+_GROUPINGS = {
+    0: "vectorized by 4, 32 lanes",
+    1: "not vectorized, 32 lanes, stride 32",
+    2: "vectorized by 8, 16 lanes",
+    3: "vectorized by 2, 32 lanes, two steps",
+    4: "vectorized by 16, 8 lanes",
+}
+ORDERS = {**{g: f"{d}, lane offsets increasing" for g, d in _GROUPINGS.items()},
+          **{10 + g: f"{d}, lane offsets decreasing" for g, d in _GROUPINGS.items()}}
+
+
+def _lane_groups(grouping: int) -> tuple[int, list[list[list[int]]]]:
+    """(lanes, per lane its accumulators' element indices) of a grouping (ORDER % 10)."""
+    if grouping == 0:
+        return 32, [[[4 * u + i] for i in range(4)] for u in range(32)]
+    if grouping == 1:
+        return 32, [[[u + 32 * i] for i in range(4)] for u in range(32)]
+    if grouping == 3:
+        return 32, [[[2 * u + i, 2 * u + 64 + i] for i in range(2)] for u in range(32)]
+    v = 8 if grouping == 2 else 16
+    return 128 // v, [[[v * u + i] for i in range(v)] for u in range(128 // v)]
+
+
+def variance_in_order(x: torch.Tensor, order: int) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1)`` summed in the kernel's ``order`` ([..., 128] -> [...], fp32).
+    Every add is one fp32 rounding (torch's elementwise add), so this is the kernel's value bit for bit."""
+    lanes, groups = _lane_groups(order % 10)
+    xf = x.float()
+    sq = xf * xf  # torch's pow(x, 2) is x * x
+    parts = []
+    for u in range(lanes):
+        acc = None
+        for g in groups[u]:
+            a = sq[..., g[0]]
+            for i in g[1:]:
+                a = a + sq[..., i]
+            acc = a if acc is None else acc + a
+        parts.append(acc)
+    p = torch.stack(parts, dim=-1)
+    while p.shape[-1] > 1:
+        if order >= 10:  # shfl_down at offsets n/2, ..., 1: lane i adds lane i + n/2
+            half = p.shape[-1] // 2
+            p = p[..., :half] + p[..., half:]
+        else:  # offsets 1, 2, ...: lane 2i adds lane 2i + 1
+            p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0] * (1.0 / 128)
+
+
+class VarianceOrder(NamedTuple):
+    """What :func:`probe_variance_order` found on one device."""
+
+    order: int | None  # the kernel ORDER equal to PyTorch's on every probed batch (None: none)
+    min_rows: int  # the smallest probed row count from which on that holds
+    detail: str  # readable: which candidates matched, for the reasons and the logs
+
+
+_PROBE_ROWS = (1, 2, 3, 5, 8, 16, 24, 64, 4096)
+_orders: dict[int, VarianceOrder] = rt.register_cache({})
+
+
+def probe_variance_order(device: torch.device | int) -> VarianceOrder:
+    """Which of the kernel's reduction orders PyTorch's ``x.float().pow(2).mean(-1)`` uses on this
+    device, probed once (cached): random rows of mixed magnitude at several row counts, each
+    candidate compared bit for bit. Cannot run inside a CUDA-graph capture (it reads the result)."""
+    idx = torch.device("cuda", device) if isinstance(device, int) else device
+    idx = rt.device_index(idx)
+    hit = _orders.get(idx)
+    if hit is not None:
+        return hit
+    if torch.cuda.is_current_stream_capturing():
+        return VarianceOrder(None, 0, "not probed yet, and a CUDA graph is being captured")
+    gen = torch.Generator(device=f"cuda:{idx}").manual_seed(1234)
+    dev = torch.device("cuda", idx)
+    ok: dict[int, list[bool]] = {o: [] for o in ORDERS}
+    with torch.no_grad():
+        for n in _PROBE_ROWS:
+            # fp32 values of wide per-element range: every candidate order rounds differently on
+            # them (bf16 squares are often summed exactly, which would hide the order)
+            x = torch.randn(n, HEAD_DIM, generator=gen, device=dev) * torch.exp(
+                torch.randn(n, HEAD_DIM, generator=gen, device=dev) * 2)
+            want = x.to(torch.float32).pow(2).mean(-1)  # diffusers' RMSNorm, as it runs
+            for o in ORDERS:
+                ok[o].append(bool(torch.equal(variance_in_order(x, o).view(torch.int32), want.view(torch.int32))))
+    big = [i for i, n in enumerate(_PROBE_ROWS) if n >= 16]
+    hits = [o for o, v in ok.items() if all(v[i] for i in big)]
+    counts = "; ".join(f"order {o}: {sum(v)}/{len(v)} batches" for o, v in ok.items())
+    if len(hits) != 1:
+        result = VarianceOrder(None, 0, ("no candidate order matches PyTorch's" if not hits
+                                         else f"orders {hits} all match: the probe cannot tell") + f" ({counts})")
+    else:
+        o, v = hits[0], ok[hits[0]]
+        first = len(v)
+        while first > 0 and v[first - 1]:
+            first -= 1
+        result = VarianceOrder(o, _PROBE_ROWS[first], f"order {o} ({ORDERS[o]}) from {_PROBE_ROWS[first]} rows on")
+    log.debug("qwen_absorb: qk_norm_rope variance order on cuda:%d: %s", idx, result.detail)
+    _orders[idx] = result
+    return result
+
+
+def order_reasons(device: torch.device, rows: int) -> list[str]:
+    """Why the kernel cannot reproduce PyTorch's variance for ``rows`` rows on ``device``."""
+    vo = probe_variance_order(device)
+    if vo.order is None:
+        return [f"PyTorch's fp32 reduction order on this device is not one the kernel implements: {vo.detail}"]
+    if rows < vo.min_rows:
+        return [f"{rows} rows < {vo.min_rows}: PyTorch's reduction layout for so few rows is not the kernel's"]
+    return []
+
+
 # ---------------------------------------------------------------------------- the launcher
 
 
@@ -95,7 +220,8 @@ def launch(
 
     The caller guarantees, once: all xs on one usable CUDA device, one dtype (bf16/fp16/fp32),
     shape [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that
-    dtype; freqs complex64 [L, 64] (L of its x) with unit last stride; eps finite fp32 values.
+    dtype; freqs complex64 [L, 64] (L of its x) with unit last stride; eps finite fp32 values; and
+    the device's variance order probed with a match (:func:`order_reasons` empty for every x).
     """
     n = len(xs)
     if n > MAX_JOBS:
@@ -105,7 +231,10 @@ def launch(
     key = (x0.dtype, dev)
     launcher = _fns.get(key)
     if launcher is None:
-        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}>", dev)
+        order = probe_variance_order(dev).order  # cached: the caller's checks probed it
+        if order is None:
+            raise RuntimeError("qk_norm_rope.launch: PyTorch's variance order on this device is not the kernel's")
+        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}, {order}>", dev)
         launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
     esize = x0.element_size()
     a = 4 * esize  # one lane's 4 elements
@@ -138,7 +267,7 @@ def launch(
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, f"qk_norm_rope_kernel<{t}>") for t in rt.TRAITS.values()]
+    return [(CU, f"qk_norm_rope_kernel<{t}, {o}>") for t in rt.TRAITS.values() for o in ORDERS]
 
 
 # ---------------------------------------------------------------------------- validation, reasons
@@ -184,7 +313,10 @@ def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
 
 def _kernel_reasons(x, weight, freqs, eps, force_reference: bool) -> list[str]:
     """Why the kernel would not run for one (validated) tensor."""
-    return common_reasons([x, weight, freqs], force_reference) + _input_reasons(x, weight, freqs, eps)
+    r = common_reasons([x, weight, freqs], force_reference) + _input_reasons(x, weight, freqs, eps)
+    if not r and not torch.compiler.is_compiling():
+        r = order_reasons(x.device, x.numel() // HEAD_DIM)
+    return r
 
 
 def _input_reasons(x, weight, freqs, eps) -> list[str]:
@@ -306,7 +438,8 @@ def _custom_op(
     xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: list[torch.Tensor], eps: list[float],
 ) -> list[torch.Tensor]:
     if kernel_usable_now(xs[0]) and not any(
-        x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) for x, w, f, e in zip(xs, weights, freqs, eps)
+        x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) or order_reasons(x.device, x.numel() // HEAD_DIM)
+        for x, w, f, e in zip(xs, weights, freqs, eps)
     ):
         return _kernel(xs, weights, freqs, eps)
     return _reference_multi(xs, weights, freqs, eps)

@@ -14,19 +14,11 @@ template <class T, int VEC>
 __device__ __forceinline__ void qa_bias_gate_residual_vec(
     const typename T::storage* r, const typename T::storage* xx, const typename T::storage* b,
     const typename T::storage* g, typename T::storage* o, bool vx, bool vb, bool vg) {
-  float rv[VEC], xv[VEC], gv[VEC];
-  qa_load<T, VEC>(r, vx, rv);
-  qa_load<T, VEC>(xx, vx, xv);
-  qa_load<T, VEC>(g, vg, gv);
-  if (b != nullptr) {
-    float bv[VEC];
-    qa_load<T, VEC>(b, vb, bv);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) xv[i] = qa_add<T>(xv[i], bv[i]);
-  }
-  QaVec<typename T::storage, VEC> ov;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) ov.v[i] = T::store(__fadd_rn(rv[i], qa_mul<T>(gv[i], xv[i])));
+  typedef typename T::storage S;
+  QaVec<S, VEC> bv = {};
+  if (b != nullptr) bv = qa_load_raw<T, VEC>(b, vb);
+  const QaVec<S, VEC> ov = qa_gated_residual<T, VEC>(qa_load_raw<T, VEC>(r, vx), qa_load_raw<T, VEC>(xx, vx),
+                                                     qa_load_raw<T, VEC>(g, vg), bv, b != nullptr);
   qa_store_raw<T, VEC>(o, vx, ov);
 }
 

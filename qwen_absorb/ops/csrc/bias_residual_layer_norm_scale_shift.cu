@@ -36,20 +36,13 @@ __device__ __forceinline__ void qa_residual_slot(
     const typename T::storage* r, const typename T::storage* xx, const typename T::storage* b,
     const typename T::storage* g, typename T::storage* h, bool vx, bool vb, bool vg,
     int quant_mode, float qscale, float qinv, float (&q)[CH]) {
-  float rv[CH], xv[CH], gv[CH];
-  qa_load<T, CH>(r, vx, rv);
-  qa_load<T, CH>(xx, vx, xv);
-  qa_load<T, CH>(g, vg, gv);
-  if (b != nullptr) {
-    float bv[CH];
-    qa_load<T, CH>(b, vb, bv);
-#pragma unroll
-    for (int i = 0; i < CH; ++i) xv[i] = qa_add<T>(xv[i], bv[i]);
-  }
-  QaVec<typename T::storage, CH> hv;
+  typedef typename T::storage S;
+  QaVec<S, CH> bv = {};
+  if (b != nullptr) bv = qa_load_raw<T, CH>(b, vb);
+  const QaVec<S, CH> hv = qa_gated_residual<T, CH>(qa_load_raw<T, CH>(r, vx), qa_load_raw<T, CH>(xx, vx),
+                                                   qa_load_raw<T, CH>(g, vg), bv, b != nullptr);
 #pragma unroll
   for (int i = 0; i < CH; ++i) {
-    hv.v[i] = T::store(__fadd_rn(rv[i], qa_mul<T>(gv[i], xv[i])));
     const float hf = T::load(hv.v[i]);
     q[i] = quant_mode != 0 ? qa_fp8_fake_quant<T>(hf, qscale, qinv) : hf;
   }
@@ -125,7 +118,7 @@ bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShif
 #pragma unroll
   for (int k = 0; k < (NV > 0 ? NV : 1); ++k) {
     for (int c = tid + k * TH; c < nslots; c += (NV > 0 ? nslots : TH)) {
-      float t[CH], sh[CH], sc[CH];
+      float t[CH];
       if (NV > 0) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) t[i] = v[k][i];
@@ -136,12 +129,8 @@ bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShif
           for (int i = 0; i < CH; ++i) t[i] = qa_fp8_fake_quant<T>(t[i], qscale, qinv);
         }
       }
-      qa_load<T, CH>(shr + c * CH, vsh, sh);
-      qa_load<T, CH>(scr + c * CH, vsc, sc);
-      QaVec<S, CH> o;
-#pragma unroll
-      for (int i = 0; i < CH; ++i)
-        o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(t[i], mr.x, mr.y), sc[i], sh[i]);
+      const QaVec<S, CH> o = qa_modulated<T, MODE, CH>(t, mr.x, mr.y, qa_load_raw<T, CH>(scr + c * CH, vsc),
+                                                       qa_load_raw<T, CH>(shr + c * CH, vsh));
       if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
       if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
     }

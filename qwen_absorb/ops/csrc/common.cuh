@@ -10,14 +10,42 @@ typedef unsigned short qa_u16;
 typedef long long qa_i64;
 
 // ---- dtypes: storage type, widening load, rounding store -------------------------------------
+// QA_LN_PACKED 1 (default): the eager-rounded bf16/fp16 adds and multiplies of the residual and
+// modulation math run on packed pairs (see qa_gated_residual below); 0: one fp32 op + rounding per
+// element. Both are bit-identical (H200: all GPU op tests pass either way); packed is faster
+// (benchmarks/results/fusion.md).
+#ifndef QA_LN_PACKED
+#define QA_LN_PACKED 1
+#endif
+
 struct QaF32 {
   typedef float storage;
+  static constexpr bool kPacked = false;
   static __device__ __forceinline__ float load(float v) { return v; }
   static __device__ __forceinline__ float store(float v) { return v; }
 };
 
 struct QaBF16 {
   typedef qa_u16 storage;
+  static constexpr bool kPacked = true;
+  static constexpr unsigned kOne2 = 0x3F803F80u;  // (1, 1)
+  // Packed pairs (element 2p in the low half). One rounding each: a * 1 + b is a + b, and
+  // a * b + (-0) is a * b (the -0 keeps the sign of a zero product).
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(kOne2), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+  }
   static __device__ __forceinline__ float load(qa_u16 v) {
     return __uint_as_float(((unsigned int)v) << 16);
   }
@@ -32,6 +60,23 @@ struct QaBF16 {
 
 struct QaF16 {
   typedef qa_u16 storage;
+  static constexpr bool kPacked = true;
+  static constexpr unsigned kOne2 = 0x3C003C00u;
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(kOne2), "r"(b));
+    return r;
+  }
+  static __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+  }
   static __device__ __forceinline__ float load(qa_u16 v) {
     float r;
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
@@ -57,6 +102,47 @@ __device__ __forceinline__ float qa_mul(float a, float b) { return qa_round<T>(_
 // ---- vector access ---------------------------------------------------------------------------
 template <class S, int N>
 struct __align__(sizeof(S) * N) QaVec { S v[N]; };
+
+// Pair p of a vector of 16-bit values as one 32-bit register (element 2p in the low half).
+template <int N>
+__device__ __forceinline__ unsigned qa_pair(const QaVec<qa_u16, N>& v, int p) {
+  return (unsigned)v.v[2 * p] | ((unsigned)v.v[2 * p + 1] << 16);
+}
+template <int N>
+__device__ __forceinline__ void qa_set_pair(QaVec<qa_u16, N>& v, int p, unsigned r) {
+  v.v[2 * p] = (qa_u16)(r & 0xffffu);
+  v.v[2 * p + 1] = (qa_u16)(r >> 16);
+}
+
+// Why packed pairs are exact for bf16 and fp16: eager computes a + b or a * b of two 16-bit values
+// in fp32 and rounds to the 16-bit type. A product of two p-bit significands is exact in fp32
+// (2p <= 24); a sum fp32 may round, but an fp32 (24-bit) rounding followed by a rounding to p bits
+// equals the direct rounding whenever 24 >= 2p + 2 (bf16: p = 8, fp16: p = 11; double rounding is
+// innocuous there). So one rounded bf16x2 / f16x2 fma gives eager's bits for two elements at once.
+
+// residual + gate * (x + bias) for N elements, eager's roundings (both residual ops).
+template <class T, int N>
+__device__ __forceinline__ QaVec<typename T::storage, N> qa_gated_residual(
+    const QaVec<typename T::storage, N>& r, const QaVec<typename T::storage, N>& x,
+    const QaVec<typename T::storage, N>& g, const QaVec<typename T::storage, N>& b, bool has_bias) {
+  QaVec<typename T::storage, N> o;
+  if constexpr (QA_LN_PACKED && T::kPacked && N % 2 == 0) {
+#pragma unroll
+    for (int p = 0; p < N / 2; ++p) {
+      unsigned y = qa_pair(x, p);
+      if (has_bias) y = T::add2(y, qa_pair(b, p));
+      qa_set_pair(o, p, T::add2(qa_pair(r, p), T::mul2(qa_pair(g, p), y)));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float y = T::load(x.v[i]);
+      if (has_bias) y = qa_round<T>(__fadd_rn(y, T::load(b.v[i])));
+      o.v[i] = T::store(__fadd_rn(T::load(r.v[i]), qa_round<T>(__fmul_rn(T::load(g.v[i]), y))));
+    }
+  }
+  return o;
+}
 
 // Load N consecutive elements in storage form; one vector load when `vec` (alignment checked on
 // the host). Kept raw in registers (bf16/fp16: two per register) and widened where used.

@@ -153,3 +153,29 @@ template <class T>
 __device__ __forceinline__ typename T::storage qa_scale_shift_store(float y, float scale, float shift) {
   return T::store(__fadd_rn(qa_mul<T>(y, qa_add<T>(1.f, scale)), shift));
 }
+
+// The modulated output of CH LayerNorm inputs: round(round(round(y) * round(1 + scale)) + shift),
+// diffusers' roundings (what qa_scale_shift_store(qa_ln_out(...)) computes), on packed pairs when
+// QA_LN_PACKED (exact, see common.cuh).
+template <class T, int MODE, int CH>
+__device__ __forceinline__ QaVec<typename T::storage, CH> qa_modulated(
+    const float (&v)[CH], float mean, float rstd, const QaVec<typename T::storage, CH>& sc,
+    const QaVec<typename T::storage, CH>& sh) {
+  QaVec<typename T::storage, CH> o;
+  if constexpr (QA_LN_PACKED && T::kPacked && CH % 2 == 0) {
+#pragma unroll
+    for (int p = 0; p < CH / 2; ++p) {
+      const float y0 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p], mean))
+                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p], mean), rstd), 0.f);
+      const float y1 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p + 1], mean))
+                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p + 1], mean), rstd), 0.f);
+      const unsigned t = T::add2(T::kOne2, qa_pair(sc, p));
+      qa_set_pair(o, p, T::add2(T::mul2(T::pack2(y0, y1), t), qa_pair(sh, p)));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CH; ++i)
+      o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(v[i], mean, rstd), T::load(sc.v[i]), T::load(sh.v[i]));
+  }
+  return o;
+}

@@ -99,19 +99,15 @@ layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
 #pragma unroll
   for (int k = 0; k < (NV > 0 ? NV : 1); ++k) {
     for (int c = tid + k * TH; c < nslots; c += (NV > 0 ? nslots : TH)) {
-      float t[CH], sh[CH], sc[CH];
+      float t[CH];
       if (NV > 0) {
 #pragma unroll
         for (int i = 0; i < CH; ++i) t[i] = v[k][i];
       } else {
         qa_load_quant<T, CH>(xr + c * CH, vx, qm, qs, qi, t);
       }
-      qa_load<T, CH>(shr + c * CH, vsh, sh);
-      qa_load<T, CH>(scr + c * CH, vsc, sc);
-      QaVec<S, CH> o;
-#pragma unroll
-      for (int i = 0; i < CH; ++i)
-        o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(t[i], mr.x, mr.y), sc[i], sh[i]);
+      const QaVec<S, CH> o = qa_modulated<T, MODE, CH>(t, mr.x, mr.y, qa_load_raw<T, CH>(scr + c * CH, vsc),
+                                                       qa_load_raw<T, CH>(shr + c * CH, vsh));
       if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
       if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
     }

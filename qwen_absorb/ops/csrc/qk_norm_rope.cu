@@ -8,11 +8,20 @@
 //   n   = n.to(w.dtype) * w                  rounding to T, then a T multiply (T = x's = w's dtype)
 //   out = (n as complex pairs (a, b)) * (c + di), then rounded to T
 //
-// Reduction order of `.pow(2).mean(-1)` over a contiguous fp32 last dim of 128 in PyTorch >= 2.11
-// (Reduce.cuh: `dim0 >= 128` turns on input vectorization, input_vec_size 4 for float, block width
-// 32, one warp per output): lane u sums its aligned float4 as ((s0 + s1) + s2) + s3, then the
-// warp combines lanes with shfl_down at offsets 1, 2, 4, 8, 16 (lane 0's value). MeanOps projects
-// with `sum * (1/128)`, an exact power-of-two scaling.
+// Reduction order of `.pow(2).mean(-1)` over a contiguous fp32 last dim of 128: PyTorch's
+// Reduce.cuh picks it from its launch configuration (input vectorization or not, vector width,
+// block width), which changes between versions. The kernel implements the candidate orders as the
+// template parameter ORDER, and qk_norm_rope.py probes which one the running PyTorch uses on the
+// device (variance_in_order(), probe_variance_order()); with none matching the op stays off.
+//   ORDER 0  vectorized by 4, 32 lanes:  lane u sums elements 4u..4u+3 in sequence
+//   ORDER 1  not vectorized, 32 lanes:   lane u sums elements u, u+32, u+64, u+96 in sequence
+//   ORDER 2  vectorized by 8, 16 lanes:  lane u sums 8u..8u+7 in sequence
+//   ORDER 3  vectorized by 2, 32 lanes:  lane u: (e[2u] + e[2u+64]) + (e[2u+1] + e[2u+65])
+//   ORDER 4  vectorized by 16, 8 lanes:  lane u sums 16u..16u+15 in sequence
+// then the lanes combine with shfl_down, lane 0's value: ORDER 0-4 at offsets 1, 2, 4, ... (PyTorch
+// before 2.10), ORDER 10-14 (the same groupings) at offsets ..., 4, 2, 1 (PyTorch since its
+// "offset decreasing, matching Triton" change). MeanOps projects with `sum * (1/128)`, an exact
+// power-of-two scaling.
 //
 // Complex multiply: c10::complex<float>::operator*= as nvcc compiles it for PyTorch's mul kernel
 // (read off torch 2.11.0+cu130's sm_90 SASS): re = fma(a, c, -(b*d)), im = fma(a, d, b*c), the
@@ -61,7 +70,31 @@ __device__ __forceinline__ void qa_qkr_cmul(float a, float b, float c, float d, 
 #endif
 }
 
-template <class T>
+// One lane's partial sum of the squares sq[0..127] in reduction order ORDER (see the header), and
+// the number of lanes the tree then combines.
+template <int G>
+__device__ __forceinline__ float qa_qkr_lane_partial(const float* sq, int u) {
+  if (G == 0) {
+    const float* q = sq + 4 * u;
+    return __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[1]), q[2]), q[3]);
+  } else if (G == 1) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(sq[u], sq[u + 32]), sq[u + 64]), sq[u + 96]);
+  } else if (G == 3) {
+    return __fadd_rn(__fadd_rn(sq[2 * u], sq[2 * u + 64]), __fadd_rn(sq[2 * u + 1], sq[2 * u + 65]));
+  } else {
+    const int V = G == 2 ? 8 : 16;
+    if (u * V >= 128) return 0.f;
+    const float* q = sq + V * u;
+    float a = q[0];
+#pragma unroll
+    for (int i = 1; i < V; ++i) a = __fadd_rn(a, q[i]);
+    return a;
+  }
+}
+template <int G>
+__device__ __forceinline__ constexpr int qa_qkr_lanes() { return G == 2 ? 16 : (G == 4 ? 8 : 32); }
+
+template <class T, int ORDER>
 __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
   typedef typename T::storage S;
   // Which job this block belongs to (block-uniform), then its parameters by constant-index selects
@@ -89,11 +122,22 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
   float v[4];
   qa_load<T, 4>(xr, J.vec_flags & 1, v);
 
-  // variance: PyTorch's order (see the header comment)
-  float s = __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(v[0], v[0]), __fmul_rn(v[1], v[1])), __fmul_rn(v[2], v[2])),
-                      __fmul_rn(v[3], v[3]));
+  // variance: the squares go through shared memory so each lane can sum the elements it owns in
+  // PyTorch's order (ORDER, see the header), then a shfl_down tree over the lanes.
+  __shared__ float sq_all[QA_QKR_WARPS][128];
+  float* sq = sq_all[warp];
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+  for (int i = 0; i < 4; ++i) sq[e + i] = __fmul_rn(v[i], v[i]);
+  __syncwarp();
+  constexpr int G = ORDER % 10, LANES = qa_qkr_lanes<G>();
+  float s = qa_qkr_lane_partial<G>(sq, lane);
+  if (ORDER >= 10) {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+  } else {
+#pragma unroll
+    for (int off = 1; off < LANES; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+  }
   const float var = __fmul_rn(__shfl_sync(0xffffffffu, s, 0), 0.0078125f);
   const float r = rsqrtf(__fadd_rn(var, J.eps));  // torch.rsqrt: ::rsqrt(float), same libdevice call
 

@@ -1,0 +1,186 @@
+"""Cross-block fusion: block i's FFN residual and block i+1's norm1 as one kernel.
+
+At every block boundary diffusers runs ``h = h + gate * ffn_out`` (block i) and then
+``modulate(LayerNorm(h), shift1, scale1)`` (block i+1): exactly the residual + norm pattern of the
+``bias_residual_layer_norm_scale_shift`` op, whose modulation depends only on ``temb``. So block i
+computes block i+1's modulation and norm1 output with its residual, and *hands them over*; block
+i+1 takes them instead of computing them. One launch and one round trip of the residual stream
+saved per stream and block.
+
+The hand-off is safe only if nothing touches ``hidden_states`` between the two blocks. Block i
+hands over only when
+
+- it and block i+1 have no forward hooks (torch's, global ones, diffusers' hook registry:
+  caches, offloading, context-parallel splits) that could run in between, and
+- it was called from the loop of the transformer's own ``forward`` (the frame is recorded);
+
+and block i+1 takes it only when it is called from that same frame with the very tensor objects
+block i returned (a ControlNet residual, ``h + sample``, is a new object) and the same ``temb`` and
+``modulate_index``. Anything else: block i+1 computes its norm1 itself, counted in the report. The
+handed-over values are computed by the same ops (or references) block i+1 would use, so taking them
+changes no bit. The record lives in thread-local storage and is dropped by the next patched block
+call in the thread, whichever block it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+from .plan import PLAN_ATTR, BlockPlan
+
+_local = threading.local()
+
+
+@dataclass
+class Handoff:
+    """What block i computed for block i+1 (one record per thread)."""
+
+    to: BlockPlan  # the receiving block's plan
+    frame: int  # id() of the transformer forward frame both calls must come from
+    code: Any  # that frame's code object
+    img: torch.Tensor  # block i's returned hidden_states ...
+    txt: torch.Tensor  # ... and encoder_hidden_states, identity-checked
+    temb: torch.Tensor
+    index: torch.Tensor | None
+    img_mod: torch.Tensor  # block i+1's img_mod(temb), txt_mod(temb)
+    txt_mod: torch.Tensor
+    img_in: torch.Tensor  # block i+1's norm1 outputs (attention inputs: tensors or FP8 codes)
+    txt_in: torch.Tensor
+
+
+# ---------------------------------------------------------------------------- patch time
+
+
+def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module) -> None:
+    """Point each patched block at the next one (structure only; the rest is checked per call)."""
+    loop_code = _loop_code(type(transformer))
+    for i, plan in enumerate(plans):
+        plan.handoff_to, plan.handoff_reasons = None, []
+        if not plan.patched:
+            continue
+        nxt = plans[i + 1] if i + 1 < len(plans) else None
+        if not plan.options.cross_block:
+            plan.handoff_reasons.append("cross_block=False")
+        elif nxt is None:
+            plan.handoff_reasons.append("last block: its output goes to the transformer's norm_out")
+        elif not nxt.patched:
+            plan.handoff_reasons.append(f"block {i + 1} is not patched")
+        elif loop_code is None:
+            plan.handoff_reasons.append(f"{type(transformer).__name__}.forward is not a Python function")
+        else:
+            plan.handoff_to = blocks[i + 1]
+            plan.loop_owner = type(transformer)
+
+
+@functools.lru_cache(maxsize=None)
+def _loop_code(cls: type) -> Any:
+    """The code object of ``cls.forward`` (unwrapped): the frame the block loop runs in."""
+    fwd = inspect.unwrap(cls.forward)
+    return getattr(fwd, "__code__", None)
+
+
+def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
+    """Why this block cannot take its norm1 from the previous block's residual op (after decide)."""
+    r = []
+    for stream in ("img", "txt"):
+        sp = plan.site(stream, "norm1")
+        if not sp.fused:
+            r.append(f"{stream}.norm1 is not fused")
+        elif sp.norm_quantizer == "applied-before-op":
+            r.append(f"{stream}.norm1's input quantizer runs as a ModelOpt module before the op")
+    if plan.modelopt and not all(plan.linears[f"{m}.1"].fp8_gemm for m in ("img_mod", "txt_mod")):
+        r.append("the modulation linears run as ModelOpt modules (called by this block only)")
+    p0 = next(block.parameters(), None)
+    if p0 is not None and p0.dtype == torch.float16:
+        r.append("float16: diffusers clips the block output after the residual")
+    return r
+
+
+# ---------------------------------------------------------------------------- call time
+
+
+def _hooked(m: nn.Module) -> bool:
+    reg = m.__dict__.get("_diffusers_hook")
+    return bool(m._forward_hooks or m._forward_pre_hooks or (reg is not None and reg.hooks)
+                or "_hf_hook" in m.__dict__)
+
+
+def _global_hooks() -> bool:
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def _caller_frame(code: Any) -> int | None:
+    """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up:
+    patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop)."""
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        if f.f_code is code:
+            return id(f)
+        f = f.f_back
+    return None
+
+
+def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Module, BlockPlan, int, Any] | None:
+    """The next block, its plan and the loop frame, if this call can hand over (else None; a
+    per-call obstacle is counted, structural ones are in the report)."""
+    nb = plan.handoff_to
+    if nb is None:
+        return None
+    np_: BlockPlan | None = nb.__dict__.get(PLAN_ATTR)
+    if (np_ is None or np_.stale is not None or np_.recalibrated or np_.runtime_device != h.device
+            or np_.handoff_in_reasons or np_.options is not plan.options):
+        return None  # not decided for this device yet, or cannot receive: see its report entry
+    if h.dtype == torch.float16:
+        return None  # diffusers clips fp16 block outputs after the residual (fp16 blocks do not receive)
+    if _hooked(block) or _hooked(nb) or _global_hooks():
+        plan.count("cross-block hand-off not made: a forward hook on this or the next block (or a global one) "
+                   "could change hidden_states in between")
+        return None
+    code = _loop_code(plan.loop_owner)
+    frame = _caller_frame(code)
+    if frame is None:
+        plan.count("cross-block hand-off not made: block not called from the transformer's forward loop")
+        return None
+    return nb, np_, frame, code
+
+
+def give(rec: Handoff) -> None:
+    _local.rec = rec
+
+
+def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
+         index: torch.Tensor | None) -> Handoff | None:
+    """The record handed to this block, if it applies to this very call; any record is dropped."""
+    rec: Handoff | None = getattr(_local, "rec", None)
+    if rec is None:
+        return None
+    _local.rec = None
+    if rec.to is not plan:
+        return None
+    if (h is rec.img and txt is rec.txt and temb is rec.temb and index is rec.index
+            and _caller_frame(rec.code) == rec.frame):
+        plan.handoffs_used += 1
+        return rec
+    plan.count("cross-block hand-off refused: this block did not receive the tensors the previous block "
+               "returned, from the same forward loop (a ControlNet residual or the caller changed them); "
+               "norm1 recomputed")
+    return None
+
+
+def drop() -> None:
+    """Forget the thread's record (a patched block ran another path)."""
+    _local.rec = None
+
+
+__all__ = ["Handoff", "give", "link", "receive_reasons", "take", "target"]
