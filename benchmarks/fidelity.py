@@ -47,6 +47,24 @@ from qwen_absorb import testing as T  # noqa: E402
 PASS_RATIO = 1.05
 
 
+def flow_match_denoise(model, kw: dict[str, Any], latents: torch.Tensor, steps: int,
+                       device: torch.device) -> torch.Tensor:
+    """A short FlowMatch Euler loop (no CFG) from ``latents``, as QwenImagePipeline runs the
+    transformer; ``kw`` are the other transformer inputs (modified in place). Returns fp32 latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sched = FlowMatchEulerDiscreteScheduler()
+    sched.set_timesteps(steps, device=device)
+    dtype = latents.dtype
+    for t in sched.timesteps:
+        kw["hidden_states"] = latents
+        kw["timestep"] = (t.expand(latents.shape[0]) / 1000).to(dtype)
+        pred = model(**kw)[0]
+        latents = sched.step(pred, t, latents, return_dict=False)[0]
+    sync(device)
+    return latents.float()
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     d = out.double() - ref.double()
     return (d.norm() / ref.double().norm()).item()
@@ -91,19 +109,7 @@ class Runner:
     @torch.inference_mode()
     def denoise(self, dtype: torch.dtype) -> torch.Tensor:
         """A short FlowMatch Euler loop (no CFG), as QwenImagePipeline runs the transformer."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        sched = FlowMatchEulerDiscreteScheduler()
-        sched.set_timesteps(self.args.steps, device=self.device)
-        kw = self.inputs(dtype)
-        latents = self.noise32.to(dtype)
-        for t in sched.timesteps:
-            kw["hidden_states"] = latents
-            kw["timestep"] = (t.expand(latents.shape[0]) / 1000).to(dtype)
-            pred = self.model(**kw)[0]
-            latents = sched.step(pred, t, latents, return_dict=False)[0]
-        sync(self.device)
-        return latents.float()
+        return flow_match_denoise(self.model, self.inputs(dtype), self.noise32.to(dtype), self.args.steps, self.device)
 
     def calib_inputs(self) -> list[dict[str, Any]]:
         out = []

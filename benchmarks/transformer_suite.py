@@ -75,7 +75,7 @@ for _p in (ROOT, ROOT / "benchmarks", ROOT / "examples"):
 import _common as C  # noqa: E402  (examples/_common.py: json_safe, runtime_fallbacks, git_commit)
 import qwen_absorb  # noqa: E402
 from bench_block import env_info, sync  # noqa: E402
-from fidelity import rel_err  # noqa: E402
+from fidelity import flow_match_denoise, rel_err  # noqa: E402
 from qwen_absorb import testing as T  # noqa: E402
 
 SECTIONS = ("host", "fp8")
@@ -664,19 +664,7 @@ class Suite:
     @torch.inference_mode()
     def denoise(self, dtype: torch.dtype) -> torch.Tensor:
         """The FlowMatch Euler loop of benchmarks/fidelity.py (Runner.denoise): no CFG, ``--steps`` steps."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        sched = FlowMatchEulerDiscreteScheduler()
-        sched.set_timesteps(self.args.steps, device=self.device)
-        kw = self.inputs(dtype)
-        latents = self.noise32.to(dtype)
-        for t in sched.timesteps:
-            kw["hidden_states"] = latents
-            kw["timestep"] = (t.expand(latents.shape[0]) / 1000).to(dtype)
-            pred = self.model(**kw)[0]
-            latents = sched.step(pred, t, latents, return_dict=False)[0]
-        sync(self.device)
-        return latents.float()
+        return flow_match_denoise(self.model, self.inputs(dtype), self.noise32.to(dtype), self.args.steps, self.device)
 
     def fidelity(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Forward + latents in bf16; rel errors against the fp32 reference into fp8_gemm.json."""

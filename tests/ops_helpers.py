@@ -69,3 +69,36 @@ def ln_output_stats(actual: torch.Tensor, expected: torch.Tensor) -> dict:
     same = (bits(a) == bits(e)).float().mean().item() if a.numel() else 1.0
     max_ulp = int(ulp_distance(a, e).max()) if a.numel() else 0
     return {"identical": same, "max_ulp": max_ulp}
+
+
+def check_graph_replay(chain, static, fresh) -> None:
+    """``chain(*static)`` captured in a CUDA graph, replayed on ``fresh`` copied into the static
+    inputs: bit-identical to ``chain(*fresh)`` run eagerly (the ops launch on the capturing stream)."""
+    chain(*static)  # compile + load modules before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(*static)
+        with torch.cuda.graph(g):
+            outs = chain(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, chain(*fresh)):
+        assert_bit_identical(got, want, "graph replay")
+
+
+def check_side_stream(chain, args) -> None:
+    """``chain(*args)`` on a side stream equals it on the current stream (launches follow torch's stream)."""
+    want = chain(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = chain(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(got, want):
+        assert_bit_identical(a, b, "side stream")

@@ -364,6 +364,11 @@ def test_modelopt_fp8_replay(patched, seed):
         qwen_absorb.patch(model)
     ins = [inputs(model, seed + 1 + i, masked_tail=2) for i in range(3)]
     refs = [run(model, kw) for kw in ins]
+    _replays_equal_eager(model, ins, refs)
+
+
+def _replays_equal_eager(model, ins, refs):
+    """Graph mode on: three inputs of one signature, each run twice, give the eager outputs (one capture, no fallback)."""
     fresh(refs)
     runner, fb = install(model)
     for kw, r in zip(ins + ins, refs + refs):
@@ -380,10 +385,4 @@ def test_on_top_of_compile_repeated_blocks(patched, seed):
     model.compile_repeated_blocks()
     ins = [inputs(model, seed + 1 + i) for i in range(3)]
     refs = [run(model, kw) for kw in ins]  # compiles
-    fresh(refs)
-    runner, fb = install(model)
-    for kw, r in zip(ins + ins, refs + refs):
-        assert torch.equal(run(model, kw), r)
-    d = runner.describe()
-    assert (d["captures"], d["replays"], d["failed_signatures"]) == (1, 5, 0), d
-    assert not fb
+    _replays_equal_eager(model, ins, refs)

@@ -20,6 +20,8 @@ from qwen_absorb.quant import norm_input_fp8
 from .ops_helpers import (
     EPS,
     assert_bit_identical,
+    check_graph_replay,
+    check_side_stream,
     chunk_views,
     diffusers_layer_norm,
     diffusers_modulate,
@@ -288,36 +290,11 @@ def test_torch_compile_fullgraph_same_numbers():
 
 
 def test_cuda_graph_capture_and_replay():
-    static = _chain_inputs(3)
-    _chain(*static)  # compile + load modules before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _chain(*static)
-        with torch.cuda.graph(g):
-            outs = _chain(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    fresh = _chain_inputs(4)
-    for dst, src in zip(static, fresh):
-        dst.copy_(src)
-    g.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(outs, _chain(*fresh)):
-        assert_bit_identical(got, want, "graph replay")
+    check_graph_replay(_chain, _chain_inputs(3), _chain_inputs(4))
 
 
 def test_launch_uses_current_stream():
-    args = _chain_inputs(5)
-    want = _chain(*args)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        got = _chain(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    for a, b in zip(got, want):
-        assert_bit_identical(a, b, "side stream")
+    check_side_stream(_chain, _chain_inputs(5))
 
 
 @pytest.fixture(scope="module", autouse=True)

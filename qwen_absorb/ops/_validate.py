@@ -27,11 +27,16 @@ def is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
 
 
-def check_activation(name: str, t: torch.Tensor) -> None:
+def check_tensor(name: str, t: object, dtensor_hint: str = "") -> None:
+    """A plain tensor argument: a torch.Tensor, and not a DTensor (whose storage is a shard)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if is_dtensor(t):
-        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()) where the math is token-local")
+        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()){dtensor_hint}")
+
+
+def check_activation(name: str, t: torch.Tensor) -> None:
+    check_tensor(name, t, " where the math is token-local")
     if t.dim() != 3:
         raise ValueError(f"{name} must have shape [B, L, D], got {tuple(t.shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
@@ -41,10 +46,7 @@ def check_activation(name: str, t: torch.Tensor) -> None:
 
 
 def check_same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if is_dtensor(t):
-        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local())")
+    check_tensor(name, t)
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
     if t.device != ref.device:

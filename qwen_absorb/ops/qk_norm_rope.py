@@ -39,7 +39,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._validate import SUPPORTED_DTYPES, check_eps, is_dtensor
+from ._validate import SUPPORTED_DTYPES, check_eps, check_tensor
 
 log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
@@ -275,10 +275,7 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
 def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
     name, wn, fn = ("x", "weight", "freqs") if i is None else (f"xs[{i}]", f"weights[{i}]", f"freqs[{i}]")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if is_dtensor(x):
-        raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()): the op is token-local")
+    check_tensor(name, x, ": the op is token-local")
     if x.dim() != 4:
         raise ValueError(f"{name} must have shape [B, L, H, DH], got {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -286,20 +283,14 @@ def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
     DH = x.shape[3]
     if DH < 2 or DH % 2:
         raise ValueError(f"{name} needs an even head dim DH >= 2 (RoPE pairs), got {tuple(x.shape)}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{wn} must be a torch.Tensor, got {type(weight).__name__}")
-    if is_dtensor(weight):
-        raise TypeError(f"{wn} is a DTensor; pass its local tensor (t.to_local())")
+    check_tensor(wn, weight)
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{wn} has dtype {weight.dtype}; supported: bfloat16, float16, float32")
     if tuple(weight.shape) != (DH,):
         raise ValueError(f"{wn} must have shape [DH] = [{DH}], got {tuple(weight.shape)}")
     if weight.device != x.device:
         raise ValueError(f"{wn} is on {weight.device} but {name} is on {x.device}")
-    if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"{fn} must be a torch.Tensor, got {type(freqs).__name__}")
-    if is_dtensor(freqs):
-        raise TypeError(f"{fn} is a DTensor; pass its local tensor (t.to_local())")
+    check_tensor(fn, freqs)
     if not freqs.is_complex():
         raise TypeError(f"{fn} must be a complex tensor (torch.polar(...), as diffusers' QwenEmbedRope makes it), "
                         f"got dtype {freqs.dtype}")
