@@ -86,6 +86,7 @@ import torch  # noqa: E402
 
 import _common as C  # noqa: E402  (examples/_common.py: environment, json_safe, runtime_fallbacks)
 import bench_ops as BO  # noqa: E402  (make_sets, time_graph, copy_rate, fused_* call wrappers)
+import kernel_events  # noqa: E402
 import qwen_absorb  # noqa: E402
 from qwen_absorb import testing as T  # noqa: E402
 from qwen_absorb.ops import _runtime  # noqa: E402
@@ -425,7 +426,6 @@ def kernel_table(fn: Callable[[], Any], device: torch.device) -> list[dict[str, 
     """Every kernel of one call of ``fn`` under torch.profiler (CUDA activity): name, count, us; by time."""
     if device.type != "cuda":
         return None
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
@@ -433,15 +433,10 @@ def kernel_table(fn: Callable[[], Any], device: torch.device) -> list[dict[str, 
         fn()
         sync(device)
     rows: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-            continue
-        low = e.name.lower()
-        if "memcpy" in low or "memset" in low:
-            continue
-        r = rows.setdefault(e.name, [0, 0.0])
+    for name, us in kernel_events.kernels(prof):
+        r = rows.setdefault(name, [0, 0.0])
         r[0] += 1
-        r[1] += float(e.time_range.elapsed_us())
+        r[1] += us
     return [{"name": n[:200], "count": int(c), "us": round(us, 2)}
             for n, (c, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
 

@@ -17,6 +17,16 @@ Medians of ``--iters`` (>= 5) forwards after ``--warmup``. CUDA time is taken wi
 synchronisation around each forward. NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are enforced before NCCL starts.
 
+GPU busy (beside every ``*_ms``, unless ``--no-profile``): after the timed forwards of a configuration, one
+more forward under ``torch.profiler`` (CPU + CUDA activity; ranks start it together): ``*_gpu_busy_ms`` =
+the sum of the device durations of its kernels (NCCL kernels included, memcpy/memset not), ``*_nccl_ms``
+= the part of it in kernels whose name contains "nccl", ``*_kernels`` = the number of kernels; on each
+rank its own GPU, reported for the rank with the largest GPU busy (parallel runs). Wall far above GPU
+busy: the host is the bottleneck. An NCCL kernel also counts the time its rank waits in it for the
+other rank, so the compute part of GPU busy is ``gpu_busy - nccl``. ``None`` off CUDA (``--tiny``).
+The profiler (CUPTI) is started once before the first timed forward, so every timing runs in the same
+profiler state.
+
 TP patched runs last among the bf16 runs: if the patched block hands a raw kernel an
 AsyncCollectiveTensor (issue 12), the CUDA context dies; the results file (written after every
 step) then says which run was in progress.
@@ -33,10 +43,10 @@ in ``fp8.num_layers_reason``), at ``--fp8-resolutions`` (default 1024):
   it is ~0.06 on one GPU too, fp8_gemm.json ``real_vs_fake_rel_diff_forward``);
 - ``tp``: diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model (a 1-block probe
   records the exception in ``fp8.tp.quantize_before_parallelism_error``), so the TP model is
-  parallelised first and then quantized and calibrated (ModelOpt quantizes the rank-local shards:
-  per-rank weight / row-wise input scales, hence ``rel_err_unpatched_vs_single`` > 0); its
-  DTensor-weight linears stay ModelOpt's (reason per linear in ``fp8_reasons``), the modulation
-  linears (plain weights) can run real FP8.
+  parallelised first and then quantized and calibrated (ModelOpt calibrates the DTensor weights'
+  amax over the whole tensor, equal on every rank: ``amax_agree``); patched, every linear runs as a
+  real FP8 GEMM on this rank's shards (qwen_absorb.projection: row-wise outputs sum all-reduced,
+  no DTensor); ``rel_err_unpatched_vs_single`` > 0 is TP's own reduction order.
 
 Each records the patch summary (``fp8_gemm_linears``: linears run as real FP8 GEMMs), the
 not-real-FP8 reasons and, instead of dying, the exception text of a failed step.
@@ -79,11 +89,16 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import kernel_events  # noqa: E402  (benchmarks/kernel_events.py)
 
 FULL_HEADS = 24
 TEXT_LEN = 128
+PROFILE_KEYS = ("gpu_busy_ms", "nccl_ms", "kernels")  # suffixes of the profiled forward's keys: single_gpu_busy_ms ...
+PROFILE_S_PER_BLOCK = 0.03  # profiled forward + event parsing, s per block, until measured (budget estimate)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-len", type=int, default=None, help=f"text tokens (default {TEXT_LEN}; --tiny: 8)")
     p.add_argument("--mask", action="store_true", help="pad the text: pass a mask with 2 masked tokens")
     p.add_argument("--no-single-patched", action="store_true", help="skip the patched one-GPU run")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the profiled forwards (the *_gpu_busy_ms / *_nccl_ms / *_kernels keys stay None)")
     p.add_argument("--dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8 (default both)")
     p.add_argument("--fp8-num-layers", type=int, default=None, help="FP8 part: blocks (default 60; --tiny: 2)")
     p.add_argument("--fp8-resolutions", default=None, help="FP8 part: pixels (default 1024; --tiny: 64)")
@@ -238,6 +255,35 @@ def _run(cmd: list[str]) -> str | None:
 # ------------------------------------------------------------------------------------------ measurement
 
 
+def kernel_totals(prof) -> tuple[float, float, int]:
+    """(GPU busy ms, its NCCL part ms, kernels) of a finished torch.profiler session: the device-side events
+    (benchmarks/kernel_events.py), each ``time_range`` summed; NCCL = kernel names containing "nccl" (any case). The
+    approach of transformer_suite.profile_fn and cuda_graph_bench.gpu_busy (not imported: importing those
+    modules loads the examples, qwen_absorb's CUDA-graph module and sets TORCH_EXTENSIONS_DIR, and neither
+    separates NCCL)."""
+    busy_us = nccl_us = 0.0
+    n = 0
+    for name, dur in kernel_events.kernels(prof):
+        n += 1
+        busy_us += dur
+        if "nccl" in name.lower():
+            nccl_us += dur
+    return busy_us / 1e3, nccl_us / 1e3, n
+
+
+def _single_keys(s: dict[str, Any]) -> dict[str, Any]:
+    """The one-GPU keys of a parallel row: single_ms, single_gpu_busy_ms, ..., single_patched_kernels."""
+    return {f"{b}_{k}": s.get(f"{b}_{k}") for b in ("single", "single_patched") for k in ("ms", *PROFILE_KEYS)}
+
+
+def _busy(row: dict[str, Any], prefix: str) -> str:
+    """`` (GPU busy 90.1 ms, NCCL 30.2 ms, 1234 kernels)`` for the log; empty when not measured."""
+    b = row.get(f"{prefix}_gpu_busy_ms")
+    if b is None:
+        return ""
+    return f" (GPU busy {b:.1f} ms, NCCL {row[f'{prefix}_nccl_ms']:.1f} ms, {row[f'{prefix}_kernels']} kernels)"
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace):
         import datetime  # noqa: PLC0415
@@ -259,6 +305,18 @@ class Bench:
             dist.init_process_group("nccl", device_id=self.device, timeout=datetime.timedelta(minutes=10))
             self.dtype = torch.bfloat16
         self.data: dict[str, Any] = {}
+        self.profile_skipped: list[str] = []  # why GPU busy is None (each reason once)
+        self.profile_cost: list[tuple[float, int]] = []  # (s, blocks) of each profiled forward: the budget estimate
+        if self.device.type == "cuda" and not a.no_profile:
+            # CUPTI is initialised by the first profiler session and may leave launch overhead behind: start it
+            # once now, so that every timed forward runs in the same profiler state (as transformer_suite does)
+            from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+            x = torch.randn(256, 256, device=self.device)
+            with contextlib.suppress(Exception), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                x @ x
+                self.sync()
+            del x
 
     def say(self, *x) -> None:
         if self.rank == 0:
@@ -333,6 +391,62 @@ class Bench:
             ms = float(t)
         return ms, out.detach().clone()
 
+    def profiled(self, m, inp, parallel: bool, prefix: str) -> dict[str, Any]:
+        """One more forward under torch.profiler (CPU + CUDA activity): ``{prefix}_gpu_busy_ms`` (sum of the
+        kernels' device durations, NCCL included), ``{prefix}_nccl_ms`` (its NCCL-kernel part),
+        ``{prefix}_kernels`` (count), this rank's GPU; ``parallel``: the values of the rank with the largest
+        GPU busy (ranks start together). All None with --no-profile, off CUDA, or if the profiler fails."""
+        keys = [f"{prefix}_{k}" for k in PROFILE_KEYS]
+        if self.a.no_profile:
+            return dict.fromkeys(keys)
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        torch, cuda = self.torch, self.device.type == "cuda"
+        vals, why, prof = None, None, None
+        if parallel:
+            self.dist.barrier()
+        self.sync()
+        t0 = time.monotonic()
+        try:
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            prof.start()
+        except Exception as e:  # noqa: BLE001  (a profiler problem must not cost the timings)
+            prof, why = None, f"profiler failed to start: {type(e).__name__}: {e}"
+        try:
+            self.forward(m, inp)  # its own failure is the run's, not the profiler's: raised
+            self.sync()
+        finally:
+            if prof is not None:
+                try:
+                    prof.stop()
+                except Exception as e:  # noqa: BLE001
+                    prof, why = None, f"profiler failed to stop: {type(e).__name__}: {e}"
+        if prof is not None and not cuda:
+            why = f"no CUDA device ({self.device.type}): no CUDA activity in torch.profiler"
+        elif prof is not None:
+            try:
+                vals = kernel_totals(prof)
+                if vals[2] == 0:
+                    vals, why = None, "the profiler saw no kernels"
+            except Exception as e:  # noqa: BLE001
+                why = f"profiler events unreadable: {type(e).__name__}: {e}"
+        del prof
+        self.profile_cost.append((time.monotonic() - t0, len(m.transformer_blocks)))
+        if parallel:
+            t = torch.tensor([*vals, 1.0] if vals else [0.0] * 4, dtype=torch.float64, device=self.device)
+            g = [torch.empty_like(t) for _ in range(self.world)]
+            self.dist.all_gather(g, t)
+            rows = [x.tolist() for x in g]
+            if all(r[3] for r in rows):
+                vals = tuple(max(rows, key=lambda r: r[0])[:3])
+            else:
+                vals, why = None, why or "not measured on every rank"
+        if why and why not in self.profile_skipped:
+            self.profile_skipped.append(why)
+        if vals is None:
+            return dict.fromkeys(keys)
+        return dict(zip(keys, (round(vals[0], 3), round(vals[1], 3), int(vals[2]))))
+
     def ranks_agree(self, t) -> bool:
         g = [self.torch.empty_like(t) for _ in range(self.world)]
         self.dist.all_gather(g, t.contiguous())
@@ -355,15 +469,17 @@ class Bench:
             for res in self.a.resolutions:
                 inp = self.inputs(m, res)
                 ms, out = self.timed(m, inp, parallel=False)
-                r = {"single_ms": ms, "out": out.cpu()}
+                r = {"single_ms": ms, **self.profiled(m, inp, False, "single"), "out": out.cpu()}
                 if not self.a.no_single_patched:
                     qwen_absorb.patch(m)
                     r["single_patched_ms"], outp = self.timed(m, inp, parallel=False)
+                    r.update(self.profiled(m, inp, False, "single_patched"))
                     r["single_patched_bit_identical"] = bool(self.torch.equal(outp.cpu(), r["out"]))
                     qwen_absorb.unpatch(m)
                 res_out[res] = r
-                self.say(f"single {res}: {ms:.1f} ms" + (f", patched {r['single_patched_ms']:.1f} ms"
-                                                         if "single_patched_ms" in r else ""))
+                self.say(f"single {res}: {ms:.1f} ms{_busy(r, 'single')}"
+                         + (f", patched {r['single_patched_ms']:.1f} ms{_busy(r, 'single_patched')}"
+                            if "single_patched_ms" in r else ""))
         del m
         self.dist.barrier()
         return res_out
@@ -382,10 +498,10 @@ class Bench:
             inp = self.inputs(m, res)
             ms, out = self.timed(m, inp, parallel=True)
             outs[res] = out
-            r["resolutions"][str(res)] = {"single_ms": single.get(res, {}).get("single_ms"),
-                                          "single_patched_ms": single.get(res, {}).get("single_patched_ms"),
-                                          "parallel_unpatched_ms": ms, "ranks_agree_unpatched": self.ranks_agree(out)}
-            self.say(f"{mode} {res}: unpatched {ms:.1f} ms")
+            row = {**_single_keys(single.get(res, {})), "parallel_unpatched_ms": ms,
+                   **self.profiled(m, inp, True, "parallel_unpatched"), "ranks_agree_unpatched": self.ranks_agree(out)}
+            r["resolutions"][str(res)] = row
+            self.say(f"{mode} {res}: unpatched {ms:.1f} ms{_busy(row, 'parallel_unpatched')}")
         progress(mode, r, "patched run in progress (a crash here leaves this status)")
         report = qwen_absorb.patch(m)
         bit = True
@@ -394,6 +510,7 @@ class Bench:
             ms, out = self.timed(m, inp, parallel=True)
             row = r["resolutions"][str(res)]
             row["parallel_patched_ms"] = ms
+            row.update(self.profiled(m, inp, True, "parallel_patched"))
             row["ranks_agree_patched"] = self.ranks_agree(out)
             row["bit_identical"] = bool(self.torch.equal(out, outs[res]))
             row["max_abs_patched_vs_unpatched"] = float((out.float() - outs[res].float()).abs().max())
@@ -402,7 +519,8 @@ class Bench:
                 ref = single[res]["out"].to(self.device)
                 row["rel_err_vs_single"] = self.rel_err(out, ref)
                 row["rel_err_unpatched_vs_single"] = self.rel_err(outs[res], ref)
-            self.say(f"{mode} {res}: patched {ms:.1f} ms, bit-identical {row['bit_identical']}")
+            self.say(f"{mode} {res}: patched {ms:.1f} ms{_busy(row, 'parallel_patched')}, "
+                     f"bit-identical {row['bit_identical']}")
         rows = r["resolutions"].values()
         r["bit_identical"] = bit
         if single:
@@ -471,10 +589,10 @@ class Bench:
             for res in self.a.fp8_resolutions:
                 inp = self.inputs(m, res)
                 ms, out = self.fp8_timed(m, inp, parallel=False)
-                row = {"single_ms": ms}
+                row = {"single_ms": ms, **self.profiled(m, inp, False, "single")}
                 r["resolutions"][str(res)] = row
-                single[res] = {"single_ms": ms, "out": out.cpu()}
-                self.say(f"fp8 single {res}: fake quant {ms:.1f} ms")
+                single[res] = {**row, "out": out.cpu()}
+                self.say(f"fp8 single {res}: fake quant {ms:.1f} ms{_busy(row, 'single')}")
                 write()
             report = qwen_absorb.patch(m)
             try:
@@ -483,12 +601,14 @@ class Bench:
                     ms, out = self.fp8_timed(m, inp, parallel=False)
                     ref = single[res]["out"].to(self.device)
                     row = r["resolutions"][str(res)]
-                    row.update(single_patched_ms=ms, rel_err=self.rel_err(out, ref),
+                    prof = self.profiled(m, inp, False, "single_patched")
+                    row.update(single_patched_ms=ms, **prof, rel_err=self.rel_err(out, ref),
                                max_abs=float((out.float() - ref.float()).abs().max()),
                                bit_identical=bool(self.torch.equal(out, ref)))
-                    single[res]["single_patched_ms"] = ms
+                    single[res].update(single_patched_ms=ms, **prof)
                     single[res]["out_patched"] = out.cpu()
-                    self.say(f"fp8 single {res}: patched {ms:.1f} ms, rel err {row['rel_err']:.3g}")
+                    self.say(f"fp8 single {res}: patched {ms:.1f} ms{_busy(row, 'single_patched')}, "
+                             f"rel err {row['rel_err']:.3g}")
                 r.update(self.fp8_report(report))
                 r["report"] = str(report)[:4000]
             finally:
@@ -509,12 +629,12 @@ class Bench:
             ms, out = self.fp8_timed(m, inp, parallel=True)
             outs[res] = out
             s = single.get(res, {})
-            row = {"single_ms": s.get("single_ms"), "single_patched_ms": s.get("single_patched_ms"),
-                   "parallel_unpatched_ms": ms, "ranks_agree_unpatched": self.ranks_agree(out)}
+            row = {**_single_keys(s), "parallel_unpatched_ms": ms,
+                   **self.profiled(m, inp, True, "parallel_unpatched"), "ranks_agree_unpatched": self.ranks_agree(out)}
             if "out" in s:
                 row["rel_err_unpatched_vs_single"] = self.rel_err(out, s["out"].to(self.device))
             r["resolutions"][str(res)] = row
-            self.say(f"fp8 {mode} {res}: unpatched {ms:.1f} ms")
+            self.say(f"fp8 {mode} {res}: unpatched {ms:.1f} ms{_busy(row, 'parallel_unpatched')}")
         r["status"] = "patched run in progress (a crash here leaves this status)"
         write()
         report = qwen_absorb.patch(m)
@@ -523,14 +643,16 @@ class Bench:
             ms, out = self.fp8_timed(m, inp, parallel=True)
             row = r["resolutions"][str(res)]
             s = single.get(res, {})
-            row.update(parallel_patched_ms=ms, ranks_agree_patched=self.ranks_agree(out),
+            row.update(parallel_patched_ms=ms, **self.profiled(m, inp, True, "parallel_patched"),
+                       ranks_agree_patched=self.ranks_agree(out),
                        bit_identical=bool(self.torch.equal(out, outs[res])), rel_err=self.rel_err(out, outs[res]),
                        max_abs=float((out.float() - outs[res].float()).abs().max()))
             if "out" in s:
                 row["rel_err_vs_single"] = self.rel_err(out, s["out"].to(self.device))
             if "out_patched" in s:
                 row["rel_err_vs_single_patched"] = self.rel_err(out, s["out_patched"].to(self.device))
-            self.say(f"fp8 {mode} {res}: patched {ms:.1f} ms, rel err vs unpatched {row['rel_err']:.3g}")
+            self.say(f"fp8 {mode} {res}: patched {ms:.1f} ms{_busy(row, 'parallel_patched')}, "
+                     f"rel err vs unpatched {row['rel_err']:.3g}")
         rows = list(r["resolutions"].values())
         r["bit_identical"] = all(x["bit_identical"] for x in rows)
         r["rel_err"] = max(x["rel_err"] for x in rows)
@@ -703,7 +825,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"Model: {data['config']['model']}; batch 1, {data['config']['text_len']} text tokens, "
         f"mask {data['config']['mask']}; medians of {data['config']['iters']} forwards after "
-        f"{data['config']['warmup']} warm-up; parallel times are the slowest rank's.",
+        f"{data['config']['warmup']} warm-up; parallel times are the slowest rank's. " + _busy_note(data),
         "",
     ]
     for note in data.get("notes", []):  # free text added when results of several runs are merged
@@ -720,15 +842,24 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [f"bit_identical (patched vs unpatched parallel): **{r.get('bit_identical')}**; "
                   f"rel_err_vs_single: {_f(r.get('rel_err_vs_single'), '.3g')} "
                   f"(unpatched: {_f(r.get('rel_err_unpatched_vs_single'), '.3g')}); "
-                  f"runtime fallbacks: {r.get('runtime_fallbacks') or 'none'}", "",
-                  "| resolution | 1 GPU ms | 1 GPU patched ms | parallel ms | parallel patched ms | parallel speed-up "
-                  "| patched speed-up | bit-identical |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for res, x in r.get("resolutions", {}).items():
+                  f"runtime fallbacks: {r.get('runtime_fallbacks') or 'none'}", ""]
+        rows = r.get("resolutions", {})
+        busy = _has_busy(rows.values())
+        gb = " (GPU busy)" if busy else ""
+        extra = " parallel NCCL ms, unpatched / patched | parallel kernels, unpatched / patched |" if busy else ""
+        lines += [f"| resolution | 1 GPU ms{gb} | 1 GPU patched ms{gb} | parallel ms{gb} | parallel patched ms{gb} |"
+                  f"{extra} parallel speed-up | patched speed-up | bit-identical |",
+                  "|---" * (10 if busy else 8) + "|"]
+        for res, x in rows.items():
             s, pu, pp = x.get("single_ms"), x.get("parallel_unpatched_ms"), x.get("parallel_patched_ms")
-            lines.append(f"| {res}^2 | {_f(s)} | {_f(x.get('single_patched_ms'))} | {_f(pu)} | {_f(pp)} | "
-                         f"{_f(s / pu if s and pu else None, '.2f')}x | {_f(pu / pp if pu and pp else None, '.3f')}x | "
-                         f"{x.get('bit_identical')} |")
+            cells = [f"{res}^2"] + [_wb(x, k) for k in ("single", "single_patched", "parallel_unpatched",
+                                                          "parallel_patched")]
+            if busy:
+                cells += [_pair(x, "parallel_unpatched_nccl_ms", "parallel_patched_nccl_ms"),
+                          _pair(x, "parallel_unpatched_kernels", "parallel_patched_kernels", "d")]
+            cells += [f"{_f(s / pu if s and pu else None, '.2f')}x", f"{_f(pu / pp if pu and pp else None, '.3f')}x",
+                      str(x.get("bit_identical"))]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += _markdown_fp8(data.get("fp8"))
     o = data.get("orders")
@@ -758,11 +889,14 @@ def _markdown_fp8(fp: dict[str, Any] | None) -> list[str]:
               f"where a linear qualifies); rel err = patched vs unpatched (ModelOpt fake quant) in the same mode. "
               f"ModelOpt FP8 extension load {fp.get('modelopt_fp8_extension_load_s', '-')} s, "
               f"build {fp.get('build_s', '-')} s, quantize + calibrate {fp.get('calibration_s', '-')} s, amax "
-              f"equal on all ranks: {fp.get('amax_agree_between_ranks')}. Status: {fp.get('status', 'running')}.", "",
-              "| run | resolution | 1 GPU fake quant ms | 1 GPU patched ms | parallel unpatched ms | "
-              "parallel patched ms | patched speed-up | rel err patched vs unpatched | rel err vs 1 GPU "
-              "(unpatched / patched) | real FP8 linears |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              f"equal on all ranks: {fp.get('amax_agree_between_ranks')}. Status: {fp.get('status', 'running')}.", ""]
+    busy = _has_busy(x for name in ("single", "cp", "tp") for x in (fp.get(name) or {}).get("resolutions", {}).values())
+    gb = " (GPU busy)" if busy else ""
+    lines += [f"| run | resolution | 1 GPU fake quant ms{gb} | 1 GPU patched ms{gb} | parallel unpatched ms{gb} | "
+              f"parallel patched ms{gb} | " + ("NCCL ms, unpatched / patched | kernels, unpatched / patched | "
+                                               if busy else "")
+              + "patched speed-up | rel err patched vs unpatched | rel err vs 1 GPU (unpatched / patched) | "
+              "real FP8 linears |", "|---" * (12 if busy else 10) + "|"]
     for name in ("single", "cp", "tp"):
         r = fp.get(name)
         if not r:
@@ -771,11 +905,15 @@ def _markdown_fp8(fp: dict[str, Any] | None) -> list[str]:
             s, sp = x.get("single_ms"), x.get("single_patched_ms")
             pu, pp = x.get("parallel_unpatched_ms"), x.get("parallel_patched_ms")
             base, new = (s, sp) if name == "single" else (pu, pp)
-            lines.append(
-                f"| {name} | {res}^2 | {_f(s)} | {_f(sp)} | {_f(pu)} | {_f(pp)} | "
-                f"{_f(base / new if base and new else None, '.2f')}x | {_f(x.get('rel_err'), '.3g')} | "
-                f"{_f(x.get('rel_err_unpatched_vs_single'), '.3g')} / {_f(x.get('rel_err_vs_single'), '.3g')} | "
-                f"{r.get('fp8_gemm_linears', '-')} |")
+            u, p = ("single", "single_patched") if name == "single" else ("parallel_unpatched", "parallel_patched")
+            cells = [name, f"{res}^2"] + [_wb(x, k) for k in ("single", "single_patched", "parallel_unpatched",
+                                                                "parallel_patched")]
+            if busy:
+                cells += [_pair(x, f"{u}_nccl_ms", f"{p}_nccl_ms"), _pair(x, f"{u}_kernels", f"{p}_kernels", "d")]
+            cells += [f"{_f(base / new if base and new else None, '.2f')}x", _f(x.get("rel_err"), ".3g"),
+                      f"{_f(x.get('rel_err_unpatched_vs_single'), '.3g')} / {_f(x.get('rel_err_vs_single'), '.3g')}",
+                      str(r.get("fp8_gemm_linears", "-"))]
+            lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name in ("single", "cp", "tp"):
         r = fp.get(name)
@@ -817,13 +955,48 @@ def _f(v, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def fp8_layers(a: argparse.Namespace, data: dict[str, Any]) -> tuple[int, str]:
+def _wb(x: dict[str, Any], prefix: str) -> str:
+    """Wall ms with the GPU busy ms in brackets: ``153.5 (90.1)``; just the wall ms when busy is unknown."""
+    b = x.get(f"{prefix}_gpu_busy_ms")
+    return _f(x.get(f"{prefix}_ms")) + ("" if b is None else f" ({_f(b)})")
+
+
+def _pair(x: dict[str, Any], k1: str, k2: str, fmt: str = ".1f") -> str:
+    return f"{_f(x.get(k1), fmt)} / {_f(x.get(k2), fmt)}"
+
+
+def _has_busy(rows) -> bool:
+    return any(v is not None for x in rows for k, v in x.items() if k.endswith("_gpu_busy_ms"))
+
+
+def _busy_note(data: dict[str, Any]) -> str:
+    c = data["config"]
+    if "gpu_busy" not in c:  # results written before GPU busy was measured
+        return ""
+    if str(c["gpu_busy"]).startswith("off"):
+        return "GPU busy: not measured (--no-profile)."
+    why = "; ".join(c.get("profile_skipped") or [])
+    rows = [x for k in ("cp", "tp") for x in (data.get(k) or {}).get("resolutions", {}).values()]
+    rows += [x for k in ("single", "cp", "tp") for x in ((data.get("fp8") or {}).get(k) or {}).get("resolutions",
+                                                                                                 {}).values()]
+    if not _has_busy(rows):
+        return f"GPU busy: not measured ({why or 'no profiled forward finished'})."
+    return ("In brackets: GPU busy ms, the sum of the kernel durations of one more forward under torch.profiler "
+            "(NCCL kernels included; an NCCL kernel also counts the wait for the other rank, so the compute part "
+            "is GPU busy - NCCL); parallel: the rank with the largest GPU busy. Wall far above GPU busy: the host "
+            "is the bottleneck." + (f" Missing for some runs: {why}." if why else ""))
+
+
+def fp8_layers(a: argparse.Namespace, data: dict[str, Any],
+               profile_cost: list[tuple[float, int]] | None = None) -> tuple[int, str]:
     """FP8 blocks that fit the time left (``--time-budget-s``), and why that many.
 
     Estimate per block: 90 bf16-forward equivalents (fake quant ~4.4x bf16; single, CP and TP,
     unpatched and patched, warm-up included) at the measured one-GPU bf16 time per block at the
     first FP8 resolution (3 ms per block if not measured: 60-block bf16 at 1024^2 is ~175 ms on one
-    H200), plus 0.8 s of building, quantizing, calibrating and patching.
+    H200), plus 0.8 s of building, quantizing, calibrating and patching, plus (unless --no-profile)
+    the profiled forwards (one per run and resolution): 2x the mean measured seconds per block of the
+    earlier ones (``profile_cost``: (s, blocks) each; fake quant has more ops), else PROFILE_S_PER_BLOCK.
     """
     want = a.fp8_num_layers
     if a.time_budget_s is None:
@@ -835,6 +1008,10 @@ def fp8_layers(a: argparse.Namespace, data: dict[str, Any]) -> tuple[int, str]:
         per_fwd_block = row["single_ms"] / 1e3 / a.num_layers
     forwards = (a.fp8_warmup + a.fp8_iters) / 6 * 15 * len(a.fp8_resolutions)
     per_block = forwards * per_fwd_block * (a.fp8_resolutions[0] / 1024) ** 2 + 0.8
+    if not a.no_profile:
+        cost = [s / blocks for s, blocks in profile_cost or () if blocks]
+        per_profile = 2 * statistics.fmean(cost) if cost else PROFILE_S_PER_BLOCK
+        per_block += per_profile * (2 + 2 * len(a.modes)) * len(a.fp8_resolutions)
     n = min(want, int(left / per_block))
     why = (f"{left:.0f} s left of --time-budget-s {a.time_budget_s:.0f}, estimated {per_block:.2f} s per block")
     return n, ("as requested; " + why) if n == want else f"reduced from {want}: {why}"
@@ -852,7 +1029,14 @@ def main(argv=None) -> int:
         "config": {"model": ("tiny" if a.tiny else "full-size random") + f" transformer, {a.num_layers} blocks, "
                             f"{str(b.dtype)[6:]}", "num_layers": a.num_layers, "resolutions": a.resolutions,
                    "text_len": a.text_len, "mask": a.mask, "warmup": a.warmup, "iters": a.iters, "tiny": a.tiny,
-                   "dtypes": a.dtypes, "time_budget_s": a.time_budget_s},
+                   "dtypes": a.dtypes, "time_budget_s": a.time_budget_s,
+                   "gpu_busy": "off (--no-profile)" if a.no_profile else
+                   "after the timed forwards of each run, one more forward under torch.profiler (CPU + CUDA "
+                   "activity): *_gpu_busy_ms = sum of its kernels' device durations (NCCL kernels included, "
+                   "memcpy/memset not), *_nccl_ms = the NCCL kernels' part (it includes a rank's waiting for the "
+                   "other inside the collective), *_kernels = their count; parallel: the rank with the largest "
+                   "GPU busy",
+                   "profile_skipped": b.profile_skipped},
     }
     data["gpu"], data["world_size"], data["date"] = data["env"]["gpu"], b.world, data["env"]["date"]
     data["versions"] = {k: data["env"][k] for k in ("torch", "cuda_runtime", "diffusers", "modelopt", "cupy")}
@@ -901,7 +1085,10 @@ def main(argv=None) -> int:
             data["fp8"] = {"status": f"skipped: {broken}"}
         elif "fp8" in a.dtypes:
             ext_s = b.load_modelopt_fp8_extension()  # its first build (~1 min) is not counted in the FP8 timings
-            n, why = fp8_layers(a, data)
+            n, why = fp8_layers(a, data, b.profile_cost)
+            nw = [n, why]  # rank 0's estimate for every rank (one-GPU times and profile costs are rank 0's)
+            b.dist.broadcast_object_list(nw, src=0)
+            n, why = nw
             fp: dict[str, Any] = {
                 "num_layers": n, "num_layers_requested": a.fp8_num_layers, "num_layers_reason": why,
                 "resolutions": a.fp8_resolutions, "calib_resolution": a.calib_resolution,

@@ -7,6 +7,7 @@ unless --no-single), then every rank runs it with diffusers' parallelism, unpatc
     torchrun --nproc_per_node=2 examples/parallel.py --mode tp --patch --num-layers 8 --resolution 2048
     torchrun --nproc_per_node=2 examples/parallel.py --mode cp --ring 2 --attn-backend _native_cudnn --no-mask
     torchrun --nproc_per_node=2 examples/parallel.py --mode cp --ulysses 2 --patch --quant fp8 --num-layers 4
+    torchrun --nproc_per_node=2 examples/parallel.py --mode tp --patch --quant fp8 --num-layers 4
     torchrun --nproc_per_node=2 examples/parallel.py --size tiny --pipeline --mode tp --patch   # CPU: gloo
 
 It prints the forward (or pipeline) time on one GPU and in parallel, unpatched and patched, and
@@ -22,7 +23,8 @@ monkey-patches for that, applied by ``qwen_absorb.parallel.allow_cpu_parallelism
 Notes: CP splits the image and text sequences across ranks, so both must be divisible by the CP
 degree (``--text-len``; image tokens are (resolution/16)^2). TP needs the head count (24, tiny: 2)
 divisible by the world size; diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model
-(``--quant fp8 --mode tp`` is refused). Ring attention needs a backend that returns the LSE
+(with ``--quant fp8 --mode tp`` the model is parallelised first, then quantized, and there is no
+one-GPU run). Ring attention needs a backend that returns the LSE
 (``--attn-backend _native_cudnn`` or flash), the default ``native`` supports Ulysses only.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
@@ -117,10 +119,12 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if heads % world:
             p.error(f"--mode tp: the world size {world} must divide the {heads} attention heads")
         if a.quant != "none":
-            p.error("--mode tp --quant fp8: diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model "
-                    "(parallelize_module fails on the quantizer submodules: AttributeError: 'TensorQuantizer' object "
-                    "has no attribute 'weight'); benchmarks/parallel_bench.py measures the workaround, "
-                    "enable_parallelism first, then mtq.quantize")
+            # diffusers 0.42.1 cannot tensor-parallelise a ModelOpt-quantized model (parallelize_module
+            # fails on the quantizer submodules): enable_parallelism first, then mtq.quantize. The model
+            # on one GPU would then be another calibration, so there is no one-GPU reference.
+            if a.patch and a.patch_order == "before":
+                p.error("--mode tp --quant fp8 quantizes after enable_parallelism: patch after it (--patch-order after)")
+            a.no_single = True
         a.degree = world
     else:
         u, r = a.ulysses or 1, a.ring or 1
@@ -194,7 +198,7 @@ def build(a, device, dtype):
         inputs = T.transformer_inputs(tr, height=side, width=side, text_len=a.text_len,
                                       masked_tail=0 if a.no_mask else 2, seed=a.seed, device=device, dtype=dtype)
         if a.quant == "fp8":
-            T.fp8_quantize(tr, inputs)
+            tr._example_quantize = lambda: T.fp8_quantize(tr, inputs)
 
         def call():
             with torch.inference_mode():
@@ -206,7 +210,8 @@ def build(a, device, dtype):
                                         dtype=dtype, device=device)
     if a.quant == "fp8":
         side = a.resolution // 8
-        T.fp8_quantize(tr, T.transformer_inputs(tr, height=side, width=side, text_len=a.text_len, device=device))
+        tr._example_quantize = lambda: T.fp8_quantize(
+            tr, T.transformer_inputs(tr, height=side, width=side, text_len=a.text_len, device=device))
 
     def call():
         gen = torch.Generator(device="cpu").manual_seed(a.seed)
@@ -272,6 +277,9 @@ def main(argv=None) -> int:
     cpu_ctx = allow_cpu_parallelism() if device.type == "cpu" else contextlib.nullcontext()
     with cpu_ctx:
         target, tr, call = build(a, device, dtype)
+        quantize = tr.__dict__.pop("_example_quantize", None)
+        if quantize is not None and a.mode == "cp":
+            quantize()  # CP leaves the weights alone: quantize once, for the one-GPU run too
         rows, outs = {}, {}
         if not a.no_single:
             if rank == 0:
@@ -285,6 +293,8 @@ def main(argv=None) -> int:
         if a.patch and a.patch_order == "before":
             report = qwen_absorb.patch(target, defer_bias=defer)
         tr.enable_parallelism(config=parallel_config(a))
+        if quantize is not None and a.mode == "tp":
+            quantize()  # after enable_parallelism: ModelOpt calibrates the sharded weights
         if report is None:
             rows["parallel unpatched"], outs["parallel"] = timed(call, device, a.warmup, a.iters, True)
         if a.patch:

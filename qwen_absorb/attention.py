@@ -27,7 +27,7 @@ from torch import nn
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import fp8_linear
+from .projection import fp8_linear, tp_linear, tp_shard_for, wait
 
 
 def fp8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -73,11 +73,21 @@ def _diffusers():
     return dispatch_attention_fn, apply_rotary_emb_qwen
 
 
-def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, compiling: bool) -> torch.Tensor:
+def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, compiling: bool, works: list) -> torch.Tensor:
+    """One attention linear: real FP8, on its tensor-parallel shards (a row-wise all-reduce is
+    appended to ``works``), or the module as it is."""
     lp = plan.linears[path]
     if lp.fp8_gemm:
         return fp8_linear(x, lp, plan)
-    return _run_module(plan, compiling, _module(attn, path), x)
+    m = _module(attn, path)
+    if not compiling:
+        shard = tp_shard_for(plan, path, m, x)
+        if shard is not None:
+            y, work = tp_linear(m, shard, x)
+            if work is not None:
+                works.append(work)
+            return y
+    return _run_module(plan, compiling, m, x)
 
 
 def _run_module(plan, compiling, module, x):
@@ -105,10 +115,11 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
         attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
 
     head_dim = attn.inner_dim // attn.heads
+    works: list = []  # row-wise all-reduces in flight (tensor parallelism)
     qkv = []
     for paths, x in ((("attn.to_q", "attn.to_k", "attn.to_v"), img_in),
                      (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in)):
-        qkv.append([_linear(attn, plan, p, x, compiling).unflatten(-1, (-1, head_dim)) for p in paths])
+        qkv.append([_linear(attn, plan, p, x, compiling, works).unflatten(-1, (-1, head_dim)) for p in paths])
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
@@ -133,11 +144,12 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
             flat = out.flatten(2, 3)
             txt_codes = fp8_codes(flat[:, :seq_txt], txt_lp.weight.input_amax)
             img_codes = fp8_codes(flat[:, seq_txt:], img_lp.weight.input_amax)
-        img_out, txt_out = fp8_linear(img_codes, img_lp, plan), fp8_linear(txt_codes, txt_lp, plan)
+        img_out, txt_out = fp8_linear(img_codes, img_lp, plan, works), fp8_linear(txt_codes, txt_lp, plan, works)
     else:
         flat = out.flatten(2, 3)
-        img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling)
-        txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling)
+        img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling, works)
+        txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling, works)
+    wait(works)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)  # dropout, as diffusers
     return img_out, txt_out
@@ -182,12 +194,12 @@ def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
     return img_q, img_k, txt_q, txt_k
 
 
-def _out_projection(attn, plan, path, x, use_kernels, compiling):
+def _out_projection(attn, plan, path, x, use_kernels, compiling, works):
     lp = plan.linears[path]
     if not lp.fp8_gemm:
-        return _run_module(plan, compiling, _module(attn, path), x.contiguous())
+        return _linear(attn, plan, path, x.contiguous(), compiling, works)
     if use_kernels:
         codes = qf8_launch(x, 0, None, lp.weight.input_amax)[1]
     else:
         codes = fp8_codes(x, lp.weight.input_amax)
-    return fp8_linear(codes, lp, plan)
+    return fp8_linear(codes, lp, plan, works)

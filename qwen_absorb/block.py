@@ -38,7 +38,7 @@ from .ops.layer_norm_scale_shift import launch as lnss_launch
 from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
 from .ops.quantize_fp8 import launch as qf8_launch
 from .plan import PLAN_ATTR, BlockPlan
-from .projection import fp8_linear
+from .projection import fp8_linear, tp_linear, tp_shard_for, wait
 from .quant import quantizer_enabled, unwrap_peft
 from .sites import resolve
 
@@ -275,7 +275,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     with plan.lock if plan.deferred else contextlib.nullcontext():
         deferred = _deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
-            if plan.own_attention:
+            if plan.own_attention or (not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
                                                    image_rotary_emb, use_kernels, compiling)
             else:
@@ -296,8 +296,10 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     with plan.lock if plan.deferred else contextlib.nullcontext():
         deferred = _deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
         with deferred:
-            img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling)
-            txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling)
+            works: list = []  # row-wise all-reduces in flight (tensor parallelism)
+            img_ffn = _ffn(plan, self, "img_mlp", img_ffn_in, use_kernels, compiling, works)
+            txt_ffn = _ffn(plan, self, "txt_mlp", txt_ffn_in, use_kernels, compiling, works)
+            wait(works)
     nxt = handoff.target(plan, self, hidden_states) if use_fused and not compiling else None
     if nxt is not None:
         nb, np_, frame, code = nxt
@@ -448,12 +450,52 @@ def _ffn_residual(plan, sp, h, y, bias, gate, index, use_kernels, use_fused):
     return h + expand_param(gate, index) * y
 
 
-def _ffn(plan, block, mlp_name, x, use_kernels, compiling):
-    """The FeedForward (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8 where planned."""
+def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
+    """Run the attention through :func:`qwen_absorb.attention.run` in this call although the plan
+    does not own it: under tensor parallelism (applied before or after patching), where its linears
+    then run on their local shards. Only for diffusers' own processor, without extra kwargs."""
+    w = attn.to_q._parameters.get("weight")
+    if type(w) is nn.Parameter or type(w) is torch.Tensor or joint_attention_kwargs:
+        return False
+    return not plan.tp_reasons["attn"]
+
+
+def _tp_ffn(plan, mlp_name, mlp, x, works):
+    """The FeedForward on its tensor-parallel shards (column-wise up projection, GELU, row-wise down
+    projection whose all-reduce goes to ``works``), or None: not TP, or not exactly diffusers'
+    (GELU, Dropout, Linear) without hooks on the FeedForward, GELU or Dropout module."""
+    net = mlp.net
+    up = net[0].proj
+    w = up._parameters.get("weight")
+    if type(w) is nn.Parameter or type(w) is torch.Tensor or plan.tp_reasons[mlp_name]:
+        return None
+    if _hooked(mlp) or _hooked(net[0]) or _hooked(net[1]):
+        plan.count(f"{mlp_name}: a forward hook on the FeedForward: it runs through DTensor")
+        return None
+    s_up = tp_shard_for(plan, f"{mlp_name}.net.0.proj", up, x)
+    s_down = tp_shard_for(plan, f"{mlp_name}.net.2", net[2], x) if s_up is not None else None
+    if s_down is None:
+        return None
+    h = tp_linear(up, s_up, x)[0]
+    h = net[1](net[0].gelu(h))
+    y, work = tp_linear(net[2], s_down, h)
+    if work is not None:
+        works.append(work)
+    return y
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+
+
+def _ffn(plan, block, mlp_name, x, use_kernels, compiling, works):
+    """The FeedForward (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8 where planned,
+    on its local shards under tensor parallelism."""
     mlp = block._modules[mlp_name]
     up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
     if not up.fp8_gemm and not down.fp8_gemm:
-        return _call(plan, compiling, mlp, x)
+        y = None if compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
+        return y if y is not None else _call(plan, compiling, mlp, x)
     net = mlp.net
     h = fp8_linear(x, up, plan) if up.fp8_gemm else _call(plan, compiling, net[0].proj, x)
     if not down.fp8_gemm:
@@ -462,4 +504,4 @@ def _ffn(plan, block, mlp_name, x, use_kernels, compiling):
         codes = qf8_launch(h, 0, None, down.weight.input_amax, "gelu_tanh")[1]
     else:
         codes = attention.fp8_codes(net[0].gelu(h), down.weight.input_amax)
-    return fp8_linear(codes, down, plan)
+    return fp8_linear(codes, down, plan, works)

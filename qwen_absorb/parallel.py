@@ -42,8 +42,10 @@ diffusers calls torch's ``parallelize_module`` once per block with the model's `
   memory access" of issue 12. It is not a DTensor, so a DTensor check alone does not catch it.
 - ModelOpt-quantized models cannot be tensor-parallelised by diffusers 0.42.1: ``parallelize_module``
   fails inside ``RowwiseParallel._partition_linear_fn`` (``'TensorQuantizer' object has no attribute
-  'weight'``: ``distribute_module`` visits the quantizer submodules too). Bias deferral (ModelOpt only)
-  therefore never meets TP through the stock API; the plan still has to refuse or handle it.
+  'weight'``: ``distribute_module`` visits the quantizer submodules too). The order that works is
+  ``enable_parallelism`` first, then ``mtq.quantize``: the ``QuantLinear`` weights stay DTensors with
+  the TP hooks, and ModelOpt calibrates their weight and input amax over the whole tensors (plain
+  tensors, equal on every rank), so a rank's FP8 codes are the shard of the one-GPU codes.
 
 Context parallelism: ``ContextParallelConfig(ulysses_degree=N)`` (ring needs an LSE backend)
 --------------------------------------------------------------------------------------------
@@ -64,7 +66,12 @@ Measured on CPU (references, no bias deferred): unpatched CP / TP vs one process
 2.4e-7..3.6e-7 (fp32); patched (before or after ``enable_parallelism``) vs unpatched parallel:
 bit-identical for both, B = 1 and B = 2 with ``zero_cond_t``; ``unpatch`` restores it bit for bit.
 
-What the patched block must do under TP (the rest of this module): pass every operand of a fused
+What the patched block does under TP: it runs the twelve sharded linears of each block on their
+local shards without DTensor (:func:`tp_shard` recognises torch's default column-/row-wise styles;
+``qwen_absorb.projection.tp_linear`` computes what DTensor computes, plus the row-wise sum
+all-reduce; real FP8 GEMMs likewise on the local FP8 shards), so what reaches a fused site is a plain
+tensor; anything it does not recognise runs through DTensor, as unpatched. Beyond that it must (the
+rest of this module): pass every operand of a fused
 op through :func:`local_view` (the attention / FFN outputs become the waited plain tensors; a
 refusal means "run the diffusers expression for this site"); take a deferred bias with
 :func:`local_view` (``Replicate`` DTensor -> full local bias); decide deferral per call with
@@ -85,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +100,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "TpShard",
     "allow_cpu_parallelism",
     "describe_tensor",
     "is_async_collective",
@@ -102,6 +111,8 @@ __all__ = [
     "parallel_kind",
     "projection_tp_style",
     "tp_defer_refusals",
+    "tp_shard",
+    "tp_shard_reasons",
 ]
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
@@ -333,6 +344,172 @@ def parallel_kind(transformer: nn.Module) -> str | None:
     if getattr(cfg, "context_parallel_config", None) is not None:
         return "cp"
     return None
+
+
+# ------------------------------------------------------------------------------ local shards
+
+# Where a column- or row-wise linear of torch's TP styles runs on this rank's shards directly (what
+# qwen_absorb.projection.tp_linear does), the patched block skips DTensor: measured on 2 H200s
+# (benchmarks/results/parallel.md, commit 60af1d5) diffusers' TP forward took ~1 s at 1024^2 and at
+# 2048^2 alike against 173 ms on one GPU, i.e. per-call host work of the twelve DTensor linears of
+# each block, not GPU work. The local computation is the one DTensor dispatches to (so the result is
+# bit-identical): column-wise ``F.linear(x, W_local, b_local)`` on the replicated input; row-wise
+# ``F.linear(x_local, W_local, b / N)`` (DTensor turns the replicated bias into a ``Partial`` one by
+# dividing it by N before the GEMM) and then the sum all-reduce of the output hook, same group.
+
+_COLWISE = "ColwiseParallel"
+_ROWWISE = "RowwiseParallel"
+
+
+class TpShard:
+    """One ``nn.Linear`` sharded by torch's stock ``ColwiseParallel`` / ``RowwiseParallel`` with
+    default layouts: what its rank-local computation needs, and what it was recognised from (the
+    parameter objects and hook ids, compared on every use: TP applied, undone or re-applied, a hook
+    added, the parameters replaced, all make it stale)."""
+
+    __slots__ = ("style", "weight", "bias", "pre", "post", "group", "world", "_scaled")
+
+    def __init__(self, style: str, weight: Any, bias: Any, pre: tuple, post: tuple, group: Any, world: int):
+        self.style, self.weight, self.bias, self.pre, self.post = style, weight, bias, pre, post
+        self.group, self.world = group, world
+        self._scaled: tuple | None = None  # (local bias, its _version, local bias / world)
+
+    def current(self, linear: nn.Module) -> bool:
+        """The module is still exactly what this record was made from (cheap: identities and keys)."""
+        p = linear._parameters
+        return (p.get("weight") is self.weight and p.get("bias") is self.bias
+                and tuple(linear._forward_pre_hooks) == self.pre and tuple(linear._forward_hooks) == self.post
+                and "forward" not in linear.__dict__ and not _global_hooks())
+
+    def local_weight(self) -> torch.Tensor:
+        return self.weight.to_local()
+
+    def local_bias(self, linear: nn.Module) -> torch.Tensor | None:
+        """The bias the rank-local GEMM adds: none while it is deferred (shadowed by ``bias = None`` in
+        the instance dict), the local shard (column-wise), or ``b / N`` (row-wise, cached per value)."""
+        if "bias" in linear.__dict__ or self.bias is None:
+            return None
+        b = self.bias.to_local()
+        if self.style == "colwise":
+            return b
+        c = self._scaled
+        if c is None or c[0] is not b or c[1] != b._version:
+            c = self._scaled = (b, b._version, b / self.world)
+        return c[2]
+
+
+def _global_hooks() -> bool:
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+def _hook_partial(hook: Any, fn_name: str) -> functools.partial | None:
+    cells = getattr(hook, "__closure__", None) or ()
+    for obj in (hook, *(c.cell_contents for c in cells if _cell_filled(c))):
+        if isinstance(obj, functools.partial) and getattr(obj.func, "__name__", "") == fn_name:
+            return obj
+    return None
+
+
+def _style_of(p: functools.partial) -> str:
+    return getattr(p.func, "__qualname__", "").split(".")[0]
+
+
+def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[TpShard | None, list[str]]:
+    """``(record, [])`` when ``linear`` is a TP-sharded ``nn.Linear`` that may run on its local shards,
+    else ``(None, reasons)``. Recognised: exactly torch's ``ColwiseParallel()`` (input ``Replicate``,
+    output ``Shard(-1)``, local output) or ``RowwiseParallel()`` (input ``Shard(-1)``, output
+    ``Replicate``, local output) on a one-dimensional mesh, and no other hook on the module.
+
+    ``own_forward=False``: the caller computes the linear itself (a real FP8 GEMM of a ModelOpt
+    ``QuantLinear``), so any ``nn.Linear`` subclass is accepted; else exactly ``nn.Linear``, whose
+    forward is ``F.linear``."""
+    r: list[str] = []
+    if (type(linear) is not nn.Linear) if own_forward else not isinstance(linear, nn.Linear):
+        return None, [f"{type(linear).__name__}, not torch.nn.Linear"]
+    if "forward" in linear.__dict__:
+        r.append("its forward is replaced on the instance")
+    w = linear._parameters.get("weight")
+    b = linear._parameters.get("bias")
+    if not is_dtensor(w):
+        return None, ["weight is not a DTensor"]
+    mesh = w.device_mesh
+    if mesh.ndim != 1:
+        r.append(f"{mesh.ndim}-dimensional device mesh")
+    if len(linear._forward_pre_hooks) != 1 or len(linear._forward_hooks) != 1:
+        r.append(f"{len(linear._forward_pre_hooks)} forward pre-hooks and {len(linear._forward_hooks)} forward "
+                 "hooks (torch's TP style registers one of each)")
+    if _global_hooks():
+        r.append("a global module forward hook is registered")
+    if r:
+        return None, r
+    pin = _hook_partial(next(iter(linear._forward_pre_hooks.values())), "_prepare_input_fn")
+    pout = _hook_partial(next(iter(linear._forward_hooks.values())), "_prepare_output_fn")
+    if pin is None or pout is None or len(pin.args) < 2 or len(pout.args) < 2:
+        return None, ["its hooks are not torch's ParallelStyle input/output functions"]
+    style = _style_of(pin)
+    if style != _style_of(pout) or style not in (_COLWISE, _ROWWISE):
+        return None, [f"parallel style {style!r} ({_style_of(pout)!r} output), not ColwiseParallel/RowwiseParallel"]
+    in_layouts, desired = tuple(pin.args[0]), tuple(pin.args[1])
+    out_layouts, use_local = tuple(pout.args[0]), bool(pout.args[1])
+    wp, bp = _placements(w), _placements(b) if b is not None else None
+    if style == _COLWISE:
+        want = ((_is_replicate,), (_is_replicate,), (_is_last_shard,), (_is_shard0,), (_is_shard0,))
+    else:
+        want = ((_is_last_shard,), (_is_last_shard,), (_is_replicate,), (_is_shard1,), (_is_replicate,))
+    got = (in_layouts, desired, out_layouts, wp, bp)
+    names = ("input layouts", "desired input layouts", "output layouts", "weight placements", "bias placements")
+    for name, preds, g in zip(names, want, got):
+        if g is None:  # no bias
+            continue
+        if len(g) != len(preds) or not all(f(x, 2) for f, x in zip(preds, g)):
+            r.append(f"{name} {g} are not the {style}() defaults")
+    if not use_local:
+        r.append("use_local_output=False (the output stays a DTensor)")
+    if r:
+        return None, r
+    return TpShard("colwise" if style == _COLWISE else "rowwise", w, b, tuple(linear._forward_pre_hooks),
+                   tuple(linear._forward_hooks), mesh.get_group(), mesh.size()), []
+
+
+def _is_replicate(p: Any, ndim: int) -> bool:
+    return p.is_replicate()
+
+
+def _is_last_shard(p: Any, ndim: int) -> bool:
+    return p.is_shard() and p.dim == -1
+
+
+def _is_shard0(p: Any, ndim: int) -> bool:
+    return p.is_shard() and p.dim == 0
+
+
+def _is_shard1(p: Any, ndim: int) -> bool:
+    return p.is_shard() and p.dim in (1, -1)
+
+
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
+    """``(record, None)`` if ``linear`` may run on its local shards now; ``(None, why not)`` for a
+    TP-sharded linear that must run through DTensor; ``(None, None)`` when its weight is a plain one.
+
+    Cheap when nothing changed (a cached record, checked by identity); a module that is not sharded
+    costs one type check of its weight.
+    """
+    w = linear._parameters.get("weight") if hasattr(linear, "_parameters") else None
+    if w is None or type(w) is nn.Parameter or type(w) is torch.Tensor:
+        return None, None
+    rec = _SHARDS.get(linear)
+    if rec is not None and rec.current(linear):
+        return rec, None
+    rec, why = tp_shard_reasons(linear)
+    if rec is None:
+        _SHARDS.pop(linear, None)
+        return None, "; ".join(why)
+    _SHARDS[linear] = rec
+    return rec, None
 
 
 # ------------------------------------------------------------------------------ CPU testing support

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating, ops, quant
+from . import gating, ops, parallel, quant
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo, unwrap_peft
 from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, resolve
@@ -79,7 +79,8 @@ class LinearPlan:
     fp8_reasons: list[str] = field(default_factory=list)
     weight: quant.Fp8Weight | None = None  # runtime
     input_scale: torch.Tensor | None = None  # runtime: input amax / 448
-    bias: torch.Tensor | None = None  # runtime: the linear's bias Parameter (in the GEMM epilogue)
+    bias: torch.Tensor | None = None  # runtime: the bias the GEMM epilogue adds (a Parameter, or its TP share)
+    tp: Any = None  # runtime: parallel.TpShard of a tensor-parallel linear run on its local shard
     offloaded: bool = False  # its original weight was moved to host memory
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +112,9 @@ class BlockPlan:
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
     own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
     qk_reasons: list[str] = field(default_factory=list)  # why the q/k chains are not fused
+    # tensor parallelism: per group ("attn", "img_mlp", "txt_mlp"), why its linears may not run on
+    # their local shards without DTensor ([]: they may, whenever TP is found at call time)
+    tp_reasons: dict[str, list[str]] = field(default_factory=lambda: {"attn": [], "img_mlp": [], "txt_mlp": []})
     # cross-block fusion: this block's FFN residual also computes the next block's norm1 (+ its
     # modulation), handed over per call (qwen_absorb.handoff)
     handoff_to: nn.Module | None = None  # the next block, or None
@@ -144,6 +148,7 @@ class BlockPlan:
             "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
             "device": self.device, "sites": [s.to_dict() for s in self.sites],
             "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
+            "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
             "cross_block_handoff": self.handoff_to is not None, "cross_block_reasons": list(self.handoff_reasons),
             "cross_block_receive_reasons": list(self.handoff_in_reasons),
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
@@ -280,18 +285,30 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     if m is not None and _offload_hooked(m):
         r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
     w = m._parameters.get("weight") if m is not None else None
-    if w is not None and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
-        r.append(f"weight is a {type(w.data).__name__} (tensor parallelism): the GEMM must stay the module's")
+    if w is not None and parallel.is_dtensor(w):
+        lp.tp, why = parallel.tp_shard_reasons(m, own_forward=False)
+        r += [f"tensor parallelism: {x}" for x in why]
+    elif w is not None and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
+        r.append(f"weight is a {type(w.data).__name__}: the GEMM must stay the module's")
     if w is not None and w.device.type == "meta":
         r.append("weight on the meta device (offload hook)")
     if w is not None and getattr(w, "metadata", {}).get("dtype", w.dtype) not in (torch.bfloat16, torch.float16):
         r.append("activations are not bf16/fp16")
     r += _fp8_context_reasons(block, path)
     if r:
-        lp.fp8_reasons = r
+        lp.fp8_reasons, lp.tp = r, None
         return lp
     lp.fp8_gemm = True
     return lp
+
+
+def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
+    """The bias a real FP8 GEMM adds: the Parameter; under tensor parallelism what DTensor adds on
+    each rank (column-wise: the local shard; row-wise: ``b / N`` before the sum all-reduce)."""
+    if b is None or tp is None:
+        return b
+    local = b.to_local()
+    return local if tp.style == "colwise" else local / tp.world
 
 
 def _offload_hooked(m: nn.Module) -> bool:
@@ -396,7 +413,7 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
             m = resolve(block, p)
             lp.weight = quant.make_fp8_weight(m, plan.runtime_device)
             lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
-            lp.bias = unwrap_peft(m)[0]._parameters.get("bias")
+            lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)
     for s in SITE_TABLE.values():
         sp = plan.site_plan(s.key)
         if sp.fp8_out:
@@ -404,6 +421,24 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
     plan.fp8_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn."))
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = plan.fp8_attention or plan.qk_fused
+    plan.tp_reasons = _decide_tp(block)
+
+
+def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
+    """Where a tensor-parallel model's linears may run on their local shards (qwen_absorb.projection.
+    tp_linear): the attention only as diffusers' own processor computes it (qwen_absorb.attention.run
+    reproduces it), a FeedForward only as diffusers' (GELU: proj + gelu, Dropout, Linear)."""
+    r = {"attn": _fp8_context_reasons(block, "attn.to_q")}
+    to_out = block.attn.to_out
+    if len(to_out) > 2 or (len(to_out) == 2 and not isinstance(to_out[1], nn.Dropout)):
+        r["attn"].append("attn.to_out has modules after the projection")
+    for mlp in ("img_mlp", "txt_mlp"):
+        net = resolve(block, mlp + ".net")
+        ok = (net is not None and len(net) == 3 and type(net[0]).__name__ == "GELU"
+              and isinstance(getattr(net[0], "proj", None), nn.Module) and callable(getattr(net[0], "gelu", None))
+              and isinstance(net[1], nn.Dropout))
+        r[mlp] = [] if ok else [f"{mlp}.net is not diffusers' (GELU, Dropout, Linear)"]
+    return r
 
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -444,7 +479,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
 
 
 def _refuse(lp: LinearPlan, why: str) -> None:
-    lp.fp8_gemm = False
+    lp.fp8_gemm, lp.tp = False, None
     lp.fp8_reasons = [why]
 
 

@@ -1,4 +1,5 @@
-"""The projection owner: one linear of a patched block run as a real FP8 ``torch._scaled_mm``.
+"""The projection owner: one linear of a patched block run as a real FP8 ``torch._scaled_mm``, or,
+under tensor parallelism, on this rank's shards without DTensor (:func:`tp_linear`).
 
 ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)`` computes ``scale_a * scale_b * (a @ b)
 + bias`` with fp32 accumulation; ``a`` is the row-major [M, K] e4m3 activation (codes emitted by
@@ -10,13 +11,23 @@ when it has the output's dtype (bf16/fp16), else it is added after, as ModelOpt'
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import torch
+from torch import nn
+
+from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
+# False sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
+TP_LOCAL = True
 
-def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan) -> torch.Tensor:
-    """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype."""
+
+def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None) -> torch.Tensor:
+    """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
+
+    Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
+    output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
     lead = codes.shape[:-1]
     a = codes.reshape(-1, codes.shape[-1])
@@ -28,7 +39,15 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan) -> torch.Te
     )
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)
-    return out.reshape(*lead, out.shape[-1])
+    out = out.reshape(*lead, out.shape[-1])
+    tp = lp.tp
+    if tp is not None and tp.style == "rowwise":
+        work = torch.distributed.all_reduce(out, group=tp.group, async_op=True)
+        if works is None:
+            work.wait()
+        else:
+            works.append(work)
+    return out
 
 
 def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
@@ -39,3 +58,42 @@ def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
     if lp.bias is not None:
         y = y + lp.bias.float()
     return y.to(w.out_dtype)
+
+
+def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpShard | None:
+    """The local-shard record of a tensor-parallel linear that may skip DTensor for input ``x``, else
+    None (no TP, or a layout / hook / input the local path does not reproduce: counted with why)."""
+    if not TP_LOCAL:
+        return None
+    shard, why = tp_shard(linear)
+    if shard is None:
+        if why is not None:
+            plan.count(f"{path}: tensor-parallel linear runs through DTensor ({why})")
+        return None
+    if type(x) is not torch.Tensor:
+        plan.count(f"{path}: tensor-parallel linear runs through DTensor (input is a {type(x).__name__})")
+        return None
+    return shard
+
+
+def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``linear(x)`` of a tensor-parallel linear, computed as DTensor computes it, minus DTensor.
+
+    Column-wise: ``F.linear(x, W_local, b_local)`` on the replicated input: this rank's slice of the
+    output's last dim, no communication. Row-wise: ``F.linear(x_local, W_local, b / N)`` and a sum
+    all-reduce over the mesh's group, started asynchronously (the caller waits on the returned work
+    before reading the output, so the next GEMM overlaps it, as with DTensor's ``async_op=True``).
+    Returns ``(output, work or None)``; the output has the full value once the work is waited.
+    """
+    y = torch.nn.functional.linear(x, shard.local_weight(), shard.local_bias(linear))
+    if shard.style == "colwise":
+        return y, None
+    return y, torch.distributed.all_reduce(y, group=shard.group, async_op=True)
+
+
+def wait(works: list) -> None:
+    """Wait for the row-wise all-reduces started by :func:`tp_linear` (on CUDA: the current stream
+    waits, the host does not)."""
+    for w in works:
+        w.wait()
+    works.clear()

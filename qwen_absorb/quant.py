@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .ops.fp8 import Fp8PerTensorQuant, dequant_scale, quantize_fp8_reference
+from .parallel import is_dtensor
 
 FP8_E4M3 = "FP8_E4M3"
 NVFP4 = "NVFP4"
@@ -277,6 +278,13 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
         n, k = _weight_shape(base)
         if k % 16 or n % 16:
             r.append(f"weight {n}x{k}: _scaled_mm needs both dims multiples of 16")
+    if is_dtensor(w):
+        local = tuple(w.to_local().shape)
+        if local[0] % 16 or local[1] % 16:
+            r.append(f"tensor-parallel shard {local[0]}x{local[1]}: _scaled_mm needs both dims multiples of 16")
+        for q, name in ((iq, "input"), (wq, "weight")):
+            if is_dtensor(getattr(q, "_amax", None)):
+                r.append(f"{name} quantizer amax is a DTensor")
     if type(w).__name__ == "QTensorWrapper" and w.dtype != torch.float8_e4m3fn:
         r.append(f"compressed weight stored as {w.dtype}, not float8_e4m3fn")
     if getattr(wq, "fake_quant", True) and type(w).__name__ == "QTensorWrapper":
@@ -318,6 +326,10 @@ def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
         codes = w.as_subclass(torch.Tensor).detach()
         scale = wq._scale.detach().float().reshape(1)
         return Fp8Weight(codes.to(device), scale.to(device), input_amax, True, w.metadata["dtype"])
+    if is_dtensor(w):
+        # tensor parallelism: this rank's shard. ModelOpt calibrates a DTensor weight's amax over the
+        # whole tensor (a plain tensor, equal on every rank), so the codes are the shard of the codes.
+        w = w.to_local().contiguous()
     with torch.no_grad():
         codes = quantize_fp8_reference(w.detach().to(device), wq._amax)
     return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)

@@ -132,6 +132,30 @@ def _op_spy(calls: list):
             setattr(mod, name, fn)
 
 
+@contextlib.contextmanager
+def _tp_spy(counts: dict):
+    """Count the linears the patched block ran on their local TP shards (``projection.tp_linear``, as
+    imported by ``qwen_absorb.block`` and ``qwen_absorb.attention``), per style."""
+    import qwen_absorb.attention as attn_mod  # noqa: PLC0415
+    import qwen_absorb.block as block_mod  # noqa: PLC0415
+
+    saved = []
+    for mod in (block_mod, attn_mod):
+        fn = mod.__dict__["tp_linear"]
+
+        def spy(linear, shard, x, _fn=fn):
+            counts[shard.style] = counts.get(shard.style, 0) + 1
+            return _fn(linear, shard, x)
+
+        saved.append((mod, fn))
+        mod.tp_linear = spy
+    try:
+        yield
+    finally:
+        for mod, fn in saved:
+            mod.tp_linear = fn
+
+
 class _Ctx:
     def __init__(self, args):
         import torch  # noqa: PLC0415
@@ -148,10 +172,10 @@ class _Ctx:
             return ContextParallelConfig(ulysses_degree=self.world)
         return TensorParallelConfig(tp_degree=self.world)
 
-    def model(self, zero_cond_t: bool = False):
+    def model(self, zero_cond_t: bool = False, dtype=None):
         from qwen_absorb.testing import tiny_transformer  # noqa: PLC0415
 
-        return tiny_transformer(num_layers=2, zero_cond_t=zero_cond_t, seed=3)
+        return tiny_transformer(num_layers=2, zero_cond_t=zero_cond_t, seed=3, dtype=dtype or self.torch.float32)
 
     def inputs(self, m, batch_size: int = 1):
         from qwen_absorb.testing import transformer_inputs  # noqa: PLC0415
@@ -222,8 +246,10 @@ def _mode_scenarios(c: _Ctx, mode: str) -> None:
             m.enable_parallelism(config=c.cfg(mode))
             if order == "after":
                 report = qwen_absorb.patch(m)
-            out = c.run(m, inp)
-            res = {**c.cmp(out, base), "ranks_agree": c.ranks_agree(out),
+            local: dict = {}
+            with _tp_spy(local):
+                out = c.run(m, inp)
+            res = {**c.cmp(out, base), "ranks_agree": c.ranks_agree(out), "tp_local_linears": local,
                    "blocks_patched": report.summary["blocks_patched"],
                    "biases_deferred": report.summary["biases_deferred"],
                    "runtime_fallbacks": {k: int(v) for k, v in report.runtime_fallbacks.items()}}
@@ -233,8 +259,69 @@ def _mode_scenarios(c: _Ctx, mode: str) -> None:
             return res
         return fn
 
+    def deferred():
+        """defer_bias=True: row-wise biases leave the GEMM and are added once after the all-reduce."""
+        m = c.model()
+        m.enable_parallelism(config=c.cfg(mode))
+        report = qwen_absorb.patch(m, defer_bias=True, capabilities={"cpu"})
+        local: dict = {}
+        with _tp_spy(local):
+            out = c.run(m, inp)
+        return {**c.cmp(out, base), "ranks_agree": c.ranks_agree(out), "tp_local_linears": local,
+                "biases_deferred": report.summary["biases_deferred"],
+                "runtime_fallbacks": {k: int(v) for k, v in report.runtime_fallbacks.items()}}
+
+    def through_dtensor():
+        """projection.TP_LOCAL = False: every TP linear runs through DTensor, the rest fused."""
+        import qwen_absorb.projection as proj  # noqa: PLC0415
+
+        m = c.model()
+        m.enable_parallelism(config=c.cfg(mode))
+        qwen_absorb.patch(m)
+        local: dict = {}
+        proj.TP_LOCAL = False
+        try:
+            with _tp_spy(local):
+                out = c.run(m, inp)
+        finally:
+            proj.TP_LOCAL = True
+        return {**c.cmp(out, base), "tp_local_linears": local}
+
     c.scenario(f"{mode}.patched_before", patched("before"))
     c.scenario(f"{mode}.patched_after", patched("after"))
+    c.scenario(f"{mode}.patched_deferred", deferred)
+
+    def fp8_run():
+        from qwen_absorb.testing import fp8_quantize, transformer_inputs  # noqa: PLC0415
+
+        torch = c.torch
+        inp16 = transformer_inputs(c.model(dtype=torch.bfloat16), batch_size=1, height=4, width=4, text_len=8, seed=5)
+
+        def quantized(parallel: bool):
+            m = c.model(dtype=torch.bfloat16)
+            if parallel:
+                m.enable_parallelism(config=c.cfg(mode))
+            return fp8_quantize(m, inp16)
+
+        def rel(a, b):
+            return float((a.float() - b.float()).norm() / b.float().norm())
+
+        single = quantized(False)
+        fake1 = c.run(single, inp16)
+        qwen_absorb.patch(single, fp8_gemm=True, capabilities={"cpu"})
+        real1 = c.run(single, inp16)
+        m = quantized(True)
+        fake = c.run(m, inp16)
+        report = qwen_absorb.patch(m, fp8_gemm=True, capabilities={"cpu"})
+        out = c.run(m, inp16)
+        return {"fp8_gemm_linears": report.summary["fp8_gemm_linears"],
+                "runtime_fallbacks": {k: int(v) for k, v in report.runtime_fallbacks.items()},
+                "ranks_agree": c.ranks_agree(out),
+                "rel_real_vs_single_real": rel(out, real1), "rel_real_vs_fake": rel(out, fake),
+                "rel_single_real_vs_single_fake": rel(real1, fake1), "rel_fake_vs_single_fake": rel(fake, fake1)}
+
+    c.scenario(f"{mode}.fp8_real", fp8_run)
+    c.scenario(f"{mode}.patched_through_dtensor", through_dtensor)
 
     def zero_cond():
         mz = c.model(zero_cond_t=True)

@@ -151,6 +151,46 @@ def test_patched_parallel_is_bit_identical_to_unpatched_parallel(run, mode, orde
     assert r["ranks_agree"]
     if order == "after":
         assert r["unpatched_again"]["equal"], "unpatch() under parallelism did not restore the unpatched output"
+    # TP: every linear of both blocks ran on its local shards, none through DTensor (8 column-wise:
+    # q/k/v x 2 streams + 2 FFN up; 4 row-wise: 2 attention outputs + 2 FFN down); CP has no sharded linear
+    want = {"colwise": 16, "rowwise": 8} if mode == "tp" else {}
+    assert r["tp_local_linears"] == want, r
+    assert not [k for k in r["runtime_fallbacks"] if "DTensor" in k], r["runtime_fallbacks"]
+
+
+def test_tp_deferred_rowwise_biases_are_added_once_after_the_all_reduce(run):
+    """defer_bias=True under TP: the local GEMM runs without the row-wise bias, the fused op adds the
+    full bias to the all-reduced sum (unpatched adds b / N before it: equal up to rounding)."""
+    r = _get(run, "tp.patched_deferred")
+    assert r["biases_deferred"] > 0, r
+    assert r["tp_local_linears"] == {"colwise": 16, "rowwise": 8}, r
+    assert r["allclose"] and r["ranks_agree"], r  # a bias added twice or lost would be far off
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modelopt_fp8_real_gemms_under_parallelism(run, mode):
+    """ModelOpt FP8 quantized after enable_parallelism, patched with real FP8 GEMMs (CPU _scaled_mm):
+    every linear of both blocks runs as a real FP8 GEMM (under TP: on its local shards, the row-wise
+    outputs all-reduced). CP: bit-identical to the same patched model on one process. TP: the split
+    sums add less than half the error FP8 itself has against fake quant, and the error against TP's
+    fake quant is the one-process error (a lost or doubled bias, or a missing all-reduce, is far off)."""
+    r = _get(run, f"{mode}.fp8_real")
+    assert r["fp8_gemm_linears"] == 28 and r["ranks_agree"], r
+    assert not [k for k in r["runtime_fallbacks"] if "DTensor" in k], r["runtime_fallbacks"]
+    fp8_err = r["rel_single_real_vs_single_fake"]
+    assert 0 < fp8_err < 0.05, r
+    if mode == "cp":
+        assert r["rel_real_vs_single_real"] == 0.0, r
+    else:
+        assert r["rel_real_vs_single_real"] < 0.5 * fp8_err, r
+    assert r["rel_real_vs_fake"] <= 2 * fp8_err + 1e-3, r
+
+
+def test_tp_through_dtensor_switch(run):
+    """projection.TP_LOCAL = False: the TP linears run through DTensor (the comparison the benchmark
+    makes); still bit-identical."""
+    r = _get(run, "tp.patched_through_dtensor")
+    assert r["tp_local_linears"] == {} and r["equal"], r
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -357,3 +397,57 @@ def test_auto_leaves_rowwise_tp_biases_in_the_gemm(mesh):
     forced = BlockPlan(index=0, options=Options(defer_bias=True))
     d = _Deferred(forced, block, ("mlp.2",))
     assert d and d.bases[0] is block.mlp[2] and not forced.counter
+
+
+# ------------------------------------------------------------------------------ local TP shards
+
+
+def test_tp_shard_recognises_torch_default_styles(mesh):
+    """Column- and row-wise Linears of torch's default styles are run on their shards; the record is
+    reused while nothing changes and dropped when a hook is added or the parameters are replaced."""
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+
+    m = _mlp(mesh)
+    col, why = par.tp_shard(m[0])
+    assert why is None and col.style == "colwise" and col.world == 1
+    row, why = par.tp_shard(m[2])
+    assert why is None and row.style == "rowwise"
+    assert par.tp_shard(m[2])[0] is row  # cached
+    assert par.tp_shard(nn.Linear(4, 4)) == (None, None)  # plain weight: not TP, nothing to say
+    # the local bias: column-wise its shard, row-wise b / N (cached per value), none while shadowed
+    assert torch.equal(col.local_bias(m[0]), m[0].bias.to_local())
+    assert torch.equal(row.local_bias(m[2]), m[2].bias.to_local() / 1)
+    object.__setattr__(m[2], "bias", None)
+    assert row.local_bias(m[2]) is None
+    m[2].__dict__.pop("bias")
+    # a user's hook makes the module's own call necessary
+    h = m[2].register_forward_hook(lambda mod, args, out: out)
+    rec, why = par.tp_shard(m[2])
+    assert rec is None and "forward hooks" in why
+    h.remove()
+    assert par.tp_shard(m[2])[0] is not None
+    # non-default layouts and DTensor outputs are refused with the reason
+    for kw, words in (({"output_layouts": Shard(1)}, "output layouts"),
+                      ({"use_local_output": False}, "use_local_output")):
+        rec, why = par.tp_shard(_mlp(mesh, kw)[2])
+        assert rec is None and words in why, why
+    rec, why = par.tp_shard(_mlp(mesh, {"input_layouts": Replicate()})[2])
+    assert rec is None and "input layouts" in why
+
+
+def test_tp_linear_equals_the_dtensor_module(mesh):
+    """projection.tp_linear (local F.linear + all-reduce) == the TP module's call, bit for bit."""
+    from qwen_absorb.projection import tp_linear, wait  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    m = _mlp(mesh)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        h_ref = m[0](x)
+        y_ref = m[2](h_ref)
+        h, work = tp_linear(m[0], par.tp_shard(m[0])[0], x)
+        assert work is None and type(h) is torch.Tensor and torch.equal(h, h_ref)
+        y, work = tp_linear(m[2], par.tp_shard(m[2])[0], h)
+        works = [work]
+        wait(works)
+        assert works == [] and type(y) is torch.Tensor and torch.equal(y, par.local_view(y_ref)[0])
