@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import attention, handoff
-from .parallel import local_view, tp_defer_refusals
+from .parallel import is_dtensor, local_view, tp_defer_refusals
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -454,8 +454,7 @@ def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
     """Run the attention through :func:`qwen_absorb.attention.run` in this call although the plan
     does not own it: under tensor parallelism (applied before or after patching), where its linears
     then run on their local shards. Only for diffusers' own processor, without extra kwargs."""
-    w = attn.to_q._parameters.get("weight")
-    if type(w) is nn.Parameter or type(w) is torch.Tensor or joint_attention_kwargs:
+    if joint_attention_kwargs or not is_dtensor(attn.to_q._parameters.get("weight")):
         return False
     return not plan.tp_reasons["attn"]
 
@@ -466,8 +465,7 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
     (GELU, Dropout, Linear) without hooks on the FeedForward, GELU or Dropout module."""
     net = mlp.net
     up = net[0].proj
-    w = up._parameters.get("weight")
-    if type(w) is nn.Parameter or type(w) is torch.Tensor or plan.tp_reasons[mlp_name]:
+    if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
         return None
     if _hooked(mlp) or _hooked(net[0]) or _hooked(net[1]):
         plan.count(f"{mlp_name}: a forward hook on the FeedForward: it runs through DTensor")

@@ -451,3 +451,36 @@ def test_tp_linear_equals_the_dtensor_module(mesh):
         works = [work]
         wait(works)
         assert works == [] and type(y) is torch.Tensor and torch.equal(y, par.local_view(y_ref)[0])
+
+
+def test_attention_and_ffn_take_the_tp_path_only_under_tp(mesh):
+    """Without TP (plain weights, or a wrapper without a weight of its own) the patched block keeps
+    diffusers' attention processor and FeedForward module; with sharded weights it takes the local path."""
+    import qwen_absorb  # noqa: PLC0415
+    from qwen_absorb import testing as T  # noqa: PLC0415
+    from qwen_absorb.block import _tp_attention, _tp_ffn  # noqa: PLC0415
+    from qwen_absorb.plan import PLAN_ATTR  # noqa: PLC0415
+
+    model = T.tiny_transformer(num_layers=1)
+    qwen_absorb.patch(model)
+    block = model.transformer_blocks[0]
+    plan = block.__dict__[PLAN_ATTR]
+    assert plan.tp_reasons == {"attn": [], "img_mlp": [], "txt_mlp": []}
+    x = torch.randn(1, 4, block.img_mlp.net[0].proj.in_features)
+    assert not _tp_attention(plan, block.attn, None)
+    assert _tp_ffn(plan, "img_mlp", block.img_mlp, x, []) is None
+    block.attn.to_q = _Wrapper(block.attn.to_q)  # PEFT-like: no weight of its own
+    assert not _tp_attention(plan, block.attn, None)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415
+
+    block.attn.to_q = block.attn.to_q.base_layer
+    parallelize_module(block, mesh, {"attn.to_q": ColwiseParallel(), "img_mlp.net.0.proj": ColwiseParallel(),
+                                     "img_mlp.net.2": RowwiseParallel()})
+    assert _tp_attention(plan, block.attn, None) and not _tp_attention(plan, block.attn, {"x": 1})
+    works: list = []
+    with torch.no_grad():
+        y = _tp_ffn(plan, "img_mlp", block.img_mlp, x, works)
+        ref = par.local_view(block.img_mlp(x))[0]
+    assert y is not None and len(works) == 1
+    works[0].wait()
+    assert torch.equal(y, ref)
