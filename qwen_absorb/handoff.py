@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _torch_module
+from .parallel import global_forward_hooks
 
 from .plan import PLAN_ATTR, BlockPlan
 
@@ -114,10 +114,6 @@ def _hooked(m: nn.Module) -> bool:
                 or "_hf_hook" in m.__dict__)
 
 
-def _global_hooks() -> bool:
-    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
-
-
 def _caller_frame(code: Any) -> int | None:
     """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up:
     patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop)."""
@@ -143,7 +139,7 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
         return None  # not decided for this device yet, or cannot receive: see its report entry
     if h.dtype == torch.float16:
         return None  # diffusers clips fp16 block outputs after the residual (fp16 blocks do not receive)
-    if _hooked(block) or _hooked(nb) or _global_hooks():
+    if _hooked(block) or _hooked(nb) or global_forward_hooks():
         plan.count("cross-block hand-off not made: a forward hook on this or the next block (or a global one) "
                    "could change hidden_states in between")
         return None

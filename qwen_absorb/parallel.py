@@ -103,6 +103,7 @@ __all__ = [
     "TpShard",
     "allow_cpu_parallelism",
     "describe_tensor",
+    "global_forward_hooks",
     "is_async_collective",
     "is_dtensor",
     "is_plain_tensor",
@@ -283,12 +284,10 @@ def _tp_output_hook(linear: nn.Module) -> tuple[tuple, bool] | None:
     layout of torch's hooks changes).
     """
     for hook in getattr(linear, "_forward_hooks", {}).values():
-        cells = getattr(hook, "__closure__", None) or ()
-        for obj in (hook, *(c.cell_contents for c in cells if _cell_filled(c))):
-            if isinstance(obj, functools.partial) and getattr(obj.func, "__name__", "") == "_prepare_output_fn":
-                if len(obj.args) >= 2:
-                    layouts = obj.args[0]
-                    return (tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)), bool(obj.args[1])
+        obj = _hook_partial(hook, "_prepare_output_fn")
+        if obj is not None and len(obj.args) >= 2:
+            layouts = obj.args[0]
+            return (tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)), bool(obj.args[1])
     return None
 
 
@@ -379,7 +378,7 @@ class TpShard:
         p = linear._parameters
         return (p.get("weight") is self.weight and p.get("bias") is self.bias
                 and tuple(linear._forward_pre_hooks) == self.pre and tuple(linear._forward_hooks) == self.post
-                and "forward" not in linear.__dict__ and not _global_hooks())
+                and "forward" not in linear.__dict__ and not global_forward_hooks())
 
     def local_weight(self) -> torch.Tensor:
         return self.weight.to_local()
@@ -398,7 +397,8 @@ class TpShard:
         return c[2]
 
 
-def _global_hooks() -> bool:
+def global_forward_hooks() -> bool:
+    """A global module forward (pre-)hook is registered: it would run inside any module call skipped."""
     m = nn.modules.module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
@@ -439,7 +439,7 @@ def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[Tp
     if len(linear._forward_pre_hooks) != 1 or len(linear._forward_hooks) != 1:
         r.append(f"{len(linear._forward_pre_hooks)} forward pre-hooks and {len(linear._forward_hooks)} forward "
                  "hooks (torch's TP style registers one of each)")
-    if _global_hooks():
+    if global_forward_hooks():
         r.append("a global module forward hook is registered")
     if r:
         return None, r
