@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Issue 18's device benchmark: real FP8 with a PEFT LoRA, fused LoRA, memory that comes back, offload + graphs.
+
+ONE process, one H200: the 60-layer random full-size transformer (bf16, 4096 image + 128 text tokens = 1024^2,
+B = 1, no text mask), ModelOpt ``FP8_DEFAULT_CFG`` (fake quant, calibrated), then ``qwen_absorb.patch(model,
+cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
+
+1. fp32 reference of the model + LoRA: a deep copy of the bf16 model gets the LoRA (rank 64, ``lora_alpha`` 64,
+   ``init_lora_weights="gaussian"`` on the 12 attention and FFN linears of every block) with seeded weights
+   (lora_A ~ N(0, 1/r) as PEFT's gaussian init, lora_B ~ N(0, 0.02/sqrt(r)) so that the branch matters), is
+   upcast to fp32 (TF32 off), runs the forward once (the reference output), and is deleted;
+2. the bf16 model is quantized (no LoRA); ``mem_before_patch_gib``; patched: ``fp8_graph_ms`` (+ GPU busy),
+   ``mem_patched_gib``; re-patched with ``use_fast_accum`` toggled while the first report is held:
+   ``fast_accum_graph_ms``, ``mem_after_repatch_gib``; ``unpatch()`` with both reports held:
+   ``mem_after_unpatch_gib``;
+3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
+4. ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again: ``fp8_lora_graph_ms``,
+   ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
+   fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt
+   fake-quant + LoRA model (one call: it is slow), ``lora_fidelity_ratio`` = a / b;
+5. ``model.fuse_lora(lora_scale=1.0)``, ``patch()`` again: ``fp8_fused_lora_graph_ms``,
+   ``fp8_fused_lora_real_linears``, its rel err.
+
+Memory: ``torch.cuda.memory_allocated() / 2**30`` after ``gc.collect(); torch.cuda.empty_cache()``; peaks per
+phase under ``peak_memory_gib``. Every timed case: median of >= 5 calls after warm-up (CUDA events) next to the
+perf_counter wall time and the GPU busy of one call (torch.profiler), the report summary and runtime fallbacks.
+
+    python benchmarks/fp8_lora.py                # H200: ~4-5 min (+~60 s the first time ModelOpt builds its extension)
+    python benchmarks/fp8_lora.py --tiny         # CPU smoke run of every step (tiny model, fp8_gemm=True on "cpu")
+
+Issue 18 targets (judged in the markdown): LoRA <= 1.15x and fused LoRA <= 1.03x the no-LoRA call with 840 real
+linears; lora_fidelity_ratio <= 1.05; memory after unpatch / re-patch within 0.2 GiB; offload <= 1.05x, <= 21 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402
+
+import torch  # noqa: E402
+
+import qwen_absorb  # noqa: E402
+
+TARGET_MODULES = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+TIMED = ("fp8_graph_ms", "fast_accum_graph_ms", "offload_graph_ms", "fp8_lora_graph_ms", "fp8_fused_lora_graph_ms")
+KEYS = TIMED + ("fp8_lora_real_linears", "fp8_fused_lora_real_linears", "lora_fidelity_ratio", "mem_before_patch_gib",
+                "mem_patched_gib", "mem_after_unpatch_gib", "mem_after_repatch_gib", "offload_model_gib")
+
+
+def lora_config(rank: int) -> Any:
+    from peft import LoraConfig  # noqa: PLC0415
+
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=list(TARGET_MODULES))
+
+
+def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+@torch.no_grad()
+def seed_lora(model: torch.nn.Module, rank: int, seed: int) -> None:
+    """Seeded LoRA weights: lora_A ~ N(0, 1/r) (PEFT's gaussian init), lora_B ~ N(0, 0.02/sqrt(r)) (not zero)."""
+    for i, (n, p) in enumerate(sorted(lora_params(model).items())):
+        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        p.normal_(0.0, (1.0 / rank) if ".lora_A." in n else 0.02 / rank**0.5, generator=g)
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.dev = a, a.device
+        self.cuda = self.dev.type == "cuda"
+        env = H.environment(self.dev)
+        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": a.side**2,
+               "lora_target_modules": TARGET_MODULES}
+        self.R = H.Results(a.out, "fp8_lora", {
+            **H.head("benchmarks/fp8_lora.py (issue 18: real FP8 + LoRA, memory, offload with graphs)", env, cfg),
+            **dict.fromkeys(KEYS), "gpu_busy_ms": {}, "wall_ms": {}, "kernels_per_call": {}, "rel_err": {},
+            "real_linears": {}, "report_summary": {}, "runtime_fallbacks": {}, "peak_memory_gib": {},
+            "details": {}, "targets": {}}, markdown)
+        self.steps = H.Steps([self.R], a.budget_s, cleanup=lambda: qwen_absorb.unpatch(self.model))
+        self.model: torch.nn.Module | None = None
+        self.reports: list[Any] = []  # the user holds every report
+        self.patch_kw = {"fp8_gemm": True, "capabilities": {"cpu"}} if not self.cuda else {}
+        if a.tiny:
+            self.patch_kw["cuda_graph"] = self.cuda
+        else:
+            self.patch_kw["cuda_graph"] = True
+
+    # ------------------------------------------------------------------ helpers
+    def mem(self, key: str) -> None:
+        g = H.memory_gib(self.dev)
+        self.R.put(key, None if g is None else round(g, 3), None if g is not None else f"{H.NEEDS_CUDA}")
+        if g is not None:
+            H.log(f"  {key}: {g:.3f} GiB")
+
+    def peak(self, phase: str) -> None:
+        if self.cuda:
+            self.R.put(f"peak_memory_gib.{phase}", round(torch.cuda.max_memory_allocated(self.dev) / 2**30, 3))
+            torch.cuda.reset_peak_memory_stats(self.dev)
+
+    def patch(self, label: str, **kw: Any) -> Any:
+        rep, why = H.patch(self.model, fresh=False, **{**self.patch_kw, **kw})
+        if rep is None:
+            raise RuntimeError(why)
+        self.reports.append(rep)
+        n = (H.summary(rep) or {}).get("fp8_gemm_linears")
+        self.R.put(f"real_linears.{label}", n)
+        H.log(f"  {label}: patched, {n} real-FP8 linears")
+        return rep
+
+    def timed(self, key: str, rep: Any, iters: int | None = None) -> dict[str, Any]:
+        kw = self.kw
+        r = H.measure(key, lambda: self.model(**kw)[0], self.dev, self.a.warmup, iters or self.a.iters)
+        self.R.put(key, round(r["median_ms"], 4))
+        self.R.put(f"wall_ms.{key}", round(r["wall_median_ms"], 4))
+        for k, dst in (("gpu_busy_ms", "gpu_busy_ms"), ("kernels_per_call", "kernels_per_call")):
+            self.R.put(f"{dst}.{key}", *H.busy(r, k))
+        self.R.d["details"][key] = r
+        self.R.put(f"report_summary.{key}", H.summary(rep))
+        self.R.put(f"runtime_fallbacks.{key}", H.fallbacks(rep))
+        return r
+
+    @torch.inference_mode()
+    def output(self) -> torch.Tensor:
+        out = self.model(**self.kw)[0]
+        H.sync(self.dev)
+        return out.float()
+
+    def fidelity(self, key: str) -> float:
+        e = H.rel_err(self.output(), self.ref)
+        self.R.put(f"rel_err.{key}", e)
+        H.log(f"  rel err {key}: {e:.4e}")
+        return e
+
+    # ------------------------------------------------------------------ steps
+    def setup(self) -> None:
+        a = self.a
+        H.load_modelopt()  # before any model exists (see harness.load_modelopt)
+        H.start_profiler(self.dev)
+        self.model = H.build_transformer(a.tiny, a.num_layers, self.dev, torch.bfloat16, a.seed)
+        self.kw32 = H.inputs(self.model, a.side, a.text_tokens, self.dev, torch.float32, a.seed + 1)
+        self.kw = H.as_dtype(self.kw32, torch.bfloat16)
+        self.calib = [H.inputs(self.model, a.side, a.text_tokens, self.dev, torch.bfloat16, a.seed + 10 + i, t)
+                      for i, t in enumerate((0.9, 0.5)[: a.calib])]
+        self.peak("build")
+
+    def reference(self) -> None:
+        """The fp32 twin: a deep copy with the seeded LoRA, upcast, one forward; deleted after."""
+        twin = copy.deepcopy(self.model)
+        twin.add_adapter(lora_config(self.a.rank))
+        seed_lora(twin, self.a.rank, self.a.seed)
+        self.lora_sd = {n: p.detach().clone() for n, p in lora_params(twin).items()}
+        self.R.put("details.lora_parameters", sum(p.numel() for p in self.lora_sd.values()))
+        self.R.put("details.lora_layers", sum(1 for n in self.lora_sd if n.endswith("lora_A.default.weight")))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        twin.float()
+        with torch.inference_mode():
+            self.ref = twin(**self.kw32)[0].float()
+        H.sync(self.dev)
+        del twin
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.peak("fp32_reference")
+
+    def quantize(self) -> None:
+        self.R.put("details.quantize_s", H.fp8_quantize(self.model, self.calib))
+        self.peak("quantize")
+
+    def memory_and_graph(self) -> None:
+        self.mem("mem_before_patch_gib")
+        rep = self.patch("fp8_graph")
+        self.timed("fp8_graph_ms", rep)
+        self.mem("mem_patched_gib")
+        rep2 = self.patch("fast_accum_graph", use_fast_accum=True)  # other arguments, the first report held
+        self.timed("fast_accum_graph_ms", rep2)
+        self.mem("mem_after_repatch_gib")
+        qwen_absorb.unpatch(self.model)  # both reports still held
+        self.mem("mem_after_unpatch_gib")
+        self.peak("patch_repatch_unpatch")
+
+    def offload(self) -> None:
+        rep = self.patch("offload_graph", offload_original_weights=True)
+        self.timed("offload_graph_ms", rep)
+        self.mem("offload_model_gib")
+        qwen_absorb.unpatch(self.model)
+        self.peak("offload")
+
+    def lora(self) -> None:
+        self.patch("fp8_before_lora")  # patched when the user adds the LoRA: patch() again must see the change
+        self.model.add_adapter(lora_config(self.a.rank))
+        got = lora_params(self.model)
+        if set(got) != set(self.lora_sd):
+            raise RuntimeError(f"LoRA parameters differ from the twin's: {sorted(set(got) ^ set(self.lora_sd))[:4]}")
+        with torch.no_grad():
+            for n, p in got.items():
+                p.copy_(self.lora_sd[n])
+        rep = self.patch("fp8_lora_graph")
+        self.R.put("fp8_lora_real_linears", self.R.get("real_linears.fp8_lora_graph"))
+        self.timed("fp8_lora_graph_ms", rep)
+        self.fidelity("fp8_lora_patched")
+        qwen_absorb.unpatch(self.model)
+        self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
+        self.R.put("lora_fidelity_ratio", H.ratio(self.R.get("rel_err.fp8_lora_patched"),
+                                                  self.R.get("rel_err.fp8_lora_fake_quant_unpatched")))
+        self.peak("lora")
+
+    def fused(self) -> None:
+        self.model.fuse_lora(lora_scale=1.0)
+        rep = self.patch("fp8_fused_lora_graph")
+        self.R.put("fp8_fused_lora_real_linears", self.R.get("real_linears.fp8_fused_lora_graph"))
+        self.timed("fp8_fused_lora_graph_ms", rep)
+        self.fidelity("fp8_fused_lora_patched")
+        qwen_absorb.unpatch(self.model)
+        self.peak("fused_lora")
+
+    def run(self) -> int:
+        s, R = self.steps, self.R
+        R.write()
+        H.log(f"fp8_lora: {self.a.num_layers} layers, {self.a.side**2} + {self.a.text_tokens} tokens on {self.dev}, "
+              f"writing {R.json}")
+        if not s("setup", self.setup, [(R, k) for k in KEYS]) or not s("fp32_reference", self.reference,
+                                                                           [(R, "lora_fidelity_ratio")]):
+            return self.finish()
+        if not s("quantize", self.quantize, [(R, k) for k in KEYS]):
+            return self.finish()
+        s("memory_and_graph", self.memory_and_graph,
+          [(R, k) for k in ("fp8_graph_ms", "fast_accum_graph_ms", "mem_before_patch_gib", "mem_patched_gib",
+                            "mem_after_repatch_gib", "mem_after_unpatch_gib")])
+        s("offload", self.offload, [(R, "offload_graph_ms"), (R, "offload_model_gib")])
+        if s("lora", self.lora, [(R, k) for k in ("fp8_lora_graph_ms", "fp8_lora_real_linears",
+                                                  "lora_fidelity_ratio")]):
+            s("fused_lora", self.fused, [(R, "fp8_fused_lora_graph_ms"), (R, "fp8_fused_lora_real_linears")])
+        return self.finish()
+
+    def finish(self) -> int:
+        for k in KEYS:
+            self.R.skip(k, "not measured (its step failed or was skipped: see errors)")
+        if self.cuda:
+            self.R.put("peak_memory_gib.run", round(max(self.R.d["peak_memory_gib"].values(), default=0.0), 3))
+        self.R.d["targets"] = targets(self.R.d)
+        self.R.write()
+        H.log(f"wrote {self.R.json} and {self.R.md.name}")
+        print(markdown(self.R.d))
+        return 1 if self.steps.failed else 0
+
+
+def targets(d: dict[str, Any]) -> dict[str, Any]:
+    g = d.get
+    linears = 14 * (d.get("config") or {}).get("num_layers", 60)  # 12 attention/FFN + 2 modulation per block
+    rows = {
+        "lora_vs_no_lora <= 1.15": (H.ratio(g("fp8_lora_graph_ms"), g("fp8_graph_ms")), lambda v: v <= 1.15),
+        f"fp8_lora_real_linears == {linears}": (g("fp8_lora_real_linears"), lambda v: v == linears),
+        "fused_lora_vs_no_lora <= 1.03": (H.ratio(g("fp8_fused_lora_graph_ms"), g("fp8_graph_ms")),
+                                          lambda v: v <= 1.03),
+        f"fp8_fused_lora_real_linears == {linears}": (g("fp8_fused_lora_real_linears"), lambda v: v == linears),
+        "lora_fidelity_ratio <= 1.05": (g("lora_fidelity_ratio"), lambda v: v <= 1.05),
+        "|mem_after_unpatch - mem_before_patch| <= 0.2 GiB": (
+            None if g("mem_after_unpatch_gib") is None or g("mem_before_patch_gib") is None
+            else abs(g("mem_after_unpatch_gib") - g("mem_before_patch_gib")), lambda v: v <= 0.2),
+        "|mem_after_repatch - mem_patched| <= 0.2 GiB": (
+            None if g("mem_after_repatch_gib") is None or g("mem_patched_gib") is None
+            else abs(g("mem_after_repatch_gib") - g("mem_patched_gib")), lambda v: v <= 0.2),
+        "offload_vs_graph <= 1.05": (H.ratio(g("offload_graph_ms"), g("fp8_graph_ms")), lambda v: v <= 1.05),
+        "offload_model_gib <= 21": (g("offload_model_gib"), lambda v: v <= 21),
+    }
+    return {k: {"measured": v, "met": None if v is None or d.get("tiny") else bool(ok(v))}
+            for k, (v, ok) in rows.items()}
+
+
+def markdown(d: dict[str, Any]) -> str:
+    cfg = d.get("config") or {}
+    lines = H.md_head("Real FP8 + LoRA, memory and offload with CUDA graphs (issue 18)", d,
+                      f"{cfg.get('num_layers')} layers, {cfg.get('image_tokens')} image + {cfg.get('text_tokens')} "
+                      f"text tokens, B = 1, bf16, ModelOpt FP8_DEFAULT_CFG; LoRA rank {cfg.get('rank')} on "
+                      f"{len(TARGET_MODULES)} linears per block; median of {cfg.get('iters')} calls after "
+                      f"{cfg.get('warmup')} warm-up (CUDA events), wall = perf_counter, GPU busy = sum of kernel "
+                      "durations of one call (torch.profiler)")
+    lines += ["", *H.md_table(["case", "ms (events)", "wall ms", "GPU busy ms", "kernels", "real FP8 linears",
+                               "runtime fallbacks"],
+                              [[k[:-3], d.get(k), (d.get("wall_ms") or {}).get(k), (d.get("gpu_busy_ms") or {}).get(k),
+                                (d.get("kernels_per_call") or {}).get(k),
+                                (d.get("real_linears") or {}).get(k[:-3]),
+                                str((d.get("runtime_fallbacks") or {}).get(k) or "-")] for k in TIMED])]
+    lines += ["", "| memory (GiB allocated after gc) | GiB |", "|---|---|"]
+    lines += [f"| {k} | {H.fmt(d.get(k))} |" for k in KEYS if k.endswith("_gib")]
+    lines += [f"| peak: {k} | {H.fmt(v)} |" for k, v in (d.get("peak_memory_gib") or {}).items()]
+    lines += ["", "Fidelity (rel err against the fp32 model + LoRA): "
+              + ", ".join(f"{k} {H.fmt(v, 5)}" for k, v in (d.get("rel_err") or {}).items())
+              + f"; lora_fidelity_ratio {H.fmt(d.get('lora_fidelity_ratio'), 4)}"]
+    lines += ["", *H.md_table(["target (issue 18)", "measured", "met"],
+                              [[k, t["measured"], str(t["met"])] for k, t in (d.get("targets") or {}).items()], 4)]
+    for k, v in (d.get("report_summary") or {}).items():
+        lines.append(f"- report summary {k}: `{v}`")
+    return "\n".join(lines + H.md_footer(d)) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    H.add_common_args(ap, budget_s=420.0)
+    ap.add_argument("--num-layers", type=int, default=None, help="default 60 (--tiny: 2)")
+    ap.add_argument("--side", type=int, default=None, help="image tokens per side (default 64 = 1024^2; --tiny: 4)")
+    ap.add_argument("--text-tokens", type=int, default=None, help="default 128 (--tiny: 8)")
+    ap.add_argument("--rank", type=int, default=None, help="LoRA rank (default 64; --tiny: 4)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
+    ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
+    a = ap.parse_args(argv)
+    if a.iters < 5 or a.warmup < 1:
+        ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")
+    a = H.finish_args(ap, a, tiny_prefix="fp8_lora")
+    t = a.tiny
+    a.num_layers = a.num_layers or (2 if t else 60)
+    a.side = a.side or (4 if t else 64)
+    a.text_tokens = a.text_tokens or (8 if t else 128)
+    a.rank = a.rank or (4 if t else 64)
+    return Bench(a).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
