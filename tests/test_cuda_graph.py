@@ -21,6 +21,10 @@ from torch import nn
 
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
+from qwen_absorb.cuda_graph import capture as C
+from qwen_absorb.cuda_graph import fingerprint as F
+from qwen_absorb.cuda_graph import settings
+from qwen_absorb.cuda_graph import signature as S
 from qwen_absorb import testing as T
 
 CPU_REASON = "cuda_graph: input on cpu"
@@ -41,7 +45,7 @@ def _first(out):
 
 
 def _key(kwargs, positional=()):
-    return CG._signature((), kwargs, positional)[2]
+    return S.signature((), kwargs, positional)[2]
 
 
 # ------------------------------------------------------------------------------------------ eager on CPU
@@ -190,18 +194,18 @@ def test_refusal_reasons_counted_per_call(seed):
 def test_argument_refusals(seed):
     model = T.tiny_transformer(seed=seed)
     kw = T.transformer_inputs(model, seed=seed + 1)
-    names = CG._positional_names(type(model))
+    names = S.positional_names(type(model))
     assert names[:4] == ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep")
-    with pytest.raises(CG._Refusal, match="python number"):
-        CG._signature((), {**kw, "timestep": 0.5}, names)
-    with pytest.raises(CG._Refusal, match="python number"):  # positional, by name
-        CG._signature((kw["hidden_states"], kw["encoder_hidden_states"], None, 3), {}, names)
-    with pytest.raises(CG._Refusal, match="unsupported argument type"):
-        CG._signature((), {**kw, "attention_kwargs": {"x": object()}}, names)
-    with pytest.raises(CG._Refusal, match="unsupported argument type"):
-        CG._signature((), {**kw, "hidden_states": kw["hidden_states"].as_subclass(_Sub)}, names)
-    with pytest.raises(CG._Refusal, match="input on cpu"):
-        CG._Call((), kw, names)
+    with pytest.raises(S.Refusal, match="python number"):
+        S.signature((), {**kw, "timestep": 0.5}, names)
+    with pytest.raises(S.Refusal, match="python number"):  # positional, by name
+        S.signature((kw["hidden_states"], kw["encoder_hidden_states"], None, 3), {}, names)
+    with pytest.raises(S.Refusal, match="unsupported argument type"):
+        S.signature((), {**kw, "attention_kwargs": {"x": object()}}, names)
+    with pytest.raises(S.Refusal, match="unsupported argument type"):
+        S.signature((), {**kw, "hidden_states": kw["hidden_states"].as_subclass(_Sub)}, names)
+    with pytest.raises(S.Refusal, match="input on cpu"):
+        S.Call((), kw, names)
     # through a call: counted, then the eager forward runs (and here fails as diffusers does for a float)
     runner, fb = _install(model)
     with pytest.raises(AttributeError):
@@ -215,18 +219,18 @@ class _Sub(torch.Tensor):
 
 def test_scan_refusals(seed):
     model = T.tiny_transformer(seed=seed)
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     assert scan.refusal == "model not on CUDA" and not scan.sticky and scan.device is None
 
     h = model.transformer_blocks[1].register_forward_hook(lambda *a: None)
-    assert CG._Scan(model).refusal == "forward hook on a submodule"
+    assert F.Scan(model).refusal == "forward hook on a submodule"
     h.remove()
     h = model.register_forward_pre_hook(lambda *a: None)  # the transformer's own hooks run outside the graph
-    assert CG._Scan(model).refusal == "model not on CUDA"
+    assert F.Scan(model).refusal == "model not on CUDA"
     h.remove()
     h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
     try:
-        assert CG._Scan(model).refusal == "global module forward hook"
+        assert F.Scan(model).refusal == "global module forward hook"
     finally:
         h.remove()
 
@@ -234,31 +238,31 @@ def test_scan_refusals(seed):
     from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
     add_hook_to_module(model.transformer_blocks[0].attn.to_q, AccelerateHook())
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     assert scan.refusal == "offloading hook" and scan.sticky
     remove_hook_from_module(model.transformer_blocks[0].attn.to_q)
 
     model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    assert CG._Scan(model).refusal == "layerwise casting hook"
+    assert F.Scan(model).refusal == "layerwise casting hook"
 
     with torch.device("meta"):
         meta = T._transformer_cls()(**{**T.TINY_CONFIG, "num_layers": 1})
-    assert CG._Scan(meta).refusal == "offloading hook"
+    assert F.Scan(meta).refusal == "offloading hook"
 
 
 def test_scan_refuses_modelopt_calibration(seed):
     pytest.importorskip("modelopt.torch.quantization")
     model = T.tiny_transformer(seed=seed)
     T.fp8_quantize(model, T.transformer_inputs(model, seed=seed + 1))
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     assert scan.refusal == "model not on CUDA"
     q = model.transformer_blocks[0].attn.to_q.input_quantizer
     q.enable_calib()
     assert scan.changed() is not None  # the switch itself is watched
-    assert CG._Scan(model).refusal == "ModelOpt calibration running"
+    assert F.Scan(model).refusal == "ModelOpt calibration running"
     q.disable_calib()
-    assert CG._Scan(model).refusal == "model not on CUDA"
-    scan = CG._Scan(model)
+    assert F.Scan(model).refusal == "model not on CUDA"
+    scan = F.Scan(model)
     q.disable()  # mtq.disable_quantizer does this
     assert scan.changed() == "forward, hook, processor, quantizer or adapter switch replaced"
 
@@ -283,7 +287,7 @@ def test_signature_keys(seed):
     k0 = _key(base)
     assert _key({**base, "hidden_states": _aligned(g, 1, 16, 8)}) == k0  # new values: the same graph
     assert _key({**base, "timestep": _aligned(g, 1)}) == k0
-    assert CG._align_class(a.data_ptr()) == 256 and CG._align_class(a[0, 0, 1:].data_ptr()) == 4
+    assert S.align_class(a.data_ptr()) == 256 and S.align_class(a[0, 0, 1:].data_ptr()) == 4
     different = [
         {**base, "hidden_states": _aligned(g, 1, 20, 8)},  # shape
         {**base, "hidden_states": _aligned(g, 1, 16, 8, dtype=torch.float64)},  # dtype
@@ -324,9 +328,9 @@ def test_freeze_thaw_roundtrip(seed):
     x = torch.randn(2, 3, generator=g)
     obj = ((x, [1, (2.5, None)], {"a": True, "b": [x, torch.float16]}, torch.Size([2, 3]), -0.0, 1 + 2j), {})
     tensors: list[torch.Tensor] = []
-    spec = CG._freeze(obj, tensors)
+    spec = S.freeze(obj, tensors)
     assert len(tensors) == 2 and all(t is x for t in tensors)
-    back = CG._thaw(spec, iter(tensors))
+    back = S.thaw(spec, iter(tensors))
     assert back[0][1] == [1, (2.5, None)] and back[0][2]["b"][1] is torch.float16
     assert back[0][3] == torch.Size([2, 3]) and math.copysign(1, back[0][4]) == -1 and back[0][5] == 1 + 2j
     assert back[0][0] is x and back[0][2]["b"][0] is x
@@ -344,21 +348,21 @@ def test_static_buffers_keep_strides_and_alignment(seed):
         torch.randint(0, 2, (5, 7), generator=g).to(torch.bool)[1:],
     ]
     for x in cases:
-        s = CG._static_like(x)
+        s = C.static_like(x)
         s.copy_(x)
         assert s.shape == x.shape and s.stride() == x.stride() and s.dtype == x.dtype
-        assert s.data_ptr() % CG._ALIGN == x.data_ptr() % CG._ALIGN
+        assert s.data_ptr() % settings.ALIGN == x.data_ptr() % settings.ALIGN
         assert torch.equal(s, x)
-    assert CG._tensor_meta(_aligned(g, 32, offset=1)) != CG._tensor_meta(_aligned(g, 32))
+    assert S.tensor_meta(_aligned(g, 32, offset=1)) != S.tensor_meta(_aligned(g, 32))
 
 
 def test_outputs_are_mapped_with_their_types(seed):
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed))
-    out = CG._map_tensors(Transformer2DModelOutput(sample=x), torch.Tensor.clone)
+    out = C.map_tensors(Transformer2DModelOutput(sample=x), torch.Tensor.clone)
     assert isinstance(out, Transformer2DModelOutput) and torch.equal(out.sample, x) and out.sample is not x
-    out = CG._map_tensors((x, [x, 3]), torch.Tensor.clone)
+    out = C.map_tensors((x, [x, 3]), torch.Tensor.clone)
     assert type(out) is tuple and type(out[1]) is list and out[1][1] == 3 and out[0] is not x
 
 
@@ -383,7 +387,7 @@ def test_snapshot_is_stable_across_calls(zero_cond_t, patched, quantized, seed):
     if patched:
         qwen_absorb.patch(model)
     _run(model, kw)  # lazy first-call state
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     assert scan.refusal == "model not on CUDA"  # and nothing else: no hook, no calibration
     for _ in range(3):
         assert _call_unchanged(model, kw, scan) is None
@@ -392,18 +396,18 @@ def test_snapshot_is_stable_across_calls(zero_cond_t, patched, quantized, seed):
 def test_snapshot_sees_weight_changes(seed):
     model = T.tiny_transformer(seed=seed)
     w = model.transformer_blocks[0].attn.to_q.weight
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     with torch.no_grad():
         w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)))
     assert scan.changed() == "weights modified in place"
     assert scan.which() == "transformer_blocks.0.attn.to_q.weight"
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     w.data = w.data.clone()
     assert scan.changed() == "weights moved or replaced"
     assert scan.which() == "transformer_blocks.0.attn.to_q.weight"
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     model.to(torch.float64)
     assert scan.changed() == "weights moved or replaced"
 
@@ -415,32 +419,32 @@ def test_snapshot_sees_structure_and_switches(seed):
     model = T.tiny_transformer(seed=seed)
     blk = model.transformer_blocks[0]
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     h = blk.attn.register_forward_hook(lambda *a: None)
     assert scan.changed() == "forward hooks added or removed"
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     h.remove()
     assert scan.changed() == "forward hooks added or removed"
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     qwen_absorb.patch(model)
     assert scan.changed() is not None
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     qwen_absorb.unpatch(model)
     assert scan.changed() is not None
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     blk.compile(backend="eager")  # compile_repeated_blocks does this per block
     assert scan.changed() is not None
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     blk._compiled_call_impl = None
     assert scan.changed() == "forward, hook, processor, quantizer or adapter switch replaced"
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     blk.attn.set_processor(QwenDoubleStreamAttnProcessor2_0())
     assert scan.changed() == "forward, hook, processor, quantizer or adapter switch replaced"
 
-    scan = CG._Scan(model)
+    scan = F.Scan(model)
     blk.attn.processor._attention_backend = "native"  # set_attention_backend does this per processor
     assert scan.changed() is not None
 
@@ -524,7 +528,7 @@ def test_sticky_refusal_survives_weight_moves(seed):
 
 def _fake_graphs(runner, n, replayed):
     for i in range(n):
-        g = CG._Graph(None, [], None, [], f"fake {i} {len(runner._graphs)}", 0.0)
+        g = C.Graph(None, [], None, [], f"fake {i} {len(runner._graphs)}", 0.0)
         g.replays = 1 if replayed else 0
         runner._insert(("fake", id(g)), g)
 
@@ -545,7 +549,7 @@ def test_lru_bound_and_invalidate(seed):
 def test_unstable_model_stops_capturing(seed):
     model = T.tiny_transformer(seed=seed)
     runner, _ = _install(model)
-    for i in range(CG._MAX_UNREPLAYED_INVALIDATIONS):
+    for i in range(settings.MAX_UNREPLAYED_INVALIDATIONS):
         assert not runner.describe()["unstable"]
         _fake_graphs(runner, 1, replayed=False)
         runner._drop(f"state changed {i}")
@@ -553,7 +557,7 @@ def test_unstable_model_stops_capturing(seed):
     runner.invalidate()
     assert not runner.describe()["unstable"]
     # dropping graphs that were replayed is ordinary invalidation (e.g. switching LoRAs between generations)
-    for i in range(2 * CG._MAX_UNREPLAYED_INVALIDATIONS):
+    for i in range(2 * settings.MAX_UNREPLAYED_INVALIDATIONS):
         _fake_graphs(runner, 1, replayed=True)
         runner._drop(f"b {i}")
     assert not runner.describe()["unstable"]
@@ -634,7 +638,7 @@ def test_pickle_and_torch_save(seed):
 # ------------------------------------------------------------------------------------------ host constants
 
 
-class _CpuConstants(CG._HostConstants):
+class _CpuConstants(C.HostConstants):
     device_types = ("cpu",)  # exercise the interception on the CPU (on a GPU it acts on cuda targets)
 
 
@@ -689,14 +693,14 @@ def test_host_constants_keys_and_exception_safety(seed):
     assert consts._key("as_tensor", x, (), cpu) != consts._key("as_tensor", x.to(torch.int32), (), cpu)
     k = consts._key("as_tensor", torch.tensor(3.5), (), cpu)  # a 0-dim host tensor
     assert k is not None and k != consts._key("as_tensor", torch.tensor(3.25), (), cpu)
-    assert CG._HostConstants()._key("tensor", [1], (), {"device": "cpu"}) is None  # default: CUDA targets only
+    assert C.HostConstants()._key("tensor", [1], (), {"device": "cpu"}) is None  # default: CUDA targets only
 
 
 def test_keep_rope_holds_cached_freqs(seed):
     model = T.tiny_transformer(seed=seed)
     kw = T.transformer_inputs(model, seed=seed + 1)
     keep: list[torch.Tensor] = []
-    with CG._KeepRope(model, keep):
+    with C.KeepRope(model, keep):
         assert "_compute_video_freqs" in model.pos_embed.__dict__
         out = _first(_run(model, kw))
     assert "_compute_video_freqs" not in model.pos_embed.__dict__
@@ -744,8 +748,8 @@ class _fake_capture:
 def fake_cuda(monkeypatch):
     import contextlib
 
-    monkeypatch.setattr(CG, "_GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(CG, "_ALIGN", 64)  # what the CPU allocator promises (CUDA: 512), so fresh inputs share a key
+    monkeypatch.setattr(settings, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(settings, "ALIGN", 64)  # what the CPU allocator promises (CUDA: 512), so fresh inputs share a key
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
@@ -753,7 +757,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(CG._HostConstants, "device_types", ("cpu",))
+    monkeypatch.setattr(C.HostConstants, "device_types", ("cpu",))
     monkeypatch.setattr(_FakeGraph, "fail", False)
 
 
@@ -765,10 +769,10 @@ def _arm(runner):
 
         def fn(entry=entry, spec=key[0]):
             it = iter(entry.statics)
-            args = CG._thaw(spec[0], it)
-            kwargs = {k: CG._thaw(v, it) for k, v in spec[1]}
+            args = S.thaw(spec[0], it)
+            kwargs = {k: S.thaw(v, it) for k, v in spec[1]}
             fresh = runner._inner(*args, **kwargs)
-            for dst, src in zip(CG._tensors_in(entry.out), CG._tensors_in(fresh)):
+            for dst, src in zip(C.tensors_in(entry.out), C.tensors_in(fresh)):
                 dst.copy_(src)
 
         entry.graph.fn = fn
@@ -807,7 +811,7 @@ def test_capture_plumbing_with_fake_graphs(fake_cuda, zero_cond_t, patched, seed
     for o, r in zip(outs, (ra[1], rb[0], ra[2], rb[1], ra[0], rb[0], ra[1])):
         assert torch.equal(o, r)  # checked after all calls: returned outputs never alias
     assert all(o.data_ptr() != x.data_ptr() for o in outs for e in runner._graphs.values()
-               for x in CG._tensors_in(e.out))
+               for x in C.tensors_in(e.out))
     d = runner.describe()
     assert (d["captures"], d["graphs"], d["eager_calls"]) == (2, 2, 0), d
     assert d["replays"] == 6 and d["host_us_per_replay"] > 0
@@ -863,11 +867,11 @@ def test_capture_plumbing_unstable_model(fake_cuda, seed):
     ref = _first(_run(model, kw))
     blk = model.transformer_blocks[0]
     runner, fb = _install(model)
-    for _ in range(CG._MAX_UNREPLAYED_INVALIDATIONS + 2):
+    for _ in range(settings.MAX_UNREPLAYED_INVALIDATIONS + 2):
         assert torch.equal(_gcall(runner, model, kw), ref)
         blk.__dict__["_qwen_absorb_probe"] = object()  # e.g. a per-call switch set from outside
     d = runner.describe()
-    assert d["unstable"] and d["captures"] == CG._MAX_UNREPLAYED_INVALIDATIONS, d
+    assert d["unstable"] and d["captures"] == settings.MAX_UNREPLAYED_INVALIDATIONS, d
     assert fb["cuda_graph: model state changes on every call"] == 2, fb
     runner.invalidate("user")
     assert torch.equal(_gcall(runner, model, kw), ref)

@@ -1,0 +1,331 @@
+"""The capture of one signature: static buffers, the warm-up, host constants, RoPE tables kept, the graph.
+
+:func:`capture` copies a call's tensors into static buffers (same shapes, strides, dtypes and address modulo
+``settings.ALIGN``), runs one eager warm-up on a side stream (its output answers the call) and captures the
+wrapped forward into the runner's memory pool. ``torch.tensor(host data, device=cuda)`` cannot be captured
+(:class:`HostConstants` answers it from the warm-up's values), and diffusers' RoPE caches may evict a table a
+graph reads (:class:`KeepRope` holds each one per graph).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import hooks
+from . import settings
+from .signature import ATOMS, Call, thaw_call
+
+# diffusers' RoPE caches (QwenEmbedRope / QwenEmbedLayer3DRope) whose tensors a graph reads: see KeepRope.
+ROPE_METHODS = ("_compute_video_freqs", "_compute_condition_freqs", "_get_device_freqs")
+
+
+# ---------------------------------------------------------------------------------------------- host constants
+
+
+def freeze_data(x: Any) -> Any:
+    """An exact, hashable form of host data given to ``torch.tensor`` (None: not something we key)."""
+    tx = type(x)
+    if tx in (bool, int, str) or x is None:
+        return (tx, x)
+    if tx is float:
+        return (float, x.hex())
+    if tx is complex:
+        return (complex, x.real.hex(), x.imag.hex())
+    if tx is list or tx is tuple:
+        out = []
+        for v in x:
+            f = freeze_data(v)
+            if f is None:
+                return None
+            out.append(f)
+        return (tx, tuple(out))
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and type(x) is torch.Tensor:
+        flat = x.detach().reshape(-1).contiguous()
+        raw = flat.tolist() if flat.dtype == torch.bool else flat.view(torch.uint8).tolist()
+        return ("tensor", flat.dtype, tuple(x.shape), bytes(raw))
+    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):
+        return ("numpy", str(getattr(x, "dtype", "")), tuple(getattr(x, "shape", ())), x.tobytes())
+    return None
+
+
+class HostConstants:
+    """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable.
+
+    Such a call is a pageable host-to-device copy followed by a synchronisation, which a capture refuses.
+    diffusers' Qwen-Image forward makes it for values fixed by the signature (``modulate_index`` from
+    ``img_shapes`` for ``zero_cond_t`` models, the text length next to a mask). In ``"record"`` mode (the
+    warm-up) the real function runs and a copy of its device result is kept under an exact key (the data, the
+    dtype, the device, the other keywords); in ``"replay"`` mode (the capture) the same call is answered by a
+    device-to-device clone of that copy, which the graph records like any kernel. A call without a recorded
+    twin runs the real function (and fails the capture if it copies from the host: the signature then runs
+    eager). The functions are swapped on the ``torch`` module itself for the duration of the warm-up and of
+    the capture only: swapping a module's ``torch`` global instead would break torch.compile's guards on it.
+    Calls from elsewhere in that window behave exactly as the real ones (a twin is the same value).
+    """
+
+    _lock = threading.RLock()
+    device_types: tuple[str, ...] = ("cuda",)
+
+    def __init__(self) -> None:
+        self.recorded: dict[Any, list[torch.Tensor]] = {}
+        self.used: collections.Counter = collections.Counter()
+        self.mode: str | None = None
+        self.hits = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [x for lst in self.recorded.values() for x in lst]
+
+    def _key(self, fname: str, data: Any, args: tuple, kwargs: dict) -> tuple | None:
+        if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+            return None  # no host copy involved
+        if fname == "as_tensor":
+            names = ("dtype", "device")
+            kw = dict(zip(names, args))
+            if len(args) > len(names):
+                return None
+        elif args:
+            return None
+        else:
+            kw = {}
+        kw.update(kwargs)
+        if kw.get("device") is None:
+            return None
+        dev = hooks.as_device(kw["device"])
+        if dev.type not in self.device_types:
+            return None
+        if dev.type == "cuda" and dev.index is None:  # "cuda" is the calling thread's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
+        frozen = freeze_data(data)
+        if frozen is None:
+            return None
+        rest = []
+        for k in sorted(kw):
+            v = kw[k]
+            if k == "device" or v is None:  # None is the default: the same call as without it
+                continue
+            if type(v) not in ATOMS:
+                return None
+            rest.append((k, type(v), v))
+        return (fname, frozen, dev, tuple(rest))
+
+    def _wrap(self, fname: str, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            key = None
+            if self.mode is not None and not torch.compiler.is_compiling():
+                try:
+                    key = self._key(fname, data, args, kwargs)
+                except Exception:  # noqa: BLE001 - an unusual call: not ours to answer
+                    key = None
+            if key is not None and self.mode == "replay":
+                lst = self.recorded.get(key)
+                i = self.used[key]
+                if lst and i < len(lst):
+                    self.used[key] += 1
+                    self.hits += 1
+                    return lst[i].clone()
+            out = real(data, *args, **kwargs)
+            if key is not None and self.mode == "record" and type(out) is torch.Tensor:
+                self.recorded.setdefault(key, []).append(out.detach().clone())
+            return out
+
+        wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+        return wrapper
+
+    def active(self, mode: str) -> "_Swap":
+        return _Swap(self, mode)
+
+
+class _Swap:
+    """Context manager: ``torch.tensor`` / ``torch.as_tensor`` go through a :class:`HostConstants`."""
+
+    def __init__(self, consts: HostConstants, mode: str) -> None:
+        self.consts, self.mode = consts, mode
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> HostConstants:
+        if not HostConstants._lock.acquire(timeout=60):
+            raise RuntimeError("another CUDA-graph capture holds torch.tensor")
+        try:
+            for name in ("tensor", "as_tensor"):
+                real = getattr(torch, name)
+                self.saved[name] = real
+                setattr(torch, name, self.consts._wrap(name, real))
+            self.consts.mode = self.mode
+            if self.mode == "replay":
+                self.consts.used.clear()
+        except BaseException:
+            self._restore()
+            raise
+        return self.consts
+
+    def _restore(self) -> None:
+        try:
+            for name, real in self.saved.items():
+                setattr(torch, name, real)
+            self.consts.mode = None
+        finally:
+            HostConstants._lock.release()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+
+class KeepRope:
+    """During a capture, keep every tensor diffusers' RoPE module hands out from its caches.
+
+    ``QwenEmbedRope._compute_video_freqs`` is an LRU cache (128 entries, shared by all instances): a graph
+    reads the cached tensor, and an eviction would free memory the graph still reads. Holding a reference
+    per graph keeps it valid. Instance attributes shadow the cached methods for the capture only.
+    """
+
+    def __init__(self, transformer: nn.Module, keep: list[torch.Tensor]) -> None:
+        self.pe = getattr(transformer, "pos_embed", None)
+        self.keep = keep
+        self.names: list[str] = []
+
+    def __enter__(self) -> None:
+        pe = self.pe
+        if not isinstance(pe, nn.Module):
+            return
+        for name in ROPE_METHODS:
+            if name in pe.__dict__ or not callable(getattr(type(pe), name, None)):
+                continue
+            bound = getattr(pe, name)
+
+            def wrapper(*a: Any, _f: Callable = bound, **k: Any) -> Any:
+                out = _f(*a, **k)
+                for x in out if isinstance(out, tuple) else (out,):
+                    if isinstance(x, torch.Tensor):
+                        self.keep.append(x)
+                return out
+
+            object.__setattr__(pe, name, wrapper)
+            self.names.append(name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.names:
+            self.pe.__dict__.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------- buffers, outputs
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``x`` with every tensor in it replaced by ``fn(tensor)``, containers keeping their types."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) is tuple or type(x) is list:
+        return type(x)(map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        items = {k: map_tensors(v, fn) for k, v in x.items()}
+        try:
+            return type(x)(**items)  # diffusers BaseOutput (a dataclass + OrderedDict)
+        except TypeError:
+            return type(x)(items)
+    return x
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    map_tensors(x, out.append)
+    return out
+
+
+def static_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with ``x``'s shape, strides, dtype, device and address modulo ``settings.ALIGN``:
+    kernels pick vectorized or scalar paths by alignment, so a static buffer aligned differently could change
+    the bits."""
+    if x.numel() == 0:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    align = settings.ALIGN
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    es = x.element_size()
+    base = torch.empty(span + align // es, dtype=x.dtype, device=x.device)
+    off = ((x.data_ptr() - base.data_ptr()) % align) // es  # both addresses are multiples of es
+    return base.as_strided(x.shape, x.stride(), off)
+
+
+class Graph:
+    """One captured signature."""
+
+    __slots__ = ("graph", "statics", "out", "keep", "desc", "replays", "capture_ms")
+
+    def __init__(self, graph: Any, statics: list[torch.Tensor], out: Any, keep: list[torch.Tensor], desc: str,
+                 capture_ms: float) -> None:
+        self.graph, self.statics, self.out, self.keep, self.desc = graph, statics, out, keep, desc
+        self.replays = 0
+        self.capture_ms = capture_ms
+
+
+# ---------------------------------------------------------------------------------------------- the capture
+
+
+class Captured:
+    """What :func:`capture` produced: the warm-up's output (the call's answer), and the graph or the error."""
+
+    __slots__ = ("warm", "graph", "error", "host_constants")
+
+    def __init__(self, warm: Any, graph: Graph | None, error: BaseException | None, host_constants: int) -> None:
+        self.warm, self.graph, self.error, self.host_constants = warm, graph, error, host_constants
+
+
+def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc: str, streams: dict,
+            pools: dict) -> Captured:
+    """Warm up and capture ``inner`` (the wrapped forward) for ``call``'s signature.
+
+    ``streams`` / ``pools``: the runner's side streams and graph memory pools by device (created here when
+    missing). An exception of the warm-up propagates (the eager call would raise it too); one of the capture
+    is returned in ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile.
+    """
+    dev = call.device
+    with torch.cuda.device(dev):
+        cur = torch.cuda.current_stream()
+        statics = [static_like(x) for x in call.tensors]
+        for s, x in zip(statics, call.tensors):
+            s.copy_(x)
+        s_args, s_kwargs = thaw_call(call.spec, statics)
+        side = streams.get(dev)
+        if side is None:
+            side = streams[dev] = torch.cuda.Stream(dev)
+        consts = HostConstants()
+        # Warm-up on the side stream the capture will use (lazy per-stream state such as cuBLAS workspaces
+        # is created outside the graph). Its output answers this call.
+        side.wait_stream(cur)
+        with torch.cuda.stream(side), consts.active("record"):
+            warm = inner(*s_args, **s_kwargs)
+        cur.wait_stream(side)
+        statics_storage = {s.untyped_storage().data_ptr() for s in statics}
+
+        def own(x: torch.Tensor) -> torch.Tensor:
+            if x.untyped_storage().data_ptr() in statics_storage:
+                return x.clone()  # never hand out a static buffer
+            if x.is_cuda:
+                x.record_stream(cur)  # allocated on the side stream, used and freed on the caller's
+            return x
+
+        warm = map_tensors(warm, own)
+        graph = torch.cuda.CUDAGraph()
+        keep: list[torch.Tensor] = []
+        pool = pools.get(dev)
+        if pool is None:
+            pool = pools[dev] = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        try:
+            # The outer stream context restores the caller's stream even if capture_end raises
+            # (torch.cuda.graph.__exit__ skips its own stream restore then).
+            with torch.cuda.stream(side), consts.active("replay"), KeepRope(transformer, keep):
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    out = inner(*s_args, **s_kwargs)
+        except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
+            return Captured(warm, None, e, consts.hits)
+        finally:
+            cur.wait_stream(side)
+        ms = (time.perf_counter() - t0) * 1e3
+    return Captured(warm, Graph(graph, statics, out, keep + consts.tensors(), desc, ms), None, consts.hits)

@@ -1,0 +1,466 @@
+"""The runner: :class:`GraphedCall` sits on the transformer as its ``forward`` and decides per call whether to
+refuse (eager, counted), replay, or capture; :func:`install` puts it there.
+
+Per call, in order: the O(1) refusals (grad, training, hooks on the transformer), the arguments read into a
+:class:`~.signature.Call`, the fingerprint (:mod:`.fingerprint`; graphs dropped when it changed), the graph of
+the signature replayed, or a new signature captured (:mod:`.capture`), after ``capture_after`` eager calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import hooks
+from . import settings
+from .capture import Graph, capture, map_tensors
+from .fingerprint import Scan, root_reason, unwatch, watch
+from .signature import Call, Refusal, positional_names
+
+log = logging.getLogger("qwen_absorb")
+
+
+def _dead() -> None:
+    return None
+
+
+def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[], Any]:
+    """A reference to a forward that does not keep ``owner`` alive where that is safe: a method of ``owner``
+    lives as long as ``owner``; another callable only when something else (a hook slot) holds it."""
+    if inspect.ismethod(fn) and fn.__self__ is owner:
+        return weakref.WeakMethod(fn)
+    if held_elsewhere:
+        try:
+            return weakref.ref(fn)
+        except TypeError:  # not weak-referenceable: held
+            pass
+    return lambda: fn
+
+
+class GraphedCall:
+    """The transformer's ``forward`` in CUDA-graph mode (see :mod:`qwen_absorb.cuda_graph`). Create with
+    :func:`install`. After :meth:`remove` it holds nothing of the model (only plain counters) and is a
+    pass-through to the forward it wrapped for as long as that forward lives."""
+
+    __slots__ = (
+        "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev", "_prev_present", "_positional",
+        "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
+        "_dirty", "_failed", "_seen", "_removed", "_busy", "_unstable", "_unreplayed", "_logged", "captures",
+        "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
+        "capture_failures", "_host_us", "_host_n",
+    )
+
+    def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
+                 host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> None:
+        self._transformer = transformer
+        self._name = type(transformer).__name__
+        self.fallbacks = fallbacks
+        self.max_graphs = int(max_graphs)
+        self.capture_after = int(capture_after)
+        self._host_tensors = host_tensors
+        d = transformer.__dict__
+        self._prev_present = "forward" in d
+        self._prev = d.get("forward")
+        self._inner = self._prev if self._prev_present else type(transformer).forward.__get__(transformer)
+        self._weak_inner = _dead
+        self._setup()
+
+    def _setup(self) -> None:
+        """Fresh runtime state (also after deepcopy and unpickling: graphs are never shared or saved)."""
+        t = self._transformer
+        self._positional = positional_names(type(t)) if t is not None else ()
+        self._graphs: collections.OrderedDict[Any, Graph] = collections.OrderedDict()
+        self._pools: dict[torch.device, Any] = {}
+        self._streams: dict[torch.device, Any] = {}
+        self._scan: Scan | None = None
+        self._dirty: str | None = None
+        self._failed: dict[Any, str] = {}
+        self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
+        self._removed = False
+        self._busy = False
+        self._unstable = False
+        self._unreplayed = 0
+        self._logged: set[str] = set()
+        self.captures = self.replays = self.eager_calls = self.new_signature_calls = self.evictions = 0
+        self.refusals: collections.Counter = collections.Counter()
+        self.invalidations: collections.Counter = collections.Counter()
+        self.capture_failures: collections.Counter = collections.Counter()
+        self._host_us = 0.0
+        self._host_n = 0
+        if t is not None:
+            watch(self)
+
+    # ------------------------------------------------------------------ the call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._removed:
+            return self._wrapped()(*args, **kwargs)
+        if self._busy or torch.compiler.is_compiling():
+            return self._inner(*args, **kwargs)
+        t0 = time.perf_counter()
+        if torch.is_grad_enabled():
+            return self._eager("grad enabled", "", args, kwargs)
+        t = self._transformer
+        if t.training:
+            return self._eager("module in training mode", "", args, kwargs)
+        root = root_reason(t)
+        if root is not None:
+            self._drop(f"refused: {root[0]}", count=False, track=False)  # offloading needs the memory back
+            return self._eager(root[0], root[1], args, kwargs)
+        try:
+            call = Call(args, kwargs, self._positional)
+        except Refusal as r:
+            return self._eager(r.reason, r.detail, args, kwargs)
+        scan = self._current_scan()
+        if scan.refusal is not None:
+            return self._eager(scan.refusal, scan.detail, args, kwargs)
+        if scan.device != call.device:
+            return self._eager("model and inputs on different devices", f"{scan.device} vs {call.device}", args, kwargs)
+        if self._unstable:
+            return self._eager("model state changes on every call", "", args, kwargs)
+        entry = self._graphs.get(call.key)
+        if entry is not None:
+            out = self._replay(entry, call)
+            self._host_us += (time.perf_counter() - t0) * 1e6
+            self._host_n += 1
+            return out
+        if call.key in self._failed:
+            return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
+        if self.capture_after and self._count_new(call.key):
+            return self._inner(*args, **kwargs)
+        return self._capture(call)
+
+    def _wrapped(self) -> Callable[..., Any]:
+        """The forward this runner wraps (after :meth:`remove`, held weakly)."""
+        fn = self._inner if self._inner is not None else self._weak_inner()
+        if fn is None:
+            raise RuntimeError(f"qwen_absorb: this CUDA-graph runner of a {self._name} was removed, and the "
+                               "forward it wrapped is gone with its model")
+        return fn
+
+    def _count_new(self, key: Any) -> bool:
+        """True when the signature has had fewer than ``capture_after`` eager calls: this one runs eager too."""
+        seen = self._seen
+        n = seen.get(key, 0)
+        if n >= self.capture_after:
+            return False
+        seen[key] = n + 1
+        seen.move_to_end(key)
+        while len(seen) > settings.MAX_COUNTED_SIGNATURES:
+            seen.popitem(last=False)
+        self.new_signature_calls += 1
+        return True
+
+    def _eager(self, reason: str, detail: str, args: tuple, kwargs: dict) -> Any:
+        self.fallbacks[settings.PREFIX + reason] += 1
+        self.refusals[reason] += 1
+        self.eager_calls += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("qwen_absorb: CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
+        return self._inner(*args, **kwargs)
+
+    def _host(self) -> list[torch.Tensor]:
+        """The tensors allowed off the graph device (``host_tensors``), read anew for every scan."""
+        if self._host_tensors is None:
+            return []
+        try:
+            return list(self._host_tensors())
+        except Exception as e:  # noqa: BLE001 - a failing callable must not fail the call: none allowed
+            if "host_tensors" not in self._logged:
+                self._logged.add("host_tensors")
+                log.warning("qwen_absorb: host_tensors() raised %s: %s; no tensor may live off the GPU",
+                            type(e).__name__, e)
+            return []
+
+    def _new_scan(self) -> Scan:
+        return Scan(self._transformer, self._host())
+
+    def _current_scan(self) -> Scan:
+        """The snapshot graphs are valid for; rebuilt (and graphs dropped) when the model changed."""
+        scan = self._scan
+        if scan is not None:
+            what = scan.changed()
+            if what is None:
+                return scan
+            if scan.sticky and what.startswith("weights") and not self._graphs:
+                # Refused for a hook (e.g. layerwise casting, which recasts the weights on every call): the
+                # structure is unchanged, so the verdict stands; only the tensor values are taken anew.
+                scan.take()
+                return scan
+            detail = scan.which()
+            reason = what + (f" ({detail})" if detail else "")
+        else:
+            reason = self._dirty or "first scan"
+        self._dirty = None
+        if self._graphs:
+            self._drop(reason)
+        self._scan = scan = self._new_scan()
+        return scan
+
+    def module_assigned(self, module_id: int, what: str) -> None:
+        """torch registered a module / parameter / buffer on the module ``module_id`` (see fingerprint.watch)."""
+        scan = self._scan
+        if scan is not None and module_id in scan.module_ids:
+            self._scan = None
+            self._dirty = f"module structure changed ({what})"
+
+    def _replay(self, entry: Graph, call: Call) -> Any:
+        self._graphs.move_to_end(call.key)
+        for s, x in zip(entry.statics, call.tensors):
+            s.copy_(x)
+        entry.graph.replay()
+        entry.replays += 1
+        self.replays += 1
+        self._unreplayed = 0
+        return map_tensors(entry.out, torch.Tensor.clone)
+
+    def _capture(self, call: Call) -> Any:
+        desc = call.describe(self._positional)
+        self._busy = True
+        try:
+            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools)
+        finally:
+            self._busy = False
+        if got.error is not None:
+            self._capture_failed(call, desc, got.error)
+            return got.warm
+        self._insert(call.key, got.graph)
+        self.captures += 1
+        log.info("qwen_absorb: captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
+                 len(self._graphs), self.max_graphs, got.graph.capture_ms, desc, got.host_constants)
+        # Lazy state set by the warm-up or the capture itself (plans decided on first run, caches) is part
+        # of what this graph saw: take the snapshot now. If it moved, older graphs may be stale: drop them.
+        scan = self._scan
+        what = scan.changed() if scan is not None else (self._dirty or "changed during capture")
+        if what is not None:
+            for k in [k for k in self._graphs if k != call.key]:
+                self._evict(k, count=False)
+            self._scan = new = self._new_scan()
+            self._dirty = None
+            if new.refusal is not None:
+                self._drop(f"refused after capture: {new.refusal}")
+        return got.warm
+
+    def _capture_failed(self, call: Call, desc: str, e: BaseException) -> None:
+        self._failed[call.key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        self.capture_failures[type(e).__name__] += 1
+        reason = "capture failed (this signature runs eager)"
+        self.fallbacks[settings.PREFIX + reason] += 1
+        self.refusals[reason] += 1
+        self.eager_calls += 1
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        if "capture failed" not in self._logged:
+            self._logged.add("capture failed")
+            log.warning("qwen_absorb: CUDA graph capture failed for %s (%s); this signature runs eager from now on",
+                        desc, self._failed[call.key])
+        else:
+            log.debug("qwen_absorb: CUDA graph capture failed for %s (%s)", desc, self._failed[call.key])
+
+    # ------------------------------------------------------------------ graph bookkeeping
+
+    def _insert(self, key: Any, entry: Graph) -> None:
+        while len(self._graphs) >= self.max_graphs:
+            self._evict(next(iter(self._graphs)), count=True)
+        self._graphs[key] = entry
+
+    def _sync(self) -> None:
+        """Wait for in-flight replays before their graphs, static buffers and pool memory are released."""
+        if self._graphs and torch.cuda.is_available() and torch.cuda.is_initialized():
+            for dev in {s.device for g in self._graphs.values() for s in g.statics[:1]}:
+                torch.cuda.synchronize(dev)
+
+    def _evict(self, key: Any, count: bool) -> None:
+        self._sync()
+        del self._graphs[key]
+        if count:
+            self.evictions += 1
+
+    def _drop(self, reason: str, count: bool = True, track: bool = True) -> None:
+        """Drop every graph (and the pools: memory goes back to the allocator).
+
+        ``track``: a drop caused by a state change; if it keeps hitting graphs that were never replayed,
+        the model changes on every call and capturing is pointless (the runner turns itself off)."""
+        if not self._graphs:
+            return
+        self._sync()
+        if track and any(g.replays == 0 for g in self._graphs.values()):
+            self._unreplayed += 1
+            if self._unreplayed >= settings.MAX_UNREPLAYED_INVALIDATIONS and not self._unstable:
+                self._unstable = True
+                log.warning("qwen_absorb: CUDA graphs were invalidated before any replay %d times in a row (%s); "
+                            "graph mode stays off for this model (invalidate() re-enables it)",
+                            self._unreplayed, reason)
+        self._graphs.clear()
+        self._pools.clear()
+        if count:
+            self.invalidations[reason] += 1
+        log.info("qwen_absorb: dropped CUDA graphs: %s", reason)
+
+    # ------------------------------------------------------------------ public API
+
+    def invalidate(self, reason: str = "invalidate() called") -> None:
+        """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
+        self._drop(reason, count=False, track=False)
+        self.invalidations[reason] += 1
+        self._unstable = False
+        self._unreplayed = 0
+        self._scan = None
+        self._dirty = reason
+
+    def remove(self) -> None:
+        """Put the previous forward back exactly where this runner sits, and drop everything: graphs, static
+        inputs and outputs, pools, streams, the snapshot and every reference to the model."""
+        if self._removed:
+            return
+        t = self._transformer
+        d = t.__dict__
+        restored = False
+        if d.get("forward") is self:
+            if self._prev_present:
+                object.__setattr__(t, "forward", self._prev)
+            else:
+                del d["forward"]
+            restored = True
+        else:  # something wrapped us after install: we sit inside its chain
+            for desc, get, set_ in hooks.forward_slots(t):
+                if desc != "forward" and get() is self:
+                    set_(self._inner)
+                    restored = True
+                    break
+        if not restored:
+            log.warning("qwen_absorb: the CUDA-graph forward of %s was not found in its hook chain; it stays as "
+                        "a pass-through", self._name)
+        self._drop("remove()", count=False, track=False)
+        self._graphs.clear()
+        self._pools.clear()
+        self._failed.clear()
+        self._seen.clear()
+        self._streams.clear()
+        self._scan = None
+        self._removed = True
+        unwatch(self)
+        self._weak_inner = _weak_forward(self._inner, t, held_elsewhere=restored)
+        self._inner = self._prev = self._transformer = self._host_tensors = None
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able status: graphs held, captures, replays, refusals, invalidations, limits."""
+        return {
+            "installed": not self._removed,
+            "max_graphs": self.max_graphs,
+            "capture_after": self.capture_after,
+            "graphs": len(self._graphs),
+            "signatures": [g.desc for g in self._graphs.values()],
+            "captures": self.captures,
+            "replays": self.replays,
+            "eager_calls": self.eager_calls,
+            "new_signature_calls": self.new_signature_calls,
+            "evictions": self.evictions,
+            "refusals": dict(self.refusals),
+            "invalidations": dict(self.invalidations),
+            "capture_failures": dict(self.capture_failures),
+            "failed_signatures": len(self._failed),
+            "unstable": self._unstable,
+            "capture_ms": [round(g.capture_ms, 1) for g in self._graphs.values()],
+            "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
+            "outputs": "clone",
+        }
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        try:
+            return inspect.signature(self._wrapped())
+        except RuntimeError:
+            return inspect.Signature()
+
+    def __repr__(self) -> str:
+        return (f"<qwen_absorb GraphedCall on {self._name}: {len(self._graphs)}/{self.max_graphs} graphs, "
+                f"{self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
+
+    # ------------------------------------------------------------------ copy / pickle
+
+    def __deepcopy__(self, memo: dict) -> "GraphedCall":
+        new = GraphedCall.__new__(GraphedCall)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        t = self._transformer
+        inner = self._inner
+        cls_forward = (t is not None and getattr(inner, "__func__", None) is type(t).forward
+                       and getattr(inner, "__self__", None) is t)
+        return {
+            "transformer": t, "name": self._name, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
+            "capture_after": self.capture_after,  # host_tensors: a closure over this model, neither copied nor saved
+            "prev_present": self._prev_present, "prev": self._prev,
+            "inner": None if cls_forward else inner, "removed": self._removed,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        t = state["transformer"]
+        self._transformer = t
+        self._name = state.get("name") or type(t).__name__
+        self.fallbacks = state["fallbacks"]
+        self.max_graphs = state["max_graphs"]
+        self.capture_after = state.get("capture_after", 0)
+        self._host_tensors = None
+        self._prev_present = state["prev_present"]
+        self._prev = state["prev"]
+        inner = state["inner"]
+        self._inner = inner if inner is not None or t is None else type(t).forward.__get__(t)
+        self._weak_inner = _dead
+        self._setup()
+        self._removed = state["removed"]
+        if self._removed:
+            unwatch(self)
+
+
+def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
+            host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> GraphedCall:
+    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
+    pipeline holding one) and return its :class:`GraphedCall`.
+
+    fallbacks: a ``Counter`` to count refused calls in, by reason (``"cuda_graph: grad enabled"``, ...);
+        ``qwen_absorb.patch`` passes its report's ``runtime_fallbacks``.
+    max_graphs: graphs kept at most (one per input signature; least recently used dropped first).
+    host_tensors: a callable returning the tensors allowed to live off the GPU (registered parameters or
+        buffers, e.g. original weights offloaded to host memory while their FP8 copies run on the GPU); read
+        at every scan of the model. They are left out of the "model not on CUDA" check and still fingerprinted
+        (a change to them drops the graphs). The forward must not read them, or the capture fails.
+    capture_after: eager calls a signature must have had before it is captured (0: capture on first sight;
+        1: on the second call, so that a one-off call never pays a capture); counted in
+        ``describe()["new_signature_calls"]``.
+
+    Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
+    """
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    if not isinstance(fallbacks, collections.Counter):
+        raise TypeError(f"fallbacks must be a collections.Counter, got {type(fallbacks).__name__}")
+    if host_tensors is not None and not callable(host_tensors):
+        raise TypeError(f"host_tensors must be a callable returning tensors, got {type(host_tensors).__name__}")
+    if type(capture_after) is not int or capture_after < 0:
+        raise ValueError(f"capture_after must be an int >= 0, got {capture_after!r}")
+    t = hooks.resolve_transformer(transformer, (nn.Module,))
+    current = t.__dict__.get("forward")
+    if isinstance(current, GraphedCall) and not current._removed:
+        log.debug("qwen_absorb: CUDA-graph mode already installed on %s", type(t).__name__)
+        return current
+    runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after)
+    object.__setattr__(t, "forward", runner)
+    log.info("qwen_absorb: CUDA-graph mode installed on %s (max %d graphs%s)", type(t).__name__, max_graphs,
+             f", capture after {capture_after} eager calls" if capture_after else "")
+    return runner
