@@ -9,6 +9,13 @@ its reference, which is the diffusers eager expression itself.
 - ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output.
 - :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
 
+Qwen-Image-2.1 (scale-only modulation, tanh gates, per-token rows by ``target_token_mask``):
+
+- :func:`layer_norm_scale`                       LayerNorm(x) * (1 + scale)
+- :func:`tanh_gate_residual_layer_norm_scale`    r + tanh(gate) * x, then LayerNorm(.) * (1 + scale)
+- :func:`tanh_gate_residual`                     r + tanh(gate) * x (optionally the block's fp16 clip)
+- :func:`swiglu`                                 silu(a) * b; ``*_fp8`` variants emit e4m3 codes
+
 Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is
 one module (reference, launcher, reasons, custom op) plus one ``csrc/*.cu``; the module's ``launch``
 is the checked-once entry the patched block uses.
@@ -27,6 +34,13 @@ from .bias_residual_layer_norm_scale_shift import (
     bias_residual_layer_norm_scale_shift_reference,
 )
 from .fp8 import Fp8PerTensorQuant, dequant_scale, quant_scale, quantize_fp8_reference
+from .layer_norm_scale import (
+    layer_norm_scale,
+    layer_norm_scale_fp8,
+    layer_norm_scale_fp8_reference,
+    layer_norm_scale_not_supported_reasons,
+    layer_norm_scale_reference,
+)
 from .layer_norm_scale_shift import (
     layer_norm_scale_shift,
     layer_norm_scale_shift_fp8,
@@ -41,6 +55,24 @@ from .qk_norm_rope import (
     qk_norm_rope_not_supported_reasons,
     qk_norm_rope_reference,
 )
+from .swiglu import (
+    swiglu,
+    swiglu_fp8,
+    swiglu_fp8_reference,
+    swiglu_not_supported_reasons,
+    swiglu_reference,
+)
+from .tanh_gate_residual import (
+    tanh_gate_residual,
+    tanh_gate_residual_not_supported_reasons,
+    tanh_gate_residual_reference,
+)
+from .tanh_gate_residual_layer_norm_scale import (
+    tanh_gate_residual_layer_norm_scale,
+    tanh_gate_residual_layer_norm_scale_fp8,
+    tanh_gate_residual_layer_norm_scale_not_supported_reasons,
+    tanh_gate_residual_layer_norm_scale_reference,
+)
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
@@ -48,7 +80,7 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
     import importlib  # noqa: PLC0415  (the op functions above shadow their modules' names)
 
     mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
-            "qk_norm_rope")
+            "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu")
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 
@@ -65,6 +97,11 @@ __all__ = [
     "bias_residual_layer_norm_scale_shift_reference",
     "dequant_scale",
     "kernel_runtime_reasons",
+    "layer_norm_scale",
+    "layer_norm_scale_fp8",
+    "layer_norm_scale_fp8_reference",
+    "layer_norm_scale_not_supported_reasons",
+    "layer_norm_scale_reference",
     "layer_norm_scale_shift",
     "layer_norm_scale_shift_fp8",
     "layer_norm_scale_shift_fp8_reference",
@@ -78,4 +115,16 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_reference",
     "quantize_fp8_split",
+    "swiglu",
+    "swiglu_fp8",
+    "swiglu_fp8_reference",
+    "swiglu_not_supported_reasons",
+    "swiglu_reference",
+    "tanh_gate_residual",
+    "tanh_gate_residual_layer_norm_scale",
+    "tanh_gate_residual_layer_norm_scale_fp8",
+    "tanh_gate_residual_layer_norm_scale_not_supported_reasons",
+    "tanh_gate_residual_layer_norm_scale_reference",
+    "tanh_gate_residual_not_supported_reasons",
+    "tanh_gate_residual_reference",
 ]

@@ -1,0 +1,67 @@
+"""Per-token modulation rows of Qwen-Image-2.1 (``target_token_mask``), shared by its fused ops.
+
+diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a mask, ``params`` has
+one row per sample (``[B, D]``) and every token uses its sample's row; with the mask (``[L]`` bool,
+``True`` at target-image tokens, one for the whole batch) ``params`` has ``B + 1`` rows: target
+tokens use their sample's row ``b``, all others the trailing ``t = 0`` row ``B``. The kernels make
+that choice per token (``qa_target_row`` in ``csrc/scale_gate.cuh``) and never build the
+``[B, L, D]`` tensor; the references do exactly what diffusers does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_same, check_tensor
+
+
+def select_rows(params: torch.Tensor, target_token_mask: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' ``_select_modulation_rows``, op for op (``torch.where`` selects, never rounds)."""
+    if target_token_mask is None:
+        return params.unsqueeze(1)
+    real, zero = params[:-1].unsqueeze(1), params[-1:].unsqueeze(0)
+    return torch.where(target_token_mask.view(1, -1, 1), real, zero)
+
+
+def check_target_token_mask(mask: torch.Tensor | None, x: torch.Tensor) -> None:
+    """None, or a bool ``[L]`` tensor on x's device (diffusers' ``torch.where`` needs bool)."""
+    if mask is None:
+        return
+    check_tensor("target_token_mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"target_token_mask must be a bool tensor, got dtype {mask.dtype}")
+    L = x.shape[1]
+    if tuple(mask.shape) != (L,):
+        raise ValueError(f"target_token_mask must have shape [L] = [{L}], got {tuple(mask.shape)}")
+    if mask.device != x.device:
+        raise ValueError(f"target_token_mask is on {mask.device} but x is on {x.device}")
+
+
+def check_rows(name: str, p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """A modulation chunk: ``[B, D]`` (``[B + 1, D]`` with a mask), unit stride in its last dimension."""
+    check_same(name, p, x, "x")
+    B, D = x.shape[0], x.shape[2]
+    rows = B + 1 if mask is not None else B
+    if p.dim() != 2 or tuple(p.shape) != (rows, D):
+        why = " (B + 1 rows because target_token_mask is given)" if mask is not None else ""
+        raise ValueError(f"{name} must have shape [{rows}, {D}]{why}, got {tuple(p.shape)}")
+    if D > 1 and p.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {p.stride()}")
+
+
+def check_clip(clip_fp16: object) -> bool:
+    if not isinstance(clip_fp16, bool):
+        raise TypeError(f"clip_fp16 must be a bool, got {type(clip_fp16).__name__}")
+    return clip_fp16
+
+
+def clip_reference(h: torch.Tensor, clip_fp16: bool) -> torch.Tensor:
+    """The block's ``if hidden_states.dtype == torch.float16: hidden_states.clip(-65504, 65504)``."""
+    if clip_fp16 and h.dtype == torch.float16:
+        return h.clip(-65504, 65504)
+    return h
+
+
+def row_stride(p: torch.Tensor) -> int:
+    """Row stride of a [R, D] chunk (any value for a single row; 0 keeps the kernel's math simple)."""
+    return p.stride(0) if p.shape[0] > 1 else 0

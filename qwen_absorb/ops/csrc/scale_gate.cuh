@@ -1,0 +1,83 @@
+// Qwen-Image-2.1 modulation, shared by its fused ops: scale-only LayerNorm modulation, tanh-gated
+// residuals, and the per-token choice of a modulation row.
+//
+// diffusers' QwenImage21TransformerBlock computes, each op in the tensor dtype T (a rounding each):
+//   modulated = LayerNorm(x) * (1 + scale)           (no shift)
+//   residual  = residual + tanh(gate) * out
+// with scale/gate rows chosen per token by _select_modulation_rows. The helpers below perform the
+// same operations with the same roundings (numerics rule of common.cuh; packed pairs are exact by the
+// argument given there: a product of two 16-bit values and a sum each rounded once).
+#pragma once
+#include "common.cuh"
+#include "layer_norm.cuh"
+
+// ---- per-token modulation row --------------------------------------------------------------
+// Without a mask the parameters have B rows and token (b, l) uses row b. With diffusers'
+// target_token_mask ([L] bool, one for the whole batch) they have B + 1 rows: a target-image token
+// (mask[l] true) uses its sample's row b, every other token the trailing row B (t = 0), as
+// torch.where(mask.view(1, -1, 1), params[:-1, None], params[-1:][None]) selects them.
+__device__ __forceinline__ qa_i64 qa_target_row(qa_i64 row, qa_i64 L, qa_i64 B, const unsigned char* mask) {
+  const qa_i64 b = row / L;
+  if (mask == nullptr) return b;
+  return mask[row - b * L] != 0 ? b : B;
+}
+
+// ---- fp16 clip ------------------------------------------------------------------------------
+// hidden_states.clip(-65504, 65504) of a float16 block output (torch.clamp: NaN stays NaN).
+__device__ __forceinline__ float qa_clip_f16(float v) {
+  if (v != v) return v;
+  return fminf(fmaxf(v, -65504.f), 65504.f);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void qa_clip_f16_vec(QaVec<typename T::storage, N>& o) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) o.v[i] = T::store(qa_clip_f16(T::load(o.v[i])));
+}
+
+// ---- residual + tanh(gate) * x ----------------------------------------------------------------
+// tanh in fp32 (tanhf: PyTorch's CUDA tanh computes ::tanh(float) of the widened value), rounded to
+// T; the product rounded to T; the sum rounded to T.
+template <class T, int N>
+__device__ __forceinline__ QaVec<typename T::storage, N> qa_tanh_gated_residual(
+    const QaVec<typename T::storage, N>& r, const QaVec<typename T::storage, N>& x,
+    const QaVec<typename T::storage, N>& g) {
+  QaVec<typename T::storage, N> o;
+  if constexpr (QA_LN_PACKED && T::kPacked && N % 2 == 0) {
+#pragma unroll
+    for (int p = 0; p < N / 2; ++p) {
+      const unsigned tg = T::pack2(tanhf(T::load(g.v[2 * p])), tanhf(T::load(g.v[2 * p + 1])));
+      qa_set_pair(o, p, T::add2(qa_pair(r, p), T::mul2(tg, qa_pair(x, p))));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float tg = qa_round<T>(tanhf(T::load(g.v[i])));
+      o.v[i] = T::store(__fadd_rn(T::load(r.v[i]), qa_round<T>(__fmul_rn(tg, T::load(x.v[i])))));
+    }
+  }
+  return o;
+}
+
+// ---- LayerNorm(x) * (1 + scale) -----------------------------------------------------------------
+// round(round(y) * round(1 + scale)) with y the LayerNorm output of MODE (qa_ln_out's expression).
+template <class T, int MODE, int CH>
+__device__ __forceinline__ QaVec<typename T::storage, CH> qa_scaled(
+    const float (&v)[CH], float mean, float rstd, const QaVec<typename T::storage, CH>& sc) {
+  QaVec<typename T::storage, CH> o;
+  if constexpr (QA_LN_PACKED && T::kPacked && CH % 2 == 0) {
+#pragma unroll
+    for (int p = 0; p < CH / 2; ++p) {
+      const float y0 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p], mean))
+                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p], mean), rstd), 0.f);
+      const float y1 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p + 1], mean))
+                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p + 1], mean), rstd), 0.f);
+      qa_set_pair(o, p, T::mul2(T::pack2(y0, y1), T::add2(T::kOne2, qa_pair(sc, p))));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CH; ++i)
+      o.v[i] = T::store(__fmul_rn(qa_ln_out<MODE, T>(v[i], mean, rstd), qa_add<T>(1.f, T::load(sc.v[i]))));
+  }
+  return o;
+}

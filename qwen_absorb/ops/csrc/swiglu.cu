@@ -1,0 +1,56 @@
+// swiglu: out = silu(a) * b   (Qwen-Image-2.1's FFN: a = gate_layer(x), b = proj(x); out feeds `out`)
+//
+// Eager's roundings: silu(a) in fp32 (PyTorch's CUDA SiLU: x / (1 + exp(-x)) on the widened value)
+// rounded to T, then the product rounded to T. Optionally (out_fp8) also the e4m3 codes of that
+// rounded product under the `out` linear's input quantizer (amax at out_amax, fp8.cuh's formula),
+// for a real FP8 GEMM. Elementwise over n elements: each thread one vector of VEC elements (one
+// vector load when `vec`: every pointer 16-byte aligned), the tail element by element.
+#include "common.cuh"
+#include "fp8.cuh"
+
+#define QA_SWIGLU_THREADS 256
+
+struct SwigluParams {
+  const void* a;
+  const void* b;
+  void* out;
+  unsigned char* out_fp8;
+  const float* out_amax;
+  qa_i64 n;
+  int vec;
+};
+
+__device__ __forceinline__ float qa_swiglu_silu(float x) { return x / (1.f + expf(-x)); }
+
+template <class T>
+__device__ __forceinline__ typename T::storage qa_swiglu_one(typename T::storage a, typename T::storage b) {
+  return T::store(__fmul_rn(qa_round<T>(qa_swiglu_silu(T::load(a))), T::load(b)));
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(QA_SWIGLU_THREADS) swiglu_kernel(const SwigluParams p) {
+  typedef typename T::storage S;
+  const qa_i64 e = ((qa_i64)blockIdx.x * QA_SWIGLU_THREADS + threadIdx.x) * VEC;
+  if (e >= p.n) return;
+  const S* a = reinterpret_cast<const S*>(p.a) + e;
+  const S* b = reinterpret_cast<const S*>(p.b) + e;
+  S* o = p.out ? reinterpret_cast<S*>(p.out) + e : nullptr;
+  unsigned char* f8 = p.out_fp8 ? p.out_fp8 + e : nullptr;
+  float f8scale = 1.f, f8inv = 1.f;
+  if (f8) qa_fp8_scales(p.out_amax, 1, f8scale, f8inv);
+  if (e + VEC <= p.n) {
+    const bool vec = p.vec != 0;
+    const QaVec<S, VEC> av = qa_load_raw<T, VEC>(a, vec), bv = qa_load_raw<T, VEC>(b, vec);
+    QaVec<S, VEC> ov;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ov.v[i] = qa_swiglu_one<T>(av.v[i], bv.v[i]);
+    if (o) qa_store_raw<T, VEC>(o, vec, ov);
+    if (f8) qa_store_fp8<T, VEC>(f8, vec, ov, f8scale);
+  } else {
+    for (int i = 0; e + i < p.n; ++i) {
+      const S r = qa_swiglu_one<T>(a[i], b[i]);
+      if (o) o[i] = r;
+      if (f8) f8[i] = qa_fp8_encode(T::load(r), f8scale);
+    }
+  }
+}

@@ -1,0 +1,201 @@
+"""layer_norm_scale: ``LayerNorm(x) * (1 + scale)`` (Qwen-Image-2.1's norm1 + modulation), one kernel.
+
+Replaces ``img_norm1`` followed by ``QwenImage21TransformerBlock._modulate`` (which has no shift).
+Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA
+LayerNorm order, ``csrc/layer_norm.cuh``), ``1 + scale``, and the product. ``scale`` is a
+``[B, D]`` chunk of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask``: the row of
+each token is chosen in the kernel (:mod:`qwen_absorb.ops._target_rows`).
+:func:`layer_norm_scale_fp8` also (or only) writes the FP8 e4m3 codes of that output for real FP8
+GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
+
+Layers, from the user down: the public functions validate everything; :func:`launch` is the
+checked-once entry a block runner calls; the custom op ``torch.ops.qwen_absorb.layer_norm_scale``
+is what ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._modulation import layer_norm
+from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
+from ._validate import check_activation, check_amax, check_eps
+from .fp8 import quantize_fp8_reference
+
+CU = "layer_norm_scale.cu"
+
+# LayerNormScaleParams in the .cu: x, out, out_fp8, scale, mask, out_amax (pointers);
+# scale_rs, B, L (int64); D (int32), eps (float), vec_flags (int32)
+LAYOUT = "6P3qifi"
+
+
+# ---------------------------------------------------------------------------- references
+
+
+def layer_norm_scale_reference(
+    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The diffusers eager expression, op for op: ``norm(x) * (1 + _select_modulation_rows(scale))``."""
+    return layer_norm(x, eps) * (1 + select_rows(scale, target_token_mask))
+
+
+def layer_norm_scale_fp8_reference(
+    x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
+    target_token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, out)``: the eager output and the reference quantizer applied to it."""
+    out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
+    return quantize_fp8_reference(out, fp8_amax), out
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(out or None, e4m3 codes or None)``; arguments already validated.
+
+    x: contiguous [B, L, D] on a usable CUDA device; scale [B (+1), D] rows with unit last stride;
+    target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
+    """
+    if type(x) is not torch.Tensor or type(scale) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, scale)))
+    B, L, D = x.shape
+    o = torch.empty_like(x) if out else None
+    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    if x.numel() == 0:
+        return o, f8
+    esize = x.element_size()
+    # eager's norm1 sees x itself: a misaligned x sends PyTorch down its rowwise path
+    xp = x.data_ptr()
+    vectorized = xp % (4 * esize) == 0
+    dev = x.get_device()
+    key = (x.dtype, D, vectorized, dev)
+    hit = _fns.get(key)
+    if hit is None:
+        mode, threads, ch, nv = layout(D, vectorized)
+        fn = rt.function(CU, f"layer_norm_scale_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
+        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
+    launcher, a = hit
+    crs = row_stride(scale)
+    cp = scale.data_ptr()
+    flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
+    launcher(
+        B * L, xp, o.data_ptr() if o is not None else 0, f8.data_ptr() if f8 is not None else 0, cp,
+        target_token_mask.data_ptr() if target_token_mask is not None else 0,
+        fp8_amax.data_ptr() if fp8_amax is not None else 0, crs, B, L, D, eps, flags,
+    )
+    return o, f8
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    """Every template instance :func:`launch` can ask for (the compile test builds them all)."""
+    return [
+        (CU, f"layer_norm_scale_kernel<{t}, {mode}, {nv}>")
+        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
+    ]
+
+
+# ---------------------------------------------------------------------------- public ops
+
+
+def _validate(x, scale, eps, mask, fp8_amax=None) -> float:
+    check_activation("x", x)
+    eps = check_eps(eps)
+    check_target_token_mask(mask, x)
+    check_rows("scale", scale, x, mask)
+    if fp8_amax is not None:
+        check_amax("fp8_amax", fp8_amax, x)
+    return eps
+
+
+def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+def _amax1(a: torch.Tensor | None) -> torch.Tensor | None:
+    return a.float().reshape(1) if a is not None else None
+
+
+def layer_norm_scale_not_supported_reasons(
+    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
+    force_reference: bool = False,
+) -> list[str]:
+    """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
+    _validate(x, scale, eps, target_token_mask)
+    return common_reasons([x, scale], force_reference)
+
+
+def layer_norm_scale(
+    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
+    force_reference: bool = False,
+) -> torch.Tensor:
+    """``LayerNorm(x, eps, no affine) * (1 + scale)``, fused on CUDA; bit-identical to the eager expression.
+
+    x: [B, L, D]; scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L]).
+    """
+    eps = _validate(x, scale, eps, target_token_mask)
+    m = target_token_mask
+    return dispatch(
+        common_reasons([x, scale], force_reference),
+        lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
+        lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, None)[0],
+        lambda: launch(x.contiguous(), scale, eps, _contig(m))[0],
+    )
+
+
+def layer_norm_scale_fp8(
+    x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
+    target_token_mask: torch.Tensor | None = None, also_output: bool = False, force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale`'s output under a per-tensor
+    ``fp8_amax`` (bit-identical to that output followed by the reference quantizer), and the output
+    itself when ``also_output`` (else None: the kernel skips writing it)."""
+    eps = _validate(x, scale, eps, target_token_mask, fp8_amax)
+    m = target_token_mask
+
+    def reference():
+        codes, out = layer_norm_scale_fp8_reference(x, scale=scale, fp8_amax=fp8_amax, eps=eps, target_token_mask=m)
+        return codes, (out if also_output else None)
+
+    def compiled():
+        out, codes = torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, fp8_amax)
+        return codes, (out if also_output else None)
+
+    def kernel():
+        out, codes = launch(x.contiguous(), scale, eps, _contig(m), out=also_output, fp8_amax=_amax1(fp8_amax))
+        return codes, out
+
+    return dispatch(common_reasons([x, scale], force_reference), reference, compiled, kernel)
+
+
+# ---------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("qwen_absorb::layer_norm_scale", mutates_args=())
+def _custom_op(
+    x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
+    fp8_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes
+    empty when ``fp8_amax`` is None: custom ops need fixed output types)."""
+    if kernel_usable_now(x):
+        out, codes = launch(x.contiguous(), scale, eps, _contig(target_token_mask), fp8_amax=_amax1(fp8_amax))
+    else:
+        out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
+        codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
+    return out, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+
+
+@_custom_op.register_fake
+def _(x, scale, eps, target_token_mask, fp8_amax):
+    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), codes

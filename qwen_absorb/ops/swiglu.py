@@ -1,0 +1,154 @@
+"""swiglu: ``silu(a) * b`` (Qwen-Image-2.1's SwiGLU FFN, ``a = gate_layer(x)``, ``b = proj(x)``), one kernel.
+
+Rounding points reproduced, each in the tensor dtype: ``silu(a)`` (``F.silu``: PyTorch's CUDA SiLU
+computes ``x / (1 + exp(-x))`` in fp32) and the product. :func:`swiglu_fp8` also (or only) writes
+the FP8 e4m3 codes of that product under the ``out`` linear's per-tensor input amax (the formula of
+:mod:`qwen_absorb.ops.fp8`, bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of
+the rounded product), the input of a real FP8 ``out`` GEMM. Elementwise: any shape, ``a`` and ``b``
+of the same shape, dtype and device. Layers as in :mod:`qwen_absorb.ops.layer_norm_scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._validate import SUPPORTED_DTYPES, check_amax, check_same, check_tensor
+from .fp8 import quantize_fp8_reference
+
+CU = "swiglu.cu"
+THREADS = 256  # QA_SWIGLU_THREADS
+MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
+
+# SwigluParams in the .cu: a, b, out, out_fp8, out_amax (pointers); n (int64); vec (int32)
+LAYOUT = "5Pqi"
+
+
+def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The diffusers eager expression: ``self.activation_fn(gate) * proj`` with ``nn.SiLU``."""
+    return torch.nn.functional.silu(a) * b
+
+
+def swiglu_fp8_reference(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, out)``: the eager output and the reference quantizer applied to it."""
+    out = swiglu_reference(a, b)
+    return quantize_fp8_reference(out, fp8_amax), out
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(out or None, e4m3 codes or None)``; a, b contiguous, same shape, dtype
+    and device (a usable CUDA device); fp8_amax fp32 with one element on that device."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (a, b)))
+    o = torch.empty_like(a, memory_format=torch.contiguous_format) if out else None
+    f8 = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device) if fp8_amax is not None else None
+    n = a.numel()
+    if n == 0:
+        return o, f8
+    esize = a.element_size()
+    vec = 16 // esize
+    dev = a.get_device()
+    key = (a.dtype, dev)
+    launcher = _fns.get(key)
+    if launcher is None:
+        fn = rt.function(CU, f"swiglu_kernel<{rt.TRAITS[a.dtype]}, {vec}>", dev)
+        launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
+    ap, bp = a.data_ptr(), b.data_ptr()
+    op = o.data_ptr() if o is not None else 0
+    fp = f8.data_ptr() if f8 is not None else 0
+    vectorized = (ap | bp | op) % 16 == 0 and fp % vec == 0
+    grid = (n + THREADS * vec - 1) // (THREADS * vec)
+    launcher(grid, ap, bp, op, fp, fp8_amax.data_ptr() if fp8_amax is not None else 0, n, int(vectorized))
+    return o, f8
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [(CU, f"swiglu_kernel<{t}, {16 // torch.empty(0, dtype=d).element_size()}>") for d, t in rt.TRAITS.items()]
+
+
+def _validate(a, b, fp8_amax=None) -> None:
+    check_tensor("a", a)
+    if a.dim() < 1:
+        raise ValueError("a must have at least one dimension")
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"a has dtype {a.dtype}; supported: bfloat16, float16, float32")
+    check_same("b", b, a, "a")
+    if b.shape != a.shape:
+        raise ValueError(f"b has shape {tuple(b.shape)} but a has {tuple(a.shape)}")
+    if fp8_amax is not None:
+        check_amax("fp8_amax", fp8_amax, a)
+
+
+def _reasons(a, b, force_reference) -> list[str]:
+    reasons = common_reasons([a, b], force_reference)
+    if a.numel() > MAX_ELEMENTS:
+        reasons.append(f"{a.numel()} elements > {MAX_ELEMENTS}")
+    return reasons
+
+
+def _amax1(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.float().reshape(1) if t is not None else None
+
+
+def swiglu_not_supported_reasons(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> list[str]:
+    """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
+    _validate(a, b)
+    return _reasons(a, b, force_reference)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
+    """``silu(a) * b``, fused on CUDA; bit-identical to the eager expression."""
+    _validate(a, b)
+    return dispatch(
+        _reasons(a, b, force_reference),
+        lambda: swiglu_reference(a, b),
+        lambda: torch.ops.qwen_absorb.swiglu(a, b, None)[0],
+        lambda: launch(a.contiguous(), b.contiguous())[0],
+    )
+
+
+def swiglu_fp8(
+    a: torch.Tensor, b: torch.Tensor, *, fp8_amax: torch.Tensor, also_output: bool = False,
+    force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(codes, out)``: the e4m3 codes of :func:`swiglu`'s output under a per-tensor ``fp8_amax``,
+    and the output itself when ``also_output`` (else None: the kernel skips writing it)."""
+    _validate(a, b, fp8_amax)
+
+    def reference():
+        codes, out = swiglu_fp8_reference(a, b, fp8_amax)
+        return codes, (out if also_output else None)
+
+    def compiled():
+        out, codes = torch.ops.qwen_absorb.swiglu(a, b, fp8_amax)
+        return codes, (out if also_output else None)
+
+    def kernel():
+        out, codes = launch(a.contiguous(), b.contiguous(), out=also_output, fp8_amax=_amax1(fp8_amax))
+        return codes, out
+
+    return dispatch(_reasons(a, b, force_reference), reference, compiled, kernel)
+
+
+@torch.library.custom_op("qwen_absorb::swiglu", mutates_args=())
+def _custom_op(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes
+    empty without ``fp8_amax``)."""
+    if kernel_usable_now(a):
+        out, codes = launch(a.contiguous(), b.contiguous(), fp8_amax=_amax1(fp8_amax))
+    else:
+        out = swiglu_reference(a, b)
+        codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
+    return out, codes if codes is not None else a.new_empty(0, dtype=torch.float8_e4m3fn)
+
+
+@_custom_op.register_fake
+def _(a, b, fp8_amax):
+    codes = torch.empty(a.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=a.device)
+    return torch.empty_like(a, memory_format=torch.contiguous_format), codes

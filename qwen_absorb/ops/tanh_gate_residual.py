@@ -1,0 +1,143 @@
+"""tanh_gate_residual: ``residual + tanh(gate) * x`` (Qwen-Image-2.1's FFN residual site), one kernel.
+
+``x`` is the FFN output (``img_mlp.out``). Rounding points reproduced, each in the tensor dtype:
+``tanh(gate)``, the product, the sum; with ``clip_fp16=True`` and float16 tensors also the block's
+final ``clip(-65504, 65504)``. ``gate`` is a ``[B, D]`` chunk of the shared modulation, or
+``[B + 1, D]`` with ``target_token_mask`` (rows chosen per token in the kernel,
+:mod:`qwen_absorb.ops._target_rows`). Layers as in :mod:`qwen_absorb.ops.layer_norm_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._layer_norm import pick_nv
+from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
+from ._validate import check_activation, check_same
+
+CU = "tanh_gate_residual.cu"
+THREADS = 128  # QA_TGR_THREADS
+_NV = (1, 2, 3, 4, 5, 6, 8)
+
+# TanhGateResidualParams in the .cu: residual, x, gate, out, mask (pointers); gate_rs, B, L (int64);
+# D, clip, vec_flags (int32)
+LAYOUT = "5P3qiii"
+
+
+def tanh_gate_residual_reference(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
+    clip_fp16: bool = False,
+) -> torch.Tensor:
+    """The diffusers eager expression, op for op."""
+    return clip_reference(residual + select_rows(gate, target_token_mask).tanh() * x, clip_fp16)
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def _vec(dtype: torch.dtype, D: int) -> int:
+    vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    return vec if D % vec == 0 else 1
+
+
+def launch(
+    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
+    clip_fp16: bool = False,
+) -> torch.Tensor:
+    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate
+    [B (+1), D] rows with unit last stride, target_token_mask contiguous bool [L] or None."""
+    ts = (residual, x, gate)
+    if any(type(t) is not torch.Tensor for t in ts):  # a DTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in ts))
+    B, L, D = x.shape
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    esize = x.element_size()
+    dev = x.get_device()
+    key = (x.dtype, D, dev)
+    hit = _fns.get(key)
+    if hit is None:
+        vec = _vec(x.dtype, D)
+        nv = pick_nv(math.ceil((D // vec) / THREADS), _NV)
+        fn = rt.function(CU, f"tanh_gate_residual_kernel<{rt.TRAITS[x.dtype]}, {vec}, {nv}>", dev)
+        hit = _fns[key] = (rt.Launcher(fn, THREADS, LAYOUT, dev), vec * esize)
+    launcher, a = hit
+    grs = row_stride(gate)
+    xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
+    flags = (((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3))
+    clip = int(bool(clip_fp16) and x.dtype == torch.float16)
+    launcher(B * L, rp, xp, gp, out.data_ptr(), target_token_mask.data_ptr() if target_token_mask is not None else 0,
+             grs, B, L, D, clip, flags)
+    return out
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    out = []
+    for dtype, t in rt.TRAITS.items():
+        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()):
+            out += [(CU, f"tanh_gate_residual_kernel<{t}, {v}, {nv}>") for nv in (*_NV, 0)]
+    return out
+
+
+def _validate(residual, x, gate, mask, clip_fp16) -> bool:
+    check_activation("x", x)
+    check_activation("residual", residual)
+    check_same("residual", residual, x, "x")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    clip_fp16 = check_clip(clip_fp16)
+    check_target_token_mask(mask, x)
+    check_rows("gate", gate, x, mask)
+    return clip_fp16
+
+
+def _kernel(residual, x, gate, mask, clip_fp16):
+    return launch(residual.contiguous(), x.contiguous(), gate, mask.contiguous() if mask is not None else None,
+                  clip_fp16)
+
+
+def tanh_gate_residual_not_supported_reasons(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
+    clip_fp16: bool = False, force_reference: bool = False,
+) -> list[str]:
+    """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
+    _validate(residual, x, gate, target_token_mask, clip_fp16)
+    return common_reasons([x, residual, gate], force_reference)
+
+
+def tanh_gate_residual(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
+    clip_fp16: bool = False, force_reference: bool = False,
+) -> torch.Tensor:
+    """``residual + tanh(gate) * x`` (then the fp16 clip if asked), fused on CUDA; bit-identical to
+    the eager expression. residual, x: [B, L, D]; gate: [B, D], or [B + 1, D] with
+    ``target_token_mask`` (bool [L])."""
+    clip_fp16 = _validate(residual, x, gate, target_token_mask, clip_fp16)
+    m = target_token_mask
+    return dispatch(
+        common_reasons([x, residual, gate], force_reference),
+        lambda: tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=m, clip_fp16=clip_fp16),
+        lambda: torch.ops.qwen_absorb.tanh_gate_residual(residual, x, gate, m, clip_fp16),
+        lambda: _kernel(residual, x, gate, m, clip_fp16),
+    )
+
+
+@torch.library.custom_op("qwen_absorb::tanh_gate_residual", mutates_args=())
+def _custom_op(
+    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
+    clip_fp16: bool,
+) -> torch.Tensor:
+    if kernel_usable_now(x):
+        return _kernel(residual, x, gate, target_token_mask, clip_fp16)
+    return tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=target_token_mask,
+                                        clip_fp16=clip_fp16)
+
+
+@_custom_op.register_fake
+def _(residual, x, gate, target_token_mask, clip_fp16):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

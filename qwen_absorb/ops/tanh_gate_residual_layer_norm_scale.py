@@ -1,0 +1,213 @@
+"""tanh_gate_residual_layer_norm_scale: Qwen-Image-2.1's attention residual, norm2 and its modulation, one kernel.
+
+    new_residual = C(residual + tanh(gate) * x)
+    modulated    = LayerNorm(new_residual) * (1 + scale)
+
+``x`` is the attention output (``attn(...)``, i.e. ``to_out``). ``C`` is the identity, or with
+``clip_fp16=True`` and float16 tensors the block's final ``clip(-65504, 65504)`` (so the same op
+also runs the FFN residual followed by the next block's norm1). Rounding points reproduced, each
+in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the LayerNorm output
+(PyTorch's CUDA order, ``csrc/layer_norm.cuh``), ``1 + scale`` and the product. ``gate``/``scale``
+are ``[B, D]`` chunks of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask`` (rows
+chosen per token in the kernel, :mod:`qwen_absorb.ops._target_rows`).
+:func:`tanh_gate_residual_layer_norm_scale_fp8` also (or only) writes the e4m3 codes of
+``modulated`` for real FP8 ``gate_layer``/``proj`` GEMMs. Layers as in
+:mod:`qwen_absorb.ops.layer_norm_scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._modulation import layer_norm
+from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
+from ._validate import check_activation, check_amax, check_eps, check_same
+from .fp8 import quantize_fp8_reference
+
+CU = "tanh_gate_residual_layer_norm_scale.cu"
+
+# TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out,
+# out_fp8, mask, out_amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
+# clip, vec_flags (int32)
+LAYOUT = "9P4qifii"
+
+
+# ---------------------------------------------------------------------------- references
+
+
+def tanh_gate_residual_layer_norm_scale_reference(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diffusers eager expressions, op for op."""
+    h = clip_reference(residual + select_rows(gate, target_token_mask).tanh() * x, clip_fp16)
+    return h, layer_norm(h, eps) * (1 + select_rows(scale, target_token_mask))
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(
+    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
+    target_token_mask: torch.Tensor | None, clip_fp16: bool = False,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(new_residual, modulated or None, e4m3 codes of modulated or None)``.
+
+    residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale [B (+1), D] rows with unit
+    last stride; target_token_mask contiguous bool [L] or None; fp8_amax fp32 one-element on the device.
+    """
+    ts = (residual, x, gate, scale)
+    if any(type(t) is not torch.Tensor for t in ts):  # a DTensor: its data_ptr is not the data
+        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in ts))
+    B, L, D = x.shape
+    h = torch.empty_like(x)
+    o = torch.empty_like(x) if out else None
+    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    if x.numel() == 0:
+        return h, o, f8
+    esize = x.element_size()
+    dev = x.get_device()
+    key = (x.dtype, D, dev)
+    hit = _fns.get(key)
+    if hit is None:
+        # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
+        mode, threads, ch, nv = layout(D, True)
+        fn = rt.function(CU, f"tanh_gate_residual_layer_norm_scale_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
+        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
+    launcher, a = hit
+    grs, crs = row_stride(gate), row_stride(scale)
+    xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
+    flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
+    clip = int(bool(clip_fp16) and x.dtype == torch.float16)
+    launcher(
+        B * L, rp, xp, gp, cp, h.data_ptr(), o.data_ptr() if o is not None else 0,
+        f8.data_ptr() if f8 is not None else 0, target_token_mask.data_ptr() if target_token_mask is not None else 0,
+        fp8_amax.data_ptr() if fp8_amax is not None else 0, grs, crs, B, L, D, eps, clip, flags,
+    )
+    return h, o, f8
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [
+        (CU, f"tanh_gate_residual_layer_norm_scale_kernel<{t}, {mode}, {nv}>")
+        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
+    ]
+
+
+# ---------------------------------------------------------------------------- public ops
+
+
+def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> tuple[float, bool]:
+    check_activation("x", x)
+    check_activation("residual", residual)
+    check_same("residual", residual, x, "x")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    eps = check_eps(eps)
+    clip_fp16 = check_clip(clip_fp16)
+    check_target_token_mask(mask, x)
+    check_rows("gate", gate, x, mask)
+    check_rows("scale", scale, x, mask)
+    if fp8_amax is not None:
+        check_amax("fp8_amax", fp8_amax, x)
+    return eps, clip_fp16
+
+
+def _kernel(residual, x, gate, scale, eps, mask, clip_fp16, *, out=True, fp8_amax=None):
+    return launch(residual.contiguous(), x.contiguous(), gate, scale, eps, mask.contiguous() if mask is not None else None,
+                  clip_fp16, out=out, fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None)
+
+
+def tanh_gate_residual_layer_norm_scale_not_supported_reasons(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False,
+) -> list[str]:
+    """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
+    _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16)
+    return common_reasons([x, residual, gate, scale], force_reference)
+
+
+def tanh_gate_residual_layer_norm_scale(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(new_residual, modulated)``; see the module docstring.
+
+    residual, x: [B, L, D]; gate, scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L]).
+    """
+    eps, clip_fp16 = _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16)
+    m = target_token_mask
+
+    def compiled():
+        h, o, _ = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(
+            residual, x, gate, scale, eps, m, clip_fp16, None)
+        return h, o
+
+    return dispatch(
+        common_reasons([x, residual, gate, scale], force_reference),
+        lambda: tanh_gate_residual_layer_norm_scale_reference(
+            residual, x, gate=gate, scale=scale, eps=eps, target_token_mask=m, clip_fp16=clip_fp16),
+        compiled,
+        lambda: _kernel(residual, x, gate, scale, eps, m, clip_fp16)[:2],
+    )
+
+
+def tanh_gate_residual_layer_norm_scale_fp8(
+    residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor,
+    eps: float = 1e-6, target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False,
+    also_output: bool = False, force_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(new_residual, codes, modulated or None)``: as :func:`tanh_gate_residual_layer_norm_scale`,
+    plus the e4m3 codes of ``modulated`` under ``fp8_amax`` (bit-identical to the reference
+    quantizer applied to it); ``modulated`` itself only when ``also_output``."""
+    eps, clip_fp16 = _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax)
+    m = target_token_mask
+
+    def reference():
+        h, o = tanh_gate_residual_layer_norm_scale_reference(
+            residual, x, gate=gate, scale=scale, eps=eps, target_token_mask=m, clip_fp16=clip_fp16)
+        return h, quantize_fp8_reference(o, fp8_amax), (o if also_output else None)
+
+    def compiled():
+        h, o, codes = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(
+            residual, x, gate, scale, eps, m, clip_fp16, fp8_amax)
+        return h, codes, (o if also_output else None)
+
+    def kernel():
+        h, o, codes = _kernel(residual, x, gate, scale, eps, m, clip_fp16, out=also_output, fp8_amax=fp8_amax)
+        return h, codes, o
+
+    return dispatch(common_reasons([x, residual, gate, scale], force_reference), reference, compiled, kernel)
+
+
+# ---------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("qwen_absorb::tanh_gate_residual_layer_norm_scale", mutates_args=())
+def _custom_op(
+    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
+    target_token_mask: torch.Tensor | None, clip_fp16: bool, fp8_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes)``
+    (codes empty without ``fp8_amax``)."""
+    if kernel_usable_now(x):
+        h, o, codes = _kernel(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax=fp8_amax)
+    else:
+        h, o = tanh_gate_residual_layer_norm_scale_reference(
+            residual, x, gate=gate, scale=scale, eps=eps, target_token_mask=target_token_mask, clip_fp16=clip_fp16)
+        codes = quantize_fp8_reference(o, fp8_amax) if fp8_amax is not None else None
+    return h, o, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+
+
+@_custom_op.register_fake
+def _(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax):
+    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
+    like = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like), codes
