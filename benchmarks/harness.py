@@ -649,6 +649,47 @@ def capture_block_inputs(model: torch.nn.Module, idx: int, store: dict[str, Any]
         h.remove()
 
 
+# ------------------------------------------------------------------------------------------ the fused ops
+
+OPS = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual")
+EPS = 1e-6
+
+
+def op_sets(shape: tuple[int, int, int], k: int, device: torch.device, seed: int = 0) -> list[tuple]:
+    """``k`` distinct bf16 input sets ``(x, residual, shift, scale, gate, bias)`` of the fused ops."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    B, L, D = shape
+    sets = []
+    for _ in range(k):
+        shift, scale, gate = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, generator=gen, device=device)
+                              .bfloat16().chunk(3, dim=-1))
+        sets.append((torch.randn(shape, generator=gen, device=device).bfloat16(),
+                     torch.randn(shape, generator=gen, device=device).bfloat16(), shift, scale, gate,
+                     torch.randn(D, generator=gen, device=device).bfloat16()))
+    return sets
+
+
+def op_call(op: str, impl: str = "qwen_absorb") -> Callable[..., Any]:
+    """``fn(x, r, shift, scale, gate, bias)``: the public fused op as the block calls it, or (``impl="eager"``)
+    diffusers' eager expression it replaces."""
+    import qwen_absorb.ops as o  # noqa: PLC0415
+
+    ln = torch.nn.functional.layer_norm
+    calls = {
+        ("layer_norm_scale_shift", "eager"): lambda x, r, sh, sc, g, b: ln(x, x.shape[-1:], eps=EPS) * (1 + sc) + sh,
+        ("layer_norm_scale_shift", "qwen_absorb"):
+            lambda x, r, sh, sc, g, b: o.layer_norm_scale_shift(x, shift=sh, scale=sc, eps=EPS),
+        ("bias_residual_layer_norm_scale_shift", "eager"):
+            lambda x, r, sh, sc, g, b: (lambda h: (h, ln(h, h.shape[-1:], eps=EPS) * (1 + sc) + sh))(r + g * (x + b)),
+        ("bias_residual_layer_norm_scale_shift", "qwen_absorb"):
+            lambda x, r, sh, sc, g, b: o.bias_residual_layer_norm_scale_shift(r, x, bias=b, gate=g, shift=sh,
+                                                                              scale=sc, eps=EPS),
+        ("bias_gate_residual", "eager"): lambda x, r, sh, sc, g, b: r + g * (x + b),
+        ("bias_gate_residual", "qwen_absorb"): lambda x, r, sh, sc, g, b: o.bias_gate_residual(r, x, bias=b, gate=g),
+    }
+    return calls[(op, impl)]
+
+
 # ------------------------------------------------------------------------------------------ the patch
 
 
