@@ -14,7 +14,17 @@ Stable names (other code imports them):
 - :func:`run_transformer`           ``transformer(**inputs)[0]`` without grad
 
 Weights are random; nothing is downloaded. Every builder takes a ``seed`` and draws from its own
-generator, so building a model never disturbs the caller's global RNG stream.
+generator, so building a model never disturbs the caller's global RNG stream. Models are built in their
+dtype without diffusers' "should be kept in float32" warning (see :func:`_in_dtype`).
+
+ModelOpt and memory: the first ``import modelopt`` of a process pins the call stack that ran it. ModelOpt
+imports PuLP (``modelopt.torch.opt.searcher``), whose ``COPT_DLL`` class keeps the exception it caught
+while looking for the COPT solver as a class attribute (``COPT_DLL.err``); that exception's traceback
+holds the import frames, and through their ``f_back`` links every frame above them, with their local
+variables, for the life of the process. When that import ran inside ``fp8_quantize(model, ...)``, the
+model stayed resident after ``unpatch()`` and ``del``. The helpers here therefore import ModelOpt through
+:func:`qwen_absorb.modelopt_recipe.import_modelopt`, which runs the first import in a short-lived thread
+whose stack holds nothing of the caller's (tests/test_modelopt_journey.py checks that the model is freed).
 """
 
 from __future__ import annotations
@@ -55,6 +65,30 @@ FULL_SIZE_CONFIG: dict[str, Any] = dict(
 )
 
 
+def _mtq():
+    """``modelopt.torch.quantization``, first imported in a frame that holds no model (module docstring)."""
+    from .modelopt_recipe import import_modelopt  # noqa: PLC0415
+
+    return import_modelopt()
+
+
+def _in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with its floating-point parameters and buffers in ``dtype``.
+
+    diffusers 0.42.1's ``ModelMixin.to`` logs "There are modules in ... that should be kept in float32"
+    on every cast to a dtype, even for classes that keep nothing in float32 (``_keep_in_fp32_modules``
+    is None; its check ``fp32_modules is not None`` tests ``... or []``). A freshly built model is
+    already in float32, so no cast is made for float32; for other dtypes the Qwen-Image classes keep no
+    module in float32, so nn.Module's cast does exactly what diffusers' would. A class that does keep
+    modules in float32 goes through diffusers' own ``to`` and its warning."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.dtype == dtype or not t.is_floating_point() for t in tensors):
+        return module
+    if getattr(module, "_keep_in_fp32_modules", None):
+        return module.to(dtype)
+    return nn.Module.to(module, dtype)
+
+
 def _transformer_cls():
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
@@ -74,7 +108,7 @@ def tiny_transformer(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _transformer_cls()(**cfg)
-    return model.to(dtype).eval()
+    return _in_dtype(model, dtype).eval()
 
 
 @torch.no_grad()
@@ -96,7 +130,7 @@ def full_size_transformer(
     device = torch.device(device)
     with torch.device("meta"):
         model = _transformer_cls()(**cfg)
-    model.to(dtype=dtype)
+    _in_dtype(model, dtype)
     model.to_empty(device=device)
     if not cfg.get("use_layer3d_rope", False):
         # QwenEmbedRope's frequency tables are plain attributes (complex), built in __init__: on
@@ -170,7 +204,7 @@ def tiny_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
             base_dim=4 * 6, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
             latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
         )
-    return vae.to(dtype).eval()
+    return _in_dtype(vae, dtype).eval()
 
 
 def tiny_pipeline(
@@ -206,7 +240,7 @@ def tiny_pipeline(
         cfg["num_layers"] = 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 2)
-            components["controlnet"] = diffusers.QwenImageControlNetModel(**cfg).to(dtype).eval()
+            components["controlnet"] = _in_dtype(diffusers.QwenImageControlNetModel(**cfg), dtype).eval()
     components = {k: v for k, v in components.items() if k in params}
     return pipeline_cls(**components)
 
@@ -237,8 +271,7 @@ def modelopt_calibrate(
 ) -> nn.Module:
     """``mtq.quantize(transformer, config, forward_loop)`` where the loop runs the transformer on
     each kwargs dict of ``calib_inputs`` (one dict or several) under ``torch.no_grad()``."""
-    import modelopt.torch.quantization as mtq  # noqa: PLC0415
-
+    mtq = _mtq()
     batches = _as_calib_list(calib_inputs)
 
     def forward_loop(model: nn.Module) -> None:
@@ -256,8 +289,7 @@ def fp8_quantize(
     """ModelOpt FP8 e4m3 W8A8 per-tensor (``mtq.FP8_DEFAULT_CFG``), calibrated on ``calib_inputs``
     (fake quant; block LayerNorms get enabled FP8 input quantizers). ``compress=True`` then runs
     ``mtq.compress`` (real-quant float8 weights). In place; returns the transformer."""
-    import modelopt.torch.quantization as mtq  # noqa: PLC0415
-
+    mtq = _mtq()
     modelopt_calibrate(transformer, mtq.FP8_DEFAULT_CFG, calib_inputs)
     if compress:
         mtq.compress(transformer)
@@ -266,8 +298,7 @@ def fp8_quantize(
 
 def nvfp4_weight_only_config() -> dict[str, Any]:
     """``NVFP4_DEFAULT_CFG`` with every input quantizer disabled: weight-only NVFP4 (runs on CPU)."""
-    import modelopt.torch.quantization as mtq  # noqa: PLC0415
-
+    mtq = _mtq()
     cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
     qc = cfg["quant_cfg"]
     off = {"enable": False}
@@ -283,8 +314,7 @@ def nvfp4_weight_only_compress(
 ) -> nn.Module:
     """ModelOpt NVFP4 weight-only (16-element blocks, e4m3 scales), calibrated, then ``mtq.compress``
     (uint8 packed weights; on CPU / Hopper the forward dequantizes). In place; returns the transformer."""
-    import modelopt.torch.quantization as mtq  # noqa: PLC0415
-
+    mtq = _mtq()
     modelopt_calibrate(transformer, nvfp4_weight_only_config(), calib_inputs)
     if compress:
         mtq.compress(transformer)

@@ -1,0 +1,396 @@
+"""The ModelOpt FP8 recipe for Qwen-Image, from quantization to a patched model, with ModelOpt's own API.
+
+A user's way to a fast FP8 Qwen-Image with qwen_absorb::
+
+    import modelopt.torch.opt as mto
+    from qwen_absorb import modelopt_recipe as recipe
+
+    cfg = recipe.fp8_recipe_config(pipe.transformer)                 # ModelOpt config, Qwen-Image recipe
+    recipe.quantize(pipe.transformer, cfg, recipe.pipeline_forward_loop(pipe, prompts))   # mtq.quantize
+    recipe.export_hf(pipe.transformer, "qwen-image-fp8")             # ModelOpt's Hugging Face export
+    transformer = recipe.load_hf_export("qwen-image-fp8", dtype=torch.bfloat16, device="cuda")
+    qwen_absorb.patch(transformer, fp8_gemm=True, cuda_graph=True)   # the FP8 linears as real FP8 GEMMs
+
+or ``mto.save(transformer, path)`` / :func:`restore` for ModelOpt's own checkpoint format.
+
+Everything that quantizes, calibrates, saves, restores or exports is ModelOpt's: ``mtq.quantize``,
+``mto.save`` / ``mto.restore``, ``modelopt.torch.export.export_hf_checkpoint``. This module only builds
+the configuration (which layers stay in bf16), runs the calibration data through the pipeline, and
+loads ModelOpt's Hugging Face export back into a diffusers transformer, which diffusers 0.42.1 cannot
+do by itself (see :func:`load_hf_export`).
+
+ModelOpt is imported through :func:`import_modelopt`, never directly inside a function whose locals hold
+a model: see :mod:`qwen_absorb.testing` for why (the first import of ModelOpt keeps the importing call
+stack alive for the life of the process).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("qwen_absorb")
+
+__all__ = [
+    "DEFAULT_KEEP_FIRST",
+    "DEFAULT_KEEP_LAST",
+    "SENSITIVE_LAYERS",
+    "embeds_forward_loop",
+    "export_hf",
+    "fp8_recipe_config",
+    "import_modelopt",
+    "load_hf_export",
+    "pipeline_forward_loop",
+    "quantize",
+    "quantized_linear_names",
+    "restore",
+    "save",
+]
+
+# ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization/quantize.py --model qwen-image,
+# NVIDIA Model-Optimizer PR #1706) quantizes only the linears of ``transformer_blocks`` and keeps the
+# first 2 and the last 2 blocks, and everything outside the blocks, in the original precision.
+DEFAULT_KEEP_FIRST = 2
+DEFAULT_KEEP_LAST = 2
+
+# SGLang's validated FP8 Qwen-Image checkpoints keep, inside the blocks, the modulation linears
+# (img_mod / txt_mod) and the image FFN's output linear (img_mlp.net.2) in bf16
+# (sglang docs/diffusion/quantization.md, sglang PR #23155). Names are relative to a block.
+SENSITIVE_LAYERS: tuple[str, ...] = ("img_mod", "txt_mod", "img_mlp.net.2")
+
+_MODULES = {}
+
+
+def import_modelopt(name: str = "modelopt.torch.quantization"):
+    """Import a ModelOpt module (default ``modelopt.torch.quantization``) and return it.
+
+    The first import of ModelOpt runs in a short-lived thread, whose call stack holds nothing of the
+    caller's: ModelOpt's import chain (``modelopt.torch.opt`` -> ``pulp``) leaves an exception stored on
+    a class (PuLP's ``COPT_DLL.err``), and that exception's traceback keeps every frame of the importing
+    stack alive, with its local variables, for the life of the process. Imported from a function holding
+    a model, the model could never be freed. Later calls find the module in ``sys.modules``.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # re-raised in the caller's thread, without the thread's frames
+            error.append(e)
+
+    t = threading.Thread(target=target, name="qwen_absorb-import-modelopt", daemon=True)
+    t.start()
+    t.join()
+    if error:
+        e = error.pop()
+        raise type(e)(*e.args) if isinstance(e, ImportError) else e
+    return sys.modules[name]
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def _num_blocks(transformer_or_num_layers: nn.Module | int) -> int:
+    if isinstance(transformer_or_num_layers, int):
+        return transformer_or_num_layers
+    return len(transformer_or_num_layers.transformer_blocks)
+
+
+# Top-level children of QwenImageTransformer2DModel besides transformer_blocks (diffusers 0.42.1), for a
+# config built from a layer count alone
+_TOP_LEVEL = ("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out",
+              "addition_t_embedding")
+
+
+def _outside_blocks(transformer_or_num_layers: nn.Module | int) -> list[str]:
+    if isinstance(transformer_or_num_layers, int):
+        return list(_TOP_LEVEL)
+    return [name for name, _ in transformer_or_num_layers.named_children() if name != "transformer_blocks"]
+
+
+def fp8_recipe_config(
+    transformer_or_num_layers: nn.Module | int,
+    keep_first: int = DEFAULT_KEEP_FIRST,
+    keep_last: int = DEFAULT_KEEP_LAST,
+    sensitive_layers: Sequence[str] = SENSITIVE_LAYERS,
+    quantize_norm_inputs: bool = False,
+) -> dict[str, Any]:
+    """ModelOpt's quantization config for the Qwen-Image FP8 recipe: ``mtq.FP8_DEFAULT_CFG`` (FP8 e4m3
+    W8A8, per-tensor, max calibration) applied to the linears of ``transformer_blocks`` only, except
+    the first ``keep_first`` and last ``keep_last`` blocks and, in every block, the ``sensitive_layers``
+    (paths relative to a block, e.g. ``"img_mlp.net.2"``).
+
+    Built with ModelOpt's own mechanism: ``quant_cfg`` is FP8_DEFAULT_CFG's ordered list of
+    ``{"quantizer_name": <wildcard>, ...}`` entries, to which this appends ``{"enable": False}`` entries
+    (later entries win): every top-level module but ``transformer_blocks``, the kept blocks, the
+    sensitive layers. ModelOpt's standard exclusions stay in force: this only disables. The
+    block LayerNorms' FP8 input quantizers, which ModelOpt >= 0.44 enables on every LayerNorm, are off
+    unless ``quantize_norm_inputs``: ModelOpt's Hugging Face export stores scales for linears only (it
+    drops every norm's quantizer), so with them on, the exported checkpoint would compute something
+    other than the calibrated model; off, the model, its ``mto.save`` checkpoint and its export agree,
+    and the linears' own input quantizers still quantize what the LayerNorms feed them.
+    Pass the result to ``mtq.quantize`` or :func:`quantize`.
+    """
+    mtq = import_modelopt()
+    n = _num_blocks(transformer_or_num_layers)
+    if keep_first < 0 or keep_last < 0:
+        raise ValueError(f"keep_first and keep_last must be >= 0, got {keep_first}, {keep_last}")
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    entries = cfg["quant_cfg"]
+    if not isinstance(entries, list):
+        raise TypeError("this recipe needs ModelOpt >= 0.44 (quant_cfg as a list of entries); "
+                        f"got {type(entries).__name__}")
+
+    def off(pattern: str) -> None:
+        entries.append({"quantizer_name": pattern, "enable": False})
+
+    # Quantizer names are module paths plus ".weight_quantizer" / ".input_quantizer" / ...; the patterns
+    # are fnmatch wildcards over them. Nothing outside transformer_blocks: img_in, txt_in, txt_norm,
+    # time_text_embed, norm_out, proj_out, ... (the model's own top-level children when it is given).
+    for name in _outside_blocks(transformer_or_num_layers):
+        off(f"{name}.*")
+    kept = sorted(set(range(min(keep_first, n))) | set(range(max(0, n - keep_last), n)))
+    for i in kept:
+        off(f"transformer_blocks.{i}.*")  # the dot after the index: block 1 must not match blocks 10-19
+    for layer in sensitive_layers:
+        layer = layer.strip(".")
+        if not layer:
+            raise ValueError("an empty name in sensitive_layers would match whole blocks")
+        off(f"transformer_blocks.*.{layer}.*")
+    if not quantize_norm_inputs:
+        for norm in ("norm1", "norm2"):  # img_norm1, txt_norm1, img_norm2, txt_norm2
+            off(f"transformer_blocks.*_{norm}.input_quantizer")
+    return cfg
+
+
+def quantized_linear_names(transformer: nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose ModelOpt weight quantizer is enabled (the FP8 linears)."""
+    out = []
+    for name, m in transformer.named_modules():
+        q = getattr(m, "weight_quantizer", None)
+        if isinstance(m, nn.Linear) and q is not None and getattr(q, "is_enabled", False):
+            out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------------------------- calibration
+
+
+def embeds_forward_loop(
+    pipe: Any, prompt_embeds: Iterable[dict[str, Any]], num_inference_steps: int = 2, height: int | None = None,
+    width: int | None = None, seed: int = 0,
+) -> Callable[[nn.Module], None]:
+    """A ModelOpt ``forward_loop`` running the pipeline once per entry of ``prompt_embeds`` (dicts of
+    pipeline call arguments such as ``prompt_embeds``, ``prompt_embeds_mask``, ``negative_prompt_embeds``,
+    ``true_cfg_scale``): for pipelines without a text encoder, or to calibrate on precomputed embeddings."""
+    calls = [dict(kw) for kw in prompt_embeds]
+    return _pipeline_loop(pipe, calls, num_inference_steps, height, width, seed)
+
+
+def pipeline_forward_loop(
+    pipe: Any, prompts: Iterable[str], num_inference_steps: int = 4, height: int | None = None,
+    width: int | None = None, true_cfg_scale: float = 4.0, negative_prompt: str = " ", seed: int = 0,
+) -> Callable[[nn.Module], None]:
+    """A ModelOpt ``forward_loop`` that generates one image per prompt through ``pipe`` (a few denoising
+    steps each, true CFG on so that both branches calibrate), as ModelOpt's diffusers example does."""
+    calls = [dict(prompt=p, negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale) for p in prompts]
+    return _pipeline_loop(pipe, calls, num_inference_steps, height, width, seed)
+
+
+def _pipeline_loop(pipe, calls, steps, height, width, seed):
+    if not calls:
+        raise ValueError("calibration needs at least one prompt")
+    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+
+    def forward_loop(model: nn.Module) -> None:
+        # ModelOpt passes the model being calibrated: the pipeline's transformer
+        if model is not pipe.transformer:
+            raise ValueError("this forward_loop calibrates the pipeline's own transformer")
+        for i, kw in enumerate(calls):
+            gen = torch.Generator("cpu").manual_seed(seed + i)
+            with torch.inference_mode():
+                pipe(**kw, **size, num_inference_steps=steps, generator=gen, output_type="latent")
+
+    return forward_loop
+
+
+def quantize(transformer: nn.Module, config: dict[str, Any], forward_loop: Callable[[nn.Module], None] | None):
+    """``mtq.quantize(transformer, config, forward_loop)`` (in place; returns the transformer)."""
+    mtq = import_modelopt()
+    return mtq.quantize(transformer, copy.deepcopy(config), forward_loop=forward_loop)
+
+
+# ------------------------------------------------------------------------------ save and restore
+
+
+def save(transformer: nn.Module, path: str | Path) -> None:
+    """``mto.save``: ModelOpt's checkpoint (its state plus the full state dict, quantizer amaxes included)."""
+    mto = import_modelopt("modelopt.torch.opt")
+    mto.save(transformer, str(path))
+
+
+def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
+    """``mto.restore`` into ``transformer``, an unquantized ``QwenImageTransformer2DModel`` of the same
+    config (e.g. ``QwenImageTransformer2DModel.from_config(cfg)``); returns the restored model."""
+    mto = import_modelopt("modelopt.torch.opt")
+    return mto.restore(transformer, str(path))
+
+
+# ------------------------------------------------------------------------ Hugging Face export
+
+
+def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
+    """``modelopt.torch.export.export_hf_checkpoint(transformer, export_dir=...)``: ModelOpt's unified
+    Hugging Face checkpoint (``config.json`` with a ``quantization_config``, safetensors with float8
+    weights and float32 ``weight_scale`` / ``input_scale`` per quantized linear).
+
+    ModelOpt converts the weights **in place**: afterwards ``transformer`` holds float8 weights that its
+    quantizers cannot run, so compute anything you need from it first, and load the export back with
+    :func:`load_hf_export`. ModelOpt's export also drops the LayerNorm input quantizers (only linears get
+    scales), which is why :func:`fp8_recipe_config` leaves them off by default.
+    """
+    export = import_modelopt("modelopt.torch.export")
+    export_dir = Path(export_dir)
+    export.export_hf_checkpoint(transformer, export_dir=export_dir)
+    return export_dir
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        files = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(folder / f)))
+    return state
+
+
+def _amax_from_scale(scale: torch.Tensor, maxbound: float = 448.0) -> torch.Tensor:
+    """A float32 amax for which ``amax / 448`` is exactly the stored ``scale``.
+
+    ModelOpt's export stores ``amax / 448`` rounded to float32, not the amax. ``scale * 448`` misses that
+    condition by a float32 ulp for about 9% of values; a neighbour meets it. It is not always the
+    calibrated amax itself: near the top of a binade several float32 amaxes round to one scale, so the
+    checkpoint cannot tell them apart. Whichever is taken, the FP8 GEMM's dequantization scale
+    (``amax / 448``) is the checkpoint's."""
+    s = scale.detach().to(torch.float32).reshape(())
+    guess = s * maxbound
+    candidates = [guess]
+    up, down = guess, guess
+    for _ in range(3):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        candidates += [up, down]
+    for divide in (lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()):  # the two ways
+        for c in candidates:                                                           # ModelOpt divides
+            if torch.equal(divide(c), s):
+                return c
+    return guess
+
+
+def load_hf_export(
+    export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Load ModelOpt's Hugging Face export of a Qwen-Image transformer (:func:`export_hf`) into a diffusers
+    ``QwenImageTransformer2DModel`` with ModelOpt FP8 quantizers, ready for ``qwen_absorb.patch``.
+
+    Why a loader: diffusers 0.42.1's ``from_pretrained`` reads the export's ``quantization_config``
+    (``quant_method: modelopt``) with its ``NVIDIAModelOptConfig``, which raises ``TypeError`` with
+    nvidia-modelopt >= 0.44 (ModelOpt issue #2001; the diffusers fix, PR #14536, is not released), and
+    even where it loads, it has no place for the export's float8 weights and ``weight_scale`` /
+    ``input_scale`` tensors. So, with ModelOpt's own API:
+
+    1. build the transformer from the export's ``config.json`` (without its ``quantization_config``);
+    2. ``mtq.quantize`` it with ``FP8_DEFAULT_CFG``, enabled exactly on the linears that have a
+       ``weight_scale`` in the checkpoint, without calibration;
+    3. load the state: unquantized tensors as they are; each quantized linear's weight as its float8
+       codes times ``weight_scale``, and its quantizers' amax such that ``amax / 448`` is the stored
+       ``weight_scale`` / ``input_scale`` (:func:`_amax_from_scale`).
+
+    The result equals the model that was exported up to what the export format drops: the export stores
+    ``amax / 448`` rounded to float32 instead of the amax (distinct amaxes can share a scale), and no
+    LayerNorm input quantizer (they stay off here; :func:`fp8_recipe_config` leaves them off too). On
+    the tiny CPU model that is a relative difference of about 1e-7; an ``mto.save`` / :func:`restore`
+    round trip is bit-identical. ``dtype`` defaults to the dtype of the export's unquantized weights.
+    """
+    from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
+
+    mtq = import_modelopt()
+    folder = Path(export_dir)
+    config = dict(QwenImageTransformer2DModel.load_config(str(folder)))
+    config.pop("quantization_config", None)
+    state = _read_safetensors(folder)
+    quantized = sorted(k[: -len(".weight_scale")] for k in state if k.endswith(".weight_scale"))
+    if dtype is None:
+        dtype = next((t.dtype for k, t in state.items() if t.is_floating_point() and t.dtype.itemsize > 1
+                      and k.endswith(".weight")), torch.float32)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(config)
+    model = _materialize(model, dtype, device, config)
+
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "*", "enable": False})
+    for name in quantized:
+        for q in ("weight_quantizer", "input_quantizer"):
+            cfg["quant_cfg"].append({"quantizer_name": f"{name}.{q}", "enable": True})
+    mtq.quantize(model, cfg, forward_loop=None)
+
+    modules = dict(model.named_modules())
+    params = {}
+    with torch.no_grad():
+        for name in quantized:
+            lin = modules[name]
+            codes = state.pop(f"{name}.weight")
+            w_scale = state.pop(f"{name}.weight_scale").to(torch.float32)
+            in_scale = state.pop(f"{name}.input_scale", None)
+            params[f"{name}.weight"] = (codes.to(torch.float32) * w_scale).to(dtype)
+            lin.weight_quantizer.amax = _amax_from_scale(w_scale).to(device)
+            if in_scale is not None:
+                lin.input_quantizer.amax = _amax_from_scale(in_scale).to(device)
+            else:
+                lin.input_quantizer.disable()
+        params.update(state)
+        missing, unexpected = model.load_state_dict(params, strict=False)
+    missing = [k for k in missing if "_quantizer" not in k]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: the export does not match the transformer built from its config "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    logger.info("loaded ModelOpt export %s: %d FP8 linears", folder, len(quantized))
+    return model.eval()
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, config: dict) -> nn.Module:
+    """Real (uninitialised) storage for a transformer built on meta; the checkpoint overwrites it all.
+    The rope module keeps its frequency tables, which are plain attributes built in ``__init__``."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
+
+    nn.Module.to(model, dtype=dtype)  # nn.Module's: no cast happens, there is nothing to warn about
+    model.to_empty(device=device)
+    if not config.get("use_layer3d_rope", False):
+        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
+    else:
+        from diffusers.models.transformers.transformer_qwenimage import QwenEmbedLayer3DRope  # noqa: PLC0415
+
+        model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]),
+                                               scale_rope=True)
+    return model
+
