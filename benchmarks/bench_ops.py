@@ -1,238 +1,317 @@
-"""Benchmark of the three fused ops: eager expression vs torch.compile(expression) vs qwen_absorb.
+#!/usr/bin/env python
+"""The fused ops alone: GPU time against eager and torch.compile, host cost per call, and tools for the kernels.
 
-bf16, shapes [1,4096,3072], [2,4096,3072], [1,16384,3072], [1,256,3072]. Each measurement is a
-CUDA-graph replay (launch overhead removed) of K calls over K distinct input sets, K chosen so
-the sets together span >= 3x the L2 size: every call reads its inputs from HBM, not from L2
-(stated in the output). Warm-up replays first, then the median of many timed replays (CUDA
-events). Bytes counted: the full [B, L, D] tensors each op must read and write (2, 4 and 3),
-not the [B, D] parameters. The device-to-device copy rate is measured in the same run the same way.
+section ``ops`` -> ``<out>/bench_ops.json`` + ``.md``: ``layer_norm_scale_shift``, ``bias_residual_layer_norm_scale_shift``,
+    ``bias_gate_residual`` in bf16 at [1,4096,3072], [2,4096,3072], [1,16384,3072], [1,256,3072]: eager expression vs
+    ``torch.compile(expression)`` vs qwen_absorb. Each time is a CUDA-graph replay of K calls over K distinct input
+    sets (K such that one replay touches >= 3x the L2: inputs come from HBM) / K, median of replays. Bytes: the
+    full [B, L, D] tensors each op reads and writes (2, 4, 3). The device copy rate is measured before and after.
+section ``host`` -> merged into ``<out>/host_cost.json`` (was benchmarks/host_cost.py): at [1,128,3072] bf16 the GPU
+    work of a call is a few us, so N calls (then one synchronize) / N is the host cost of one call: ``torch_add_us``
+    (the yardstick), ``op_us`` (the public, validating ops), ``block_entry_us`` (the checked-once ``launch`` entries
+    the patched block calls), ``ratio_*`` (each / torch_add_us). Cases interleaved over ``--rounds``, median.
 
-Usage: python benchmarks/bench_ops.py [--out benchmarks/results] [--quick]
+Tools: ``--sweep`` times kernel build variants (compile-time defines) first; ``--ncu`` runs one call of each op at
+[1,16384,3072] and exits (was profile_ops.py), for Nsight Compute:
+
+    ncu --clock-control none --section SpeedOfLight --section Occupancy -k regex:"layer_norm|bias_gate" \\
+        python benchmarks/bench_ops.py --ncu
+
+``--probe-ln-order`` compiles both FMA groupings of the Welford combine (``QA_WELFORD_MEAN_ORDER`` 0/1) and prints the
+share of LayerNorm outputs bit-identical to torch (was probe_layer_norm_order.py).
+
+    python benchmarks/bench_ops.py                   # H200: ~1.5 min (both sections)
+    python benchmarks/bench_ops.py --tiny            # CPU smoke run: the torch references at a small shape
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
-import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402
 
-import qwen_absorb.ops as ops
+import torch  # noqa: E402
 
+SECTIONS = ("ops", "host")
 SHAPES = [(1, 4096, 3072), (2, 4096, 3072), (1, 16384, 3072), (1, 256, 3072)]
 FULL_TENSORS = {"layer_norm_scale_shift": 2, "bias_residual_layer_norm_scale_shift": 4, "bias_gate_residual": 3}
-EPS = 1e-6
 
 
-def eager_layer_norm_scale_shift(x, r, shift, scale, gate, bias):
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=EPS) * (1 + scale) + shift
+def time_op(fn: Any, sets: list[tuple], device: torch.device, reps: int) -> float:
+    """us of one call: a graph replay of one call per set / K on CUDA, a perf_counter loop on the CPU."""
+    run = lambda: [fn(*s) for s in sets]  # noqa: E731
+    ms = H.time_graph(run, reps=reps)[0] if device.type == "cuda" else H.time_calls(run, device, 1, reps)["median_ms"]
+    return ms * 1e3 / len(sets)
 
 
-def eager_bias_residual_layer_norm_scale_shift(x, r, shift, scale, gate, bias):
-    h = r + gate * (x + bias)
-    return h, torch.nn.functional.layer_norm(h, (h.shape[-1],), eps=EPS) * (1 + scale) + shift
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.dev = a, a.device
+        self.cuda = self.dev.type == "cuda"
+        env = H.environment(self.dev)
+        self.l2 = int(env.get("l2_mb", 0) * 2**20)
+        cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
+        self.docs = []
+        self.O = self.HC = None
+        if "ops" in a.sections:
+            self.O = H.Results(a.out, "bench_ops", {**H.head("benchmarks/bench_ops.py (section ops)", env, cfg),
+                                                    "env": env, "rows": [], "targets": [], "sweep": []}, ops_markdown)
+            self.docs.append(self.O)
+        if "host" in a.sections:
+            self.HC = H.Results(a.out, "host_cost", {"op_level_source": "benchmarks/bench_ops.py --sections host",
+                                                     "op_level_env": env}, host_markdown, merge=True)
+            self.docs.append(self.HC)
+        self.steps = H.Steps(self.docs, a.budget_s)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        return [(1, 64, 64), (2, 64, 64)] if self.a.tiny else SHAPES
+
+    def n_sets(self, op: str, shape: tuple[int, int, int]) -> int:
+        return max(2, math.ceil(3 * self.l2 / (FULL_TENSORS[op] * math.prod(shape) * 2))) if self.l2 else 2
+
+    def copy_rate(self) -> None:
+        if self.cuda:
+            self.O.d.setdefault("copy_rate_runs_tb_s", []).append(H.copy_rate_tb_s())
+
+    def sweep(self) -> None:
+        from qwen_absorb.ops import _runtime  # noqa: PLC0415
+
+        variants = {"layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
+                    "bias_residual_layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
+                    "bias_gate_residual": [("QA_BGR_MIN_BLOCKS", v) for v in (1, 12, 16)]}
+        try:
+            for shape in [(1, 16384, 3072), (1, 4096, 3072)]:
+                for op, vs in variants.items():
+                    sets = H.op_sets(shape, self.n_sets(op, shape), self.dev, 1)
+                    for name, val in vs:
+                        _runtime.set_defines({name: val})
+                        us = time_op(H.op_call(op), sets, self.dev, self.a.reps)
+                        self.O.d["sweep"].append({"op": op, "shape": list(shape), "variant": f"{name}={val}", "us": us})
+                        H.log(f"sweep {op:38s} {shape} {name}={val}: {us:8.1f} us")
+        finally:
+            _runtime.set_defines(None)
+
+    def ops(self) -> None:
+        rows = self.O.d["rows"]
+        for shape in self.shapes():
+            nbytes = math.prod(shape) * 2
+            for op, n_full in FULL_TENSORS.items():
+                k = self.n_sets(op, shape)
+                sets = H.op_sets(shape, k, self.dev, 0)
+                eager = H.op_call(op, "eager")
+                impls = {"eager": eager, "torch.compile": torch.compile(eager, dynamic=False,
+                                                                         **({} if self.cuda else {"backend": "eager"})),
+                         "qwen_absorb": H.op_call(op)}
+                for impl, fn in impls.items():
+                    us = time_op(fn, sets, self.dev, self.a.reps)
+                    tbs = n_full * nbytes / (us * 1e-6) / 1e12
+                    rows.append({"op": op, "shape": list(shape), "impl": impl, "us": us, "tb_s": tbs,
+                                 "bytes": n_full * nbytes, "sets_rotated": k})
+                    H.log(f"{op:40s} {str(shape):18s} {impl:14s} {us:9.1f} us {tbs:6.2f} TB/s")
+                del sets
+                self.O.write()
+
+    def derive(self) -> None:
+        d = self.O.d
+        rate = max(d.get("copy_rate_runs_tb_s") or [0.0]) or None
+        d["copy_rate_tb_s"] = rate
+        d["l2_note"] = f"{self.l2 // 2**20} MiB L2, input sets rotated so one replay touches >= 3x L2"
+        d["timing"] = "CUDA graph of K calls over K input sets, median of replays, per-call time = replay / K"
+        for r in d["rows"]:
+            r["pct_of_copy"] = 100 * r["tb_s"] / rate if rate else None
+        big = list(self.shapes()[2] if len(self.shapes()) > 2 else self.shapes()[0])
+        d["targets"] = []
+        for op in FULL_TENSORS:
+            by = {(tuple(r["shape"]), r["impl"]): r for r in d["rows"] if r["op"] == op}
+            q = by.get((tuple(big), "qwen_absorb"))
+            if q and q["pct_of_copy"] is not None:
+                d["targets"].append({"op": op, "check": f">= 80% of copy rate at {big}", "value": q["pct_of_copy"],
+                                     "pass": q["pct_of_copy"] >= 80})
+            for shape in self.shapes():
+                q, c = by.get((shape, "qwen_absorb")), by.get((shape, "torch.compile"))
+                if q and c:
+                    limit = 1.05 if op == "bias_gate_residual" else 1.0
+                    d["targets"].append({"op": op, "check": f"vs torch.compile at {list(shape)} (time ratio <= {limit})",
+                                         "value": q["us"] / c["us"], "pass": q["us"] / c["us"] <= limit})
+
+    def host(self) -> None:
+        from qwen_absorb.ops.bias_gate_residual import launch as bgr  # noqa: PLC0415
+        from qwen_absorb.ops.bias_residual_layer_norm_scale_shift import launch as brln  # noqa: PLC0415
+        from qwen_absorb.ops.layer_norm_scale_shift import launch as lnss  # noqa: PLC0415
+        from qwen_absorb.ops.quantize_fp8 import launch as qf8  # noqa: PLC0415
+        import qwen_absorb.ops as ops  # noqa: PLC0415
+
+        a, dev, D = self.a, self.dev, 3072
+        g = torch.Generator(device=dev).manual_seed(0)
+        x, r = (torch.randn(1, 128, D, generator=g, device=dev).bfloat16() for _ in range(2))
+        sh, sc, gt, sh2, sc2, gt2 = (c.unsqueeze(1) for c in torch.randn(1, 6 * D, generator=g, device=dev)
+                                     .bfloat16().chunk(6, dim=-1))
+        rows = [c.squeeze(1) for c in (sh, sc, gt)]
+        bias, amax = torch.randn(D, generator=g, device=dev).bfloat16(), torch.tensor([4.0], device=dev)
+        cases = {
+            "torch_add": lambda: torch.add(x, r),
+            "op:layer_norm_scale_shift": lambda: ops.layer_norm_scale_shift(x, shift=sh, scale=sc),
+            "op:bias_residual_layer_norm_scale_shift": lambda: ops.bias_residual_layer_norm_scale_shift(
+                r, x, bias=bias, gate=gt, shift=sh2, scale=sc2),
+            "op:bias_gate_residual": lambda: ops.bias_gate_residual(r, x, bias=bias, gate=gt2),
+            "op:quantize_fp8": lambda: ops.quantize_fp8(x, amax),
+            "entry:layer_norm_scale_shift": lambda: lnss(x, rows[0], rows[1], 1e-6, None),
+            "entry:layer_norm_scale_shift_fp8": lambda: lnss(x, rows[0], rows[1], 1e-6, None, out=False, fp8_amax=amax),
+            "entry:bias_residual_layer_norm_scale_shift": lambda: brln(r, x, bias, rows[2], rows[0], rows[1], 1e-6,
+                                                                       None, None, 0),
+            "entry:bias_gate_residual": lambda: bgr(r, x, bias, rows[2], None),
+            "entry:quantize_fp8": lambda: qf8(x, 0, None, amax),
+            "F.layer_norm": lambda: torch.nn.functional.layer_norm(x, (D,), eps=1e-6),
+        }
+        samples: dict[str, list[float]] = {c: [] for c in cases}
+        broken: dict[str, str] = {}
+        for _ in range(a.rounds):  # interleaved: slow drifts of a shared host hit all cases alike
+            for name, fn in cases.items():
+                if name in broken:
+                    continue
+                try:
+                    for _ in range(20):
+                        fn()
+                    H.sync(dev)
+                    t0 = time.perf_counter()
+                    for _ in range(a.calls):
+                        fn()
+                    H.sync(dev)
+                    samples[name].append((time.perf_counter() - t0) / a.calls * 1e6)
+                except Exception as e:  # noqa: BLE001 - e.g. a CUDA-only entry point on the CPU
+                    broken[name] = f"{type(e).__name__}: {e}"
+        us = {c: statistics.median(v) for c, v in samples.items() if v}
+        add = us["torch_add"]
+        HC = self.HC
+        HC.d.update(shape=[1, 128, D], dtype="bfloat16", calls=a.calls, rounds=a.rounds, torch_add_us=round(add, 2),
+                    f_layer_norm_us=round(us["F.layer_norm"], 2))
+        for pre, key in (("op:", "op_us"), ("entry:", "block_entry_us")):
+            HC.d[key] = {c[len(pre):]: round(v, 2) for c, v in us.items() if c.startswith(pre)}
+            HC.d[f"ratio_{key.replace('_us', '')}_vs_add"] = {c: round(v / add, 2) for c, v in HC.d[key].items()}
+        HC.d["samples_us"] = {c: [round(s, 2) for s in v] for c, v in samples.items()}
+        for c, why in broken.items():
+            HC.skip(f"host_cases.{c}", why)
+
+    def run(self) -> int:
+        s, O, HC = self.steps, self.O, self.HC
+        s.write()
+        if O is not None:
+            s("copy_rate_before", self.copy_rate)
+            if self.a.sweep:
+                s("sweep", self.sweep)
+            s("ops", self.ops, [(O, "rows")])
+            s("copy_rate_after", self.copy_rate)
+            self.derive()
+        if HC is not None:
+            s("host", self.host, [(HC, "torch_add_us")])
+        s.write()
+        for d in self.docs:
+            H.log(f"wrote {d.json} and {d.md.name}")
+        return 1 if s.failed else 0
 
 
-def eager_bias_gate_residual(x, r, shift, scale, gate, bias):
-    return r + gate * (x + bias)
-
-
-def fused_layer_norm_scale_shift(x, r, shift, scale, gate, bias):
-    return ops.layer_norm_scale_shift(x, shift=shift, scale=scale, eps=EPS)
-
-
-def fused_bias_residual_layer_norm_scale_shift(x, r, shift, scale, gate, bias):
-    return ops.bias_residual_layer_norm_scale_shift(r, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=EPS)
-
-
-def fused_bias_gate_residual(x, r, shift, scale, gate, bias):
-    return ops.bias_gate_residual(r, x, bias=bias, gate=gate)
-
-
-def make_sets(shape, k, gen):
-    B, L, D = shape
-    sets = []
-    for _ in range(k):
-        mod = torch.randn(B, 3 * D, generator=gen, device="cuda").bfloat16()
-        shift, scale, gate = (t.unsqueeze(1) for t in mod.chunk(3, dim=-1))
-        sets.append((
-            torch.randn(shape, generator=gen, device="cuda").bfloat16(),
-            torch.randn(shape, generator=gen, device="cuda").bfloat16(),
-            shift, scale, gate,
-            torch.randn(D, generator=gen, device="cuda").bfloat16(),
-        ))
-    return sets
-
-
-def time_graph(fn_all, warmup=5, reps=30):
-    """Median ms of one replay of a graph that runs fn_all() once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn_all()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn_all()
-    for _ in range(warmup):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), times
-
-
-def copy_rate(nbytes=1 << 30):
-    """Device-to-device copy rate (bytes read + written), best of an eager loop and a graph."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(10):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    eager_ms = statistics.median(times)
-    graph_ms, _ = time_graph(lambda: dst.copy_(src), warmup=10, reps=20)
-    return 2 * nbytes / (min(eager_ms, graph_ms) * 1e-3) / 1e12
-
-
-def env_info():
-    p = torch.cuda.get_device_properties(0)
-    try:
-        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip()
-    except Exception:
-        drv = "unknown"
-    import cupy
-
-    return {
-        "gpu": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
-        "l2_mb": p.L2_cache_size / 2**20, "driver": drv, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cupy": cupy.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def sweep(l2, reps):
-    """Times kernel build variants (compile-time knobs) on the large shapes; prints a table."""
-    from qwen_absorb.ops import _runtime
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    variants = {
-        "layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
-        "bias_residual_layer_norm_scale_shift": [("QA_LN_MIN_BLOCKS", v) for v in (1, 8, 10, 12)],
-        "bias_gate_residual": [("QA_BGR_MIN_BLOCKS", v) for v in (1, 12, 16)],
-    }
-    out = []
-    for shape in [(1, 16384, 3072), (1, 4096, 3072)]:
-        tensor_bytes = shape[0] * shape[1] * shape[2] * 2
-        for op, vs in variants.items():
-            k = max(2, math.ceil(3 * l2 / (FULL_TENSORS[op] * tensor_bytes)))
-            sets = make_sets(shape, k, gen)
-            fn = globals()[f"fused_{op}"]
-            for name, val in vs:
-                _runtime.set_defines({name: val})
-                ms, _ = time_graph(lambda: [fn(*s) for s in sets], reps=reps)
-                out.append({"op": op, "shape": list(shape), "variant": f"{name}={val}", "us": ms * 1e3 / k})
-                print(f"sweep {op:38s} {str(shape):16s} {name}={val}: {ms * 1e3 / k:8.1f} us", flush=True)
-            del sets
-    _runtime.set_defines(None)
-    return out
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
-    ap.add_argument("--sweep", action="store_true", help="time build variants first (tuning)")
-    args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    info = env_info()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    reps = 8 if args.quick else 30
-    rate0 = copy_rate()
-    sweep_rows = sweep(l2, reps) if args.sweep else []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def ops_markdown(d: dict[str, Any]) -> str:
+    lines = H.md_head("The fused ops vs eager and torch.compile (bf16)", d, d.get("timing"))
+    lines += ["", f"Device copy rate measured in this run: **{H.fmt(d.get('copy_rate_tb_s'), 2)} TB/s** (read + "
+                  f"write); {d.get('l2_note')}.", ""]
+    by = {(r["op"], tuple(r["shape"]), r["impl"]): r for r in d.get("rows") or []}
     rows = []
-    for shape in SHAPES:
-        B, L, D = shape
-        tensor_bytes = B * L * D * 2
-        for op, n_full in FULL_TENSORS.items():
-            k = max(2, math.ceil(3 * l2 / (n_full * tensor_bytes)))
-            sets = make_sets(shape, k, gen)
-            eager = globals()[f"eager_{op}"]
-            impls = {
-                "eager": eager,
-                "torch.compile": torch.compile(eager, dynamic=False),
-                "qwen_absorb": globals()[f"fused_{op}"],
-            }
-            for name, fn in impls.items():
-                ms, _ = time_graph(lambda fn=fn: [fn(*s) for s in sets], reps=reps)
-                us = ms * 1e3 / k
-                tbs = n_full * tensor_bytes / (us * 1e-6) / 1e12
-                rows.append({"op": op, "shape": list(shape), "impl": name, "us": us, "tb_s": tbs,
-                             "bytes": n_full * tensor_bytes, "sets_rotated": k})
-                print(f"{op:40s} {str(shape):18s} {name:14s} {us:9.1f} us {tbs:6.2f} TB/s", flush=True)
-            del sets
-    rate1 = copy_rate()
-    rate = max(rate0, rate1)
-    for r in rows:
-        r["pct_of_copy"] = 100 * r["tb_s"] / rate
-    # targets (issue 2)
-    verdict = []
     for op in FULL_TENSORS:
-        big = {r["impl"]: r for r in rows if r["op"] == op and r["shape"] == [1, 16384, 3072]}
-        verdict.append({"op": op, "check": ">= 80% of copy rate at [1,16384,3072]",
-                        "value": big["qwen_absorb"]["pct_of_copy"], "pass": big["qwen_absorb"]["pct_of_copy"] >= 80})
-        for shape in SHAPES:
-            by = {r["impl"]: r for r in rows if r["op"] == op and r["shape"] == list(shape)}
-            ratio = by["qwen_absorb"]["us"] / by["torch.compile"]["us"]
-            limit = 1.05 if op == "bias_gate_residual" else 1.0
-            verdict.append({"op": op, "check": f"vs torch.compile at {list(shape)} (time ratio <= {limit})",
-                            "value": ratio, "pass": ratio <= limit})
-    result = {"env": info, "copy_rate_tb_s": rate, "copy_rate_runs_tb_s": [rate0, rate1],
-              "l2_note": f"each call reads inputs not in L2: {int(l2 / 2**20)} MiB L2, input sets rotated so one replay touches >= 3x L2",
-              "timing": "CUDA graph of K calls over K input sets, median of replays, per-call time = replay / K",
-              "rows": rows, "targets": verdict, "sweep": sweep_rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_ops.json").write_text(json.dumps(result, indent=1))
-    md = [f"# bench_ops — {info['gpu']} (sm_{info['capability'].replace('.', '')}), driver {info['driver']}, "
-          f"torch {info['torch']}, CUDA {info['cuda']}, CuPy {info['cupy']}, {info['date']}", "",
-          f"Device-to-device copy rate measured in this run: **{rate:.2f} TB/s** (read + write). {result['l2_note']}.",
-          f"Timing: {result['timing']}.", "",
-          "| op | shape | eager us | torch.compile us | qwen_absorb us | qwen_absorb TB/s | % of copy | vs compile |",
-          "|---|---|---|---|---|---|---|---|"]
-    for op in FULL_TENSORS:
-        for shape in SHAPES:
-            by = {r["impl"]: r for r in rows if r["op"] == op and r["shape"] == list(shape)}
-            q = by["qwen_absorb"]
-            md.append(f"| {op} | {list(shape)} | {by['eager']['us']:.1f} | {by['torch.compile']['us']:.1f} | "
-                      f"{q['us']:.1f} | {q['tb_s']:.2f} | {q['pct_of_copy']:.0f}% | "
-                      f"{by['torch.compile']['us'] / q['us']:.2f}x |")
-    md += ["", "| target | op | value | pass |", "|---|---|---|---|"]
-    for v in verdict:
-        md.append(f"| {v['check']} | {v['op']} | {v['value']:.3f} | {'yes' if v['pass'] else '**no**'} |")
-    (out / "bench_ops.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+        for shape in sorted({tuple(r["shape"]) for r in d.get("rows") or []}):
+            e, c, q = (by.get((op, shape, i)) for i in ("eager", "torch.compile", "qwen_absorb"))
+            if e and c and q:
+                rows.append([op, str(list(shape)), e["us"], c["us"], q["us"], q["tb_s"], q.get("pct_of_copy"),
+                             f"{c['us'] / q['us']:.2f}x"])
+    lines += H.md_table(["op", "shape", "eager us", "torch.compile us", "qwen_absorb us", "TB/s", "% of copy",
+                         "vs compile"], rows, 1)
+    lines += ["", *H.md_table(["target", "op", "value", "pass"],
+                              [[t["check"], t["op"], t["value"], "yes" if t["pass"] else "**no**"]
+                               for t in d.get("targets") or []])]
+    return "\n".join(lines + H.md_footer(d)) + "\n"
+
+
+def host_markdown(d: dict[str, Any]) -> str:
+    env = d.get("op_level_env") or {}
+    lines = H.md_head("Host cost of the fused ops and of one transformer call",
+                      {"environment": env, "date": env.get("date"), "elapsed_s": d.get("elapsed_s")})
+    lines += ["", f"torch.add: {H.fmt(d.get('torch_add_us'), 2)} us per call at {d.get('shape')} bf16", ""]
+    rows = [[k, v, (d.get("ratio_op_vs_add") or {}).get(k)] for k, v in (d.get("op_us") or {}).items()]
+    rows += [[f"entry: {k}", v, (d.get("ratio_block_entry_vs_add") or {}).get(k)]
+             for k, v in (d.get("block_entry_us") or {}).items()]
+    lines += H.md_table(["call", "us", "vs torch.add"], rows, 2)
+    for res in ("1024", "512", "fp8_1024"):
+        o = d.get(res) or {}
+        if o.get("unpatched_ms") is not None:
+            lines.append(f"- transformer {res}: unpatched {H.fmt(o.get('unpatched_ms'))} ms, patched "
+                         f"{H.fmt(o.get('patched_ms'))} ms (benchmarks/transformer_suite.py --sections host)")
+    return "\n".join(lines + H.md_footer(d)) + "\n"
+
+
+def ncu() -> int:
+    import qwen_absorb.ops  # noqa: F401,PLC0415
+
+    sets = H.op_sets((1, 16384, 3072), 1, torch.device("cuda"), 0)[0]
+    for op in H.OPS:
+        H.op_call(op)(*sets)
+    torch.cuda.synchronize()
+    return 0
+
+
+def probe_ln_order() -> int:
+    from qwen_absorb.ops import _runtime, layer_norm_scale_shift  # noqa: PLC0415
+
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for order in (0, 1):
+            _runtime.set_defines({"QA_WELFORD_MEAN_ORDER": order})
+            row = results.setdefault(f"order{order}", {})
+            for dtype in (torch.float32, torch.bfloat16):
+                for D in (64, 3072, 3080, 5120):
+                    g = torch.Generator(device="cuda").manual_seed(D)
+                    x = (torch.randn(4, 1024, D, generator=g, device="cuda") * 3 + 1).to(dtype)
+                    zero = torch.zeros(4, 1, D, device="cuda", dtype=dtype)
+                    got = layer_norm_scale_shift(x, shift=zero, scale=zero)
+                    want = torch.nn.functional.layer_norm(x, (D,), eps=1e-6)
+                    row[f"{str(dtype)[6:]}-D{D}"] = (got == want).float().mean().item()
+    finally:
+        _runtime.set_defines(None)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    H.add_common_args(ap, SECTIONS)
+    ap.add_argument("--reps", type=int, default=None, help="timed graph replays per case (default 30; --tiny: 3)")
+    ap.add_argument("--quick", action="store_true", help="8 replays per case")
+    ap.add_argument("--sweep", action="store_true", help="time kernel build variants first (tuning)")
+    ap.add_argument("--calls", type=int, default=2000, help="host section: calls per round")
+    ap.add_argument("--rounds", type=int, default=7, help="host section: rounds (median)")
+    ap.add_argument("--ncu", action="store_true", help="one call of each op at [1,16384,3072], for ncu; then exit")
+    ap.add_argument("--probe-ln-order", action="store_true", help="the Welford FMA-grouping probe; then exit")
+    a = ap.parse_args(argv)
+    a = H.finish_args(ap, a, SECTIONS, "bench_ops")
+    if (a.ncu or a.probe_ln_order) and a.device.type != "cuda":
+        ap.error("--ncu / --probe-ln-order run the CUDA kernels: they need a GPU")
+    if a.ncu:
+        return ncu()
+    if a.probe_ln_order:
+        return probe_ln_order()
+    a.reps = a.reps or (3 if a.tiny else 8 if a.quick else 30)
+    if a.tiny:
+        a.calls, a.rounds = min(a.calls, 50), min(a.rounds, 2)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return Bench(a).run()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
