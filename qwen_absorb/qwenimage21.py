@@ -1,0 +1,392 @@
+"""The block runner of Qwen-Image-2.1: ``QwenImage21TransformerBlock.forward`` through the fused ops.
+
+diffusers' block (one stream, modulation shared by all blocks and sliced per block)::
+
+    scale1, gate1, scale2, gate2 = chunks of modulation            # rows chosen per token by target_token_mask
+    x1 = img_norm1(h) * (1 + scale1)                                # site "norm1"      -> ops.layer_norm_scale
+    a  = attn(x1, ...)                                              # the module itself, unchanged
+    h  = h + tanh(gate1) * a;  x2 = img_norm2(h) * (1 + scale2)     # site "norm2"      -> ops.tanh_gate_residual_layer_norm_scale
+    y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # site "swiglu" -> ops.swiglu
+    h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)         # the FFN residual -> ops.tanh_gate_residual
+
+The attention is called as ``block.attn(...)`` with diffusers' own keyword arguments, so its
+processors (segment or flex), the prefix KV cache (``extract`` / ``cached`` / none) and anything
+hooked on the attention keep working; so are the FFN's three linears (LoRA, ModelOpt, TP shards
+are theirs). What the fused ops bypass is only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s own
+forward: a site is fused only where those are plain and unhooked.
+
+Wiring (the patch floor does it): ``decision = decide(block, device)``, then install
+``lambda *a, **k: patched_forward(block, decision, *a, **k)`` in the block's forward slot. A
+:class:`Decision` is plain data decided once; per call, whatever it cannot vouch for (grad enabled,
+a global forward hook, an argument diffusers would broadcast or promote, a hook added since) runs
+diffusers' forward or the eager expression of that site, counted in ``decision.counts``. Kernels
+run only on CUDA with CuPy (:mod:`qwen_absorb.ops._eligibility`); elsewhere the ops' torch
+references run, which are the diffusers expressions themselves (bit-identical).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ops import _validate
+from .ops._eligibility import force_reference_requested, kernel_runtime_reasons
+from .ops._target_rows import select_rows
+from .ops.layer_norm_scale import launch as ln_scale_launch
+from .ops.layer_norm_scale import layer_norm_scale_reference
+from .ops.swiglu import launch as swiglu_launch
+from .ops.swiglu import swiglu_reference
+from .ops.tanh_gate_residual import launch as tgr_launch
+from .ops.tanh_gate_residual import tanh_gate_residual_reference
+from .ops.tanh_gate_residual_layer_norm_scale import launch as tgrln_launch
+from .ops.tanh_gate_residual_layer_norm_scale import tanh_gate_residual_layer_norm_scale_reference
+
+log = logging.getLogger("qwen_absorb")
+
+BLOCK_CLASS = "QwenImage21TransformerBlock"
+SWIGLU_CLASS = "QwenImage21SwiGLUFeedForward"
+SITES = ("norm1", "norm2", "swiglu")  # the sites that bypass a module; both residuals are always fused
+_SUPPORTED = _validate.SUPPORTED_DTYPES
+_KERNEL, _COMPILED, _REFERENCE = 0, 1, 2
+
+
+class _Counts:
+    """A thread-safe count of reasons (calls that ran diffusers' forward, a site's eager expression, or
+    the references), read by the report."""
+
+    __slots__ = ("_c", "_lock")
+
+    def __init__(self) -> None:
+        self._c: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            first = reason not in self._c
+            self._c[reason] += 1
+        if first:
+            log.debug("qwen_absorb: %s", reason)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+    def __repr__(self) -> str:
+        return f"_Counts({self.snapshot()!r})"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`patched_forward` does for one block, decided once by :func:`decide`.
+
+    ``enabled``: False runs diffusers' forward on every call. ``kernels``: CUDA kernels (else the ops'
+    torch references). ``norm1``/``norm2``/``swiglu``: whether that site is fused (the attention
+    residual and the FFN residual always are when enabled). ``reasons``: readable strings saying why
+    anything is not fused or not a kernel. ``counts``: live per-call counts (not part of equality).
+    """
+
+    device: torch.device
+    enabled: bool
+    kernels: bool
+    norm1: bool
+    norm2: bool
+    swiglu: bool
+    eps1: float
+    eps2: float
+    reasons: tuple[str, ...]
+    counts: _Counts = field(default_factory=_Counts, compare=False, repr=False)
+
+    @property
+    def fused(self) -> tuple[str, ...]:
+        """The fused sites, by name (``attn_residual`` and ``ffn_residual`` whenever enabled)."""
+        if not self.enabled:
+            return ()
+        on = {"norm1": self.norm1, "norm2": self.norm2, "swiglu": self.swiglu}
+        return tuple(s for s in ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual")
+                     if on.get(s, True))
+
+
+# ---------------------------------------------------------------------------- decide
+
+
+def _hooked(m: nn.Module) -> bool:
+    """torch hooks, or a forward held in the instance (diffusers' HookRegistry, accelerate)."""
+    d = m.__dict__
+    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or "forward" in d)
+
+
+def _global_hooks() -> bool:
+    g = nn.modules.module
+    return bool(g._global_forward_hooks or g._global_forward_pre_hooks)
+
+
+def _norm_reason(block: nn.Module, name: str) -> str | None:
+    m = block._modules.get(name)
+    if m is None:
+        return f"{name}: missing"
+    if type(m) is not nn.LayerNorm:
+        return f"{name} is a {type(m).__name__}, not a plain nn.LayerNorm"
+    if m.weight is not None or m.bias is not None:
+        return f"{name} has an elementwise affine (the fused op has no weight or bias)"
+    if len(m.normalized_shape) != 1:
+        return f"{name} normalizes over {tuple(m.normalized_shape)}, not the last dimension"
+    if _hooked(m):
+        return f"{name} has a hook or a wrapped forward (the fused op would skip it)"
+    return None
+
+
+def _swiglu_reason(block: nn.Module) -> str | None:
+    mlp = block._modules.get("img_mlp")
+    if mlp is None:
+        return "img_mlp: missing"
+    if type(mlp).__name__ != SWIGLU_CLASS:
+        return f"img_mlp is a {type(mlp).__name__}, not diffusers' {SWIGLU_CLASS}"
+    if type(mlp).forward is not _swiglu_forward_of(mlp):
+        return "img_mlp's class overrides forward"
+    if _hooked(mlp):
+        return "img_mlp has a hook or a wrapped forward (the fused path calls its linears directly)"
+    act = mlp._modules.get("activation_fn")
+    if type(act) is not nn.SiLU:
+        return f"img_mlp.activation_fn is a {type(act).__name__}, not nn.SiLU"
+    if _hooked(act):
+        return "img_mlp.activation_fn has a hook or a wrapped forward"
+    for name in ("gate_layer", "proj", "out"):
+        if not isinstance(mlp._modules.get(name), nn.Module):
+            return f"img_mlp.{name}: missing"
+    return None
+
+
+def _swiglu_forward_of(mlp: nn.Module):
+    for cls in type(mlp).__mro__:
+        if cls.__name__ == SWIGLU_CLASS:
+            return cls.forward
+    return None
+
+
+def decide(block: nn.Module, device: torch.device | str) -> Decision:
+    """Which sites of ``block`` are fused on ``device``, kernels or references, and why not."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    reasons: list[str] = []
+    enabled = True
+    if type(block).__name__ != BLOCK_CLASS and BLOCK_CLASS not in (c.__name__ for c in type(block).__mro__):
+        enabled = False
+        reasons.append(f"{type(block).__name__} is not a {BLOCK_CLASS}: diffusers' forward")
+    elif not isinstance(block._modules.get("attn"), nn.Module):
+        enabled = False
+        reasons.append("block has no attn module: diffusers' forward")
+    site_reasons = {}
+    if enabled:
+        site_reasons = {"norm1": _norm_reason(block, "img_norm1"), "norm2": _norm_reason(block, "img_norm2"),
+                        "swiglu": _swiglu_reason(block)}
+        reasons += [f"{s} not fused: {r}" for s, r in site_reasons.items() if r is not None]
+    kernel_reasons = []
+    if force_reference_requested():
+        kernel_reasons.append("reference forced (QWEN_ABSORB_FORCE_REFERENCE=1)")
+    kernel_reasons += kernel_runtime_reasons(device)
+    reasons += [f"fused ops run their torch references: {r}" for r in kernel_reasons]
+    n1, n2 = block._modules.get("img_norm1"), block._modules.get("img_norm2")
+    return Decision(
+        device=device,
+        enabled=enabled,
+        kernels=enabled and not kernel_reasons,
+        norm1=enabled and site_reasons.get("norm1") is None,
+        norm2=enabled and site_reasons.get("norm2") is None,
+        swiglu=enabled and site_reasons.get("swiglu") is None,
+        eps1=float(getattr(n1, "eps", 1e-6)),
+        eps2=float(getattr(n2, "eps", 1e-6)),
+        reasons=tuple(reasons),
+    )
+
+
+# ---------------------------------------------------------------------------- the forward
+
+
+def _original(block, *args):
+    return type(block).forward(block, *args)
+
+
+def patched_forward(
+    block: nn.Module,
+    decision: Decision,
+    hidden_states: torch.Tensor,
+    modulation: torch.Tensor,
+    rotary_emb: torch.Tensor | None = None,
+    attention_mask: Any | None = None,
+    target_token_mask: torch.Tensor | None = None,
+    layer_cache: Any | None = None,
+    kv_cache_mode: str | None = None,
+    cache_write_slice: slice | None = None,
+    segments: list[tuple[int, int, bool]] | None = None,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``QwenImage21TransformerBlock.forward`` with the same signature (after ``block, decision``)
+    and the same output, bit for bit."""
+    args = (hidden_states, modulation, rotary_emb, attention_mask, target_token_mask, layer_cache, kv_cache_mode,
+            cache_write_slice, segments, key_valid)
+    compiling = torch.compiler.is_compiling()
+    why = _call_reason(decision, hidden_states, modulation, target_token_mask)
+    if why is not None:
+        if not compiling:
+            decision.counts.add(why)
+        return _original(block, *args)
+    if compiling:
+        mode = _COMPILED
+    elif decision.kernels and hidden_states.device == decision.device:
+        mode = _KERNEL
+    else:
+        mode = _REFERENCE
+        if decision.kernels:
+            decision.counts.add(f"activations on {hidden_states.device}, kernels decided for {decision.device}: "
+                                "torch references")
+    x, mask = hidden_states, target_token_mask
+    if mode == _KERNEL:
+        x = x.contiguous()
+        if mask is not None:
+            mask = mask.contiguous()
+    mod1, mod2 = modulation.chunk(2, dim=-1)
+    scale1, gate1 = mod1.chunk(2, dim=-1)
+    scale2, gate2 = mod2.chunk(2, dim=-1)
+
+    # norm1 + (1 + scale1)
+    norm1 = decision.norm1 and _norm_ok(block, "img_norm1", decision.eps1, decision, compiling)
+    if norm1:
+        img_modulated = _layer_norm_scale(mode, x, scale1, decision.eps1, mask)
+    else:
+        img_modulated = block.img_norm1(hidden_states) * (1 + select_rows(scale1, target_token_mask))
+
+    attn_output = block.attn(
+        hidden_states=img_modulated,
+        attention_mask=attention_mask,
+        rotary_emb=rotary_emb,
+        layer_cache=layer_cache,
+        kv_cache_mode=kv_cache_mode,
+        cache_write_slice=cache_write_slice,
+        segments=segments,
+        key_valid=key_valid,
+    )
+
+    # h + tanh(gate1) * attn_output, then norm2 + (1 + scale2)
+    amode = mode if _like(attn_output, hidden_states) else _REFERENCE
+    if amode != mode and not compiling:
+        decision.counts.add("attention output is not a plain tensor shaped like hidden_states: eager expression")
+    norm2 = decision.norm2 and _norm_ok(block, "img_norm2", decision.eps2, decision, compiling)
+    if norm2:
+        h, img_modulated2 = _residual_norm(amode, x, attn_output, gate1, scale2, decision.eps2, mask)
+    else:
+        h = _residual(amode, x, attn_output, gate1, mask, False)
+        img_modulated2 = block.img_norm2(h) * (1 + select_rows(scale2, target_token_mask))
+
+    # FFN: SwiGLU through the FFN's own linears, then h + tanh(gate2) * y (and the fp16 clip)
+    mlp = block.img_mlp
+    if decision.swiglu and _swiglu_ok(mlp, decision, compiling):
+        a = mlp.gate_layer(img_modulated2)
+        b = mlp.proj(img_modulated2)
+        y = mlp.out(_swiglu(mode if _pair_ok(a, b) else _REFERENCE, a, b))
+    else:
+        y = mlp(img_modulated2)
+    fmode = mode if _like(y, h) else _REFERENCE
+    if fmode != mode and not compiling:
+        decision.counts.add("FFN output is not a plain tensor shaped like hidden_states: eager expression")
+    out = _residual(fmode, h, y, gate2, mask, True)
+    if mode == _REFERENCE and not compiling and not decision.kernels:
+        decision.counts.add("fused ops ran their torch references")
+    return out
+
+
+def _call_reason(decision: Decision, x: Any, modulation: Any, mask: Any) -> str | None:
+    """Why this call must run diffusers' forward (None: the fused path takes it exactly)."""
+    if not decision.enabled:
+        return "block not fused: diffusers' forward"
+    if torch.is_grad_enabled():
+        return "grad enabled: original diffusers forward (the kernels have no backward)"
+    if _global_hooks():
+        return "a global module forward hook is registered: original diffusers forward"
+    if type(x) is not torch.Tensor or type(modulation) is not torch.Tensor:
+        return "activations or modulation are not plain tensors (DTensor?): original diffusers forward"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast enabled (it changes the eager dtypes): original diffusers forward"
+    if x.dim() != 3 or x.dtype not in _SUPPORTED or x.shape[0] < 1 or x.shape[2] < 1:
+        return f"hidden_states {tuple(x.shape)} {x.dtype} not supported by the fused ops: original diffusers forward"
+    B, L, D = x.shape
+    if modulation.dtype != x.dtype or modulation.device != x.device:
+        return (f"modulation is {modulation.dtype} on {modulation.device}, hidden_states {x.dtype} on {x.device}: "
+                "original diffusers forward")
+    rows = B + 1 if mask is not None else B
+    if modulation.dim() != 2 or tuple(modulation.shape) != (rows, 4 * D) or (D > 1 and modulation.stride(-1) != 1):
+        return (f"modulation {tuple(modulation.shape)} is not [{rows}, {4 * D}] with unit last stride "
+                "(diffusers would broadcast it): original diffusers forward")
+    if mask is not None:
+        if type(mask) is not torch.Tensor or mask.dtype != torch.bool or tuple(mask.shape) != (L,) \
+                or mask.device != x.device:
+            return "target_token_mask is not a bool [L] tensor on the activations' device: original diffusers forward"
+    return None
+
+
+def _norm_ok(block: nn.Module, name: str, eps: float, decision: Decision, compiling: bool) -> bool:
+    m = block._modules.get(name)
+    ok = (type(m) is nn.LayerNorm and m.weight is None and m.bias is None and m.eps == eps and not _hooked(m))
+    if not ok and not compiling:
+        decision.counts.add(f"{name} changed or hooked since patching: its eager expression")
+    return ok
+
+
+def _swiglu_ok(mlp: nn.Module, decision: Decision, compiling: bool) -> bool:
+    ok = not _hooked(mlp) and type(mlp._modules.get("activation_fn")) is nn.SiLU \
+        and not _hooked(mlp._modules["activation_fn"])
+    if not ok and not compiling:
+        decision.counts.add("img_mlp changed or hooked since patching: img_mlp(x)")
+    return ok
+
+
+def _like(t: Any, ref: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device
+
+
+def _pair_ok(a: Any, b: Any) -> bool:
+    return type(a) is torch.Tensor and _like(b, a) and a.dim() >= 1 and a.dtype in _SUPPORTED
+
+
+# ---------------------------------------------------------------------------- one op, three ways
+
+
+def _layer_norm_scale(mode, x, scale, eps, mask):
+    if mode == _KERNEL:
+        return ln_scale_launch(x, scale, eps, mask)[0]
+    if mode == _COMPILED:
+        return torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, mask, None)[0]
+    return layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=mask)
+
+
+def _residual_norm(mode, h, y, gate, scale, eps, mask):
+    if mode == _KERNEL:
+        out = tgrln_launch(h, y.contiguous(), gate, scale, eps, mask, False)
+        return out[0], out[1]
+    if mode == _COMPILED:
+        out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
+        return out[0], out[1]
+    return tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps,
+                                                         target_token_mask=mask)
+
+
+def _residual(mode, h, y, gate, mask, clip_fp16):
+    if mode == _KERNEL:
+        return tgr_launch(h, y.contiguous(), gate, mask, clip_fp16)
+    if mode == _COMPILED:
+        return torch.ops.qwen_absorb.tanh_gate_residual(h, y, gate, mask, clip_fp16)
+    return tanh_gate_residual_reference(h, y, gate=gate, target_token_mask=mask, clip_fp16=clip_fp16)
+
+
+def _swiglu(mode, a, b):
+    if mode == _KERNEL:
+        return swiglu_launch(a.contiguous(), b.contiguous())[0]
+    if mode == _COMPILED:
+        return torch.ops.qwen_absorb.swiglu(a, b, None)[0]
+    return swiglu_reference(a, b)

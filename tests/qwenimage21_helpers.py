@@ -1,0 +1,108 @@
+"""Shared helpers of the Qwen-Image-2.1 tests: a tiny random transformer, its inputs, and the runner
+installed on every block (the wiring the patch floor does: decide, then the forward slot)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from diffusers import QwenImage21Transformer2DModel
+from diffusers.models.transformers.transformer_qwenimage21 import (
+    QwenImage21AttnProcessor,
+    QwenImage21FlexAttnProcessor,
+    QwenImage21KVCache,
+)
+
+from qwen_absorb import qwenimage21
+
+
+def tiny_model(dtype=torch.float32, device="cpu", seed=0, heads=2, head_dim=16, axes=(4, 6, 6), layers=2,
+               mlp_ratio=3, flex=False, gain=1.0):
+    """A random QwenImage21Transformer2DModel with tiny sizes (head_dim >= 16 for flex attention;
+    ``axes`` sums to ``head_dim``). ``gain`` scales the modulation weights (larger gates and scales
+    exercise more rounding cases)."""
+    torch.manual_seed(seed)
+    model = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=head_dim,
+        num_attention_heads=heads, context_in_dim=8, mlp_ratio=mlp_ratio, axes_dims_rope=tuple(axes),
+    )
+    if gain != 1.0:
+        with torch.no_grad():
+            model.modulation[1].weight.mul_(gain)
+    model = model.to(device=device, dtype=dtype).eval()
+    if flex:
+        model.set_attn_processor(QwenImage21FlexAttnProcessor())
+    else:
+        model.set_attn_processor(QwenImage21AttnProcessor())
+    return model
+
+
+def model_inputs(model, batch_size=1, cond=False, pad=0, seed=0, target=(2, 2), timestep=None):
+    """Inputs as QwenImage21Pipeline builds them: the VLM sequence ``text, [condition slot, text],``
+    then the target image's slots appended; ``pad`` right-pads the prompt of every sample after the
+    first (batch 2 with padded prompts)."""
+    p = next(model.parameters())
+    device, dtype = p.device, p.dtype
+    g = torch.Generator().manual_seed(seed)
+    B = batch_size
+    th, tw = target
+    assert (th * tw) % 4 == 0
+    target_slots = th * tw // 4
+    if cond:
+        vlm = [False, False, False, True, False, False]  # text, one condition image (2x2 = 1 slot), text
+        img_shapes = [(1, 2, 2), (1, th, tw)]
+    else:
+        vlm = [False] * 5
+        img_shapes = [(1, th, tw)]
+    img_tokens = sum(h * w for _, h, w in img_shapes)
+    img_mask = torch.tensor(vlm + [True] * target_slots).expand(B, -1).clone()
+    ehs_mask = torch.ones(B, len(vlm), dtype=torch.long)
+    if pad:
+        ehs_mask[1:, -pad:] = 0
+    ts = torch.rand(B, generator=g) if timestep is None else torch.full((B,), float(timestep))
+    return {
+        "hidden_states": torch.randn(B, img_tokens, model.config.in_channels, generator=g).to(device, dtype),
+        "encoder_hidden_states": torch.randn(B, len(vlm), model.config.context_in_dim, generator=g).to(device, dtype),
+        "encoder_hidden_states_mask": ehs_mask.to(device),
+        "timestep": ts.to(device, dtype),
+        "img_shapes": [img_shapes] * B,
+        "img_mask": img_mask.to(device),
+    }
+
+
+def run(model, inputs, **kw):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False, **kw)[0]
+
+
+def run_kv(model, inputs_extract, inputs_cached):
+    """A prefill that extracts the prefix KV cache, then a cached decode step: both outputs."""
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    a = run(model, inputs_extract, kv_cache=cache, kv_cache_mode="extract")
+    b = run(model, inputs_cached, kv_cache=cache, kv_cache_mode="cached")
+    return a, b
+
+
+@contextlib.contextmanager
+def installed(model, device):
+    """The runner in every block's forward slot (as the patch floor wires it); yields the decisions."""
+    decisions = []
+    for block in model.transformer_blocks:
+        decision = qwenimage21.decide(block, device)
+        decisions.append(decision)
+        block.forward = (lambda b, d: (lambda *a, **k: qwenimage21.patched_forward(b, d, *a, **k)))(block, decision)
+    try:
+        yield decisions
+    finally:
+        for block in model.transformer_blocks:
+            block.__dict__.pop("forward", None)
+
+
+def fallback_counts(decisions, allowed=("fused ops ran their torch references",)) -> dict:
+    """Counted reasons other than the expected ones (empty: every call took the fused path)."""
+    out = {}
+    for d in decisions:
+        for k, v in d.counts.snapshot().items():
+            if k not in allowed:
+                out[k] = out.get(k, 0) + v
+    return out
