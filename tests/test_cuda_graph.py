@@ -899,3 +899,320 @@ def test_capture_plumbing_lazy_state_is_snapshotted_after_capture(fake_cuda, see
         assert torch.equal(_gcall(runner, model, kw), ref)
     d = runner.describe()
     assert (d["captures"], d["replays"], d["invalidations"]) == (1, 3, {}), d
+
+
+# ------------------------------------------------------------------------------------------ install options
+
+
+def test_install_option_validation(seed):
+    model = T.tiny_transformer(seed=seed)
+    with pytest.raises(TypeError, match="host_tensors"):
+        CG.install(model, fallbacks=collections.Counter(), host_tensors=[model.proj_out.weight])
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="capture_after"):
+            CG.install(model, fallbacks=collections.Counter(), capture_after=bad)
+    assert "forward" not in model.__dict__
+    runner, _ = _install(model, capture_after=2)
+    assert runner.describe()["capture_after"] == 2 and runner.describe()["new_signature_calls"] == 0
+
+
+def _with_host_param(model):
+    """A parameter the forward never reads, on the meta device: stands for an original weight offloaded to
+    host memory while its FP8 copy runs on the GPU (on a CPU host, 'cpu' is the graph device here)."""
+    lin = model.transformer_blocks[0].attn.to_q
+    lin.register_parameter("offloaded_original", nn.Parameter(torch.zeros(lin.weight.shape, device="meta"),
+                                                             requires_grad=False))
+    return lin.offloaded_original
+
+
+def test_host_tensors_are_allowed_off_the_device_and_fingerprinted(fake_cuda, monkeypatch, seed):
+    monkeypatch.setattr(settings, "GRAPH_DEVICE_TYPES", ("cpu",))
+    model = T.tiny_transformer(seed=seed)
+    host = _with_host_param(model)
+    ins = [T.transformer_inputs(model, seed=seed + 1 + i) for i in range(3)]
+    refs = [_first(_run(model, kw)) for kw in ins]
+
+    runner, fb = _install(model)  # without host_tensors: a parameter off the graph device refuses
+    assert torch.equal(_gcall(runner, model, ins[0]), refs[0])
+    assert fb == collections.Counter({"cuda_graph: offloading hook": 1}) and runner.describe()["captures"] == 0
+    runner.remove()
+
+    extra = torch.zeros(4)  # a tensor handed in that no module registers: fingerprinted too
+    calls = []
+
+    def host_tensors():
+        calls.append(1)
+        return [host, extra]
+
+    runner, fb = _install(model, host_tensors=host_tensors)
+    for kw, r in zip(ins + ins, refs + refs):
+        assert torch.equal(_gcall(runner, model, kw), r)
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["graphs"]) == (1, 5, 1) and not fb, (d, fb)
+    assert runner._scan.host_count == 1 and runner._scan.device == torch.device("cpu")
+    scans = len(calls)
+    assert scans >= 1
+
+    with torch.no_grad():
+        host.add_(1.0)  # a change to a host tensor still invalidates
+    assert torch.equal(_gcall(runner, model, ins[0]), refs[0])
+    d = runner.describe()
+    assert d["captures"] == 2 and any(
+        k.startswith("weights modified in place (transformer_blocks.0.attn.to_q.offloaded_original)")
+        for k in d["invalidations"]), d
+    assert len(calls) > scans  # read anew for the new scan
+
+    extra.add_(1.0)
+    assert torch.equal(_gcall(runner, model, ins[1]), refs[1])
+    d = runner.describe()
+    assert d["captures"] == 3 and any(k.startswith("weights modified in place (host tensor 1)")
+                                      for k in d["invalidations"]), d
+
+    # the same tensor back on the graph device (un-offloaded): a move, seen; host_tensors may keep naming it
+    model.transformer_blocks[0].attn.to_q.offloaded_original = nn.Parameter(torch.zeros(host.shape),
+                                                                            requires_grad=False)
+    assert torch.equal(_gcall(runner, model, ins[2]), refs[2])
+    d = runner.describe()
+    assert d["captures"] == 4 and any("module structure changed" in k for k in d["invalidations"]), d
+    assert not fb
+
+
+def test_host_tensors_that_raise_allow_nothing(fake_cuda, monkeypatch, seed, caplog):
+    import logging
+
+    monkeypatch.setattr(settings, "GRAPH_DEVICE_TYPES", ("cpu",))
+    model = T.tiny_transformer(seed=seed)
+    _with_host_param(model)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    ref = _first(_run(model, kw))
+
+    def broken():
+        raise KeyError("gone")
+
+    runner, fb = _install(model, host_tensors=broken)
+    with caplog.at_level(logging.WARNING, logger="qwen_absorb"):
+        for _ in range(2):
+            assert torch.equal(_gcall(runner, model, kw), ref)
+    assert fb == collections.Counter({"cuda_graph: offloading hook": 2})
+    assert len([r for r in caplog.records if "host_tensors() raised" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("capture_after", [1, 2])
+def test_capture_after_eager_calls(fake_cuda, capture_after, seed):
+    model = T.tiny_transformer(seed=seed)
+    a = [T.transformer_inputs(model, seed=seed + 1 + i) for i in range(capture_after + 3)]
+    b = T.transformer_inputs(model, seed=seed + 20, height=2, width=4)  # a one-off signature
+    ra, rb = [_first(_run(model, kw)) for kw in a], _first(_run(model, b))
+    runner, fb = _install(model, capture_after=capture_after)
+    for i in range(capture_after):
+        assert torch.equal(_gcall(runner, model, a[i]), ra[i])
+        d = runner.describe()
+        assert (d["captures"], d["new_signature_calls"], d["eager_calls"]) == (0, i + 1, 0), d
+    assert torch.equal(_gcall(runner, model, b), rb)  # never pays a capture
+    assert torch.equal(_gcall(runner, model, a[capture_after]), ra[capture_after])  # seen enough: captured
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["new_signature_calls"]) == (1, 0, capture_after + 1), d
+    for kw, r in zip(a[capture_after + 1:], ra[capture_after + 1:]):
+        assert torch.equal(_gcall(runner, model, kw), r)
+    d = runner.describe()
+    assert (d["captures"], d["replays"], d["graphs"], d["eager_calls"]) == (1, 2, 1, 0), d
+    assert not fb  # a new signature is a policy, not a fallback
+    # after an invalidation a signature already seen captures at once
+    runner.invalidate("user")
+    assert torch.equal(_gcall(runner, model, a[0]), ra[0])
+    assert runner.describe()["captures"] == 2 and runner.describe()["new_signature_calls"] == capture_after + 1
+
+
+def test_capture_after_forgets_old_signatures(fake_cuda, monkeypatch, seed):
+    monkeypatch.setattr(settings, "MAX_COUNTED_SIGNATURES", 2)
+    model = T.tiny_transformer(seed=seed)
+    ins = [T.transformer_inputs(model, seed=seed + 1, height=h, width=w) for h, w in ((2, 2), (2, 4), (4, 4))]
+    runner, _ = _install(model, capture_after=1)
+    for kw in ins + ins:  # three signatures round robin, two remembered: each is new every time
+        _gcall(runner, model, kw)
+    d = runner.describe()
+    assert d["captures"] == 0 and d["new_signature_calls"] == 6 and len(runner._seen) == 2, d
+
+
+def test_capture_after_zero_is_the_default(fake_cuda, seed):
+    model = T.tiny_transformer(seed=seed)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    runner, _ = _install(model)
+    _gcall(runner, model, kw)
+    d = runner.describe()
+    assert d["capture_after"] == 0 and d["captures"] == 1 and d["new_signature_calls"] == 0
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("wrapped", ["class forward", "instance wrapper", "inside a hook chain"])
+def test_remove_frees_the_model_while_the_runner_lives(fake_cuda, wrapped, seed):
+    """After remove() nothing of the runner keeps the transformer, its parameters, the static buffers or
+    the graphs alive; the runner itself (held by a report, say) stays usable as plain data."""
+    import gc
+    import weakref
+
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = T.tiny_transformer(seed=seed, zero_cond_t=True)
+    if wrapped == "instance wrapper":
+        inner = model.forward
+
+        def wrapper(*a, **k):
+            return inner(*a, **k)
+
+        model.forward = wrapper
+    ins = [T.transformer_inputs(model, seed=seed + 1 + i, masked_tail=2) for i in range(2)]
+    refs = [_first(_run(model, kw)) for kw in ins]
+    runner, fb = _install(model)
+    for kw, r in zip(ins + ins, refs + refs):
+        assert torch.equal(_gcall(runner, model, kw), r)
+    d = runner.describe()
+    assert d["captures"] == 1 and d["replays"] == 3, (d, fb)
+    registry = None
+    if wrapped == "inside a hook chain":  # a hook registered after install: the runner sits inside its chain
+        registry = HookRegistry.check_if_exists_or_initialize(model)
+        registry.register_hook(ModelHook(), "noop")
+        assert model.__dict__["forward"] is not runner and registry._fn_refs[0].forward is runner
+    entry = next(iter(runner._graphs.values()))
+    dead = {name: weakref.ref(x) for name, x in (
+        ("model", model), ("block", model.transformer_blocks[0]), ("weight", model.proj_out.weight),
+        ("static input", entry.statics[0]), ("static output", C.tensors_in(entry.out)[0]),
+        ("graph", entry.graph))}
+    del entry
+    runner.remove()
+    assert runner._graphs == {} and runner._pools == {} and runner._streams == {} and runner._scan is None
+    assert not torch.equal(refs[0], torch.zeros_like(refs[0]))
+    if registry is not None:
+        assert registry._fn_refs[0].forward.__func__ is type(model).forward
+    with torch.no_grad():
+        out = _first(runner(**ins[0]))  # a removed runner passes through while its model lives
+    assert torch.equal(out, refs[0])
+    assert torch.equal(_first(_run(model, ins[1])), refs[1])
+    del model, registry, out
+    if wrapped == "instance wrapper":
+        del inner, wrapper
+    gc.collect()
+    alive = [name for name, r in dead.items() if r() is not None]
+    assert not alive, alive
+    d = runner.describe()
+    json.dumps(d)
+    assert d["installed"] is False and d["captures"] == 1 and d["replays"] == 3 and d["graphs"] == 0
+    assert "removed" in repr(runner) and "QwenImageTransformer2DModel" in repr(runner)
+    with pytest.raises(RuntimeError, match="removed"):
+        runner(**ins[0])
+    copy.deepcopy(runner).describe()
+    pickle.loads(pickle.dumps(runner)).describe()
+
+
+def test_unpatch_frees_a_graphed_patched_model(seed):
+    """patch(cuda_graph=True) + unpatch() + del: the runner the report holds keeps nothing alive."""
+    import gc
+    import weakref
+
+    model = T.tiny_transformer(seed=seed)
+    report = qwen_absorb.patch(model, cuda_graph=True)
+    runner = model.__dict__["forward"]
+    assert isinstance(runner, CG.GraphedCall)
+    _run(model, T.transformer_inputs(model, seed=seed + 1))
+    refs = [weakref.ref(model), weakref.ref(model.transformer_blocks[0]), weakref.ref(model.proj_out.weight)]
+    qwen_absorb.unpatch(model)
+    assert runner.describe()["installed"] is False
+    del model
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 3
+    assert runner.describe()["refusals"] == {"input on cpu": 1}
+    assert report is not None  # the user still holds the report (and the runner)
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+
+
+def _lora_model(seed, names=("a", "b")):
+    from peft import LoraConfig
+
+    model = T.tiny_transformer(seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7)
+        for i, name in enumerate(names):
+            model.add_adapter(LoraConfig(r=2, lora_alpha=2 + 2 * i, target_modules=["to_q", "to_k", "to_out.0"],
+                                         init_lora_weights=False), adapter_name=name)
+    return model
+
+
+def test_lora_state_is_fingerprinted_on_its_own(seed):
+    """Each PEFT switch changes the LoRA part of the fingerprint by itself, whatever else also moves (fuse_lora
+    writes base_layer.weight.data in place, which no _version sees: the merged-adapter list is the signal)."""
+    model = _lora_model(seed)
+    model.set_adapters(["a", "b"], weights=[1.0, 1.0])
+    base = model.transformer_blocks[0].attn.to_q.base_layer.weight
+
+    def lora_changed(step):
+        scan = F.Scan(model)
+        assert scan.peft, "the LoRA layers are watched"
+        version = base._version
+        step()
+        assert F.lora_state(scan.peft) != scan.peft_state
+        assert scan.changed() is not None and scan.which()
+        return version
+
+    lora_changed(lambda: model.set_adapters(["a", "b"], weights=[0.5, 1.0]))  # scaling values
+    lora_changed(lambda: model.set_adapters(["a"], weights=[0.5]))  # active adapters
+    lora_changed(lambda: model.disable_adapters())
+    lora_changed(lambda: model.enable_adapters())
+    version = lora_changed(lambda: model.fuse_lora(adapter_names=["a"]))
+    assert base._version == version  # the trap: an in-place write through .data
+    lora_changed(lambda: model.unfuse_lora())
+    lora_changed(lambda: model.delete_adapters("b"))
+
+    # in place, nothing else changing: only the LoRA state can see these
+    lin = model.transformer_blocks[0].attn.to_q
+    scan = F.Scan(model)
+    lin.merged_adapters.append("a")
+    assert scan.changed() == "LoRA adapter state changed" and scan.which() == "transformer_blocks.0.attn.to_q"
+    lin.merged_adapters.clear()
+    assert scan.changed() is None
+    lin.scaling["a"] = lin.scaling["a"] * 2
+    assert scan.changed() == "LoRA adapter state changed"
+
+
+def test_lora_lifecycle_recaptures_with_fake_graphs(fake_cuda, seed):
+    """The PEFT lifecycle on a graphed model: every step that changes what runs drops the graphs and the next
+    call captures anew; outputs are an ungraphed twin's that took the same steps."""
+    from peft import LoraConfig
+
+    model, twin = _lora_model(seed), _lora_model(seed)
+    ins = [T.transformer_inputs(model, seed=seed + 1 + i) for i in range(2)]
+    runner, fb = _install(model)
+
+    def check(label):
+        n = runner.describe()["captures"]
+        for kw in ins + ins:
+            assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
+        d = runner.describe()
+        assert d["captures"] == n + 1 and d["replays"] >= 3, (label, d)
+
+    check("first")
+
+    def add_c(m):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 11)
+            m.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_v"], init_lora_weights=False),
+                          adapter_name="c")
+
+    steps = [
+        ("set_adapters weights", lambda m: m.set_adapters(["a", "b"], weights=[0.5, 0.25])),
+        ("disable", lambda m: m.disable_adapters()),
+        ("enable", lambda m: m.enable_adapters()),
+        ("fuse", lambda m: m.fuse_lora(adapter_names=["a"])),
+        ("unfuse", lambda m: m.unfuse_lora()),
+        ("delete", lambda m: m.delete_adapters("b")),
+        ("add", add_c),
+    ]
+    for label, step in steps:
+        step(model)
+        step(twin)
+        check(label)
+    d = runner.describe()
+    assert d["captures"] == 1 + len(steps) and not d["unstable"] and not fb, (d, fb)
