@@ -274,6 +274,35 @@ def test_memory_does_not_grow(patched, seed):
     assert torch.cuda.memory_allocated() < held  # static buffers and graph outputs are released
 
 
+def test_remove_frees_model_graphs_and_buffers(seed):
+    """After remove() + del nothing of the runner keeps the model, its weights, the static buffers or the graphs
+    alive (the runner object itself is still held, as a report would hold it)."""
+    import weakref
+
+    model = build(seed, zero_cond_t=True)
+    kw = inputs(model, seed + 1, masked_tail=2)
+    ref = run(model, kw)
+    runner, fb = install(model)
+    for _ in range(3):
+        assert torch.equal(run(model, kw), ref)
+    assert runner.describe()["replays"] == 2
+    entry = next(iter(runner._graphs.values()))
+    dead = {"model": weakref.ref(model), "weight": weakref.ref(model.proj_out.weight),
+            "static input": weakref.ref(entry.statics[0]), "graph": weakref.ref(entry.graph)}
+    del entry
+    torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = torch.cuda.memory_allocated()
+    runner.remove()
+    del model
+    gc.collect()
+    torch.cuda.synchronize()
+    assert [n for n, r in dead.items() if r() is not None] == []
+    assert torch.cuda.memory_allocated() <= held - weights
+    d = runner.describe()
+    assert d["installed"] is False and d["captures"] == 1 and d["graphs"] == 0 and not fb
+
+
 # ------------------------------------------------------------------------------------------ refusals, failures
 
 
@@ -367,10 +396,10 @@ def test_modelopt_fp8_replay(patched, seed):
     _replays_equal_eager(model, ins, refs)
 
 
-def _replays_equal_eager(model, ins, refs):
+def _replays_equal_eager(model, ins, refs, **options):
     """Graph mode on: three inputs of one signature, each run twice, give the eager outputs (one capture, no fallback)."""
     fresh(refs)
-    runner, fb = install(model)
+    runner, fb = install(model, **options)
     for kw, r in zip(ins + ins, refs + refs):
         assert torch.equal(run(model, kw), r)
     d = runner.describe()
@@ -386,3 +415,25 @@ def test_on_top_of_compile_repeated_blocks(patched, seed):
     ins = [inputs(model, seed + 1 + i) for i in range(3)]
     refs = [run(model, kw) for kw in ins]  # compiles
     _replays_equal_eager(model, ins, refs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs need sm_89+")
+def test_offloaded_original_weights_with_host_tensors(seed):
+    """patch(fp8_gemm=True, offload_original_weights=True) keeps the original weights of the real-FP8 linears in
+    host memory: refused without host_tensors ("model not on CUDA"), replayed bit-identically with them."""
+    pytest.importorskip("modelopt.torch.quantization")
+    model = build(seed)
+    T.fp8_quantize(model, [inputs(model, seed + 50 + i) for i in range(2)])
+    qwen_absorb.patch(model, fp8_gemm=True, offload_original_weights=True)
+    host = [p for p in model.parameters() if p.device.type == "cpu"]
+    assert host, "offload_original_weights moved nothing to the host"
+    ins = [inputs(model, seed + 1 + i, masked_tail=2) for i in range(3)]
+    refs = [run(model, kw) for kw in ins]
+    runner, fb = install(model)
+    assert torch.equal(run(model, ins[0]), refs[0])
+    assert fb == collections.Counter({"cuda_graph: model not on CUDA": 1}), fb
+    runner.remove()
+    _replays_equal_eager(model, ins, refs, host_tensors=lambda: host)
+    qwen_absorb.unpatch(model)

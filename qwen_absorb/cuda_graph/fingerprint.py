@@ -121,11 +121,16 @@ def _is_lora_layer(d: dict) -> bool:
 def lora_state(mods: list[nn.Module]) -> list:
     """What of PEFT tuner layers changes what runs without a registration: merged adapters (``fuse_lora``
     writes ``base_layer.weight.data`` in place, which no ``_version`` sees), scaling (``set_adapters``, a
-    deleted adapter), ``disable_adapters`` and the active adapters. C-level maps only."""
-    return [
-        list(map(tuple, map(_merged, mods))), list(map(tuple, map(dict.items, map(_scaling, mods)))),
-        list(map(_disabled, mods)), list(map(str, map(_active, mods))),
-    ]
+    deleted adapter), ``disable_adapters`` and the active adapters. The live objects, read with C-level maps:
+    compared against :func:`lora_snapshot` element by element (list and dict equality, no copies per call)."""
+    return [list(map(_merged, mods)), list(map(_scaling, mods)), list(map(_disabled, mods)), list(map(_active, mods))]
+
+
+def lora_snapshot(mods: list[nn.Module]) -> list:
+    """Copies of :func:`lora_state` (the lists and dicts are mutated in place by PEFT)."""
+    merged, scaling, disabled, active = lora_state(mods)
+    return [list(map(list, merged)), list(map(dict, scaling)), disabled,
+            [list(a) if isinstance(a, list) else a for a in active]]
 
 
 class Scan:
@@ -259,7 +264,7 @@ class Scan:
         self.ptrs = list(map(_data_ptr, self.tensors))
         self.indices = list(range(len(self.tensors)))
         self.vers = list(map(_version_of, self.vtensors))
-        self.peft_state = lora_state(self.peft)
+        self.peft_state = lora_snapshot(self.peft)
         self.global_hooks = hooks.global_hook_count()
 
     def changed(self) -> str | None:
