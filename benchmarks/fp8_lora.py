@@ -14,11 +14,11 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``fast_accum_graph_ms``, ``mem_after_repatch_gib``; ``unpatch()`` with both reports held:
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
-4. ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again: ``fp8_lora_graph_ms``,
+4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again: ``fp8_lora_graph_ms``,
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
    fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt
    fake-quant + LoRA model (one call: it is slow), ``lora_fidelity_ratio`` = a / b;
-5. ``model.fuse_lora(lora_scale=1.0)``, ``patch()`` again: ``fp8_fused_lora_graph_ms``,
+5. on the patched model ``model.fuse_lora(lora_scale=1.0)``, ``patch()`` again: ``fp8_fused_lora_graph_ms``,
    ``fp8_fused_lora_real_linears``, its rel err.
 
 Memory: ``torch.cuda.memory_allocated() / 2**30`` after ``gc.collect(); torch.cuda.empty_cache()``; peaks per
@@ -204,6 +204,7 @@ class Bench:
             for n, p in got.items():
                 p.copy_(self.lora_sd[n])
         rep = self.patch("fp8_lora_graph")
+        self.R.put("details.lora_repatch_returned_the_previous_report", rep is self.reports[-2])
         self.R.put("fp8_lora_real_linears", self.R.get("real_linears.fp8_lora_graph"))
         self.timed("fp8_lora_graph_ms", rep)
         self.fidelity("fp8_lora_patched")
@@ -214,8 +215,10 @@ class Bench:
         self.peak("lora")
 
     def fused(self) -> None:
+        self.patch("fp8_lora_before_fuse")  # patched when the user fuses: patch() again must see the new weights
         self.model.fuse_lora(lora_scale=1.0)
         rep = self.patch("fp8_fused_lora_graph")
+        self.R.put("details.fuse_repatch_returned_the_previous_report", rep is self.reports[-2])
         self.R.put("fp8_fused_lora_real_linears", self.R.get("real_linears.fp8_fused_lora_graph"))
         self.timed("fp8_fused_lora_graph_ms", rep)
         self.fidelity("fp8_fused_lora_patched")
