@@ -259,7 +259,7 @@ class GraphedCall:
         self.refusals[reason] += 1
         self.eager_calls += 1
         try:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(call.device)  # the failed capture's device, whichever is current
         except Exception:  # noqa: BLE001
             pass
         if "capture failed" not in self._logged:
