@@ -412,7 +412,7 @@ def _replays_equal_eager(model, ins, refs, **options):
 def test_on_top_of_compile_repeated_blocks(patched, seed):
     model = build(seed, zero_cond_t=True, patched=patched)
     model.compile_repeated_blocks()
-    ins = [inputs(model, seed + 1 + i) for i in range(3)]
+    ins = [inputs(model, seed + 1 + i, masked_tail=0) for i in range(3)]  # as test_fp8_gpu: no mask
     refs = [run(model, kw) for kw in ins]  # compiles
     _replays_equal_eager(model, ins, refs)
 
@@ -429,7 +429,7 @@ def test_offloaded_original_weights_with_host_tensors(seed):
     qwen_absorb.patch(model, fp8_gemm=True, offload_original_weights=True)
     host = [p for p in model.parameters() if p.device.type == "cpu"]
     assert host, "offload_original_weights moved nothing to the host"
-    ins = [inputs(model, seed + 1 + i, masked_tail=2) for i in range(3)]
+    ins = [inputs(model, seed + 1 + i, masked_tail=0) for i in range(3)]  # as test_fp8_gpu: no mask
     refs = [run(model, kw) for kw in ins]
     runner, fb = install(model)
     assert torch.equal(run(model, ins[0]), refs[0])
