@@ -412,7 +412,7 @@ def _replays_equal_eager(model, ins, refs, **options):
 def test_on_top_of_compile_repeated_blocks(patched, seed):
     model = build(seed, zero_cond_t=True, patched=patched)
     model.compile_repeated_blocks()
-    ins = [inputs(model, seed + 1 + i, masked_tail=0) for i in range(3)]  # as test_fp8_gpu: no mask
+    ins = [inputs(model, seed + 1 + i) for i in range(3)]
     refs = [run(model, kw) for kw in ins]  # compiles
     _replays_equal_eager(model, ins, refs)
 
