@@ -256,8 +256,6 @@ def host_markdown(d: dict[str, Any]) -> str:
 
 
 def ncu() -> int:
-    import qwen_absorb.ops  # noqa: F401,PLC0415
-
     sets = H.op_sets((1, 16384, 3072), 1, torch.device("cuda"), 0)[0]
     for op in H.OPS:
         H.op_call(op)(*sets)

@@ -265,7 +265,6 @@ class Bench:
             "images_identical_to_unpatched_eager": bool(torch.equal(e_img, g_img)),
             "max_abs_diff_vs_unpatched_eager": float((e_img.float() - g_img.float()).abs().max()),
             "runner": runner.describe(), "fallbacks": dict(self.fallbacks)})
-        del pipe
         self.plain()
 
     def run(self) -> int:
