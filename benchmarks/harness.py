@@ -96,6 +96,11 @@ def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """GPU, driver, versions, date and code provenance: recorded with every result."""
     device = torch.device(device)
     cupy = _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy")
+    if cupy is None:
+        with contextlib.suppress(Exception):
+            import cupy as _cp  # noqa: PLC0415
+
+            cupy = _cp.__version__
     env: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(),
