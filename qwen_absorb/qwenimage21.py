@@ -80,6 +80,13 @@ class _Counts:
     def __repr__(self) -> str:
         return f"_Counts({self.snapshot()!r})"
 
+    def __getstate__(self) -> dict[str, int]:  # pickle / deepcopy (a lock is neither)
+        return self.snapshot()
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self._c = Counter(state)
+        self._lock = threading.Lock()
+
 
 @dataclass(frozen=True)
 class Decision:

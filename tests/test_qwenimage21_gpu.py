@@ -357,6 +357,21 @@ def test_patched_tiny_model_flex_processor(dtype, launches):
     assert fallback_counts(decisions, allowed=()) == {} and launches
 
 
+def test_patched_tiny_model_under_torch_compile():
+    """torch.compile of the patched model (Dynamo traces the runner; the fused ops are custom ops
+    that launch the kernels when the graph runs)."""
+    model = tiny_model(dtype=torch.bfloat16, device=DEV, seed=9, gain=4.0, **MODEL_SHAPES["D128"])
+    inputs = model_inputs(model, batch_size=2, cond=True, pad=1, seed=5, target=(2, 2))
+    inputs2 = model_inputs(model, batch_size=2, cond=True, pad=1, seed=6, target=(2, 2))
+    ref, ref2 = run(model, inputs), run(model, inputs2)
+    with installed(model, DEV):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+        same(run(compiled, inputs), ref, "compiled patched model")
+        same(run(compiled, inputs2), ref2, "compiled patched model, new inputs")
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _summary():
     yield
