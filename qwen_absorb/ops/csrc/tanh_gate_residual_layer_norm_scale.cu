@@ -3,11 +3,12 @@
 //   modulated    = LayerNorm(new_residual) * (1 + scale)
 // C: the identity, or (clip != 0, float16) the block's final clip(-65504, 65504), so that the op
 // also serves the FFN residual followed by the next block's norm1. Layout and variants as in
-// layer_norm_scale.cu (eager's norm2 sees a fresh tensor: the caller picks the vectorized mode when
+// layer_norm_scale.cu (qa_ln_row, ln_row.cuh) (eager's norm2 sees a fresh tensor: the caller picks the vectorized mode when
 // D % 4 == 0); `out` and `out_fp8` as there.
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
+#include "ln_row.cuh"
 #include "scale_gate.cuh"
 
 struct TanhGateResidualLayerNormScaleParams {
@@ -45,8 +46,7 @@ template <class T, int MODE, int NV>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleParams p) {
   typedef typename T::storage S;
-  constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
-  __shared__ float smem[48];
+  constexpr int CH = QaLn<MODE>::CH;
   const int D = p.D;
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_target_row(row, p.L, p.B, p.mask);
@@ -60,59 +60,19 @@ tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleP
   const S* scr = reinterpret_cast<const S*>(p.scale) + prow * p.scale_rs;
   const bool vx = p.vec_flags & 1, vsc = p.vec_flags & 4, vg = p.vec_flags & 8;
   const bool clip = p.clip != 0;
-  const int nslots = D / CH;
-  const int tid = threadIdx.x;
   float f8scale = 1.f, f8inv = 1.f;
   if (f8r) qa_fp8_scales(p.out_amax, 1, f8scale, f8inv);
-  QaWelford w = {0.f, 0.f, 0.f};
-  float v[NV > 0 ? NV : 1][CH];  // new_residual, the LayerNorm input
 
-  if (NV > 0) {
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * TH;
-      if (c < nslots)
-        qa_tanh_residual_slot<T, CH>(rr + c * CH, xr + c * CH, gr + c * CH, hr + c * CH, vx, vg, clip, v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (tid + k * TH < nslots) {
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          const int n = k * CH + i + 1;  // slots are filled in order: the count is a constant
-          qa_welford_add<MODE>(w, v[k][i], (float)n, 1.0f / (float)n);
-        }
-      }
-    }
-  } else {
-    int n = 0;
-    for (int c = tid; c < nslots; c += TH) {
-      float q[CH];
-      qa_tanh_residual_slot<T, CH>(rr + c * CH, xr + c * CH, gr + c * CH, hr + c * CH, vx, vg, clip, q);
-#pragma unroll
-      for (int i = 0; i < CH; ++i) {
-        ++n;
-        qa_welford_add<MODE>(w, q[i], (float)n, __frcp_rn((float)n));
-      }
-    }
-  }
-  const float2 mr = qa_row_mean_rstd<MODE>(w, D, p.eps, smem);
-
-  // NV > 0: slot k once (values from registers); NV == 0: a strided loop that re-reads the
-  // new_residual slots this thread wrote itself (program order makes them visible).
-#pragma unroll
-  for (int k = 0; k < (NV > 0 ? NV : 1); ++k) {
-    for (int c = tid + k * TH; c < nslots; c += (NV > 0 ? nslots : TH)) {
-      float t[CH];
-      if (NV > 0) {
-#pragma unroll
-        for (int i = 0; i < CH; ++i) t[i] = v[k][i];
-      } else {
-        qa_load<T, CH>(hr + c * CH, vx, t);
-      }
-      const QaVec<S, CH> o = qa_scaled<T, MODE, CH>(t, mr.x, mr.y, qa_load_raw<T, CH>(scr + c * CH, vsc));
-      if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
-      if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
-    }
-  }
+  // the LayerNorm input is new_residual: computed (and written) once; the streaming variant
+  // re-reads the slots this thread wrote itself (program order makes them visible)
+  auto produce = [&](int c, float (&t)[CH]) {
+    qa_tanh_residual_slot<T, CH>(rr + c * CH, xr + c * CH, gr + c * CH, hr + c * CH, vx, vg, clip, t);
+  };
+  auto reread = [&](int c, float (&t)[CH]) { qa_load<T, CH>(hr + c * CH, vx, t); };
+  auto emit = [&](int c, const float (&t)[CH], float mean, float rstd) {
+    const QaVec<S, CH> o = qa_scaled<T, MODE, CH>(t, mean, rstd, qa_load_raw<T, CH>(scr + c * CH, vsc));
+    if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
+    if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
+  };
+  qa_ln_row<MODE, NV>(D, p.eps, produce, reread, emit);
 }
