@@ -6,20 +6,17 @@ backend and context-parallel config, split, output projections), except that
 
 - the four RMSNorm + RoPE chains (44 eager kernels in bf16) are one ``qk_norm_rope`` launch where
   the plan allows it (``plan.qk_fused``), and
-- each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes: q/k/v read the codes
-  norm1 emitted, and the attention output is split and quantized for ``to_add_out`` /
-  ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the attention returns.
+- each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes (plus its LoRA branches, from
+  the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split and
+  quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the
+  attention returns.
 
-:class:`FusedAttnProcessor` is what the patch installs with ``attn.set_processor`` on such blocks
-(diffusers' seam; undone by ``unpatch``). Called the ordinary way (``attn(...)``, e.g. by the
-original block forward on a fallback) it is exactly diffusers' processor; it proxies that
-processor's ``_attention_backend`` and ``_parallel_config``, so ``set_attention_backend`` and
-``enable_parallelism`` keep working before or after patching.
+The block calls :func:`run` only when its plan owns the attention (``plan.own_attention``) and no hook
+sits on the attention module; the processor installed on ``block.attn`` stays diffusers' own, so
+``set_attention_backend``, ``enable_parallelism`` and a fallback to the original forward see it.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,59 +24,19 @@ from torch import nn
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import fp8_linear, tp_linear, tp_shard_for, wait
+from .projection import fp8_linear, run_module, tp_linear, tp_shard_for, wait
+from .sites import attention_functions
 
 
-def fp8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """Reference emission (CPU, compile, references forced): the codes the kernels write."""
-    return quantize_fp8_reference(x, amax)
-
-
-class FusedAttnProcessor:
-    """diffusers' Qwen double-stream processor, with qwen_absorb's FP8 path beside it."""
-
-    def __init__(self, original: Any) -> None:
-        self.original = original
-
-    @property
-    def _attention_backend(self):
-        return self.original._attention_backend
-
-    @_attention_backend.setter
-    def _attention_backend(self, value) -> None:
-        self.original._attention_backend = value
-
-    @property
-    def _parallel_config(self):
-        return self.original._parallel_config
-
-    @_parallel_config.setter
-    def _parallel_config(self, value) -> None:
-        self.original._parallel_config = value
-
-    def __call__(
-        self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-        encoder_hidden_states_mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                             attention_mask, image_rotary_emb)
-
-
-def _diffusers():
-    from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: PLC0415
-    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen  # noqa: PLC0415
-
-    return dispatch_attention_fn, apply_rotary_emb_qwen
-
-
-def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, compiling: bool, works: list) -> torch.Tensor:
-    """One attention linear: real FP8, on its tensor-parallel shards (a row-wise all-reduce is
-    appended to ``works``), or the module as it is."""
+def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
+            works: list) -> torch.Tensor:
+    """One attention linear: real FP8 (``x`` the codes, ``act`` the unquantized input its LoRA branches
+    read), on its tensor-parallel shards (a row-wise all-reduce is appended to ``works``), or the
+    module as it is."""
     lp = plan.linears[path]
-    if lp.fp8_gemm:
-        return fp8_linear(x, lp, plan)
     m = _module(attn, path)
+    if lp.fp8_gemm:
+        return fp8_linear(x, lp, plan, None, act, m)
     if not compiling:
         shard = tp_shard_for(plan, path, m, x)
         if shard is not None:
@@ -87,13 +44,7 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, compiling: bool, 
             if work is not None:
                 works.append(work)
             return y
-    return _run_module(plan, compiling, m, x)
-
-
-def _run_module(plan, compiling, module, x):
-    from .block import _call  # noqa: PLC0415  (block imports this module)
-
-    return _call(plan, compiling, module, x)
+    return run_module(plan, compiling, m, x)
 
 
 def _module(attn: nn.Module, path: str) -> nn.Module:
@@ -101,11 +52,13 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
     return attn.to_out[0] if name == "to_out.0" else attn._modules[name]
 
 
-def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
-        encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb, use_kernels: bool, compiling: bool):
-    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are e4m3 codes where norm1
-    emitted them for FP8 q/k/v, else the modulated tensors."""
-    dispatch_attention_fn, _ = _diffusers()
+def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
+        use_kernels: bool, compiling: bool):
+    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the
+    e4m3 codes where norm1 emitted them for FP8 q/k/v (with the modulated tensor beside them where a
+    LoRA branch reads it, else None), or ``(modulated tensor, None)``."""
+    dispatch_attention_fn, _ = attention_functions()
+    (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
     proc = attn.processor
     B, seq_img = img_in.shape[0], img_in.shape[1]
     seq_txt = txt_in.shape[1]
@@ -117,9 +70,9 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
     head_dim = attn.inner_dim // attn.heads
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
     qkv = []
-    for paths, x in ((("attn.to_q", "attn.to_k", "attn.to_v"), img_in),
-                     (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in)):
-        qkv.append([_linear(attn, plan, p, x, compiling, works).unflatten(-1, (-1, head_dim)) for p in paths])
+    for paths, x, act in ((("attn.to_q", "attn.to_k", "attn.to_v"), img_in, img_act),
+                          (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in, txt_act)):
+        qkv.append([_linear(attn, plan, p, x, act, compiling, works).unflatten(-1, (-1, head_dim)) for p in paths])
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
@@ -142,9 +95,11 @@ def run(attn: nn.Module, plan, img_in: torch.Tensor, txt_in: torch.Tensor,
             txt_codes, img_codes, _ = qf8_launch(out, seq_txt, txt_lp.weight.input_amax, img_lp.weight.input_amax)
         else:
             flat = out.flatten(2, 3)
-            txt_codes = fp8_codes(flat[:, :seq_txt], txt_lp.weight.input_amax)
-            img_codes = fp8_codes(flat[:, seq_txt:], img_lp.weight.input_amax)
-        img_out, txt_out = fp8_linear(img_codes, img_lp, plan, works), fp8_linear(txt_codes, txt_lp, plan, works)
+            txt_codes = quantize_fp8_reference(flat[:, :seq_txt], txt_lp.weight.input_amax)
+            img_codes = quantize_fp8_reference(flat[:, seq_txt:], img_lp.weight.input_amax)
+        flat = out.flatten(2, 3)
+        img_out = fp8_linear(img_codes, img_lp, plan, works, flat[:, seq_txt:], attn.to_out[0])
+        txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
     else:
         flat = out.flatten(2, 3)
         img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling, works)
@@ -176,7 +131,7 @@ def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
 
 def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
     """diffusers' own RMSNorm modules and apply_rotary_emb_qwen, as its processor calls them."""
-    _, apply_rotary_emb_qwen = _diffusers()
+    _, apply_rotary_emb_qwen = attention_functions()
     if attn.norm_q is not None:
         img_q = attn.norm_q(img_q)
     if attn.norm_k is not None:
@@ -197,9 +152,9 @@ def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
 def _out_projection(attn, plan, path, x, use_kernels, compiling, works):
     lp = plan.linears[path]
     if not lp.fp8_gemm:
-        return _linear(attn, plan, path, x.contiguous(), compiling, works)
+        return _linear(attn, plan, path, x.contiguous(), None, compiling, works)
     if use_kernels:
         codes = qf8_launch(x, 0, None, lp.weight.input_amax)[1]
     else:
-        codes = fp8_codes(x, lp.weight.input_amax)
-    return fp8_linear(codes, lp, plan, works)
+        codes = quantize_fp8_reference(x, lp.weight.input_amax)
+    return fp8_linear(codes, lp, plan, works, x, _module(attn, path))

@@ -20,6 +20,9 @@ from collections.abc import Collection
 
 import torch
 
+from torch import nn
+
+from .parallel import tp_defer_refusals
 from .quant import FP8_E4M3, NVFP4, ProjectionInfo
 
 # (major, minor) -> "GPU name, date of the passing fidelity run". It started empty; an entry is
@@ -117,9 +120,31 @@ def auto_refusals(
     if kernel_reasons and not cpu_like_override:
         r.append("fused CUDA path unavailable: " + "; ".join(kernel_reasons))
     if key not in capabilities:
-        shown = f"sm_{key[0]}{key[1]}" if isinstance(key, tuple) else key
-        r.append(f"device capability {shown} is not in the validated set {sorted(map(str, capabilities))}")
+        if isinstance(key, tuple):
+            r.append(f"GPU sm_{key[0]}{key[1]} is not in the validated set {describe_capabilities(capabilities)}")
+        else:
+            r.append(f"bias deferral is validated on GPUs only ({describe_capabilities(capabilities)}); "
+                     f"this model runs on the {key}")
     return r
+
+
+def describe_capabilities(capabilities: Collection[CapabilityKey]) -> str:
+    """``sm_90, cpu``: capability keys as people read them."""
+    keys = sorted(capabilities, key=lambda c: (isinstance(c, str), str(c)))
+    return ", ".join(f"sm_{c[0]}{c[1]}" if isinstance(c, tuple) else str(c) for c in keys) or "none"
+
+
+def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
+    """Tensor parallelism: why a projection's DTensor bias stays in its GEMM. Measured on 2 H200s
+    (benchmarks/results/parallel.md): the FP8 model under TP ran slower with its row-wise biases
+    deferred, so only ``defer_bias=True`` defers them."""
+    b = getattr(base, "_parameters", {}).get("bias") if base is not None else None
+    if b is None or type(b) is torch.nn.Parameter or type(b.data) is torch.Tensor:
+        return []
+    why = tp_defer_refusals(base)
+    if not why and mode == "auto":
+        why = ["tensor parallelism: defer_bias='auto' leaves row-wise biases in the GEMM"]
+    return why
 
 
 def defer_refusals(

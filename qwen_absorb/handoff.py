@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from .parallel import global_forward_hooks
 
+from .hooks import global_forward_hooks, has_hooks
 from .plan import PLAN_ATTR, BlockPlan
 
 _local = threading.local()
@@ -64,7 +64,7 @@ def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module
     """Point each patched block at the next one (structure only; the rest is checked per call)."""
     loop_code = _loop_code(type(transformer))
     for i, plan in enumerate(plans):
-        plan.handoff_to, plan.handoff_reasons = None, []
+        plan.rt.handoff_to, plan.handoff_reasons = None, []
         if not plan.patched:
             continue
         nxt = plans[i + 1] if i + 1 < len(plans) else None
@@ -77,8 +77,8 @@ def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module
         elif loop_code is None:
             plan.handoff_reasons.append(f"{type(transformer).__name__}.forward is not a Python function")
         else:
-            plan.handoff_to = blocks[i + 1]
-            plan.loop_owner = type(transformer)
+            plan.rt.handoff_to = blocks[i + 1]
+            plan.rt.loop_owner = type(transformer)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,12 +108,6 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
 # ---------------------------------------------------------------------------- call time
 
 
-def _hooked(m: nn.Module) -> bool:
-    reg = m.__dict__.get("_diffusers_hook")
-    return bool(m._forward_hooks or m._forward_pre_hooks or (reg is not None and reg.hooks)
-                or "_hf_hook" in m.__dict__)
-
-
 def _caller_frame(code: Any) -> int | None:
     """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up:
     patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop)."""
@@ -130,20 +124,20 @@ def _caller_frame(code: Any) -> int | None:
 def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Module, BlockPlan, int, Any] | None:
     """The next block, its plan and the loop frame, if this call can hand over (else None; a
     per-call obstacle is counted, structural ones are in the report)."""
-    nb = plan.handoff_to
+    nb = plan.rt.handoff_to
     if nb is None:
         return None
     np_: BlockPlan | None = nb.__dict__.get(PLAN_ATTR)
-    if (np_ is None or np_.stale is not None or np_.recalibrated or np_.runtime_device != h.device
-            or np_.handoff_in_reasons or np_.options is not plan.options):
+    if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.handoff_in_reasons
+            or np_.options is not plan.options or np_.calibrating):
         return None  # not decided for this device yet, or cannot receive: see its report entry
     if h.dtype == torch.float16:
         return None  # diffusers clips fp16 block outputs after the residual (fp16 blocks do not receive)
-    if _hooked(block) or _hooked(nb) or global_forward_hooks():
+    if has_hooks(block) or has_hooks(nb) or global_forward_hooks():
         plan.count("cross-block hand-off not made: a forward hook on this or the next block (or a global one) "
                    "could change hidden_states in between")
         return None
-    code = _loop_code(plan.loop_owner)
+    code = _loop_code(plan.rt.loop_owner)
     frame = _caller_frame(code)
     if frame is None:
         plan.count("cross-block hand-off not made: block not called from the transformer's forward loop")
@@ -166,7 +160,7 @@ def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
         return None
     if (h is rec.img and txt is rec.txt and temb is rec.temb and index is rec.index
             and _caller_frame(rec.code) == rec.frame):
-        plan.handoffs_used += 1
+        plan.rt.handoffs[plan.index] += 1
         return rec
     plan.count("cross-block hand-off refused: this block did not receive the tensors the previous block "
                "returned, from the same forward loop (a ControlNet residual or the caller changed them); "
@@ -179,4 +173,4 @@ def drop() -> None:
     _local.rec = None
 
 
-__all__ = ["Handoff", "give", "link", "receive_reasons", "take", "target"]
+__all__ = ["Handoff", "drop", "give", "link", "receive_reasons", "take", "target"]

@@ -99,6 +99,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .hooks import global_forward_hooks
+from .sites import unwrap_peft
+
 __all__ = [
     "TpShard",
     "allow_cpu_parallelism",
@@ -124,12 +127,6 @@ def _loaded_class(module: str, name: str) -> type | None:
     """``module.name`` if ``module`` is already imported, else None (never imports anything)."""
     mod = sys.modules.get(module)
     return getattr(mod, name, None) if mod is not None else None
-
-
-def _base(m: nn.Module) -> nn.Module:
-    while isinstance(getattr(m, "base_layer", None), nn.Module):  # PEFT wrappers
-        m = m.base_layer
-    return m
 
 
 # ------------------------------------------------------------------------------ tensor kinds
@@ -250,7 +247,7 @@ def kernel_arg_refusal(*tensors: Any) -> str | None:
 
 
 def _weight(linear: nn.Module) -> Any:
-    m = _base(linear)
+    m = unwrap_peft(linear)[0]
     w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
     return w if w is not None else getattr(m, "weight", None)
 
@@ -310,7 +307,7 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
       reduction. Unpatched, DTensor adds ``b / N`` on each rank *before* the all-reduce, so the two
       agree up to rounding (as deferral does anyway), not bit for bit.
     """
-    m = _base(linear)
+    m = unwrap_peft(linear)[0]
     style = projection_tp_style(m)
     b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
     if style is None:
@@ -395,12 +392,6 @@ class TpShard:
         if c is None or c[0] is not b or c[1] != b._version:
             c = self._scaled = (b, b._version, b / self.world)
         return c[2]
-
-
-def global_forward_hooks() -> bool:
-    """A global module forward (pre-)hook is registered: it would run inside any module call skipped."""
-    m = nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def _hook_partial(hook: Any, fn_name: str) -> functools.partial | None:

@@ -1,16 +1,24 @@
-"""Plans: what a patched block does, decided from the site table, and the only record of it.
+"""Plans: what a patched block does, decided from the site table, stored once.
 
-A :class:`BlockPlan` is built per block at patch time from :mod:`qwen_absorb.sites` and ModelOpt's
-per-layer facts (:mod:`qwen_absorb.quant`), and decided for the device the block runs on: at
-patch time for the device the model sits on (or will run on, under offload hooks), and again
-whenever the block first runs on another device, so ``patch(pipe); pipe.to("cuda")`` ends up with
-the CUDA decisions. The :class:`~qwen_absorb.report.PatchReport` is these plans, read.
+A :class:`BlockPlan` is built per block at patch time from :mod:`qwen_absorb.sites` and the facts the
+adapters read (:mod:`qwen_absorb.quant` for ModelOpt, :mod:`qwen_absorb.lora` for PEFT,
+:mod:`qwen_absorb.parallel` for DTensor, :mod:`qwen_absorb.hooks` for hook chains), for the device the
+block runs on. It holds three kinds of things, kept apart:
 
-The plan lives on the block (an instance attribute), never in a closure: a ``deepcopy`` or pickle
-of the model carries a consistent copy, bound to the copy's own modules. At call time the plan
-checks that the modules it decided about are still the block's (identity and class): a replaced
-linear, ``mtq.quantize`` after patching or a running calibration sends the call to diffusers'
-original forward, counted, instead of a silently wrong fused path.
+- **decisions** (the plan's own fields, :class:`SitePlan`, :class:`LinearPlan`): what runs where, each
+  stored once, with the reasons; the report copies them (:mod:`qwen_absorb.report`);
+- **derived state** (FP8 weights and scales, the norm quantizers' amax records): built from the
+  decisions, owned by the linear's / site's plan, never served stale;
+- **runtime** (:class:`BlockRuntime`): the device decided for, the fallback counter, the lock, the
+  cross-block link, and the :class:`~qwen_absorb.watch.Watch` of everything the decisions depend on.
+
+At every call the block asks the watch (host metadata only). A change (a module replaced or
+converted, a parameter replaced or modified in place, a quantizer switched or recalibrated, an amax
+replaced, a LoRA adapter added, merged, enabled or disabled, a dtype or device move) makes the block
+decide again before it computes (``qwen_absorb.block.redecide``): no call uses stale state.
+
+The plan lives on the block (an instance attribute), never in a closure: a ``deepcopy`` or pickle of
+the model carries a copy, whose watch reports a change, so the copy decides anew for its own modules.
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating, ops, parallel, quant
+from . import gating, hooks, lora, ops, parallel, quant
 from .ops.qk_norm_rope import probe_variance_order
-from .quant import NormInfo, ProjectionInfo, unwrap_peft
-from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, resolve
+from .quant import NormInfo, ProjectionInfo
+from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, classes, resolve, unwrap_peft
+from .watch import Watch
 
 PLAN_ATTR = "_qwen_absorb_plan"
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
+# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); False turns the
+# fusion off everywhere (a switch for measurements).
+QK_FUSION = True
+QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (qwen_absorb.plan.QK_FUSION = False)"
 
 
 @dataclass(frozen=True)
@@ -48,89 +63,102 @@ class Options:
 
 @dataclass
 class SitePlan:
-    """One fused site of one block (and its report entry)."""
+    """One fused site of one block: its decisions, and the derived state its op reads."""
 
     block: int
     stream: str
     site: str
     fused: bool = True
     reasons: list[str] = field(default_factory=list)  # why not fused
+    runner: str = "eager"  # "kernel", "reference" (the op's torch reference) or "eager" (diffusers' ops)
     projection: str | None = None  # the projection whose bias this site can take
     bias_deferred: bool = False
     defer_reasons: list[str] = field(default_factory=list)  # why the bias stays in the GEMM
     norm_quantizer: str | None = None  # "fp8-fused", "applied-before-op" or None
     fp8_out: bool = False  # emits the e4m3 codes its real-FP8 consumers read
-    # runtime (not reported)
+    act_out: bool = False  # also hands its consumers the activation (their LoRA branches read it)
+    # derived state
     norm_quant: Any = None  # ops.Fp8PerTensorQuant reproduced inside the op
     fp8_amax: torch.Tensor | None = None  # the consumers' input amax (fp32, one element)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "block", "stream", "site", "fused", "reasons", "projection", "bias_deferred", "defer_reasons",
-            "norm_quantizer", "fp8_out")}
+    @property
+    def key(self) -> str:
+        return f"{self.stream}.{self.site}"
 
 
 @dataclass
 class LinearPlan:
-    """How one linear of the block runs: as it is, or as a real FP8 ``torch._scaled_mm``."""
+    """How one linear of the block runs: as its module, or as a real FP8 ``torch._scaled_mm`` (plus the
+    branches of its PEFT LoRA adapters). The owner of everything derived from the linear."""
 
     path: str
     fp8_gemm: bool = False
     fp8_reasons: list[str] = field(default_factory=list)
-    weight: quant.Fp8Weight | None = None  # runtime
-    input_scale: torch.Tensor | None = None  # runtime: input amax / 448
-    bias: torch.Tensor | None = None  # runtime: the bias the GEMM epilogue adds (a Parameter, or its TP share)
-    tp: Any = None  # runtime: parallel.TpShard of a tensor-parallel linear run on its local shard
+    lora: bool = False  # a PEFT LoRA layer whose branches are added after the FP8 GEMM
     offloaded: bool = False  # its original weight was moved to host memory
+    # derived state
+    weight: quant.Fp8Weight | None = None
+    input_scale: torch.Tensor | None = None  # input amax / 448
+    bias: torch.Tensor | None = None  # what the GEMM epilogue adds (the Parameter, or its TP share)
+    tp: Any = None  # parallel.TpShard of a tensor-parallel linear run on its local shard
+    cache_key: tuple = ()  # what ``weight`` was built from (reused when unchanged)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "fp8_gemm": self.fp8_gemm, "fp8_reasons": list(self.fp8_reasons),
-                "reused_compressed_storage": bool(self.weight is not None and self.weight.reused_storage),
-                "original_weight_offloaded": self.offloaded}
+
+@dataclass
+class BlockRuntime:
+    """Per-call state of a patched block: never a decision."""
+
+    counter: Counter = field(default_factory=Counter)  # the report's runtime_fallbacks (shared)
+    rebuilds: Counter = field(default_factory=Counter)  # decisions made again, by what changed (shared)
+    device: torch.device | None = None  # the device the decisions were made for
+    watch: Watch = field(default_factory=Watch)
+    stale: str | None = None  # set when deciding again failed: the block runs diffusers' forward
+    handoff_to: nn.Module | None = None  # the next block, when cross-block fusion links them
+    loop_owner: Any = None  # the transformer class whose forward loop calls the blocks
+    handoffs: Counter = field(default_factory=Counter)  # hand-overs taken, by block index (shared)
+    announced: set = field(default_factory=set)  # devices told that the kernels cannot run (shared)
+    on_decide: Any = None  # called with the plan after every decision (the report's record)
+    lock: Any = field(default_factory=threading.RLock)
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["lock"] = None  # a lock is not copyable
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        d["lock"] = threading.RLock()
+        self.__dict__.update(d)
 
 
 @dataclass
 class BlockPlan:
     index: int
+    options: Options = field(default_factory=Options)
     patched: bool = False
     reasons: list[str] = field(default_factory=list)  # why the block forward was not replaced
     install: str = ""  # where the patched forward went
     device: str = ""  # the device the decisions below were made for
     kernel_reasons: list[str] = field(default_factory=list)
+    kernels: bool = False  # fused ops launch their kernels (else their references)
     sites: list[SitePlan] = field(default_factory=list)
     linears: dict[str, LinearPlan] = field(default_factory=dict)
     projections: dict[str, ProjectionInfo] = field(default_factory=dict)  # the four output projections
     norms: dict[str, NormInfo] = field(default_factory=dict)
-    # runtime
-    options: Options = field(default_factory=Options)
-    counter: Counter = field(default_factory=Counter)
-    runtime_device: torch.device | None = None
-    kernels: bool = False  # fused ops launch their kernels (else their references)
-    fp8_attention: bool = False  # an attention linear runs as a real FP8 GEMM
+    own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
-    own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
-    qk_reasons: list[str] = field(default_factory=list)  # why the q/k chains are not fused
+    qk_reasons: list[str] = field(default_factory=list)
     # tensor parallelism: per group ("attn", "img_mlp", "txt_mlp"), why its linears may not run on
     # their local shards without DTensor ([]: they may, whenever TP is found at call time)
     tp_reasons: dict[str, list[str]] = field(default_factory=lambda: {"attn": [], "img_mlp": [], "txt_mlp": []})
-    # cross-block fusion: this block's FFN residual also computes the next block's norm1 (+ its
-    # modulation), handed over per call (qwen_absorb.handoff)
-    handoff_to: nn.Module | None = None  # the next block, or None
-    handoff_reasons: list[str] = field(default_factory=list)  # why not (reported)
-    handoffs_used: int = 0  # calls of this block that took a norm1 handed over by the previous one
+    handoff_reasons: list[str] = field(default_factory=list)  # why this block hands no norm1 over
     handoff_in_reasons: list[str] = field(default_factory=list)  # why this block cannot take one
-    loop_owner: Any = None  # the transformer class whose forward loop calls the blocks
     modelopt: bool = False  # the block holds ModelOpt-quantized modules (called outside compiled graphs)
     quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
-    deferred: dict[str, str] = field(default_factory=dict)  # site key -> deferred projection path
-    expected: tuple = ()  # ((path parts), module, class) of what the fused path bypasses or reimplements
-    stale: str | None = None  # set when a call found the block changed; patch() re-patches
-    recalibrated: bool = False  # a ModelOpt calibration ran since the last decision: decide anew
-    expected_processor: Any = None  # the processor object installed on block.attn (or found there)
-    calib_watch: tuple[str, ...] = ()  # modules whose ModelOpt quantizers may enter calibration
-    lock: Any = field(default_factory=threading.RLock)
+    calibrating: bool = False  # a ModelOpt quantizer of the block collects statistics now
+    bypassed: tuple[dict, ...] = ()  # __dict__s of the modules the fused path skips or changes (hooks)
+    rt: BlockRuntime = field(default_factory=BlockRuntime)
 
     # -- reading
     def site(self, stream: str, name: str) -> SitePlan:
@@ -143,57 +171,24 @@ class BlockPlan:
         stream, name = key.split(".")
         return self.site(stream, name)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
-            "device": self.device, "sites": [s.to_dict() for s in self.sites],
-            "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
-            "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
-            "cross_block_handoff": self.handoff_to is not None, "cross_block_reasons": list(self.handoff_reasons),
-            "cross_block_receive_reasons": list(self.handoff_in_reasons),
-            "linears": {k: v.to_dict() for k, v in self.linears.items()},
-            "projections": {k: v.to_dict() for k, v in self.projections.items()},
-            "norms": {k: v.to_dict() for k, v in self.norms.items()},
-        }
+    def deferred(self, key: str) -> str | None:
+        """The projection whose bias the site ``key`` adds (None: its GEMM adds it)."""
+        for s in self.sites:
+            if s.key == key:
+                return s.projection if s.bias_deferred else None
+        return None
+
+    def deferred_paths(self) -> list[str]:
+        return [s.projection for s in self.sites if s.bias_deferred and s.projection]
 
     def count(self, reason: str) -> None:
         if not torch.compiler.is_compiling():
-            self.counter[reason] += 1
+            self.rt.counter[reason] += 1
 
-    # -- copies: the lock is not copyable; everything else is (deepcopy remaps module references)
-    def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["lock"] = None
-        return d
-
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        d["lock"] = threading.RLock()
-        self.__dict__.update(d)
-
-    # -- call-time checks
-    def changed(self, block: nn.Module) -> str | None:
-        """Why the block is no longer what was decided about (None: it is). Only the modules the
-        fused path bypasses or reimplements are checked (norms, deferred projections, FP8 linears):
-        everything else is called as the block holds it at call time."""
-        for parts, mod, cls in self.expected:
-            now = block
-            for part in parts:
-                now = now.__dict__["_modules"].get(part) if now is not None else None
-            if now is not mod or type(now) is not cls:
-                return f"{'.'.join(parts)} was replaced or converted since patching"
-        want = self.expected_processor
-        if want is not None and getattr(block.attn, "processor", None) is not want:
-            return "the attention processor was replaced since patching"
-        return None
-
-    def calibrating(self, block: nn.Module) -> bool:
-        """A ModelOpt calibration is collecting statistics: the original forward must run (it calls
-        every quantizer), and FP8 weights / scales decided earlier may go stale."""
-        for path in self.calib_watch:
-            m = resolve(block, path)
-            if m is not None and quant.calibrating(m):
-                return True
-        return False
+    def hooked(self) -> bool:
+        """A forward hook (torch's, a diffusers or accelerate hook) on a module the fused path skips or
+        changes, or a global one: that module's hooks would not run, or see other values."""
+        return any(map(hooks.user_hooked, self.bypassed)) or hooks.global_forward_hooks()
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -206,53 +201,70 @@ def _kernel_reasons(device: torch.device, options: Options) -> list[str]:
     return r
 
 
-def _structure_refusals(block: nn.Module, path: str, proc_cls: type) -> list[str]:
+def _identity_dropout(m: nn.Module) -> bool:
+    return isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training)
+
+
+def _processor_reasons(block: nn.Module) -> list[str]:
+    proc = getattr(block.attn, "processor", None)
+    want = classes()[2]
+    if type(proc) is not want:
+        return [f"attention processor {type(proc).__name__} is not {want.__name__} (diffusers')"]
+    return []
+
+
+def _structure_refusals(block: nn.Module, path: str) -> list[str]:
     """Deferral needs the projection to be the last thing that touches the output."""
     if path.startswith("attn."):
-        proc = getattr(block.attn, "processor", None)
-        proc = getattr(proc, "original", proc)  # our processor wraps diffusers'
-        if type(proc) is not proc_cls:
-            return [f"attention processor {type(proc).__name__} is not {proc_cls.__name__}"]
+        r = _processor_reasons(block)
         to_out = block.attn.to_out
         if len(to_out) > 2 or (len(to_out) == 2 and not _identity_dropout(to_out[1])):
-            return ["attn.to_out has modules after the projection"]
-        return []
+            r.append("attn.to_out has modules after the projection")
+        return r
     net = resolve(block, path.rsplit(".", 1)[0])
     if net is None or len(net) != 3:
         return [f"{path.split('.')[0]}.net is not (GELU, Dropout, Linear)"]
     return []
 
 
-def _identity_dropout(m: nn.Module) -> bool:
-    return isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training)
-
-
-def decide(plan: BlockPlan, block: nn.Module, device: torch.device, proc_cls: type) -> None:
-    """(Re)make every decision of ``plan`` for ``block`` running on ``device``."""
+def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
+    """(Re)make every decision of ``plan`` for ``block`` running on ``device``, rebuild the derived
+    state (reusing FP8 weights whose inputs did not change) and take a new watch."""
     o = plan.options
-    plan.runtime_device = device
+    old = {p: lp for p, lp in plan.linears.items() if lp.weight is not None}
+    plan.rt.device = device
     plan.device = str(device)
     plan.kernel_reasons = _kernel_reasons(device, o)
     plan.kernels = not plan.kernel_reasons
     plan.norms = {n: quant.inspect_norm(n, getattr(block, n)) for n in NORMS}
     plan.projections = {}
     for s in SITE_TABLE.values():
-        if s.takes_bias_of:
-            m = resolve(block, s.takes_bias_of)
-            if m is not None:
-                plan.projections[s.takes_bias_of] = quant.inspect_projection(s.takes_bias_of, m)
+        if s.takes_bias_of and (m := resolve(block, s.takes_bias_of)) is not None:
+            plan.projections[s.takes_bias_of] = quant.inspect_projection(s.takes_bias_of, m)
     plan.linears = {p: _decide_linear(block, p, device, o) for p in LINEAR_TABLE}
-    plan.sites, plan.deferred = [], {}
-    for s in SITE_TABLE.values():
-        plan.sites.append(_decide_site(plan, block, s, device, proc_cls))
+    plan.sites = [_decide_site(plan, block, s, device) for s in SITE_TABLE.values()]
     _decide_fp8_inputs(plan, block)
-    watched = (*NORMS, *plan.deferred.values(), *(p for p, lp in plan.linears.items() if lp.fp8_gemm))
-    plan.expected = tuple((tuple(p.split(".")), m, type(m)) for p in dict.fromkeys(watched)
-                          if (m := resolve(block, p)) is not None)
+    _build_fp8(plan, block, old)
+    plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
+    plan.own_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
+    plan.tp_reasons = _decide_tp(block)
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
     plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")
-    plan.calib_watch = tuple(p for p in (*LINEAR_TABLE, *NORMS) if _has_quantizers(resolve(block, p)))
-    plan.stale = None
+    plan.calibrating = any(quant.calibrating(m) for p in (*LINEAR_TABLE, *NORMS) if (m := resolve(block, p)) is not None)
+    plan.bypassed = _bypassed(plan, block)
+    plan.rt.watch = _watch(block)
+    plan.rt.stale = None
+    if plan.rt.on_decide is not None:
+        plan.rt.on_decide(plan)
+
+
+def refresh(plan: BlockPlan, block: nn.Module) -> None:
+    """Take the watch (and the FP8 weights' source keys) anew after the patch itself moved weights
+    (``offload_original_weights``): the decisions stand, the moved tensors are the ones decided for."""
+    for p, lp in plan.linears.items():
+        if lp.fp8_gemm:
+            lp.cache_key = _fp8_cache_key(block, p, plan.rt.device)
+    plan.rt.watch = _watch(block)
 
 
 def _has_quantizers(m: nn.Module | None) -> bool:
@@ -280,14 +292,20 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         if cap < quant.FP8_GEMM_MIN_CAPABILITY:
             r.append(f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs 8.9)")
         elif o.fp8_gemm == "auto" and cap not in o.fp8_capabilities:
-            r.append(f"device capability sm_{cap[0]}{cap[1]} is not in the FP8-validated set "
-                     f"{sorted(map(str, o.fp8_capabilities))}")
-    if m is not None and _offload_hooked(m):
+            r.append(f"GPU sm_{cap[0]}{cap[1]} is not in the FP8-validated set "
+                     f"{gating.describe_capabilities(o.fp8_capabilities)}")
+    base, wrappers = unwrap_peft(m)
+    if wrappers:
+        r += [f"PEFT LoRA: {x}" for x in lora.unsupported_reasons(wrappers[0])]
+        lp.lora = True
+    if m is not None and any(hooks.offload_hooked(x) for x in (m, base)):
         r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
-    w = m._parameters.get("weight") if m is not None else None
+    w = base._parameters.get("weight") if base is not None else None
     if w is not None and parallel.is_dtensor(w):
-        lp.tp, why = parallel.tp_shard_reasons(m, own_forward=False)
+        lp.tp, why = parallel.tp_shard_reasons(base, own_forward=False)
         r += [f"tensor parallelism: {x}" for x in why]
+        if wrappers:
+            r.append("tensor parallelism with a LoRA adapter")
     elif w is not None and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
         r.append(f"weight is a {type(w.data).__name__}: the GEMM must stay the module's")
     if w is not None and w.device.type == "meta":
@@ -296,7 +314,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         r.append("activations are not bf16/fp16")
     r += _fp8_context_reasons(block, path)
     if r:
-        lp.fp8_reasons, lp.tp = r, None
+        lp.fp8_reasons, lp.tp, lp.lora = r, None, False
         return lp
     lp.fp8_gemm = True
     return lp
@@ -311,29 +329,13 @@ def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
     return local if tp.style == "colwise" else local / tp.world
 
 
-def _offload_hooked(m: nn.Module) -> bool:
-    """An offload hook onloads this module's parameters only inside its own forward (which the FP8
-    path does not call): diffusers group offloading or an accelerate hook, on it or a wrapper."""
-    base = unwrap_peft(m)[0]
-    for mod in (m, base):
-        if getattr(mod, "_hf_hook", None) is not None:
-            return True
-        reg = getattr(mod, "_diffusers_hook", None)
-        if reg is not None and any("offload" in str(name) for name in getattr(reg, "_hook_order", [])):
-            return True
-    return False
-
-
 def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     """What around a linear the FP8 path reproduces: diffusers' processor without attention
     quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
-        proc = getattr(block.attn, "processor", None)
-        proc = getattr(proc, "original", proc)
-        from .patch import _classes  # noqa: PLC0415
-
-        if type(proc) is not _classes()[2]:
-            return [f"attention processor {type(proc).__name__} is not diffusers' QwenDoubleStreamAttnProcessor2_0"]
+        r = _processor_reasons(block)
+        if r:
+            return r
         for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
                   "bmm2_output_quantizer"):
             if quant.quantizer_enabled(getattr(block.attn, q, None)):
@@ -350,19 +352,20 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     return []
 
 
-def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.device, proc_cls: type) -> SitePlan:
+def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.device) -> SitePlan:
     sp = SitePlan(block=plan.index, stream=s.stream, site=s.name)
     o = plan.options
     if s.norm is not None:
         info = plan.norms[s.norm]
         sp.reasons = list(info.unsupported)
         if info.input_quantizer_enabled:
-            nq, why = quant.norm_input_fp8(getattr(block, s.norm).input_quantizer)
+            nq, _ = quant.norm_input_fp8(getattr(block, s.norm).input_quantizer, device)
             if nq is not None and nq.amax.device.type != "meta":
                 sp.norm_quantizer, sp.norm_quant = "fp8-fused", nq
             else:
                 sp.norm_quantizer = "applied-before-op"
     sp.fused = not sp.reasons
+    sp.runner = ("kernel" if plan.kernels else "reference") if sp.fused else "eager"
     if s.takes_bias_of is not None:
         sp.projection = s.takes_bias_of
         info = plan.projections.get(s.takes_bias_of)
@@ -371,31 +374,31 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
         elif plan.linears[s.takes_bias_of].fp8_gemm:
             sp.defer_reasons = ["the projection runs as a real FP8 GEMM: its bias is fused in the GEMM epilogue"]
         else:
-            sp.defer_reasons = _structure_refusals(block, s.takes_bias_of, proc_cls) + gating.defer_refusals(
-                info, mode=o.defer_bias, consumer_fused=sp.fused, device=device, capabilities=o.capabilities,
-                kernel_reasons=plan.kernel_reasons,
-            )
+            base = unwrap_peft(resolve(block, s.takes_bias_of))[0]
+            sp.defer_reasons = (
+                _structure_refusals(block, s.takes_bias_of)
+                + gating.defer_refusals(info, mode=o.defer_bias, consumer_fused=sp.fused, device=device,
+                                        capabilities=o.capabilities, kernel_reasons=plan.kernel_reasons)
+                + gating.tp_bias_refusals(base, o.defer_bias))
         sp.bias_deferred = not sp.defer_reasons
-        if sp.bias_deferred:
-            plan.deferred[s.key] = s.takes_bias_of
     return sp
 
 
 def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
-    """Which producer emits FP8 for which consumers; a linear whose producer cannot emit its codes
-    exactly (unfused site, q/k/v with unequal input scales) runs as ModelOpt runs it instead."""
+    """Which producer emits FP8 for which consumers (and the activation, for LoRA branches); a linear
+    whose producer cannot emit its codes exactly (unfused site, q/k/v with unequal input scales)
+    runs as its module instead."""
     for s in SITE_TABLE.values():
         if not s.feeds:
             continue
         sp = plan.site_plan(s.key)
         lps = [plan.linears[p] for p in s.feeds]
         if not all(lp.fp8_gemm for lp in lps):
-            if any(lp.fp8_gemm for lp in lps):
-                for lp in lps:
-                    if lp.fp8_gemm:
-                        _refuse(lp, f"{s.key} feeds {', '.join(s.feeds)}, not all of which run as FP8 GEMMs")
+            for lp in lps:
+                if lp.fp8_gemm:
+                    _refuse(lp, f"{s.key} feeds {', '.join(s.feeds)}, not all of which run as FP8 GEMMs")
             continue
-        amaxes = [resolve(block, p).input_quantizer._amax for p in s.feeds]
+        amaxes = [quant.input_amax(resolve(block, p)) for p in s.feeds]
         why = None
         if not sp.fused:
             why = f"{s.key} is not fused, so it cannot emit FP8"
@@ -408,20 +411,42 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
                 _refuse(lp, why)
             continue
         sp.fp8_out = True
+        sp.act_out = any(lp.lora for lp in lps)
+
+
+def _fp8_cache_key(block: nn.Module, path: str, device: torch.device) -> tuple:
+    """What an FP8 weight is made from. PEFT merges (``fuse_lora``) write ``weight.data`` in place,
+    which bumps no version: the LoRA layers' merged adapters are part of the key."""
+    m = resolve(block, path)
+    base, wrappers = unwrap_peft(m)
+    w = base._parameters["weight"]
+    ts = (w, quant.input_amax(base), getattr(base.weight_quantizer, "_amax", None),
+          getattr(base.weight_quantizer, "_scale", None))
+    merged = tuple(lora.state(x)[0] for x in wrappers if lora.is_lora_layer(x))
+    return (str(device), merged) + tuple((id(t), t._version, t.data_ptr(), t.dtype) if isinstance(t, torch.Tensor)
+                                         else None for t in ts)
+
+
+def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
+    """The FP8 weights, scales and epilogue biases of the linears that run as FP8 GEMMs: reused from
+    the previous decision when built from the same tensors at the same versions, else made anew."""
     for p, lp in plan.linears.items():
-        if lp.fp8_gemm:
-            m = resolve(block, p)
-            lp.weight = quant.make_fp8_weight(m, plan.runtime_device)
-            lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
-            lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)
+        if not lp.fp8_gemm:
+            continue
+        m = resolve(block, p)
+        key = _fp8_cache_key(block, p, plan.rt.device)
+        prev = old.get(p)
+        if prev is not None and prev.cache_key == key and prev.weight is not None:
+            lp.weight, lp.offloaded = prev.weight, prev.offloaded
+        else:
+            lp.weight = quant.make_fp8_weight(m, plan.rt.device)
+        lp.cache_key = key
+        lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
+        lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)
     for s in SITE_TABLE.values():
         sp = plan.site_plan(s.key)
         if sp.fp8_out:
             sp.fp8_amax = plan.linears[s.feeds[0]].weight.input_amax
-    plan.fp8_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn."))
-    plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
-    plan.own_attention = plan.fp8_attention or plan.qk_fused
-    plan.tp_reasons = _decide_tp(block)
 
 
 def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
@@ -439,14 +464,6 @@ def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
               and isinstance(net[1], nn.Dropout))
         r[mlp] = [] if ok else [f"{mlp}.net is not diffusers' (GELU, Dropout, Linear)"]
     return r
-
-
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
-# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
-# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); False turns the
-# fusion off everywhere (a switch for measurements).
-QK_FUSION = True
-QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (qwen_absorb.plan.QK_FUSION = False)"
 
 
 def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ...], list[str]]:
@@ -468,7 +485,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
     if attn.inner_dim // attn.heads != 128:
         r.append(f"head_dim {attn.inner_dim // attn.heads} != 128")
     if not r:
-        vo = probe_variance_order(plan.runtime_device)
+        vo = probe_variance_order(plan.rt.device)
         if vo.order is None:
             r.append(f"PyTorch's fp32 reduction order here is not one the kernel implements: {vo.detail}")
         else:
@@ -479,8 +496,88 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
 
 
 def _refuse(lp: LinearPlan, why: str) -> None:
-    lp.fp8_gemm, lp.tp = False, None
+    lp.fp8_gemm, lp.tp, lp.lora = False, None, False
     lp.fp8_reasons = [why]
 
 
-__all__ = ["PLAN_ATTR", "BlockPlan", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide"]
+# ---------------------------------------------------------------------------- what is watched
+
+
+def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[dict, ...]:
+    """The modules whose hooks the fused path would skip or show other values: fused norms, linears
+    run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
+    that return their output, the attention when the block runs it itself, FFNs and modulations
+    computed around their modules."""
+    paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
+    for proj in plan.deferred_paths():
+        paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
+        paths.append(proj)
+    for p, lp in plan.linears.items():
+        if lp.fp8_gemm:
+            paths.append(p)
+            top = p.split(".")[0]
+            if top.endswith("_mod"):
+                paths += [top, f"{top}.0"]
+            elif top.endswith("_mlp"):
+                paths += [top, f"{top}.net.0", f"{top}.net.1"]
+    if plan.own_attention:
+        paths.append("attn")
+        if plan.qk_fused:
+            paths += [f"attn.{n}" for n in QK_NORMS]
+    out: dict[int, dict] = {}
+    for p in paths:
+        m = resolve(block, p)
+        base, wrappers = unwrap_peft(m)
+        for x in (*wrappers, base):
+            if x is not None:
+                out[id(x.__dict__)] = x.__dict__
+    return tuple(out.values())
+
+
+_WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
+                  "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
+
+
+def _watch(block: nn.Module) -> Watch:
+    """Everything the decisions and the derived state depend on (see :mod:`qwen_absorb.watch`)."""
+    entries: dict[tuple[int, str, str], tuple] = {}
+    tensors: dict[tuple[int, str, str], tuple] = {}
+    modules: dict[int, nn.Module] = {}
+    stateful: list = []
+
+    def add(e: tuple, into: dict) -> None:
+        into.setdefault((id(e[0]), e[1], e[2]), e)
+
+    for path in _WATCHED_PATHS:
+        m: nn.Module | None = block
+        for part in path.split("."):  # the chain of _modules entries down to it: replacement is seen
+            if m is None or "_modules" not in m.__dict__:
+                m = None
+                break
+            add((m, "_modules", part), entries)
+            m = m._modules.get(part)
+        if m is None:
+            continue
+        base, wrappers = unwrap_peft(m)
+        for x in (*wrappers, base):
+            modules[id(x)] = x
+            add((x, "__dict__", "forward"), entries)
+            for k in ("weight", "bias"):
+                add((x, "_parameters", k), tensors)
+            sw, ts = quant.watch_pairs(x)
+            for e in sw:
+                add(e, entries)
+            for e in ts:
+                add(e, tensors)
+            if "base_layer" in x._modules:
+                add((x, "_modules", "base_layer"), entries)
+        stateful += [(w, lora.state) for w in wrappers if lora.is_lora_layer(w)]
+    attn = block._modules.get("attn")
+    if attn is not None:
+        add((attn, "__dict__", "processor"), entries)
+        modules[id(attn)] = attn
+    stateful += [(m, type) for m in modules.values()]  # a class converted in place (mtq.quantize)
+    return Watch(entries.values(), tensors.values(), stateful)
+
+
+__all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide", "refresh"]

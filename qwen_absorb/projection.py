@@ -1,5 +1,8 @@
-"""The projection owner: one linear of a patched block run as a real FP8 ``torch._scaled_mm``, or,
-under tensor parallelism, on this rank's shards without DTensor (:func:`tp_linear`).
+"""How one linear (or other submodule) of a patched block runs: as its module (:func:`run_module`,
+opaque to ``torch.compile`` for ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus the branches
+of its PEFT LoRA adapters (:func:`fp8_linear`), or, under tensor parallelism, on this rank's shards
+without DTensor (:func:`tp_linear`). The derived state it reads (FP8 weight, scales, epilogue bias)
+is the linear's :class:`~qwen_absorb.plan.LinearPlan`, rebuilt by the plan whenever its inputs change.
 
 ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)`` computes ``scale_a * scale_b * (a @ b)
 + bias`` with fp32 accumulation; ``a`` is the row-major [M, K] e4m3 activation (codes emitted by
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import lora
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
@@ -23,9 +27,27 @@ from .plan import BlockPlan, LinearPlan
 TP_LOCAL = True
 
 
-def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None) -> torch.Tensor:
+@torch.compiler.disable
+def _opaque(module: nn.Module, *args: Any) -> Any:
+    """Run a module outside the compiled graph: ModelOpt's quantized modules (dynamic attributes,
+    global function swaps) cannot be traced by Dynamo in torch 2.11, so under ``torch.compile``
+    the patched block calls them eagerly (a graph break) instead of failing."""
+    return module(*args)
+
+
+def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
+    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules."""
+    if compiling and plan.modelopt:
+        return _opaque(module, *args)
+    return module(*args)
+
+
+def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
+               x: torch.Tensor | None = None, module: nn.Module | None = None) -> torch.Tensor:
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
 
+    A LoRA linear (``lp.lora``): ``module`` is the PEFT layer and ``x`` the unquantized input; its
+    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.add_branches`).
     Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
     output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
@@ -40,6 +62,8 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)
     out = out.reshape(*lead, out.shape[-1])
+    if lp.lora:
+        out = lora.add_branches(module, out, x)
     tp = lp.tp
     if tp is not None and tp.style == "rowwise":
         work = torch.distributed.all_reduce(out, group=tp.group, async_op=True)

@@ -9,6 +9,7 @@ when it carries a ModelOpt quantizer object, which is true however it was made: 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,16 @@ from torch import nn
 
 from .ops.fp8 import Fp8PerTensorQuant, dequant_scale, quantize_fp8_reference
 from .parallel import is_dtensor
+from .sites import unwrap_peft
+
+
+def _quant_input_forward() -> Any:
+    """ModelOpt's ``QuantInputBase.forward``, looked up among the modules already imported: a model
+    can only hold ModelOpt modules once ModelOpt is imported, and importing it here, deep inside a
+    call that holds the user's model, is the trap described in :mod:`qwen_absorb.testing`."""
+    mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
+    base = getattr(mod, "QuantInputBase", None)
+    return getattr(base, "forward", None)
 
 FP8_E4M3 = "FP8_E4M3"
 NVFP4 = "NVFP4"
@@ -24,16 +35,6 @@ MXFP4 = "MXFP4"
 INT8 = "INT8"
 INT4 = "INT4"
 OTHER = "other"
-
-
-def unwrap_peft(module: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
-    """``(innermost base layer, [wrappers outermost first])``; PEFT LoRA layers keep the original
-    linear as ``.base_layer`` (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
-    wrappers = []
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        wrappers.append(module)
-        module = module.base_layer
-    return module, wrappers
 
 
 def is_modelopt_quantizer(q: Any) -> bool:
@@ -119,15 +120,31 @@ def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
     return r
 
 
-def norm_input_fp8(quantizer: Any) -> tuple[Fp8PerTensorQuant | None, list[str]]:
-    """The norm-input fake quantizer as the ops' :class:`Fp8PerTensorQuant` (holding the quantizer's
-    own ``_amax`` tensor, so an in-place recalibration is seen), else ``(None, reasons)``."""
+_ext_available: dict[str, bool] = {}
+
+
+def _cuda_ext_available() -> bool:
+    """Whether ModelOpt uses its CUDA extension for CUDA inputs (it builds it once, on first use)."""
+    if "fp8" not in _ext_available:
+        ext = sys.modules.get("modelopt.torch.quantization.extensions")  # imported with mtq
+        try:
+            _ext_available["fp8"] = ext is not None and ext.get_cuda_ext_fp8(raise_if_failed=False) is not None
+        except Exception:
+            _ext_available["fp8"] = False
+    return _ext_available["fp8"]
+
+
+def norm_input_fp8(quantizer: Any, device: torch.device) -> tuple[Fp8PerTensorQuant | None, list[str]]:
+    """The norm-input fake quantizer as the ops' :class:`Fp8PerTensorQuant` for inputs on ``device``
+    (holding the quantizer's own ``_amax`` tensor, so an in-place recalibration is seen; the formula
+    is the one ModelOpt uses there), else ``(None, reasons)``."""
     r = fp8_quantizer_reasons(quantizer)
     if not getattr(quantizer, "fake_quant", False):
         r.append("not fake quantization")
     if r:
         return None, r
-    return Fp8PerTensorQuant(amax=quantizer._amax, formula="auto"), []
+    formula = "cuda_ext" if device.type == "cuda" and _cuda_ext_available() else "eager"
+    return Fp8PerTensorQuant(amax=quantizer._amax, formula=formula), []
 
 
 @dataclass
@@ -233,21 +250,13 @@ def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
     if info.output_quantizer_enabled:
         info.unsupported.append(f"{name} has an enabled output quantizer")
     if info.input_quantizer_enabled:
-        info.fp8_kernel_reasons = norm_input_fp8(iq)[1]
+        info.fp8_kernel_reasons = fp8_quantizer_reasons(iq)
     if info.modelopt and type(norm).forward is not _quant_input_forward():
         # Something other than QuantInputBase.forward (LN(Q(x)) then Q_out) would run.
         info.unsupported.append(f"{name}: unknown ModelOpt forward {type(norm).forward.__qualname__}")
     if info.modelopt and "_forward_pre_dm" in norm.__dict__:
         info.unsupported.append(f"{name}: its forward was replaced before ModelOpt converted it")
     return info
-
-
-def _quant_input_forward():
-    try:
-        from modelopt.torch.quantization.nn.modules.quant_module import QuantInputBase  # noqa: PLC0415
-    except Exception:  # modelopt missing: no norm can be a ModelOpt norm
-        return None
-    return QuantInputBase.forward
 
 
 # ---------------------------------------------------------------------------- real FP8 GEMMs
@@ -257,10 +266,12 @@ FP8_GEMM_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm with e4m3 needs Ada or newe
 
 def fp8_gemm_reasons(module: nn.Module) -> list[str]:
     """Why a linear cannot run as a real FP8 ``torch._scaled_mm`` exactly where ModelOpt fake-quantizes
-    it (empty: it can). Device-independent part; the caller adds the device's."""
+    it (empty: it can). Device-independent part; the caller adds the device's. A PEFT wrapper is
+    looked through (its branches are :mod:`qwen_absorb.lora`'s); one that ModelOpt converted itself
+    (LoRA present at quantize time) runs as ModelOpt runs it."""
     base, wrappers = unwrap_peft(module)
-    if wrappers:
-        return ["PEFT adapter: runs as ModelOpt runs it"]
+    if any(is_modelopt_quantizer(getattr(w, "weight_quantizer", None)) for w in wrappers):
+        return ["a PEFT layer quantized by ModelOpt as a whole: runs as ModelOpt runs it"]
     iq, wq = getattr(base, "input_quantizer", None), getattr(base, "weight_quantizer", None)
     if not is_modelopt_quantizer(wq):
         return ["not ModelOpt-quantized"]
@@ -319,8 +330,8 @@ def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
-    # A snapshot: the emitting kernels and the GEMM's dequantization scale must agree. ModelOpt
-    # recalibrates through calibration mode, which the plan detects and then decides anew.
+    # A copy: the emitting kernels and the GEMM's dequantization scale must agree. Any change of the
+    # amax (identity or version) is seen by the block's watch (quant.watch_pairs), which decides anew.
     input_amax = iq._amax.detach().float().reshape(1).to(device).clone()
     if type(w).__name__ == "QTensorWrapper":
         codes = w.as_subclass(torch.Tensor).detach()
@@ -335,6 +346,12 @@ def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
     return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)
 
 
+def input_amax(module: nn.Module | None) -> torch.Tensor | None:
+    """The static amax of a (possibly PEFT-wrapped) ModelOpt linear's input quantizer."""
+    base = unwrap_peft(module)[0]
+    return getattr(getattr(base, "input_quantizer", None), "_amax", None)
+
+
 def calibrating(module: nn.Module) -> bool:
     """Whether a ModelOpt quantizer of this module is collecting calibration statistics now."""
     for name in ("input_quantizer", "weight_quantizer"):
@@ -342,3 +359,40 @@ def calibrating(module: nn.Module) -> bool:
         if q is not None and getattr(q, "_if_calib", False):
             return True
     return False
+
+
+# ---------------------------------------------------------------------------- what a plan watches
+
+_QUANTIZERS = ("input_quantizer", "weight_quantizer", "output_quantizer")
+# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are
+# singletons, so identity is equality for them); the amax buffers by identity and version.
+_SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", "_axis", "_block_sizes")
+
+
+def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
+    """What of a ModelOpt-quantized module (a linear or a norm) the derived state depends on, as
+    :class:`qwen_absorb.watch.Watch` entries ``(owner, dict, key)``: ``(switches, tensors)``, the
+    quantizers' switches (compared by identity) and their amax / scale buffers (identity + version)."""
+    switches: list[tuple[Any, str, str]] = []
+    tensors: list[tuple[Any, str, str]] = []
+    if module is None:
+        return switches, tensors
+    d = module.__dict__.get("_modules") or {}
+    for name in _QUANTIZERS:
+        q = d.get(name)
+        if not is_modelopt_quantizer(q):
+            continue
+        for sub in (list(q) if isinstance(q, nn.Sequential) else [q]):
+            switches += [(sub, "__dict__", k) for k in _SWITCHES]
+            if "_buffers" in sub.__dict__:
+                tensors += [(sub, "_buffers", "_amax"), (sub, "_buffers", "_scale")]
+    if "_modules" in module.__dict__:
+        switches += [(module, "_modules", n) for n in _QUANTIZERS]  # a quantizer replaced
+    return switches, tensors
+
+
+__all__ = [
+    "FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
+    "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection", "is_modelopt_quantizer",
+    "make_fp8_weight", "norm_input_fp8", "quantizer_enabled", "quantizer_format", "watch_pairs",
+]

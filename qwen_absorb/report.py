@@ -1,169 +1,356 @@
-"""PatchReport: what :func:`qwen_absorb.patch` did, per block and per site, and what happened since.
+"""``PatchReport``: what a patch decided and what runs, as plain data.
 
-Sites, per block and per stream (``img``, ``txt``):
-
-- ``norm1``          norm1 + modulation                   -> ``layer_norm_scale_shift``
-- ``attn_residual``  attention bias + gated residual + norm2 + modulation
-                                                          -> ``bias_residual_layer_norm_scale_shift``
-- ``ffn_residual``   FFN bias + gated residual            -> ``bias_gate_residual``
-
-``runtime_fallbacks`` is a live ``Counter`` (reason -> number of site calls) that the patched
-forwards update in eager mode; calls traced by ``torch.compile`` are not counted.
+A report holds no module, tensor or CUDA graph: every decision a block makes (at patch time and
+whenever it decides again) is recorded into it as plain data, its counters keep counting while the
+model runs, and the dtype and the CUDA-graph description are read through a weak reference to the
+patch state while the patch is active (then kept as last seen). Keeping a report therefore never keeps
+a model, its FP8 weights or its graphs alive. ``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .plan import BlockPlan, SitePlan
+from .plan import BlockPlan, LinearPlan, SitePlan
+from .quant import NormInfo, ProjectionInfo
 from .sites import SITE_TABLE, SITES, STREAMS  # noqa: F401  (SITES, STREAMS: re-exported)
 
 # The projection whose bias each site can consume (read off the site table).
 SITE_PROJECTION = {(s.stream, s.name): s.takes_bias_of for s in SITE_TABLE.values() if s.takes_bias_of}
-# The report's block and site records are the plans themselves: one record of every decision.
-BlockReport = BlockPlan
-SiteReport = SitePlan
+RUNNER_WORDS = {"kernel": "CUDA kernels", "reference": "torch references", "eager": "diffusers' ops"}
+
+
+@dataclass
+class SiteReport:
+    block: int
+    stream: str
+    site: str
+    fused: bool
+    reasons: list[str]
+    runner: str
+    projection: str | None
+    bias_deferred: bool
+    defer_reasons: list[str]
+    norm_quantizer: str | None
+    fp8_out: bool
+    act_out: bool
+
+    @classmethod
+    def of(cls, sp: SitePlan) -> SiteReport:
+        return cls(sp.block, sp.stream, sp.site, sp.fused, list(sp.reasons), sp.runner, sp.projection,
+                   sp.bias_deferred, list(sp.defer_reasons), sp.norm_quantizer, sp.fp8_out, sp.act_out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LinearReport:
+    path: str
+    fp8_gemm: bool
+    fp8_reasons: list[str]
+    lora: bool
+    reused_compressed_storage: bool
+    original_weight_offloaded: bool
+
+    @classmethod
+    def of(cls, lp: LinearPlan) -> LinearReport:
+        return cls(lp.path, lp.fp8_gemm, list(lp.fp8_reasons), lp.lora,
+                   bool(lp.weight is not None and lp.weight.reused_storage), lp.offloaded)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["lora_branch"] = d.pop("lora")
+        return d
+
+
+@dataclass
+class BlockReport:
+    """One block's decisions, copied from its plan."""
+
+    index: int
+    patched: bool
+    reasons: list[str]
+    install: str
+    device: str
+    kernels: bool
+    kernel_reasons: list[str]
+    sites: list[SiteReport]
+    linears: dict[str, LinearReport]
+    projections: dict[str, ProjectionInfo]
+    norms: dict[str, NormInfo]
+    qk_fused: bool
+    qk_reasons: list[str]
+    tp_reasons: dict[str, list[str]]
+    handoff: bool  # this block hands its successor's norm1 over (cross-block fusion)
+    handoff_reasons: list[str]
+    handoff_in_reasons: list[str]
+    handoffs_used: int
+
+    @classmethod
+    def of(cls, p: BlockPlan) -> BlockReport:
+        """A copy of the plan's decisions (``handoffs_used`` is filled in by the report when read)."""
+        return cls(
+            p.index, p.patched, list(p.reasons), p.install, p.device, p.kernels, list(p.kernel_reasons),
+            [SiteReport.of(s) for s in p.sites], {k: LinearReport.of(v) for k, v in p.linears.items()},
+            {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
+            {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
+            {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
+            list(p.handoff_in_reasons), 0)
+
+    def site(self, stream: str, name: str) -> SiteReport:
+        for s in self.sites:
+            if s.stream == stream and s.site == name:
+                return s
+        raise KeyError((stream, name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
+            "device": self.device, "kernels": self.kernels, "kernel_reasons": list(self.kernel_reasons),
+            "sites": [s.to_dict() for s in self.sites],
+            "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
+            "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
+            "cross_block_handoff": self.handoff, "cross_block_reasons": list(self.handoff_reasons),
+            "cross_block_receive_reasons": list(self.handoff_in_reasons), "cross_block_handoffs_taken": self.handoffs_used,
+            "linears": {k: v.to_dict() for k, v in self.linears.items()},
+            "projections": {k: v.to_dict() for k, v in self.projections.items()},
+            "norms": {k: v.to_dict() for k, v in self.norms.items()},
+        }
 
 
 @dataclass
 class PatchReport:
-    """The result of :func:`qwen_absorb.patch` (also kept on the transformer while patched)."""
+    """The result of :func:`qwen_absorb.patch`: plain data (see the module docstring)."""
 
     transformer_class: str
-    dtype: str
     defer_bias: str | bool
     capabilities: list[str]
     fp8_gemm: str | bool = "auto"
     force_reference: bool = False
-    blocks: list[BlockPlan] = field(default_factory=list)
-    runtime_fallbacks: Counter = field(default_factory=Counter)
-    active: bool = True  # False once unpatched
-    cuda_graph: Any = None  # the qwen_absorb.cuda_graph runner when patch(cuda_graph=True)
     offload_original_weights: bool = False
+    cuda_graph_mode: bool = False
+    runtime_fallbacks: Counter = field(default_factory=Counter)  # calls that could not take the fused path
+    rebuilds: Counter = field(default_factory=Counter)  # decisions made again, by what changed
+    handoffs: Counter = field(default_factory=Counter)  # cross-block hand-overs taken, by block index
+    _blocks: list[BlockReport] = field(default_factory=list, repr=False)
+    _state: Any = field(default=None, repr=False, compare=False)  # weakref to the patch state
+    _seen: dict[str, Any] = field(default_factory=lambda: {"dtype": "?", "graph": None}, repr=False)
 
-    def _decided(self) -> BlockPlan | None:
-        return next((b for b in self.blocks if b.patched), self.blocks[0] if self.blocks else None)
+    def record(self, plan: BlockPlan) -> None:
+        """Copy ``plan``'s decisions in (every block calls it after deciding)."""
+        while len(self._blocks) <= plan.index:
+            self._blocks.append(None)  # type: ignore[arg-type]
+        self._blocks[plan.index] = BlockReport.of(plan)
+
+    def bind(self, state: Any) -> None:
+        """Read the dtype and graph of ``state`` (a ``qwen_absorb.patch`` state) while it is active."""
+        self._state = weakref.ref(state)
+
+    def _live(self) -> Any:
+        st = self._state() if self._state is not None else None
+        if st is None or st.report is not self or not st.active:
+            return None
+        self._seen = {"dtype": st.dtype(), "graph": st.graph.describe() if st.graph is not None else None}
+        return st
+
+    def freeze(self) -> None:
+        """The patch ends: keep what was last seen."""
+        self._live()
+        self._state = None
+
+    @property
+    def active(self) -> bool:
+        return self._live() is not None
+
+    @property
+    def blocks(self) -> list[BlockReport]:
+        out = []
+        for b in self._blocks:
+            if b is not None:
+                b.handoffs_used = self.handoffs[b.index]
+                out.append(b)
+        return out
+
+    @property
+    def dtype(self) -> str:
+        self._live()
+        return self._seen["dtype"]
+
+    @property
+    def cuda_graph(self) -> dict[str, Any] | None:
+        """The CUDA-graph runner's description (plain data), or None without graph mode."""
+        self._live()
+        return self._seen["graph"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy) holds the decisions as of now; the patch state that copies with the
+        # model binds its own report again (qwen_absorb.patch)
+        self._live()
+        d = dict(self.__dict__)
+        d["_state"] = None
+        return d
+
+    # -- reading
+    def _decided(self, blocks: list[BlockReport]) -> BlockReport | None:
+        return next((b for b in blocks if b.patched), blocks[0] if blocks else None)
 
     @property
     def device(self) -> str:
         """The device the current decisions were made for (where the blocks last ran or will run)."""
-        b = self._decided()
+        b = self._decided(self.blocks)
         return b.device if b is not None else "?"
 
     @property
     def kernels_available(self) -> bool:
-        b = self._decided()
+        b = self._decided(self.blocks)
         return b is not None and not b.kernel_reasons
 
     @property
     def kernel_unavailable_reasons(self) -> list[str]:
-        b = self._decided()
+        b = self._decided(self.blocks)
         return list(b.kernel_reasons) if b is not None else ["no blocks"]
 
     @property
     def sites(self) -> list[SiteReport]:
         return [s for b in self.blocks for s in b.sites]
 
-    @property
-    def summary(self) -> dict[str, Any]:
-        sites = self.sites
+    def _summary(self, blocks: list[BlockReport]) -> dict[str, Any]:
+        sites = [s for b in blocks for s in b.sites]
+        patched = [b for b in blocks if b.patched]
         formats: Counter = Counter()
         compressed = 0
-        for b in self.blocks:
+        for b in blocks:
             for p in b.projections.values():
                 if p.modelopt:
                     formats[p.weight_format or "none"] += 1
                     compressed += p.compressed
+        runners = Counter(s.runner for b in patched for s in b.sites if s.fused)
+        linears = [lp for b in patched for lp in b.linears.values()]
+        d = self._decided(blocks)
         return {
-            "blocks": len(self.blocks),
-            "blocks_patched": sum(b.patched for b in self.blocks),
+            "blocks": len(blocks),
+            "blocks_patched": len(patched),
             "sites": len(sites),
             "sites_fused": sum(s.fused for s in sites),
+            "sites_on_kernels": runners["kernel"],
+            "sites_on_references": runners["reference"],
             "biases_deferrable_sites": sum(s.projection is not None for s in sites),
             "biases_deferred": sum(s.bias_deferred for s in sites),
             "quantized_projections": dict(formats),
             "compressed_projections": compressed,
-            "quantized_norms": sum(
-                n.input_quantizer_enabled for b in self.blocks for n in b.norms.values()
-            ),
-            "fp8_gemm_linears": sum(lp.fp8_gemm for b in self.blocks for lp in b.linears.values()),
+            "quantized_norms": sum(n.input_quantizer_enabled for b in blocks for n in b.norms.values()),
+            "fp8_gemm_linears": sum(lp.fp8_gemm for lp in linears),
+            "fp8_gemm_lora_linears": sum(lp.fp8_gemm and lp.lora for lp in linears),
+            "modelopt_linears": sum(lp.fp8_gemm or bool(lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT)
+                                    for lp in linears),
             "fp8_emitting_sites": sum(s.fp8_out for s in sites),
-            "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in self.blocks),
-            "cross_block_links": sum(b.handoff_to is not None for b in self.blocks),
-            "cross_block_handoffs_taken": sum(b.handoffs_used for b in self.blocks),
+            "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in blocks),
+            "cross_block_links": sum(b.handoff for b in blocks),
+            "cross_block_handoffs_taken": sum(b.handoffs_used for b in blocks),
             "runtime_fallbacks": sum(self.runtime_fallbacks.values()),
-            "kernels_available": self.kernels_available,
+            "rebuilds": sum(self.rebuilds.values()),
+            "kernels_available": d is not None and not d.kernel_reasons,
         }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self._summary(self.blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
-            "transformer_class": self.transformer_class, "device": self.device, "dtype": self.dtype,
-            "defer_bias": self.defer_bias, "capabilities": list(self.capabilities),
-            "kernels_available": self.kernels_available,
-            "kernel_unavailable_reasons": list(self.kernel_unavailable_reasons),
+        blocks = self.blocks
+        d = self._decided(blocks)
+        out = {
+            "transformer_class": self.transformer_class, "device": d.device if d is not None else "?",
+            "dtype": self.dtype, "defer_bias": self.defer_bias, "capabilities": list(self.capabilities),
+            "kernels_available": d is not None and not d.kernel_reasons,
+            "kernel_unavailable_reasons": list(d.kernel_reasons) if d is not None else ["no blocks"],
             "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
             "force_reference": self.force_reference, "active": self.active,
-            "summary": self.summary, "runtime_fallbacks": dict(self.runtime_fallbacks),
-            "cuda_graph": self.cuda_graph.describe() if self.cuda_graph is not None else None,
-            "blocks": [b.to_dict() for b in self.blocks],
+            "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
+            "rebuilds": dict(self.rebuilds), "cuda_graph": self.cuda_graph,
+            "blocks": [b.to_dict() for b in blocks],
         }
-        json.dumps(d)  # fail here, not in the caller's serialiser, if something is not JSON-able
-        return d
+        json.dumps(out)  # fail here, not in the caller's serialiser, if something is not JSON-able
+        return out
 
     def __str__(self) -> str:
-        s = self.summary
-        lines = [
-            f"qwen_absorb PatchReport ({'active' if self.active else 'unpatched'}): {self.transformer_class} "
-            f"on {self.device}, {self.dtype}",
-            f"  blocks patched {s['blocks_patched']}/{s['blocks']}; sites fused {s['sites_fused']}/{s['sites']}; "
-            f"biases deferred {s['biases_deferred']}/{s['biases_deferrable_sites']} (defer_bias={self.defer_bias!r})",
-            f"  CUDA kernels: {'available' if self.kernels_available else 'unavailable'}"
-            + ("" if self.kernels_available else " (" + "; ".join(self.kernel_unavailable_reasons) + ")"),
-        ]
-        if s["fp8_gemm_linears"] or any(lp.fp8_reasons for b in self.blocks for lp in b.linears.values()
-                                        if lp.fp8_reasons and lp.fp8_reasons[0] != "not ModelOpt-quantized"):
-            lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} linears (fp8_gemm={self.fp8_gemm!r}); "
-                         f"FP8-emitting fused sites: {s['fp8_emitting_sites']}")
+        blocks = self.blocks
+        s = self._summary(blocks)
+        d = self._decided(blocks)
+        device = d.device if d is not None else "?"
+        state = "active" if self.active else "unpatched"
+        lines = [f"qwen_absorb PatchReport ({state}): {self.transformer_class} on {device}, {self.dtype}",
+                 f"  blocks patched {s['blocks_patched']}/{s['blocks']}"]
+        if s["sites_fused"]:
+            how = []
+            for runner, n in (("kernel", s["sites_on_kernels"]), ("reference", s["sites_on_references"])):
+                if n:
+                    how.append(f"{n} on {RUNNER_WORDS[runner]}")
+            lines.append(f"  fused sites {s['sites_fused']}/{s['sites']} ({', '.join(how) or 'none running'})")
+        if d is not None and d.kernel_reasons:
+            lines.append("  CUDA kernels not used here: " + "; ".join(d.kernel_reasons))
+        lines.append(f"  biases deferred into the fused ops: {s['biases_deferred']}/{s['biases_deferrable_sites']} "
+                     f"(defer_bias={self.defer_bias!r})")
+        if s["modelopt_linears"]:
+            lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
+            lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} of {s['modelopt_linears']} ModelOpt linears"
+                         f"{lora_part} (fp8_gemm={self.fp8_gemm!r}); FP8-emitting fused sites: "
+                         f"{s['fp8_emitting_sites']}")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
                          f"quantized block norms: {s['quantized_norms']}")
-        lines += _grouped("  not patched", [(r, b.index) for b in self.blocks for r in b.reasons])
-        lines += _grouped("  not fused", [(r, x.block) for x in self.sites for r in x.reasons])
+        lines += _grouped("  blocks not patched", "block", [(b.reasons, b.index) for b in blocks if b.reasons])
+        lines += _grouped("  sites not fused", "site", [(x.reasons, x.block) for x in self._sites(blocks) if x.reasons])
         lines += _grouped(
-            "  linear not run as a real FP8 GEMM",
-            [(f"{lp.path}: {r}", b.index) for b in self.blocks for lp in b.linears.values()
-             if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in ("not ModelOpt-quantized",
-                                                                                  "fp8_gemm=False")
-             for r in lp.fp8_reasons],
-        )
-        if self.cuda_graph is not None:
-            lines.append(f"  CUDA graph mode: {self.cuda_graph.describe()}")
-        lines += _grouped(
-            "  bias kept in GEMM",
-            [(r, x.block) for x in self.sites if x.projection and not x.bias_deferred for r in x.defer_reasons],
-        )
+            "  ModelOpt linears not run as real FP8 GEMMs", "linear",
+            [([f"{lp.path}: {'; '.join(lp.fp8_reasons)}"], b.index) for b in blocks for lp in b.linears.values()
+             if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], limit=8)
+        lines += _grouped("  biases kept in the GEMM", "site",
+                          [(x.defer_reasons, x.block) for x in self._sites(blocks) if x.projection and not x.bias_deferred])
+        g = self.cuda_graph
+        if g is not None:
+            lines.append("  CUDA graph mode: " + ", ".join(f"{k} {v}" for k, v in g.items()
+                                                           if isinstance(v, (int, float, str, bool))))
+        if self.rebuilds:
+            lines.append("  decided anew (block calls): "
+                         + "; ".join(f"{n} x {r}" for r, n in self.rebuilds.most_common()))
         if self.runtime_fallbacks:
-            lines.append("  runtime fallbacks (site calls):")
+            lines.append("  runtime fallbacks (calls):")
             lines += [f"    {n:>6}  {r}" for r, n in self.runtime_fallbacks.most_common()]
         return "\n".join(lines)
+
+    @staticmethod
+    def _sites(blocks: list[BlockReport]) -> list[SiteReport]:
+        return [x for b in blocks for x in b.sites]
 
     __repr__ = __str__
 
 
-def _grouped(title: str, items: list[tuple[str, int]]) -> list[str]:
-    """One line per distinct reason, with the blocks it applies to (keeps 60-block reports short)."""
+_NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
+
+
+def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: int = 0) -> list[str]:
+    """One line per distinct set of reasons, with how many items share it and their blocks: every item
+    is counted once, so the counts add up to the items."""
     if not items:
         return []
-    by_reason: dict[str, list[int]] = {}
-    for reason, block in items:
-        by_reason.setdefault(reason, []).append(block)
+    by: dict[str, list[int]] = {}
+    for reasons, block in items:
+        by.setdefault("; ".join(reasons), []).append(block)
     out = [f"{title}:"]
-    for reason, blocks in by_reason.items():
-        out.append(f"    {reason}  [{len(blocks)} site(s), blocks {_ranges(sorted(set(blocks)))}]")
+    rows = sorted(by.items(), key=lambda kv: -len(kv[1]))
+    for reason, blocks in rows[:limit or None]:
+        n = len(blocks)
+        out.append(f"    {reason}  [{n} {noun}{'s' if n != 1 else ''}, blocks {_ranges(sorted(set(blocks)))}]")
+    if limit and len(rows) > limit:
+        rest = sum(len(b) for _, b in rows[limit:])
+        out.append(f"    ... {len(rows) - limit} more reasons for {rest} {noun}s (report.to_dict() has all)")
     return out
 
 
@@ -178,3 +365,6 @@ def _ranges(ix: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(parts)
+
+
+__all__ = ["BlockReport", "LinearReport", "PatchReport", "SiteReport"]

@@ -1,5 +1,8 @@
 """The layout of a QwenImageTransformerBlock as qwen_absorb sees it: one declarative table.
 
+An adapter floor: the only module that names diffusers' Qwen-Image classes (:func:`classes`) and
+looks through PEFT wrappers (:func:`unwrap_peft`).
+
 Per stream (``img``, ``txt``) a block has three fused sites and six linears. Everything that
 patching decides (what is fused, which bias is deferred into which op, which linear runs as a real
 FP8 GEMM fed by which producer) is built from these two tables (:mod:`qwen_absorb.plan`); nothing
@@ -10,6 +13,7 @@ with the one seen at patch time.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -74,6 +78,38 @@ LINEAR_TABLE: dict[str, Linear] = {
 }
 
 NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
+
+
+@functools.lru_cache(maxsize=1)
+def classes() -> tuple[type, type, type]:
+    """diffusers' ``(QwenImageTransformer2DModel, QwenImageTransformerBlock, QwenDoubleStreamAttnProcessor2_0)``,
+    imported once (diffusers' import is slow, and importing qwen_absorb must not need it)."""
+    from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415  (lazy: a heavy import)
+        QwenDoubleStreamAttnProcessor2_0,
+        QwenImageTransformer2DModel,
+        QwenImageTransformerBlock,
+    )
+
+    return QwenImageTransformer2DModel, QwenImageTransformerBlock, QwenDoubleStreamAttnProcessor2_0
+
+
+@functools.lru_cache(maxsize=1)
+def attention_functions() -> tuple:
+    """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen)`` the joint attention calls."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: PLC0415
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen  # noqa: PLC0415
+
+    return dispatch_attention_fn, apply_rotary_emb_qwen
+
+
+def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Module]]:
+    """``(innermost base layer, [wrappers outermost first])``; PEFT LoRA layers keep the original
+    linear as ``.base_layer`` (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
+    wrappers = []
+    while module is not None and isinstance(getattr(module, "base_layer", None), nn.Module):
+        wrappers.append(module)
+        module = module.base_layer
+    return module, wrappers
 
 
 def site(stream: str, name: str) -> Site:

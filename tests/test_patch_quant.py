@@ -97,7 +97,7 @@ def test_quantized_patch_exact_then_deferred(kind, dtype, zero_cond_t, seed):
     assert s["compressed_projections"] == (8 if "compressed" in kind or kind.startswith("nvfp4") else 0)
     assert s["quantized_norms"] == (8 if kind.startswith("fp8") else 0)
     site = report.blocks[0].site("img", "attn_residual")
-    assert any("not in the validated set" in r for r in site.defer_reasons)
+    assert any("validated on GPUs only (sm_90)" in r for r in site.defer_reasons)
     assert any("fused CUDA path unavailable" in r for r in site.defer_reasons)
     if kind.startswith("fp8"):
         assert site.norm_quantizer == "fp8-fused"
@@ -188,7 +188,7 @@ def test_gating_functions_are_data():
                                  kernel_reasons=["tensors are on cpu, the kernels need CUDA"]) == []
     r = gating.defer_refusals(info, mode="auto", consumer_fused=True, device=cpu,
                               capabilities=gating.normalize_capabilities(None), kernel_reasons=["no CUDA"])
-    assert any("no CUDA" in x for x in r) and any("validated set" in x for x in r)
+    assert any("no CUDA" in x for x in r) and any("validated on GPUs only" in x for x in r)
     bad = copy.replace(info, output_quantizer_enabled=True, lora_bias=True) if hasattr(copy, "replace") else None
     if bad is None:
         bad = ProjectionInfo(**{**info.to_dict(), "output_quantizer_enabled": True, "lora_bias": True})

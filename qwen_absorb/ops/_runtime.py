@@ -120,7 +120,7 @@ def function(filename: str, expr: str, device_idx: int):
         with _cupy.cuda.Device(device_idx):
             mod = _cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS, name_expressions=[expr])
             fn = mod.get_function(expr).kernel  # the low-level Function: no argument preprocessing
-        log.debug("qwen_absorb: compiled %s for device %d", expr, device_idx)
+        log.debug("compiled %s for device %d", expr, device_idx)
         _functions[key] = fn
     return fn
 

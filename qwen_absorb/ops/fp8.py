@@ -34,20 +34,6 @@ FORMULAS = ("auto", "cuda_ext", "eager")
 QUANT_MODE = {"cuda_ext": 1, "eager": 2}
 E4M3_MAX = 448.0
 _TINY = 1.0 / (1 << 24)
-_ext_available: bool | None = None
-
-
-def _modelopt_cuda_ext_available() -> bool:
-    """Whether ModelOpt would use its CUDA extension for CUDA inputs (builds it once if needed)."""
-    global _ext_available
-    if _ext_available is None:
-        try:
-            from modelopt.torch.quantization.extensions import get_cuda_ext_fp8  # noqa: PLC0415
-
-            _ext_available = get_cuda_ext_fp8(raise_if_failed=False) is not None
-        except Exception:
-            _ext_available = False
-    return _ext_available
 
 
 def _amax32(amax: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -93,11 +79,12 @@ class Fp8PerTensorQuant:
             raise ValueError(f"norm_input_quant.formula must be one of {FORMULAS}, got {self.formula!r}")
 
     def formula_for(self, device: torch.device) -> str:
+        """The formula in force on ``device``. ``"auto"`` is ModelOpt's default choice by device type
+        (its CUDA extension on CUDA); :func:`qwen_absorb.quant.norm_input_fp8` resolves the formula
+        ModelOpt really uses (the extension may fail to build) and passes it explicitly."""
         if self.formula != "auto":
             return self.formula
-        if device.type == "cuda" and _modelopt_cuda_ext_available():
-            return "cuda_ext"
-        return "eager"
+        return "cuda_ext" if device.type == "cuda" else "eager"
 
     def mode_for(self, device: torch.device) -> int:
         """The kernels' quant_mode for this formula (1: cuda_ext, 2: eager)."""

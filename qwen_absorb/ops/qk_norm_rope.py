@@ -189,7 +189,7 @@ def probe_variance_order(device: torch.device | int) -> VarianceOrder:
         while first > 0 and v[first - 1]:
             first -= 1
         result = VarianceOrder(o, _PROBE_ROWS[first], f"order {o} ({ORDERS[o]}) from {_PROBE_ROWS[first]} rows on")
-    log.debug("qwen_absorb: qk_norm_rope variance order on cuda:%d: %s", idx, result.detail)
+    log.debug("qk_norm_rope variance order on cuda:%d: %s", idx, result.detail)
     _orders[idx] = result
     return result
 

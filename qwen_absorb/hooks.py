@@ -1,0 +1,179 @@
+"""The one reader of forward slots and hook chains: torch's, diffusers' ``HookRegistry`` and accelerate's.
+
+diffusers hooks (caches, context parallelism, group offloading, layerwise casting) and accelerate hooks wrap
+``module.forward`` by keeping the then-current bound forward and assigning an instance attribute. Patching
+must put its forward where the *original* forward is kept, and every per-call check must ask the same
+question the same way. Everything else in qwen_absorb asks this module.
+
+An adapter floor: it knows torch and the attribute names diffusers and accelerate use, nothing of
+qwen_absorb above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+Slot = tuple[str, Callable[[], Any], Callable[[Any], None]]
+
+_global = nn.modules.module
+
+# Instance attributes where a wrapper of a module's forward lives (torch.compile's ``module.compile()``,
+# diffusers' registry, accelerate's hook): their identity decides what calling the module runs.
+WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_hook", "_hf_hook")
+
+
+def forward_slots(module: nn.Module) -> Iterator[Slot]:
+    """Every place a forward of ``module`` may be held: (description, get, set), outermost first.
+
+    The instance ``forward`` (empty: the class forward runs), each diffusers hook's
+    ``fn_ref.original_forward`` / ``fn_ref.forward``, and accelerate's ``_old_forward``.
+    """
+    d = module.__dict__
+    yield "forward", (lambda: d.get("forward")), (lambda f: object.__setattr__(module, "forward", f))
+    reg = d.get("_diffusers_hook")
+    order = getattr(reg, "_hook_order", None) or []
+    for i, ref in enumerate(getattr(reg, "_fn_refs", None) or []):
+        name = order[i] if i < len(order) else i
+        for attr in ("original_forward", "forward"):
+            yield (f"diffusers hook {name!r} {attr}",
+                   (lambda r=ref, a=attr: getattr(r, a, None)), (lambda f, r=ref, a=attr: setattr(r, a, f)))
+    if "_old_forward" in d:
+        yield ("accelerate _old_forward", (lambda: d.get("_old_forward")),
+               (lambda f: object.__setattr__(module, "_old_forward", f)))
+
+
+def registry_hooks(module: nn.Module) -> dict[str, Any]:
+    """diffusers' hooks on ``module`` by name (empty when it has no ``HookRegistry``)."""
+    reg = module.__dict__.get("_diffusers_hook")
+    hooks = getattr(reg, "hooks", None)
+    return dict(hooks) if hooks else {}
+
+
+def has_torch_hooks(module: nn.Module) -> bool:
+    """A forward hook or pre-hook registered with torch on this module."""
+    d = module.__dict__
+    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks"))
+
+
+def torch_hook_dicts(module: nn.Module) -> list[dict]:
+    """The dicts torch keeps ``module``'s forward hooks and pre-hooks in (their lengths are a cheap
+    per-call check that hooks were added or removed)."""
+    d = module.__dict__
+    return [hd for hd in (d.get("_forward_hooks"), d.get("_forward_pre_hooks")) if isinstance(hd, dict)]
+
+
+def global_forward_hooks() -> bool:
+    """A global module forward (pre-)hook is registered: it would run inside any module call skipped."""
+    return bool(_global._global_forward_hooks or _global._global_forward_pre_hooks)
+
+
+def global_hook_count() -> int:
+    return len(_global._global_forward_hooks) + len(_global._global_forward_pre_hooks)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs any hook around its forward: torch hooks, diffusers registry hooks
+    or an accelerate hook (a patched block's own forward slot is not a hook)."""
+    d = module.__dict__
+    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or registry_hooks(module)
+                or d.get("_hf_hook") is not None)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs anything besides its class forward: :func:`has_hooks`, or a
+    forward replaced on the instance (how every hook library wraps a module)."""
+    return has_hooks(module) or "forward" in module.__dict__
+
+
+# diffusers hook kinds that move or cast weights around a module's call and never look at its values
+_TRANSPARENT = ("offloading hook", "layerwise casting hook")
+
+
+def user_hooked(d: dict) -> bool:
+    """Whether a module (given by its ``__dict__``, for per-call speed) has a hook that may read or edit
+    its inputs or outputs: a torch forward (pre-)hook, a diffusers hook other than offloading / casting,
+    or an instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains."""
+    if d.get("_forward_hooks") or d.get("_forward_pre_hooks"):
+        return True
+    if "forward" not in d:
+        return False
+    reg = d.get("_diffusers_hook")
+    if reg is not None:
+        named = getattr(reg, "hooks", None) or {}
+        return any(hook_category(n, h) not in _TRANSPARENT for n, h in named.items())
+    return d.get("_hf_hook") is None
+
+
+def offload_hooked(module: nn.Module) -> bool:
+    """An offload hook onloads this module's parameters only inside its own forward: diffusers group
+    offloading or an accelerate hook on the module."""
+    if module.__dict__.get("_hf_hook") is not None:
+        return True
+    return any("offload" in str(name) for name in registry_hooks(module))
+
+
+def hook_category(name: str, hook: Any) -> str:
+    """A readable category for a diffusers ``ModelHook`` (names differ between diffusers versions)."""
+    text = f"{name} {type(hook).__module__} {type(hook).__name__}".lower()
+    if "offload" in text:
+        return "offloading hook"
+    if "cache" in text or "pyramid" in text or getattr(hook, "_is_stateful", False):
+        return "cache hook active (enable_cache)"
+    if "casting" in text:
+        return "layerwise casting hook"
+    if "parallel" in text:
+        return "parallelism hook (context/tensor parallel)"
+    return "diffusers hook active"
+
+
+def execution_device(transformer: nn.Module, blocks: list[nn.Module]) -> torch.device | None:
+    """The device an offloading hook runs the model on (accelerate's ``execution_device``, diffusers
+    group offloading's ``onload_device``), or None when no such hook says."""
+    hook = transformer.__dict__.get("_hf_hook")  # accelerate / enable_model_cpu_offload
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return as_device(dev)
+    for m in (transformer, *blocks[:1]):
+        hook = registry_hooks(m).get("group_offloading")
+        dev = getattr(getattr(hook, "group", None), "onload_device", None)
+        if dev is not None:
+            return torch.device(dev)
+    return None
+
+
+def as_device(spec: Any) -> torch.device:
+    """``spec`` as a ``torch.device``: a device, a string, or an int, which accelerate (``execution_device``)
+    and ``torch.tensor(..., device=0)`` mean as a CUDA index."""
+    return torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec)
+
+
+def unwrap_compiled(obj: Any) -> Any:
+    """``torch.compile``'s wrapper looked through (its ``_orig_mod``)."""
+    return getattr(obj, "_orig_mod", obj)
+
+
+def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
+    """The transformer of a pipeline (``target.transformer``), or ``target`` itself, when it is an
+    instance of one of ``classes``; ``torch.compile`` wrappers of either are looked through."""
+    target = unwrap_compiled(target)
+    if isinstance(target, classes):
+        return target
+    inner = unwrap_compiled(getattr(target, "transformer", None))
+    if isinstance(inner, classes):
+        return inner
+    names = " or ".join(c.__name__ for c in classes)
+    raise TypeError(
+        f"qwen_absorb needs a {names} or a pipeline whose .transformer is one; got {type(target).__name__}"
+        + (f" with .transformer {type(inner).__name__}" if inner is not None else "")
+    )
+
+
+__all__ = [
+    "WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks", "global_hook_count",
+    "has_torch_hooks", "hook_category", "hooked", "offload_hooked", "user_hooked", "registry_hooks", "resolve_transformer",
+    "torch_hook_dicts", "unwrap_compiled",
+]

@@ -1,0 +1,137 @@
+"""PEFT LoRA layers as the real-FP8 path sees them: the one reader of PEFT's per-layer state.
+
+PEFT's ``lora.Linear.forward`` (peft 0.21) computes, for an unmerged, enabled layer,
+
+    result = base_layer(x)
+    for each active adapter a that has a lora_A:
+        x = x cast to lora_A[a].weight.dtype
+        result = result + lora_B[a](lora_A[a](dropout[a](x))) * scaling[a]
+    result = result.to(the base result's dtype)
+
+and just ``base_layer(x)`` when the adapters are merged (``fuse_lora``) or disabled. diffusers'
+``set_adapters`` writes ``scaling`` and the ``scale`` of ``attention_kwargs`` multiplies it for the
+duration of one call, so ``scaling`` is read at every call, never cached.
+
+On the real-FP8 path the base layer is the FP8 GEMM and :func:`add_branches` adds the branches to
+its output. Where the adapter weights, the input and the output share one dtype and dropout is the
+identity (inference), each branch is ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``: the
+same sum, with the B product and the scaled add accumulated in fp32 and rounded once (PEFT rounds
+three times: the B output, the product with ``scaling`` and the sum). Anything else runs PEFT's
+expression op for op.
+
+What PEFT layer kinds are not reproduced (DoRA and other variants, ``lora_bias``, non-Linear
+adapters, nested wrappers) is said by :func:`unsupported_reasons`; such a linear runs as PEFT runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_lora_layer(module: nn.Module | None) -> bool:
+    """A PEFT LoRA layer (it wraps the original module as ``base_layer``)."""
+    return (module is not None and isinstance(getattr(module, "base_layer", None), nn.Module)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
+
+
+def _flag_dict(layer: nn.Module, name: str) -> bool:
+    v = getattr(layer, name, None)
+    if isinstance(v, dict):
+        return any(bool(x) for x in v.values())
+    return bool(v)
+
+
+def has_lora_bias(layer: nn.Module) -> bool:
+    """peft >= 0.14 keeps ``lora_bias`` as ``{adapter: bool}``."""
+    return _flag_dict(layer, "lora_bias")
+
+
+def unsupported_reasons(layer: nn.Module) -> list[str]:
+    """Why the FP8 path cannot compute this PEFT layer's branches as PEFT does (empty: it can)."""
+    if not is_lora_layer(layer):
+        return [f"{type(layer).__name__} is a PEFT wrapper but not a LoRA layer"]
+    r = []
+    if type(layer).__name__ != "Linear" or not type(layer).__module__.startswith("peft."):
+        r.append(f"PEFT layer {type(layer).__name__} is not peft's lora.Linear")
+    if is_lora_layer(layer.base_layer):
+        r.append("nested PEFT LoRA wrappers")
+    if _flag_dict(layer, "use_dora") or getattr(layer, "lora_variant", None):
+        r.append("DoRA or another LoRA variant")
+    if has_lora_bias(layer):
+        r.append("an adapter with lora_bias")
+    for name, a in layer.lora_A.items():
+        b = layer.lora_B[name] if name in layer.lora_B else None
+        if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+            r.append(f"adapter {name!r}: lora_A/lora_B are not bias-free nn.Linear")
+            break
+        if type(a.weight.data) is not torch.Tensor:
+            r.append(f"adapter {name!r}: weights are a {type(a.weight.data).__name__}")
+            break
+    if getattr(layer, "fan_in_fan_out", False):
+        r.append("fan_in_fan_out layer")
+    return r
+
+
+def state(layer: nn.Module) -> tuple:
+    """What of a LoRA layer decides what runs, besides ``scaling`` (read per call): merged adapters,
+    the disable switch, the active adapters and the adapter set. A change means: decide again."""
+    d = layer.__dict__
+    active = d.get("_active_adapter")
+    return (tuple(d.get("merged_adapters") or ()), bool(d.get("_disable_adapters")),
+            tuple(active) if isinstance(active, (list, tuple)) else (active,),
+            tuple(layer.lora_A._modules), tuple(getattr(layer, "lora_variant", None) or ()))
+
+
+def call_refusal(layer: nn.Module) -> str | None:
+    """Why this call cannot take the FP8 path (None: it can): PEFT's forward on a disabled, merged
+    layer unmerges the weights first, a side effect only PEFT's own forward performs."""
+    d = layer.__dict__
+    if d.get("_disable_adapters") and d.get("merged_adapters"):
+        return "a PEFT layer with merged adapters was disabled (PEFT unmerges inside its forward)"
+    return None
+
+
+def active_branches(layer: nn.Module) -> list[tuple[nn.Linear, nn.Linear, nn.Module, Any]]:
+    """``[(lora_A, lora_B, dropout, scaling)]`` that PEFT's forward adds to the base output now."""
+    d = layer.__dict__
+    if d.get("_disable_adapters") or d.get("merged_adapters"):
+        return []
+    active = d.get("_active_adapter")
+    names = [active] if isinstance(active, str) else list(active or ())
+    mods_a, mods_b, drops = layer.lora_A._modules, layer.lora_B._modules, layer.lora_dropout._modules
+    scaling = layer.scaling
+    return [(mods_a[n], mods_b[n], drops[n], scaling[n]) for n in names if n in mods_a]
+
+
+def _identity_dropout(m: nn.Module) -> bool:
+    return type(m) is nn.Identity or (isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training))
+
+
+def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (the base layer's output for input ``x``) plus every active adapter's branch."""
+    branches = active_branches(layer)
+    if not branches:
+        return y
+    out_dtype = y.dtype
+    fast = y.is_contiguous() and all(
+        _identity_dropout(drop) and a.weight.dtype == x.dtype == out_dtype == b.weight.dtype
+        and a.weight.device == y.device for a, b, drop, _ in branches)
+    if fast:
+        y2 = y.view(-1, y.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        for a, b, _, s in branches:
+            y2.addmm_(torch.nn.functional.linear(x2, a.weight), b.weight.t(), alpha=s)
+        return y
+    cast = getattr(layer, "cast_input_dtype_enabled", True)
+    for a, b, drop, s in branches:
+        if cast and x.dtype != a.weight.dtype:
+            x = x.to(a.weight.dtype)
+        y = y + b(a(drop(x))) * s
+    return y.to(out_dtype)
+
+
+__all__ = ["active_branches", "add_branches", "call_refusal", "has_lora_bias", "is_lora_layer", "state",
+           "unsupported_reasons"]

@@ -1,0 +1,109 @@
+"""What a block's decisions depend on, compared on every call without a device sync.
+
+A :class:`Watch` holds ``(dict, key)`` pairs read with ``dict.get`` (C-level ``map`` loops, no Python per
+item): module structure (``_modules`` entries), parameters, quantizer switches, amax buffers, and a few
+objects whose state only a function can read (PEFT layers, :func:`qwen_absorb.lora.state`). It compares
+
+- the identity of every watched value (a module, parameter or buffer replaced; a bool switch flipped:
+  ``True``/``False``/``None`` are singletons),
+- the ``_version`` and ``data_ptr`` of every watched tensor (modified in place, ``param.data = ...``),
+- the state tuples of the stateful objects.
+
+Entries are ``(owner, holder, key)``: ``owner.__dict__`` (``holder == "__dict__"``) or one of the
+module dicts in it (``"_parameters"``, ``"_modules"``, ``"_buffers"``), so a copy (``deepcopy``,
+pickle) of a watch is rebuilt on the copy's own objects and takes the copy's values as decided for
+(a faithful copy of the model is in the state its copied plan was made for).
+
+A change means the derived state (FP8 weights, scales, bias modes, producers' emission) may be stale: the
+block decides again before the call computes. Host metadata only: nothing here touches device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+Entry = tuple[Any, str, str]  # (owner object, "__dict__" or the name of a dict in it, key)
+
+_version_of = attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _version(t: Any) -> int:
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return -1
+
+
+class Watch:
+    __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "tdicts", "tkeys", "tids", "vers", "ptrs",
+                 "stateful", "states", "pending")
+
+    def __init__(self, entries: Iterable[Entry] = (), tensors: Iterable[Entry] = (),
+                 stateful: Iterable[tuple[Any, Callable[[Any], Any]]] = ()) -> None:
+        entries, tensors, self.stateful = list(entries), list(tensors), list(stateful)
+        # tensors only where one is present now; a slot that is empty now is watched by identity
+        present = [e for e in tensors if isinstance(_dict(e).get(e[2]), torch.Tensor)]
+        self.entries = entries + [e for e in tensors if not isinstance(_dict(e).get(e[2]), torch.Tensor)]
+        self.tentries = present
+        self._resolve()
+
+    def _resolve(self) -> None:
+        self.pending = False
+        self.dicts, self.keys = [_dict(e) for e in self.entries], [e[2] for e in self.entries]
+        self.tdicts, self.tkeys = [_dict(e) for e in self.tentries], [e[2] for e in self.tentries]
+        self.take()
+
+    @classmethod
+    def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list) -> Watch:
+        """A copy: its owners are still being rebuilt (deepcopy / unpickling), so it resolves them at
+        its first use, taking the copy's values then."""
+        w = cls.__new__(cls)
+        w.entries, w.tentries, w.stateful, w.pending = entries, tentries, stateful, True
+        return w
+
+    def take(self) -> None:
+        """Record the current values as the ones decided for."""
+        self.ids = list(map(id, map(dict.get, self.dicts, self.keys)))
+        cur = list(map(dict.get, self.tdicts, self.tkeys))
+        self.tids = list(map(id, cur))
+        self.vers = [_version(t) for t in cur]
+        self.ptrs = list(map(_data_ptr, cur))
+        self.states = [fn(obj) for obj, fn in self.stateful]
+
+    def changed(self) -> bool:
+        if self.pending:
+            self._resolve()
+            return False
+        if list(map(id, map(dict.get, self.dicts, self.keys))) != self.ids:
+            return True
+        cur = list(map(dict.get, self.tdicts, self.tkeys))
+        if list(map(id, cur)) != self.tids:
+            return True
+        try:
+            if list(map(_version_of, cur)) != self.vers:
+                return True
+        except Exception:  # an inference tensor among them: one at a time
+            if [_version(t) for t in cur] != self.vers:
+                return True
+        if list(map(_data_ptr, cur)) != self.ptrs:
+            return True
+        return any(fn(obj) != s for (obj, fn), s in zip(self.stateful, self.states))
+
+    def __reduce__(self) -> tuple:
+        return (Watch._restored, (self.entries, self.tentries, self.stateful))
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.tentries) + len(self.stateful)
+
+
+def _dict(e: Entry) -> dict:
+    d = e[0].__dict__
+    return d if e[1] == "__dict__" else d[e[1]]
+
+
+__all__ = ["Watch"]

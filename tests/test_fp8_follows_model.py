@@ -1,0 +1,371 @@
+"""Issue 18: real FP8 that follows the model. CPU, tiny bf16 ModelOpt FP8 models, through the real-FP8
+decision path (``fp8_gemm=True, capabilities={"cpu"}``: ``torch._scaled_mm`` has a CPU implementation).
+
+Every user action is checked against a twin that did the same action *before* being patched: both run
+the same real-FP8 computation from the same state, so their outputs are bit-identical unless the
+patched model serves stale derived state (an old FP8 weight, amax, dtype or bias mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import lora as L
+from qwen_absorb import testing as T
+from qwen_absorb.block import HOOK_FALLBACK, PatchedForward
+from qwen_absorb.plan import PLAN_ATTR
+
+pytest.importorskip("modelopt")
+peft = pytest.importorskip("peft")
+
+REAL = {"fp8_gemm": True, "capabilities": {"cpu"}}
+TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+           "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+LAYERS = 2
+
+
+def _fp8(seed: int, dtype=torch.bfloat16):
+    model = T.tiny_transformer(dtype=dtype, seed=seed, num_layers=LAYERS)
+    inp = T.transformer_inputs(model, seed=seed + 1)
+    T.fp8_quantize(model, [inp])
+    return model, inp
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _add_lora(model, seed: int, name: str = "default", r: int = 4) -> None:
+    model.add_adapter(peft.LoraConfig(r=r, lora_alpha=r, init_lora_weights="gaussian", target_modules=TARGETS),
+                      adapter_name=name)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # gaussian init leaves lora_B at zero: give the branch a value
+        for n, p in model.named_parameters():
+            if "lora_B" in n and f".{name}." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _real(model):
+    report = qwen_absorb.patch(model, **REAL)
+    assert report.summary["fp8_gemm_linears"] == 14 * LAYERS, str(report)
+    return report
+
+
+def _same_after(action, seed, patch_kwargs=REAL, check_real=True):
+    """The model patched, then ``action``; its twin ``action`` first, then patched: same outputs."""
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    report = qwen_absorb.patch(model, **patch_kwargs)
+    if check_real:
+        assert report.summary["fp8_gemm_linears"] == 14 * LAYERS
+    before = T.run_transformer(model, inp)
+    action(model)
+    out = T.run_transformer(model, inp)
+    action(twin)
+    qwen_absorb.patch(twin, **patch_kwargs)
+    want = T.run_transformer(twin, inp)
+    assert torch.equal(out, want), _rel(out, want)
+    return before, out, report
+
+
+# ---------------------------------------------------------------------------- stale state
+
+
+def test_load_state_dict_of_another_checkpoint(seed):
+    other, _ = _fp8(seed + 7)
+    sd = other.state_dict()
+    before, out, report = _same_after(lambda m: m.load_state_dict(sd), seed)
+    assert _rel(before, out) > 1e-2  # the other checkpoint really runs
+    assert report.rebuilds and not report.runtime_fallbacks.get(HOOK_FALLBACK)
+
+
+def test_load_state_dict_assign(seed):
+    other, _ = _fp8(seed + 7)
+    sd = {k: v.clone() for k, v in other.state_dict().items()}
+    _same_after(lambda m: m.load_state_dict(sd, assign=True), seed)
+
+
+def test_disable_quantizer_after_patching(seed):
+    import modelopt.torch.quantization as mtq
+
+    _, out, report = _same_after(lambda m: mtq.disable_quantizer(m, "*to_q.input_quantizer"), seed)
+    # q/k/v share one emission: with to_q's input quantizer off, all three run as their modules
+    assert report.summary["fp8_gemm_linears"] == 11 * LAYERS, str(report)
+    assert "input quantizer: quantizer is disabled" in report.blocks[0].linears["attn.to_q"].fp8_reasons
+
+
+def _cast(inp, dtype):
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inp.items()}
+
+
+@pytest.mark.parametrize("move", ["half", "float"])
+def test_dtype_move_after_patching(seed, move):
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    report = _real(model)
+    T.run_transformer(model, inp)
+    getattr(model, move)()
+    getattr(twin, move)()
+    inp = _cast(inp, torch.float16 if move == "half" else torch.float32)
+    out = T.run_transformer(model, inp)  # no crash, no stale output dtype
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(out, T.run_transformer(twin, inp))
+    # fp16 activations run FP8 GEMMs too (output dtype rebuilt); fp32 ones run ModelOpt's modules
+    assert report.summary["fp8_gemm_linears"] == (14 * LAYERS if move == "half" else 0)
+    assert out.dtype == inp["hidden_states"].dtype
+
+
+def test_output_quantizer_enabled_after_patching_undefers(seed):
+    def enable_out(m):
+        for blk in m.transformer_blocks:
+            blk.attn.to_out[0].output_quantizer.enable()
+
+    forced = {"defer_bias": True, "fp8_gemm": False, "capabilities": {"cpu"}}
+    _, _, report = _same_after(enable_out, seed, forced, check_real=False)
+    assert report.summary["biases_deferred"] == 3 * LAYERS
+    assert any("output quantizer" in r for r in report.blocks[0].site("img", "attn_residual").defer_reasons)
+
+
+@pytest.mark.parametrize("action", ["to_bf16", "assign"])
+def test_default_path_fp32_model_follows_norm_quantizer_amax(seed, action):
+    """No real FP8 here (fp32 on CPU): the fused norms reproduce the norm quantizers, whose amax tensor
+    objects a dtype move or an assigning load replaces."""
+    model, inp = _fp8(seed, dtype=torch.float32)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model)
+    if action == "to_bf16":
+        model.to(torch.bfloat16)
+        twin.to(torch.bfloat16)
+        inp = _cast(inp, torch.bfloat16)
+    else:
+        sd = {k: v.clone() * (1.5 if k.endswith("input_quantizer._amax") else 1) for k, v in model.state_dict().items()}
+        model.load_state_dict(sd, assign=True)
+        twin.load_state_dict(sd, assign=True)
+    assert torch.equal(T.run_transformer(model, inp), T.run_transformer(twin, inp))
+
+
+def test_patch_again_after_a_change_is_current(seed):
+    model, inp = _fp8(seed)
+    report = _real(model)
+    other, _ = _fp8(seed + 3)
+    model.load_state_dict(other.state_dict())
+    again = qwen_absorb.patch(model, **REAL)
+    out = T.run_transformer(model, inp)
+    qwen_absorb.patch(other, **REAL)
+    assert torch.equal(out, T.run_transformer(other, inp))
+    assert again.summary["fp8_gemm_linears"] == report.summary["fp8_gemm_linears"]
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+def test_lora_runs_on_the_fp8_path(seed):
+    import modelopt.torch.quantization as mtq
+
+    model, inp = _fp8(seed)
+    _add_lora(model, seed)
+    ref32 = copy.deepcopy(model)  # the same weights and adapter, unquantized, in fp32
+    mtq.disable_quantizer(ref32, "*")
+    ref32.float()
+    fake = T.run_transformer(model, inp)  # unpatched: ModelOpt fake quant + PEFT
+    report = _real(model)
+    assert report.summary["fp8_gemm_lora_linears"] == 12 * LAYERS
+    out = T.run_transformer(model, inp)
+    want = T.run_transformer(ref32, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                     for k, v in inp.items()})
+    assert _rel(out, want) <= 1.25 * _rel(fake, want) + 1e-3, (_rel(out, want), _rel(fake, want))
+    # the branch is there: disabling the adapters gives the FP8 model without it, bit for bit
+    model.disable_adapters()
+    off = T.run_transformer(model, inp)
+    model.enable_adapters()
+    assert _rel(off, out) > 1e-2
+    assert torch.equal(T.run_transformer(model, inp), out)
+    assert not any("original diffusers forward" in r for r in report.runtime_fallbacks), report.runtime_fallbacks
+
+
+def test_lora_scale_and_adapter_weights_are_read_per_call(seed):
+    model, inp = _fp8(seed)
+    _add_lora(model, seed, "a")
+    _add_lora(model, seed + 1, "b")
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    twin = copy.deepcopy(model)
+    _real(model)
+    outs = {}
+    for scale in (1.0, 0.3):
+        outs[scale] = T.run_transformer(model, {**inp, "attention_kwargs": {"scale": scale}})
+    model.set_adapters(["a"], [0.7])
+    outs["a"] = T.run_transformer(model, inp)
+    # the twin does the same before being patched
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(T.run_transformer(twin, {**inp, "attention_kwargs": {"scale": 0.3}}), outs[0.3])
+    twin.set_adapters(["a"], [0.7])
+    assert torch.equal(T.run_transformer(twin, inp), outs["a"])
+    assert _rel(outs[1.0], outs[0.3]) > 1e-3
+
+
+def test_fused_lora_is_rebuilt_from_the_merged_weight(seed):
+    model, inp = _fp8(seed)
+    _add_lora(model, seed)
+    twin = copy.deepcopy(model)
+    report = _real(model)
+    unfused = T.run_transformer(model, inp)
+    model.fuse_lora()
+    fused = T.run_transformer(model, inp)
+    twin.fuse_lora()
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(fused, T.run_transformer(twin, inp))
+    assert report.summary["fp8_gemm_linears"] == 14 * LAYERS
+    assert 0 < _rel(fused, unfused) < 0.1  # the merged weight, quantized: close to the branch, not equal
+    model.unfuse_lora()
+    twin.unfuse_lora()
+    assert torch.equal(T.run_transformer(model, inp), T.run_transformer(twin, inp))
+
+
+def test_lora_lifecycle_through_the_pipeline(seed):
+    pipe = T.tiny_pipeline(seed=seed, dtype=torch.bfloat16)
+    inp = T.transformer_inputs(pipe.transformer, seed=seed + 1)
+    T.fp8_quantize(pipe.transformer, [inp])
+    src = copy.deepcopy(pipe.transformer)
+    _add_lora(src, seed, "x")
+    from peft.utils import get_peft_model_state_dict
+
+    sd = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(src, adapter_name="x").items()}
+    twin = copy.deepcopy(pipe)
+    report = qwen_absorb.patch(pipe, **REAL)
+    steps = [
+        lambda p: p.load_lora_weights(copy.deepcopy(sd), adapter_name="x"),
+        lambda p: p.set_adapters(["x"], [0.6]),
+        lambda p: p.fuse_lora(lora_scale=1.0),
+        lambda p: p.unfuse_lora(),
+        lambda p: p.delete_adapters("x"),
+        lambda p: p.load_lora_weights(copy.deepcopy(sd), adapter_name="y"),
+        lambda p: p.unload_lora_weights(),
+    ]
+    outs = []
+    for step in steps:
+        step(pipe)
+        outs.append(T.run_transformer(pipe.transformer, inp))
+    assert report.summary["fp8_gemm_linears"] == 14 * len(pipe.transformer.transformer_blocks)
+    for i, step in enumerate(steps):  # the twin: each state reached unpatched, then patched
+        step(twin)
+        qwen_absorb.patch(twin, **REAL)
+        assert torch.equal(T.run_transformer(twin.transformer, inp), outs[i]), i
+        qwen_absorb.unpatch(twin)
+
+
+def test_add_branches_is_pefts_math():
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.lin = torch.nn.Linear(32, 48)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                 target_modules=["lin"]), holder, adapter_name="a")
+    layer, base = holder.lin, holder.lin.base_layer
+    assert L.is_lora_layer(layer) and not L.unsupported_reasons(layer)
+    with torch.no_grad():
+        layer.lora_B["a"].weight.normal_(0, 0.1)
+    layer.eval()
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        want = layer(x)
+        got = L.add_branches(layer, base(x), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: one rounding vs three
+    layer.bfloat16()
+    xb = x.bfloat16()
+    with torch.no_grad():
+        got, want = L.add_branches(layer, base.bfloat16()(xb), xb), layer(xb)
+    assert _rel(got, want) < 4e-3
+    layer.lora_A["a"].float()  # mixed dtypes: PEFT's expression op for op, bit for bit
+    layer.lora_B["a"].float()
+    with torch.no_grad():
+        assert torch.equal(L.add_branches(layer, base(xb), xb), layer(xb))
+
+
+def test_unsupported_lora_kinds_say_why(seed):
+    model, inp = _fp8(seed)
+    model.add_adapter(peft.LoraConfig(r=4, use_dora=True, target_modules=["to_q"]))
+    report = qwen_absorb.patch(model, **REAL)
+    reasons = report.blocks[0].linears["attn.to_q"].fp8_reasons
+    assert any("DoRA" in r for r in reasons), reasons
+    out = T.run_transformer(model, inp)
+    qwen_absorb.unpatch(model)
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------- hooks, blocks, memory
+
+
+DEFERRED = {"defer_bias": True, "fp8_gemm": False, "capabilities": {"cpu"}}
+
+
+@pytest.mark.parametrize("where,kwargs", [("img_norm1", REAL), ("attn.to_q", REAL), ("img_mlp.net.2", REAL),
+                                          ("attn.to_out.0", DEFERRED), ("img_mlp.net.2", DEFERRED)])
+def test_user_hooks_run_and_see_unpatched_values(seed, where, kwargs):
+    """A hook added after patching on a module the fused path skips (a fused norm, an FP8 linear) or
+    changes (a projection whose bias is deferred): the block runs diffusers' path, the hook runs once
+    and sees what it sees on the twin that had the hook before being patched."""
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    seen: dict[str, list] = {"patched": [], "twin": []}
+
+    def hook(tag):
+        def fn(mod, args, out):
+            seen[tag].append(out.float().sum().item())
+            return out * 1.5  # an editing hook
+        return fn
+
+    report = qwen_absorb.patch(model, **kwargs)
+    model.transformer_blocks[1].get_submodule(where).register_forward_hook(hook("patched"))
+    out = T.run_transformer(model, inp)
+    twin.transformer_blocks[1].get_submodule(where).register_forward_hook(hook("twin"))
+    qwen_absorb.patch(twin, **kwargs)
+    want = T.run_transformer(twin, inp)
+    assert torch.equal(out, want) and seen["patched"] == seen["twin"] and len(seen["twin"]) == 1
+    assert report.runtime_fallbacks[HOOK_FALLBACK] == 1
+
+
+def test_blocks_replaced_appended_and_copied(seed):
+    model, inp = _fp8(seed)
+    ref = T.run_transformer(model, inp)
+    _real(model)
+    fresh = copy.deepcopy(model.transformer_blocks[1])  # a patched copy of a patched block
+    qwen_absorb.unpatch(model)
+    assert PLAN_ATTR in fresh.__dict__
+    model.transformer_blocks[1] = fresh  # replaced by a copy that still carries a patch
+    again = qwen_absorb.patch(model, **REAL)
+    assert again.summary["blocks_patched"] == LAYERS and fresh.__dict__[PLAN_ATTR] is not None
+    model.transformer_blocks.append(copy.deepcopy(fresh))  # appended (patched copy)
+    third = qwen_absorb.patch(model, **REAL)  # sees the new block
+    assert third.summary["blocks_patched"] == LAYERS + 1 and third is not again
+    qwen_absorb.unpatch(model)
+    for blk in model.transformer_blocks:
+        assert PLAN_ATTR not in blk.__dict__ and not isinstance(blk.__dict__.get("forward"), PatchedForward)
+    del model.transformer_blocks[-1]
+    assert torch.equal(T.run_transformer(model, inp), ref)
+
+
+def test_a_kept_report_pins_nothing(seed):
+    model, inp = _fp8(seed)
+    _add_lora(model, seed)
+    report = _real(model)
+    T.run_transformer(model, inp)
+    codes = weakref.ref(model.transformer_blocks[0].__dict__[PLAN_ATTR].linears["attn.to_q"].weight.codes)
+    blocks = [weakref.ref(b) for b in model.transformer_blocks]
+    m = weakref.ref(model)
+    again = qwen_absorb.patch(model, **{**REAL, "use_fast_accum": True})  # a re-patch frees the first one's
+    gc.collect()
+    assert codes() is None
+    codes = weakref.ref(model.transformer_blocks[0].__dict__[PLAN_ATTR].linears["attn.to_q"].weight.codes)
+    qwen_absorb.unpatch(model)
+    gc.collect()
+    assert codes() is None
+    del model
+    gc.collect()
+    assert m() is None and all(b() is None for b in blocks)
+    assert not report.active and report.summary["fp8_gemm_linears"] == 14 * LAYERS  # the last decisions
+    assert "unpatched" in str(again) and again.to_dict()["blocks"]
