@@ -2,12 +2,13 @@
 
 diffusers' block (one stream, modulation shared by all blocks and sliced per block)::
 
-    scale1, gate1, scale2, gate2 = chunks of modulation            # rows chosen per token by target_token_mask
-    x1 = img_norm1(h) * (1 + scale1)                                # site "norm1"      -> ops.layer_norm_scale
-    a  = attn(x1, ...)                                              # the module itself, unchanged
-    h  = h + tanh(gate1) * a;  x2 = img_norm2(h) * (1 + scale2)     # site "norm2"      -> ops.tanh_gate_residual_layer_norm_scale
-    y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # site "swiglu" -> ops.swiglu
-    h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)         # the FFN residual -> ops.tanh_gate_residual
+    scale1, gate1, scale2, gate2 = chunks of modulation   # rows chosen per token by target_token_mask
+    x1 = img_norm1(h) * (1 + scale1)                       # "norm1":  ops.layer_norm_scale
+    a  = attn(x1, ...)                                     # the module itself, unchanged
+    h  = h + tanh(gate1) * a                               # "attn_residual" + "norm2":
+    x2 = img_norm2(h) * (1 + scale2)                       #   ops.tanh_gate_residual_layer_norm_scale
+    y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
+    h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
 The attention is called as ``block.attn(...)`` with diffusers' own keyword arguments, so its
 processors (segment or flex), the prefix KV cache (``extract`` / ``cached`` / none) and anything

@@ -319,7 +319,8 @@ def test_runner_per_call_arguments_diffusers_would_broadcast(models, seed):
     mod = torch.randn(3, 4 * D, generator=gen)
     mask = torch.tensor([False, False, True, True, True])
     with torch.no_grad():
-        assert torch.equal(qwenimage21.patched_forward(block, d, x, mod, None, None, mask), block(x, mod, None, None, mask))
+        got = qwenimage21.patched_forward(block, d, x, mod, None, None, mask)
+        assert torch.equal(got, block(x, mod, None, None, mask))
         mod1 = torch.randn(1, 4 * D, generator=gen)  # one row broadcast over the batch
         assert torch.equal(qwenimage21.patched_forward(block, d, x, mod1), block(x, mod1))
         with pytest.raises(RuntimeError):  # a non-bool mask: diffusers' torch.where raises, and so do we

@@ -86,7 +86,8 @@ def test_tanh_and_silu_match_torch(dtype):
     silu(a) * 1."""
     if dtype == torch.float32:
         gen = torch.Generator(device=DEV).manual_seed(0)
-        v = torch.randn(1 << 22, generator=gen, device=DEV) * torch.exp(torch.randn(1 << 22, generator=gen, device=DEV) * 3)
+        n = 1 << 22
+        v = torch.randn(n, generator=gen, device=DEV) * torch.exp(torch.randn(n, generator=gen, device=DEV) * 3)
         v[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40], device=DEV)
     else:
         v = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=DEV).to(torch.int16).view(dtype)
@@ -178,7 +179,8 @@ def test_misaligned_and_strided_inputs(dtype, offset):
     B, L, D = 2, 37, 3072
     base = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
     x = base[offset: offset + B * L * D].view(B, L, D)
-    attn = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)[offset + 1: offset + 1 + B * L * D].view(B, L, D)
+    base2 = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
+    attn = base2[offset + 1: offset + 1 + B * L * D].view(B, L, D)
     big = (torch.randn(B + 1, 4 * D + 8, generator=gen, device=DEV) * 2).to(dtype)[:, offset: offset + 4 * D]
     mod1, mod2 = big.chunk(2, dim=-1)
     s1, g1 = mod1.chunk(2, dim=-1)

@@ -67,7 +67,8 @@ def launch(
     target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
     """
     if type(x) is not torch.Tensor or type(scale) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, scale)))
+        raise TypeError("qwen_absorb kernels take plain tensors; got "
+                        + ", ".join(type(t).__name__ for t in (x, scale)))
     B, L, D = x.shape
     o = torch.empty_like(x) if out else None
     f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None

@@ -121,8 +121,9 @@ def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> 
 
 
 def _kernel(residual, x, gate, scale, eps, mask, clip_fp16, *, out=True, fp8_amax=None):
-    return launch(residual.contiguous(), x.contiguous(), gate, scale, eps, mask.contiguous() if mask is not None else None,
-                  clip_fp16, out=out, fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None)
+    mask = mask.contiguous() if mask is not None else None
+    amax = fp8_amax.float().reshape(1) if fp8_amax is not None else None
+    return launch(residual.contiguous(), x.contiguous(), gate, scale, eps, mask, clip_fp16, out=out, fp8_amax=amax)
 
 
 def tanh_gate_residual_layer_norm_scale_not_supported_reasons(

@@ -3,8 +3,8 @@
 //   modulated    = LayerNorm(new_residual) * (1 + scale)
 // C: the identity, or (clip != 0, float16) the block's final clip(-65504, 65504), so that the op
 // also serves the FFN residual followed by the next block's norm1. Layout and variants as in
-// layer_norm_scale.cu (qa_ln_row, ln_row.cuh) (eager's norm2 sees a fresh tensor: the caller picks the vectorized mode when
-// D % 4 == 0); `out` and `out_fp8` as there.
+// layer_norm_scale.cu (qa_ln_row, ln_row.cuh); eager's norm2 sees a fresh tensor, so the caller
+// picks the vectorized mode when D % 4 == 0. `out` and `out_fp8` as there.
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
