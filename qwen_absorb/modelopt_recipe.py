@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_KEEP_LAST",
     "SENSITIVE_LAYERS",
     "embeds_forward_loop",
+    "empty_transformer",
     "export_hf",
     "fp8_recipe_config",
     "import_modelopt",
@@ -243,7 +244,8 @@ def save(transformer: nn.Module, path: str | Path) -> None:
 
 def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
     """``mto.restore`` into ``transformer``, an unquantized ``QwenImageTransformer2DModel`` of the same
-    config (e.g. ``QwenImageTransformer2DModel.from_config(cfg)``); returns the restored model."""
+    config (:func:`empty_transformer` builds one without initialising 20 B weights); returns the
+    restored model, bit for bit the one that was saved."""
     mto = import_modelopt("modelopt.torch.opt")
     return mto.restore(transformer, str(path))
 
@@ -267,7 +269,7 @@ def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
     return export_dir
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file  # noqa: PLC0415
 
     index = sorted(folder.glob("*.safetensors.index.json"))
@@ -279,7 +281,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(folder / f)))
+        state.update(load_file(str(folder / f), device=str(device)))
     return state
 
 
@@ -296,8 +298,8 @@ def _amax_from_scale(scale: torch.Tensor, maxbound: float = 448.0) -> torch.Tens
     candidates = [guess]
     up, down = guess, guess
     for _ in range(3):
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(0.0))
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.zeros_like(down))
         candidates += [up, down]
     for divide in (lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()):  # the two ways
         for c in candidates:                                                           # ModelOpt divides
@@ -308,6 +310,7 @@ def _amax_from_scale(scale: torch.Tensor, maxbound: float = 448.0) -> torch.Tens
 
 def load_hf_export(
     export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    compress: bool = True,
 ) -> nn.Module:
     """Load ModelOpt's Hugging Face export of a Qwen-Image transformer (:func:`export_hf`) into a diffusers
     ``QwenImageTransformer2DModel`` with ModelOpt FP8 quantizers, ready for ``qwen_absorb.patch``.
@@ -323,29 +326,45 @@ def load_hf_export(
        ``weight_scale`` in the checkpoint, without calibration;
     3. load the state: unquantized tensors as they are; each quantized linear's weight as its float8
        codes times ``weight_scale``, and its quantizers' amax such that ``amax / 448`` is the stored
-       ``weight_scale`` / ``input_scale`` (:func:`_amax_from_scale`).
+       ``weight_scale`` / ``input_scale`` (:func:`_amax_from_scale`);
+    4. with ``compress`` (default), ``mtq.compress``: the FP8 linears then store float8 codes, as the
+       checkpoint does (half the memory), and the loader checks that they are the checkpoint's bytes.
 
-    The result equals the model that was exported up to what the export format drops: the export stores
-    ``amax / 448`` rounded to float32 instead of the amax (distinct amaxes can share a scale), and no
-    LayerNorm input quantizer (they stay off here; :func:`fp8_recipe_config` leaves them off too). On
-    the tiny CPU model that is a relative difference of about 1e-7; an ``mto.save`` / :func:`restore`
-    round trip is bit-identical. ``dtype`` defaults to the dtype of the export's unquantized weights.
+    So the loaded model computes with exactly the checkpoint's FP8 weights and scales. That is not
+    exactly the model that was exported: ModelOpt's export computes the codes as ``weight / scale`` in
+    the model's dtype (in bf16 a second rounding that moves about 2% of the codes by one FP8 step),
+    stores ``amax / 448`` instead of the amax, and keeps no LayerNorm input quantizer (they stay off
+    here; :func:`fp8_recipe_config` leaves them off too). An ``mto.save`` / :func:`restore` round trip is
+    bit-identical. ``dtype`` defaults to the dtype of the export's unquantized weights.
     """
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
     mtq = import_modelopt()
     folder = Path(export_dir)
     config = dict(QwenImageTransformer2DModel.load_config(str(folder)))
-    config.pop("quantization_config", None)
-    state = _read_safetensors(folder)
+    device = torch.device(device)
+    state = _read_safetensors(folder, device)
     quantized = sorted(k[: -len(".weight_scale")] for k in state if k.endswith(".weight_scale"))
     if dtype is None:
         dtype = next((t.dtype for k, t in state.items() if t.is_floating_point() and t.dtype.itemsize > 1
                       and k.endswith(".weight")), torch.float32)
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = QwenImageTransformer2DModel.from_config(config)
-    model = _materialize(model, dtype, device, config)
+    model = empty_transformer(config, dtype, device)
+
+    # the weights first (ModelOpt's quantize calibrates weight quantizers on them even without a loop);
+    # the FP8 linears' weights one at a time, so that only one dequantized copy exists at once
+    codes = {name: state.pop(f"{name}.weight") for name in quantized}
+    scales = {name: (state.pop(f"{name}.weight_scale").to(torch.float32), state.pop(f"{name}.input_scale", None))
+              for name in quantized}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, c in codes.items():
+            params[f"{name}.weight"].copy_(c.to(torch.float32) * scales[name][0])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    del state
+    missing = sorted(set(missing) - {f"{name}.weight" for name in quantized})
+    if missing or unexpected:
+        raise ValueError(f"{folder}: the export does not match the transformer built from its config "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
 
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     cfg["quant_cfg"].append({"quantizer_name": "*", "enable": False})
@@ -353,37 +372,46 @@ def load_hf_export(
         for q in ("weight_quantizer", "input_quantizer"):
             cfg["quant_cfg"].append({"quantizer_name": f"{name}.{q}", "enable": True})
     mtq.quantize(model, cfg, forward_loop=None)
-
     modules = dict(model.named_modules())
-    params = {}
     with torch.no_grad():
-        for name in quantized:
+        for name, (w_scale, in_scale) in scales.items():
             lin = modules[name]
-            codes = state.pop(f"{name}.weight")
-            w_scale = state.pop(f"{name}.weight_scale").to(torch.float32)
-            in_scale = state.pop(f"{name}.input_scale", None)
-            params[f"{name}.weight"] = (codes.to(torch.float32) * w_scale).to(dtype)
-            lin.weight_quantizer.amax = _amax_from_scale(w_scale).to(device)
+            lin.weight_quantizer.amax = _amax_from_scale(w_scale)
             if in_scale is not None:
-                lin.input_quantizer.amax = _amax_from_scale(in_scale).to(device)
-            else:
+                lin.input_quantizer.amax = _amax_from_scale(in_scale)
+            else:  # a weight-only export
                 lin.input_quantizer.disable()
-        params.update(state)
-        missing, unexpected = model.load_state_dict(params, strict=False)
-    missing = [k for k in missing if "_quantizer" not in k]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: the export does not match the transformer built from its config "
-                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if compress:
+        mtq.compress(model)
+        wrong = [name for name in quantized if not _same_bytes(modules[name]._parameters["weight"], codes[name])]
+        if wrong:
+            raise ValueError(f"{folder}: after mtq.compress, {len(wrong)} FP8 linears hold other codes than the "
+                             f"checkpoint (first: {wrong[0]})")
+    del codes
     logger.info("loaded ModelOpt export %s: %d FP8 linears", folder, len(quantized))
     return model.eval()
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, config: dict) -> nn.Module:
-    """Real (uninitialised) storage for a transformer built on meta; the checkpoint overwrites it all.
-    The rope module keeps its frequency tables, which are plain attributes built in ``__init__``."""
+def _same_bytes(weight: torch.Tensor, codes: torch.Tensor) -> bool:
+    data = getattr(weight, "data", weight)
+    return data.dtype == codes.dtype and data.shape == codes.shape and torch.equal(
+        data.view(torch.uint8), codes.view(torch.uint8))
+
+
+def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """A ``QwenImageTransformer2DModel`` of ``config`` (e.g. ``model.config``) in ``dtype`` on ``device``
+    with uninitialised weights, built in no time: the model to :func:`restore` or load a checkpoint into.
+    The rope module is rebuilt for real (its frequency tables are plain attributes made in ``__init__``)."""
+    from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
 
-    nn.Module.to(model, dtype=dtype)  # nn.Module's: no cast happens, there is nothing to warn about
+    config = {k: v for k, v in dict(config).items() if not k.startswith("_") and k != "quantization_config"}
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(config)
+    # nn.Module's cast (meta: nothing is computed); diffusers' ModelMixin.to would log that modules
+    # "should be kept in float32", which this class has none of
+    nn.Module.to(model, dtype=dtype)
     model.to_empty(device=device)
     if not config.get("use_layer3d_rope", False):
         model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
@@ -392,5 +420,5 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, con
 
         model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]),
                                                scale_rope=True)
-    return model
+    return model.eval()
 
