@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import hooks
 from .ops import _validate
 from .ops._eligibility import force_reference_requested, kernel_runtime_reasons
 from .ops._target_rows import select_rows
@@ -123,15 +124,7 @@ class Decision:
 # ---------------------------------------------------------------------------- decide
 
 
-def _hooked(m: nn.Module) -> bool:
-    """torch hooks, or a forward held in the instance (diffusers' HookRegistry, accelerate)."""
-    d = m.__dict__
-    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or "forward" in d)
-
-
-def _global_hooks() -> bool:
-    g = nn.modules.module
-    return bool(g._global_forward_hooks or g._global_forward_pre_hooks)
+_hooked = hooks.hooked  # torch / diffusers / accelerate hooks, or a forward replaced on the instance
 
 
 def _norm_reason(block: nn.Module, name: str) -> str | None:
@@ -315,7 +308,7 @@ def _call_reason(decision: Decision, x: Any, modulation: Any, mask: Any) -> str 
         return "block not fused: diffusers' forward"
     if torch.is_grad_enabled():
         return "grad enabled: original diffusers forward (the kernels have no backward)"
-    if _global_hooks():
+    if hooks.global_forward_hooks():
         return "a global module forward hook is registered: original diffusers forward"
     if type(x) is not torch.Tensor or type(modulation) is not torch.Tensor:
         return "activations or modulation are not plain tensors (DTensor?): original diffusers forward"
