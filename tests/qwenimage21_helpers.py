@@ -17,14 +17,15 @@ from qwen_absorb import qwenimage21
 
 
 def tiny_model(dtype=torch.float32, device="cpu", seed=0, heads=2, head_dim=16, axes=(4, 6, 6), layers=2,
-               mlp_ratio=3, flex=False, gain=1.0):
+               mlp_ratio=3, flex=False, gain=1.0, causal_condition=True):
     """A random QwenImage21Transformer2DModel with tiny sizes (head_dim >= 16 for flex attention;
     ``axes`` sums to ``head_dim``). ``gain`` scales the modulation weights (larger gates and scales
-    exercise more rounding cases)."""
+    exercise more rounding cases). ``causal_condition=False``: no t = 0 row, no target_token_mask."""
     torch.manual_seed(seed)
     model = QwenImage21Transformer2DModel(
         patch_size=1, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=head_dim,
         num_attention_heads=heads, context_in_dim=8, mlp_ratio=mlp_ratio, axes_dims_rope=tuple(axes),
+        causal_condition=causal_condition,
     )
     if gain != 1.0:
         with torch.no_grad():

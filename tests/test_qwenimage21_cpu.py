@@ -243,6 +243,17 @@ def test_runner_equals_unpatched(models, dtype, case, seed):
     assert all(d.counts.snapshot() for d in decisions)  # every block ran the fused path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_without_causal_condition(dtype, seed):
+    """causal_condition=False: every token modulates from its own sample's row (no mask, B rows)."""
+    model = tiny_model(dtype=dtype, seed=seed % 1000, gain=4.0, causal_condition=False)
+    inputs = model_inputs(model, batch_size=2, cond=True, pad=1, seed=seed)
+    ref = run(model, inputs)
+    with installed(model, "cpu") as decisions:
+        assert_bit_identical(run(model, inputs), ref, "causal_condition=False")
+    assert fallback_counts(decisions) == {} and all(d.counts.snapshot() for d in decisions)
+
+
 @pytest.mark.parametrize("dtype,flex", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                         (torch.float32, True)])
 def test_runner_kv_cache_extract_then_cached(dtype, flex, seed):

@@ -359,6 +359,17 @@ def test_patched_tiny_model_flex_processor(dtype, launches):
     assert fallback_counts(decisions, allowed=()) == {} and launches
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_patched_tiny_model_without_causal_condition(dtype, launches):
+    """causal_condition=False: no target_token_mask, B modulation rows (each token its sample's row)."""
+    model = tiny_model(dtype=dtype, device=DEV, seed=10, gain=4.0, causal_condition=False, **MODEL_SHAPES["D128"])
+    inputs = model_inputs(model, batch_size=2, cond=True, pad=2, seed=7, target=(4, 3))
+    ref = run(model, inputs)
+    with installed(model, DEV) as decisions:
+        same(run(model, inputs), ref, f"causal_condition=False {dtype}")
+    assert fallback_counts(decisions, allowed=()) == {} and launches["tgr_launch"] == len(model.transformer_blocks)
+
+
 def test_patched_tiny_model_under_torch_compile():
     """torch.compile of the patched model (Dynamo traces the runner; the fused ops are custom ops
     that launch the kernels when the graph runs)."""
