@@ -337,3 +337,17 @@ def test_runner_per_call_arguments_diffusers_would_broadcast(models, seed):
         with pytest.raises(RuntimeError):  # a non-bool mask: diffusers' torch.where raises, and so do we
             qwenimage21.patched_forward(block, d, x, mod, None, None, mask.long())
     assert any("broadcast" in k for k in d.counts.snapshot())
+
+
+def test_decision_is_plain_data(models):
+    """A Decision pickles and deep-copies (a patched model must), its counts with it."""
+    import copy
+    import pickle
+
+    block = models[torch.bfloat16].transformer_blocks[0]
+    d = qwenimage21.decide(block, "cpu")
+    d.counts.add("example")
+    for c in (copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+        assert c == d and c.counts.snapshot() == {"example": 1}
+    with pytest.raises(Exception):
+        d.norm1 = False  # frozen
