@@ -368,7 +368,7 @@ def _layer_norm_scale(mode, x, scale, eps, mask):
 
 def _residual_norm(mode, h, y, gate, scale, eps, mask):
     if mode == _KERNEL:
-        out = tgrln_launch(h, y.contiguous(), gate, scale, eps, mask, False)
+        out = tgrln_launch(h.contiguous(), y.contiguous(), gate, scale, eps, mask, False)
         return out[0], out[1]
     if mode == _COMPILED:
         out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
@@ -379,7 +379,7 @@ def _residual_norm(mode, h, y, gate, scale, eps, mask):
 
 def _residual(mode, h, y, gate, mask, clip_fp16):
     if mode == _KERNEL:
-        return tgr_launch(h, y.contiguous(), gate, mask, clip_fp16)
+        return tgr_launch(h.contiguous(), y.contiguous(), gate, mask, clip_fp16)
     if mode == _COMPILED:
         return torch.ops.qwen_absorb.tanh_gate_residual(h, y, gate, mask, clip_fp16)
     return tanh_gate_residual_reference(h, y, gate=gate, target_token_mask=mask, clip_fp16=clip_fp16)
