@@ -1,0 +1,131 @@
+"""GPU tests of issue 18: the LoRA branch on the real-FP8 path (fused kernels emitting FP8 codes and the
+activation the branch reads), and the rebuild after weight changes, eager and in CUDA-graph mode.
+
+Twins: each action is done on the patched model and, before patching, on a deep copy; both then run
+the same kernels and GEMMs from the same state, so their outputs are bit-identical (same GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import testing as T
+from qwen_absorb.ops import _runtime
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
+    pytest.skip("needs CUDA and CuPy", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 GEMMs need sm_89+", allow_module_level=True)
+peft = pytest.importorskip("peft")
+mtq = pytest.importorskip("modelopt.torch.quantization")
+
+DEV = "cuda"
+TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+           "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+LAYERS = 3
+REAL = {"fp8_gemm": True}
+
+
+def _inputs(model, seed, batch_size=1, **kw):
+    inp = T.transformer_inputs(model, batch_size=batch_size, seed=seed, **kw)
+    return {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in inp.items()}
+
+
+def _fp8(seed, head_dim=128):
+    # head_dim 128: the fused q/k RMSNorm + RoPE and the attention-output split run too
+    model = T.tiny_transformer(dtype=torch.bfloat16, num_layers=LAYERS, seed=seed, attention_head_dim=head_dim,
+                               num_attention_heads=2, joint_attention_dim=64, axes_dims_rope=(16, 56, 56)).to(DEV)
+    inp = _inputs(model, seed + 1, masked_tail=0)
+    T.fp8_quantize(model, [inp])
+    return model, inp
+
+
+def _lora(model, seed, name="default", r=8):
+    model.add_adapter(peft.LoraConfig(r=r, lora_alpha=r, init_lora_weights="gaussian", target_modules=TARGETS),
+                      adapter_name=name)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n and f".{name}." in n:
+                p.copy_(torch.randn(p.shape, generator=g, device=DEV) * 0.05)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant():
+    model, inp = _fp8(3)
+    _lora(model, 4)
+    ref32 = copy.deepcopy(model)
+    mtq.disable_quantizer(ref32, "*")
+    ref32.float()
+    want = T.run_transformer(ref32, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                     for k, v in inp.items()})
+    del ref32
+    fake = T.run_transformer(model, inp)
+    report = qwen_absorb.patch(model, **REAL)
+    assert report.summary["fp8_gemm_linears"] == 14 * LAYERS, str(report)
+    assert report.summary["fp8_gemm_lora_linears"] == 12 * LAYERS
+    assert report.summary["sites_on_kernels"] == 6 * LAYERS
+    out = T.run_transformer(model, inp)
+    e_real, e_fake = _rel(out, want), _rel(fake, want)
+    print(f"LoRA on real FP8: rel err vs fp32 {e_real:.5f}, fake quant {e_fake:.5f} ({e_real / e_fake:.4f}x)")
+    assert e_real <= 1.1 * e_fake + 1e-3
+    # kernels vs the path's references: same codes, same GEMMs, same branches
+    qwen_absorb.patch(model, **REAL, force_reference=True)
+    assert _rel(T.run_transformer(model, inp), out) < 2e-3
+    qwen_absorb.unpatch(model)
+    assert torch.equal(T.run_transformer(model, inp), fake)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_rebuild_after_weight_changes_matches_twin(graph):
+    model, inp = _fp8(5)
+    _lora(model, 6)
+    twin = copy.deepcopy(model)
+    other, _ = _fp8(7)
+    _lora(other, 8)
+    sd = {k: v.clone() for k, v in other.state_dict().items()}
+    del other
+    report = qwen_absorb.patch(model, **REAL, cuda_graph=graph)
+    for _ in range(3):  # warm-up and capture
+        T.run_transformer(model, inp)
+    actions = [
+        lambda m: m.load_state_dict(sd),
+        lambda m: m.set_adapters(["default"], [0.4]),
+        lambda m: m.fuse_lora(),
+        lambda m: m.unfuse_lora(),
+        lambda m: mtq.disable_quantizer(m, "*img_mlp.net.2*input_quantizer"),
+    ]
+    for i, act in enumerate(actions):
+        act(model)
+        out = [T.run_transformer(model, inp) for _ in range(3)][-1]  # eager (re)capture, then replays
+        act(twin)
+        qwen_absorb.patch(twin, **REAL)
+        want = T.run_transformer(twin, inp)
+        qwen_absorb.unpatch(twin)
+        assert torch.equal(out, want), (i, _rel(out, want))
+    assert report.summary["fp8_gemm_linears"] == 13 * LAYERS  # img_mlp.net.2 now runs as its module
+    if graph:
+        assert report.cuda_graph["replays"] > 0, report.cuda_graph
+
+
+def test_lora_with_cuda_graph_replays_and_offload_composes():
+    model, inp = _fp8(9)
+    _lora(model, 10)
+    eager_report = qwen_absorb.patch(model, **REAL)
+    eager = T.run_transformer(model, inp)
+    assert eager_report.summary["fp8_gemm_lora_linears"] == 12 * LAYERS
+    report = qwen_absorb.patch(model, **REAL, cuda_graph=True, offload_original_weights=True)
+    assert model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cpu"
+    outs = [T.run_transformer(model, inp) for _ in range(4)]
+    assert all(torch.equal(o, eager) for o in outs)
+    assert report.cuda_graph["replays"] >= 2, report.cuda_graph
+    qwen_absorb.unpatch(model)
+    assert model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cuda"
