@@ -13,6 +13,7 @@ import datetime as _dt
 import importlib
 import importlib.metadata as _md
 import inspect
+import json
 import math
 import os
 import platform
@@ -46,6 +47,13 @@ DTYPES = {
     "fp16": torch.float16,
 }
 SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: ``script.py: error: <why> (--help: usage)``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help: usage)\n")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -190,6 +198,18 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def plural(n: int, word: str) -> str:
+    """"1 layer", "8 layers"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def help_texts(doc: str) -> tuple[str, str]:
+    """(description, epilog) for argparse from a script's docstring: its first paragraph, then the rest,
+    so that ``--help`` prints every line once."""
+    first, _, rest = doc.strip("\n").partition("\n\n")
+    return first, rest
+
+
 def timings_are_speed(device: torch.device) -> bool:
     """Only CUDA timings say anything about qwen_absorb's speed: elsewhere the kernels do not run, and
     CPU wall-clock of these small runs swung from 0.07x to 21x between identical runs."""
@@ -301,7 +321,7 @@ def full_size_memory_problem(num_layers: int, dtype: torch.dtype, device: torch.
         return None
     fit = int((free / MEMORY_HEADROOM - outside * size) // (per_block * size))
     hint = f"at most --num-layers {fit} fits" if fit >= 1 else "not even one layer fits"
-    return (f"the full-size transformer with {num_layers} layers in {SHORT_DTYPE.get(dtype, dtype)} needs about "
+    return (f"the full-size transformer with {plural(num_layers, 'layer')} in {SHORT_DTYPE.get(dtype, dtype)} needs about "
             f"{need / 1e9:.1f} GB for its weights alone ({(outside + per_block * num_layers) / 1e9:.2f} B "
             f"parameters x {size} bytes, {per_block * size / 1e9:.2f} GB per layer), plus about "
             f"{(MEMORY_HEADROOM - 1) * 100:.0f}% for activations; {where}. {hint[0].upper() + hint[1:]} here; "
@@ -415,7 +435,7 @@ def tiny_vae(z_dim: int, scale_factor: int = 4, dtype=torch.float32, device="cpu
         base_dim=4 * 6, z_dim=z_dim, dim_mult=dim_mult, num_res_blocks=1, temperal_downsample=down,
         latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     )
-    return vae.to(device=device, dtype=dtype).eval()
+    return _testing()._in_dtype(vae, dtype).to(device).eval()  # no diffusers "keep in float32" warning
 
 
 def tiny_pipeline(dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -481,12 +501,124 @@ def tiny_transformer(dtype: torch.dtype, device: torch.device, seed: int = 0, nu
     return _testing().tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
 
 
+class ModelArgumentError(Exception):
+    """--model names nothing loadable: a missing folder, a hub id offline and not cached, a repository
+    that does not exist. The scripts print it as one line and exit 2."""
+
+
+def model_problem(model: str) -> str | None:
+    """Why ``--model`` cannot be loaded, found without loading anything (so in a second), or None.
+
+    A local folder must exist and hold ``model_index.json``; anything that is not a folder must be a valid
+    hub id, and with ``HF_HUB_OFFLINE=1`` it must be in the local Hugging Face cache."""
+    path = Path(model).expanduser()
+    looks_local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or model.count("/") > 1
+    if path.is_dir():
+        return None if (path / "model_index.json").is_file() else (
+            f"{model} is a folder without model_index.json: not a diffusers pipeline")
+    if looks_local:
+        return f"{model}: no such folder" if not path.exists() else f"{model} is a file, not a pipeline folder"
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # pragma: no cover - diffusers depends on huggingface_hub
+        return None
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return f"{model!r} is neither a folder nor a valid Hugging Face hub id (owner/name)"
+    if hub_offline() and cached_snapshot(model) is None:
+        return (f"{model}: the hub is offline (HF_HUB_OFFLINE=1) and this id is not in the local Hugging Face "
+                "cache; download it first or pass a local folder")
+    return None
+
+
+def hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:
+        return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of a hub pipeline, or None if its model_index.json is not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "model_index.json")
+    except Exception:
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _safetensors_params(files) -> tuple[int, int]:
+    """(parameters, files read) from the headers of safetensors files (8-byte length + JSON header)."""
+    import struct
+
+    total = read = 0
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            continue
+        read += 1
+        for name, meta in header.items():
+            if name != "__metadata__":
+                total += math.prod(meta.get("shape", [])) if meta.get("shape") else 1
+    return total, read
+
+
+def model_memory_problem(model: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the pipeline ``model`` in ``dtype`` will not fit on ``device``, or None (also when it cannot be
+    told: a hub id that is not cached locally). Counted from the safetensors headers of every component,
+    since ``.to(device)`` moves them all."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        folder = cached_snapshot(model)
+        if folder is None:
+            return None
+    files = sorted(folder.glob("*/*.safetensors")) + sorted(folder.glob("*.safetensors"))
+    params, read = _safetensors_params(files)
+    avail = available_memory(device)
+    if not read or avail is None:
+        return None
+    need = params * dtype.itemsize
+    free, where = avail
+    if need * MEMORY_HEADROOM <= free:
+        return None
+    return (f"{model} has {params / 1e9:.2f} B parameters in its components, about {need / 1e9:.1f} GB in "
+            f"{SHORT_DTYPE.get(dtype, dtype)} plus about {(MEMORY_HEADROOM - 1) * 100:.0f}% for activations; "
+            f"{where}. Use a 2-byte --dtype or a device with more memory")
+
+
 def load_pipeline(model: str, dtype: torch.dtype, device: torch.device):
-    """Real weights: a local folder or a hub id (needs network access to the hub for an id)."""
+    """Real weights: a local folder or a hub id (needs the hub for an id that is not cached).
+
+    Failures that mean the argument names nothing loadable raise :class:`ModelArgumentError`."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    why = model_problem(model)
+    if why:
+        raise ModelArgumentError(why)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+    except (OSError, ValueError) as e:  # hub errors (not found, offline, gated) are OSErrors / ValueErrors
+        if not _is_lookup_error(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first.replace(" Please check out the root cause in the stacktrace above.", "")  # none is printed
+        raise ModelArgumentError(f"{model}: {first}") from None
     return pipe.to(device)
+
+
+def _is_lookup_error(e: BaseException) -> bool:
+    names = {type(x).__name__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    return bool(names & {"RepositoryNotFoundError", "GatedRepoError", "LocalEntryNotFoundError",
+                         "EntryNotFoundError", "RevisionNotFoundError", "HFValidationError",
+                         "OfflineModeIsEnabled", "FileNotFoundError"}) or "does not appear to have" in str(e)
 
 
 # ----------------------------------------------------------------------------------------------------

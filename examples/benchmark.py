@@ -88,8 +88,9 @@ def _seconds(text):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    description, epilog = C.help_texts(__doc__)  # every line of the docstring once
+    p = C.ArgumentParser(description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="smoke mode: tiny random transformer, CPU by default, fp32, small shapes, eager variants")
     p.add_argument("--device", type=C.device_arg, default=None, help="default cuda (cpu with --tiny)")

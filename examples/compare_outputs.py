@@ -54,12 +54,14 @@ DEFAULTS = {  # size -> (height, width, steps)
 # The second and third run of --three-way (the first is the unquantized model)
 FAKE_FP8 = "ModelOpt FP8 fake quant (unpatched)"
 REAL_FP8 = "qwen_absorb real FP8 (patched, fp8_gemm=True)"
+DEFAULT_PROMPT = "A watercolor painting of a lighthouse at dawn"
 PANEL_TITLES = {"fake": "FP8 fake quant (ModelOpt)", "real": "real FP8 (qwen_absorb)"}  # fit a 256 px panel
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    description, epilog = C.help_texts(__doc__)
+    p = C.ArgumentParser(description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="load real weights with DiffusionPipeline.from_pretrained (a folder, or a hub id)")
     p.add_argument("--size", choices=("tiny", "full"), default="tiny",
@@ -79,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=C.multiple_of_16, default=None, help="image height, a multiple of 16")
     p.add_argument("--width", type=C.multiple_of_16, default=None, help="image width, a multiple of 16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt", default="A watercolor painting of a lighthouse at dawn",
-                   help="prompt for --model (the random pipelines use random prompt embeddings)")
+    p.add_argument("--prompt", default=None,
+                   help=f"prompt for --model (default {DEFAULT_PROMPT!r}); the random pipelines have no text "
+                        "encoder, take random prompt embeddings and refuse it")
     p.add_argument("--image", default=None, metavar="PATH",
                    help="input image for --model pipelines that take one (Edit, EditPlus, Img2Img, ...)")
     p.add_argument("--cfg", type=C.finite_float, default=4.0,
@@ -119,6 +122,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.image and not args.model:
         p.error("--image is for --model pipelines that take an input image; the random pipelines ignore it")
+    if args.prompt is not None and not args.model:
+        p.error("--prompt needs --model: the random pipelines have no text encoder and run on random "
+                "precomputed prompt embeddings")
+    if args.model:
+        why = C.model_problem(args.model)
+        if why:
+            p.error(f"--model {why}")
+        args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.image and not Path(args.image).is_file():
         p.error(f"--image {args.image}: no such file")
     if args.three_way and args.quant != "fp8":
@@ -158,7 +169,7 @@ def main(argv=None) -> int:
     results = {
         "status": "error",
         "config": {
-            "model": args.model, "size": size, "num_layers": args.num_layers if size == "full" else None,
+            "model": args.model, "prompt": args.prompt, "size": size, "num_layers": args.num_layers if size == "full" else None,
             "quant": args.quant, "device": str(device), "dtype": str(dtype), "steps": steps,
             "height": height, "width": width, "seed": args.seed, "true_cfg_scale": args.cfg,
             "defer_bias": args.defer_bias, "force_reference": args.force_reference,
@@ -174,6 +185,11 @@ def main(argv=None) -> int:
         preflight(args, device, dtype, size)
         results["config"]["three_way"] = args.three_way
         code = run(args, device, dtype, size, height, width, steps, results, png_path)
+    except C.ModelArgumentError as e:
+        results["status"] = "bad_arguments"
+        results["error"] = f"--model {e}"
+        print(f"{Path(sys.argv[0]).name}: error: --model {e}", file=sys.stderr)
+        code = EXIT_BAD_ARGS
     except Unsupported as e:
         results["status"] = "unsupported"
         results["error"] = str(e)
@@ -193,13 +209,35 @@ def main(argv=None) -> int:
 
 
 def default_tag(args, size, dtype, device, height, width) -> str:
-    parts = [size, *([f"{args.num_layers}l"] if size == "full" else []), args.quant, C.SHORT_DTYPE[dtype],
+    """The configuration in the file name, so that runs of other configurations do not overwrite each
+    other: what is always set, then every option that differs from its default."""
+    import hashlib
+    import re
+
+    first = re.sub(r"[^\w.-]+", "-", Path(args.model.rstrip("/")).name if args.model else size)
+    parts = [first, *([f"{args.num_layers}l"] if size == "full" else []), args.quant, C.SHORT_DTYPE[dtype],
              device.type, f"{height}x{width}"]
-    # non-default patch options get their own files instead of overwriting the default run's
+    if args.steps is not None:
+        parts.append(f"{args.steps}steps")
+    if args.seed != 0:
+        parts.append(f"seed{args.seed}")
+    if args.cfg != 4.0:
+        parts.append(f"cfg{args.cfg:g}")
+    if args.defer_bias != "auto":
+        parts.append(f"defer-{args.defer_bias}")
+    if args.force_reference:
+        parts.append("reference")
     if args.fp8_gemm != "auto":
         parts.append(f"fp8gemm-{args.fp8_gemm}")
     if args.cuda_graph:
         parts.append("cudagraph")
+    if args.three_way is not None:
+        parts.append("3way" if args.three_way else "no3way")
+    if args.quant != "none" and (args.calib_prompts, args.calib_steps) != (2, 2):
+        parts.append(f"calib{args.calib_prompts}x{args.calib_steps}")
+    if args.model and (args.prompt != DEFAULT_PROMPT or args.image):
+        text = f"{args.prompt}\0{args.image or ''}"
+        parts.append("p" + hashlib.sha1(text.encode()).hexdigest()[:8])
     return "_".join(parts)
 
 
@@ -212,6 +250,10 @@ def preflight(args, device, dtype, size) -> None:
         why = C.full_size_memory_problem(args.num_layers, dtype, device)
         if why:
             raise Unsupported(f"--size full on {device}: {why}")
+    if args.model:
+        why = C.model_memory_problem(args.model, dtype, device)
+        if why:
+            raise Unsupported(f"--model on {device}: {why}")
     resolve_three_way(args, device)
     why = C.unsupported_patch_options(patch_kwargs(args), qwen_absorb.patch)
     if why:
@@ -323,7 +365,7 @@ def run(args, device, dtype, size, height, width, steps, results, png_path) -> i
     pipe.set_progress_bar_config(disable=True)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     print(f"built pipeline {type(pipe).__name__} in {t_build.seconds:.1f} s: transformer "
-          f"{pipe.transformer.config.num_layers} layers, hidden "
+          f"{C.plural(pipe.transformer.config.num_layers, 'layer')}, hidden "
           f"{pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim}, "
           f"{n_params / 1e6:.1f} M parameters")
     results["config"]["pipeline"] = type(pipe).__name__
@@ -473,7 +515,7 @@ def write_pngs(args, results, arrays, png_path, size, dtype, height, width, step
     kernels = "yes" if results["kernels_available"] else "no (" + "; ".join(results["kernel_unavailable_reasons"]) + ")"
     clock = "" if t["speed_measurement"] else " (CPU wall-clock, not a speed measurement)"
     caption = [
-        f"qwen_absorb compare_outputs | {size} pipeline ({results['config']['transformer_layers']} layers), "
+        f"qwen_absorb compare_outputs | {size} pipeline ({C.plural(results['config']['transformer_layers'], 'layer')}), "
         f"quant={args.quant}, {C.SHORT_DTYPE[dtype]}, {height}x{width}, {steps} steps, seed {args.seed}, "
         f"{where}, {env['date']}",
         f"fused CUDA kernels: {kernels} | deferred biases: {results['deferred_biases']} | "

@@ -49,7 +49,8 @@ TINY_HEADS, FULL_HEADS = 2, 24
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    description, _, epilog = __doc__.strip("\n").partition("\n\n")  # every line of the docstring once
+    p = argparse.ArgumentParser(description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("cp", "tp"), required=True, help="context (cp) or tensor (tp) parallelism")
     p.add_argument("--ulysses", type=int, default=None, help="CP: Ulysses degree (default: world size)")

@@ -60,8 +60,9 @@ class Unsupported(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    first, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=first, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    description, epilog = C.help_texts(__doc__)
+    p = C.ArgumentParser(description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=tuple(SIZES), default="tiny", help="random transformer (default tiny)")
     p.add_argument("--num-layers", type=C.positive_int, default=None, help="layers (default: tiny 6, full 60)")
     p.add_argument("--device", type=C.device_arg, default="cpu", help="cpu (default), cuda, cuda:1, auto")

@@ -9,4 +9,6 @@ from . import ops
 from .patch import patch, patch_report, unpatch
 from .report import PatchReport
 
+__version__ = "0.1.0"  # = [project] version in pyproject.toml (tests/test_examples.py checks they agree)
+
 __all__ = ["PatchReport", "ops", "patch", "patch_report", "unpatch"]

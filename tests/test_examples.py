@@ -213,6 +213,91 @@ def test_compare_outputs_refuses_bad_arguments(tmp_path, monkeypatch, capsys, ar
     assert message in capsys.readouterr().err
 
 
+def test_compare_outputs_missing_model_exits_2_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    p = _run("compare_outputs.py", "--model", "/nonexistent/path", "--out", str(out), timeout=120)
+    assert p.returncode == 2, _explain(p)
+    assert p.stderr.strip().splitlines() == [
+        "compare_outputs.py: error: --model /nonexistent/path: no such folder (--help: usage)"], p.stderr
+    assert not out.exists()
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_compare_outputs_model_errors_exit_2(tmp_path, monkeypatch, capsys, hub_offline):
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    empty = tmp_path / "not_a_pipeline"
+    empty.mkdir()
+    for argv, message in [
+        (["--model", "someone/some-model"], "offline (HF_HUB_OFFLINE=1) and this id is not in the local"),
+        (["--model", str(empty)], "without model_index.json"),
+        (["--model", "a b"], "neither a folder nor a valid Hugging Face hub id"),
+        (["--prompt", "a fox"], "--prompt needs --model"),  # the random pipelines ignored it
+    ]:
+        assert _exit_code(mod.main, [*argv, "--out", str(tmp_path / "out")]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_outputs_model_too_large_is_refused(tmp_path, monkeypatch, capsys):
+    """--model gets the memory check of --size full: counted from the safetensors headers (no weights read)."""
+    import struct
+
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    folder = tmp_path / "huge"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [10**7, 10**6], "data_offsets": [0, 0]}}).encode()
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    code = mod.main(["--model", str(folder), "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "CANNOT RUN HERE" in err and "10000.00 B parameters" in err
+
+
+def test_compare_outputs_result_names_differ_by_configuration(tmp_path):
+    mod = _load_compare_module()
+    configs = [[], ["--defer-bias", "true"], ["--defer-bias", "false"], ["--force-reference"], ["--steps", "2"],
+               ["--seed", "1"], ["--cfg", "1"], ["--cuda-graph"], ["--fp8-gemm", "off"], ["--quant", "fp8"],
+               ["--quant", "fp8", "--no-three-way"], ["--quant", "fp8", "--calib-prompts", "1"]]
+    tags = set()
+    for argv in configs:
+        args = mod.parse_args([*argv, "--out", str(tmp_path)])
+        size = "model" if args.model else args.size
+        h, w, _ = mod.DEFAULTS[size]
+        tags.add(mod.default_tag(args, size, args.dtype, args.device, args.height or h, args.width or w))
+    assert len(tags) == len(configs), sorted(tags)
+
+
+def test_example_help_prints_each_line_once(capsys):
+    for script in ("compare_outputs.py", "benchmark.py", "quantize_fp8.py"):
+        mod = _load(script)
+        assert _exit_code(mod.main, ["--help"]) == 0
+        out = capsys.readouterr().out
+        first = mod.__doc__.strip().splitlines()[0]
+        assert out.count(first) == 1, (script, out[:500])
+
+
+def test_version_matches_pyproject():
+    import tomllib
+
+    import qwen_absorb
+
+    _common = _load("_common.py")
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert qwen_absorb.__version__ == project["version"]
+    assert _common.plural(1, "layer") == "1 layer" and _common.plural(8, "layer") == "8 layers"
+
+
 def _file_in_a_file(tmp_path) -> Path:
     """An --out nobody can create, root included (os.access would say yes to root)."""
     blocker = tmp_path / "a_file"
