@@ -627,12 +627,18 @@ def _is_lookup_error(e: BaseException) -> bool:
 QUANT_FORMATS = ("none", "fp8", "nvfp4")
 
 
+def import_modelopt(name: str = "modelopt.torch.quantization"):
+    """ModelOpt, first imported in a thread whose stack holds no model: ModelOpt's first import pins the
+    frames that run it (qwen_absorb.modelopt_recipe.import_modelopt says why)."""
+    return importlib.import_module("qwen_absorb.modelopt_recipe").import_modelopt(name)
+
+
 def quant_unavailable_reason(fmt: str, device: torch.device) -> str | None:
     """Why ``fmt`` cannot run here, or None."""
     if fmt == "none":
         return None
     try:
-        importlib.import_module("modelopt.torch.quantization")
+        import_modelopt()
     except Exception as e:  # ImportError, or modelopt failing to import its own deps
         return f"nvidia-modelopt is not importable ({type(e).__name__}: {e}); pip install 'qwen_absorb[modelopt]'"
     if fmt == "nvfp4" and device.type != "cuda":
@@ -647,8 +653,7 @@ def quantize_transformer(transformer, fmt: str, forward_loop) -> dict:
     ``forward_loop(model)`` runs calibration data through the model (max calibration of the static amaxes).
     Returns a small description for the results.
     """
-    import modelopt.torch.quantization as mtq
-
+    mtq = import_modelopt()
     cfg = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[fmt]
     t0 = time.perf_counter()
     with _quiet_modelopt():

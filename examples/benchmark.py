@@ -390,9 +390,7 @@ def quantize(model, quant, args, inputs, res) -> bool:
     try:
         info = C.quantize_transformer(model, quant, forward_loop)
         if args.fp8_compress:
-            import modelopt.torch.quantization as mtq
-
-            mtq.compress(model)
+            C.import_modelopt().compress(model)
             info["compressed"] = True
     except Exception as e:  # record and go on: the quantizations after this one may still run
         res.error(e, quant=quant, variant="*", step="quantize")
