@@ -10,6 +10,7 @@ graph reads (:class:`KeepRope` holds each one per graph).
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -317,6 +318,11 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         if pool is None:
             pool = pools[dev] = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
+        # No cyclic garbage collection while capturing: a collected CUDAGraph (an evicted one, or one of
+        # a dropped model) resets itself in its destructor, which is not permitted during a capture and
+        # invalidates it (seen on the H200: "operation not permitted when stream is capturing (reset)").
+        gc_was_on = gc.isenabled()
+        gc.disable()
         try:
             # The outer stream context restores the caller's stream even if capture_end raises
             # (torch.cuda.graph.__exit__ skips its own stream restore then).
@@ -326,6 +332,8 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
             return Captured(warm, None, e, consts.hits)
         finally:
+            if gc_was_on:
+                gc.enable()
             cur.wait_stream(side)
         ms = (time.perf_counter() - t0) * 1e3
     return Captured(warm, Graph(graph, statics, out, keep + consts.tensors(), desc, ms), None, consts.hits)

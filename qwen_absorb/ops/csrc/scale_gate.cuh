@@ -38,6 +38,11 @@ __device__ __forceinline__ void qa_clip_f16_vec(QaVec<typename T::storage, N>& o
 // ---- residual + tanh(gate) * x ----------------------------------------------------------------
 // tanh in fp32 (tanhf: PyTorch's CUDA tanh computes ::tanh(float) of the widened value), rounded to
 // T; the product rounded to T; the sum rounded to T.
+// NVRTC's tanhf returns +-0 for fp32 subnormal inputs where PyTorch's returns the input (seen on the
+// H200 for every bf16 subnormal and for 1e-40 in fp32; all other values matched). For |x| < 2^-30,
+// tanh(x) rounds to x in any correct implementation (x^3/3 is 2^-60 of x), so return x there.
+__device__ __forceinline__ float qa_tanhf(float x) { return fabsf(x) < 0x1p-30f ? x : tanhf(x); }
+
 template <class T, int N>
 __device__ __forceinline__ QaVec<typename T::storage, N> qa_tanh_gated_residual(
     const QaVec<typename T::storage, N>& r, const QaVec<typename T::storage, N>& x,
@@ -46,13 +51,13 @@ __device__ __forceinline__ QaVec<typename T::storage, N> qa_tanh_gated_residual(
   if constexpr (QA_LN_PACKED && T::kPacked && N % 2 == 0) {
 #pragma unroll
     for (int p = 0; p < N / 2; ++p) {
-      const unsigned tg = T::pack2(tanhf(T::load(g.v[2 * p])), tanhf(T::load(g.v[2 * p + 1])));
+      const unsigned tg = T::pack2(qa_tanhf(T::load(g.v[2 * p])), qa_tanhf(T::load(g.v[2 * p + 1])));
       qa_set_pair(o, p, T::add2(qa_pair(r, p), T::mul2(tg, qa_pair(x, p))));
     }
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const float tg = qa_round<T>(tanhf(T::load(g.v[i])));
+      const float tg = qa_round<T>(qa_tanhf(T::load(g.v[i])));
       o.v[i] = T::store(__fadd_rn(T::load(r.v[i]), qa_round<T>(__fmul_rn(tg, T::load(x.v[i])))));
     }
   }
