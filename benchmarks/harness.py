@@ -700,9 +700,12 @@ def op_call(op: str, impl: str = "qwen_absorb") -> Callable[..., Any]:
 
 def patch(model: torch.nn.Module, fresh: bool = True, **kw: Any) -> tuple[Any, str | None]:
     """``qwen_absorb.patch(model, **kw)`` (from an unpatched state unless ``fresh=False``, where a patched model
-    is re-patched as a user would): ``(report, None)`` or ``(None, reason)``, never an exception."""
+    is re-patched as a user would): ``(report, None)`` or ``(None, reason)``, never an exception.
+    ``cuda_graph`` is False unless given: the cases named "patched" here are the eager patched call (the
+    library default, ``cuda_graph="auto"``, is measured by benchmarks/speed.py as its own case)."""
     import qwen_absorb  # noqa: PLC0415
 
+    kw.setdefault("cuda_graph", False)
     if fresh:
         qwen_absorb.unpatch(model)
     try:
