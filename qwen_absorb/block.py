@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, handoff, lora
+from . import attention, handoff, lora, qwenimage21
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -80,6 +80,34 @@ class PatchedForward:
 
     def __repr__(self) -> str:
         return f"<qwen_absorb patched forward of {type(self.block).__name__}>"
+
+
+class Patched21Forward(PatchedForward):
+    """The forward slot of a patched ``QwenImage21TransformerBlock``: its :class:`qwenimage21.Decision`
+    (decided again when the block first runs on another device; ``on_decide(index, install, decision)``
+    tells the report) and :func:`qwenimage21.patched_forward`."""
+
+    __slots__ = ("decision", "index", "install", "on_decide")
+
+    def __init__(self, block: nn.Module, decision: qwenimage21.Decision, index: int, on_decide: Any) -> None:
+        super().__init__(block)
+        self.decision, self.index, self.install, self.on_decide = decision, index, "", on_decide
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        d = self.decision
+        if (isinstance(hidden_states, torch.Tensor) and hidden_states.device != d.device
+                and not torch.compiler.is_compiling()):
+            self.decision = d = qwenimage21.decide_into(self.block, hidden_states.device, d.counts.counter)
+            if self.on_decide is not None:
+                self.on_decide(self.index, self.install, d)
+            log.info("Qwen-Image-2.1 block %d decided anew for %s", self.index, hidden_states.device)
+        return qwenimage21.patched_forward(self.block, d, hidden_states, *args, **kwargs)
+
+    def __getstate__(self) -> tuple:
+        return (self.block, self.decision, self.index, self.install, self.on_decide)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.block, self.decision, self.index, self.install, self.on_decide = state
 
 
 def redecide(plan: BlockPlan, block: nn.Module, device: torch.device, why: str) -> None:
@@ -546,4 +574,4 @@ def _ffn(c: _Call, mlp_name: str, x_in, works: list):
     return fp8_linear(codes, down, plan, works, g, net[2])
 
 
-__all__ = ["HOOK_FALLBACK", "PatchedForward", "patched_forward", "redecide"]
+__all__ = ["HOOK_FALLBACK", "Patched21Forward", "PatchedForward", "patched_forward", "redecide"]

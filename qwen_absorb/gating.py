@@ -166,6 +166,12 @@ def check_mode(mode: object) -> str | bool:
     return mode  # type: ignore[return-value]
 
 
+def check_graph_mode(mode: object) -> str | bool:
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"cuda_graph must be 'auto', True or False, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
 def check_fp8_mode(mode: object) -> str | bool:
     if mode is not True and mode is not False and mode != "auto":
         raise ValueError(f"fp8_gemm must be 'auto', True or False, got {mode!r}")

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating, handoff, hooks
-from .block import PatchedForward
+from . import gating, handoff, hooks, qwenimage21
+from .block import Patched21Forward, PatchedForward
 from .plan import PLAN_ATTR, BlockPlan, BlockRuntime, Options, decide, refresh
 from .report import PatchReport
-from .sites import classes, resolve, unwrap_peft
+from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
 
@@ -52,7 +52,7 @@ class _PatchState:
 
     report: PatchReport
     options: Options
-    cuda_graph: bool
+    cuda_graph: str | bool
     blocks: list[nn.Module]  # the model's blocks as patched, in order
     plans: list[BlockPlan]
     records: list[_BlockRecord] = field(default_factory=list)
@@ -76,9 +76,14 @@ class _PatchState:
 
 
 def resolve_transformer(target: Any) -> nn.Module:
-    """The ``QwenImageTransformer2DModel`` of a pipeline, or ``target`` itself (``torch.compile``
-    wrappers of either are looked through)."""
-    return hooks.resolve_transformer(target, (classes()[0],))
+    """The ``QwenImageTransformer2DModel`` (or ``QwenImage21Transformer2DModel``) of a pipeline, or
+    ``target`` itself (``torch.compile`` wrappers of either are looked through)."""
+    return hooks.resolve_transformer(target, model_classes())
+
+
+def _is_21(transformer: nn.Module) -> bool:
+    c21 = classes21()
+    return c21 is not None and isinstance(transformer, c21[0])
 
 
 def _decision_device(transformer: nn.Module) -> torch.device:
@@ -170,7 +175,7 @@ def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_
 
 
 def patch(
-    target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: bool = False,
+    target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: str | bool = "auto",
     offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
     force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: bool = False,
     cross_block: bool = True,
@@ -191,6 +196,10 @@ def patch(
         module, with the reason in the report.
     cuda_graph: capture the transformer call once per input signature and replay it
         (:mod:`qwen_absorb.cuda_graph`); refused per call, with a reason, where replay would be wrong.
+        ``"auto"`` (default): on a model that sits on a CUDA device when patched, a signature is
+        captured when it is seen the second time (one-off calls never pay a capture), and calls the
+        graphs cannot take run eager, counted in ``report.graph_fallbacks``; ``True``: capture at first
+        sight, refusals counted in ``report.runtime_fallbacks``; ``False``: never.
     offload_original_weights: keep only the FP8 weights of real-FP8 linears on the GPU; their original
         weights move to host memory (values intact, ``state_dict`` the same values on the CPU) and
         :func:`unpatch` moves them back. Moving the model with ``.to()`` afterwards moves them too.
@@ -209,22 +218,25 @@ def patch(
     call of that block, which decides again.
     """
     transformer = resolve_transformer(target)
+    cuda_graph = gating.check_graph_mode(cuda_graph)
     options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
                        offload_original_weights, use_fast_accum, cross_block)
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
         stale = _stale(state, transformer)
-        if state.options == options and state.cuda_graph == bool(cuda_graph) and stale is None:
+        if state.options == options and state.cuda_graph == cuda_graph and stale is None:
             log.debug("already patched with these arguments; returning the current report")
             return state.report
         log.info("patching again (%s)", stale or "other arguments")
         unpatch(transformer)
     blocks = list(getattr(transformer, "transformer_blocks", []))
+    if _is_21(transformer):
+        return _patch21(transformer, blocks, options, cuda_graph)
     report = PatchReport(
         transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
         capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
         force_reference=options.force_reference, offload_original_weights=options.offload_original_weights,
-        cuda_graph_mode=bool(cuda_graph),
+        cuda_graph_mode=cuda_graph,
     )
     device = _decision_device(transformer)
     block_cls = classes()[1]
@@ -241,7 +253,7 @@ def patch(
         _strip(block)
         decide(plan, block, device)
         plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
-    state = _PatchState(report, options, bool(cuda_graph), blocks, plans)
+    state = _PatchState(report, options, cuda_graph, blocks, plans)
     report.bind(state)
     try:
         for block, plan in zip(blocks, plans):
@@ -250,11 +262,11 @@ def patch(
         handoff.link(plans, blocks, transformer)
         if options.offload_original_weights:
             _offload_originals(state)
-        if cuda_graph:
-            from . import cuda_graph as graphs  # noqa: PLC0415  (the one lazy import: graph mode is optional)
-
-            state.graph = graphs.install(transformer, fallbacks=report.runtime_fallbacks,
-                                         host_tensors=lambda: [w for w, _ in state.offloaded])
+        auto = cuda_graph == "auto"
+        if cuda_graph is True or (auto and device.type == "cuda"):
+            state.graph = _install_graphs(transformer, fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
+                                          host_tensors=lambda: [w for w, _ in state.offloaded],
+                                          capture_after=1 if auto else 0)
     except BaseException:
         _undo(state)
         raise
@@ -263,6 +275,48 @@ def patch(
     object.__setattr__(transformer, _STATE_ATTR, state)
     # whether the kernels run is said at the first call on a device (qwen_absorb.block), where the
     # model really runs: a pipeline patched on the CPU is usually moved to CUDA next
+    log.info("%s", report)
+    return report
+
+
+def _install_graphs(transformer: nn.Module, **kw: Any) -> Any:
+    from . import cuda_graph  # noqa: PLC0415  (the one lazy import: graph mode is optional and large)
+
+    return cuda_graph.install(transformer, **kw)
+
+
+def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
+    """Qwen-Image-2.1: every ``QwenImage21TransformerBlock`` runs :func:`qwenimage21.patched_forward`
+    (same install, report and unpatch; no bias deferral, no FP8 GEMMs of ours, no hand-off yet).
+    CUDA-graph mode only when asked for (``cuda_graph=True``): its KV-cache arguments are objects a
+    graph signature cannot describe, so ``"auto"`` leaves it eager."""
+    report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
+                         capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
+                         force_reference=options.force_reference, cuda_graph_mode=cuda_graph)
+    device = _decision_device(transformer)
+    block_cls = classes21()[1]
+    state = _PatchState(report, options, cuda_graph, blocks, [])
+    report.bind(state)
+    try:
+        for i, block in enumerate(blocks):
+            if not isinstance(block, block_cls):
+                continue
+            _strip(block)
+            fwd = Patched21Forward(block, qwenimage21.decide_into(block, device, report.runtime_fallbacks), i,
+                                   report.record21)
+            installed = _install(block, fwd)
+            if installed is None:
+                log.warning("block %d: its forward is wrapped by something unknown; left unpatched", i)
+                continue
+            fwd.install = installed[0]
+            state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
+            report.record21(i, installed[0], fwd.decision)
+        if cuda_graph is True:
+            state.graph = _install_graphs(transformer, fallbacks=report.runtime_fallbacks)
+    except BaseException:
+        _undo(state)
+        raise
+    object.__setattr__(transformer, _STATE_ATTR, state)
     log.info("%s", report)
     return report
 
@@ -294,6 +348,8 @@ def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
     if len(now) != len(state.blocks) or any(a is not b for a, b in zip(now, state.blocks)):
         return "the model's blocks were replaced, added or removed"
     for rec in state.records:
+        if isinstance(rec.installed, Patched21Forward):
+            continue  # a Qwen-Image-2.1 block decides by itself
         plan = rec.block.__dict__.get(PLAN_ATTR)
         if plan is None:
             return f"a block lost its plan ({type(rec.block).__name__})"

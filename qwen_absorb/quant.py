@@ -134,15 +134,16 @@ def _cuda_ext_available() -> bool:
     return _ext_available["fp8"]
 
 
-def norm_input_fp8(quantizer: Any, device: torch.device) -> tuple[Fp8PerTensorQuant | None, list[str]]:
+def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[Fp8PerTensorQuant | None, list[str]]:
     """The norm-input fake quantizer as the ops' :class:`Fp8PerTensorQuant` for inputs on ``device``
-    (holding the quantizer's own ``_amax`` tensor, so an in-place recalibration is seen; the formula
-    is the one ModelOpt uses there), else ``(None, reasons)``."""
+    (default: where its amax lies), holding the quantizer's own ``_amax`` tensor (an in-place
+    recalibration is seen) and the formula ModelOpt uses there; else ``(None, reasons)``."""
     r = fp8_quantizer_reasons(quantizer)
     if not getattr(quantizer, "fake_quant", False):
         r.append("not fake quantization")
     if r:
         return None, r
+    device = device if device is not None else quantizer._amax.device
     formula = "cuda_ext" if device.type == "cuda" and _cuda_ext_available() else "eager"
     return Fp8PerTensorQuant(amax=quantizer._amax, formula=formula), []
 

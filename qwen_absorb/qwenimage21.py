@@ -27,6 +27,7 @@ references run, which are the diffusers expressions themselves (bit-identical).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -391,3 +392,32 @@ def _swiglu(mode, a, b):
     if mode == _COMPILED:
         return torch.ops.qwen_absorb.swiglu(a, b, None)[0]
     return swiglu_reference(a, b)
+
+
+# ---------------------------------------------------------------------------- the patch floor's hooks
+
+
+class CounterSink:
+    """A ``Decision.counts`` that counts into the report's ``runtime_fallbacks`` (a shared Counter)."""
+
+    __slots__ = ("counter",)
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+
+    def add(self, reason: str) -> None:
+        self.counter[reason] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.counter)
+
+    def __getstate__(self) -> Counter:
+        return self.counter
+
+    def __setstate__(self, counter: Counter) -> None:
+        self.counter = counter
+
+
+def decide_into(block: nn.Module, device: torch.device, counter: Counter) -> Decision:
+    """:func:`decide`, counting per-call fallbacks into ``counter``."""
+    return dataclasses.replace(decide(block, device), counts=CounterSink(counter))

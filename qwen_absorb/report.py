@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import qwenimage21
 from .plan import BlockPlan, LinearPlan, SitePlan
 from .quant import NormInfo, ProjectionInfo
 from .sites import SITE_TABLE, SITES, STREAMS  # noqa: F401  (SITES, STREAMS: re-exported)
@@ -102,6 +103,22 @@ class BlockReport:
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
             list(p.handoff_in_reasons), 0)
 
+    @classmethod
+    def of21(cls, index: int, install: str, d: qwenimage21.Decision) -> BlockReport:
+        """A Qwen-Image-2.1 block: one stream, five sites, no linears of ours (its FFN's and attention's
+        linears are called as their modules)."""
+        runner = "kernel" if d.kernels else "reference"
+        fused = set(d.fused)
+        why = {s: [r.split(": ", 1)[1] for r in d.reasons if r.startswith(f"{s} not fused: ")] for s in qwenimage21.SITES}
+        sites = [SiteReport(index, "img", s, s in fused, ([] if s in fused else why.get(s) or ["block not patched"]),
+                            runner if s in fused else "eager", None, False, [], None, False, False)
+                 for s in ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual")]
+        kernel_reasons = [r.split(": ", 1)[1] for r in d.reasons if r.startswith("fused ops run their torch references: ")]
+        blocked = [] if d.enabled else list(d.reasons)
+        return cls(index, d.enabled, blocked, install, str(d.device), d.kernels, kernel_reasons, sites, {}, {}, {},
+                   False, ["Qwen-Image-2.1: diffusers' attention processor runs the q/k norms"], {}, False,
+                   ["Qwen-Image-2.1: not implemented"], [], 0)
+
     def site(self, stream: str, name: str) -> SiteReport:
         for s in self.sites:
             if s.stream == stream and s.site == name:
@@ -133,8 +150,9 @@ class PatchReport:
     fp8_gemm: str | bool = "auto"
     force_reference: bool = False
     offload_original_weights: bool = False
-    cuda_graph_mode: bool = False
+    cuda_graph_mode: str | bool = False
     runtime_fallbacks: Counter = field(default_factory=Counter)  # calls that could not take the fused path
+    graph_fallbacks: Counter = field(default_factory=Counter)  # cuda_graph="auto": calls run eager, by reason
     rebuilds: Counter = field(default_factory=Counter)  # decisions made again, by what changed
     handoffs: Counter = field(default_factory=Counter)  # cross-block hand-overs taken, by block index
     _blocks: list[BlockReport] = field(default_factory=list, repr=False)
@@ -146,6 +164,12 @@ class PatchReport:
         while len(self._blocks) <= plan.index:
             self._blocks.append(None)  # type: ignore[arg-type]
         self._blocks[plan.index] = BlockReport.of(plan)
+
+    def record21(self, index: int, install: str, decision: qwenimage21.Decision) -> None:
+        """Copy a Qwen-Image-2.1 block's decision in."""
+        while len(self._blocks) <= index:
+            self._blocks.append(None)  # type: ignore[arg-type]
+        self._blocks[index] = BlockReport.of21(index, install, decision)
 
     def bind(self, state: Any) -> None:
         """Read the dtype and graph of ``state`` (a ``qwen_absorb.patch`` state) while it is active."""
@@ -272,7 +296,8 @@ class PatchReport:
             "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
             "force_reference": self.force_reference, "active": self.active,
             "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
-            "rebuilds": dict(self.rebuilds), "cuda_graph": self.cuda_graph,
+            "rebuilds": dict(self.rebuilds), "cuda_graph_mode": self.cuda_graph_mode, "cuda_graph": self.cuda_graph,
+            "graph_fallbacks": dict(self.graph_fallbacks),
             "blocks": [b.to_dict() for b in blocks],
         }
         json.dumps(out)  # fail here, not in the caller's serialiser, if something is not JSON-able
@@ -315,8 +340,13 @@ class PatchReport:
                           [(x.defer_reasons, x.block) for x in self._sites(blocks) if x.projection and not x.bias_deferred])
         g = self.cuda_graph
         if g is not None:
-            lines.append("  CUDA graph mode: " + ", ".join(f"{k} {v}" for k, v in g.items()
-                                                           if isinstance(v, (int, float, str, bool))))
+            lines.append(f"  CUDA graphs (cuda_graph={self.cuda_graph_mode!r}): {g.get('graphs', 0)} kept, "
+                         f"{g.get('captures', 0)} captured, {g.get('replays', 0)} replays, "
+                         f"{g.get('eager_calls', 0)} calls eager")
+            if self.graph_fallbacks:
+                lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
+        elif self.cuda_graph_mode == "auto":
+            lines.append("  CUDA graphs: off (cuda_graph='auto' captures only models that sit on a GPU when patched)")
         if self.rebuilds:
             lines.append("  decided anew (block calls): "
                          + "; ".join(f"{n} x {r}" for r, n in self.rebuilds.most_common()))

@@ -94,6 +94,26 @@ def classes() -> tuple[type, type, type]:
 
 
 @functools.lru_cache(maxsize=1)
+def classes21() -> tuple[type, type] | None:
+    """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``, or None where this
+    diffusers has no Qwen-Image-2.1."""
+    try:
+        from diffusers.models.transformers.transformer_qwenimage21 import (  # noqa: PLC0415
+            QwenImage21Transformer2DModel,
+            QwenImage21TransformerBlock,
+        )
+    except ImportError:
+        return None
+    return QwenImage21Transformer2DModel, QwenImage21TransformerBlock
+
+
+def model_classes() -> tuple[type, ...]:
+    """Every transformer class :func:`qwen_absorb.patch` patches."""
+    c21 = classes21()
+    return (classes()[0],) + ((c21[0],) if c21 is not None else ())
+
+
+@functools.lru_cache(maxsize=1)
 def attention_functions() -> tuple:
     """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen)`` the joint attention calls."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: PLC0415

@@ -12,6 +12,7 @@ import collections
 import copy
 import inspect
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,6 +47,11 @@ def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[
     return lambda: fn
 
 
+def _capturing() -> bool:
+    """The current stream is being captured (the caller's own ``torch.cuda.graph``): run straight through."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class GraphedCall:
     """The transformer's ``forward`` in CUDA-graph mode (see :mod:`qwen_absorb.cuda_graph`). Create with
     :func:`install`. After :meth:`remove` it holds nothing of the model (only plain counters) and is a
@@ -54,7 +60,7 @@ class GraphedCall:
     __slots__ = (
         "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev", "_prev_present", "_positional",
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
-        "_dirty", "_failed", "_seen", "_removed", "_busy", "_unstable", "_unreplayed", "_logged", "captures",
+        "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
         "capture_failures", "_host_us", "_host_n",
     )
@@ -87,6 +93,7 @@ class GraphedCall:
         self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._removed = False
         self._busy = False
+        self._lock = threading.Lock()  # one caller at a time in the static buffers; others run eager
         self._unstable = False
         self._unreplayed = 0
         self._logged: set[str] = set()
@@ -104,8 +111,17 @@ class GraphedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
             return self._wrapped()(*args, **kwargs)
-        if self._busy or torch.compiler.is_compiling():
-            return self._inner(*args, **kwargs)
+        if self._busy or torch.compiler.is_compiling() or _capturing():
+            return self._inner(*args, **kwargs)  # inside our capture, a compile, or the caller's own capture
+        if not self._lock.acquire(blocking=False):
+            # another thread is replaying or capturing: the static buffers are its own
+            return self._eager("another thread is using the CUDA-graph runner", "", args, kwargs)
+        try:
+            return self._call(args, kwargs)
+        finally:
+            self._lock.release()
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:  # noqa: C901  (the per-call decision, in order)
         t0 = time.perf_counter()
         if torch.is_grad_enabled():
             return self._eager("grad enabled", "", args, kwargs)
