@@ -93,11 +93,13 @@ def hooked(module: nn.Module) -> bool:
 _TRANSPARENT = ("offloading hook", "layerwise casting hook")
 
 
-def user_hooked(d: dict) -> bool:
+def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
     """Whether a module (given by its ``__dict__``, for per-call speed) has a hook that may read or edit
-    its inputs or outputs: a torch forward (pre-)hook, a diffusers hook other than offloading / casting,
-    or an instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains."""
-    if d.get("_forward_hooks") or d.get("_forward_pre_hooks"):
+    its inputs or outputs: more torch forward (pre-)hooks than the ``allowed`` ones (tensor parallelism's
+    style hooks, recognised by the caller), a diffusers hook other than offloading / casting, or an
+    instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains."""
+    pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
+    if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
         return True
     if "forward" not in d:
         return False

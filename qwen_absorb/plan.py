@@ -157,7 +157,9 @@ class BlockPlan:
     modelopt: bool = False  # the block holds ModelOpt-quantized modules (called outside compiled graphs)
     quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
     calibrating: bool = False  # a ModelOpt quantizer of the block collects statistics now
-    bypassed: tuple[dict, ...] = ()  # __dict__s of the modules the fused path skips or changes (hooks)
+    # (__dict__, torch pre-hooks, hooks allowed) of the modules the fused path skips or changes: a hook
+    # beyond tensor parallelism's own style hooks sends the call to diffusers' forward
+    bypassed: tuple[tuple[dict, int, int], ...] = ()
     rt: BlockRuntime = field(default_factory=BlockRuntime)
 
     # -- reading
@@ -188,7 +190,7 @@ class BlockPlan:
     def hooked(self) -> bool:
         """A forward hook (torch's, a diffusers or accelerate hook) on a module the fused path skips or
         changes, or a global one: that module's hooks would not run, or see other values."""
-        return any(map(hooks.user_hooked, self.bypassed)) or hooks.global_forward_hooks()
+        return any(hooks.user_hooked(d, a, b) for d, a, b in self.bypassed) or hooks.global_forward_hooks()
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -503,7 +505,7 @@ def _refuse(lp: LinearPlan, why: str) -> None:
 # ---------------------------------------------------------------------------- what is watched
 
 
-def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[dict, ...]:
+def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
     """The modules whose hooks the fused path would skip or show other values: fused norms, linears
     run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
     that return their output, the attention when the block runs it itself, FFNs and modulations
@@ -524,13 +526,15 @@ def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[dict, ...]:
         paths.append("attn")
         if plan.qk_fused:
             paths += [f"attn.{n}" for n in QK_NORMS]
-    out: dict[int, dict] = {}
+    out: dict[int, tuple[dict, int, int]] = {}
     for p in paths:
         m = resolve(block, p)
         base, wrappers = unwrap_peft(m)
         for x in (*wrappers, base):
             if x is not None:
-                out[id(x.__dict__)] = x.__dict__
+                tp = isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight")) \
+                    and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None
+                out[id(x.__dict__)] = (x.__dict__, int(tp), int(tp))  # torch's TP style: one of each
     return tuple(out.values())
 
 

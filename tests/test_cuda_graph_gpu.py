@@ -35,7 +35,7 @@ BF16 = torch.bfloat16
 def build(seed: int, zero_cond_t: bool = False, patched: bool = False, num_layers: int = 2) -> torch.nn.Module:
     model = T.tiny_transformer(dtype=BF16, zero_cond_t=zero_cond_t, num_layers=num_layers, seed=seed).to(DEV)
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)  # the tests install their own runner
     return model
 
 
@@ -390,7 +390,7 @@ def test_modelopt_fp8_replay(patched, seed):
     model = build(seed)
     T.fp8_quantize(model, [inputs(model, seed + 50 + i) for i in range(2)])
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)
     ins = [inputs(model, seed + 1 + i, masked_tail=2) for i in range(3)]
     refs = [run(model, kw) for kw in ins]
     _replays_equal_eager(model, ins, refs)
@@ -426,7 +426,7 @@ def test_offloaded_original_weights_with_host_tensors(seed):
     pytest.importorskip("modelopt.torch.quantization")
     model = build(seed)
     T.fp8_quantize(model, [inputs(model, seed + 50 + i) for i in range(2)])
-    qwen_absorb.patch(model, fp8_gemm=True, offload_original_weights=True)
+    qwen_absorb.patch(model, fp8_gemm=True, offload_original_weights=True, cuda_graph=False)
     host = [p for p in model.parameters() if p.device.type == "cpu"]
     assert host, "offload_original_weights moved nothing to the host"
     ins = [inputs(model, seed + 1 + i, masked_tail=0) for i in range(3)]  # as test_fp8_gpu: no mask

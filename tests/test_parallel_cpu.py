@@ -384,19 +384,16 @@ def test_parallel_kind():
 
 def test_auto_leaves_rowwise_tp_biases_in_the_gemm(mesh):
     """Measured on 2 H200s (benchmarks/results/parallel.md): the FP8 model under TP ran slower with its
-    row-wise biases deferred, so defer_bias="auto" keeps them in the GEMM (counted); True still defers."""
-    from qwen_absorb.block import _Deferred  # noqa: PLC0415
-    from qwen_absorb.plan import BlockPlan, Options  # noqa: PLC0415
+    row-wise biases deferred, so defer_bias="auto" keeps them in the GEMM (decided at plan time, said in
+    the report); True still defers."""
+    from qwen_absorb import gating  # noqa: PLC0415
 
-    block = nn.Module()
-    block.mlp = _mlp(mesh)
-    auto = BlockPlan(index=0, options=Options(defer_bias="auto"))
-    d = _Deferred(auto, block, ("mlp.2",))
-    assert not d and d.bases == [None]
-    assert any("defer_bias='auto' leaves row-wise biases" in r for r in auto.counter)
-    forced = BlockPlan(index=0, options=Options(defer_bias=True))
-    d = _Deferred(forced, block, ("mlp.2",))
-    assert d and d.bases[0] is block.mlp[2] and not forced.counter
+    mlp = _mlp(mesh)
+    auto = gating.tp_bias_refusals(mlp[2], "auto")
+    assert any("defer_bias='auto' leaves row-wise biases" in r for r in auto), auto
+    assert gating.tp_bias_refusals(mlp[2], True) == []
+    assert any("column-wise" in r for r in gating.tp_bias_refusals(mlp[0], True))
+    assert gating.tp_bias_refusals(nn.Linear(4, 4), "auto") == []  # no tensor parallelism: nothing to refuse
 
 
 # ------------------------------------------------------------------------------ local TP shards

@@ -91,6 +91,13 @@ def test_tanh_and_silu_match_torch(dtype):
         v[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40], device=DEV)
     else:
         v = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=DEV).to(torch.int16).view(dtype)
+    # CuPy compiles every kernel with -ftz=true (appended unconditionally by its NVRTC wrapper): fp32
+    # subnormals flush to zero inside the kernels, so subnormal inputs (bf16's and fp32's, |x| < 2^-126;
+    # fp16 subnormals are normal fp32 values) and subnormal results are left out here. A documented
+    # limitation of every qwen_absorb kernel (README, Limitations); all other values must match exactly.
+    tiny = torch.finfo(torch.float32).tiny
+    v = v[~((v.float().abs() < tiny) & (v != 0))]
+    v = v[~((torch.nn.functional.silu(v.float()).abs() < tiny) & (v != 0))]
     D = v.numel()
     x = torch.ones(1, 1, D, dtype=dtype, device=DEV)
     r = torch.full((1, 1, D), -0.0, dtype=dtype, device=DEV)
