@@ -19,7 +19,7 @@ section ``ops``  the three LayerNorm-family ops at ``--op-shape`` (default [1,16
     read and output written once; ``copy_rate_pct`` = achieved / device copy rate * 100. ``--ln-variants
     name=DEFINE:VALUE[,...]`` re-times them with the kernels rebuilt under those defines -> ``copy_rate_pct_variants``
     and ``variant_bit_identical`` (outputs torch.equal to the default build's).
-``--compile-json`` copies the 60-layer 1024^2 ``compile_repeated_blocks()`` numbers of ``cuda_graph_bench.py
+``--compile-json`` copies the 60-layer 1024^2 ``compile_repeated_blocks()`` numbers of ``speed.py (speed_h200.json)
     --sections compile`` -> ``compile_1024_ms``, ``compile_1024_speedup``, ``compile_1024_source``.
 
     python benchmarks/fusion_bench.py                                      # H200: ~2-3 min
@@ -335,7 +335,7 @@ class Bench:
         keys = ("compile_1024_ms.compiled", "compile_1024_ms.patched_compiled", "compile_1024_speedup")
         if path is None:
             for k in keys:
-                R.skip(k, "measured by cuda_graph_bench.py --sections compile; pass its cuda_graph.json (--compile-json)")
+                R.skip(k, "measured by speed.py (bf16_compile_ms); pass its speed_h200.json (--compile-json)")
             return
         src = json.loads(Path(path).read_text())
         cfg = src.get("config") or {}
