@@ -19,8 +19,9 @@ section ``ops``  the three LayerNorm-family ops at ``--op-shape`` (default [1,16
     read and output written once; ``copy_rate_pct`` = achieved / device copy rate * 100. ``--ln-variants
     name=DEFINE:VALUE[,...]`` re-times them with the kernels rebuilt under those defines -> ``copy_rate_pct_variants``
     and ``variant_bit_identical`` (outputs torch.equal to the default build's).
-``--compile-json`` copies the 60-layer 1024^2 ``compile_repeated_blocks()`` numbers of ``speed.py (speed_h200.json)
-    --sections compile`` -> ``compile_1024_ms``, ``compile_1024_speedup``, ``compile_1024_source``.
+``--compile-json`` copies the 60-layer 1024^2 ``compile_repeated_blocks()`` numbers of a result file (``speed.py``'s
+    ``speed_h200.json``, or an earlier ``cuda_graph.json``) -> ``compile_1024_ms``, ``compile_1024_speedup``,
+    ``compile_1024_source``.
 
     python benchmarks/fusion_bench.py                                      # H200: ~2-3 min
     python benchmarks/fusion_bench.py --ln-variants packed=QA_LN_PACKED:1 --compile-json OUT/cuda_graph.json
