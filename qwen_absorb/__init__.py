@@ -1,8 +1,15 @@
 """qwen_absorb: fused CUDA kernels for diffusers' Qwen-Image transformer blocks.
 
-``qwen_absorb.patch(pipe)`` makes every ``QwenImageTransformerBlock`` run the fused ops of
-:mod:`qwen_absorb.ops` (deferring output-projection biases of ModelOpt FP8/NVFP4 transformers into
-them where validated) and returns a :class:`PatchReport`; ``qwen_absorb.unpatch(pipe)`` undoes it.
+``qwen_absorb.patch(pipe)`` makes every ``QwenImageTransformerBlock`` (and Qwen-Image-2.1's
+``QwenImage21TransformerBlock``) run the fused ops of :mod:`qwen_absorb.ops`, ModelOpt FP8 linears (LoRA
+adapters included) as real FP8 GEMMs, and CUDA graphs on GPU models, and returns a :class:`PatchReport`;
+``qwen_absorb.unpatch(pipe)`` undoes it.
+
+Layering (imports only point down; ARCHITECTURE.md has the table): face ``patch``, ``report``,
+``cuda_graph``; orchestration ``block``; runners ``attention``, ``handoff``, ``projection``,
+``qwenimage21``; decisions ``plan``, ``gating``, ``watch``; adapters, one foreign library each: ``quant`` and
+``modelopt_recipe`` (ModelOpt), ``lora`` (PEFT), ``parallel`` (torch.distributed), ``hooks`` (hook chains),
+``sites`` (diffusers' block layout and names); kernels ``ops`` (tensors only).
 """
 
 from . import ops
