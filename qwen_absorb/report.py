@@ -334,7 +334,7 @@ class PatchReport:
         lines += _grouped("  sites not fused", "site", [(x.reasons, x.block) for x in self._sites(blocks) if x.reasons])
         lines += _grouped(
             "  ModelOpt linears not run as real FP8 GEMMs", "linear",
-            [([f"{lp.path}: {'; '.join(lp.fp8_reasons)}"], b.index) for b in blocks for lp in b.linears.values()
+            [(lp.fp8_reasons, b.index) for b in blocks for lp in b.linears.values()
              if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], limit=8)
         lines += _grouped("  biases kept in the GEMM", "site",
                           [(x.defer_reasons, x.block) for x in self._sites(blocks) if x.projection and not x.bias_deferred])
