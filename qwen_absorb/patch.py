@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import gating, handoff, hooks, qwenimage21
-from .block import Patched21Forward, PatchedForward
+from .block import Patched21Forward, PatchedForward, redecide
 from .plan import PLAN_ATTR, BlockPlan, BlockRuntime, Options, decide, refresh
 from .report import PatchReport
 from .sites import classes, classes21, model_classes, resolve, unwrap_peft
@@ -225,6 +225,7 @@ def patch(
     if state is not None:
         stale = _stale(state, transformer)
         if state.options == options and state.cuda_graph == cuda_graph and stale is None:
+            _catch_up(state)
             log.debug("already patched with these arguments; returning the current report")
             return state.report
         log.info("patching again (%s)", stale or "other arguments")
@@ -277,6 +278,15 @@ def patch(
     # model really runs: a pipeline patched on the CPU is usually moved to CUDA next
     log.info("%s", report)
     return report
+
+
+def _catch_up(state: _PatchState) -> None:
+    """``patch()`` again on a model that changed inside its blocks (a LoRA loaded or fused, weights
+    loaded, quantizers switched): the blocks decide now, so the report returned is current."""
+    for rec in state.records:
+        plan = rec.block.__dict__.get(PLAN_ATTR)
+        if plan is not None and plan.rt.device is not None and plan.rt.watch.changed():
+            redecide(plan, rec.block, plan.rt.device, "the model changed (seen by patch())")
 
 
 def _install_graphs(transformer: nn.Module, **kw: Any) -> Any:

@@ -369,3 +369,14 @@ def test_a_kept_report_pins_nothing(seed):
     assert m() is None and all(b() is None for b in blocks)
     assert not report.active and report.summary["fp8_gemm_linears"] == 14 * LAYERS  # the last decisions
     assert "unpatched" in str(again) and again.to_dict()["blocks"]
+
+
+def test_patch_again_reports_a_change_before_any_call(seed):
+    """``patch()`` again after a LoRA is added (no call in between): the report it returns is current."""
+    model, inp = _fp8(seed)
+    report = _real(model)
+    _add_lora(model, seed)
+    again = qwen_absorb.patch(model, **REAL)
+    assert again is report and again.summary["fp8_gemm_lora_linears"] == 12 * LAYERS
+    model.fuse_lora()
+    assert qwen_absorb.patch(model, **REAL).summary["fp8_gemm_linears"] == 14 * LAYERS
