@@ -13,7 +13,8 @@ Steps, all with ModelOpt's own API (qwen_absorb.modelopt_recipe builds the confi
    the pipeline on precomputed prompt embeddings;
 3. mto.save, then mto.restore into a new transformer: its output must be bit-identical to the saved one;
 4. ModelOpt's Hugging Face export (export_hf_checkpoint), loaded back into a diffusers transformer with
-   qwen_absorb.modelopt_recipe.load_hf_export; its output is compared with the saved model's;
+   qwen_absorb.modelopt_recipe.load_hf_export: its FP8 codes must be the checkpoint's, its output
+   bit-identical to the saved model's (bf16/fp16; fp32 within 5% of the quantization error);
 5. qwen_absorb.patch(..., fp8_gemm=True) on the reloaded model (cuda_graph=True on CUDA): every FP8
    linear must run as a real FP8 GEMM where the device can (CUDA sm_89+; on CPU the check uses
    capabilities={"cpu"}); its error against the unquantized reference is reported.
@@ -55,6 +56,12 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGS, EXIT_UNSUPPORTED, EXIT_ERROR = 0, 1, 2, 3, 
 SIZES = {"tiny": (6, 4, 7), "full": (60, 64, 128)}  # full: 1024^2 = 64 x 64 packed tokens, 128 text tokens
 
 
+# The export stores amax/448, which near the top of a binade a float32 amax shares with its neighbour: a
+# bf16/fp16 model's amaxes are bf16/fp16 values and come back exactly (its reload must be bit-identical);
+# an fp32 model's may move by an ulp, so its reload may differ by this fraction of the quantization error.
+HF_TOLERANCE = 0.05
+
+
 class Unsupported(Exception):
     pass
 
@@ -79,8 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-steps", type=C.positive_int, default=2, help="denoising steps per call (default 2)")
     p.add_argument("--roundtrip", choices=("both", "mto", "hf"), default="both",
                    help="which save/load ways to run (default both: mto.save/restore and the HF export)")
-    p.add_argument("--unpatched-reload", action="store_true",
-                   help="on CUDA, also run the reloaded model unpatched (ModelOpt compiles its FP8 GEMM first)")
     p.add_argument("--warmup", type=C.nonnegative_int, default=3,
                    help="untimed calls before timing (CUDA; CUDA-graph capture happens in them)")
     p.add_argument("--repeats", type=C.positive_int, default=5, help="timed calls, median reported (CUDA)")
@@ -312,22 +317,24 @@ def journey(args, res: dict, work: Path) -> int:
         with C._quiet_modelopt():
             reloaded = recipe.load_hf_export(export_dir, dtype=args.dtype, device=args.device)
         shutil.rmtree(export_dir)
-        # load_hf_export checked that the FP8 linears hold the checkpoint's codes byte for byte
+        # load_hf_export checked that the FP8 linears quantize to the checkpoint's codes byte for byte
         hf = {"fp8_codes_identical_to_checkpoint": True, "checkpoint_gb": round(size / 1e9, 3),
               "fp8_linears_loaded": len(recipe.quantized_linear_names(reloaded)),
               "seconds": round(time.perf_counter() - t0, 2)}
         res["hf_roundtrip"] = hf
         print(f"export_hf_checkpoint -> load_hf_export: {hf['fp8_linears_loaded']} FP8 linears holding the "
               f"checkpoint's FP8 codes byte for byte, {hf['checkpoint_gb']} GB, {hf['seconds']} s")
-        if args.device.type != "cuda" or args.unpatched_reload:
-            # on CUDA, ModelOpt runs the compressed linears with its own torch.compile'd FP8 GEMM: minutes of
-            # compilation on a fresh machine, so only on request (--unpatched-reload)
-            y_hf = run_model(reloaded, inputs)
-            diff = rel_err(y_hf, y_saved)
-            hf.update({"bit_identical_to_saved": bool(torch.equal(y_hf, y_saved)), "rel_err_vs_saved": diff,
-                       "max_abs_diff_vs_saved": max_abs(y_hf, y_saved)})
-            print(f"  unpatched, its output vs the saved model's: rel {diff:.3g} (ModelOpt's export rounds the "
-                  f"codes in {C.SHORT_DTYPE[args.dtype]} and stores amax/448 instead of amax)")
+        y_hf = run_model(reloaded, inputs)
+        diff = rel_err(y_hf, y_saved)
+        hf.update({"bit_identical_to_saved": bool(torch.equal(y_hf, y_saved)), "rel_err_vs_saved": diff,
+                   "max_abs_diff_vs_saved": max_abs(y_hf, y_saved)})
+        print(f"  its output vs the saved model's: bit-identical {hf['bit_identical_to_saved']} (rel {diff:.3g})")
+        if args.dtype != torch.float32 and not hf["bit_identical_to_saved"]:
+            failures.append(f"the reloaded export's output differs from the saved model's (rel {diff:.3g})")
+        elif diff > HF_TOLERANCE * res["fake_quant_rel_err_vs_unquantized"]:
+            failures.append(f"the reloaded export differs from the saved model by rel {diff:.3g}, more than "
+                            f"{HF_TOLERANCE:g} x the quantization error")
+        res["reload_bit_identical"] = res.get("reload_bit_identical", True) and hf["bit_identical_to_saved"]
         if hf["fp8_linears_loaded"] != len(fp8_names):
             failures.append(f"the export reloaded with {hf['fp8_linears_loaded']} FP8 linears, not {len(fp8_names)}")
 

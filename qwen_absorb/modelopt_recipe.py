@@ -254,18 +254,24 @@ def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
 
 
 def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
-    """``modelopt.torch.export.export_hf_checkpoint(transformer, export_dir=...)``: ModelOpt's unified
-    Hugging Face checkpoint (``config.json`` with a ``quantization_config``, safetensors with float8
-    weights and float32 ``weight_scale`` / ``input_scale`` per quantized linear).
+    """``modelopt.torch.export.export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=...)``:
+    ModelOpt's unified Hugging Face checkpoint (``config.json`` with a ``quantization_config``, safetensors
+    with float8 weights and float32 ``weight_scale`` / ``input_scale`` per quantized linear).
+
+    ``dtype=torch.float32`` is the dtype ModelOpt converts the quantized weights in (``weight / scale``,
+    then float8); the other weights are saved as the model holds them. With the model's own bf16, the
+    division rounds to bf16 before the float8 rounding, which moves about 2% of the FP8 codes one step away
+    from those of ModelOpt's own fake quantization (measured on the tiny model); in float32 they are the
+    same codes.
 
     ModelOpt converts the weights **in place**: afterwards ``transformer`` holds float8 weights that its
     quantizers cannot run, so compute anything you need from it first, and load the export back with
-    :func:`load_hf_export`. ModelOpt's export also drops the LayerNorm input quantizers (only linears get
-    scales), which is why :func:`fp8_recipe_config` leaves them off by default.
+    :func:`load_hf_export`. The export keeps no LayerNorm input quantizer (only linears get scales), which
+    is why :func:`fp8_recipe_config` leaves them off by default.
     """
     export = import_modelopt("modelopt.torch.export")
     export_dir = Path(export_dir)
-    export.export_hf_checkpoint(transformer, export_dir=export_dir)
+    export.export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=export_dir)
     return export_dir
 
 
@@ -285,13 +291,14 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
     return state
 
 
-def _amax_from_scale(scale: torch.Tensor, maxbound: float = 448.0) -> torch.Tensor:
-    """A float32 amax for which ``amax / 448`` is exactly the stored ``scale``.
+def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, maxbound: float = 448.0) -> torch.Tensor:
+    """An amax for which ``amax / 448`` is exactly the stored float32 ``scale``, in ``dtype`` if one is.
 
     ModelOpt's export stores ``amax / 448`` rounded to float32, not the amax. ``scale * 448`` misses that
-    condition by a float32 ulp for about 9% of values; a neighbour meets it. It is not always the
-    calibrated amax itself: near the top of a binade several float32 amaxes round to one scale, so the
-    checkpoint cannot tell them apart. Whichever is taken, the FP8 GEMM's dequantization scale
+    condition by a float32 ulp for about 9% of values; a neighbour meets it, and near the top of a binade
+    more than one does. ModelOpt calibrates a bf16 model's amaxes as bf16 tensors (the max of bf16
+    values), so a candidate that ``dtype`` represents exactly is the calibrated amax, returned in
+    ``dtype``; otherwise the first float32 candidate. Whichever it is, the FP8 GEMM's dequantization scale
     (``amax / 448``) is the checkpoint's."""
     s = scale.detach().to(torch.float32).reshape(())
     guess = s * maxbound
@@ -302,15 +309,16 @@ def _amax_from_scale(scale: torch.Tensor, maxbound: float = 448.0) -> torch.Tens
         down = torch.nextafter(down, torch.zeros_like(down))
         candidates += [up, down]
     for divide in (lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()):  # the two ways
-        for c in candidates:                                                           # ModelOpt divides
-            if torch.equal(divide(c), s):
-                return c
+        exact = [c for c in candidates if torch.equal(divide(c), s)]                     # ModelOpt divides
+        if exact:
+            narrow = [c for c in exact if torch.equal(c.to(dtype).to(torch.float32), c)]
+            return narrow[0].to(dtype) if narrow else exact[0]
     return guess
 
 
 def load_hf_export(
     export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-    compress: bool = True,
+    compress: bool = False,
 ) -> nn.Module:
     """Load ModelOpt's Hugging Face export of a Qwen-Image transformer (:func:`export_hf`) into a diffusers
     ``QwenImageTransformer2DModel`` with ModelOpt FP8 quantizers, ready for ``qwen_absorb.patch``.
@@ -327,15 +335,16 @@ def load_hf_export(
     3. load the state: unquantized tensors as they are; each quantized linear's weight as its float8
        codes times ``weight_scale``, and its quantizers' amax such that ``amax / 448`` is the stored
        ``weight_scale`` / ``input_scale`` (:func:`_amax_from_scale`);
-    4. with ``compress`` (default), ``mtq.compress``: the FP8 linears then store float8 codes, as the
-       checkpoint does (half the memory), and the loader checks that they are the checkpoint's bytes.
+    4. check that every FP8 linear quantizes back to the checkpoint's float8 bytes;
+    5. with ``compress``, ``mtq.compress``: the FP8 linears then store the float8 codes themselves (half
+       the memory) and ModelOpt runs them with its own FP8 GEMM (compiled by ``torch.compile`` at the
+       first call on CUDA); its dequantizing forward is not bit-identical to its fake quantization.
 
-    So the loaded model computes with exactly the checkpoint's FP8 weights and scales. That is not
-    exactly the model that was exported: ModelOpt's export computes the codes as ``weight / scale`` in
-    the model's dtype (in bf16 a second rounding that moves about 2% of the codes by one FP8 step),
-    stores ``amax / 448`` instead of the amax, and keeps no LayerNorm input quantizer (they stay off
-    here; :func:`fp8_recipe_config` leaves them off too). An ``mto.save`` / :func:`restore` round trip is
-    bit-identical. ``dtype`` defaults to the dtype of the export's unquantized weights.
+    The loaded model computes with the checkpoint's FP8 codes and scales. For a bf16/fp16 model that is
+    the exported model bit for bit (tests/test_modelopt_journey.py): its amaxes are bf16/fp16 values,
+    which :func:`_amax_from_scale` recovers exactly from ``amax / 448``. A float32 model's amax can share
+    its scale with a float32 neighbour and come back one ulp off. The LayerNorm input quantizers stay off
+    (the export has none). ``dtype`` defaults to the dtype of the export's unquantized weights.
     """
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
@@ -376,17 +385,20 @@ def load_hf_export(
     with torch.no_grad():
         for name, (w_scale, in_scale) in scales.items():
             lin = modules[name]
-            lin.weight_quantizer.amax = _amax_from_scale(w_scale)
+            lin.weight_quantizer.amax = _amax_from_scale(w_scale, dtype)
             if in_scale is not None:
-                lin.input_quantizer.amax = _amax_from_scale(in_scale)
+                lin.input_quantizer.amax = _amax_from_scale(in_scale, dtype)
             else:  # a weight-only export
                 lin.input_quantizer.disable()
-    if compress:
+    with torch.no_grad():  # the weights must quantize back to the checkpoint's bytes
+        wrong = [name for name in quantized if not _same_bytes(
+            (params[f"{name}.weight"].to(torch.float32) / scales[name][0]).to(codes[name].dtype), codes[name])]
+    if compress and not wrong:
         mtq.compress(model)
         wrong = [name for name in quantized if not _same_bytes(modules[name]._parameters["weight"], codes[name])]
-        if wrong:
-            raise ValueError(f"{folder}: after mtq.compress, {len(wrong)} FP8 linears hold other codes than the "
-                             f"checkpoint (first: {wrong[0]})")
+    if wrong:
+        raise ValueError(f"{folder}: {len(wrong)} FP8 linears do not reproduce the checkpoint's float8 codes "
+                         f"(first: {wrong[0]})")
     del codes
     logger.info("loaded ModelOpt export %s: %d FP8 linears", folder, len(quantized))
     return model.eval()

@@ -102,7 +102,7 @@ def test_mto_save_restore_is_bit_identical(saved, tmp_path):
     assert torch.equal(T.run_transformer(model, inputs), y)  # saving changed nothing
 
 
-def test_hf_export_loads_back_with_the_checkpoint_codes_and_patches(saved, tmp_path):
+def test_hf_export_loads_back_bit_identical_and_patches(saved, tmp_path):
     import qwen_absorb
     from safetensors.torch import load_file
 
@@ -118,24 +118,29 @@ def test_hf_export_loads_back_with_the_checkpoint_codes_and_patches(saved, tmp_p
         state.update(load_file(str(f)))
 
     loaded = recipe.load_hf_export(tmp_path / "hf")
-    assert next(p for p in loaded.parameters() if p.is_floating_point() and p.dtype.itemsize > 1).dtype == torch.bfloat16
     assert recipe.quantized_linear_names(loaded) == names
     modules = dict(loaded.named_modules())
-    for n in names:  # the compressed weights are the checkpoint's bytes; the scales are the checkpoint's
-        assert torch.equal(modules[n]._parameters["weight"].data.view(torch.uint8), state[f"{n}.weight"].view(torch.uint8))
-        assert torch.equal(modules[n].weight_quantizer.amax.float() / 448, state[f"{n}.weight_scale"])
-        assert torch.equal(modules[n].input_quantizer.amax.float() / 448, state[f"{n}.input_scale"])
+    for n in names:  # the weights quantize to the checkpoint's bytes; the amaxes give its scales
+        lin, scale = modules[n], state[f"{n}.weight_scale"]
+        assert lin.weight.dtype == torch.bfloat16
+        codes = (lin.weight.float() / scale).to(torch.float8_e4m3fn)
+        assert torch.equal(codes.view(torch.uint8), state[f"{n}.weight"].view(torch.uint8))
+        assert torch.equal(lin.weight_quantizer.amax.float() / 448, scale)
+        assert torch.equal(lin.input_quantizer.amax.float() / 448, state[f"{n}.input_scale"])
     y_loaded = T.run_transformer(loaded, inputs)
-    # not bit-identical (the export rounds codes in bf16 and stores amax/448), but far below the FP8 error
-    rel = float((y_loaded.double() - y.double()).norm() / y.double().norm())
-    assert rel < 0.02, rel
+    assert torch.equal(y_loaded, y)  # bf16: the export and its reload are the saved model, bit for bit
 
     report = qwen_absorb.patch(loaded, fp8_gemm=True, capabilities={"cpu"})
     assert report.summary["fp8_gemm_linears"] == len(names), str(report)
     y_patched = T.run_transformer(loaded, inputs)
-    assert float((y_patched.double() - y_loaded.double()).norm() / y_loaded.double().norm()) < 0.02
+    assert float((y_patched.double() - y.double()).norm() / y.double().norm()) < 0.02
     qwen_absorb.unpatch(loaded)
     assert torch.equal(T.run_transformer(loaded, inputs), y_loaded)
+
+    compressed = recipe.load_hf_export(tmp_path / "hf", compress=True)  # float8 storage, checked bytes
+    cmods = dict(compressed.named_modules())
+    assert all(cmods[n]._parameters["weight"].data.dtype == torch.float8_e4m3fn for n in names)
+    assert qwen_absorb.patch(compressed, fp8_gemm=True, capabilities={"cpu"}).summary["fp8_gemm_linears"] == len(names)
 
 
 # ----------------------------------------------- ModelOpt's first import, then the script, in one interpreter
