@@ -2,7 +2,6 @@
 
 A user's way to a fast FP8 Qwen-Image with qwen_absorb::
 
-    import modelopt.torch.opt as mto
     from qwen_absorb import modelopt_recipe as recipe
 
     cfg = recipe.fp8_recipe_config(pipe.transformer)                 # ModelOpt config, Qwen-Image recipe
@@ -11,7 +10,8 @@ A user's way to a fast FP8 Qwen-Image with qwen_absorb::
     transformer = recipe.load_hf_export("qwen-image-fp8", dtype=torch.bfloat16, device="cuda")
     qwen_absorb.patch(transformer, fp8_gemm=True, cuda_graph=True)   # the FP8 linears as real FP8 GEMMs
 
-or ``mto.save(transformer, path)`` / :func:`restore` for ModelOpt's own checkpoint format.
+or :func:`save` / :func:`restore` (``mto.save`` / ``mto.restore``) for ModelOpt's own checkpoint format.
+Both round trips give back the saved bf16 model bit for bit (examples/quantize_fp8.py checks them).
 
 Everything that quantizes, calibrates, saves, restores or exports is ModelOpt's: ``mtq.quantize``,
 ``mto.save`` / ``mto.restore``, ``modelopt.torch.export.export_hf_checkpoint``. This module only builds
@@ -68,9 +68,6 @@ DEFAULT_KEEP_LAST = 2
 # (img_mod / txt_mod) and the image FFN's output linear (img_mlp.net.2) in bf16
 # (sglang docs/diffusion/quantization.md, sglang PR #23155). Names are relative to a block.
 SENSITIVE_LAYERS: tuple[str, ...] = ("img_mod", "txt_mod", "img_mlp.net.2")
-
-_MODULES = {}
-
 
 def import_modelopt(name: str = "modelopt.torch.quantization"):
     """Import a ModelOpt module (default ``modelopt.torch.quantization``) and return it.
@@ -221,7 +218,7 @@ def _pipeline_loop(pipe, calls, steps, height, width, seed):
             raise ValueError("this forward_loop calibrates the pipeline's own transformer")
         for i, kw in enumerate(calls):
             gen = torch.Generator("cpu").manual_seed(seed + i)
-            with torch.inference_mode():
+            with torch.no_grad():  # not inference_mode: the amaxes it creates must stay ordinary tensors
                 pipe(**kw, **size, num_inference_steps=steps, generator=gen, output_type="latent")
 
     return forward_loop
