@@ -40,11 +40,11 @@ def test_every_pipeline_class_can_be_patched(name, seed):
     assert qwen_absorb.patch_report(pipe) is None
 
 
-def test_qwen_image_21_is_refused():
-    if not hasattr(diffusers, "QwenImage21Transformer2DModel"):
-        pytest.skip("no Qwen-Image 2.1 in this diffusers")
-    with pytest.raises(TypeError):
-        qwen_absorb.patch(object.__new__(diffusers.QwenImage21Transformer2DModel))
+def test_other_models_are_refused_clearly():
+    """Qwen-Image and Qwen-Image-2.1 transformers are patched (tests/test_qwenimage21_patch.py); anything
+    else gets a TypeError naming what it needs and what it got."""
+    with pytest.raises(TypeError, match="QwenImageTransformer2DModel or QwenImage21Transformer2DModel.*Linear"):
+        qwen_absorb.patch(torch.nn.Linear(2, 2))
 
 
 def _run(pipe, seed, **kw):
