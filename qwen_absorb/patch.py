@@ -169,7 +169,8 @@ def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
         force_reference=bool(force_reference), kernels_under_compile=bool(kernels_under_compile),
-        offload_original_weights=bool(offload_original_weights), use_fast_accum=bool(use_fast_accum),
+        offload_original_weights=bool(offload_original_weights),
+        use_fast_accum=gating.check_fast_accum_mode(use_fast_accum),
         cross_block=bool(cross_block),
     )
 
@@ -177,7 +178,7 @@ def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_
 def patch(
     target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: str | bool = "auto",
     offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
-    force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: bool = False,
+    force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: str | bool = "auto",
     cross_block: bool = True,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
@@ -208,7 +209,9 @@ def patch(
     force_reference: make the fused ops run their torch references (debugging).
     kernels_under_compile: while ``torch.compile`` traces a patched block, use the fused CUDA
         kernels (custom ops) instead of leaving the elementwise chains to Inductor.
-    use_fast_accum: ``torch._scaled_mm``'s faster, less exact accumulation for the FP8 GEMMs.
+    use_fast_accum: ``torch._scaled_mm``'s fast accumulation for the FP8 GEMMs: ``"auto"`` (default) on
+        GPUs where it passed the fidelity gate (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`),
+        ``True`` / ``False`` everywhere.
     cross_block: let each block's FFN residual op also compute the next block's norm1 (one kernel
         instead of two at every block boundary, :mod:`qwen_absorb.handoff`).
 

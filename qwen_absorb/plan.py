@@ -57,7 +57,7 @@ class Options:
     force_reference: bool = False
     kernels_under_compile: bool = False
     offload_original_weights: bool = False
-    use_fast_accum: bool = False
+    use_fast_accum: str | bool = "auto"
     cross_block: bool = True
 
 
@@ -140,6 +140,7 @@ class BlockPlan:
     device: str = ""  # the device the decisions below were made for
     kernel_reasons: list[str] = field(default_factory=list)
     kernels: bool = False  # fused ops launch their kernels (else their references)
+    fast_accum: bool = False  # the FP8 GEMMs use torch._scaled_mm's fast accumulation
     sites: list[SitePlan] = field(default_factory=list)
     linears: dict[str, LinearPlan] = field(default_factory=dict)
     projections: dict[str, ProjectionInfo] = field(default_factory=dict)  # the four output projections
@@ -238,6 +239,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     plan.device = str(device)
     plan.kernel_reasons = _kernel_reasons(device, o)
     plan.kernels = not plan.kernel_reasons
+    plan.fast_accum = gating.fast_accum(o.use_fast_accum, device)
     plan.norms = {n: quant.inspect_norm(n, getattr(block, n)) for n in NORMS}
     plan.projections = {}
     for s in SITE_TABLE.values():

@@ -57,7 +57,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     fuse_bias = bias is not None and bias.dtype == w.out_dtype and w.out_dtype != torch.float32
     out = torch._scaled_mm(
         a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale, bias=bias if fuse_bias else None,
-        out_dtype=w.out_dtype, use_fast_accum=plan.options.use_fast_accum,
+        out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum,
     )
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)

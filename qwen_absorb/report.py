@@ -91,6 +91,7 @@ class BlockReport:
     handoff_reasons: list[str]
     handoff_in_reasons: list[str]
     handoffs_used: int
+    fast_accum: bool = False  # its FP8 GEMMs use fast accumulation
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
@@ -101,7 +102,7 @@ class BlockReport:
             {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
             {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
-            list(p.handoff_in_reasons), 0)
+            list(p.handoff_in_reasons), 0, p.fast_accum)
 
     @classmethod
     def of21(cls, index: int, install: str, d: qwenimage21.Decision) -> BlockReport:
@@ -134,6 +135,7 @@ class BlockReport:
             "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
             "cross_block_handoff": self.handoff, "cross_block_reasons": list(self.handoff_reasons),
             "cross_block_receive_reasons": list(self.handoff_in_reasons), "cross_block_handoffs_taken": self.handoffs_used,
+            "fp8_fast_accum": self.fast_accum,
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
             "projections": {k: v.to_dict() for k, v in self.projections.items()},
             "norms": {k: v.to_dict() for k, v in self.norms.items()},
@@ -323,9 +325,10 @@ class PatchReport:
                      f"(defer_bias={self.defer_bias!r})")
         if s["modelopt_linears"]:
             lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
+            fast = " with fast accumulation" if any(b.fast_accum for b in blocks if b.patched) else ""
             lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} of {s['modelopt_linears']} ModelOpt linears"
-                         f"{lora_part} (fp8_gemm={self.fp8_gemm!r}); FP8-emitting fused sites: "
-                         f"{s['fp8_emitting_sites']}")
+                         f"{lora_part}{fast if s['fp8_gemm_linears'] else ''} (fp8_gemm={self.fp8_gemm!r}); "
+                         f"FP8-emitting fused sites: {s['fp8_emitting_sites']}")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
