@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .modelopt_recipe import import_modelopt
+
 __all__ = [
     "TINY_CONFIG",
     "fp8_quantize",
@@ -67,8 +69,6 @@ FULL_SIZE_CONFIG: dict[str, Any] = dict(
 
 def _mtq():
     """``modelopt.torch.quantization``, first imported in a frame that holds no model (module docstring)."""
-    from .modelopt_recipe import import_modelopt  # noqa: PLC0415
-
     return import_modelopt()
 
 
