@@ -25,66 +25,48 @@ struct QaF32 {
   static __device__ __forceinline__ float store(float v) { return v; }
 };
 
+// The packed-pair operations of a 16-bit type whose PTX name is TY ("bf16", "f16") and whose pair
+// (1, 1) is ONE2 (element 2p in the low half). One rounding each: a * 1 + b is a + b, and
+// a * b + (-0) is a * b (the -0 keeps the sign of a zero product). store rounds to nearest even
+// (bf16: NaN -> canonical NaN), the same instruction PyTorch's CUDA float -> 16-bit conversion uses
+// on sm_80+.
+#define QA_PACKED16_OPS(TY, ONE2)                                                        \
+  typedef qa_u16 storage;                                                                \
+  static constexpr bool kPacked = true;                                                  \
+  static constexpr unsigned kOne2 = ONE2;                                                \
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {                 \
+    unsigned r;                                                                          \
+    asm("cvt.rn." TY "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                 \
+    return r;                                                                            \
+  }                                                                                      \
+  static __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {              \
+    unsigned r;                                                                          \
+    asm("fma.rn." TY "x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(kOne2), "r"(b));       \
+    return r;                                                                            \
+  }                                                                                      \
+  static __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {              \
+    unsigned r;                                                                          \
+    asm("fma.rn." TY "x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u)); \
+    return r;                                                                            \
+  }                                                                                      \
+  static __device__ __forceinline__ qa_u16 store(float v) {                              \
+    qa_u16 r;                                                                            \
+    asm("cvt.rn." TY ".f32 %0, %1;" : "=h"(r) : "f"(v));                                 \
+    return r;                                                                            \
+  }
+
 struct QaBF16 {
-  typedef qa_u16 storage;
-  static constexpr bool kPacked = true;
-  static constexpr unsigned kOne2 = 0x3F803F80u;  // (1, 1)
-  // Packed pairs (element 2p in the low half). One rounding each: a * 1 + b is a + b, and
-  // a * b + (-0) is a * b (the -0 keeps the sign of a zero product).
-  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(kOne2), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
-    return r;
-  }
+  QA_PACKED16_OPS("bf16", 0x3F803F80u)
   static __device__ __forceinline__ float load(qa_u16 v) {
     return __uint_as_float(((unsigned int)v) << 16);
-  }
-  // Round to nearest even, NaN -> canonical NaN: the same instruction PyTorch's CUDA
-  // float -> bfloat16 conversion uses on sm_80+.
-  static __device__ __forceinline__ qa_u16 store(float v) {
-    qa_u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-    return r;
   }
 };
 
 struct QaF16 {
-  typedef qa_u16 storage;
-  static constexpr bool kPacked = true;
-  static constexpr unsigned kOne2 = 0x3C003C00u;
-  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(kOne2), "r"(b));
-    return r;
-  }
-  static __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
-    return r;
-  }
+  QA_PACKED16_OPS("f16", 0x3C003C00u)
   static __device__ __forceinline__ float load(qa_u16 v) {
     float r;
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
-    return r;
-  }
-  static __device__ __forceinline__ qa_u16 store(float v) {
-    qa_u16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
     return r;
   }
 };
@@ -166,12 +148,34 @@ __device__ __forceinline__ void qa_store_raw(typename T::storage* p, bool vec, c
   }
 }
 
+// N elements in storage form widened to float.
+template <class T, int N>
+__device__ __forceinline__ void qa_widen(const QaVec<typename T::storage, N>& r, float (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+}
+
 // Load N consecutive elements widened to float (one vector load when `vec`).
 template <class T, int N>
 __device__ __forceinline__ void qa_load(const typename T::storage* p, bool vec, float (&out)[N]) {
-  const QaVec<typename T::storage, N> r = qa_load_raw<T, N>(p, vec);
+  qa_widen<T, N>(qa_load_raw<T, N>(p, vec), out);
+}
+
+// ---- a thread's slots of a row ---------------------------------------------------------------
+// f(c) for each slot c of this thread in a row of nslots slots spread over TH threads: NV > 0,
+// the slots threadIdx.x + k * TH for k < NV (unrolled; the launcher picks NV large enough);
+// NV == 0, a strided loop (very wide rows).
+template <int TH, int NV, class F>
+__device__ __forceinline__ void qa_for_slots(int nslots, F&& f) {
+  if (NV > 0) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+    for (int k = 0; k < NV; ++k) {
+      const int c = threadIdx.x + k * TH;
+      if (c < nslots) f(c);
+    }
+  } else {
+    for (int c = threadIdx.x; c < nslots; c += TH) f(c);
+  }
 }
 
 // ---- per-sample / per-token modulation rows --------------------------------------------------
@@ -188,3 +192,37 @@ __device__ __forceinline__ qa_i64 qa_param_row(qa_i64 row, qa_i64 L, qa_i64 B,
   else second = reinterpret_cast<const unsigned char*>(index)[row] != 0;
   return second ? B + b : b;
 }
+
+// ---- the gated residual step of a row ------------------------------------------------------------
+// new_residual = residual + gate * (x + bias) of one block's row (qa_gated_residual's roundings),
+// written to `out`: the whole bias_gate_residual kernel, and the first step of the norm2 kernel.
+// Rows at element offset `off`, the gate row at `goff`; bias null: no bias. vec_flags (checked on the
+// host): 1 residual/x/out rows vector-aligned, 8 the gate row, 16 the bias.
+template <class T>
+struct QaGatedResidualRow {
+  typedef typename T::storage S;
+  const S* r;
+  const S* x;
+  const S* b;
+  const S* g;
+  S* out;
+  bool vx, vg, vb;
+
+  __device__ __forceinline__ QaGatedResidualRow(const void* residual, const void* x_, const void* bias,
+                                                const void* gate, void* out_, qa_i64 off, qa_i64 goff, int vec_flags)
+      : r(reinterpret_cast<const S*>(residual) + off), x(reinterpret_cast<const S*>(x_) + off),
+        b(reinterpret_cast<const S*>(bias)), g(reinterpret_cast<const S*>(gate) + goff),
+        out(reinterpret_cast<S*>(out_) + off), vx(vec_flags & 1), vg(vec_flags & 8), vb(vec_flags & 16) {}
+
+  // Slot c (N elements): computes, writes and returns it.
+  template <int N>
+  __device__ __forceinline__ QaVec<S, N> step(int c) const {
+    const int e = c * N;
+    QaVec<S, N> bv = {};
+    if (b != nullptr) bv = qa_load_raw<T, N>(b + e, vb);
+    const QaVec<S, N> o = qa_gated_residual<T, N>(qa_load_raw<T, N>(r + e, vx), qa_load_raw<T, N>(x + e, vx),
+                                                  qa_load_raw<T, N>(g + e, vg), bv, b != nullptr);
+    qa_store_raw<T, N>(out + e, vx, o);
+    return o;
+  }
+};

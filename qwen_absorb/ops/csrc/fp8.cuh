@@ -71,6 +71,23 @@ __device__ __forceinline__ float qa_fp8_fake_quant(float x, float scale, float i
   return qa_round<T>(__fmul_rn(qa_e4m3_rne_satfinite(__fmul_rn(x, scale)), inv));
 }
 
+// The norm-input fake quantization of N widened values in place (quant_mode 0: the identity).
+template <class T, int N>
+__device__ __forceinline__ void qa_fp8_fake_quant_n(float (&v)[N], int quant_mode, float scale, float inv) {
+  if (quant_mode != 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = qa_fp8_fake_quant<T>(v[i], scale, inv);
+  }
+}
+
+// Load N consecutive elements widened to float, then the norm-input fake quantization.
+template <class T, int N>
+__device__ __forceinline__ void qa_load_quant(const typename T::storage* p, bool vec, int quant_mode, float scale,
+                                              float inv, float (&v)[N]) {
+  qa_load<T, N>(p, vec, v);
+  qa_fp8_fake_quant_n<T, N>(v, quant_mode, scale, inv);
+}
+
 // The e4m3fn byte of a value that is already an e4m3 value (qa_e4m3_rne_satfinite's output) or
 // NaN: sign | NaN pattern 0x7f for NaN (as PyTorch's float -> float8_e4m3fn conversion).
 __device__ __forceinline__ unsigned char qa_e4m3_bits(float r) {

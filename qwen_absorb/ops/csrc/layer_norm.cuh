@@ -141,23 +141,23 @@ __device__ __forceinline__ float2 qa_row_mean_rstd(QaWelford w, int D, float eps
   return make_float2(smem[0], smem[1]);
 }
 
+// LayerNorm output (no affine) in fp32, before PyTorch rounds it to the tensor dtype.
+template <int MODE>
+__device__ __forceinline__ float qa_ln_value(float v, float mean, float rstd) {
+  return MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v, mean)) : __fadd_rn(__fmul_rn(__fsub_rn(v, mean), rstd), 0.f);
+}
+
 // LayerNorm output (no affine) rounded to T, as PyTorch writes it.
 template <int MODE, class T>
 __device__ __forceinline__ float qa_ln_out(float v, float mean, float rstd) {
-  return MODE == 0 ? qa_round<T>(__fmul_rn(rstd, __fsub_rn(v, mean)))
-                   : qa_round<T>(__fadd_rn(__fmul_rn(__fsub_rn(v, mean), rstd), 0.f));
+  return qa_round<T>(qa_ln_value<MODE>(v, mean, rstd));
 }
 
-// x * (1 + scale) + shift with diffusers' roundings, stored as T (the store is the last rounding).
-template <class T>
-__device__ __forceinline__ typename T::storage qa_scale_shift_store(float y, float scale, float shift) {
-  return T::store(__fadd_rn(qa_mul<T>(y, qa_add<T>(1.f, scale)), shift));
-}
-
-// The modulated output of CH LayerNorm inputs: round(round(round(y) * round(1 + scale)) + shift),
-// diffusers' roundings (what qa_scale_shift_store(qa_ln_out(...)) computes), on packed pairs when
-// QA_LN_PACKED (exact, see common.cuh).
-template <class T, int MODE, int CH>
+// The modulated output of CH LayerNorm inputs with diffusers' roundings, each in T:
+//   SHIFT:  round(round(round(y) * round(1 + scale)) + shift)
+//   !SHIFT: round(round(y) * round(1 + scale))          (Qwen-Image-2.1: no shift; sh unused)
+// on packed pairs when QA_LN_PACKED (exact, see common.cuh).
+template <class T, int MODE, int CH, bool SHIFT = true>
 __device__ __forceinline__ QaVec<typename T::storage, CH> qa_modulated(
     const float (&v)[CH], float mean, float rstd, const QaVec<typename T::storage, CH>& sc,
     const QaVec<typename T::storage, CH>& sh) {
@@ -165,17 +165,19 @@ __device__ __forceinline__ QaVec<typename T::storage, CH> qa_modulated(
   if constexpr (QA_LN_PACKED && T::kPacked && CH % 2 == 0) {
 #pragma unroll
     for (int p = 0; p < CH / 2; ++p) {
-      const float y0 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p], mean))
-                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p], mean), rstd), 0.f);
-      const float y1 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p + 1], mean))
-                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p + 1], mean), rstd), 0.f);
+      const float y0 = qa_ln_value<MODE>(v[2 * p], mean, rstd);
+      const float y1 = qa_ln_value<MODE>(v[2 * p + 1], mean, rstd);
       const unsigned t = T::add2(T::kOne2, qa_pair(sc, p));
-      qa_set_pair(o, p, T::add2(T::mul2(T::pack2(y0, y1), t), qa_pair(sh, p)));
+      unsigned m = T::mul2(T::pack2(y0, y1), t);
+      if (SHIFT) m = T::add2(m, qa_pair(sh, p));
+      qa_set_pair(o, p, m);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < CH; ++i)
-      o.v[i] = qa_scale_shift_store<T>(qa_ln_out<MODE, T>(v[i], mean, rstd), T::load(sc.v[i]), T::load(sh.v[i]));
+    for (int i = 0; i < CH; ++i) {
+      const float m = __fmul_rn(qa_ln_out<MODE, T>(v[i], mean, rstd), qa_add<T>(1.f, T::load(sc.v[i])));
+      o.v[i] = SHIFT ? T::store(__fadd_rn(qa_round<T>(m), T::load(sh.v[i]))) : T::store(m);
+    }
   }
   return o;
 }

@@ -30,22 +30,13 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
   typedef typename T::storage S;
   constexpr int CH = QaLn<MODE>::CH;
-  const int D = p.D;
   const qa_i64 row = blockIdx.x;
-  const qa_i64 prow = qa_target_row(row, p.L, p.B, p.mask);
-  const S* xr = reinterpret_cast<const S*>(p.x) + row * (qa_i64)D;
-  S* outr = p.out ? reinterpret_cast<S*>(p.out) + row * (qa_i64)D : nullptr;
-  unsigned char* f8r = p.out_fp8 ? p.out_fp8 + row * (qa_i64)D : nullptr;
-  const S* scr = reinterpret_cast<const S*>(p.scale) + prow * p.scale_rs;
-  const bool vx = p.vec_flags & 1, vsc = p.vec_flags & 4;
-  float f8scale = 1.f, f8inv = 1.f;
-  if (f8r) qa_fp8_scales(p.out_amax, 1, f8scale, f8inv);
+  const qa_i64 off = row * (qa_i64)p.D;
+  const S* xr = reinterpret_cast<const S*>(p.x) + off;
+  const bool vx = p.vec_flags & 1;
 
   auto load = [&](int c, float (&t)[CH]) { qa_load<T, CH>(xr + c * CH, vx, t); };
-  auto emit = [&](int c, const float (&t)[CH], float mean, float rstd) {
-    const QaVec<S, CH> o = qa_scaled<T, MODE, CH>(t, mean, rstd, qa_load_raw<T, CH>(scr + c * CH, vsc));
-    if (outr) qa_store_raw<T, CH>(outr + c * CH, vx, o);
-    if (f8r) qa_store_fp8<T, CH>(f8r + c * CH, vx, o, f8scale);
-  };
-  qa_ln_row<MODE, NV>(D, p.eps, load, load, emit);
+  const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale,
+                                      qa_target_row(row, p.L, p.B, p.mask) * p.scale_rs);
+  qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);
 }

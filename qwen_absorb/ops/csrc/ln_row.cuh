@@ -1,7 +1,7 @@
 // The per-row driver of a LayerNorm-family kernel: one block per row in PyTorch's layout
 // (layer_norm.cuh: QaLn<MODE> threads, CH elements per slot, its Welford order), with the op's own
-// input and output steps passed in. Written once for the Qwen-Image-2.1 kernels; the two older
-// LayerNorm kernels spell out the same loop.
+// input and output steps passed in; every LayerNorm kernel runs on it, and QaLnEmit (below) is the
+// emit step of all of them.
 //
 //   produce(c, v): slot c's LayerNorm input (CH floats) into v; may write side outputs (a residual)
 //   reread(c, v):  the same input again (NV == 0 only: the streaming variant keeps nothing)
@@ -12,6 +12,7 @@
 // NV == 0: a strided loop for very wide rows that obtains every input twice.
 #pragma once
 #include "common.cuh"
+#include "fp8.cuh"
 #include "layer_norm.cuh"
 
 template <int MODE, int NV, class Produce, class Reread, class Emit>
@@ -67,3 +68,41 @@ __device__ __forceinline__ void qa_ln_row(int D, float eps, Produce&& produce, R
     }
   }
 }
+
+// The emit step of every LayerNorm kernel (qa_ln_row's `emit`): slot c's modulated output
+// LayerNorm(v) * (1 + scale) [+ shift] (qa_modulated, diffusers' roundings), written to `out` in the
+// tensor dtype (skipped when null) and/or to `out_fp8` as the e4m3 codes of the same rounded values
+// under the per-tensor amax at `out_amax` (the FP8 input of the consumer linears when they run as
+// real FP8 GEMMs). Output rows at element offset `off`; the scale (and shift) row at its offset.
+// vec_flags (checked on the host): 1 activation rows vector-aligned, 2 the shift row, 4 the scale row.
+template <class T, int MODE, bool SHIFT>
+struct QaLnEmit {
+  typedef typename T::storage S;
+  S* out;
+  unsigned char* f8;
+  const S* sc;
+  const S* sh;
+  bool vx, vsc, vsh;
+  float f8scale = 1.f;
+
+  __device__ __forceinline__ QaLnEmit(void* out_base, unsigned char* f8_base, const float* out_amax, qa_i64 off,
+                                      int vec_flags, const void* scale, qa_i64 scale_off,
+                                      const void* shift = nullptr, qa_i64 shift_off = 0)
+      : out(out_base ? reinterpret_cast<S*>(out_base) + off : nullptr), f8(f8_base ? f8_base + off : nullptr),
+        sc(reinterpret_cast<const S*>(scale) + scale_off),
+        sh(SHIFT ? reinterpret_cast<const S*>(shift) + shift_off : nullptr), vx(vec_flags & 1),
+        vsc(vec_flags & 4), vsh(vec_flags & 2) {
+    float f8inv = 1.f;
+    if (f8) qa_fp8_scales(out_amax, 1, f8scale, f8inv);
+  }
+
+  template <int CH>
+  __device__ __forceinline__ void operator()(int c, const float (&v)[CH], float mean, float rstd) const {
+    const QaVec<S, CH> scv = qa_load_raw<T, CH>(sc + c * CH, vsc);
+    QaVec<S, CH> shv = {};
+    if constexpr (SHIFT) shv = qa_load_raw<T, CH>(sh + c * CH, vsh);
+    const QaVec<S, CH> o = qa_modulated<T, MODE, CH, SHIFT>(v, mean, rstd, scv, shv);
+    if (out) qa_store_raw<T, CH>(out + c * CH, vx, o);
+    if (f8) qa_store_fp8<T, CH>(f8 + c * CH, vx, o, f8scale);
+  }
+};

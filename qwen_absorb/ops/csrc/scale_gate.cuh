@@ -1,5 +1,6 @@
-// Qwen-Image-2.1 modulation, shared by its fused ops: scale-only LayerNorm modulation, tanh-gated
-// residuals, and the per-token choice of a modulation row.
+// Qwen-Image-2.1 modulation, shared by its fused ops: tanh-gated residuals and the per-token choice
+// of a modulation row (its scale-only LayerNorm modulation is qa_modulated<..., SHIFT = false>,
+// layer_norm.cuh).
 //
 // diffusers' QwenImage21TransformerBlock computes, each op in the tensor dtype T (a rounding each):
 //   modulated = LayerNorm(x) * (1 + scale)           (no shift)
@@ -9,7 +10,6 @@
 // argument given there: a product of two 16-bit values and a sum each rounded once).
 #pragma once
 #include "common.cuh"
-#include "layer_norm.cuh"
 
 // ---- per-token modulation row --------------------------------------------------------------
 // Without a mask the parameters have B rows and token (b, l) uses row b. With diffusers'
@@ -64,25 +64,33 @@ __device__ __forceinline__ QaVec<typename T::storage, N> qa_tanh_gated_residual(
   return o;
 }
 
-// ---- LayerNorm(x) * (1 + scale) -----------------------------------------------------------------
-// round(round(y) * round(1 + scale)) with y the LayerNorm output of MODE (qa_ln_out's expression).
-template <class T, int MODE, int CH>
-__device__ __forceinline__ QaVec<typename T::storage, CH> qa_scaled(
-    const float (&v)[CH], float mean, float rstd, const QaVec<typename T::storage, CH>& sc) {
-  QaVec<typename T::storage, CH> o;
-  if constexpr (QA_LN_PACKED && T::kPacked && CH % 2 == 0) {
-#pragma unroll
-    for (int p = 0; p < CH / 2; ++p) {
-      const float y0 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p], mean))
-                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p], mean), rstd), 0.f);
-      const float y1 = MODE == 0 ? __fmul_rn(rstd, __fsub_rn(v[2 * p + 1], mean))
-                                 : __fadd_rn(__fmul_rn(__fsub_rn(v[2 * p + 1], mean), rstd), 0.f);
-      qa_set_pair(o, p, T::mul2(T::pack2(y0, y1), T::add2(T::kOne2, qa_pair(sc, p))));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < CH; ++i)
-      o.v[i] = T::store(__fmul_rn(qa_ln_out<MODE, T>(v[i], mean, rstd), qa_add<T>(1.f, T::load(sc.v[i]))));
+// The tanh-gated residual step of a row: C(residual + tanh(gate) * x) (C: the fp16 clip when `clip`),
+// written to `out`: the whole tanh_gate_residual kernel, and the first step of the 2.1 norm2 kernel.
+// Rows at element offset `off`, the gate row at `goff`. vec_flags (checked on the host): 1
+// residual/x/out rows vector-aligned, 8 the gate row.
+template <class T>
+struct QaTanhGatedResidualRow {
+  typedef typename T::storage S;
+  const S* r;
+  const S* x;
+  const S* g;
+  S* out;
+  bool vx, vg, clip;
+
+  __device__ __forceinline__ QaTanhGatedResidualRow(const void* residual, const void* x_, const void* gate, void* out_,
+                                                    qa_i64 off, qa_i64 goff, int vec_flags, int clip_)
+      : r(reinterpret_cast<const S*>(residual) + off), x(reinterpret_cast<const S*>(x_) + off),
+        g(reinterpret_cast<const S*>(gate) + goff), out(reinterpret_cast<S*>(out_) + off), vx(vec_flags & 1),
+        vg(vec_flags & 8), clip(clip_ != 0) {}
+
+  // Slot c (N elements): computes, writes and returns it.
+  template <int N>
+  __device__ __forceinline__ QaVec<S, N> step(int c) const {
+    const int e = c * N;
+    QaVec<S, N> o = qa_tanh_gated_residual<T, N>(qa_load_raw<T, N>(r + e, vx), qa_load_raw<T, N>(x + e, vx),
+                                                 qa_load_raw<T, N>(g + e, vg));
+    if (clip) qa_clip_f16_vec<T, N>(o);
+    qa_store_raw<T, N>(out + e, vx, o);
+    return o;
   }
-  return o;
-}
+};
