@@ -74,7 +74,7 @@ class _Counts:
             first = reason not in self._c
             self._c[reason] += 1
         if first:
-            log.debug("qwen_absorb: %s", reason)
+            log.debug("%s", reason)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -182,7 +182,7 @@ class GraphedCall:
         self.eager_calls += 1
         if reason not in self._logged:
             self._logged.add(reason)
-            log.info("qwen_absorb: CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
+            log.info("CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
         return self._inner(*args, **kwargs)
 
     def _host(self) -> list[torch.Tensor]:
@@ -194,7 +194,7 @@ class GraphedCall:
         except Exception as e:  # noqa: BLE001 - a failing callable must not fail the call: none allowed
             if "host_tensors" not in self._logged:
                 self._logged.add("host_tensors")
-                log.warning("qwen_absorb: host_tensors() raised %s: %s; no tensor may live off the GPU",
+                log.warning("host_tensors() raised %s: %s; no tensor may live off the GPU",
                             type(e).__name__, e)
             return []
 
@@ -252,7 +252,7 @@ class GraphedCall:
             return got.warm
         self._insert(call.key, got.graph)
         self.captures += 1
-        log.info("qwen_absorb: captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
+        log.info("captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
                  len(self._graphs), self.max_graphs, got.graph.capture_ms, desc, got.host_constants)
         # Lazy state set by the warm-up or the capture itself (plans decided on first run, caches) is part
         # of what this graph saw: take the snapshot now. If it moved, older graphs may be stale: drop them.
@@ -280,10 +280,10 @@ class GraphedCall:
             pass
         if "capture failed" not in self._logged:
             self._logged.add("capture failed")
-            log.warning("qwen_absorb: CUDA graph capture failed for %s (%s); this signature runs eager from now on",
+            log.warning("CUDA graph capture failed for %s (%s); this signature runs eager from now on",
                         desc, self._failed[call.key])
         else:
-            log.debug("qwen_absorb: CUDA graph capture failed for %s (%s)", desc, self._failed[call.key])
+            log.debug("CUDA graph capture failed for %s (%s)", desc, self._failed[call.key])
 
     # ------------------------------------------------------------------ graph bookkeeping
 
@@ -316,14 +316,14 @@ class GraphedCall:
             self._unreplayed += 1
             if self._unreplayed >= settings.MAX_UNREPLAYED_INVALIDATIONS and not self._unstable:
                 self._unstable = True
-                log.warning("qwen_absorb: CUDA graphs were invalidated before any replay %d times in a row (%s); "
+                log.warning("CUDA graphs were invalidated before any replay %d times in a row (%s); "
                             "graph mode stays off for this model (invalidate() re-enables it)",
                             self._unreplayed, reason)
         self._graphs.clear()
         self._pools.clear()
         if count:
             self.invalidations[reason] += 1
-        log.info("qwen_absorb: dropped CUDA graphs: %s", reason)
+        log.info("dropped CUDA graphs: %s", reason)
 
     # ------------------------------------------------------------------ public API
 
@@ -357,7 +357,7 @@ class GraphedCall:
                     restored = True
                     break
         if not restored:
-            log.warning("qwen_absorb: the CUDA-graph forward of %s was not found in its hook chain; it stays as "
+            log.warning("the CUDA-graph forward of %s was not found in its hook chain; it stays as "
                         "a pass-through", self._name)
         self._drop("remove()", count=False, track=False)
         self._graphs.clear()
@@ -473,10 +473,10 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     t = hooks.resolve_transformer(transformer, (nn.Module,))
     current = t.__dict__.get("forward")
     if isinstance(current, GraphedCall) and not current._removed:
-        log.debug("qwen_absorb: CUDA-graph mode already installed on %s", type(t).__name__)
+        log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
         return current
     runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after)
     object.__setattr__(t, "forward", runner)
-    log.info("qwen_absorb: CUDA-graph mode installed on %s (max %d graphs%s)", type(t).__name__, max_graphs,
+    log.info("CUDA-graph mode installed on %s (max %d graphs%s)", type(t).__name__, max_graphs,
              f", capture after {capture_after} eager calls" if capture_after else "")
     return runner
