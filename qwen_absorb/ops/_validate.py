@@ -53,6 +53,15 @@ def check_same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> 
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
+    """x and the residual it is added to: both activations, same dtype, device and shape."""
+    check_activation("x", x)
+    check_activation("residual", residual)
+    check_same("residual", residual, x, "x")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+
+
 def check_index(index: torch.Tensor | None, x: torch.Tensor) -> None:
     if index is None:
         return
@@ -101,6 +110,12 @@ def check_amax(name: str, amax: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a floating-point tensor holding one value")
     if amax.device != x.device:
         raise ValueError(f"{name} is on {amax.device} but x is on {x.device}")
+
+
+def check_fp8_amax(fp8_amax: torch.Tensor | None, x: torch.Tensor) -> None:
+    """The optional amax of an op's FP8 output (None: the op writes no codes)."""
+    if fp8_amax is not None:
+        check_amax("fp8_amax", fp8_amax, x)
 
 
 def check_eps(eps: float) -> float:

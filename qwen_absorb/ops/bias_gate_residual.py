@@ -7,24 +7,16 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import pick_nv
+from ._launch import Kernels, contiguous_or_none, index_kind, outputs, ptr, rows_aligned
 from ._modulation import expand_param
-from ._validate import check_activation, check_bias, check_index, check_param, check_same, param_rows
-
-CU = "bias_gate_residual.cu"
-THREADS = 128  # QA_BGR_THREADS
-_NV = (1, 2, 3, 4, 5, 6, 8)
-
+from ._validate import check_bias, check_index, check_param, check_residual, param_rows
 
 # BiasGateResidualParams in the .cu: residual, x, bias, gate, out, index (pointers);
-# gate_rs, B, L (int64); D, index_kind, vec_flags (int32)
-LAYOUT = "6P3qiii"
+# gate_rs, B, L (int64); D, index_kind, vec_flags (int32). 128 threads: QA_BGR_THREADS.
+KERNELS = Kernels("bias_gate_residual.cu", "bias_gate_residual_kernel", "6P3qiii", 128, (1, 2, 3, 4, 5, 6, 8))
 
 
 def bias_gate_residual_reference(
@@ -36,64 +28,37 @@ def bias_gate_residual_reference(
     return residual + expand_param(gate, index) * y
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
     index: torch.Tensor | None,
 ) -> torch.Tensor:
     """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate rows
     with unit last stride, index contiguous."""
-    if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, residual,)))
-    B, L, D = x.shape
-    out = torch.empty_like(x)
+    out, _ = outputs(x, (x, residual))
     if x.numel() == 0:
         return out
+    B, L, D = x.shape
     esize = x.element_size()
-    dev = x.get_device()
-    key = (x.dtype, D, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        vec = 16 // esize
-        if D % vec:
-            vec = 1
-        nv = pick_nv(math.ceil((D // vec) / THREADS), _NV)
-        fn = rt.function(CU, f"bias_gate_residual_kernel<{rt.TRAITS[x.dtype]}, {vec}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, THREADS, LAYOUT, dev), vec * esize)
-    launcher, a = hit
+    launcher, a = KERNELS.vec(x)
     grs = gate.stride(0)
-    xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
-    bp = bias.data_ptr() if bias is not None else 0
-    flags = (((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4))
-    launcher(B * L, rp, xp, bp, gp, out.data_ptr(), index.data_ptr() if index is not None else 0,
-             grs, B, L, D, index.element_size() if index is not None else 0, flags)
+    xp, rp, gp, bp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), ptr(bias)
+    flags = ((xp | rp) % a == 0) | (rows_aligned(gp, grs, esize, a) << 3) | ((bp % a == 0) << 4)
+    launcher(B * L, rp, xp, bp, gp, out.data_ptr(), ptr(index), grs, B, L, D, index_kind(index), flags)
     return out
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    out = []
-    for dtype, t in rt.TRAITS.items():
-        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()):
-            out += [(CU, f"bias_gate_residual_kernel<{t}, {v}, {nv}>") for nv in (*_NV, 0)]
-    return out
+all_kernel_expressions = KERNELS.expressions
 
 
 def _validate(residual, x, bias, gate, index) -> None:
-    check_activation("x", x)
-    check_activation("residual", residual)
-    check_same("residual", residual, x, "x")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    check_residual(residual, x)
     check_index(index, x)
     check_bias(bias, x)
     check_param("gate", gate, x, index)
 
 
 def _kernel(residual, x, bias, gate, index):
-    return launch(residual.contiguous(), x.contiguous(), bias, param_rows(gate),
-                  index.contiguous() if index is not None else None)
+    return launch(residual.contiguous(), x.contiguous(), bias, param_rows(gate), contiguous_or_none(index))
 
 
 def bias_gate_residual_not_supported_reasons(

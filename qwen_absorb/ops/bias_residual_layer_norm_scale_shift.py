@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, index_kind, outputs, ptr
+from ._launch import rows_aligned
 from ._modulation import expand_param, layer_norm
-from ._validate import check_activation, check_amax, check_bias, check_eps, check_index, check_param, check_same
+from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
 from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quantize_fp8_reference
 
-CU = "bias_residual_layer_norm_scale_shift.cu"
 _FORMULA = {1: "cuda_ext", 2: "eager"}
-
 
 # BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale,
 # new_residual, out, out_fp8, index, amax, out_amax (pointers); gate_rs, shift_rs, scale_rs, B, L
 # (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
-LAYOUT = "12P5qifiii"
+KERNELS = Kernels("bias_residual_layer_norm_scale_shift.cu", "bias_residual_layer_norm_scale_shift_kernel",
+                  "12P5qifiii")
 
 
 # ---------------------------------------------------------------------------- references
@@ -53,9 +52,6 @@ def bias_residual_layer_norm_scale_shift_reference(
 # ---------------------------------------------------------------------------- the launcher
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
@@ -66,56 +62,33 @@ def launch(
     residual, x: contiguous [B, L, D] on a usable CUDA device; gate/shift/scale rows with unit last
     stride; amax (norm-input quantizer, quant_mode 1/2) and fp8_amax fp32 one-element on the device.
     """
-    if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x, residual,)))
-    B, L, D = x.shape
-    h = torch.empty_like(x)
-    o = torch.empty_like(x) if out else None
-    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    h, o, f8 = outs = outputs(x, (x, residual), new_residual=True, out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
-        return h, o, f8
+        return outs
+    B, L, D = x.shape
     esize = x.element_size()
-    dev = x.get_device()
-    key = (x.dtype, D, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-        mode, threads, ch, nv = layout(D, True)
-        fn = rt.function(CU, f"bias_residual_layer_norm_scale_shift_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
-    launcher, a = hit
+    # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
+    launcher, a = KERNELS.ln(x, True)
     grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
-    bp = bias.data_ptr() if bias is not None else 0
+    bp = ptr(bias)
     flags = (
-        ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
-        | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
+        ((xp | rp) % a == 0) | (rows_aligned(sp, srs, esize, a) << 1) | (rows_aligned(cp, crs, esize, a) << 2)
+        | (rows_aligned(gp, grs, esize, a) << 3) | ((bp % a == 0) << 4)
     )
-    launcher(
-        B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), o.data_ptr() if o is not None else 0,
-        f8.data_ptr() if f8 is not None else 0, index.data_ptr() if index is not None else 0,
-        amax.data_ptr() if amax is not None else 0, fp8_amax.data_ptr() if fp8_amax is not None else 0,
-        grs, srs, crs, B, L, D, eps, index.element_size() if index is not None else 0, quant_mode, flags,
-    )
+    launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(fp8_amax),
+             grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)
     return h, o, f8
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [
-        (CU, f"bias_residual_layer_norm_scale_shift_kernel<{t}, {mode}, {nv}>")
-        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
-    ]
+all_kernel_expressions = KERNELS.expressions
 
 
 # ---------------------------------------------------------------------------- public ops
 
 
 def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax=None):
-    check_activation("x", x)
-    check_activation("residual", residual)
-    check_same("residual", residual, x, "x")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    check_residual(residual, x)
     eps = check_eps(eps)
     check_index(index, x)
     check_bias(bias, x)
@@ -125,18 +98,14 @@ def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quan
     quant = check_norm_input_quant(norm_input_quant)
     if quant is not None and quant.amax.device != x.device:
         raise ValueError(f"norm_input_quant.amax is on {quant.amax.device} but x is on {x.device}")
-    if fp8_amax is not None:
-        check_amax("fp8_amax", fp8_amax, x)
+    check_fp8_amax(fp8_amax, x)
     return eps, quant
 
 
 def _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, *, out=True, fp8_amax=None):
     amax, mode = _quant_args(quant, x.device)
-    return launch(
-        residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
-        index.contiguous() if index is not None else None, amax, mode, out=out,
-        fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None,
-    )
+    return launch(residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+                  contiguous_or_none(index), amax, mode, out=out, fp8_amax=amax_fp32(fp8_amax))
 
 
 def _quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
@@ -225,20 +194,17 @@ def _custom_op(
     """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes)``
     (codes empty without ``fp8_amax``)."""
     if kernel_usable_now(x):
-        h, o, codes = launch(
-            residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
-            index.contiguous() if index is not None else None, amax, quant_mode,
-            fp8_amax=fp8_amax.float().reshape(1) if fp8_amax is not None else None)
+        h, o, codes = launch(residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+                             contiguous_or_none(index), amax, quant_mode, fp8_amax=amax_fp32(fp8_amax))
     else:
         quant = Fp8PerTensorQuant(amax, formula=_FORMULA[quant_mode]) if quant_mode else None
         h, o = bias_residual_layer_norm_scale_shift_reference(
             residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index, norm_input_quant=quant)
         codes = quantize_fp8_reference(o, fp8_amax) if fp8_amax is not None else None
-    return h, o, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+    return h, o, codes_or_empty(codes, x)
 
 
 @_custom_op.register_fake
 def _(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax):
-    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
     like = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return like, torch.empty_like(like), codes
+    return like, torch.empty_like(like), fake_codes(x, fp8_amax)

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._launch import Kernels, codes_or_empty, fake_codes, outputs, ptr, rows_aligned
+from ._launch import amax_fp32 as _amax1
+from ._launch import contiguous_or_none as _contig
 from ._modulation import layer_norm
 from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
-from ._validate import check_activation, check_amax, check_eps
+from ._validate import check_activation, check_eps, check_fp8_amax
 from .fp8 import quantize_fp8_reference
-
-CU = "layer_norm_scale.cu"
 
 # LayerNormScaleParams in the .cu: x, out, out_fp8, scale, mask, out_amax (pointers);
 # scale_rs, B, L (int64); D (int32), eps (float), vec_flags (int32)
-LAYOUT = "6P3qifi"
+KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "6P3qifi")
 
 
 # ---------------------------------------------------------------------------- references
@@ -54,9 +53,6 @@ def layer_norm_scale_fp8_reference(
 # ---------------------------------------------------------------------------- the launcher
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None,
@@ -66,43 +62,22 @@ def launch(
     x: contiguous [B, L, D] on a usable CUDA device; scale [B (+1), D] rows with unit last stride;
     target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
     """
-    if type(x) is not torch.Tensor or type(scale) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got "
-                        + ", ".join(type(t).__name__ for t in (x, scale)))
-    B, L, D = x.shape
-    o = torch.empty_like(x) if out else None
-    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    o, f8 = outs = outputs(x, (x, scale), out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
-        return o, f8
+        return outs
+    B, L, D = x.shape
     esize = x.element_size()
     # eager's norm1 sees x itself: a misaligned x sends PyTorch down its rowwise path
     xp = x.data_ptr()
-    vectorized = xp % (4 * esize) == 0
-    dev = x.get_device()
-    key = (x.dtype, D, vectorized, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        mode, threads, ch, nv = layout(D, vectorized)
-        fn = rt.function(CU, f"layer_norm_scale_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
-    launcher, a = hit
+    launcher, a = KERNELS.ln(x, xp % (4 * esize) == 0)
     crs = row_stride(scale)
     cp = scale.data_ptr()
-    flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
-    launcher(
-        B * L, xp, o.data_ptr() if o is not None else 0, f8.data_ptr() if f8 is not None else 0, cp,
-        target_token_mask.data_ptr() if target_token_mask is not None else 0,
-        fp8_amax.data_ptr() if fp8_amax is not None else 0, crs, B, L, D, eps, flags,
-    )
+    flags = (xp % a == 0) | (rows_aligned(cp, crs, esize, a) << 2)
+    launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(fp8_amax), crs, B, L, D, eps, flags)
     return o, f8
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    """Every template instance :func:`launch` can ask for (the compile test builds them all)."""
-    return [
-        (CU, f"layer_norm_scale_kernel<{t}, {mode}, {nv}>")
-        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
-    ]
+all_kernel_expressions = KERNELS.expressions
 
 
 # ---------------------------------------------------------------------------- public ops
@@ -113,17 +88,8 @@ def _validate(x, scale, eps, mask, fp8_amax=None) -> float:
     eps = check_eps(eps)
     check_target_token_mask(mask, x)
     check_rows("scale", scale, x, mask)
-    if fp8_amax is not None:
-        check_amax("fp8_amax", fp8_amax, x)
+    check_fp8_amax(fp8_amax, x)
     return eps
-
-
-def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.contiguous() if t is not None else None
-
-
-def _amax1(a: torch.Tensor | None) -> torch.Tensor | None:
-    return a.float().reshape(1) if a is not None else None
 
 
 def layer_norm_scale_not_supported_reasons(
@@ -193,10 +159,9 @@ def _custom_op(
     else:
         out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
         codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
-    return out, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+    return out, codes_or_empty(codes, x)
 
 
 @_custom_op.register_fake
 def _(x, scale, eps, target_token_mask, fp8_amax):
-    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), codes
+    return torch.empty_like(x, memory_format=torch.contiguous_format), fake_codes(x, fp8_amax)

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._launch import Kernels, amax_fp32, codes_or_empty, fake_codes, index_kind, outputs, ptr, rows_aligned
+from ._launch import contiguous_or_none as _contig
 from ._modulation import expand_param, layer_norm
-from ._validate import check_activation, check_amax, check_eps, check_index, check_param
+from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param
 from ._validate import param_rows as _as_rows
 from .fp8 import quantize_fp8_reference
-
-CU = "layer_norm_scale_shift.cu"
-
 
 # LayerNormScaleShiftParams in the .cu: x, out, out_fp8, shift, scale, index, out_amax, amax
 # (pointers); shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind, quant_mode,
 # vec_flags (int32)
-LAYOUT = "8P4qifiii"
+KERNELS = Kernels("layer_norm_scale_shift.cu", "layer_norm_scale_shift_kernel", "8P4qifiii")
 
 
 # ---------------------------------------------------------------------------- references
@@ -53,9 +50,6 @@ def layer_norm_scale_shift_fp8_reference(
 # ---------------------------------------------------------------------------- the launcher
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, amax: torch.Tensor | None = None,
@@ -67,44 +61,24 @@ def launch(
     index contiguous; fp8_amax fp32 with one element on x's device; amax/quant_mode: the norm-input
     fake quantizer (:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`'s amax and mode), or 0.
     """
-    if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x,)))
-    B, L, D = x.shape
-    o = torch.empty_like(x) if out else None
-    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    o, f8 = outs = outputs(x, (x,), out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
-        return o, f8
+        return outs
+    B, L, D = x.shape
     esize = x.element_size()
     # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the
     # fresh, aligned output of the norm's input quantizer
     xp = x.data_ptr()
-    vectorized = quant_mode != 0 or xp % (4 * esize) == 0
-    dev = x.get_device()
-    key = (x.dtype, D, vectorized, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        mode, threads, ch, nv = layout(D, vectorized)
-        fn = rt.function(CU, f"layer_norm_scale_shift_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
-    launcher, a = hit
+    launcher, a = KERNELS.ln(x, quant_mode != 0 or xp % (4 * esize) == 0)
     srs, crs = shift.stride(0), scale.stride(0)
     sp, cp = shift.data_ptr(), scale.data_ptr()
-    flags = (xp % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
-    launcher(
-        B * L, xp, o.data_ptr() if o is not None else 0, f8.data_ptr() if f8 is not None else 0, sp, cp,
-        index.data_ptr() if index is not None else 0, fp8_amax.data_ptr() if fp8_amax is not None else 0,
-        amax.data_ptr() if amax is not None else 0, srs, crs, B, L, D, eps,
-        index.element_size() if index is not None else 0, quant_mode, flags,
-    )
+    flags = (xp % a == 0) | (rows_aligned(sp, srs, esize, a) << 1) | (rows_aligned(cp, crs, esize, a) << 2)
+    launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(fp8_amax), ptr(amax), srs, crs, B, L, D, eps,
+             index_kind(index), quant_mode, flags)
     return o, f8
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    """Every template instance :func:`launch` can ask for (the compile test builds them all)."""
-    return [
-        (CU, f"layer_norm_scale_shift_kernel<{t}, {mode}, {nv}>")
-        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
-    ]
+all_kernel_expressions = KERNELS.expressions
 
 
 # ---------------------------------------------------------------------------- public ops
@@ -116,8 +90,7 @@ def _validate(x, shift, scale, eps, index, fp8_amax=None) -> float:
     check_index(index, x)
     check_param("shift", shift, x, index)
     check_param("scale", scale, x, index)
-    if fp8_amax is not None:
-        check_amax("fp8_amax", fp8_amax, x)
+    check_fp8_amax(fp8_amax, x)
     return eps
 
 
@@ -167,14 +140,10 @@ def layer_norm_scale_shift_fp8(
 
     def kernel():
         out, codes = launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index),
-                            out=also_output, fp8_amax=fp8_amax.float().reshape(1))
+                            out=also_output, fp8_amax=amax_fp32(fp8_amax))
         return codes, out
 
     return dispatch(common_reasons([x, shift, scale], force_reference), reference, compiled, kernel)
-
-
-def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.contiguous() if t is not None else None
 
 
 # ---------------------------------------------------------------------------- custom op
@@ -189,14 +158,13 @@ def _custom_op(
     ``(out, codes)`` (codes empty when ``fp8_amax`` is None: custom ops need fixed output types)."""
     if kernel_usable_now(x):
         out, codes = launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index),
-                            fp8_amax=None if fp8_amax is None else fp8_amax.float().reshape(1))
+                            fp8_amax=amax_fp32(fp8_amax))
     else:
         out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
         codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
-    return out, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+    return out, codes_or_empty(codes, x)
 
 
 @_custom_op.register_fake
 def _(x, shift, scale, eps, index, fp8_amax):
-    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), codes
+    return torch.empty_like(x, memory_format=torch.contiguous_format), fake_codes(x, fp8_amax)

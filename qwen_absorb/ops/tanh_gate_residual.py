@@ -9,23 +9,16 @@ final ``clip(-65504, 65504)``. ``gate`` is a ``[B, D]`` chunk of the shared modu
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import pick_nv
+from ._launch import Kernels, contiguous_or_none, outputs, ptr, rows_aligned
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
-from ._validate import check_activation, check_same
-
-CU = "tanh_gate_residual.cu"
-THREADS = 128  # QA_TGR_THREADS
-_NV = (1, 2, 3, 4, 5, 6, 8)
+from ._validate import check_residual
 
 # TanhGateResidualParams in the .cu: residual, x, gate, out, mask (pointers); gate_rs, B, L (int64);
-# D, clip, vec_flags (int32)
-LAYOUT = "5P3qiii"
+# D, clip, vec_flags (int32). 128 threads: QA_TGR_THREADS.
+KERNELS = Kernels("tanh_gate_residual.cu", "tanh_gate_residual_kernel", "5P3qiii", 128, (1, 2, 3, 4, 5, 6, 8))
 
 
 def tanh_gate_residual_reference(
@@ -36,60 +29,31 @@ def tanh_gate_residual_reference(
     return clip_reference(residual + select_rows(gate, target_token_mask).tanh() * x, clip_fp16)
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
-def _vec(dtype: torch.dtype, D: int) -> int:
-    vec = 16 // torch.empty(0, dtype=dtype).element_size()
-    return vec if D % vec == 0 else 1
-
-
 def launch(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
     clip_fp16: bool = False,
 ) -> torch.Tensor:
     """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate
     [B (+1), D] rows with unit last stride, target_token_mask contiguous bool [L] or None."""
-    ts = (residual, x, gate)
-    if any(type(t) is not torch.Tensor for t in ts):  # a DTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in ts))
-    B, L, D = x.shape
-    out = torch.empty_like(x)
+    out, _ = outputs(x, (residual, x, gate))
     if x.numel() == 0:
         return out
+    B, L, D = x.shape
     esize = x.element_size()
-    dev = x.get_device()
-    key = (x.dtype, D, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        vec = _vec(x.dtype, D)
-        nv = pick_nv(math.ceil((D // vec) / THREADS), _NV)
-        fn = rt.function(CU, f"tanh_gate_residual_kernel<{rt.TRAITS[x.dtype]}, {vec}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, THREADS, LAYOUT, dev), vec * esize)
-    launcher, a = hit
+    launcher, a = KERNELS.vec(x)
     grs = row_stride(gate)
     xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
-    flags = (((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3))
+    flags = ((xp | rp) % a == 0) | (rows_aligned(gp, grs, esize, a) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
-    launcher(B * L, rp, xp, gp, out.data_ptr(), target_token_mask.data_ptr() if target_token_mask is not None else 0,
-             grs, B, L, D, clip, flags)
+    launcher(B * L, rp, xp, gp, out.data_ptr(), ptr(target_token_mask), grs, B, L, D, clip, flags)
     return out
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    out = []
-    for dtype, t in rt.TRAITS.items():
-        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()):
-            out += [(CU, f"tanh_gate_residual_kernel<{t}, {v}, {nv}>") for nv in (*_NV, 0)]
-    return out
+all_kernel_expressions = KERNELS.expressions
 
 
 def _validate(residual, x, gate, mask, clip_fp16) -> bool:
-    check_activation("x", x)
-    check_activation("residual", residual)
-    check_same("residual", residual, x, "x")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    check_residual(residual, x)
     clip_fp16 = check_clip(clip_fp16)
     check_target_token_mask(mask, x)
     check_rows("gate", gate, x, mask)
@@ -97,8 +61,7 @@ def _validate(residual, x, gate, mask, clip_fp16) -> bool:
 
 
 def _kernel(residual, x, gate, mask, clip_fp16):
-    return launch(residual.contiguous(), x.contiguous(), gate, mask.contiguous() if mask is not None else None,
-                  clip_fp16)
+    return launch(residual.contiguous(), x.contiguous(), gate, contiguous_or_none(mask), clip_fp16)
 
 
 def tanh_gate_residual_not_supported_reasons(

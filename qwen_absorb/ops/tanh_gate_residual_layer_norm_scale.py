@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._layer_norm import LN_MODES, NV_CHOICES, layout
+from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, outputs, ptr, rows_aligned
 from ._modulation import layer_norm
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
-from ._validate import check_activation, check_amax, check_eps, check_same
+from ._validate import check_eps, check_fp8_amax, check_residual
 from .fp8 import quantize_fp8_reference
-
-CU = "tanh_gate_residual_layer_norm_scale.cu"
 
 # TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out,
 # out_fp8, mask, out_amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
 # clip, vec_flags (int32)
-LAYOUT = "9P4qifii"
+KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "9P4qifii")
 
 
 # ---------------------------------------------------------------------------- references
@@ -50,9 +47,6 @@ def tanh_gate_residual_layer_norm_scale_reference(
 # ---------------------------------------------------------------------------- the launcher
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
     target_token_mask: torch.Tensor | None, clip_fp16: bool = False,
@@ -63,67 +57,42 @@ def launch(
     residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale [B (+1), D] rows with unit
     last stride; target_token_mask contiguous bool [L] or None; fp8_amax fp32 one-element on the device.
     """
-    ts = (residual, x, gate, scale)
-    if any(type(t) is not torch.Tensor for t in ts):  # a DTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in ts))
-    B, L, D = x.shape
-    h = torch.empty_like(x)
-    o = torch.empty_like(x) if out else None
-    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8_amax is not None else None
+    h, o, f8 = outs = outputs(x, (residual, x, gate, scale), new_residual=True, out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
-        return h, o, f8
+        return outs
+    B, L, D = x.shape
     esize = x.element_size()
-    dev = x.get_device()
-    key = (x.dtype, D, dev)
-    hit = _fns.get(key)
-    if hit is None:
-        # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-        mode, threads, ch, nv = layout(D, True)
-        fn = rt.function(CU, f"tanh_gate_residual_layer_norm_scale_kernel<{rt.TRAITS[x.dtype]}, {mode}, {nv}>", dev)
-        hit = _fns[key] = (rt.Launcher(fn, threads, LAYOUT, dev), ch * esize)
-    launcher, a = hit
+    # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
+    launcher, a = KERNELS.ln(x, True)
     grs, crs = row_stride(gate), row_stride(scale)
     xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
-    flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
+    flags = ((xp | rp) % a == 0) | (rows_aligned(cp, crs, esize, a) << 2) | (rows_aligned(gp, grs, esize, a) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
-    launcher(
-        B * L, rp, xp, gp, cp, h.data_ptr(), o.data_ptr() if o is not None else 0,
-        f8.data_ptr() if f8 is not None else 0, target_token_mask.data_ptr() if target_token_mask is not None else 0,
-        fp8_amax.data_ptr() if fp8_amax is not None else 0, grs, crs, B, L, D, eps, clip, flags,
-    )
+    launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(fp8_amax), grs, crs,
+             B, L, D, eps, clip, flags)
     return h, o, f8
 
 
-def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [
-        (CU, f"tanh_gate_residual_layer_norm_scale_kernel<{t}, {mode}, {nv}>")
-        for t in rt.TRAITS.values() for mode in LN_MODES for nv in (*NV_CHOICES, 0)
-    ]
+all_kernel_expressions = KERNELS.expressions
 
 
 # ---------------------------------------------------------------------------- public ops
 
 
 def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> tuple[float, bool]:
-    check_activation("x", x)
-    check_activation("residual", residual)
-    check_same("residual", residual, x, "x")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+    check_residual(residual, x)
     eps = check_eps(eps)
     clip_fp16 = check_clip(clip_fp16)
     check_target_token_mask(mask, x)
     check_rows("gate", gate, x, mask)
     check_rows("scale", scale, x, mask)
-    if fp8_amax is not None:
-        check_amax("fp8_amax", fp8_amax, x)
+    check_fp8_amax(fp8_amax, x)
     return eps, clip_fp16
 
 
 def _kernel(residual, x, gate, scale, eps, mask, clip_fp16, *, out=True, fp8_amax=None):
-    mask = mask.contiguous() if mask is not None else None
-    amax = fp8_amax.float().reshape(1) if fp8_amax is not None else None
-    return launch(residual.contiguous(), x.contiguous(), gate, scale, eps, mask, clip_fp16, out=out, fp8_amax=amax)
+    return launch(residual.contiguous(), x.contiguous(), gate, scale, eps, contiguous_or_none(mask), clip_fp16, out=out,
+                  fp8_amax=amax_fp32(fp8_amax))
 
 
 def tanh_gate_residual_layer_norm_scale_not_supported_reasons(
@@ -204,11 +173,10 @@ def _custom_op(
         h, o = tanh_gate_residual_layer_norm_scale_reference(
             residual, x, gate=gate, scale=scale, eps=eps, target_token_mask=target_token_mask, clip_fp16=clip_fp16)
         codes = quantize_fp8_reference(o, fp8_amax) if fp8_amax is not None else None
-    return h, o, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+    return h, o, codes_or_empty(codes, x)
 
 
 @_custom_op.register_fake
 def _(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax):
-    codes = torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
     like = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return like, torch.empty_like(like), codes
+    return like, torch.empty_like(like), fake_codes(x, fp8_amax)

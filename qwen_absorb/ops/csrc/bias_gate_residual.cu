@@ -2,6 +2,7 @@
 // One block per row; each thread handles NV vectors of VEC elements (NV == 0: a strided loop, for
 // very wide rows).
 #include "common.cuh"
+#include "residual_row.cuh"
 
 #define QA_BGR_THREADS 128
 // Minimum resident blocks per SM (register cap); 1 leaves the compiler free. Tuned on the H200
@@ -27,7 +28,8 @@ template <class T, int VEC, int NV>
 __global__ void __launch_bounds__(QA_BGR_THREADS, QA_BGR_MIN_BLOCKS)
 bias_gate_residual_kernel(const BiasGateResidualParams p) {
   const qa_i64 row = blockIdx.x;
-  const QaGatedResidualRow<T> res(p.residual, p.x, p.bias, p.gate, p.out, row * (qa_i64)p.D,
-                                  qa_param_row(row, p.L, p.B, p.index, p.index_kind) * p.gate_rs, p.vec_flags);
+  const QaResidualRow<T, QA_GATE_LINEAR> res(p.residual, p.x, p.bias, p.gate, p.out, row * (qa_i64)p.D,
+                                             qa_param_row(row, p.L, p.B, p.index, p.index_kind) * p.gate_rs,
+                                             p.vec_flags);
   qa_for_slots<QA_BGR_THREADS, NV>(p.D / VEC, [&](int c) { res.template step<VEC>(c); });
 }

@@ -8,6 +8,7 @@
 #include "fp8.cuh"
 #include "layer_norm.cuh"
 #include "ln_row.cuh"
+#include "residual_row.cuh"
 
 struct BiasResidualLayerNormScaleShiftParams {
   const void* residual;
@@ -34,22 +35,17 @@ template <class T, int MODE, int NV>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShiftParams p) {
   constexpr int CH = QaLn<MODE>::CH;
-  const int quant_mode = p.quant_mode;
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaGatedResidualRow<T> res(p.residual, p.x, p.bias, p.gate, p.new_residual, off, prow * p.gate_rs, p.vec_flags);
-  float qscale = 1.f, qinv = 1.f;
-  if (quant_mode != 0) qa_fp8_scales(p.amax, quant_mode, qscale, qinv);
-
+  const QaResidualRow<T, QA_GATE_LINEAR> res(p.residual, p.x, p.bias, p.gate, p.new_residual, off, prow * p.gate_rs,
+                                             p.vec_flags);
   // The LayerNorm input is Q(new_residual): new_residual computed and written once; the streaming
   // variant re-reads the slots this thread wrote itself (program order makes them visible).
+  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags, p.amax, p.quant_mode);
   auto produce = [&](int c, float (&t)[CH]) {
     qa_widen<T, CH>(res.template step<CH>(c), t);
-    qa_fp8_fake_quant_n<T, CH>(t, quant_mode, qscale, qinv);
-  };
-  auto reread = [&](int c, float (&t)[CH]) {
-    qa_load_quant<T, CH>(res.out + c * CH, res.vx, quant_mode, qscale, qinv, t);
+    qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
   };
   const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs,
                                      p.shift, prow * p.shift_rs);

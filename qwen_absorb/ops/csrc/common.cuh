@@ -192,37 +192,3 @@ __device__ __forceinline__ qa_i64 qa_param_row(qa_i64 row, qa_i64 L, qa_i64 B,
   else second = reinterpret_cast<const unsigned char*>(index)[row] != 0;
   return second ? B + b : b;
 }
-
-// ---- the gated residual step of a row ------------------------------------------------------------
-// new_residual = residual + gate * (x + bias) of one block's row (qa_gated_residual's roundings),
-// written to `out`: the whole bias_gate_residual kernel, and the first step of the norm2 kernel.
-// Rows at element offset `off`, the gate row at `goff`; bias null: no bias. vec_flags (checked on the
-// host): 1 residual/x/out rows vector-aligned, 8 the gate row, 16 the bias.
-template <class T>
-struct QaGatedResidualRow {
-  typedef typename T::storage S;
-  const S* r;
-  const S* x;
-  const S* b;
-  const S* g;
-  S* out;
-  bool vx, vg, vb;
-
-  __device__ __forceinline__ QaGatedResidualRow(const void* residual, const void* x_, const void* bias,
-                                                const void* gate, void* out_, qa_i64 off, qa_i64 goff, int vec_flags)
-      : r(reinterpret_cast<const S*>(residual) + off), x(reinterpret_cast<const S*>(x_) + off),
-        b(reinterpret_cast<const S*>(bias)), g(reinterpret_cast<const S*>(gate) + goff),
-        out(reinterpret_cast<S*>(out_) + off), vx(vec_flags & 1), vg(vec_flags & 8), vb(vec_flags & 16) {}
-
-  // Slot c (N elements): computes, writes and returns it.
-  template <int N>
-  __device__ __forceinline__ QaVec<S, N> step(int c) const {
-    const int e = c * N;
-    QaVec<S, N> bv = {};
-    if (b != nullptr) bv = qa_load_raw<T, N>(b + e, vb);
-    const QaVec<S, N> o = qa_gated_residual<T, N>(qa_load_raw<T, N>(r + e, vx), qa_load_raw<T, N>(x + e, vx),
-                                                  qa_load_raw<T, N>(g + e, vg), bv, b != nullptr);
-    qa_store_raw<T, N>(out + e, vx, o);
-    return o;
-  }
-};

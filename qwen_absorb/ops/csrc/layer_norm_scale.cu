@@ -28,14 +28,9 @@ struct LayerNormScaleParams {
 template <class T, int MODE, int NV>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
-  typedef typename T::storage S;
-  constexpr int CH = QaLn<MODE>::CH;
   const qa_i64 row = blockIdx.x;
   const qa_i64 off = row * (qa_i64)p.D;
-  const S* xr = reinterpret_cast<const S*>(p.x) + off;
-  const bool vx = p.vec_flags & 1;
-
-  auto load = [&](int c, float (&t)[CH]) { qa_load<T, CH>(xr + c * CH, vx, t); };
+  const QaLnInput<T> load(p.x, off, p.vec_flags);
   const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale,
                                       qa_target_row(row, p.L, p.B, p.mask) * p.scale_rs);
   qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);

@@ -34,18 +34,10 @@ struct LayerNormScaleShiftParams {
 template <class T, int MODE, int NV>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
-  typedef typename T::storage S;
-  constexpr int CH = QaLn<MODE>::CH;
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)p.D;
-  const S* xr = reinterpret_cast<const S*>(p.x) + off;
-  const bool vx = p.vec_flags & 1;
-  const int qm = p.quant_mode;
-  float qs = 1.f, qi = 1.f;
-  if (qm != 0) qa_fp8_scales(p.amax, qm, qs, qi);
-
-  auto load = [&](int c, float (&t)[CH]) { qa_load_quant<T, CH>(xr + c * CH, vx, qm, qs, qi, t); };
+  const QaLnInput<T> load(p.x, off, p.vec_flags, p.amax, p.quant_mode);
   const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs,
                                      p.shift, prow * p.shift_rs);
   qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);

@@ -69,6 +69,30 @@ __device__ __forceinline__ void qa_ln_row(int D, float eps, Produce&& produce, R
   }
 }
 
+// A LayerNorm input read from memory (qa_ln_row's `produce` or `reread`): slot c of the row at
+// element offset `off`, widened, then Q: the identity (quant_mode 0), or ModelOpt's FP8 per-tensor
+// fake quantization of the norm's input (quant_mode 1/2 with the amax at `amax`, QuantLayerNorm's
+// input quantizer). vec_flags bit 1: the rows are vector-aligned.
+template <class T>
+struct QaLnInput {
+  typedef typename T::storage S;
+  const S* in;
+  bool vec;
+  int quant_mode;
+  float qscale = 1.f, qinv = 1.f;
+
+  __device__ __forceinline__ QaLnInput(const void* base, qa_i64 off, int vec_flags, const float* amax = nullptr,
+                                       int quant_mode_ = 0)
+      : in(reinterpret_cast<const S*>(base) + off), vec(vec_flags & 1), quant_mode(quant_mode_) {
+    if (quant_mode != 0) qa_fp8_scales(amax, quant_mode, qscale, qinv);
+  }
+
+  template <int CH>
+  __device__ __forceinline__ void operator()(int c, float (&v)[CH]) const {
+    qa_load_quant<T, CH>(in + c * CH, vec, quant_mode, qscale, qinv, v);
+  }
+};
+
 // The emit step of every LayerNorm kernel (qa_ln_row's `emit`): slot c's modulated output
 // LayerNorm(v) * (1 + scale) [+ shift] (qa_modulated, diffusers' roundings), written to `out` in the
 // tensor dtype (skipped when null) and/or to `out_fp8` as the e4m3 codes of the same rounded values

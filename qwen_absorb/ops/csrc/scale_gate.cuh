@@ -63,34 +63,3 @@ __device__ __forceinline__ QaVec<typename T::storage, N> qa_tanh_gated_residual(
   }
   return o;
 }
-
-// The tanh-gated residual step of a row: C(residual + tanh(gate) * x) (C: the fp16 clip when `clip`),
-// written to `out`: the whole tanh_gate_residual kernel, and the first step of the 2.1 norm2 kernel.
-// Rows at element offset `off`, the gate row at `goff`. vec_flags (checked on the host): 1
-// residual/x/out rows vector-aligned, 8 the gate row.
-template <class T>
-struct QaTanhGatedResidualRow {
-  typedef typename T::storage S;
-  const S* r;
-  const S* x;
-  const S* g;
-  S* out;
-  bool vx, vg, clip;
-
-  __device__ __forceinline__ QaTanhGatedResidualRow(const void* residual, const void* x_, const void* gate, void* out_,
-                                                    qa_i64 off, qa_i64 goff, int vec_flags, int clip_)
-      : r(reinterpret_cast<const S*>(residual) + off), x(reinterpret_cast<const S*>(x_) + off),
-        g(reinterpret_cast<const S*>(gate) + goff), out(reinterpret_cast<S*>(out_) + off), vx(vec_flags & 1),
-        vg(vec_flags & 8), clip(clip_ != 0) {}
-
-  // Slot c (N elements): computes, writes and returns it.
-  template <int N>
-  __device__ __forceinline__ QaVec<S, N> step(int c) const {
-    const int e = c * N;
-    QaVec<S, N> o = qa_tanh_gated_residual<T, N>(qa_load_raw<T, N>(r + e, vx), qa_load_raw<T, N>(x + e, vx),
-                                                 qa_load_raw<T, N>(g + e, vg));
-    if (clip) qa_clip_f16_vec<T, N>(o);
-    qa_store_raw<T, N>(out + e, vx, o);
-    return o;
-  }
-};

@@ -3,6 +3,7 @@
 // One block per row; each thread handles NV vectors of VEC elements (NV == 0: a strided loop, for
 // very wide rows). Gate rows chosen per token by target_token_mask (scale_gate.cuh).
 #include "common.cuh"
+#include "residual_row.cuh"
 #include "scale_gate.cuh"
 
 #define QA_TGR_THREADS 128
@@ -22,7 +23,7 @@ struct TanhGateResidualParams {
 template <class T, int VEC, int NV>
 __global__ void __launch_bounds__(QA_TGR_THREADS) tanh_gate_residual_kernel(const TanhGateResidualParams p) {
   const qa_i64 row = blockIdx.x;
-  const QaTanhGatedResidualRow<T> res(p.residual, p.x, p.gate, p.out, row * (qa_i64)p.D,
-                                      qa_target_row(row, p.L, p.B, p.mask) * p.gate_rs, p.vec_flags, p.clip);
+  const QaResidualRow<T, QA_GATE_TANH> res(p.residual, p.x, nullptr, p.gate, p.out, row * (qa_i64)p.D,
+                                           qa_target_row(row, p.L, p.B, p.mask) * p.gate_rs, p.vec_flags, p.clip);
   qa_for_slots<QA_TGR_THREADS, NV>(p.D / VEC, [&](int c) { res.template step<VEC>(c); });
 }

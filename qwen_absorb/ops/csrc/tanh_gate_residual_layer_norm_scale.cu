@@ -9,6 +9,7 @@
 #include "fp8.cuh"
 #include "layer_norm.cuh"
 #include "ln_row.cuh"
+#include "residual_row.cuh"
 #include "scale_gate.cuh"
 
 struct TanhGateResidualLayerNormScaleParams {
@@ -35,13 +36,12 @@ tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleP
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_target_row(row, p.L, p.B, p.mask);
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaTanhGatedResidualRow<T> res(p.residual, p.x, p.gate, p.new_residual, off, prow * p.gate_rs, p.vec_flags,
-                                      p.clip);
-
+  const QaResidualRow<T, QA_GATE_TANH> res(p.residual, p.x, nullptr, p.gate, p.new_residual, off, prow * p.gate_rs,
+                                           p.vec_flags, p.clip);
   // the LayerNorm input is new_residual: computed (and written) once; the streaming variant
   // re-reads the slots this thread wrote itself (program order makes them visible)
   auto produce = [&](int c, float (&t)[CH]) { qa_widen<T, CH>(res.template step<CH>(c), t); };
-  auto reread = [&](int c, float (&t)[CH]) { qa_load<T, CH>(res.out + c * CH, res.vx, t); };
+  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags);
   const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs);
   qa_ln_row<MODE, NV>(p.D, p.eps, produce, reread, emit);
 }

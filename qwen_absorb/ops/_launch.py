@@ -1,0 +1,124 @@
+"""What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row).
+
+An op's :class:`Kernels` names its ``csrc`` file, its template and its parameter struct; it
+compiles and caches one :class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant,
+device) and lists every template instance for the compile test. The helpers below are the rest of
+a launch: the plain-tensor check, the outputs, pointers, index kinds and the ``vec_flags`` bits of
+the kernels' structs (1: activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias
+vector-aligned). They stay small: a fused op's host cost decides whether the patched model is
+faster at all (see :mod:`qwen_absorb.ops._runtime`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _runtime as rt
+from ._layer_norm import LN_MODES, NV_CHOICES, layout, pick_nv
+
+ptr = rt.ptr
+
+
+def require_plain(*ts: torch.Tensor) -> None:
+    """A DTensor / AsyncCollectiveTensor passes isinstance checks, but its data_ptr is not the data."""
+    for t in ts:
+        if type(t) is not torch.Tensor:
+            raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(u).__name__ for u in ts))
+
+
+def codes_like(x: torch.Tensor, want: bool) -> torch.Tensor | None:
+    """An e4m3 codes tensor shaped like x, when ``want``."""
+    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if want else None
+
+
+def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: bool = False, out: bool = True,
+            codes: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """A launch's outputs, once the tensors its kernel ``reads`` are known plain (:func:`require_plain`):
+    ``(new_residual, out, codes)`` with ``new_residual``, else ``(out, codes)``; each like x, None where
+    not asked for (new_residual always is when asked)."""
+    require_plain(*reads)
+    o = torch.empty_like(x) if out else None
+    f8 = codes_like(x, codes)
+    return (torch.empty_like(x), o, f8) if new_residual else (o, f8)
+
+
+def index_kind(index: torch.Tensor | None) -> int:
+    """The kernels' index_kind: the element size of a 0/1 index, 0 without one."""
+    return index.element_size() if index is not None else 0
+
+
+def rows_aligned(p: int, row_stride: int, esize: int, a: int) -> bool:
+    """Whether every row of a [R, D] parameter at address p starts ``a``-byte aligned."""
+    return (p | row_stride * esize) % a == 0
+
+
+def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+def amax_fp32(a: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-tensor amax as the kernels read it: one fp32 element (or None)."""
+    return a.float().reshape(1) if a is not None else None
+
+
+def codes_or_empty(codes: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A custom op's codes output: the codes, or an empty e4m3 tensor (custom ops need fixed output types)."""
+    return codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
+
+
+def fake_codes(x: torch.Tensor, fp8_amax: torch.Tensor | None) -> torch.Tensor:
+    """What a custom op's fake returns for its codes output."""
+    return torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
+
+
+class Kernels:
+    """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``.
+
+    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`.
+    Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1 where D does not
+    divide), ``threads`` per row, NV from ``nv_choices``.
+    """
+
+    __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "_cache")
+
+    def __init__(self, cu: str, name: str, layout: str, threads: int = 0, nv_choices: tuple[int, ...] = NV_CHOICES):
+        self.cu, self.name, self.layout = cu, name, layout
+        self.threads, self.nv_choices = threads, nv_choices
+        self._cache: dict[tuple, tuple[rt.Launcher, int]] = rt.register_cache({})
+
+    def _compile(self, key: tuple, x: torch.Tensor, a: int, nv: int, threads: int, nbytes: int):
+        dev = key[-1]
+        fn = rt.function(self.cu, f"{self.name}<{rt.TRAITS[x.dtype]}, {a}, {nv}>", dev)
+        hit = self._cache[key] = (rt.Launcher(fn, threads, self.layout, dev), nbytes)
+        return hit
+
+    def ln(self, x: torch.Tensor, vectorized: bool) -> tuple[rt.Launcher, int]:
+        """(launcher, bytes of one slot) of the LayerNorm kernel for rows like x's; ``vectorized``:
+        whether eager PyTorch takes its vectorized LayerNorm path for this input."""
+        key = (x.dtype, x.shape[2], vectorized, x.get_device())
+        hit = self._cache.get(key)
+        if hit is None:
+            mode, threads, ch, nv = layout(x.shape[2], vectorized)
+            hit = self._compile(key, x, mode, nv, threads, ch * x.element_size())
+        return hit
+
+    def vec(self, x: torch.Tensor) -> tuple[rt.Launcher, int]:
+        """(launcher, bytes of one vector) of the elementwise kernel for rows like x's."""
+        key = (x.dtype, x.shape[2], x.get_device())
+        hit = self._cache.get(key)
+        if hit is None:
+            D, esize = x.shape[2], x.element_size()
+            vec = 16 // esize if D % (16 // esize) == 0 else 1
+            nv = pick_nv(math.ceil((D // vec) / self.threads), self.nv_choices)
+            hit = self._compile(key, x, vec, nv, self.threads, vec * esize)
+        return hit
+
+    def expressions(self) -> list[tuple[str, str]]:
+        """Every template instance :meth:`ln` or :meth:`vec` can ask for (the compile test builds them)."""
+        out = []
+        for dtype, t in rt.TRAITS.items():
+            widths = LN_MODES if not self.threads else (1, 16 // torch.empty(0, dtype=dtype).element_size())
+            out += [(self.cu, f"{self.name}<{t}, {a}, {nv}>") for a in widths for nv in (*self.nv_choices, 0)]
+        return out
