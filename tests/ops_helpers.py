@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
+import qwen_absorb.ops as ops
+from qwen_absorb.ops import _runtime
+
 EPS = 1e-6
+
+
+def skip_module_without_kernels() -> None:
+    """Skip the calling test module unless CUDA and CuPy can run the kernels (the GPU test files)."""
+    if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
+        pytest.skip(
+            f"needs CUDA and CuPy ({_runtime.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
+            allow_module_level=True,
+        )
+
+
+def poison_allocator(nbytes: int, device: str = "cuda") -> None:
+    """Fill the next cached blocks with 0xFF (NaN in every float dtype) and give them back."""
+    blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device).fill_(0xFF) for _ in range(3)]
+    del blocks
 
 
 def diffusers_modulate(x_normed, mod_params, index=None):
@@ -28,6 +47,37 @@ def chunk_views(mod_params, as_3d=True):
     if as_3d:
         return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1)
     return shift, scale, gate
+
+
+def misaligned_activations(B, L, D, dtype, device, gen, offset):
+    """(x, attn): two [B, L, D] views at element offsets ``offset`` and ``offset + 1`` of fresh buffers
+    (a misaligned x sends PyTorch's LayerNorm down its rowwise path; the kernels drop vector loads)."""
+    out = []
+    for k in (0, 1):
+        base = torch.randn(B * L * D + 16, generator=gen, device=device).to(dtype)
+        out.append(base[offset + k: offset + k + B * L * D].view(B, L, D))
+    return tuple(out)
+
+
+def extreme_activations(B, L, D, dtype, device, gen):
+    """(x, attn) near the dtype's overflow, with NaN, +-Inf and +-0 at x[0, 0, :5] and a NaN at attn[1, 3, 7]."""
+    big = {torch.bfloat16: 1e30, torch.float16: 3e4, torch.float32: 1e30}[dtype]
+    x = (torch.randn(B, L, D, generator=gen, device=device) * big).to(dtype)
+    attn = (torch.randn(B, L, D, generator=gen, device=device) * big).to(dtype)
+    x[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device=device).to(dtype)
+    attn[1, 3, 7] = float("nan")
+    return x, attn
+
+
+def qwen_image_chain(h, attn, bias, mod, index):
+    """The three Qwen-Image fused ops as a block chains them: (norm1 output, new residual, norm2
+    output, FFN residual); ``mod`` holds both [R, 3D] modulations side by side."""
+    m1, m2 = mod.chunk(2, dim=-1)
+    sh1, sc1, g1 = chunk_views(m1)
+    sh2, sc2, g2 = chunk_views(m2)
+    x = ops.layer_norm_scale_shift(h, shift=sh1, scale=sc1, index=index)
+    h2, y = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g1, shift=sh2, scale=sc2, index=index)
+    return x, h2, y, ops.bias_gate_residual(h2, y, bias=bias, gate=g2, index=index)
 
 
 def make_index(B, L, device, gen):

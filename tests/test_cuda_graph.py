@@ -461,21 +461,17 @@ def test_snapshot_sees_lora_state(seed):
         model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False),
                           adapter_name="a")
     assert runner._scan is None and "module structure changed" in runner._dirty  # registration hook
-    scan = runner._current_scan()
-    model.set_adapters(["a"], weights=[0.5])
-    assert scan.changed() is not None
-    scan = runner._current_scan()
-    model.disable_lora()
-    assert scan.changed() is not None
-    scan = runner._current_scan()
-    model.enable_lora()
-    assert scan.changed() is not None
-    scan = runner._current_scan()
-    model.fuse_lora()
-    assert scan.changed() is not None
-    scan = runner._current_scan()
-    model.unfuse_lora()
-    assert scan.changed() is not None
+    steps = {
+        "set_adapters": lambda: model.set_adapters(["a"], weights=[0.5]),
+        "disable_lora": model.disable_lora,
+        "enable_lora": model.enable_lora,
+        "fuse_lora": model.fuse_lora,
+        "unfuse_lora": model.unfuse_lora,
+    }
+    for name, step in steps.items():
+        scan = runner._current_scan()
+        step()
+        assert scan.changed() is not None, name
     scan = runner._current_scan()
     model.unload_lora()
     assert runner._scan is None  # modules replaced by their base layers

@@ -25,6 +25,7 @@ from .ops_helpers import (
     diffusers_modulate,
     make_index,
     make_mod_params,
+    qwen_image_chain,
 )
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -217,20 +218,12 @@ def test_custom_ops_compile_fullgraph_on_cpu():
     mod = make_mod_params(2 * B, 6 * D // 3, torch.bfloat16, "cpu", gen)
     index = make_index(B, L, "cpu", gen)
 
-    def chain(h, a, bias, mod, index):
-        m1, m2 = mod.chunk(2, dim=-1)
-        sh1, sc1, g1 = chunk_views(m1)
-        sh2, sc2, g2 = chunk_views(m2)
-        x = ops.layer_norm_scale_shift(h, shift=sh1, scale=sc1, index=index)
-        h2, y = ops.bias_residual_layer_norm_scale_shift(h, a, bias=bias, gate=g1, shift=sh2, scale=sc2, index=index)
-        return ops.bias_gate_residual(h2, y, bias=bias, gate=g2, index=index), x
-
     torch._dynamo.reset()
-    compiled = torch.compile(chain, fullgraph=True, backend="eager")
-    for got, want in zip(compiled(h, a, bias, mod, index), chain(h, a, bias, mod, index)):
+    compiled = torch.compile(qwen_image_chain, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(h, a, bias, mod, index), qwen_image_chain(h, a, bias, mod, index)):
         assert_bit_identical(got, want, "compiled chain")
     # the trace really goes through the registered custom ops
-    gm = torch._dynamo.export(chain)(h, a, bias, mod, index).graph_module
+    gm = torch._dynamo.export(qwen_image_chain)(h, a, bias, mod, index).graph_module
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert any("qwen_absorb" in t for t in targets), targets
 

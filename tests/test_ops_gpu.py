@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import qwen_absorb.ops as ops
-from qwen_absorb.ops import _runtime
 from qwen_absorb.ops.fp8 import Fp8PerTensorQuant
 from qwen_absorb.quant import norm_input_fp8
 
@@ -25,17 +24,18 @@ from .ops_helpers import (
     chunk_views,
     diffusers_layer_norm,
     diffusers_modulate,
+    extreme_activations,
     ln_output_stats,
     make_index,
     make_mod_params,
+    misaligned_activations,
+    poison_allocator,
+    qwen_image_chain,
+    skip_module_without_kernels,
 )
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
-    pytest.skip(
-        f"needs CUDA and CuPy ({_runtime.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
-        allow_module_level=True,
-    )
+skip_module_without_kernels()
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -45,10 +45,12 @@ DS = [8, 64, 3072, 3080, 5120]
 STATS: list[dict] = []  # LayerNorm-output agreement per case, printed at the end of the session
 
 
-def poison_allocator(nbytes: int) -> None:
-    """Fill the next cached blocks with 0xFF (NaN in every float dtype) and give them back."""
-    blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=DEV).fill_(0xFF) for _ in range(3)]
-    del blocks
+def check_ln_output(name: str, got: torch.Tensor, want: torch.Tensor, dtype, B: int, L: int, D: int) -> None:
+    """A LayerNorm-family output against eager: at least 99.9% bit-identical, at most 1 ulp apart
+    (the agreement is recorded in STATS)."""
+    s = ln_output_stats(got, want)
+    STATS.append({"op": name, "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
+    assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, f"{name}: {s}"
 
 
 def fp64_chain(h, attn, bias, mod1, mod2, index):
@@ -113,9 +115,7 @@ def test_ops_match_eager(dtype, B, L, D, with_bias, with_index, gate_3d):
     assert_bit_identical(nr, h2, "new_residual")
     assert_bit_identical(o3, h3, "bias_gate_residual")
     for name, got, want in (("layer_norm_scale_shift", o1, m1), ("modulated", o2, m2)):
-        s = ln_output_stats(got, want)
-        STATS.append({"op": name, "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
-        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, f"{name}: {s}"
+        check_ln_output(name, got, want, dtype, B, L, D)
         assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{name}: unwritten or extra NaN"
     if L and D >= 64:
         ref_m1, _, ref_m2 = fp64_chain(h, attn, bias, mod1, mod2, index)
@@ -128,10 +128,7 @@ def test_ops_match_eager(dtype, B, L, D, with_bias, with_index, gate_3d):
 def test_misaligned_storage_offsets(dtype, offset):
     gen = torch.Generator(device=DEV).manual_seed(offset)
     B, L, D = 2, 37, 3072
-    base = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
-    h = base[offset: offset + B * L * D].view(B, L, D)
-    base2 = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
-    attn = base2[offset + 1: offset + 1 + B * L * D].view(B, L, D)
+    h, attn = misaligned_activations(B, L, D, dtype, DEV, gen, offset)
     bias = torch.randn(D + 8, generator=gen, device=DEV).to(dtype)[offset: offset + D]
     mod = make_mod_params(B, 2 * D, dtype, DEV, gen)[:, offset: offset + 3 * D]  # odd row offsets
     sh, sc, g = chunk_views(mod)
@@ -145,9 +142,7 @@ def test_misaligned_storage_offsets(dtype, offset):
     assert_bit_identical(nr, h2, "new_residual")
     assert_bit_identical(o3, h2, "bias_gate_residual")
     for name, got, want in (("layer_norm_scale_shift(misaligned x)", o1, m), ("modulated(misaligned)", o2, m2)):
-        s = ln_output_stats(got, want)
-        STATS.append({"op": name, "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
-        assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, f"{name}: {s}"
+        check_ln_output(name, got, want, dtype, B, L, D)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -155,11 +150,7 @@ def test_nan_inf_and_large_magnitudes(dtype):
     """NaN/Inf propagate like eager; large values exercise overflow and bf16 midpoint ties."""
     gen = torch.Generator(device=DEV).manual_seed(11)
     B, L, D = 2, 64, 3072
-    big = {torch.bfloat16: 1e30, torch.float16: 3e4, torch.float32: 1e30}[dtype]
-    h = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
-    attn = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
-    h[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device=DEV).to(dtype)
-    attn[1, 3, 7] = float("nan")
+    h, attn = extreme_activations(B, L, D, dtype, DEV, gen)
     mod = make_mod_params(B, D, dtype, DEV, gen, magnitude=3.0)
     sh, sc, g = chunk_views(mod)
     bias = torch.randn(D, generator=gen, device=DEV).to(dtype)
@@ -229,9 +220,7 @@ def test_fp8_norm_input_quant_matches_modelopt(dtype):
         h, attn, bias=bias, gate=g, shift=sh, scale=sc, norm_input_quant=norm_input_fp8(q)[0]
     )
     assert_bit_identical(nr, h2, "new_residual (never quantized)")
-    s = ln_output_stats(o2, m2)
-    STATS.append({"op": "modulated(fp8 norm input)", "dtype": str(dtype), "B": B, "L": L, "D": D, **s})
-    assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, s
+    check_ln_output("modulated(fp8 norm input)", o2, m2, dtype, B, L, D)
     # both ModelOpt formulas, explicitly
     for formula in ("cuda_ext", "eager"):
         fq = Fp8PerTensorQuant(q.amax, formula)
@@ -260,13 +249,7 @@ def test_wide_rows_streaming_variant(D):
         assert s["identical"] >= 0.999 and s["max_ulp"] <= 1, s
 
 
-def _chain(h, attn, bias, mod, index):
-    m1, m2 = mod.chunk(2, dim=-1)
-    sh1, sc1, g1 = chunk_views(m1)
-    sh2, sc2, g2 = chunk_views(m2)
-    x = ops.layer_norm_scale_shift(h, shift=sh1, scale=sc1, index=index)
-    h2, y = ops.bias_residual_layer_norm_scale_shift(h, attn, bias=bias, gate=g1, shift=sh2, scale=sc2, index=index)
-    return x, h2, y, ops.bias_gate_residual(h2, y, bias=bias, gate=g2, index=index)
+_chain = qwen_image_chain
 
 
 def _chain_inputs(seed=0, B=2, L=200, D=3072):

@@ -16,28 +16,25 @@ import torch
 
 import qwen_absorb.ops as ops
 from qwen_absorb import qwenimage21
-from qwen_absorb.ops import _runtime
 
-from .ops_helpers import bits, check_graph_replay, check_side_stream
+from .ops_helpers import (
+    bits,
+    check_graph_replay,
+    check_side_stream,
+    extreme_activations,
+    misaligned_activations,
+    skip_module_without_kernels,
+)
+from .ops_helpers import poison_allocator as poison
 from .qwenimage21_helpers import fallback_counts, installed, model_inputs, run, run_kv, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
-if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
-    pytest.skip(
-        f"needs CUDA and CuPy ({_runtime.cupy_unavailable_reason() if torch.cuda.is_available() else 'no CUDA'})",
-        allow_module_level=True,
-    )
+skip_module_without_kernels()
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-6
 SUMMARY: list[str] = []
-
-
-def poison(nbytes: int) -> None:
-    """Fill the next cached blocks with 0xFF (NaN in every float dtype) and give them back."""
-    blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=DEV).fill_(0xFF) for _ in range(3)]
-    del blocks
 
 
 def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -74,6 +71,27 @@ def _mask(gen, L):
     if L > 2:
         m[-2:] = True  # the target image's tokens come last
     return m
+
+
+def same_norm1(x, scale, mask, what: str) -> None:
+    """layer_norm_scale == its reference."""
+    same(ops.layer_norm_scale(x, scale=scale, target_token_mask=mask),
+         ops.layer_norm_scale_reference(x, scale=scale, target_token_mask=mask), f"norm1 {what}")
+
+
+def same_residual_ops(x, attn, gate, scale, ffn_gate, mask, what: str, clip: bool = False) -> torch.Tensor:
+    """tanh_gate_residual_layer_norm_scale (gate, scale) and tanh_gate_residual (ffn_gate) == their
+    references on the same inputs; returns the reference new_residual."""
+    h, m = ops.tanh_gate_residual_layer_norm_scale(x, attn, gate=gate, scale=scale, target_token_mask=mask,
+                                                   clip_fp16=clip)
+    rh, rm = ops.tanh_gate_residual_layer_norm_scale_reference(x, attn, gate=gate, scale=scale,
+                                                               target_token_mask=mask, clip_fp16=clip)
+    same(h, rh, f"new_residual {what}")
+    same(m, rm, f"modulated {what}")
+    same(ops.tanh_gate_residual(x, attn, gate=ffn_gate, target_token_mask=mask, clip_fp16=clip),
+         ops.tanh_gate_residual_reference(x, attn, gate=ffn_gate, target_token_mask=mask, clip_fp16=clip),
+         f"residual {what}")
+    return rh
 
 
 # ---------------------------------------------------------------------------- elementwise functions
@@ -184,29 +202,19 @@ def test_misaligned_and_strided_inputs(dtype, offset):
     strided slice of the cached KV mode, and a swiglu tail that is not a whole vector."""
     gen = torch.Generator(device=DEV).manual_seed(offset)
     B, L, D = 2, 37, 3072
-    base = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
-    x = base[offset: offset + B * L * D].view(B, L, D)
-    base2 = torch.randn(B * L * D + 16, generator=gen, device=DEV).to(dtype)
-    attn = base2[offset + 1: offset + 1 + B * L * D].view(B, L, D)
+    x, attn = misaligned_activations(B, L, D, dtype, DEV, gen, offset)
     big = (torch.randn(B + 1, 4 * D + 8, generator=gen, device=DEV) * 2).to(dtype)[:, offset: offset + 4 * D]
     mod1, mod2 = big.chunk(2, dim=-1)
     s1, g1 = mod1.chunk(2, dim=-1)
     s2, g2 = mod2.chunk(2, dim=-1)
     mask = _mask(gen, L)
-    same(ops.layer_norm_scale(x, scale=s1, target_token_mask=mask),
-         ops.layer_norm_scale_reference(x, scale=s1, target_token_mask=mask), "norm1 (misaligned x)")
-    h, m = ops.tanh_gate_residual_layer_norm_scale(x, attn, gate=g1, scale=s2, target_token_mask=mask)
-    rh, rm = ops.tanh_gate_residual_layer_norm_scale_reference(x, attn, gate=g1, scale=s2, target_token_mask=mask)
-    same(h, rh, "new_residual (misaligned)")
-    same(m, rm, "modulated (misaligned)")
-    same(ops.tanh_gate_residual(x, attn, gate=g2, target_token_mask=mask),
-         ops.tanh_gate_residual_reference(x, attn, gate=g2, target_token_mask=mask), "ffn residual (misaligned)")
+    same_norm1(x, s1, mask, "(misaligned x)")
+    same_residual_ops(x, attn, g1, s2, g2, mask, "(misaligned)")
     # the cached KV mode: the target tokens of a longer sequence (a strided view), a mask of all True
     full = torch.randn(B, L + 20, D, generator=gen, device=DEV).to(dtype)
     xs = full[:, 20:]
     ms = torch.ones(L, dtype=torch.bool, device=DEV)
-    same(ops.layer_norm_scale(xs, scale=s1, target_token_mask=ms),
-         ops.layer_norm_scale_reference(xs, scale=s1, target_token_mask=ms), "norm1 (strided)")
+    same_norm1(xs, s1, ms, "(strided)")
     same(ops.tanh_gate_residual(xs, attn, gate=g2, target_token_mask=ms),
          ops.tanh_gate_residual_reference(xs, attn, gate=g2, target_token_mask=ms), "residual (strided)")
     n = 7 * 39 * 3
@@ -221,29 +229,16 @@ def test_misaligned_and_strided_inputs(dtype, offset):
 def test_nan_inf_overflow_and_fp16_clip(dtype):
     gen = torch.Generator(device=DEV).manual_seed(11)
     B, L, D = 2, 64, 3072
-    big = {torch.bfloat16: 1e30, torch.float16: 3e4, torch.float32: 1e30}[dtype]
-    x = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
-    attn = (torch.randn(B, L, D, generator=gen, device=DEV) * big).to(dtype)
-    x[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0], device=DEV).to(dtype)
-    attn[1, 3, 7] = float("nan")
+    x, attn = extreme_activations(B, L, D, dtype, DEV, gen)
     s1, g1, s2, g2 = _rows(gen, B + 1, D, dtype, scale=4.0)
     g1[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=DEV).to(dtype)
     mask = _mask(gen, L)
     for clip in (False, True):
-        h, m = ops.tanh_gate_residual_layer_norm_scale(x, attn, gate=g1, scale=s2, target_token_mask=mask,
-                                                       clip_fp16=clip)
-        rh, rm = ops.tanh_gate_residual_layer_norm_scale_reference(x, attn, gate=g1, scale=s2,
-                                                                   target_token_mask=mask, clip_fp16=clip)
-        same(h, rh, f"new_residual clip={clip}")
-        same(m, rm, f"modulated clip={clip}")
-        same(ops.tanh_gate_residual(x, attn, gate=g1, target_token_mask=mask, clip_fp16=clip),
-             ops.tanh_gate_residual_reference(x, attn, gate=g1, target_token_mask=mask, clip_fp16=clip),
-             f"residual clip={clip}")
+        rh = same_residual_ops(x, attn, g1, s2, g1, mask, f"clip={clip}", clip=clip)
     if dtype == torch.float16:
         assert torch.isinf(rh).sum() == 0 and torch.isinf(ops.tanh_gate_residual_reference(
             x, attn, gate=g1, target_token_mask=mask)).sum() > 0, "inputs do not exercise the clip"
-    same(ops.layer_norm_scale(x, scale=s1, target_token_mask=mask),
-         ops.layer_norm_scale_reference(x, scale=s1, target_token_mask=mask), "norm1")
+    same_norm1(x, s1, mask, "")
     same(ops.swiglu(x, attn), ops.swiglu_reference(x, attn), "swiglu")
 
 
@@ -255,14 +250,8 @@ def test_wide_rows_streaming_variant(D):
     attn = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
     s1, g1, s2, _ = _rows(gen, B + 1, D, torch.bfloat16)
     mask = _mask(gen, L)
-    same(ops.layer_norm_scale(x, scale=s1, target_token_mask=mask),
-         ops.layer_norm_scale_reference(x, scale=s1, target_token_mask=mask), "norm1 (wide)")
-    h, m = ops.tanh_gate_residual_layer_norm_scale(x, attn, gate=g1, scale=s2, target_token_mask=mask)
-    rh, rm = ops.tanh_gate_residual_layer_norm_scale_reference(x, attn, gate=g1, scale=s2, target_token_mask=mask)
-    same(h, rh, "new_residual (wide)")
-    same(m, rm, "modulated (wide)")
-    same(ops.tanh_gate_residual(x, attn, gate=g1, target_token_mask=mask),
-         ops.tanh_gate_residual_reference(x, attn, gate=g1, target_token_mask=mask), "residual (wide)")
+    same_norm1(x, s1, mask, "(wide)")
+    same_residual_ops(x, attn, g1, s2, g1, mask, "(wide)")
 
 
 def _chain(x, attn, a, b, modulation, mask):
