@@ -52,12 +52,10 @@ def time_op(fn: Any, sets: list[tuple], device: torch.device, reps: int) -> floa
     return ms * 1e3 / len(sets)
 
 
-class Bench:
+class Bench(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev = a, a.device
-        self.cuda = self.dev.type == "cuda"
-        env = H.environment(self.dev)
-        self.l2 = int(env.get("l2_mb", 0) * 2**20)
+        super().__init__(a)
+        env = self.env
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
         self.docs = []
         self.O = self.HC = None
@@ -235,7 +233,7 @@ def ops_markdown(d: dict[str, Any]) -> str:
     lines += ["", *H.md_table(["target", "op", "value", "pass"],
                               [[t["check"], t["op"], t["value"], "yes" if t["pass"] else "**no**"]
                                for t in d.get("targets") or []])]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def host_markdown(d: dict[str, Any]) -> str:
@@ -252,7 +250,7 @@ def host_markdown(d: dict[str, Any]) -> str:
         if o.get("unpatched_ms") is not None:
             lines.append(f"- transformer {res}: unpatched {H.fmt(o.get('unpatched_ms'))} ms, patched "
                          f"{H.fmt(o.get('patched_ms'))} ms (benchmarks/transformer_suite.py --sections host)")
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def ncu() -> int:
@@ -286,9 +284,7 @@ def probe_ln_order() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(ap, SECTIONS)
+    ap = H.parser(__doc__, SECTIONS)
     ap.add_argument("--reps", type=int, default=None, help="timed graph replays per case (default 30; --tiny: 3)")
     ap.add_argument("--quick", action="store_true", help="8 replays per case")
     ap.add_argument("--sweep", action="store_true", help="time kernel build variants first (tuning)")

@@ -73,11 +73,10 @@ def seed_lora(model: torch.nn.Module, rank: int, seed: int) -> None:
         p.normal_(0.0, (1.0 / rank) if ".lora_A." in n else 0.02 / rank**0.5, generator=g)
 
 
-class Bench:
+class Bench(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev = a, a.device
-        self.cuda = self.dev.type == "cuda"
-        env = H.environment(self.dev)
+        super().__init__(a)
+        env = self.env
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": a.side**2,
                "lora_target_modules": TARGET_MODULES}
         self.R = H.Results(a.out, "fp8_lora", {
@@ -211,12 +210,7 @@ class Bench:
             with torch.no_grad():
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
-        rep = self.patch("fp8_lora_graph")
-        self.R.put("details.lora_repatch_returned_the_previous_report", rep is self.reports[-2])
-        self.R.put("fp8_lora_real_linears", self.R.get("real_linears.fp8_lora_graph"))
-        self.timed("fp8_lora_graph_ms", rep)
-        self.fidelity("fp8_lora_patched")
-        qwen_absorb.unpatch(self.model)
+        self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
         self.R.put("lora_fidelity_ratio", H.ratio(self.R.get("rel_err.fp8_lora_patched"),
                                                   self.R.get("rel_err.fp8_lora_fake_quant_unpatched")))
@@ -225,13 +219,18 @@ class Bench:
     def fused(self) -> None:
         self.patch("fp8_lora_before_fuse")  # patched when the user fuses: patch() again must see the new weights
         self.model.fuse_lora(lora_scale=1.0)
-        rep = self.patch("fp8_fused_lora_graph")
-        self.R.put("details.fuse_repatch_returned_the_previous_report", rep is self.reports[-2])
-        self.R.put("fp8_fused_lora_real_linears", self.R.get("real_linears.fp8_fused_lora_graph"))
-        self.timed("fp8_fused_lora_graph_ms", rep)
-        self.fidelity("fp8_fused_lora_patched")
-        qwen_absorb.unpatch(self.model)
+        self.repatched("fp8_fused_lora", "fuse_repatch_returned_the_previous_report")
         self.peak("fused_lora")
+
+    def repatched(self, case: str, detail: str) -> None:
+        """patch() again after the LoRA change (case ``<case>_graph``): whether it returned the previous
+        report, its real FP8 linears, time, fidelity; unpatched after."""
+        rep = self.patch(f"{case}_graph")
+        self.R.put(f"details.{detail}", rep is self.reports[-2])
+        self.R.put(f"{case}_real_linears", self.R.get(f"real_linears.{case}_graph"))
+        self.timed(f"{case}_graph_ms", rep)
+        self.fidelity(f"{case}_patched")
+        qwen_absorb.unpatch(self.model)
 
     def run(self) -> int:
         s, R = self.steps, self.R
@@ -311,16 +310,15 @@ def markdown(d: dict[str, Any]) -> str:
                               [[k, t["measured"], str(t["met"])] for k, t in (d.get("targets") or {}).items()], 4)]
     for k, v in (d.get("report_summary") or {}).items():
         lines.append(f"- report summary {k}: `{v}`")
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
+
+
+MODEL = {"layers": (60, 2), "side": (64, 4)}  # (default, --tiny)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(ap, budget_s=420.0)
-    ap.add_argument("--num-layers", type=int, default=None, help="default 60 (--tiny: 2)")
-    ap.add_argument("--side", type=int, default=None, help="image tokens per side (default 64 = 1024^2; --tiny: 4)")
-    ap.add_argument("--text-tokens", type=int, default=None, help="default 128 (--tiny: 8)")
+    ap = H.parser(__doc__, budget_s=420.0)
+    H.add_model_args(ap, **MODEL)
     ap.add_argument("--rank", type=int, default=None, help="LoRA rank (default 64; --tiny: 4)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
@@ -329,11 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.iters < 5 or a.warmup < 1:
         ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")
     a = H.finish_args(ap, a, tiny_prefix="fp8_lora")
-    t = a.tiny
-    a.num_layers = a.num_layers or (2 if t else 60)
-    a.side = a.side or (4 if t else 64)
-    a.text_tokens = a.text_tokens or (8 if t else 128)
-    a.rank = a.rank or (4 if t else 64)
+    H.resolve_model_args(a, **MODEL)
+    a.rank = a.rank or (4 if a.tiny else 64)
     return Bench(a).run()
 
 

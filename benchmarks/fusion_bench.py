@@ -116,12 +116,10 @@ def derive_targets(d: dict[str, Any]) -> dict[str, Any]:
             for t, (m, ok, geo) in rows.items()}
 
 
-class Bench:
+class Bench(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev = a, a.device
-        self.cuda = self.dev.type == "cuda"
-        env = H.environment(self.dev)
-        self.l2 = int(env.get("l2_mb", 0) * 2**20)
+        super().__init__(a)
+        env = self.env
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "op_shape": list(a.op_shape),
                "ln_variants": [f"{n}={d}" for n, d in a.ln_variants]}
         empty = {v: None for v in BF16 + FP8}
@@ -430,16 +428,15 @@ def markdown(d: dict[str, Any]) -> str:
                   f"compiled {H.fmt(c.get('patched_compiled'))} ms, speed-up {H.fmt(d.get('compile_1024_speedup'))}x",
               "", *H.md_table(["target", "measured", "met"],
                               [[k, t["measured"], str(t["met"])] for k, t in (d.get("targets") or {}).items()])]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
+
+
+MODEL = {"layers": (2, 1), "side": (64, 8)}  # the model built (default, --tiny)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(ap, SECTIONS, budget_s=240.0)
-    ap.add_argument("--num-layers", type=int, default=None, help="layers of the model built (default 2; --tiny: 1)")
-    ap.add_argument("--side", type=int, default=None, help="image tokens per side (default 64 = 1024^2; --tiny: 8)")
-    ap.add_argument("--text-tokens", type=int, default=None, help="default 128 (--tiny: 8)")
+    ap = H.parser(__doc__, SECTIONS, budget_s=240.0)
+    H.add_model_args(ap, **MODEL)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--block-iters", type=int, default=20, help="timed calls of the block (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="FP8 calibration forwards (1-2)")
@@ -458,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("method: --block-iters >= 5 and --warmup >= 1")
     a = H.finish_args(ap, a, SECTIONS, "fusion_bench")
     t = a.tiny
-    a.num_layers = a.num_layers or (1 if t else 2)
-    a.side, a.text_tokens = a.side or (8 if t else 64), a.text_tokens or (8 if t else 128)
+    H.resolve_model_args(a, **MODEL)
     a.op_reps = a.op_reps or (3 if t else 30)
     a.block_iters = 5 if t else a.block_iters
     if a.compile_backend is None and a.device.type == "cpu":

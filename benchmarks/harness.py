@@ -10,6 +10,7 @@ Every script in ``benchmarks/`` imports this module (``import harness as H``; th
 - :class:`Results` one JSON + markdown document, rewritten atomically after every measurement (a killed run keeps
   what was done); a value not measured stays ``null`` with its reason under ``skipped``;
 - :class:`Steps` runs named steps under a time budget, records errors and run times, and writes after each;
+- :class:`Bench` a runner's arguments, device and environment; :func:`parser` a script's argument parser;
 - :func:`add_common_args` / :func:`finish_args` ``--tiny`` (CPU smoke mode, never writes into
   ``benchmarks/results`` unless ``--out`` says so), ``--out``, ``--sections``, ``--budget-s``, ``--device``, ``--seed``;
 - model helpers over ``qwen_absorb.testing``: :func:`build_transformer`, :func:`inputs`, :func:`fp8_quantize`,
@@ -344,6 +345,17 @@ def dotted_get(d: Any, path: str) -> Any:
     return d
 
 
+class Bench:
+    """What every benchmark's runner starts from: its arguments ``a``, device, environment (provenance of
+    the result files) and the GPU's L2 size in bytes (0 where unknown)."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.dev = a, a.device
+        self.cuda = self.dev.type == "cuda"
+        self.env = environment(self.dev)
+        self.l2 = int(self.env.get("l2_mb", 0) * 2**20)
+
+
 class Results:
     """``<out>/<name>.json`` + ``.md``. ``put("a.b", v)`` sets a dotted key; ``put(k, None, reason)`` and
     ``skip(k, reason)`` record why under ``skipped``. ``markdown(data) -> str`` renders the .md. With
@@ -471,6 +483,11 @@ def md_head(title: str, d: dict[str, Any], method: str | None = None) -> list[st
     return lines + ([f"- method: {method}"] if method else [])
 
 
+def md_document(lines: list[str], d: dict[str, Any]) -> str:
+    """A result document's markdown: its lines, then :func:`md_footer`."""
+    return "\n".join(lines + md_footer(d)) + "\n"
+
+
 def md_footer(d: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if d.get("skipped"):
@@ -487,6 +504,16 @@ def md_footer(d: dict[str, Any]) -> list[str]:
 # ------------------------------------------------------------------------------------------ arguments
 
 
+def parser(doc: str, sections: tuple[str, ...] = (), budget_s: float = 0.0,
+           description: str | None = None) -> argparse.ArgumentParser:
+    """A script's argument parser: its docstring as help (first line as description, unless given) and
+    :func:`add_common_args`."""
+    ap = argparse.ArgumentParser(description=description or doc.split("\n")[0], epilog=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, sections, budget_s)
+    return ap
+
+
 def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (), budget_s: float = 0.0) -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run on a tiny model (seconds; never writes into benchmarks/results unless --out)")
@@ -498,6 +525,26 @@ def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (),
                     help=f"do not start a new step after this many seconds (0: no limit; default {budget_s:.0f})")
     ap.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def add_model_args(ap: argparse.ArgumentParser, layers: tuple[int, int], side: tuple[int, int] | None = None,
+                   text: tuple[int, int] = (128, 8)) -> None:
+    """--num-layers, --side (image tokens per side; omitted where ``side`` is None) and --text-tokens, each
+    given as (default, --tiny default); :func:`resolve_model_args` fills them in after parsing."""
+    ap.add_argument("--num-layers", type=int, default=None, help=f"blocks (default {layers[0]}; --tiny: {layers[1]})")
+    if side is not None:
+        ap.add_argument("--side", type=int, default=None, help=f"image tokens per side (default {side[0]} = "
+                                                               f"{16 * side[0]}^2; --tiny: {side[1]})")
+    ap.add_argument("--text-tokens", type=int, default=None, help=f"default {text[0]} (--tiny: {text[1]})")
+
+
+def resolve_model_args(a: argparse.Namespace, layers: tuple[int, int], side: tuple[int, int] | None = None,
+                       text: tuple[int, int] = (128, 8)) -> None:
+    """The defaults of :func:`add_model_args` (the same arguments) where the command line left them out."""
+    a.num_layers = a.num_layers or layers[a.tiny]
+    if side is not None:
+        a.side = a.side or side[a.tiny]
+    a.text_tokens = a.text_tokens or text[a.tiny]
 
 
 def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, sections: tuple[str, ...] = (),

@@ -65,9 +65,7 @@ PROFILE_KEYS = ("gpu_busy_ms", "nccl_ms", "kernels")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(p)
+    p = H.parser(__doc__, description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="parallel", help="results file name (default parallel)")
     p.add_argument("--num-layers", type=int, default=None, help="blocks (default 60; --tiny: 2)")
     p.add_argument("--resolutions", default=None, help="comma-separated pixels (default 1024,2048; --tiny: 64,128)")
@@ -518,7 +516,7 @@ def markdown(d: dict[str, Any]) -> str:
         lines += ["", f"## Call orders ({o.get('num_layers')} blocks at {o.get('resolution')}^2: {o.get('sequence')})"]
         lines += [f"- {m}: bit_identical **{o[m].get('bit_identical')}** ({o[m].get('status')})" for m in ("cp", "tp")
                   if isinstance(o.get(m), dict)]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def main(argv: list[str] | None = None) -> int:

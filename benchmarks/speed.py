@@ -86,12 +86,12 @@ def rep_info(rep: Any) -> dict[str, Any]:
                         "cuda_graph": rep.cuda_graph})
 
 
-class Speed:
+class Speed(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev, self.cuda = a, a.device, a.device.type == "cuda"
+        super().__init__(a)
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": a.side ** 2, "batch": 1}
         self.R = Doc(a.out, "speed_tiny" if a.tiny else "speed_h200", {
-            **H.head("benchmarks/speed.py (issue 19)", H.environment(self.dev), cfg), **dict.fromkeys(CALLS),
+            **H.head("benchmarks/speed.py (issue 19)", self.env, cfg), **dict.fromkeys(CALLS),
             **dict.fromkeys(k.replace("_ms", "_gpu_busy_ms") for k in CALLS), "fidelity_ratio_forward": None,
             **dict.fromkeys(PIPES), "peak_memory_gib": {}, "ratios": {}, "targets": {}, "reports": {},
             "fidelity": {}, "details": {}}, markdown)
@@ -361,13 +361,11 @@ def markdown(d: dict[str, Any]) -> str:
                           [[k, t["measured"], t["target"], str(t["met"])] for k, t in (d.get("targets") or {}).items()])]
     lines += [f"\n`{n}`: graph_fallbacks {r.get('graph_fallbacks')}, runtime_fallbacks {r.get('runtime_fallbacks')}, "
               f"summary `{r.get('summary')}`" for n, r in (d.get("reports") or {}).items()]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(p, SECTIONS, budget_s=500.0)
+    p = H.parser(__doc__, SECTIONS, budget_s=500.0, description=__doc__.split("\n\n")[0])
     defaults = {"num_layers": (60, 2), "side": (64, 8), "text_tokens": (128, 8), "neg_text_tokens": (32, 4),
                 "warmup": (2, 1), "iters": (7, 2), "fake_iters": (3, 1), "pipeline_size": (1024, 64), "steps": (50, 3),
                 "fast_steps": (8, 2), "warmup_steps": (3, 1)}

@@ -67,13 +67,12 @@ FP8_KEYS = ("bf16_eager_ms", "fp8_fake_ms", "fp8_real_ms", "bf16_eager_gpu_busy_
 CASES = ("bf16_unpatched", "bf16_patched", "fp8_fake", "fp8_real")
 
 
-class Suite:
+class Suite(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev = a, a.device
-        self.cuda = self.dev.type == "cuda"
+        super().__init__(a)
         side = {"1024": 8, "512": 4} if a.tiny else {"1024": 64, "512": 32}
         self.side, n = side, {r: s * s for r, s in side.items()}
-        env = H.environment(self.dev)
+        env = self.env
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": n, "batch": 1, "dtype": "bf16"}
         meta = H.head("benchmarks/transformer_suite.py", env, cfg)
         self.HC = self.F = self.FD = None
@@ -278,10 +277,14 @@ class Suite:
             self.put_host("512", "unpatched", self.measure("bf16 unpatched 512", self.in512))
 
     def bf16_unpatched_block_fid(self) -> None:
+        self.unpatched_block_fid("bf16_unpatched", "bf16 unpatched", "bf16", "bf16 unpatched")
+
+    def unpatched_block_fid(self, block_key: str, block_label: str, fid_key: str, fid_label: str) -> None:
+        """The unpatched model's single-block time (with the fusion document) and its fidelity run."""
         qwen_absorb.unpatch(self.model)
         if self.F is not None:
-            self.put_block("bf16_unpatched", self.block("bf16 unpatched", "bf16_unpatched"))
-        self.fidelity("bf16", "bf16 unpatched")
+            self.put_block(block_key, self.block(block_label, block_key))
+        self.fidelity(fid_key, fid_label)
 
     def bf16_patched(self) -> None:
         rep = self.patched("bf16")
@@ -313,10 +316,7 @@ class Suite:
         self.put_fp8("fp8_fake", r)
 
     def fp8_fake_block_fid(self) -> None:
-        qwen_absorb.unpatch(self.model)
-        if self.F is not None:
-            self.put_block("fp8_fake", self.block("fp8 fake unpatched", "fp8_fake"))
-        self.fidelity("fp8_fake", "fp8 unpatched")
+        self.unpatched_block_fid("fp8_fake", "fp8 fake unpatched", "fp8_fake", "fp8 unpatched")
 
     def fp8_real(self) -> None:
         F, a = self.F, self.a
@@ -480,7 +480,7 @@ def host_markdown(doc: dict[str, Any]) -> str:
     if op:
         lines += ["", "Op-level host cost (benchmarks/bench_ops.py --sections host):"]
         lines += [f"- `{k}`: `{json.dumps(v) if isinstance(v, dict) else v}`" for k, v in op.items()]
-    return "\n".join(lines + H.md_footer(doc)) + "\n"
+    return H.md_document(lines, doc)
 
 
 def fp8_markdown(d: dict[str, Any]) -> str:
@@ -512,7 +512,7 @@ def fp8_markdown(d: dict[str, Any]) -> str:
     if top:
         lines += ["", "Kernels of one real-FP8 call, by time:", "",
                   *H.md_table(["ms", "count", "kernel"], [[k["ms"], k["count"], f"`{k['name'][:100]}`"] for k in top])]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def fidelity_markdown(d: dict[str, Any]) -> str:
@@ -528,15 +528,12 @@ def fidelity_markdown(d: dict[str, Any]) -> str:
     lines += ["", *H.md_table(["case", "rel err forward", "rel err latents", "deferred", "err ratio fwd",
                                "err ratio latents", "latents rel diff", "pass"], rows, 4),
               "", f"Verdict: `{json.dumps(d.get('verdict'))}`"]
-    return "\n".join(lines + H.md_footer(d)) + "\n"
+    return H.md_document(lines, d)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_common_args(ap, SECTIONS, budget_s=420.0)
-    ap.add_argument("--num-layers", type=int, default=None, help="blocks (default 60; --tiny: 2)")
-    ap.add_argument("--text-tokens", type=int, default=None, help="default 128 (--tiny: 8)")
+    ap = H.parser(__doc__, SECTIONS, budget_s=420.0)
+    H.add_model_args(ap, layers=(60, 2))
     ap.add_argument("--warmup", type=int, default=2, help="warm-up calls after the first call (>= 2)")
     ap.add_argument("--iters", type=int, default=7, help="timed calls (bf16 and real FP8), >= 5")
     ap.add_argument("--fp8-fake-iters", type=int, default=5, help="timed calls of fake quant (~0.8 s each), >= 5")
@@ -547,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.warmup < 2 or min(a.iters, a.fp8_fake_iters, a.block_iters) < 5 or not 1 <= a.calib <= 3:
         ap.error("method: --warmup >= 2, --iters / --fp8-fake-iters / --block-iters >= 5, --calib 1-3")
     a = H.finish_args(ap, a, SECTIONS, "transformer_suite")
-    a.num_layers = a.num_layers or (2 if a.tiny else 60)
-    a.text_tokens = a.text_tokens or (8 if a.tiny else 128)
+    H.resolve_model_args(a, layers=(60, 2))
     if a.tiny:
         a.iters = a.fp8_fake_iters = a.block_iters = 5
     return Suite(a).run()
