@@ -49,6 +49,14 @@ def chunk_views(mod_params, as_3d=True):
     return shift, scale, gate
 
 
+def seeded_activations(seed, B, L, D, dtype, device):
+    """(generator, x, attn): a generator seeded with ``seed`` and two random [B, L, D] activations drawn from it."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(B, L, D, generator=gen, device=device).to(dtype)
+    attn = torch.randn(B, L, D, generator=gen, device=device).to(dtype)
+    return gen, x, attn
+
+
 def misaligned_activations(B, L, D, dtype, device, gen, offset):
     """(x, attn): two [B, L, D] views at element offsets ``offset`` and ``offset + 1`` of fresh buffers
     (a misaligned x sends PyTorch's LayerNorm down its rowwise path; the kernels drop vector loads)."""

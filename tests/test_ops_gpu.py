@@ -31,6 +31,7 @@ from .ops_helpers import (
     misaligned_activations,
     poison_allocator,
     qwen_image_chain,
+    seeded_activations,
     skip_module_without_kernels,
 )
 
@@ -232,10 +233,8 @@ def test_fp8_norm_input_quant_matches_modelopt(dtype):
 
 @pytest.mark.parametrize("D", [16384, 20000])
 def test_wide_rows_streaming_variant(D):
-    gen = torch.Generator(device=DEV).manual_seed(D)
     B, L = 1, 33
-    h = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
-    attn = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    gen, h, attn = seeded_activations(D, B, L, D, torch.bfloat16, DEV)
     mod = make_mod_params(B, D, torch.bfloat16, DEV, gen)
     sh, sc, g = chunk_views(mod)
     m, gate = diffusers_modulate(diffusers_layer_norm(h), mod, None)

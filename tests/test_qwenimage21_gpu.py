@@ -23,6 +23,7 @@ from .ops_helpers import (
     check_side_stream,
     extreme_activations,
     misaligned_activations,
+    seeded_activations,
     skip_module_without_kernels,
 )
 from .ops_helpers import poison_allocator as poison
@@ -244,10 +245,8 @@ def test_nan_inf_overflow_and_fp16_clip(dtype):
 
 @pytest.mark.parametrize("D", [16384, 20000])
 def test_wide_rows_streaming_variant(D):
-    gen = torch.Generator(device=DEV).manual_seed(D)
     B, L = 2, 9
-    x = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
-    attn = torch.randn(B, L, D, generator=gen, device=DEV).bfloat16()
+    gen, x, attn = seeded_activations(D, B, L, D, torch.bfloat16, DEV)
     s1, g1, s2, _ = _rows(gen, B + 1, D, torch.bfloat16)
     mask = _mask(gen, L)
     same_norm1(x, s1, mask, "(wide)")
