@@ -3,10 +3,10 @@
 An op's :class:`Kernels` names its ``csrc`` file, its template and its parameter struct; it
 compiles and caches one :class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant,
 device) and lists every template instance for the compile test. The helpers below are the rest of
-a launch: the plain-tensor check, the outputs, pointers, index kinds and the ``vec_flags`` bits of
-the kernels' structs (1: activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias
-vector-aligned). They stay small: a fused op's host cost decides whether the patched model is
-faster at all (see :mod:`qwen_absorb.ops._runtime`).
+a launch: the plain-tensor check, the outputs, pointers, index kinds, amax and codes. The launches
+compute the ``vec_flags`` of the kernels' structs inline, with the same bits everywhere (1: activation
+rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned). They stay small: a fused
+op's host cost decides whether the patched model is faster at all (see :mod:`qwen_absorb.ops._runtime`).
 """
 
 from __future__ import annotations
@@ -28,30 +28,22 @@ def require_plain(*ts: torch.Tensor) -> None:
             raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(u).__name__ for u in ts))
 
 
-def codes_like(x: torch.Tensor, want: bool) -> torch.Tensor | None:
-    """An e4m3 codes tensor shaped like x, when ``want``."""
-    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if want else None
-
-
 def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: bool = False, out: bool = True,
             codes: bool = False) -> tuple[torch.Tensor | None, ...]:
     """A launch's outputs, once the tensors its kernel ``reads`` are known plain (:func:`require_plain`):
     ``(new_residual, out, codes)`` with ``new_residual``, else ``(out, codes)``; each like x, None where
     not asked for (new_residual always is when asked)."""
-    require_plain(*reads)
+    for t in reads:
+        if type(t) is not torch.Tensor:
+            require_plain(*reads)  # raises, naming them
     o = torch.empty_like(x) if out else None
-    f8 = codes_like(x, codes)
+    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if codes else None
     return (torch.empty_like(x), o, f8) if new_residual else (o, f8)
 
 
 def index_kind(index: torch.Tensor | None) -> int:
     """The kernels' index_kind: the element size of a 0/1 index, 0 without one."""
     return index.element_size() if index is not None else 0
-
-
-def rows_aligned(p: int, row_stride: int, esize: int, a: int) -> bool:
-    """Whether every row of a [R, D] parameter at address p starts ``a``-byte aligned."""
-    return (p | row_stride * esize) % a == 0
 
 
 def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -94,22 +86,22 @@ class Kernels:
         hit = self._cache[key] = (rt.Launcher(fn, threads, self.layout, dev), nbytes)
         return hit
 
-    def ln(self, x: torch.Tensor, vectorized: bool) -> tuple[rt.Launcher, int]:
-        """(launcher, bytes of one slot) of the LayerNorm kernel for rows like x's; ``vectorized``:
+    def ln(self, x: torch.Tensor, D: int, vectorized: bool) -> tuple[rt.Launcher, int]:
+        """(launcher, bytes of one slot) of the LayerNorm kernel for x's rows of D elements; ``vectorized``:
         whether eager PyTorch takes its vectorized LayerNorm path for this input."""
-        key = (x.dtype, x.shape[2], vectorized, x.get_device())
+        key = (x.dtype, D, vectorized, x.get_device())
         hit = self._cache.get(key)
         if hit is None:
-            mode, threads, ch, nv = layout(x.shape[2], vectorized)
+            mode, threads, ch, nv = layout(D, vectorized)
             hit = self._compile(key, x, mode, nv, threads, ch * x.element_size())
         return hit
 
-    def vec(self, x: torch.Tensor) -> tuple[rt.Launcher, int]:
-        """(launcher, bytes of one vector) of the elementwise kernel for rows like x's."""
-        key = (x.dtype, x.shape[2], x.get_device())
+    def vec(self, x: torch.Tensor, D: int) -> tuple[rt.Launcher, int]:
+        """(launcher, bytes of one vector) of the elementwise kernel for x's rows of D elements."""
+        key = (x.dtype, D, x.get_device())
         hit = self._cache.get(key)
         if hit is None:
-            D, esize = x.shape[2], x.element_size()
+            esize = x.element_size()
             vec = 16 // esize if D % (16 // esize) == 0 else 1
             nv = pick_nv(math.ceil((D // vec) / self.threads), self.nv_choices)
             hit = self._compile(key, x, vec, nv, self.threads, vec * esize)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, contiguous_or_none, index_kind, outputs, ptr, rows_aligned
+from ._launch import Kernels, contiguous_or_none, index_kind, outputs, ptr
 from ._modulation import expand_param
 from ._validate import check_bias, check_index, check_param, check_residual, param_rows
 
@@ -39,10 +39,10 @@ def launch(
         return out
     B, L, D = x.shape
     esize = x.element_size()
-    launcher, a = KERNELS.vec(x)
+    launcher, a = KERNELS.vec(x, D)
     grs = gate.stride(0)
     xp, rp, gp, bp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), ptr(bias)
-    flags = ((xp | rp) % a == 0) | (rows_aligned(gp, grs, esize, a) << 3) | ((bp % a == 0) << 4)
+    flags = ((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
     launcher(B * L, rp, xp, bp, gp, out.data_ptr(), ptr(index), grs, B, L, D, index_kind(index), flags)
     return out
 

@@ -18,7 +18,6 @@ import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, index_kind, outputs, ptr
-from ._launch import rows_aligned
 from ._modulation import expand_param, layer_norm
 from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
@@ -68,13 +67,13 @@ def launch(
     B, L, D = x.shape
     esize = x.element_size()
     # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-    launcher, a = KERNELS.ln(x, True)
+    launcher, a = KERNELS.ln(x, D, True)
     grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
     bp = ptr(bias)
     flags = (
-        ((xp | rp) % a == 0) | (rows_aligned(sp, srs, esize, a) << 1) | (rows_aligned(cp, crs, esize, a) << 2)
-        | (rows_aligned(gp, grs, esize, a) << 3) | ((bp % a == 0) << 4)
+        ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
+        | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
     )
     launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(fp8_amax),
              grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, codes_or_empty, fake_codes, outputs, ptr, rows_aligned
+from ._launch import Kernels, codes_or_empty, fake_codes, outputs, ptr
 from ._launch import amax_fp32 as _amax1
 from ._launch import contiguous_or_none as _contig
 from ._modulation import layer_norm
@@ -69,10 +69,10 @@ def launch(
     esize = x.element_size()
     # eager's norm1 sees x itself: a misaligned x sends PyTorch down its rowwise path
     xp = x.data_ptr()
-    launcher, a = KERNELS.ln(x, xp % (4 * esize) == 0)
+    launcher, a = KERNELS.ln(x, D, xp % (4 * esize) == 0)
     crs = row_stride(scale)
     cp = scale.data_ptr()
-    flags = (xp % a == 0) | (rows_aligned(cp, crs, esize, a) << 2)
+    flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
     launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(fp8_amax), crs, B, L, D, eps, flags)
     return o, f8
 

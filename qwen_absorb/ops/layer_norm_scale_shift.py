@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, amax_fp32, codes_or_empty, fake_codes, index_kind, outputs, ptr, rows_aligned
+from ._launch import Kernels, amax_fp32, codes_or_empty, fake_codes, index_kind, outputs, ptr
 from ._launch import contiguous_or_none as _contig
 from ._modulation import expand_param, layer_norm
 from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param
@@ -69,10 +69,10 @@ def launch(
     # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the
     # fresh, aligned output of the norm's input quantizer
     xp = x.data_ptr()
-    launcher, a = KERNELS.ln(x, quant_mode != 0 or xp % (4 * esize) == 0)
+    launcher, a = KERNELS.ln(x, D, quant_mode != 0 or xp % (4 * esize) == 0)
     srs, crs = shift.stride(0), scale.stride(0)
     sp, cp = shift.data_ptr(), scale.data_ptr()
-    flags = (xp % a == 0) | (rows_aligned(sp, srs, esize, a) << 1) | (rows_aligned(cp, crs, esize, a) << 2)
+    flags = (xp % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
     launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(fp8_amax), ptr(amax), srs, crs, B, L, D, eps,
              index_kind(index), quant_mode, flags)
     return o, f8

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, contiguous_or_none, outputs, ptr, rows_aligned
+from ._launch import Kernels, contiguous_or_none, outputs, ptr
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
 from ._validate import check_residual
 
@@ -40,10 +40,10 @@ def launch(
         return out
     B, L, D = x.shape
     esize = x.element_size()
-    launcher, a = KERNELS.vec(x)
+    launcher, a = KERNELS.vec(x, D)
     grs = row_stride(gate)
     xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
-    flags = ((xp | rp) % a == 0) | (rows_aligned(gp, grs, esize, a) << 3)
+    flags = ((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
     launcher(B * L, rp, xp, gp, out.data_ptr(), ptr(target_token_mask), grs, B, L, D, clip, flags)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, outputs, ptr, rows_aligned
+from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, outputs, ptr
 from ._modulation import layer_norm
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
 from ._validate import check_eps, check_fp8_amax, check_residual
@@ -63,10 +63,10 @@ def launch(
     B, L, D = x.shape
     esize = x.element_size()
     # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-    launcher, a = KERNELS.ln(x, True)
+    launcher, a = KERNELS.ln(x, D, True)
     grs, crs = row_stride(gate), row_stride(scale)
     xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
-    flags = ((xp | rp) % a == 0) | (rows_aligned(cp, crs, esize, a) << 2) | (rows_aligned(gp, grs, esize, a) << 3)
+    flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
     launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(fp8_amax), grs, crs,
              B, L, D, eps, clip, flags)
