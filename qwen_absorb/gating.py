@@ -167,16 +167,27 @@ def defer_refusals(
     return r
 
 
-def check_mode(mode: object) -> str | bool:
-    if mode not in DEFER_MODES or (mode is not True and mode is not False and mode != "auto"):
-        raise ValueError(f"defer_bias must be 'auto', True or False, got {mode!r}")
+def check_tristate(name: str, mode: object) -> str | bool:
+    """``mode`` if it is ``"auto"``, ``True`` or ``False`` (not 1, 0 or "yes"), else a ValueError naming ``name``."""
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"{name} must be 'auto', True or False, got {mode!r}")
     return mode  # type: ignore[return-value]
+
+
+def check_mode(mode: object) -> str | bool:
+    return check_tristate("defer_bias", mode)
 
 
 def check_fast_accum_mode(mode: object) -> str | bool:
-    if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"use_fast_accum must be 'auto', True or False, got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return check_tristate("use_fast_accum", mode)
+
+
+def check_graph_mode(mode: object) -> str | bool:
+    return check_tristate("cuda_graph", mode)
+
+
+def check_fp8_mode(mode: object) -> str | bool:
+    return check_tristate("fp8_gemm", mode)
 
 
 def fast_accum(mode: str | bool, device: torch.device) -> bool:
@@ -184,15 +195,3 @@ def fast_accum(mode: str | bool, device: torch.device) -> bool:
     if mode != "auto":
         return bool(mode)
     return device.type == "cuda" and capability_key(device) in VALIDATED_FAST_ACCUM_CAPABILITIES
-
-
-def check_graph_mode(mode: object) -> str | bool:
-    if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"cuda_graph must be 'auto', True or False, got {mode!r}")
-    return mode  # type: ignore[return-value]
-
-
-def check_fp8_mode(mode: object) -> str | bool:
-    if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"fp8_gemm must be 'auto', True or False, got {mode!r}")
-    return mode  # type: ignore[return-value]
