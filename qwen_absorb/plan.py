@@ -197,6 +197,31 @@ class BlockPlan:
 # ---------------------------------------------------------------------------- decisions
 
 
+def _tp_style_hooks(x: nn.Module) -> int:
+    """1 when ``x`` carries exactly torch's tensor-parallel style hooks (one pre-hook, one hook), else 0."""
+    return int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
+               and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None)
+
+
+def _hooked(block: nn.Module, *paths: str) -> str | None:
+    """The first of ``paths`` (or a PEFT wrapper / base of it) carrying a user's forward hook, else None."""
+    for p in paths:
+        base, wrappers = unwrap_peft(resolve(block, p))
+        for x in (*wrappers, base):
+            if x is not None:
+                n = _tp_style_hooks(x)
+                if hooks.user_hooked(x.__dict__, n, n):
+                    return p
+    return None
+
+
+def _hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
+    """A user's hook on a module ``what`` would skip or change: that part runs as its module instead, so
+    the hook runs and sees what it sees unpatched."""
+    h = _hooked(block, *paths)
+    return [f"a forward hook on {h}: {what}"] if h is not None else []
+
+
 def _kernel_reasons(device: torch.device, options: Options) -> list[str]:
     r = list(ops.kernel_runtime_reasons(device))
     if options.force_reference or ops._eligibility.force_reference_requested():
@@ -301,7 +326,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     base, wrappers = unwrap_peft(m)
     if wrappers:
         r += [f"PEFT LoRA: {x}" for x in lora.unsupported_reasons(wrappers[0])]
-        lp.lora = True
+        lp.lora = True  # its branches are added after the GEMM (none while merged or disabled)
     if m is not None and any(hooks.offload_hooked(x) for x in (m, base)):
         r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
     w = base._parameters.get("weight") if base is not None else None
@@ -317,6 +342,10 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     if w is not None and getattr(w, "metadata", {}).get("dtype", w.dtype) not in (torch.bfloat16, torch.float16):
         r.append("activations are not bf16/fp16")
     r += _fp8_context_reasons(block, path)
+    top = path.split(".")[0]
+    containers = (path,) + ((f"{top}", f"{top}.0") if top.endswith("_mod") else
+                            (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())
+    r += _hook_refusal(block, "the linear runs as its module", *containers)
     if r:
         lp.fp8_reasons, lp.tp, lp.lora = r, None, False
         return lp
@@ -337,7 +366,7 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     """What around a linear the FP8 path reproduces: diffusers' processor without attention
     quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
-        r = _processor_reasons(block)
+        r = _processor_reasons(block) + _hook_refusal(block, "the attention runs as its module", "attn")
         if r:
             return r
         for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
@@ -361,7 +390,7 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
     o = plan.options
     if s.norm is not None:
         info = plan.norms[s.norm]
-        sp.reasons = list(info.unsupported)
+        sp.reasons = list(info.unsupported) + _hook_refusal(block, "the norm runs as its module", s.norm)
         if info.input_quantizer_enabled:
             nq, _ = quant.norm_input_fp8(getattr(block, s.norm).input_quantizer, device)
             if nq is not None and nq.amax.device.type != "meta":
@@ -379,8 +408,10 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
             sp.defer_reasons = ["the projection runs as a real FP8 GEMM: its bias is fused in the GEMM epilogue"]
         else:
             base = unwrap_peft(resolve(block, s.takes_bias_of))[0]
+            holder = "attn" if s.takes_bias_of.startswith("attn.") else s.takes_bias_of.split(".")[0]
             sp.defer_reasons = (
-                _structure_refusals(block, s.takes_bias_of)
+                _hook_refusal(block, "its output must include its bias", s.takes_bias_of, holder)
+                + _structure_refusals(block, s.takes_bias_of)
                 + gating.defer_refusals(info, mode=o.defer_bias, consumer_fused=sp.fused, device=device,
                                         capabilities=o.capabilities, kernel_reasons=plan.kernel_reasons)
                 + gating.tp_bias_refusals(base, o.defer_bias))
@@ -477,6 +508,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
         return False, (), [QK_OFF_REASON]
     r = [] if plan.kernels else ["the fused kernels cannot run here"]
     r += _fp8_context_reasons(block, "attn.to_q")
+    r += _hook_refusal(block, "the q/k norms run as their modules", *(f"attn.{n}" for n in QK_NORMS))
     norms = [getattr(attn, n, None) for n in QK_NORMS]
     dtype = next((p.dtype for p in block.parameters()), None)
     for name, n in zip(QK_NORMS, norms):
@@ -534,14 +566,20 @@ def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[tuple[dict, int, int],
         base, wrappers = unwrap_peft(m)
         for x in (*wrappers, base):
             if x is not None:
-                tp = isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight")) \
-                    and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None
-                out[id(x.__dict__)] = (x.__dict__, int(tp), int(tp))  # torch's TP style: one of each
+                n = _tp_style_hooks(x)
+                out[id(x.__dict__)] = (x.__dict__, n, n)  # torch's TP style: one of each
     return tuple(out.values())
 
 
 _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
                   "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
+_HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
+
+
+def _hook_state(m: nn.Module) -> tuple:
+    """What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`)."""
+    d = m.__dict__
+    return (len(d.get("_forward_pre_hooks") or ()), len(d.get("_forward_hooks") or ()), d.get("forward"))
 
 
 def _watch(block: nn.Module) -> Watch:
@@ -581,8 +619,10 @@ def _watch(block: nn.Module) -> Watch:
     attn = block._modules.get("attn")
     if attn is not None:
         add((attn, "__dict__", "processor"), entries)
-        modules[id(attn)] = attn
+    holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
+    modules.update((id(m), m) for m in holders)
     stateful += [(m, type) for m in modules.values()]  # a class converted in place (mtq.quantize)
+    stateful += [(m, _hook_state) for m in modules.values()]  # a hook added or removed: decide again
     return Watch(entries.values(), tensors.values(), stateful)
 
 

@@ -307,8 +307,8 @@ DEFERRED = {"defer_bias": True, "fp8_gemm": False, "capabilities": {"cpu"}}
                                           ("attn.to_out.0", DEFERRED), ("img_mlp.net.2", DEFERRED)])
 def test_user_hooks_run_and_see_unpatched_values(seed, where, kwargs):
     """A hook added after patching on a module the fused path skips (a fused norm, an FP8 linear) or
-    changes (a projection whose bias is deferred): the block runs diffusers' path, the hook runs once
-    and sees what it sees on the twin that had the hook before being patched."""
+    changes (a projection whose bias is deferred): that module runs as its module (the block decides
+    again), the hook runs once and sees what it sees on the twin that had the hook before being patched."""
     model, inp = _fp8(seed)
     twin = copy.deepcopy(model)
     seen: dict[str, list] = {"patched": [], "twin": []}
@@ -326,7 +326,10 @@ def test_user_hooks_run_and_see_unpatched_values(seed, where, kwargs):
     qwen_absorb.patch(twin, **kwargs)
     want = T.run_transformer(twin, inp)
     assert torch.equal(out, want) and seen["patched"] == seen["twin"] and len(seen["twin"]) == 1
-    assert report.runtime_fallbacks[HOOK_FALLBACK] == 1
+    # the block decided again: the hooked module runs as its module, the rest of the block stays fused
+    assert not report.runtime_fallbacks.get(HOOK_FALLBACK) and report.rebuilds, report.runtime_fallbacks
+    assert f"a forward hook on {where}" in str(report), str(report)
+    assert report.blocks[0].sites[0].fused and report.summary["sites_fused"] >= 11
 
 
 def test_blocks_replaced_appended_and_copied(seed):
@@ -380,3 +383,24 @@ def test_patch_again_reports_a_change_before_any_call(seed):
     assert again is report and again.summary["fp8_gemm_lora_linears"] == 12 * LAYERS
     model.fuse_lora()
     assert qwen_absorb.patch(model, **REAL).summary["fp8_gemm_linears"] == 14 * LAYERS
+
+
+def test_a_hook_on_the_attention_keeps_the_rest_real_fp8(seed):
+    """A hook on ``attn`` (what diffusers' caches do): the attention runs as its module (its linears as
+    ModelOpt runs them), the FFN and modulation linears stay real FP8; the same as a twin hooked first."""
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    calls = []
+
+    def hook(m, args, kwargs, out):
+        calls.append(1)
+        return out
+
+    report = _real(model)
+    model.transformer_blocks[0].attn.register_forward_hook(hook, with_kwargs=True)
+    out = T.run_transformer(model, inp)
+    twin.transformer_blocks[0].attn.register_forward_hook(hook, with_kwargs=True)
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(out, T.run_transformer(twin, inp)) and len(calls) == 2
+    assert report.summary["fp8_gemm_linears"] == 14 * LAYERS - 8  # block 0's eight attention linears
+    assert not report.blocks[0].linears["attn.to_q"].fp8_gemm and report.blocks[0].linears["img_mlp.net.2"].fp8_gemm
