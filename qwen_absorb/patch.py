@@ -19,7 +19,6 @@ block's copy added, is seen.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any

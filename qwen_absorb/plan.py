@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import dependencies as dep
 from . import gating, hooks, lora, ops, parallel, quant
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
@@ -38,7 +39,7 @@ from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, classes, reso
 from .watch import Watch
 
 PLAN_ATTR = "_qwen_absorb_plan"
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+QK_NORMS = dep.QK_NORMS
 # The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
 # probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); False turns the
 # fusion off everywhere (a switch for measurements).
@@ -197,31 +198,6 @@ class BlockPlan:
 # ---------------------------------------------------------------------------- decisions
 
 
-def _tp_style_hooks(x: nn.Module) -> int:
-    """1 when ``x`` carries exactly torch's tensor-parallel style hooks (one pre-hook, one hook), else 0."""
-    return int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
-               and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None)
-
-
-def _hooked(block: nn.Module, *paths: str) -> str | None:
-    """The first of ``paths`` (or a PEFT wrapper / base of it) carrying a user's forward hook, else None."""
-    for p in paths:
-        base, wrappers = unwrap_peft(resolve(block, p))
-        for x in (*wrappers, base):
-            if x is not None:
-                n = _tp_style_hooks(x)
-                if hooks.user_hooked(x.__dict__, n, n):
-                    return p
-    return None
-
-
-def _hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
-    """A user's hook on a module ``what`` would skip or change: that part runs as its module instead, so
-    the hook runs and sees what it sees unpatched."""
-    h = _hooked(block, *paths)
-    return [f"a forward hook on {h}: {what}"] if h is not None else []
-
-
 def _kernel_reasons(device: torch.device, options: Options) -> list[str]:
     r = list(ops.kernel_runtime_reasons(device))
     if options.force_reference or ops._eligibility.force_reference_requested():
@@ -280,8 +256,8 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
     plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")
     plan.calibrating = any(quant.calibrating(m) for p in (*LINEAR_TABLE, *NORMS) if (m := resolve(block, p)) is not None)
-    plan.bypassed = _bypassed(plan, block)
-    plan.rt.watch = _watch(block)
+    plan.bypassed = dep.bypassed(plan, block)
+    plan.rt.watch = dep.watch(block)
     plan.rt.stale = None
     if plan.rt.on_decide is not None:
         plan.rt.on_decide(plan)
@@ -293,7 +269,7 @@ def refresh(plan: BlockPlan, block: nn.Module) -> None:
     for p, lp in plan.linears.items():
         if lp.fp8_gemm:
             lp.cache_key = _fp8_cache_key(block, p, plan.rt.device)
-    plan.rt.watch = _watch(block)
+    plan.rt.watch = dep.watch(block)
 
 
 def _has_quantizers(m: nn.Module | None) -> bool:
@@ -345,7 +321,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     top = path.split(".")[0]
     containers = (path,) + ((f"{top}", f"{top}.0") if top.endswith("_mod") else
                             (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())
-    r += _hook_refusal(block, "the linear runs as its module", *containers)
+    r += dep.hook_refusal(block, "the linear runs as its module", *containers)
     if r:
         lp.fp8_reasons, lp.tp, lp.lora = r, None, False
         return lp
@@ -366,7 +342,7 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     """What around a linear the FP8 path reproduces: diffusers' processor without attention
     quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
-        r = _processor_reasons(block) + _hook_refusal(block, "the attention runs as its module", "attn")
+        r = _processor_reasons(block) + dep.hook_refusal(block, "the attention runs as its module", "attn")
         if r:
             return r
         for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
@@ -390,7 +366,7 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
     o = plan.options
     if s.norm is not None:
         info = plan.norms[s.norm]
-        sp.reasons = list(info.unsupported) + _hook_refusal(block, "the norm runs as its module", s.norm)
+        sp.reasons = list(info.unsupported) + dep.hook_refusal(block, "the norm runs as its module", s.norm)
         if info.input_quantizer_enabled:
             nq, _ = quant.norm_input_fp8(getattr(block, s.norm).input_quantizer, device)
             if nq is not None and nq.amax.device.type != "meta":
@@ -410,7 +386,7 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
             base = unwrap_peft(resolve(block, s.takes_bias_of))[0]
             holder = "attn" if s.takes_bias_of.startswith("attn.") else s.takes_bias_of.split(".")[0]
             sp.defer_reasons = (
-                _hook_refusal(block, "its output must include its bias", s.takes_bias_of, holder)
+                dep.hook_refusal(block, "its output must include its bias", s.takes_bias_of, holder)
                 + _structure_refusals(block, s.takes_bias_of)
                 + gating.defer_refusals(info, mode=o.defer_bias, consumer_fused=sp.fused, device=device,
                                         capabilities=o.capabilities, kernel_reasons=plan.kernel_reasons)
@@ -508,7 +484,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
         return False, (), [QK_OFF_REASON]
     r = [] if plan.kernels else ["the fused kernels cannot run here"]
     r += _fp8_context_reasons(block, "attn.to_q")
-    r += _hook_refusal(block, "the q/k norms run as their modules", *(f"attn.{n}" for n in QK_NORMS))
+    r += dep.hook_refusal(block, "the q/k norms run as their modules", *(f"attn.{n}" for n in QK_NORMS))
     norms = [getattr(attn, n, None) for n in QK_NORMS]
     dtype = next((p.dtype for p in block.parameters()), None)
     for name, n in zip(QK_NORMS, norms):
@@ -534,96 +510,6 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
 def _refuse(lp: LinearPlan, why: str) -> None:
     lp.fp8_gemm, lp.tp, lp.lora = False, None, False
     lp.fp8_reasons = [why]
-
-
-# ---------------------------------------------------------------------------- what is watched
-
-
-def _bypassed(plan: BlockPlan, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
-    """The modules whose hooks the fused path would skip or show other values: fused norms, linears
-    run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
-    that return their output, the attention when the block runs it itself, FFNs and modulations
-    computed around their modules."""
-    paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
-    for proj in plan.deferred_paths():
-        paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
-        paths.append(proj)
-    for p, lp in plan.linears.items():
-        if lp.fp8_gemm:
-            paths.append(p)
-            top = p.split(".")[0]
-            if top.endswith("_mod"):
-                paths += [top, f"{top}.0"]
-            elif top.endswith("_mlp"):
-                paths += [top, f"{top}.net.0", f"{top}.net.1"]
-    if plan.own_attention:
-        paths.append("attn")
-        if plan.qk_fused:
-            paths += [f"attn.{n}" for n in QK_NORMS]
-    out: dict[int, tuple[dict, int, int]] = {}
-    for p in paths:
-        m = resolve(block, p)
-        base, wrappers = unwrap_peft(m)
-        for x in (*wrappers, base):
-            if x is not None:
-                n = _tp_style_hooks(x)
-                out[id(x.__dict__)] = (x.__dict__, n, n)  # torch's TP style: one of each
-    return tuple(out.values())
-
-
-_WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
-                  "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
-_HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
-
-
-def _hook_state(m: nn.Module) -> tuple:
-    """What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`)."""
-    d = m.__dict__
-    return (len(d.get("_forward_pre_hooks") or ()), len(d.get("_forward_hooks") or ()), d.get("forward"))
-
-
-def _watch(block: nn.Module) -> Watch:
-    """Everything the decisions and the derived state depend on (see :mod:`qwen_absorb.watch`)."""
-    entries: dict[tuple[int, str, str], tuple] = {}
-    tensors: dict[tuple[int, str, str], tuple] = {}
-    modules: dict[int, nn.Module] = {}
-    stateful: list = []
-
-    def add(e: tuple, into: dict) -> None:
-        into.setdefault((id(e[0]), e[1], e[2]), e)
-
-    for path in _WATCHED_PATHS:
-        m: nn.Module | None = block
-        for part in path.split("."):  # the chain of _modules entries down to it: replacement is seen
-            if m is None or "_modules" not in m.__dict__:
-                m = None
-                break
-            add((m, "_modules", part), entries)
-            m = m._modules.get(part)
-        if m is None:
-            continue
-        base, wrappers = unwrap_peft(m)
-        for x in (*wrappers, base):
-            modules[id(x)] = x
-            add((x, "__dict__", "forward"), entries)
-            for k in ("weight", "bias"):
-                add((x, "_parameters", k), tensors)
-            sw, ts = quant.watch_pairs(x)
-            for e in sw:
-                add(e, entries)
-            for e in ts:
-                add(e, tensors)
-            if "base_layer" in x._modules:
-                add((x, "_modules", "base_layer"), entries)
-        stateful += [(w, lora.state) for w in wrappers if lora.is_lora_layer(w)]
-    attn = block._modules.get("attn")
-    if attn is not None:
-        add((attn, "__dict__", "processor"), entries)
-    holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
-    modules.update((id(m), m) for m in holders)
-    stateful += [(m, type) for m in modules.values()]  # a class converted in place (mtq.quantize)
-    stateful += [(m, _hook_state) for m in modules.values()]  # a hook added or removed: decide again
-    return Watch(entries.values(), tensors.values(), stateful)
 
 
 __all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide", "refresh"]

@@ -1,0 +1,135 @@
+"""What a block's decisions depend on: the modules whose user hooks change what may be fused, the modules
+the fused path skips (checked per call), and the :class:`~qwen_absorb.watch.Watch` of everything the
+decisions and derived state were made from. A decisions-floor helper of :mod:`qwen_absorb.plan`: it reads
+the adapters (:mod:`qwen_absorb.quant`, :mod:`qwen_absorb.lora`, :mod:`qwen_absorb.hooks`,
+:mod:`qwen_absorb.parallel`, :mod:`qwen_absorb.sites`) and never the plan module itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import hooks, lora, parallel, quant
+from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, resolve, unwrap_peft
+from .watch import Watch
+
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def tp_style_hooks(x: nn.Module) -> int:
+    """1 when ``x`` carries exactly torch's tensor-parallel style hooks (one pre-hook, one hook), else 0."""
+    return int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
+               and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None)
+
+
+def hooked(block: nn.Module, *paths: str) -> str | None:
+    """The first of ``paths`` (or a PEFT wrapper / base of it) carrying a user's forward hook, else None."""
+    for p in paths:
+        base, wrappers = unwrap_peft(resolve(block, p))
+        for x in (*wrappers, base):
+            if x is not None:
+                n = tp_style_hooks(x)
+                if hooks.user_hooked(x.__dict__, n, n):
+                    return p
+    return None
+
+
+def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
+    """A user's hook on a module ``what`` would skip or change: that part runs as its module instead, so
+    the hook runs and sees what it sees unpatched."""
+    h = hooked(block, *paths)
+    return [f"a forward hook on {h}: {what}"] if h is not None else []
+
+
+
+
+def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
+    """The modules whose hooks the fused path would skip or show other values: fused norms, linears
+    run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
+    that return their output, the attention when the block runs it itself, FFNs and modulations
+    computed around their modules."""
+    paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
+    for proj in plan.deferred_paths():
+        paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
+        paths.append(proj)
+    for p, lp in plan.linears.items():
+        if lp.fp8_gemm:
+            paths.append(p)
+            top = p.split(".")[0]
+            if top.endswith("_mod"):
+                paths += [top, f"{top}.0"]
+            elif top.endswith("_mlp"):
+                paths += [top, f"{top}.net.0", f"{top}.net.1"]
+    if plan.own_attention:
+        paths.append("attn")
+        if plan.qk_fused:
+            paths += [f"attn.{n}" for n in QK_NORMS]
+    out: dict[int, tuple[dict, int, int]] = {}
+    for p in paths:
+        m = resolve(block, p)
+        base, wrappers = unwrap_peft(m)
+        for x in (*wrappers, base):
+            if x is not None:
+                n = tp_style_hooks(x)
+                out[id(x.__dict__)] = (x.__dict__, n, n)  # torch's TP style: one of each
+    return tuple(out.values())
+
+
+_WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
+                  "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
+_HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
+
+
+def _hook_state(m: nn.Module) -> tuple:
+    """What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`)."""
+    d = m.__dict__
+    return (len(d.get("_forward_pre_hooks") or ()), len(d.get("_forward_hooks") or ()), d.get("forward"))
+
+
+def watch(block: nn.Module) -> Watch:
+    """Everything the decisions and the derived state depend on (see :mod:`qwen_absorb.watch`)."""
+    entries: dict[tuple[int, str, str], tuple] = {}
+    tensors: dict[tuple[int, str, str], tuple] = {}
+    modules: dict[int, nn.Module] = {}
+    stateful: list = []
+
+    def add(e: tuple, into: dict) -> None:
+        into.setdefault((id(e[0]), e[1], e[2]), e)
+
+    for path in _WATCHED_PATHS:
+        m: nn.Module | None = block
+        for part in path.split("."):  # the chain of _modules entries down to it: replacement is seen
+            if m is None or "_modules" not in m.__dict__:
+                m = None
+                break
+            add((m, "_modules", part), entries)
+            m = m._modules.get(part)
+        if m is None:
+            continue
+        base, wrappers = unwrap_peft(m)
+        for x in (*wrappers, base):
+            modules[id(x)] = x
+            add((x, "__dict__", "forward"), entries)
+            for k in ("weight", "bias"):
+                add((x, "_parameters", k), tensors)
+            sw, ts = quant.watch_pairs(x)
+            for e in sw:
+                add(e, entries)
+            for e in ts:
+                add(e, tensors)
+            if "base_layer" in x._modules:
+                add((x, "_modules", "base_layer"), entries)
+        stateful += [(w, lora.state) for w in wrappers if lora.is_lora_layer(w)]
+    attn = block._modules.get("attn")
+    if attn is not None:
+        add((attn, "__dict__", "processor"), entries)
+    holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
+    modules.update((id(m), m) for m in holders)
+    stateful += [(m, type) for m in modules.values()]  # a class converted in place (mtq.quantize)
+    stateful += [(m, _hook_state) for m in modules.values()]  # a hook added or removed: decide again
+    return Watch(entries.values(), tensors.values(), stateful)
+
+
+__all__ = ["bypassed", "hook_refusal", "hooked", "tp_style_hooks", "watch"]
