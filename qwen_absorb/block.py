@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, handoff, lora, qwenimage21
+from . import attention, handoff, hooks, lora, qwenimage21
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -536,7 +536,7 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
     up = net[0].proj
     if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in (mlp, net[0], net[1])):
+    if any(hooks.hooked(m) for m in (mlp, net[0], net[1])):
         plan.count(f"{mlp_name}: a forward hook on the FeedForward: it runs through DTensor")
         return None
     s_up = tp_shard_for(plan, f"{mlp_name}.net.0.proj", up, x)

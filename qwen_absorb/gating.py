@@ -50,7 +50,6 @@ VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {
 
 CPU = "cpu"  # capability key of the CPU (for capabilities= overrides in tests)
 DEFERRABLE_FORMATS = (FP8_E4M3, NVFP4)
-DEFER_MODES = ("auto", True, False)
 
 CapabilityKey = tuple[int, int] | str
 

@@ -53,12 +53,6 @@ def registry_hooks(module: nn.Module) -> dict[str, Any]:
     return dict(hooks) if hooks else {}
 
 
-def has_torch_hooks(module: nn.Module) -> bool:
-    """A forward hook or pre-hook registered with torch on this module."""
-    d = module.__dict__
-    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks"))
-
-
 def torch_hook_dicts(module: nn.Module) -> list[dict]:
     """The dicts torch keeps ``module``'s forward hooks and pre-hooks in (their lengths are a cheap
     per-call check that hooks were added or removed)."""
@@ -176,6 +170,6 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
 
 __all__ = [
     "WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks", "global_hook_count",
-    "has_torch_hooks", "hook_category", "hooked", "offload_hooked", "user_hooked", "registry_hooks", "resolve_transformer",
+    "hook_category", "hooked", "offload_hooked", "user_hooked", "registry_hooks", "resolve_transformer",
     "torch_hook_dicts", "unwrap_compiled",
 ]

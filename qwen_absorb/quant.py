@@ -18,6 +18,7 @@ from torch import nn
 
 from .ops.fp8 import Fp8PerTensorQuant, dequant_scale, quantize_fp8_reference
 from .parallel import is_dtensor
+from .lora import has_lora_bias
 from .sites import unwrap_peft
 
 
@@ -171,20 +172,12 @@ class ProjectionInfo:
         return asdict(self)
 
 
-def _lora_bias(wrapper: nn.Module) -> bool:
-    # peft >= 0.14 keeps lora_bias as {adapter_name: bool}; a biased adapter adds its own bias,
-    # which the projection's output then contains: deferring only the base bias stays correct,
-    # but we refuse (conservative) since such adapters are rare and untested with deferral.
-    lb = getattr(wrapper, "lora_bias", None)
-    if isinstance(lb, dict):
-        return any(bool(v) for v in lb.values())
-    return bool(lb)
-
-
 def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:
     base, wrappers = unwrap_peft(module)
     info = ProjectionInfo(name=name, cls=type(module).__name__, peft_wrapped=bool(wrappers))
-    info.lora_bias = any(_lora_bias(w) for w in wrappers)
+    # a biased adapter's output already holds its own bias; deferring only the base bias stays correct,
+    # but deferral refuses such (rare, untested) adapters
+    info.lora_bias = any(has_lora_bias(w) for w in wrappers)
     # The quantizers may sit on the base layer (LoRA added after quantization) or on a ModelOpt-
     # converted PEFT wrapper (LoRA present at quantize time): take the outermost that has them.
     qmod = next((m for m in [*wrappers, base] if is_modelopt_quantizer(getattr(m, "weight_quantizer", None))), None)
