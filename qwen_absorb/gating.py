@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .parallel import tp_defer_refusals
-from .quant import FP8_E4M3, NVFP4, ProjectionInfo
+from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, NVFP4, ProjectionInfo
 
 # (major, minor) -> "GPU name, date of the passing fidelity run". It started empty; an entry is
 # added only from a committed passing run of benchmarks/fidelity.py on that capability.
@@ -194,3 +194,24 @@ def fast_accum(mode: str | bool, device: torch.device) -> bool:
     if mode != "auto":
         return bool(mode)
     return device.type == "cuda" and capability_key(device) in VALIDATED_FAST_ACCUM_CAPABILITIES
+
+
+def fp8_device_refusals(device: torch.device, mode: str | bool,
+                        fp8_capabilities: Collection[CapabilityKey]) -> list[str]:
+    """Why a real FP8 GEMM may not run on ``device`` under ``fp8_gemm=mode`` (empty: it may): the rule of
+    :func:`qwen_absorb.plan._decide_linear`, for runners that decide per linear (Qwen-Image-2.1).
+    ``fp8_gemm=True`` with the device type in ``fp8_capabilities`` (``capabilities={"cpu"}``) runs the path
+    on the CPU (``torch._scaled_mm`` has a CPU implementation): for tests of the logic, not for speed."""
+    if mode is False:
+        return ["fp8_gemm=False"]
+    if device.type != "cuda":
+        if mode is True and device.type in fp8_capabilities:
+            return []
+        return [f"tensors are on {device.type}; real FP8 GEMMs need CUDA"]
+    cap = capability_key(device)
+    if cap < FP8_GEMM_MIN_CAPABILITY:
+        need = FP8_GEMM_MIN_CAPABILITY
+        return [f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs {need[0]}.{need[1]})"]
+    if mode == "auto" and cap not in fp8_capabilities:
+        return [f"GPU sm_{cap[0]}{cap[1]} is not in the FP8-validated set {describe_capabilities(fp8_capabilities)}"]
+    return []

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gating, handoff, hooks, qwenimage21
+from . import fp8_forward, gating, handoff, hooks, qwenimage21
 from .block import Patched21Forward, PatchedForward, redecide
 from .plan import PLAN_ATTR, BlockPlan, BlockRuntime, Options, decide, refresh
 from .report import PatchReport
@@ -133,6 +133,7 @@ def _strip(block: nn.Module) -> None:
     """Remove any patch a block carries without being this patch's (a deep copy of a patched block
     added to the model, a block of an earlier patch): its plan and its patched forward."""
     block.__dict__.pop(PLAN_ATTR, None)
+    fp8_forward.remove(block)  # a Qwen-Image-2.1 block's real-FP8 linears
     for where, get, _ in list(hooks.forward_slots(block)):
         fn = get()
         if isinstance(fn, PatchedForward):
@@ -299,7 +300,9 @@ def _install_graphs(transformer: nn.Module, **kw: Any) -> Any:
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
     """Qwen-Image-2.1: every ``QwenImage21TransformerBlock`` runs :func:`qwenimage21.patched_forward`
-    (same install, report and unpatch; no bias deferral, no FP8 GEMMs of ours, no hand-off yet).
+    (same install, report and unpatch; no bias deferral, no hand-off yet), and its ModelOpt FP8 linears
+    real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`, per ``fp8_gemm`` /
+    ``capabilities`` / ``use_fast_accum`` as for Qwen-Image).
     CUDA-graph mode only when asked for (``cuda_graph=True``): its KV-cache arguments are objects a
     graph signature cannot describe, so ``"auto"`` leaves it eager."""
     report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
@@ -323,6 +326,7 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             fwd.install = installed[0]
             state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
             report.record21(i, installed[0], fwd.decision)
+            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, report.record21_linear)
         if cuda_graph is True:
             state.graph = _install_graphs(transformer, fallbacks=report.runtime_fallbacks)
     except BaseException:
@@ -386,6 +390,8 @@ def _undo(state: _PatchState) -> None:
             if base is not None:
                 base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
         rec.block.__dict__.pop(PLAN_ATTR, None)
+        if isinstance(rec.installed, Patched21Forward):
+            fp8_forward.remove(rec.block)  # the real-FP8 linears' forwards and, with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
                         "original forward)", type(rec.block).__name__)

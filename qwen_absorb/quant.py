@@ -149,6 +149,18 @@ def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[
     return Fp8PerTensorQuant(amax=quantizer._amax, formula=formula), []
 
 
+def quant_input_norm_ok(norm: nn.Module) -> bool:
+    """Cheap enough for every call: a ModelOpt-converted LayerNorm still computes
+    ``LayerNorm(input_quantizer(x))`` (``QuantInputBase.forward``, its output quantizer not enabled, no
+    forward replaced before conversion), so a runner may apply ``norm.input_quantizer`` itself and then
+    compute the LayerNorm in a fused op (Qwen-Image-2.1's norm1 / norm2)."""
+    d = norm.__dict__
+    mods = d.get("_modules") or {}
+    return (type(norm).forward is _quant_input_forward() and "_forward_pre_dm" not in d
+            and is_modelopt_quantizer(mods.get("input_quantizer"))
+            and not quantizer_enabled(mods.get("output_quantizer")))
+
+
 @dataclass
 class ProjectionInfo:
     """What one output projection (``to_out.0``, ``to_add_out``, ``net.2``) is."""
@@ -388,5 +400,5 @@ def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], l
 __all__ = [
     "FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
     "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection", "is_modelopt_quantizer",
-    "make_fp8_weight", "norm_input_fp8", "quantizer_enabled", "quantizer_format", "watch_pairs",
+    "make_fp8_weight", "norm_input_fp8", "quant_input_norm_ok", "quantizer_enabled", "quantizer_format", "watch_pairs",
 ]

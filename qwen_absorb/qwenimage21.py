@@ -37,11 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks
+from . import fp8_forward, hooks, quant
 from .ops import _validate
 from .ops._eligibility import force_reference_requested, kernel_runtime_reasons
 from .ops._target_rows import select_rows
 from .ops.layer_norm_scale import launch as ln_scale_launch
+from .ops.fp8 import quantize_fp8_reference
 from .ops.layer_norm_scale import layer_norm_scale_reference
 from .ops.swiglu import launch as swiglu_launch
 from .ops.swiglu import swiglu_reference
@@ -133,7 +134,16 @@ def _norm_reason(block: nn.Module, name: str) -> str | None:
     if m is None:
         return f"{name}: missing"
     if type(m) is not nn.LayerNorm:
-        return f"{name} is a {type(m).__name__}, not a plain nn.LayerNorm"
+        # A ModelOpt QuantLayerNorm computes LayerNorm(input_quantizer(x)): the runner applies the quantizer
+        # (the module itself, so exactly ModelOpt's fake quant) and fuses the rest.
+        if isinstance(m, nn.LayerNorm) and quant.inspect_norm(name, m).modelopt:
+            info = quant.inspect_norm(name, m)
+            if info.unsupported:
+                return "; ".join(info.unsupported)
+            if not quant.quant_input_norm_ok(m):
+                return f"{name}: a ModelOpt norm whose forward is not LayerNorm(input_quantizer(x))"
+        else:
+            return f"{name} is a {type(m).__name__}, not a plain nn.LayerNorm"
     if m.weight is not None or m.bias is not None:
         return f"{name} has an elementwise affine (the fused op has no weight or bias)"
     if len(m.normalized_shape) != 1:
@@ -257,43 +267,90 @@ def patched_forward(
     scale1, gate1 = mod1.chunk(2, dim=-1)
     scale2, gate2 = mod2.chunk(2, dim=-1)
 
-    # norm1 + (1 + scale1)
+    # Real FP8 GEMMs (qwen_absorb.fp8_forward) run eagerly; under torch.compile the linears are ModelOpt's.
+    fp8 = mode != _COMPILED
+    dev = x.device
+    attn = block.attn
+
+    # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v when all three are real FP8
     norm1 = decision.norm1 and _norm_ok(block, "img_norm1", decision.eps1, decision, compiling)
+    qkv = fp8_forward.group(attn, ("to_q", "to_k", "to_v"), dev) if fp8 and norm1 else None
+    codes1 = None
     if norm1:
-        img_modulated = _layer_norm_scale(mode, x, scale1, decision.eps1, mask)
+        img_modulated, codes1 = _layer_norm_scale(mode, _norm_input(block.img_norm1, x, mode), scale1,
+                                                  decision.eps1, mask, qkv)
     else:
         img_modulated = block.img_norm1(hidden_states) * (1 + select_rows(scale1, target_token_mask))
 
-    attn_output = block.attn(
-        hidden_states=img_modulated,
-        attention_mask=attention_mask,
-        rotary_emb=rotary_emb,
-        layer_cache=layer_cache,
-        kv_cache_mode=kv_cache_mode,
-        cache_write_slice=cache_write_slice,
-        segments=segments,
-        key_valid=key_valid,
-    )
+    if codes1 is not None:  # diffusers' processors call to_q/to_k/to_v with exactly this tensor
+        fp8_forward.hand(qkv, img_modulated, codes1)
+    try:
+        attn_output = attn(
+            hidden_states=img_modulated,
+            attention_mask=attention_mask,
+            rotary_emb=rotary_emb,
+            layer_cache=layer_cache,
+            kv_cache_mode=kv_cache_mode,
+            cache_write_slice=cache_write_slice,
+            segments=segments,
+            key_valid=key_valid,
+        )
+    finally:
+        if codes1 is not None:
+            fp8_forward.take_back(qkv, img_modulated)
 
-    # h + tanh(gate1) * attn_output, then norm2 + (1 + scale2)
+    # h + tanh(gate1) * attn_output, then norm2 + (1 + scale2) (with the codes for gate_layer / proj)
     amode = mode if _like(attn_output, hidden_states) else _REFERENCE
     if amode != mode and not compiling:
         decision.counts.add("attention output is not a plain tensor shaped like hidden_states: eager expression")
+    mlp = block.img_mlp
+    swiglu = decision.swiglu and _swiglu_ok(mlp, decision, compiling)
     norm2 = decision.norm2 and _norm_ok(block, "img_norm2", decision.eps2, decision, compiling)
+    ab = fp8_forward.group(mlp, ("gate_layer", "proj"), dev) if fp8 and norm2 else None
+    # unhooked real-FP8 linears are run as their GEMMs straight from the codes: then the bf16 activation
+    # they would have been called with is never written (norm2's output, SwiGLU's output: memory traffic)
+    ab_direct = ab is not None and swiglu and all(f.direct() for f in ab)
+    codes2 = None
     if norm2:
-        h, img_modulated2 = _residual_norm(amode, x, attn_output, gate1, scale2, decision.eps2, mask)
+        if "input_quantizer" in block.img_norm2._modules:  # ModelOpt: LayerNorm(Q(h)), Q between the two ops
+            h = _residual(amode, x, attn_output, gate1, mask, False)
+            img_modulated2, codes2 = _layer_norm_scale(amode, _norm_input(block.img_norm2, h, amode), scale2,
+                                                       decision.eps2, mask, ab, not ab_direct)
+        else:
+            h, img_modulated2, codes2 = _residual_norm(amode, x, attn_output, gate1, scale2, decision.eps2, mask,
+                                                       ab, not ab_direct)
     else:
         h = _residual(amode, x, attn_output, gate1, mask, False)
         img_modulated2 = block.img_norm2(h) * (1 + select_rows(scale2, target_token_mask))
 
-    # FFN: SwiGLU through the FFN's own linears, then h + tanh(gate2) * y (and the fp16 clip)
-    mlp = block.img_mlp
-    if decision.swiglu and _swiglu_ok(mlp, decision, compiling):
-        a = mlp.gate_layer(img_modulated2)
-        b = mlp.proj(img_modulated2)
-        y = mlp.out(_swiglu(mode if _pair_ok(a, b) else _REFERENCE, a, b))
-    else:
-        y = mlp(img_modulated2)
+    # FFN: SwiGLU through the FFN's own linears (or their FP8 GEMMs), then h + tanh(gate2) * y (and the fp16 clip)
+    if codes2 is not None and not ab_direct:
+        fp8_forward.hand(ab, img_modulated2, codes2)
+    try:
+        if ab_direct:
+            a, b = ab[0].gemm(codes2), ab[1].gemm(codes2)
+        elif swiglu:
+            a, b = mlp.gate_layer(img_modulated2), mlp.proj(img_modulated2)
+        else:
+            y = mlp(img_modulated2)
+    finally:
+        if codes2 is not None and not ab_direct:
+            fp8_forward.take_back(ab, img_modulated2)
+    if swiglu:
+        smode = mode if _pair_ok(a, b) else _REFERENCE
+        o = fp8_forward.group(mlp, ("out",), dev) if fp8 else None
+        o_direct = o is not None and o[0].direct()
+        s, codes3 = _swiglu(smode, a, b, o, not o_direct)
+        if o_direct:
+            y = o[0].gemm(codes3)
+        else:
+            if codes3 is not None:
+                fp8_forward.hand(o, s, codes3)
+            try:
+                y = mlp.out(s)
+            finally:
+                if codes3 is not None:
+                    fp8_forward.take_back(o, s)
     fmode = mode if _like(y, h) else _REFERENCE
     if fmode != mode and not compiling:
         decision.counts.add("FFN output is not a plain tensor shaped like hidden_states: eager expression")
@@ -334,7 +391,8 @@ def _call_reason(decision: Decision, x: Any, modulation: Any, mask: Any) -> str 
 
 def _norm_ok(block: nn.Module, name: str, eps: float, decision: Decision, compiling: bool) -> bool:
     m = block._modules.get(name)
-    ok = (type(m) is nn.LayerNorm and m.weight is None and m.bias is None and m.eps == eps and not _hooked(m))
+    ok = ((type(m) is nn.LayerNorm or (isinstance(m, nn.LayerNorm) and quant.quant_input_norm_ok(m)))
+          and m.weight is None and m.bias is None and m.eps == eps and not _hooked(m))
     if not ok and not compiling:
         decision.counts.add(f"{name} changed or hooked since patching: its eager expression")
     return ok
@@ -359,23 +417,44 @@ def _pair_ok(a: Any, b: Any) -> bool:
 # ---------------------------------------------------------------------------- one op, three ways
 
 
-def _layer_norm_scale(mode, x, scale, eps, mask):
+def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:
+    """What the norm's LayerNorm sees: ``x``, or ModelOpt's ``input_quantizer(x)`` (the module itself) for
+    a QuantLayerNorm."""
+    q = norm._modules.get("input_quantizer")
+    if q is None:
+        return x
+    qx = q(x)
+    return qx.contiguous() if mode == _KERNEL else qx
+
+
+def _emits(fwds, mode):
+    """The fp32 one-element amax of the consumers (None: no FP8 emission)."""
+    return fwds[0].weight.input_amax if fwds is not None and mode != _COMPILED else None
+
+
+def _layer_norm_scale(mode, x, scale, eps, mask, fwds=None, want_out=True):
+    """``(out or None, codes or None)``: codes when ``fwds`` (the real-FP8 consumers) is given."""
+    amax = _emits(fwds, mode)
     if mode == _KERNEL:
-        return ln_scale_launch(x, scale, eps, mask)[0]
+        return ln_scale_launch(x, scale, eps, mask, out=want_out or amax is None, fp8_amax=amax)
     if mode == _COMPILED:
-        return torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, mask, None)[0]
-    return layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=mask)
+        return torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, mask, None)[0], None
+    out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=mask)
+    return out, (quantize_fp8_reference(out, amax) if amax is not None else None)
 
 
-def _residual_norm(mode, h, y, gate, scale, eps, mask):
+def _residual_norm(mode, h, y, gate, scale, eps, mask, fwds=None, want_out=True):
+    """``(new residual, modulated or None, codes or None)``."""
+    amax = _emits(fwds, mode)
     if mode == _KERNEL:
-        out = tgrln_launch(h.contiguous(), y.contiguous(), gate, scale, eps, mask, False)
-        return out[0], out[1]
+        return tgrln_launch(h.contiguous(), y.contiguous(), gate, scale, eps, mask, False,
+                            out=want_out or amax is None, fp8_amax=amax)
     if mode == _COMPILED:
         out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
-        return out[0], out[1]
-    return tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps,
-                                                         target_token_mask=mask)
+        return out[0], out[1], None
+    nh, m = tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps,
+                                                          target_token_mask=mask)
+    return nh, m, (quantize_fp8_reference(m, amax) if amax is not None else None)
 
 
 def _residual(mode, h, y, gate, mask, clip_fp16):
@@ -386,12 +465,15 @@ def _residual(mode, h, y, gate, mask, clip_fp16):
     return tanh_gate_residual_reference(h, y, gate=gate, target_token_mask=mask, clip_fp16=clip_fp16)
 
 
-def _swiglu(mode, a, b):
+def _swiglu(mode, a, b, fwds=None, want_out=True):
+    """``(out or None, codes or None)``."""
+    amax = _emits(fwds, mode)
     if mode == _KERNEL:
-        return swiglu_launch(a.contiguous(), b.contiguous())[0]
+        return swiglu_launch(a.contiguous(), b.contiguous(), out=want_out or amax is None, fp8_amax=amax)
     if mode == _COMPILED:
-        return torch.ops.qwen_absorb.swiglu(a, b, None)[0]
-    return swiglu_reference(a, b)
+        return torch.ops.qwen_absorb.swiglu(a, b, None)[0], None
+    out = swiglu_reference(a, b)
+    return out, (quantize_fp8_reference(out, amax) if amax is not None else None)
 
 
 # ---------------------------------------------------------------------------- the patch floor's hooks

@@ -105,20 +105,32 @@ class BlockReport:
             list(p.handoff_in_reasons), 0, p.fast_accum)
 
     @classmethod
-    def of21(cls, index: int, install: str, d: qwenimage21.Decision) -> BlockReport:
-        """A Qwen-Image-2.1 block: one stream, five sites, no linears of ours (its FFN's and attention's
-        linears are called as their modules)."""
+    def of21(cls, index: int, install: str, d: qwenimage21.Decision,
+             linears: dict[str, LinearReport] | None = None, amax: dict[str, float] | None = None,
+             fast_accum: bool = False) -> BlockReport:
+        """A Qwen-Image-2.1 block: one stream, five sites; ``linears`` are its ModelOpt linears as
+        :mod:`qwen_absorb.fp8_forward` decided them (real FP8 GEMMs in their own forward slots, called by
+        diffusers' processors or our runner), ``amax`` their input amax (which sites emit FP8 for them)."""
         runner = "kernel" if d.kernels else "reference"
         fused = set(d.fused)
         why = {s: [r.split(": ", 1)[1] for r in d.reasons if r.startswith(f"{s} not fused: ")] for s in qwenimage21.SITES}
+        linears = dict(linears or {})
+        amax = amax or {}
+
+        def emits(site: str) -> bool:  # the site's fused op writes the codes its real-FP8 consumers read
+            paths = _FEEDS21.get(site, ())
+            if site not in fused or not paths or not all(p in linears and linears[p].fp8_gemm for p in paths):
+                return False
+            return len({amax.get(p) for p in paths}) == 1
+
         sites = [SiteReport(index, "img", s, s in fused, ([] if s in fused else why.get(s) or ["block not patched"]),
-                            runner if s in fused else "eager", None, False, [], None, False, False)
+                            runner if s in fused else "eager", None, False, [], None, emits(s), False)
                  for s in ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual")]
         kernel_reasons = [r.split(": ", 1)[1] for r in d.reasons if r.startswith("fused ops run their torch references: ")]
         blocked = [] if d.enabled else list(d.reasons)
-        return cls(index, d.enabled, blocked, install, str(d.device), d.kernels, kernel_reasons, sites, {}, {}, {},
+        return cls(index, d.enabled, blocked, install, str(d.device), d.kernels, kernel_reasons, sites, linears, {}, {},
                    False, ["Qwen-Image-2.1: diffusers' attention processor runs the q/k norms"], {}, False,
-                   ["Qwen-Image-2.1: not implemented"], [], 0)
+                   ["Qwen-Image-2.1: not implemented"], [], 0, fast_accum)
 
     def site(self, stream: str, name: str) -> SiteReport:
         for s in self.sites:
@@ -160,6 +172,9 @@ class PatchReport:
     _blocks: list[BlockReport] = field(default_factory=list, repr=False)
     _state: Any = field(default=None, repr=False, compare=False)  # weakref to the patch state
     _seen: dict[str, Any] = field(default_factory=lambda: {"dtype": "?", "graph": None}, repr=False)
+    # Qwen-Image-2.1: per block, (install slot, decision) and {path: (LinearReport, input amax, fast accum)}
+    _21: dict[int, tuple] = field(default_factory=dict, repr=False)
+    _21lin: dict[int, dict] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
         """Copy ``plan``'s decisions in (every block calls it after deciding)."""
@@ -168,10 +183,27 @@ class PatchReport:
         self._blocks[plan.index] = BlockReport.of(plan)
 
     def record21(self, index: int, install: str, decision: qwenimage21.Decision) -> None:
-        """Copy a Qwen-Image-2.1 block's decision in."""
+        """Copy a Qwen-Image-2.1 block's decision in (its linears' records are kept)."""
         while len(self._blocks) <= index:
             self._blocks.append(None)  # type: ignore[arg-type]
-        self._blocks[index] = BlockReport.of21(index, install, decision)
+        self._21[index] = (install, decision)
+        self._rebuild21(index)
+
+    def record21_linear(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
+                        input_amax: float, fast_accum: bool = False) -> None:
+        """Copy a Qwen-Image-2.1 linear's decision in (:class:`qwen_absorb.fp8_forward.Fp8LinearForward`
+        calls it after every decision)."""
+        self._21lin.setdefault(index, {})[path] = (LinearReport(path, fp8, list(reasons), False, reused_storage, False),
+                                                   input_amax, fast_accum)
+        if index in self._21:
+            self._rebuild21(index)
+
+    def _rebuild21(self, index: int) -> None:
+        install, decision = self._21[index]
+        lin = self._21lin.get(index, {})
+        self._blocks[index] = BlockReport.of21(
+            index, install, decision, {p: v[0] for p, v in lin.items()}, {p: v[1] for p, v in lin.items()},
+            any(v[0].fp8_gemm and v[2] for v in lin.values()))
 
     def bind(self, state: Any) -> None:
         """Read the dtype and graph of ``state`` (a ``qwen_absorb.patch`` state) while it is active."""
@@ -366,6 +398,9 @@ class PatchReport:
 
 
 _NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
+# Qwen-Image-2.1: the real-FP8 consumers of each FP8-emitting site
+_FEEDS21 = {"norm1": ("attn.to_q", "attn.to_k", "attn.to_v"), "norm2": ("img_mlp.gate_layer", "img_mlp.proj"),
+            "swiglu": ("img_mlp.out",)}
 
 
 def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: int = 0) -> list[str]:
