@@ -129,6 +129,12 @@ class Fp8LinearForward:
         if any of its sources changed (host metadata only: no device sync unless something changed)."""
         w = self.watch
         if w is None or w.changed():
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # building an FP8 weight syncs (and would allocate from the graph's pool): not inside a
+                # CUDA-graph capture. The module runs (ModelOpt's forward, what the graph records); the
+                # next eager call decides.
+                self.weight, self.watch = None, None
+                return False
             self._decide(first=w is None)
         return self.weight is not None and self.device == device
 
