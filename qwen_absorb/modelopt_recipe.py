@@ -183,6 +183,39 @@ def quantized_linear_names(transformer: nn.Module) -> list[str]:
     return out
 
 
+def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
+    """Elements of ``weight`` whose e4m3 code under ModelOpt's fake quantization differs from the code its
+    Hugging Face export writes. Fake quantization (``tensor_quant._fp8_eager`` and the CUDA extension's
+    ``fake_e4m3fy``) multiplies: ``e4m3(clamp(w * (448 / amax)))``; the export divides:
+    ``e4m3(w / (amax / 448))`` (``export.quant_utils``, both in float32). The two products differ by a
+    float32 ulp now and then, which moves a code where the value sits on a rounding boundary (about one
+    weight in 10^7, mostly tiny values in e4m3's subnormal range)."""
+    a = amax.detach().to(torch.float32).reshape(())
+    x = weight.detach().to(torch.float32)
+    fake = (x * (448.0 / a)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    exported = (x / (a / 448.0)).to(torch.float8_e4m3fn)
+    return int((fake.view(torch.uint8) != exported.view(torch.uint8)).sum())
+
+
+def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
+    """``(differing, total)`` FP8 weight codes of ``transformer``'s quantized linears between ModelOpt's
+    fake quantization and its Hugging Face export (:func:`_code_mismatches`). Where ``differing > 0``, a
+    model loaded from the export (:func:`load_hf_export`) computes with the checkpoint's codes, which are
+    not all the codes the exported model computed with: its output cannot be bit-identical to that
+    model's. Call it before :func:`export_hf` (which converts the weights in place)."""
+    differing = total = 0
+    modules = dict(transformer.named_modules())
+    with torch.no_grad():
+        for name in quantized_linear_names(transformer):
+            lin = modules[name]
+            amax = getattr(lin.weight_quantizer, "amax", None)
+            if amax is None or amax.numel() != 1:
+                continue
+            differing += _code_mismatches(lin.weight, amax)
+            total += lin.weight.numel()
+    return differing, total
+
+
 # ------------------------------------------------------------------------------------- calibration
 
 

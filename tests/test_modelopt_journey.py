@@ -183,3 +183,32 @@ def test_model_freed_after_first_modelopt_import_and_example_exits_0(tmp_path):
     assert res["quantized_linears"] == res["real_fp8_linears"] == 2 * len(BLOCK_FP8)
     assert res["hf_roundtrip"]["fp8_codes_identical_to_checkpoint"] is True
     assert {"rel_err_vs_bf16", "bf16_eager_ms", "gpu", "date", "versions", "reload_bit_identical"} <= set(res)
+
+
+def test_export_code_mismatches_counts_the_codes_export_and_fake_quant_disagree_on():
+    """ModelOpt's fake quantization multiplies by 448/amax, its export divides by amax/448: the count is
+    of exactly the elements whose two float32 products round to different e4m3 codes."""
+    R = recipe
+    g = torch.Generator().manual_seed(7)
+    amax = torch.tensor(3.703125, dtype=torch.bfloat16)
+    w = ((torch.rand(4_000_000, generator=g) * 2 - 1) * 1e-3).bfloat16()  # small values: near subnormal steps
+    x, a = w.float(), amax.float()
+    fake = (x * (448.0 / a)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    exported = (x / (a / 448.0)).to(torch.float8_e4m3fn).view(torch.uint8)
+    expected = int((fake != exported).sum())
+    assert expected > 0  # tiny values sit on e4m3's subnormal boundaries often enough
+    assert R._code_mismatches(w, amax) == expected
+    # an element that disagrees is counted alone; a value on no boundary is not
+    moved = w[fake != exported]
+    assert R._code_mismatches(moved[:1], amax) == 1
+    assert R._code_mismatches(torch.tensor([amax.float() / 2]).bfloat16(), amax) == 0
+
+
+def test_export_code_mismatches_walks_the_quantized_linears():
+    R = recipe
+    model, _ = _quantized(6, dtype=torch.bfloat16)
+    moved, total = R.export_code_mismatches(model)
+    names = R.quantized_linear_names(model)
+    modules = dict(model.named_modules())
+    assert total == sum(modules[n].weight.numel() for n in names) > 0
+    assert 0 <= moved < total
