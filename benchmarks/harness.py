@@ -788,3 +788,13 @@ def dynamo_counters() -> dict[str, Any]:
         out["graph_break_reasons"] = {str(k)[:200]: int(v) for k, v in list(gb.items())[:5]}
     out.update({k: dict(counters[k]) for k in counters if "recompil" in k})
     return out
+
+
+def peak_memory_gib(device: torch.device, reset: bool = True) -> float | None:
+    """``torch.cuda.max_memory_allocated`` in GiB since the last reset (None off CUDA); resets it unless told not."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak

@@ -326,3 +326,92 @@ def run_transformer(transformer: nn.Module, inputs: dict[str, Any]) -> torch.Ten
     with torch.no_grad():
         return transformer(**inputs)[0]
 
+
+# ---------------------------------------------------------------- Qwen-Image-2.1
+
+# The tiny geometry of the 2.1 tests (tests/qwenimage21_helpers.py): 2 heads x 16 (flex attention needs a head dim
+# >= 16), rope axes summing to the head dim, latents unpatched (patch_size 1) as 2.1 consumes them.
+QWENIMAGE21_TINY_CONFIG: dict[str, Any] = dict(
+    patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6),
+)
+
+__all__ += ["QWENIMAGE21_TINY_CONFIG", "qwenimage21_inputs", "random_qwenimage21_transformer"]
+
+
+@torch.no_grad()
+def random_qwenimage21_transformer(
+    num_layers: int = 32, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", seed: int = 0,
+    bias_std: float = 0.02, **overrides: Any,
+) -> nn.Module:
+    """A ``QwenImage21Transformer2DModel`` with random weights, built in seconds on ``device``, eval mode.
+
+    The config is diffusers' default, which is the full-size geometry (32 blocks, 4096 = 32 x 128, SwiGLU 3x,
+    ~7.1 B parameters: ~14 GB in bf16), with ``num_layers`` and ``overrides`` replacing entries
+    (``**QWENIMAGE21_TINY_CONFIG`` gives the tiny CPU model). As :func:`full_size_transformer`: built on the meta
+    device and materialised in ``dtype`` on ``device`` (no fp32 copy); weights N(0, 1/fan_in), biases (2.1 has
+    none today) N(0, ``bias_std``), RMSNorm weights 1 and the zero-centred text RMSNorm weight 0 (its scale is
+    ``weight + 1``). The rope tables (plain attributes, on CPU as diffusers builds them) and the timestep
+    frequencies (a non-persistent buffer, in ``dtype`` as ``model.to(dtype)`` leaves it) are rebuilt for real."""
+    from diffusers import QwenImage21Transformer2DModel  # noqa: PLC0415
+    from diffusers.models.transformers.transformer_qwenimage21 import (  # noqa: PLC0415
+        QwenImage21Rope,
+        QwenImage21TemporalTimesteps,
+        QwenImage21ZeroCenterRMSNorm,
+    )
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = QwenImage21Transformer2DModel(**{"num_layers": num_layers, **overrides})
+    _in_dtype(model, dtype)
+    model.to_empty(device=device)
+    model.pos_embed = QwenImage21Rope(theta=model.pos_embed.theta, axes_dim=list(model.pos_embed.axes_dim))
+    old = model.time_text_embed.time_proj
+    model.time_text_embed.time_proj = QwenImage21TemporalTimesteps(old.timestep_dim, time_factor=old.time_factor).to(
+        device=device, dtype=dtype)
+    unknown = [n for n, _ in model.named_buffers() if n != "time_text_embed.time_proj.freqs"]
+    if unknown:  # a buffer this builder does not know how to rebuild would hold uninitialised memory
+        raise RuntimeError(f"random_qwenimage21_transformer: unknown buffers {unknown}; extend the builder")
+    zero_centred = {id(m.weight) for m in model.modules() if isinstance(m, QwenImage21ZeroCenterRMSNorm)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
+        elif name.endswith("bias"):
+            p.normal_(0.0, bias_std, generator=gen)
+        elif id(p) in zero_centred:
+            p.zero_()
+        else:  # RMSNorm weights (attn.norm_q / norm_k)
+            p.fill_(1.0)
+    return model.eval()
+
+
+def qwenimage21_inputs(
+    transformer: nn.Module, batch_size: int = 1, height: int = 64, width: int = 64, text_len: int = 128,
+    timestep: float = 0.5, seed: int = 0, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of a text-to-image ``QwenImage21Transformer2DModel`` forward as QwenImage21Pipeline passes
+    them (no condition image, no KV cache, a prompt without padding: ``encoder_hidden_states_mask`` None).
+
+    ``height`` x ``width`` target latent tokens (the VAE is 16x and the latents are unpatched: 1024^2 = 64 x 64 =
+    4096 tokens, 2048^2 = 128 x 128); ``img_mask`` holds the ``text_len`` text slots, then one slot per 2 x 2
+    group of target tokens, so ``height * width`` must be a multiple of 4. Random latents and embeddings N(0, 1)."""
+    if (height * width) % 4:
+        raise ValueError(f"qwenimage21_inputs: height * width = {height * width} is not a multiple of 4")
+    cfg = transformer.config
+    p = next((q for q in transformer.parameters() if q.dtype in (torch.float32, torch.bfloat16, torch.float16)), None)
+    device = torch.device(device if device is not None else (p.device if p is not None else "cpu"))
+    dtype = dtype or (p.dtype if p is not None else torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = torch.randn(batch_size, height * width, cfg.in_channels, generator=gen)
+    ehs = torch.randn(batch_size, text_len, cfg.context_in_dim, generator=gen)
+    img_mask = torch.tensor([False] * text_len + [True] * (height * width // 4)).expand(batch_size, -1).clone()
+    return dict(
+        hidden_states=hidden.to(device, dtype),
+        encoder_hidden_states=ehs.to(device, dtype),
+        timestep=torch.full((batch_size,), timestep, device=device, dtype=dtype),
+        img_shapes=[[(1, height, width)]] * batch_size,
+        img_mask=img_mask.to(device),
+        encoder_hidden_states_mask=None,
+        return_dict=False,
+    )
