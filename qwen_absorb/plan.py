@@ -119,6 +119,7 @@ class BlockRuntime:
     handoffs: Counter = field(default_factory=Counter)  # hand-overs taken, by block index (shared)
     announced: set = field(default_factory=set)  # devices told that the kernels cannot run (shared)
     on_decide: Any = None  # called with the plan after every decision (the report's record)
+    generation: int = 0  # bumped by every decide(): derived tensors a CUDA graph read may be gone
     lock: Any = field(default_factory=threading.RLock)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -236,6 +237,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     state (reusing FP8 weights whose inputs did not change) and take a new watch."""
     o = plan.options
     old = {p: lp for p, lp in plan.linears.items() if lp.weight is not None}
+    plan.rt.generation += 1
     plan.rt.device = device
     plan.device = str(device)
     plan.kernel_reasons = _kernel_reasons(device, o)

@@ -1149,7 +1149,7 @@ def test_lora_state_is_fingerprinted_on_its_own(seed):
         assert scan.peft, "the LoRA layers are watched"
         version = base._version
         step()
-        assert F.lora_state(scan.peft) != scan.peft_state
+        assert F.lora_state(scan.peft_dicts) != scan.peft_state
         assert scan.changed() is not None and scan.which()
         return version
 
@@ -1212,3 +1212,90 @@ def test_lora_lifecycle_recaptures_with_fake_graphs(fake_cuda, seed):
         check(label)
     d = runner.describe()
     assert d["captures"] == 1 + len(steps) and not d["unstable"] and not fb, (d, fb)
+
+
+def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed):
+    """Scan.moved runs before a replay is launched (memory the graph reads may be gone: never launched), Scan.stale
+    after it (the launched replay is discarded, the call runs eager): each kind of change, outputs always the
+    ungraphed twin's."""
+    model, twin = _lora_model(seed), _lora_model(seed)
+    qwen_absorb.patch(model)
+    qwen_absorb.patch(twin, cuda_graph=False)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    runner, fb = _install(model)
+    launches = collections.Counter()
+    real_replay = _FakeGraph.replay
+
+    def counting(self):
+        launches[id(self)] += 1
+        real_replay(self)
+
+    monkeypatch.setattr(_FakeGraph, "replay", counting)
+
+    def graphed():
+        for _ in range(2):
+            assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
+        (entry,) = runner._graphs.values()
+        return id(entry.graph)
+
+    blk, tblk = model.transformer_blocks[0], twin.transformer_blocks[0]
+    stale_steps = [  # seen after the launch: one discarded replay each
+        ("in-place weight write", lambda b: b.img_mod[1].weight.mul_(1.5)),
+        ("switch value", lambda b: setattr(b.attn.to_q, "_disable_adapters", True)),
+        ("LoRA scaling", lambda b: b.attn.to_k.scaling.__setitem__("a", 0.25)),
+        ("hook added", lambda b: b.img_norm1.register_forward_hook(lambda *a: None)),
+    ]
+    for label, step in stale_steps:
+        g = graphed()
+        n, d = launches[g], runner.discarded_replays
+        with torch.no_grad():
+            handles = [step(blk), step(tblk)]
+        assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
+        assert launches[g] == n + 1 and runner.discarded_replays == d + 1, label  # launched, then discarded
+        assert not any(id(e.graph) == g for e in runner._graphs.values()), label
+        for h in handles:
+            if isinstance(h, torch.utils.hooks.RemovableHandle):
+                h.remove()  # a hooked submodule refuses graphs: take it off for the next step
+    moved_steps = [  # seen before the launch: the old graph never runs again
+        ("weight moved", lambda b: setattr(b.img_mod[1].weight, "data", b.img_mod[1].weight.data.clone())),
+        ("block decided anew", lambda b: qwen_absorb.block.redecide(b._qwen_absorb_plan, b, torch.device("cpu"), "t")),
+        ("forward replaced", lambda b: setattr(b.attn, "processor", type(b.attn.processor)())),
+    ]
+    for label, step in moved_steps:
+        g = graphed()
+        n, d = launches[g], runner.discarded_replays
+        with torch.no_grad():
+            step(blk)
+            step(tblk)
+        assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
+        assert launches[g] == n and runner.discarded_replays == d, label
+    assert runner.describe()["discarded_replays"] == len(stale_steps)
+
+
+def test_switch_values_compared_by_value_identity_elsewhere(seed):
+    """Plain switch values (ModelOpt's bools, num_bits tuples) are compared by value, one itemgetter per dict;
+    a deleted switch or an incomparable value is a change; anything else by identity."""
+    model = T.tiny_transformer(seed=seed)
+    q = model.transformer_blocks[0].attn.to_q
+    q._if_quant, q._num_bits = True, (4, 3)  # switch names the scan watches
+    scan = F.Scan(model)
+    assert any(d is q.__dict__ for d in scan.plain_dicts)
+    q._num_bits = (4, 3)  # an equal tuple: no change
+    assert scan.changed() is None
+    q._num_bits = (8, 0)
+    assert scan.changed() == F.SWITCHED and "_num_bits" in scan.which()
+    q._num_bits = (4, 3)
+    assert scan.changed() is None
+    q._if_quant = torch.ones(3)  # a value that cannot be compared with a bool
+    assert scan.changed() == F.SWITCHED
+    q._if_quant = True
+    del q.__dict__["_if_quant"]
+    q.__dict__["_other"] = 1  # the dict length stays: the missing switch itself is the change
+    assert scan.changed() == F.SWITCHED and "removed" in scan.which()
+    scan = F.Scan(model)
+    fwd = lambda *a, **k: None  # noqa: E731
+    blk = model.transformer_blocks[1]
+    blk.forward = fwd
+    scan = F.Scan(model)
+    blk.forward = lambda *a, **k: None
+    assert scan.moved() == F.SWITCHED  # identity: a new forward object, before any replay

@@ -2,11 +2,23 @@
 
 A :class:`Scan` walks the transformer once and records what a replay depends on: every parameter and buffer
 (``data_ptr`` and ``_version``), tensors and qwen_absorb state held as module attributes, the instance
-attributes where forwards, hooks, processors, ModelOpt and PEFT switches live (by identity), the lengths of
-module dicts and torch hook dicts, and the state of PEFT LoRA layers (merged adapters, scaling, enabled,
-active). ``changed()`` compares all of it per call with C-level ``map``s over lists prepared here (a Python
-loop per tensor would cost more than the launches a replay saves on small calls). The same walk gives the
-verdict: a refusal (hooks, calibration, a model off the graph device) or the device graphs run on.
+attributes where forwards, hooks, processors, ModelOpt and PEFT switches live, the lengths of module dicts
+and torch hook dicts, and the state of PEFT LoRA layers (merged adapters, scaling, enabled, active).
+``changed()`` compares all of it per call with C-level ``map``s over lists prepared here (a Python loop per
+item would cost more than the launches a replay saves: a 60-block FP8 model has ~20,000 quantizer switches).
+
+How attributes are compared, per call:
+
+- plain values (``bool``, ``int``, ``float``, ``str``, ``None`` and tuples of them: ModelOpt's quantizer
+  switches, PEFT's disable flag) by value, all of one module dict read by one ``itemgetter`` (one C call per
+  dict instead of one per key); a key deleted, or a value that cannot be compared, counts as a change. A
+  value replaced by an equal one (``False`` by ``0``) is no change: the switches are read for their value;
+- every other attribute (forwards, hooks, processors, tensors, qwen_absorb's plans) by identity;
+- PEFT layers: merged adapters, scaling, disable flag and active adapters of all layers by value, against
+  copies (PEFT mutates the lists and dicts in place).
+
+The same walk gives the verdict: a refusal (hooks, calibration, a model off the graph device) or the device
+graphs run on.
 
 torch's global registration hooks (:func:`watch`) see modules, parameters and buffers assigned anywhere; an
 assignment inside a watched transformer drops its runner's snapshot at once.
@@ -19,7 +31,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from operator import attrgetter
+from operator import attrgetter, call, itemgetter
 from typing import Any
 
 import torch
@@ -28,6 +40,7 @@ from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import hooks
+from ..plan import PLAN_ATTR
 from . import settings
 
 # Instance attributes whose identity decides what a call runs: hook chains and compiled wrappers (from
@@ -38,14 +51,18 @@ WATCH_KEYS = (
     "_disable_adapters", "_active_adapter",
 )
 
+SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
+
 _version_of = attrgetter("_version")
+_generation = attrgetter("rt.generation")
 _data_ptr = torch.Tensor.data_ptr
 # One C++ loop over (tensor, data_ptr) pairs (CUDA builds; what Inductor's CUDA-graph trees use); a map otherwise.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-_merged = attrgetter("merged_adapters")
-_scaling = attrgetter("scaling")
-_disabled = attrgetter("_disable_adapters")
-_active = attrgetter("_active_adapter")
+# PEFT's per-layer switches, read from a LoRA layer's __dict__ in one C call; _PEFT_KEYS are compared there
+# (by value) and left out of the attribute comparison
+_PEFT_KEYS = ("merged_adapters", "scaling", "_disable_adapters", "_active_adapter")
+_peft_get = itemgetter(*_PEFT_KEYS)
+_PLAIN = (bool, int, float, str, type(None))
 
 
 # ---------------------------------------------------------------------------------------------- registration
@@ -118,19 +135,34 @@ def _is_lora_layer(d: dict) -> bool:
     return isinstance(d.get("merged_adapters"), list) and isinstance(d.get("scaling"), dict)
 
 
-def lora_state(mods: list[nn.Module]) -> list:
+def _plain(v: Any) -> bool:
+    """A value compared by value: a plain scalar, or a tuple of them (``_num_bits = (4, 3)``)."""
+    tv = type(v)
+    return tv in _PLAIN or (tv is tuple and all(type(x) in _PLAIN for x in v))
+
+
+def lora_state(dicts: list[dict]) -> list[tuple]:
     """What of PEFT tuner layers changes what runs without a registration: merged adapters (``fuse_lora``
     writes ``base_layer.weight.data`` in place, which no ``_version`` sees), scaling (``set_adapters``, a
-    deleted adapter), ``disable_adapters`` and the active adapters. The live objects, read with C-level maps:
-    compared against :func:`lora_snapshot` element by element (list and dict equality, no copies per call)."""
-    return [list(map(_merged, mods)), list(map(_scaling, mods)), list(map(_disabled, mods)), list(map(_active, mods))]
+    deleted adapter), ``disable_adapters`` and the active adapters, one tuple per layer ``__dict__`` of the
+    live objects (one C-level map): compared against :func:`lora_snapshot` (list, dict and tuple equality,
+    no copies per call)."""
+    return list(map(_peft_get, dicts))
 
 
-def lora_snapshot(mods: list[nn.Module]) -> list:
+def lora_snapshot(dicts: list[dict]) -> list[tuple]:
     """Copies of :func:`lora_state` (the lists and dicts are mutated in place by PEFT)."""
-    merged, scaling, disabled, active = lora_state(mods)
-    return [list(map(list, merged)), list(map(dict, scaling)), disabled,
-            [list(a) if isinstance(a, list) else a for a in active]]
+    return [(list(m), dict(s), dis, list(a) if isinstance(a, list) else a) for m, s, dis, a in lora_state(dicts)]
+
+
+_getters: dict[tuple[str, ...], itemgetter] = {}
+
+
+def _getter(keys: tuple[str, ...]) -> itemgetter:
+    g = _getters.get(keys)
+    if g is None:
+        g = _getters[keys] = itemgetter(*keys)
+    return g
 
 
 class Scan:
@@ -142,9 +174,10 @@ class Scan:
 
     __slots__ = (
         "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watch_dicts",
-        "watch_keys", "watch_objs", "watch_ids", "tensors", "names", "ptrs", "indices", "vtensors", "vnames",
-        "vers", "peft", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count",
+        "watch_keys", "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys",
+        "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "vtensors", "vnames", "vers", "peft",
+        "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
+        "host_count", "plans", "gens",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = ()) -> None:
@@ -161,6 +194,8 @@ class Scan:
         self.vtensors: list[torch.Tensor] = []
         self.vnames: list[str] = []
         self.peft: list[nn.Module] = []
+        self.peft_dicts: list[dict] = []
+        self.plans: list[Any] = []  # the blocks' qwen_absorb plans: their generation moves with every decision
         self.peft_names: list[str] = []
         host = [x for x in host if isinstance(x, torch.Tensor)]
         host_ids = set(map(id, host))
@@ -200,8 +235,9 @@ class Scan:
                     self.hook_dicts.append(hd)
                     if hd:
                         refuse("forward hook on a submodule", f"forward hook or pre-hook on {label}")
+            peft_layer = _is_lora_layer(d)
             for k in WATCH_KEYS:
-                if k in d and not (root and k == "forward"):
+                if k in d and not (root and k == "forward") and not (peft_layer and k in _PEFT_KEYS):
                     self.watch_dicts.append(d)
                     self.watch_keys.append(k)
             for k, v in d.items():
@@ -225,8 +261,12 @@ class Scan:
                     self.watch_keys.append(k)
             if d.get("_if_calib") is True and d.get("_disabled") is False:
                 refuse("ModelOpt calibration running", f"quantizer {label} is calibrating")
-            if _is_lora_layer(d):
+            plan = d.get(PLAN_ATTR)
+            if plan is not None and hasattr(plan, "rt"):
+                self.plans.append(plan)
+            if peft_layer:
                 self.peft.append(m)
+                self.peft_dicts.append(d)
                 self.peft_names.append(label)
             for group in ("_parameters", "_buffers"):
                 for k, x in (d.get(group) or {}).items():
@@ -259,16 +299,51 @@ class Scan:
         self.lens = list(map(len, self.len_dicts))
         self.hook_lens = list(map(len, self.hook_dicts))
         self.handle_id = RemovableHandle.next_id
-        self.watch_objs = list(map(dict.get, self.watch_dicts, self.watch_keys))
+        # plain values by value, one itemgetter per dict; everything else by identity (see the module doc)
+        plain: dict[int, tuple[dict, list[str]]] = {}
+        self.ident_dicts, self.ident_keys = [], []
+        for d, k in zip(self.watch_dicts, self.watch_keys):
+            if k in d and _plain(d[k]):
+                plain.setdefault(id(d), (d, []))[1].append(k)
+            else:
+                self.ident_dicts.append(d)
+                self.ident_keys.append(k)
+        self.plain_dicts = [d for d, _ in plain.values()]
+        self.plain_keys = [tuple(ks) for _, ks in plain.values()]
+        self.plain_getters = list(map(_getter, self.plain_keys))
+        self.plain_vals = list(map(call, self.plain_getters, self.plain_dicts))
+        self.watch_objs = list(map(dict.get, self.ident_dicts, self.ident_keys))  # held: ids stay unique
         self.watch_ids = list(map(id, self.watch_objs))
         self.ptrs = list(map(_data_ptr, self.tensors))
         self.indices = list(range(len(self.tensors)))
         self.vers = list(map(_version_of, self.vtensors))
-        self.peft_state = lora_snapshot(self.peft)
+        self.peft_state = lora_snapshot(self.peft_dicts)
+        self.gens = list(map(_generation, self.plans))
         self.global_hooks = hooks.global_hook_count()
 
     def changed(self) -> str | None:
         """None when nothing a graph depends on changed since the snapshot, else what changed."""
+        return self.moved() or self.stale()
+
+    def moved(self) -> str | None:
+        """The part of :meth:`changed` a replay must not run past: memory the graph reads may be gone (a
+        parameter or buffer moved or replaced, a block decided anew and rebuilt its FP8 weights, a forward,
+        processor or plan replaced). The runner asks it before launching a replay."""
+        if list(map(_generation, self.plans)) != self.gens:
+            return "a block decided anew (its derived tensors were rebuilt)"
+        if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
+            return SWITCHED
+        if _ptrs_equal is not None:
+            if not _ptrs_equal(self.tensors, self.ptrs, self.indices):
+                return "weights moved or replaced"
+        elif list(map(_data_ptr, self.tensors)) != self.ptrs:
+            return "weights moved or replaced"
+        return None
+
+    def stale(self) -> str | None:
+        """The rest of :meth:`changed`: what makes a replay's result wrong, not unsafe (module attributes
+        added, hooks, switch values, in-place writes, PEFT state). The runner asks it while the replay it
+        just launched runs, and discards that replay's output when it answers."""
         if list(map(len, self.len_dicts)) != self.lens:
             return "module structure or attributes changed"
         # Every torch hook registration takes an id from RemovableHandle.next_id: the hook dicts are only
@@ -277,17 +352,19 @@ class Scan:
             if list(map(len, self.hook_dicts)) != self.hook_lens or hooks.global_hook_count() != self.global_hooks:
                 return "forward hooks added or removed"
             self.handle_id = RemovableHandle.next_id
-        if list(map(id, map(dict.get, self.watch_dicts, self.watch_keys))) != self.watch_ids:
-            return "forward, hook, processor, quantizer or adapter switch replaced"
-        if _ptrs_equal is not None:
-            if not _ptrs_equal(self.tensors, self.ptrs, self.indices):
-                return "weights moved or replaced"
-        elif list(map(_data_ptr, self.tensors)) != self.ptrs:
-            return "weights moved or replaced"
+        try:
+            if list(map(call, self.plain_getters, self.plain_dicts)) != self.plain_vals:
+                return SWITCHED
+        except Exception:  # noqa: BLE001 - a switch deleted (KeyError) or a value that cannot be compared
+            return SWITCHED
         if list(map(_version_of, self.vtensors)) != self.vers:
             return "weights modified in place"
-        if self.peft and lora_state(self.peft) != self.peft_state:
-            return "LoRA adapter state changed"
+        if self.peft_dicts:
+            try:
+                if lora_state(self.peft_dicts) != self.peft_state:
+                    return "LoRA adapter state changed"
+            except Exception:  # noqa: BLE001 - PEFT's attributes deleted
+                return "LoRA adapter state changed"
         return None
 
     def which(self) -> str:
@@ -298,12 +375,22 @@ class Scan:
         for x, n, v in zip(self.vtensors, self.vnames, self.vers):
             if _version_of(x) != v:
                 return n
-        for d, k, i in zip(self.watch_dicts, self.watch_keys, self.watch_ids):
+        for d, k, i in zip(self.ident_dicts, self.ident_keys, self.watch_ids):
             if id(d.get(k)) != i:
                 return f"attribute {k!r} of a {type(d.get(k)).__name__ if k in d else 'module (removed)'}"
-        if self.peft:
-            now = lora_state(self.peft)
-            for j, n in enumerate(self.peft_names):
-                if any(a[j] != b[j] for a, b in zip(now, self.peft_state)):
+        for d, ks, vals in zip(self.plain_dicts, self.plain_keys, self.plain_vals):
+            for k, v in zip(ks, vals if len(ks) > 1 else (vals,)):
+                if k not in d:
+                    return f"attribute {k!r} (removed)"
+                try:
+                    if d[k] != v:
+                        return f"attribute {k!r}: {v!r} -> {d[k]!r}"
+                except Exception:  # noqa: BLE001
+                    return f"attribute {k!r}: {v!r} -> a {type(d[k]).__name__}"
+        for d, n, snap in zip(self.peft_dicts, self.peft_names, self.peft_state):
+            try:
+                if _peft_get(d) != snap:
                     return n
+            except Exception:  # noqa: BLE001
+                return n
         return ""

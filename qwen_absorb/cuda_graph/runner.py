@@ -4,6 +4,14 @@ refuse (eager, counted), replay, or capture; :func:`install` puts it there.
 Per call, in order: the O(1) refusals (grad, training, hooks on the transformer), the arguments read into a
 :class:`~.signature.Call`, the fingerprint (:mod:`.fingerprint`; graphs dropped when it changed), the graph of
 the signature replayed, or a new signature captured (:mod:`.capture`), after ``capture_after`` eager calls.
+
+The fingerprint is asked in two parts around a replay. Before launching it: whatever could leave the graph
+reading memory that is gone (``Scan.moved``: tensors moved or replaced, blocks decided anew, forwards and
+plans replaced; cheap). After launching it, while the GPU runs it: everything else (``Scan.stale``: switch
+values, in-place writes, hooks, PEFT state; most of the host time on a 60-block model). When that finds a
+change, the replay's output is discarded (never returned, counted in ``discarded_replays``), the graphs are
+dropped (after the replay finished) and the call runs eager, as it would have had the change been seen first.
+No call returns a result computed from stale state; the host checks overlap the GPU instead of preceding it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from .fingerprint import Scan, root_reason, unwatch, watch
 from .signature import Call, Refusal, positional_names
 
 log = logging.getLogger("qwen_absorb")
+
+
+_MISS = object()  # _fast_replay: no replay served
 
 
 def _dead() -> None:
@@ -62,7 +73,7 @@ class GraphedCall:
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
-        "capture_failures", "_host_us", "_host_n",
+        "capture_failures", "_host_us", "_host_n", "_check_us", "discarded_replays",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
@@ -101,8 +112,10 @@ class GraphedCall:
         self.refusals: collections.Counter = collections.Counter()
         self.invalidations: collections.Counter = collections.Counter()
         self.capture_failures: collections.Counter = collections.Counter()
-        self._host_us = 0.0
+        self._host_us = 0.0  # host time of a replayed call up to the replay's launch
         self._host_n = 0
+        self._check_us = 0.0  # host time of the checks after the launch (overlapping the GPU)
+        self.discarded_replays = 0
         if t is not None:
             watch(self)
 
@@ -136,6 +149,9 @@ class GraphedCall:
             call = Call(args, kwargs, self._positional)
         except Refusal as r:
             return self._eager(r.reason, r.detail, args, kwargs)
+        out = self._fast_replay(call, t0)
+        if out is not _MISS:
+            return out
         scan = self._current_scan()
         if scan.refusal is not None:
             return self._eager(scan.refusal, scan.detail, args, kwargs)
@@ -154,6 +170,28 @@ class GraphedCall:
         if self.capture_after and self._count_new(call.key):
             return self._inner(*args, **kwargs)
         return self._capture(call)
+
+    def _fast_replay(self, call: Call, t0: float) -> Any:
+        """Replay the graph of ``call`` on an unchanged snapshot: ``Scan.moved`` before the launch, ``Scan.stale``
+        after it (see the module doc). ``_MISS`` when there is no such graph, or when the snapshot changed (a
+        launched replay is then discarded): the caller takes the full path, which drops the graphs."""
+        scan = self._scan
+        if scan is None or scan.refusal is not None or self._unstable or scan.device != call.device:
+            return _MISS
+        entry = self._graphs.get(call.key)
+        if entry is None or scan.moved() is not None:
+            return _MISS
+        self._launch(entry, call)
+        t1 = time.perf_counter()
+        if scan.stale() is not None:
+            self.discarded_replays += 1  # its output is never read; _current_scan drops the graphs after it ran
+            return _MISS
+        out = self._served(entry, call)
+        t2 = time.perf_counter()
+        self._host_us += (t1 - t0) * 1e6
+        self._check_us += (t2 - t1) * 1e6
+        self._host_n += 1
+        return out
 
     def _wrapped(self) -> Callable[..., Any]:
         """The forward this runner wraps (after :meth:`remove`, held weakly)."""
@@ -231,10 +269,18 @@ class GraphedCall:
             self._dirty = f"module structure changed ({what})"
 
     def _replay(self, entry: Graph, call: Call) -> Any:
-        self._graphs.move_to_end(call.key)
+        self._launch(entry, call)
+        return self._served(entry, call)
+
+    @staticmethod
+    def _launch(entry: Graph, call: Call) -> None:
         for s, x in zip(entry.statics, call.tensors):
             s.copy_(x)
         entry.graph.replay()
+
+    def _served(self, entry: Graph, call: Call) -> Any:
+        """The launched replay of ``entry`` answers the call: bookkeeping, and clones of its outputs."""
+        self._graphs.move_to_end(call.key)
         entry.replays += 1
         self.replays += 1
         self._unreplayed = 0
@@ -391,6 +437,8 @@ class GraphedCall:
             "unstable": self._unstable,
             "capture_ms": [round(g.capture_ms, 1) for g in self._graphs.values()],
             "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
+            "overlapped_check_us_per_replay": round(self._check_us / self._host_n, 1) if self._host_n else None,
+            "discarded_replays": self.discarded_replays,
             "outputs": "clone",
         }
 
