@@ -23,7 +23,10 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
 
 Memory: ``torch.cuda.memory_allocated() / 2**30`` after ``gc.collect(); torch.cuda.empty_cache()``; peaks per
 phase under ``peak_memory_gib``. Every timed case: median of >= 5 calls after warm-up (CUDA events) next to the
-perf_counter wall time and the GPU busy of one call (torch.profiler), the report summary and runtime fallbacks.
+perf_counter wall time and the GPU busy of one call (torch.profiler), the report summary and runtime fallbacks,
+and ``graph_runner.<case>``: the CUDA-graph runner's replays, host us per replayed call up to the launch
+(``host_us_per_replay``), the checks that run after it while the GPU works (``overlapped_check_us_per_replay``),
+discarded replays (a change seen after the launch), refusals and invalidations.
 
     python benchmarks/fp8_lora.py                # H200: ~4-5 min (+~60 s the first time ModelOpt builds its extension)
     python benchmarks/fp8_lora.py --tiny         # CPU smoke run of every step (tiny model, fp8_gemm=True on "cpu")
@@ -127,6 +130,12 @@ class Bench(H.Bench):
         self.R.d["details"][key] = r
         self.R.put(f"report_summary.{key}", H.summary(rep))
         self.R.put(f"runtime_fallbacks.{key}", H.fallbacks(rep))
+        runner = self.model.__dict__.get("forward")  # the CUDA-graph runner: its host time per replayed call
+        if callable(getattr(runner, "describe", None)):
+            d = runner.describe()
+            self.R.put(f"graph_runner.{key}", {k: d.get(k) for k in (
+                "replays", "captures", "eager_calls", "discarded_replays", "host_us_per_replay",
+                "overlapped_check_us_per_replay", "refusals", "invalidations")})
         return r
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import lora
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
@@ -29,14 +30,14 @@ from .sites import attention_functions
 
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
-            works: list) -> torch.Tensor:
+            works: list, branches: list | None = None) -> torch.Tensor:
     """One attention linear: real FP8 (``x`` the codes, ``act`` the unquantized input its LoRA branches
-    read), on its tensor-parallel shards (a row-wise all-reduce is appended to ``works``), or the
-    module as it is."""
+    read, ``branches`` their lora_A products where computed for the whole stream), on its tensor-parallel
+    shards (a row-wise all-reduce is appended to ``works``), or the module as it is."""
     lp = plan.linears[path]
     m = _module(attn, path)
     if lp.fp8_gemm:
-        return fp8_linear(x, lp, plan, None, act, m)
+        return fp8_linear(x, lp, plan, None, act, m, branches)
     if not compiling:
         shard = tp_shard_for(plan, path, m, x)
         if shard is not None:
@@ -45,6 +46,23 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
                 works.append(work)
             return y
     return run_module(plan, compiling, m, x)
+
+
+QKV_IMG = ("attn.to_q", "attn.to_k", "attn.to_v")
+QKV_TXT = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+
+
+def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tensor | None) -> dict | None:
+    """``{path: branches}`` of the real-FP8 LoRA linears among q/k/v of one stream, all their lora_A products
+    from one GEMM (:func:`qwen_absorb.lora.shared_input_branches`), or None: each adds its own."""
+    if act is None:
+        return None
+    lora_paths = [p for p in paths if plan.linears[p].fp8_gemm and plan.linears[p].lora]
+    dtypes = {plan.linears[p].weight.out_dtype for p in lora_paths}
+    if len(dtypes) != 1:
+        return None
+    rows = lora.shared_input_branches([_module(attn, p) for p in lora_paths], act, dtypes.pop())
+    return None if rows is None else dict(zip(lora_paths, rows))
 
 
 def _module(attn: nn.Module, path: str) -> nn.Module:
@@ -70,9 +88,10 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     head_dim = attn.inner_dim // attn.heads
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
     qkv = []
-    for paths, x, act in ((("attn.to_q", "attn.to_k", "attn.to_v"), img_in, img_act),
-                          (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), txt_in, txt_act)):
-        qkv.append([_linear(attn, plan, p, x, act, compiling, works).unflatten(-1, (-1, head_dim)) for p in paths])
+    for paths, x, act in ((QKV_IMG, img_in, img_act), (QKV_TXT, txt_in, txt_act)):
+        pre = None if compiling else _shared_lora(attn, plan, paths, act)
+        qkv.append([_linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None)
+                    .unflatten(-1, (-1, head_dim)) for p in paths])
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb

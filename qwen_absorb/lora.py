@@ -110,6 +110,55 @@ def _identity_dropout(m: nn.Module) -> bool:
     return type(m) is nn.Identity or (isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training))
 
 
+def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
+                          out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
+    """The active branches of several LoRA layers that read one input ``x`` (q/k/v of a stream), with all
+    their ``lora_A`` products from one GEMM over the concatenated A weights ``[sum of ranks, K]``: per layer
+    ``[(x @ A.T, lora_B.weight, scaling)]``, the first a column slice of the one product; None where this
+    does not apply (fewer than two branches, dropout that is not the identity, a dtype or device that the
+    fast path of :func:`add_branches` would not take): each layer then adds its own branches.
+
+    ``x`` is read once instead of once per branch. The product is the same per element as separate
+    ``lora_A`` GEMMs (each output column is its own dot product over K, rounded once to the activation
+    dtype); which GEMM kernel a library picks may depend on the width, so on a GPU the last bit of a
+    column's value may differ from the separate GEMM's (on the CPU they are identical,
+    tests/test_fp8_follows_model.py). The A weights are concatenated at every call (a copy of ``sum of
+    ranks x K`` elements, one small kernel), never cached: PEFT's hotswap (``load_lora_weights(...,
+    hotswap=True)``) writes them through ``.data``, which no version counter sees, and the branches must
+    read them as they are now (a CUDA graph replays the concatenation too). ``scaling`` is read at every
+    call, as PEFT reads it."""
+    per = [active_branches(layer) for layer in layers]
+    flat = [br for bs in per for br in bs]
+    if len(flat) < 2:
+        return None
+    dev = x.device
+    for a, b, drop, _ in flat:
+        wa, wb = a.weight, b.weight
+        if not (_identity_dropout(drop) and wa.dtype == x.dtype == out_dtype == wb.dtype and wa.device == dev
+                and wb.device == dev and type(wa.data) is torch.Tensor):
+            return None
+    w = torch.cat([a.weight for a, _, _, _ in flat], 0)
+    t = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w)
+    out, off = [], 0
+    for bs in per:
+        row = []
+        for a, b, _, s in bs:
+            r = a.weight.shape[0]
+            row.append((t[:, off:off + r], b.weight, s))
+            off += r
+        out.append(row)
+    return out
+
+
+def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
+    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of branches whose A products :func:`shared_input_branches`
+    computed: the fp32-accumulated ``addmm_`` of :func:`add_branches`' fast path."""
+    y2 = y.view(-1, y.shape[-1])
+    for t, wb, s in branches:
+        y2.addmm_(t, wb.t(), alpha=s)
+    return y
+
+
 def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y`` (the base layer's output for input ``x``) plus every active adapter's branch."""
     branches = active_branches(layer)
@@ -133,5 +182,5 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
     return y.to(out_dtype)
 
 
-__all__ = ["active_branches", "add_branches", "call_refusal", "has_lora_bias", "is_lora_layer", "state",
-           "unsupported_reasons"]
+__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "has_lora_bias", "is_lora_layer",
+           "shared_input_branches", "state", "unsupported_reasons"]

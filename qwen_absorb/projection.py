@@ -43,11 +43,14 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
 
 
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
-               x: torch.Tensor | None = None, module: nn.Module | None = None) -> torch.Tensor:
+               x: torch.Tensor | None = None, module: nn.Module | None = None,
+               branches: list | None = None) -> torch.Tensor:
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
 
     A LoRA linear (``lp.lora``): ``module`` is the PEFT layer and ``x`` the unquantized input; its
-    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.add_branches`).
+    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.add_branches`),
+    or, where the caller computed their ``lora_A`` products together with those of the other linears
+    reading ``x`` (``branches``, :func:`qwen_absorb.lora.shared_input_branches`), from those.
     Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
     output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
@@ -62,7 +65,9 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)
     out = out.reshape(*lead, out.shape[-1])
-    if lp.lora:
+    if branches is not None:
+        out = lora.add_products(out.contiguous(), branches)
+    elif lp.lora:
         out = lora.add_branches(module, out, x)
     tp = lp.tp
     if tp is not None and tp.style == "rowwise":

@@ -8,6 +8,7 @@ patched model serves stale derived state (an old FP8 weight, amax, dtype or bias
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import weakref
@@ -404,3 +405,95 @@ def test_a_hook_on_the_attention_keeps_the_rest_real_fp8(seed):
     assert torch.equal(out, T.run_transformer(twin, inp)) and len(calls) == 2
     assert report.summary["fp8_gemm_linears"] == 14 * LAYERS - 8  # block 0's eight attention linears
     assert not report.blocks[0].linears["attn.to_q"].fp8_gemm and report.blocks[0].linears["img_mlp.net.2"].fp8_gemm
+
+
+def _mm_counts(model, inp) -> collections.Counter:
+    """aten matmul ops of one call, by name (TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "mm" in name or name in ("linear", "_scaled_mm"):
+                counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        T.run_transformer(model, inp)
+    return counts
+
+
+def test_shared_lora_a_products_are_the_separate_ones(seed, monkeypatch):
+    """q/k/v of a stream take their lora_A products from one GEMM over the concatenated A weights: bit for bit
+    the per-linear GEMMs (CPU), 10 fewer matmuls per block with two adapters, and the live weights after
+    every LoRA action, PEFT's hotswap included (an in-place write through .data, which no version sees)."""
+    from qwen_absorb import attention
+
+    model, inp = _fp8(seed)
+    _add_lora(model, seed, "a", r=4)
+    _add_lora(model, seed + 1, "b", r=2)
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    _real(model)
+    separate = attention._shared_lora
+
+    def both():
+        merged = T.run_transformer(model, inp)
+        with monkeypatch.context() as mp:
+            mp.setattr(attention, "_shared_lora", lambda *a: None)
+            sep = T.run_transformer(model, inp)
+        assert separate is attention._shared_lora
+        return merged, sep
+
+    merged, sep = both()
+    assert torch.equal(merged, sep)
+    n_merged = _mm_counts(model, inp)
+    monkeypatch.setattr(attention, "_shared_lora", lambda *a: None)
+    n_sep = _mm_counts(model, inp)
+    monkeypatch.setattr(attention, "_shared_lora", separate)
+    # per block and stream, q/k/v x 2 adapters: 6 lora_A GEMMs become 1; the 6 lora_B addmm_ stay
+    assert n_sep["mm"] - n_merged["mm"] == 2 * 5 * LAYERS, (n_merged, n_sep)
+    assert n_sep["addmm_"] == n_merged["addmm_"], (n_merged, n_sep)
+    blk = model.transformer_blocks[0]
+    q_a = blk.attn.to_q.lora_A["a"].weight
+    steps = [
+        ("A weight written in place", lambda: q_a.data.mul_(1.5)),  # what PEFT's hotswap does
+        ("A weight replaced", lambda: setattr(q_a, "data", q_a.data * 0.5)),
+        ("adapter weights", lambda: model.set_adapters(["a", "b"], [0.25, 2.0])),
+        ("active set", lambda: model.set_adapters(["b"], [1.0])),
+        ("disable", model.disable_adapters),
+        ("enable", model.enable_adapters),
+        ("add", lambda: _add_lora(model, seed + 2, "c", r=3)),
+        ("all three", lambda: model.set_adapters(["a", "b", "c"], [1.0, 0.5, 0.7])),
+        ("delete", lambda: model.delete_adapters("b")),
+    ]
+    prev = merged
+    for label, step in steps:
+        with torch.no_grad():
+            step()
+        merged, sep = both()
+        assert torch.equal(merged, sep), label
+        assert not torch.equal(merged, prev), label  # the step changed what runs
+        prev = merged
+
+
+def test_shared_lora_a_refuses_dropout(seed):
+    """A LoRA dropout that is not the identity (training): no merged GEMM, each linear runs PEFT's expression."""
+    model, inp = _fp8(seed)
+    _add_lora(model, seed, "a")
+    _add_lora(model, seed + 1, "b")
+    model.set_adapters(["a", "b"])
+    _real(model)
+    x = torch.randn(5, model.transformer_blocks[0].attn.to_q.in_features, dtype=torch.bfloat16)
+    attn = model.transformer_blocks[0].attn
+    layers = [attn.to_q, attn.to_k, attn.to_v]
+    assert L.shared_input_branches(layers, x, torch.bfloat16) is not None
+    layers[1].lora_dropout["b"] = torch.nn.Dropout(0.1)
+    assert L.shared_input_branches(layers, x, torch.bfloat16) is None
+    layers[1].lora_dropout["b"].eval()  # eval dropout is the identity
+    assert L.shared_input_branches(layers, x, torch.bfloat16) is not None
+    assert L.shared_input_branches(layers, x, torch.float32) is None  # another output dtype
+    assert L.shared_input_branches(layers[:1], x, torch.bfloat16) is not None  # two adapters on one layer
+    model.set_adapters(["a"])
+    assert L.shared_input_branches(layers[:1], x, torch.bfloat16) is None  # one branch: nothing to share

@@ -129,3 +129,37 @@ def test_lora_with_cuda_graph_replays_and_offload_composes():
     assert report.cuda_graph["replays"] >= 2, report.cuda_graph
     qwen_absorb.unpatch(model)
     assert model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cuda"
+
+
+def test_shared_lora_a_gemm_and_live_adapter_weights_in_graphs(monkeypatch):
+    """q/k/v's lora_A products from one GEMM: within a bf16 rounding of the per-linear GEMMs on the GPU (the
+    kernel may differ with the width); graph replays read the adapter weights as they are now (PEFT's hotswap
+    writes them through .data, which no version sees); a change seen after a launch discards that replay."""
+    from qwen_absorb import attention
+
+    model, inp = _fp8(11)
+    _lora(model, 12, "a")
+    _lora(model, 13, "b", r=4)
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(twin, **REAL)
+    merged = T.run_transformer(twin, inp)
+    with monkeypatch.context() as mp:
+        mp.setattr(attention, "_shared_lora", lambda *a: None)
+        sep = T.run_transformer(twin, inp)
+    assert _rel(merged, sep) < 5e-3, _rel(merged, sep)
+    report = qwen_absorb.patch(model, **REAL, cuda_graph=True)
+    for _ in range(3):
+        assert torch.equal(T.run_transformer(model, inp), merged)
+    with torch.no_grad():  # a hotswap: in place through .data
+        for m in (model, twin):
+            m.transformer_blocks[1].attn.add_k_proj.lora_A["b"].weight.data.mul_(3.0)
+    out = T.run_transformer(model, inp)
+    assert torch.equal(out, T.run_transformer(twin, inp)) and not torch.equal(out, merged)
+    n = report.cuda_graph["discarded_replays"]
+    for m in (model, twin):
+        m.set_adapters(["a", "b"], [0.5, 0.5])  # scaling: seen after the launch
+    outs = [T.run_transformer(model, inp) for _ in range(3)]
+    want = T.run_transformer(twin, inp)
+    assert all(torch.equal(o, want) for o in outs)
+    assert report.cuda_graph["discarded_replays"] == n + 1, report.cuda_graph
