@@ -1292,10 +1292,9 @@ def test_switch_values_compared_by_value_identity_elsewhere(seed):
     del q.__dict__["_if_quant"]
     q.__dict__["_other"] = 1  # the dict length stays: the missing switch itself is the change
     assert scan.changed() == F.SWITCHED and "removed" in scan.which()
-    scan = F.Scan(model)
-    fwd = lambda *a, **k: None  # noqa: E731
     blk = model.transformer_blocks[1]
-    blk.forward = fwd
+    blk.forward = type(blk).forward.__get__(blk)  # an instance forward (a bound method): watched by identity
     scan = F.Scan(model)
-    blk.forward = lambda *a, **k: None
-    assert scan.moved() == F.SWITCHED  # identity: a new forward object, before any replay
+    assert scan.moved() is None and scan.changed() is None
+    blk.forward = type(blk).forward.__get__(blk)  # an equal bound method, a new object: seen before any replay
+    assert scan.moved() == F.SWITCHED
