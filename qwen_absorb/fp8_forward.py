@@ -234,7 +234,8 @@ class Fp8LinearForward:
         """Whether a runner may call :meth:`gemm` instead of the linear: nothing else would run around
         the forward (no torch / diffusers / accelerate hook; the block runner checks global hooks)."""
         lin = self.linear
-        return lin.__dict__.get("forward") is self and not hooks.has_hooks(lin) and self.slot[0].get(self.slot[1]) is lin
+        return (lin.__dict__.get("forward") is self and not hooks.has_hooks(lin)
+                and self.slot[0].get(self.slot[1]) is lin)
 
     # -- copies
     def __getstate__(self) -> tuple:

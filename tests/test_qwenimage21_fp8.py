@@ -158,6 +158,46 @@ def test_codes_handed_over_equal_the_reference_quantization(monkeypatch):
     assert torch.equal(hooked, plain)
 
 
+def test_a_pre_hook_that_replaces_or_modifies_the_input_gets_its_own_codes(monkeypatch):
+    """Handed-over codes serve only the very tensor they were made from, unmodified: a pre-hook returning another
+    tensor (to_k), or modifying the input in place (to_q of block 1, so to_k/to_v see it too), makes the linear
+    quantize what it really receives."""
+    model, inp, _ = _models(12)
+    qwen_absorb.patch(model, **REAL)
+    plain = run(model, inp)
+    quantized = []
+    real_quantize = F8.Fp8LinearForward.quantize
+
+    def quantize(self, x):
+        quantized.append((self.index, self.path))
+        return real_quantize(self, x)
+
+    monkeypatch.setattr(F8.Fp8LinearForward, "quantize", quantize)
+    b0, b1 = model.transformer_blocks
+    h0 = b0.attn.to_k.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    h1 = b1.attn.to_q.register_forward_pre_hook(lambda m, args: args[0].add_(0))  # same values, new version
+    doubled = run(model, inp)
+    assert sorted(quantized) == [(0, "attn.to_k"), (0, "attn.to_out.0"),
+                                 (1, "attn.to_k"), (1, "attn.to_out.0"), (1, "attn.to_q"), (1, "attn.to_v")]
+    assert not torch.equal(doubled, plain)
+    h0.remove()
+    quantized.clear()
+    assert torch.equal(run(model, inp), plain)  # add_(0): the codes of the same values
+    h1.remove()
+
+
+def test_patching_again_with_other_options_reinstalls():
+    model, inp, _ = _models(13)
+    fake = run(model, inp)
+    qwen_absorb.patch(model, **REAL)
+    real = run(model, inp)
+    report = qwen_absorb.patch(model, fp8_gemm=False)
+    assert _installed(model) == [] and report.summary["fp8_gemm_linears"] == 0
+    assert torch.equal(run(model, inp), fake)
+    assert qwen_absorb.patch(model, **REAL).summary["fp8_gemm_linears"] == N_LINEARS
+    assert torch.equal(run(model, inp), real)
+
+
 # ---------------------------------------------------------------------------- stale state
 
 
