@@ -14,7 +14,18 @@ The attention is called as ``block.attn(...)`` with diffusers' own keyword argum
 processors (segment or flex), the prefix KV cache (``extract`` / ``cached`` / none) and anything
 hooked on the attention keep working; so are the FFN's three linears (LoRA, ModelOpt, TP shards
 are theirs). What the fused ops bypass is only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s own
-forward: a site is fused only where those are plain and unhooked.
+forward: a site is fused only where those are plain and unhooked. A ModelOpt ``QuantLayerNorm``
+(``LayerNorm(input_quantizer(x))``) counts as plain: the runner calls its input quantizer (the module,
+so ModelOpt's fake quant exactly) and fuses the rest; norm2 then runs as the residual op followed by
+norm1's op, the quantizer between them.
+
+Real FP8 (ModelOpt FP8 linears, :mod:`qwen_absorb.fp8_forward`, installed by the patch floor in each
+linear's forward slot): where a site's real-FP8 consumers share one input amax, its fused op also writes
+the e4m3 codes of its output in the same launch (norm1 -> to_q/to_k/to_v, norm2 -> gate_layer/proj,
+SwiGLU -> out) and hands them over for exactly that tensor. Where the FFN's linears are unhooked the
+runner calls their GEMMs itself from the codes, so the bf16 activation is never written (norm2's and
+SwiGLU's outputs: memory traffic saved); otherwise the linears are called as modules (hooks run) and
+take the handed codes. Under ``torch.compile`` nothing is emitted and the linears run as ModelOpt's.
 
 Wiring (the patch floor does it): ``decision = decide(block, device)``, then install
 ``lambda *a, **k: patched_forward(block, decision, *a, **k)`` in the block's forward slot. A
@@ -136,8 +147,8 @@ def _norm_reason(block: nn.Module, name: str) -> str | None:
     if type(m) is not nn.LayerNorm:
         # A ModelOpt QuantLayerNorm computes LayerNorm(input_quantizer(x)): the runner applies the quantizer
         # (the module itself, so exactly ModelOpt's fake quant) and fuses the rest.
-        if isinstance(m, nn.LayerNorm) and quant.inspect_norm(name, m).modelopt:
-            info = quant.inspect_norm(name, m)
+        info = quant.inspect_norm(name, m) if isinstance(m, nn.LayerNorm) else None
+        if info is not None and info.modelopt:
             if info.unsupported:
                 return "; ".join(info.unsupported)
             if not quant.quant_input_norm_ok(m):
