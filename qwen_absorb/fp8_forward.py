@@ -159,7 +159,8 @@ class Fp8LinearForward:
             self.fast_accum = gating.fast_accum(self.options.use_fast_accum, dev)
         self.reasons = r
         switches, tensors = quant.watch_pairs(lin)
-        self.watch = Watch(switches, tensors + [(lin, "_parameters", "weight")])
+        # the class too: ModelOpt converts modules in place (mtq.compress: QuantLinear -> RealQuantQuantLinear)
+        self.watch = Watch(switches, tensors + [(lin, "_parameters", "weight")], stateful=[(lin, type)])
         if not first:
             self.rebuilds[f"real-FP8 linear {self.path}: its weight, quantizers or device changed"] += 1
             log.info("block %d %s: FP8 weight decided anew (%s)", self.index, self.path,

@@ -251,6 +251,16 @@ def test_disable_quantizer_is_honoured():
         assert "input quantizer: quantizer is disabled" in str(r)
 
 
+def test_mtq_compress_after_patching():
+    """mtq.compress swaps the weights for ModelOpt's FP8 storage (and the class in place): the FP8 GEMMs
+    then reuse ModelOpt's stored codes."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    _, _, report, twin_report = _same_after(mtq.compress, 14)
+    for r in (report, twin_report):
+        assert r.summary["fp8_gemm_linears"] == N_LINEARS, str(r)
+        assert all(lin.reused_compressed_storage for b in r.blocks for lin in b.linears.values())
+
+
 def test_dtype_move_rebuilds():
     _, out, report, _ = _same_after(lambda m: m.to(torch.float16), 7, dtype=torch.float16)
     assert out.dtype == torch.float16 and report.summary["fp8_gemm_linears"] == N_LINEARS
