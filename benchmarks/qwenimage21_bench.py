@@ -161,9 +161,9 @@ class Bench(H.Bench):
         self.outs[key[:-3]] = self.output(size)
         self.memory(key[:-3])
 
-    def patch(self, label: str) -> Any:
+    def patch(self, label: str, **kw: Any) -> Any:
         t0 = time.perf_counter()
-        rep = qwen_absorb.patch(self.model)  # the library defaults: no keyword
+        rep = qwen_absorb.patch(self.model, **kw)  # the library defaults unless a case names an option
         H.sync(self.dev)
         self.R.put(f"details.patch_s.{label}", round(time.perf_counter() - t0, 3))
         self.R.put(f"reports.{label}", rep_info(rep))
@@ -272,6 +272,14 @@ class Bench(H.Bench):
         self.R.put("fidelity_ratio_forward", H.ratio(ep, ef), why)
         qwen_absorb.unpatch(self.model)
 
+    def graph_case(self, key: str) -> None:
+        """An extra case beside the defaults: ``patch(model, cuda_graph=True)`` (2.1's ``"auto"`` leaves graphs
+        off), to tell whether the eager call is host-bound."""
+        qwen_absorb.unpatch(self.model)
+        rep = self.patch(key[:-3], cuda_graph=True)
+        self.case(key, "1024", rep)
+        qwen_absorb.unpatch(self.model)
+
     def run(self) -> int:
         s, R = self.steps, self.R
         R.write()
@@ -286,11 +294,15 @@ class Bench(H.Bench):
         for size in SIZES:
             s(f"bf16_patched_{size}", lambda size=size: self.bf16_patched(size),
               [(R, f"bf16_patched_{size}_ms"), (R, f"bf16_bit_identical_{size}")])
+        s("bf16_patched_graph_1024", lambda: self.graph_case("bf16_patched_graph_1024_ms"),
+          [(R, "bf16_patched_graph_1024_ms")])
         s("fp32_reference", self.fp32_reference, [(R, "fidelity_ratio_forward")])
         if s("fp8_quantize", self.fp8_quantize, [(R, k) for k in TIMED[4:]]):
             s("fp8_fake_quant_1024", self.fp8_fake, [(R, "fp8_fake_quant_1024_ms")])
             s("fp8_patched_1024", self.fp8_patched, [(R, "fp8_patched_1024_ms"), (R, "fp8_real_linears"),
                                                      (R, "fidelity_ratio_forward")])
+            s("fp8_patched_graph_1024", lambda: self.graph_case("fp8_patched_graph_1024_ms"),
+              [(R, "fp8_patched_graph_1024_ms")])
         return self.finish()
 
     def finish(self) -> int:
