@@ -188,8 +188,8 @@ def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
     Hugging Face export writes. Fake quantization (``tensor_quant._fp8_eager`` and the CUDA extension's
     ``fake_e4m3fy``) multiplies: ``e4m3(clamp(w * (448 / amax)))``; the export divides:
     ``e4m3(w / (amax / 448))`` (``export.quant_utils``, both in float32). The two products differ by a
-    float32 ulp now and then, which moves a code where the value sits on a rounding boundary (about one
-    weight in 10^7, mostly tiny values in e4m3's subnormal range)."""
+    float32 ulp now and then, which moves a code where the value sits on a rounding boundary (0.11% of
+    the codes of the 60-layer random Qwen-Image recipe model; none in the tiny test model)."""
     a = amax.detach().to(torch.float32).reshape(())
     x = weight.detach().to(torch.float32)
     fake = (x * (448.0 / a)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)

@@ -34,6 +34,9 @@ from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
 
+GRAPHS_21_REFUSAL = ("Qwen-Image-2.1's forward synchronises with the host before its blocks (tolist / nonzero "
+                     "on the token masks), so it cannot be captured whole; its blocks run eager")
+
 _STATE_ATTR = "_qwen_absorb_state"
 
 
@@ -303,8 +306,11 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
     (same install, report and unpatch; no bias deferral, no hand-off yet), and its ModelOpt FP8 linears
     real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`, per ``fp8_gemm`` /
     ``capabilities`` / ``use_fast_accum`` as for Qwen-Image).
-    CUDA-graph mode only when asked for (``cuda_graph=True``): its KV-cache arguments are objects a
-    graph signature cannot describe, so ``"auto"`` leaves it eager."""
+    No CUDA-graph mode: diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host
+    before its blocks (``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a whole call
+    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``); capturing
+    the block loop alone is not built. ``cuda_graph=True`` is refused with that reason in the report,
+    ``"auto"`` leaves it eager."""
     report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
                          capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
                          force_reference=options.force_reference, cuda_graph_mode=cuda_graph)
@@ -328,7 +334,8 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             report.record21(i, installed[0], fwd.decision)
             fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, report.record21_linear)
         if cuda_graph is True:
-            state.graph = _install_graphs(transformer, fallbacks=report.runtime_fallbacks)
+            report.cuda_graph_refused = GRAPHS_21_REFUSAL
+            log.warning("cuda_graph=True: %s", GRAPHS_21_REFUSAL)
     except BaseException:
         _undo(state)
         raise

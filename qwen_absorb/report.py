@@ -165,6 +165,7 @@ class PatchReport:
     force_reference: bool = False
     offload_original_weights: bool = False
     cuda_graph_mode: str | bool = False
+    cuda_graph_refused: str | None = None  # why graph mode was not installed although asked for
     runtime_fallbacks: Counter = field(default_factory=Counter)  # calls that could not take the fused path
     graph_fallbacks: Counter = field(default_factory=Counter)  # cuda_graph="auto": calls run eager, by reason
     rebuilds: Counter = field(default_factory=Counter)  # decisions made again, by what changed
@@ -331,6 +332,7 @@ class PatchReport:
             "force_reference": self.force_reference, "active": self.active,
             "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
             "rebuilds": dict(self.rebuilds), "cuda_graph_mode": self.cuda_graph_mode, "cuda_graph": self.cuda_graph,
+            "cuda_graph_refused": self.cuda_graph_refused,
             "graph_fallbacks": dict(self.graph_fallbacks),
             "blocks": [b.to_dict() for b in blocks],
         }
@@ -380,6 +382,8 @@ class PatchReport:
                          f"{g.get('eager_calls', 0)} calls eager")
             if self.graph_fallbacks:
                 lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
+        elif self.cuda_graph_refused:
+            lines.append(f"  CUDA graphs: off ({self.cuda_graph_refused})")
         elif self.cuda_graph_mode == "auto":
             lines.append("  CUDA graphs: off (cuda_graph='auto' captures only models that sit on a GPU when patched)")
         if self.rebuilds:

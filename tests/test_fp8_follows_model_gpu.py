@@ -142,12 +142,24 @@ def test_shared_lora_a_gemm_and_live_adapter_weights_in_graphs(monkeypatch):
     _lora(model, 13, "b", r=4)
     model.set_adapters(["a", "b"], [1.0, 0.5])
     twin = copy.deepcopy(model)
+    ref32 = copy.deepcopy(model)  # the accuracy reference: fp32, unquantized, the same two adapters
+    mtq.disable_quantizer(ref32, "*")
+    ref32.float()
+    want32 = T.run_transformer(ref32, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                       for k, v in inp.items()})
+    del ref32
     qwen_absorb.patch(twin, **REAL)
     merged = T.run_transformer(twin, inp)
     with monkeypatch.context() as mp:
         mp.setattr(attention, "_shared_lora", lambda *a: None)
         sep = T.run_transformer(twin, inp)
-    assert _rel(merged, sep) < 5e-3, _rel(merged, sep)
+    # cuBLAS picks another kernel for the wider A GEMM, so the bf16 roundings of the A products differ
+    # (merged vs separate: 0.0085 rel at the output on the H200, 3 layers): the merge must be as accurate
+    # as the per-linear GEMMs against fp32
+    err_merged, err_sep = _rel(merged, want32), _rel(sep, want32)
+    print(f"shared lora_A GEMM: rel err vs fp32 {err_merged:.5f}, per-linear {err_sep:.5f}, "
+          f"merged vs per-linear {_rel(merged, sep):.5f}")
+    assert err_merged <= 1.1 * err_sep + 2e-3, (err_merged, err_sep)
     report = qwen_absorb.patch(model, **REAL, cuda_graph=True)
     for _ in range(3):
         assert torch.equal(T.run_transformer(model, inp), merged)

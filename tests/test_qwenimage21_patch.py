@@ -76,3 +76,23 @@ def test_a_hook_on_a_bypassed_norm_runs():
     want = run(model, inp)
     h.remove()
     assert torch.equal(out, want) and len(seen) == 2
+
+
+def test_cuda_graph_true_is_refused_with_the_reason_and_runs_eager(caplog):
+    """diffusers' 2.1 forward syncs with the host before its blocks (tolist / nonzero), so a whole call
+    cannot be captured: cuda_graph=True installs no graph runner, says why, and runs exactly as eager."""
+    model = tiny_model(dtype=torch.bfloat16, seed=5, gain=4.0)
+    inp = model_inputs(model, seed=6)
+    ref = run(model, inp)
+    with caplog.at_level("WARNING", logger="qwen_absorb"):
+        report = qwen_absorb.patch(model, cuda_graph=True)
+    assert report.cuda_graph is None
+    assert "synchronises with the host" in (report.cuda_graph_refused or "")
+    assert report.to_dict()["cuda_graph_refused"] == report.cuda_graph_refused
+    assert "CUDA graphs: off (Qwen-Image-2.1" in str(report)
+    assert any("cuda_graph=True" in r.getMessage() for r in caplog.records)
+    assert [torch.equal(run(model, inp), ref) for _ in range(3)] == [True] * 3
+    qwen_absorb.unpatch(model)
+    auto = qwen_absorb.patch(model)  # "auto": nothing asked, nothing refused
+    assert auto.cuda_graph_refused is None
+    qwen_absorb.unpatch(model)
