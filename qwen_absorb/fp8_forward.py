@@ -48,7 +48,7 @@ from .ops.fp8 import dequant_scale
 from .ops.quantize_fp8 import quantize_fp8
 from .parallel import is_dtensor
 from .sites import resolve, unwrap_peft
-from .watch import Watch
+from .watch import Watch, tensor_version
 
 log = logging.getLogger("qwen_absorb")
 
@@ -64,11 +64,7 @@ WRAPPED_REFUSAL = "its forward is replaced on the instance (a hook library or us
 OnState = Callable[[int, str, bool, list, bool, float, bool], None]
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter
-        return -1
+_version = tensor_version  # -1 for inference tensors (no version counter)
 
 
 def refusals(linear: nn.Module, device: torch.device, options: Any) -> list[str]:
