@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, handoff, hooks, lora, qwenimage21
+from . import attention, fp8_forward, handoff, hooks, lora, qwenimage21
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -115,6 +115,8 @@ def redecide(plan: BlockPlan, block: nn.Module, device: torch.device, why: str) 
     with plan.rt.lock:
         decide(plan, block, device)
         plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
+        if not plan.attn_forwards:
+            fp8_forward.release(block)  # the hooked-attention FP8 weights are not what runs now
     plan.rt.rebuilds[why] += 1
     log.info("block %d decided anew for %s (%s)", plan.index, device, why)
 
@@ -344,12 +346,14 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
             if plan.own_attention or (not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
                                                    image_rotary_emb, c.use_kernels, compiling)
-            else:
-                img_attn, txt_attn = self.attn(
-                    hidden_states=img_in[0], encoder_hidden_states=txt_in[0],
-                    encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
-                    **(joint_attention_kwargs or {}),
-                )
+            else:  # as its module; hooked (plan.attn_forwards): its linears' gated forwards run real FP8
+                gate = plan.attn_forwards and not compiling
+                with fp8_forward.opened(fp8_forward.gated(self)) if gate else contextlib.nullcontext():
+                    img_attn, txt_attn = self.attn(
+                        hidden_states=img_in[0], encoder_hidden_states=txt_in[0],
+                        encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
+                        **(joint_attention_kwargs or {}),
+                    )
     hidden_states, img_ffn_in = _residual_norm(
         c, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
         i1.gate, i2, "img.attn_residual")

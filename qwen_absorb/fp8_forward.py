@@ -30,12 +30,21 @@ the weight Parameter by identity / version / address, which sees ``load_state_di
 write ``weight.data`` without a version bump) is seen through its parent's ``_modules`` slot and runs as
 its module too. PEFT LoRA layers present at patch time are refused (they run as PEFT + ModelOpt run them).
 
+The same objects serve the attention linears of a patched Qwen-Image block whose attention runs as its
+module because a hook sits on it (a diffusers cache: TaylorSeer hooks every ``attn``): installed *gated*
+(``install(..., paths=ATTN_LINEARS, gated=True)``), such an object runs ModelOpt's forward unchanged
+except while the block itself calls ``block.attn(...)`` on that path with the gate opened
+(:class:`opened`, per object and per thread). Whole-block fallbacks (grad, hooks, diffusers' own
+forward) therefore compute exactly what the unpatched model computes. Its FP8 weight is built at its
+first opened call, not at install.
+
 Floor: a runner (how one linear runs); it reads ModelOpt only through :mod:`qwen_absorb.quant`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +64,10 @@ log = logging.getLogger("qwen_absorb")
 # The linears of a QwenImage21TransformerBlock, by path under the block.
 LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj",
            "img_mlp.out")
+# The attention linears of a QwenImageTransformerBlock, called by diffusers' processor when the attention
+# runs as its module (gated forwards).
+ATTN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                "attn.to_out.0", "attn.to_add_out")
 GRAD_FALLBACK = "real-FP8 linear called with grad enabled or under autocast: ModelOpt's forward (no backward)"
 ARGS_FALLBACK = "real-FP8 linear called with other than one plain tensor: ModelOpt's forward"
 MOVED_FALLBACK = "real-FP8 linear wrapped or replaced since patching (a PEFT adapter added?): ModelOpt's forward"
@@ -94,19 +107,22 @@ class Fp8LinearForward:
 
     A plain object holding the linear (``copy.deepcopy`` rebinds it to the copy; the copy rebuilds its
     derived state at its first call). ``slot`` is the parent's ``_modules`` dict and key under which the
-    linear was installed. ``on_state(index, path, fp8, reasons, reused_storage, input_amax, fast_accum)`` tells the
-    report after every decision; ``counter`` / ``rebuilds`` are the report's counters.
+    linear was installed. ``gated``: it runs the real FP8 GEMM only while :class:`opened` in this thread
+    (``gate`` holds that thread's id; 0: closed), else ModelOpt's forward.
+    ``on_state(index, path, fp8, reasons, reused_storage, input_amax, fast_accum)`` tells the report after
+    every decision; ``counter`` / ``rebuilds`` are the report's counters.
     """
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state",
                  "weight", "input_scale", "amax_value", "fast_accum", "device", "reasons", "watch", "handed",
-                 "__weakref__")
+                 "gated", "gate", "__weakref__")
     __qwen_absorb__ = True
 
     def __init__(self, linear: nn.Module, slot: tuple[dict, str], path: str, index: int, options: Any,
-                 counter: Counter, rebuilds: Counter, on_state: OnState | None) -> None:
+                 counter: Counter, rebuilds: Counter, on_state: OnState | None, gated: bool = False) -> None:
         self.linear, self.slot, self.path, self.index, self.options = linear, slot, path, index, options
         self.counter, self.rebuilds, self.on_state = counter, rebuilds, on_state
+        self.gated, self.gate = gated, 0
         self._clear()
 
     def _clear(self) -> None:
@@ -169,6 +185,8 @@ class Fp8LinearForward:
     def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         lin = self.linear
         compiling = torch.compiler.is_compiling()
+        if self.gated and (compiling or self.gate != threading.get_ident()):
+            return type(lin).forward(lin, input, *args, **kwargs)  # closed: exactly the module, nothing counted
         why = None
         if compiling:
             pass  # ModelOpt's modules, as before patching (traced or not is torch.compile's business)
@@ -237,11 +255,12 @@ class Fp8LinearForward:
     # -- copies
     def __getstate__(self) -> tuple:
         return (self.linear, self.slot, self.path, self.index, self.options, self.counter, self.rebuilds,
-                self.on_state)
+                self.on_state, self.gated)
 
     def __setstate__(self, state: tuple) -> None:
         (self.linear, self.slot, self.path, self.index, self.options, self.counter, self.rebuilds,
-         self.on_state) = state
+         self.on_state, self.gated) = state
+        self.gate = 0  # a copy starts closed
         self._clear()  # derived state is rebuilt from the copy's own tensors at its first call
 
     def __repr__(self) -> str:
@@ -252,13 +271,16 @@ class Fp8LinearForward:
 
 
 def install(block: nn.Module, index: int, options: Any, counter: Counter, rebuilds: Counter,
-            on_state: OnState | None) -> dict[str, tuple[bool, list[str]]]:
-    """Put an :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` that may become a real FP8
-    GEMM (the device is decided per call: a model patched on the CPU and moved to CUDA gets them there).
-    Returns ``{path: (installed, reasons)}`` for the ModelOpt linears; linears refused here (PEFT-wrapped,
-    forward already replaced, ``fp8_gemm=False``) are reported through ``on_state`` with the reason."""
+            on_state: OnState | None, paths: Sequence[str] = LINEARS,
+            gated: bool = False) -> dict[str, tuple[bool, list[str]]]:
+    """Put an :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may
+    become a real FP8 GEMM (the device is decided per call: a model patched on the CPU and moved to CUDA
+    gets them there). Returns ``{path: (installed, reasons)}`` for the ModelOpt linears; linears refused
+    here (PEFT-wrapped, forward already replaced, ``fp8_gemm=False``; gated: a DTensor weight) are reported
+    through ``on_state`` with the reason. ``gated``: installed closed (see :class:`opened`), the FP8 weight
+    built at the first opened call; the report hears ``refusals`` for the weight's device meanwhile."""
     out: dict[str, tuple[bool, list[str]]] = {}
-    for path in LINEARS:
+    for path in paths:
         m = resolve(block, path)
         base, wrappers = unwrap_peft(m)
         if base is None or not quant.is_modelopt_quantizer(getattr(base, "weight_quantizer", None)):
@@ -270,6 +292,8 @@ def install(block: nn.Module, index: int, options: Any, counter: Counter, rebuil
             why = [PEFT_REFUSAL]
         elif "forward" in m.__dict__:
             why = [WRAPPED_REFUSAL]
+        elif gated and is_dtensor(m._parameters.get("weight")):
+            why = ["tensor parallelism (DTensor weight): the module runs it"]
         if why:
             out[path] = (False, why)
             if on_state is not None:
@@ -277,10 +301,17 @@ def install(block: nn.Module, index: int, options: Any, counter: Counter, rebuil
             continue
         parent_path, _, name = path.rpartition(".")
         parent = resolve(block, parent_path)
-        fwd = Fp8LinearForward(m, (parent._modules, name), path, index, options, counter, rebuilds, on_state)
+        fwd = Fp8LinearForward(m, (parent._modules, name), path, index, options, counter, rebuilds, on_state, gated)
         object.__setattr__(m, "forward", fwd)
-        fwd.ready(m._parameters["weight"].device if isinstance(m._parameters.get("weight"), torch.Tensor)
-                  else torch.device("cpu"))  # decide now, so the report says what runs
+        w = m._parameters.get("weight")
+        dev = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
+        if gated:  # no FP8 weight until it runs; what it would decide now, for the report
+            r = refusals(m, dev, options)
+            if on_state is not None:
+                on_state(index, path, not r, list(r), False, 0.0, False)
+            out[path] = (True, r)
+            continue
+        fwd.ready(dev)  # decide now, so the report says what runs
         out[path] = (True, list(fwd.reasons))
     return out
 
@@ -296,6 +327,47 @@ def remove(block: nn.Module) -> int:
             f._clear()
             n += 1
     return n
+
+
+def release(block: nn.Module, paths: Sequence[str] = ATTN_LINEARS) -> None:
+    """Drop the derived state (FP8 weights) of the gated forwards of ``block``'s ``paths``: the plan runs
+    those linears otherwise now; an opened call later rebuilds it."""
+    for p in paths:
+        f = of(resolve(block, p))
+        if f is not None and f.gated and f.watch is not None:
+            f._clear()
+
+
+class opened:  # noqa: N801  (a context manager, named for the with statement)
+    """``with opened(fwds):`` the gated forwards ``fwds`` run real FP8 GEMMs for calls from this thread
+    (another thread calling the same linears meanwhile gets ModelOpt's forward); closed again after,
+    whatever happens (nesting restores the outer state)."""
+
+    __slots__ = ("fwds", "prev")
+
+    def __init__(self, fwds: Sequence[Fp8LinearForward]) -> None:
+        self.fwds, self.prev = fwds, []
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        self.prev = [f.gate for f in self.fwds]
+        for f in self.fwds:
+            f.gate = me
+
+    def __exit__(self, *exc: object) -> None:
+        for f, g in zip(self.fwds, self.prev):
+            f.gate = g
+
+
+def gated(block: nn.Module, paths: Sequence[str] = ATTN_LINEARS) -> list[Fp8LinearForward]:
+    """The gated forwards installed on ``block``'s linears ``paths`` now (a linear replaced or PEFT-wrapped
+    since is not found: it runs as its module)."""
+    out = []
+    for p in paths:
+        f = of(resolve(block, p))
+        if f is not None and f.gated:
+            out.append(f)
+    return out
 
 
 def of(module: nn.Module | None) -> Fp8LinearForward | None:
@@ -328,4 +400,5 @@ def take_back(fwds: Sequence[Fp8LinearForward], x: torch.Tensor) -> None:
         f.take_back(x)
 
 
-__all__ = ["LINEARS", "Fp8LinearForward", "group", "hand", "install", "of", "refusals", "remove", "take_back"]
+__all__ = ["ATTN_LINEARS", "LINEARS", "Fp8LinearForward", "gated", "group", "hand", "install", "of", "opened",
+           "refusals", "release", "remove", "take_back"]

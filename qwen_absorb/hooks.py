@@ -77,10 +77,17 @@ def has_hooks(module: nn.Module) -> bool:
                 or d.get("_hf_hook") is not None)
 
 
+def ours(fn: Any) -> bool:
+    """Whether a forward slot holds one of qwen_absorb's own forwards (a patched block's, a real-FP8
+    linear's: their classes say ``__qwen_absorb__ = True``), which no hook library put there."""
+    return getattr(type(fn), "__qwen_absorb__", False) is True
+
+
 def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs anything besides its class forward: :func:`has_hooks`, or a
-    forward replaced on the instance (how every hook library wraps a module)."""
-    return has_hooks(module) or "forward" in module.__dict__
+    """Whether calling ``module`` runs anything besides its class forward (or qwen_absorb's own forward
+    object): :func:`has_hooks`, or a forward replaced on the instance (how every hook library wraps a module)."""
+    d = module.__dict__
+    return has_hooks(module) or ("forward" in d and not ours(d["forward"]))
 
 
 # diffusers hook kinds that move or cast weights around a module's call and never look at its values
@@ -91,11 +98,12 @@ def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
     """Whether a module (given by its ``__dict__``, for per-call speed) has a hook that may read or edit
     its inputs or outputs: more torch forward (pre-)hooks than the ``allowed`` ones (tensor parallelism's
     style hooks, recognised by the caller), a diffusers hook other than offloading / casting, or an
-    instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains."""
+    instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains and that is
+    not qwen_absorb's own (:func:`ours`)."""
     pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
     if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
         return True
-    if "forward" not in d:
+    if "forward" not in d or ours(d["forward"]):
         return False
     reg = d.get("_diffusers_hook")
     if reg is not None:
@@ -170,6 +178,6 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
 
 __all__ = [
     "WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks", "global_hook_count",
-    "hook_category", "hooked", "offload_hooked", "user_hooked", "registry_hooks", "resolve_transformer",
+    "hook_category", "hooked", "offload_hooked", "ours", "user_hooked", "registry_hooks", "resolve_transformer",
     "torch_hook_dicts", "unwrap_compiled",
 ]

@@ -258,8 +258,17 @@ def patch(
             plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
             continue
         _strip(block)
-        decide(plan, block, device)
-        plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
+        try:
+            # gated real-FP8 forwards on the attention linears, run only while the block calls a hooked
+            # attention as its module (plan.attn_forwards); installed before deciding: the watch sees them
+            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds,
+                                report.record_forward, paths=fp8_forward.ATTN_LINEARS, gated=True)
+            decide(plan, block, device)
+            plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
+        except BaseException:
+            for b in blocks[: i + 1]:
+                fp8_forward.remove(b)
+            raise
     state = _PatchState(report, options, cuda_graph, blocks, plans)
     report.bind(state)
     try:
@@ -276,6 +285,9 @@ def patch(
                                           capture_after=1 if auto else 0)
     except BaseException:
         _undo(state)
+        for b in blocks:
+            if isinstance(b, block_cls):
+                fp8_forward.remove(b)  # blocks planned but not installed yet hold gated forwards too
         raise
     for plan in plans:
         report.record(plan)  # after installing: patched, install slot, links
@@ -349,6 +361,8 @@ def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> Non
     installed = _install(block, fwd)
     if installed is None:
         plan.reasons.append("the block's forward is wrapped by something unknown (no slot holds the class forward)")
+        fp8_forward.remove(block)
+        plan.attn_forwards = False
         for s in plan.sites:
             s.fused, s.bias_deferred, s.runner = False, False, "eager"
             s.reasons = ["block not patched"]
@@ -397,8 +411,7 @@ def _undo(state: _PatchState) -> None:
             if base is not None:
                 base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
         rec.block.__dict__.pop(PLAN_ATTR, None)
-        if isinstance(rec.installed, Patched21Forward):
-            fp8_forward.remove(rec.block)  # the real-FP8 linears' forwards and, with them, their FP8 weights
+        fp8_forward.remove(rec.block)  # the real-FP8 linears' forwards and, with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
                         "original forward)", type(rec.block).__name__)

@@ -148,6 +148,9 @@ class BlockPlan:
     projections: dict[str, ProjectionInfo] = field(default_factory=dict)  # the four output projections
     norms: dict[str, NormInfo] = field(default_factory=dict)
     own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
+    # the attention runs as its module only because a hook sits on it (a diffusers cache): while the block
+    # calls it, its ModelOpt linears' gated forwards (qwen_absorb.fp8_forward) run real FP8 GEMMs
+    attn_forwards: bool = False
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
@@ -254,6 +257,8 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     _build_fp8(plan, block, old)
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
+    plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
+                          and dep.hooked(block, "attn") is not None)
     plan.tp_reasons = _decide_tp(block)
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
     plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")
@@ -345,13 +350,8 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
         r = _processor_reasons(block) + dep.hook_refusal(block, "the attention runs as its module", "attn")
-        if r:
-            return r
-        for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
-                  "bmm2_output_quantizer"):
-            if quant.quantizer_enabled(getattr(block.attn, q, None)):
-                return [f"ModelOpt attention quantizer {q} is enabled"]
-        return []
+        return r or _attention_reasons(block)
+
     if path.endswith("_mod.1"):
         mod = resolve(block, path.split(".")[0])
         if mod is None or len(mod) != 2 or type(mod[0]) is not nn.SiLU:
@@ -360,6 +360,19 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     net = resolve(block, path.split(".")[0] + ".net")
     if net is None or len(net) != 3 or not _identity_dropout(net[1]) or getattr(net[0], "approximate", None) != "tanh":
         return ["the FeedForward is not GELU(tanh) -> Dropout(0) -> Linear"]
+    return []
+
+
+def _attention_reasons(block: nn.Module) -> list[str]:
+    """Why diffusers' processor of ``block.attn`` does not compute exactly the attention the fused path
+    reproduces (hooks aside): another processor, an enabled ModelOpt attention quantizer."""
+    r = _processor_reasons(block)
+    if r:
+        return r
+    for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
+              "bmm2_output_quantizer"):
+        if quant.quantizer_enabled(getattr(block.attn, q, None)):
+            return [f"ModelOpt attention quantizer {q} is enabled"]
     return []
 
 

@@ -92,6 +92,8 @@ class BlockReport:
     handoff_in_reasons: list[str]
     handoffs_used: int
     fast_accum: bool = False  # its FP8 GEMMs use fast accumulation
+    attn_forwards: bool = False  # a hooked attention runs as its module, its linears real FP8 in their forward slots
+    fp8_forward_linears: int = 0  # its attention linears holding a gated real-FP8 forward able to run here
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
@@ -102,7 +104,7 @@ class BlockReport:
             {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
             {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
-            list(p.handoff_in_reasons), 0, p.fast_accum)
+            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards)
 
     @classmethod
     def of21(cls, index: int, install: str, d: qwenimage21.Decision,
@@ -147,7 +149,8 @@ class BlockReport:
             "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
             "cross_block_handoff": self.handoff, "cross_block_reasons": list(self.handoff_reasons),
             "cross_block_receive_reasons": list(self.handoff_in_reasons), "cross_block_handoffs_taken": self.handoffs_used,
-            "fp8_fast_accum": self.fast_accum,
+            "fp8_fast_accum": self.fast_accum, "hooked_attention_fp8": self.attn_forwards,
+            "fp8_forward_linears": self.fp8_forward_linears,
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
             "projections": {k: v.to_dict() for k, v in self.projections.items()},
             "norms": {k: v.to_dict() for k, v in self.norms.items()},
@@ -176,6 +179,8 @@ class PatchReport:
     # Qwen-Image-2.1: per block, (install slot, decision) and {path: (LinearReport, input amax, fast accum)}
     _21: dict[int, tuple] = field(default_factory=dict, repr=False)
     _21lin: dict[int, dict] = field(default_factory=dict, repr=False)
+    # Qwen-Image: per block, {attention linear path: its gated real-FP8 forward may run (qwen_absorb.fp8_forward)}
+    _fwd: dict[int, dict] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
         """Copy ``plan``'s decisions in (every block calls it after deciding)."""
@@ -198,6 +203,12 @@ class PatchReport:
                                                    input_amax, fast_accum)
         if index in self._21:
             self._rebuild21(index)
+
+    def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
+                       input_amax: float, fast_accum: bool = False) -> None:
+        """Copy the decision of a Qwen-Image attention linear's gated real-FP8 forward in (at install, then
+        after every decision it makes when its hooked attention runs)."""
+        self._fwd.setdefault(index, {})[path] = bool(fp8)
 
     def _rebuild21(self, index: int) -> None:
         install, decision = self._21[index]
@@ -232,6 +243,8 @@ class PatchReport:
         for b in self._blocks:
             if b is not None:
                 b.handoffs_used = self.handoffs[b.index]
+                if b.index not in self._21:
+                    b.fp8_forward_linears = sum(self._fwd.get(b.index, {}).values()) if b.patched else 0
                 out.append(b)
         return out
 
@@ -308,6 +321,8 @@ class PatchReport:
             "modelopt_linears": sum(lp.fp8_gemm or bool(lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT)
                                     for lp in linears),
             "fp8_emitting_sites": sum(s.fp8_out for s in sites),
+            "fp8_forward_linears": sum(b.fp8_forward_linears for b in patched),
+            "hooked_attention_fp8_blocks": sum(b.attn_forwards for b in patched),
             "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in blocks),
             "cross_block_links": sum(b.handoff for b in blocks),
             "cross_block_handoffs_taken": sum(b.handoffs_used for b in blocks),
@@ -363,6 +378,10 @@ class PatchReport:
             lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} of {s['modelopt_linears']} ModelOpt linears"
                          f"{lora_part}{fast if s['fp8_gemm_linears'] else ''} (fp8_gemm={self.fp8_gemm!r}); "
                          f"FP8-emitting fused sites: {s['fp8_emitting_sites']}")
+        if s["fp8_forward_linears"]:
+            lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): {s['fp8_forward_linears']} "
+                         f"attention linears run real FP8 in their forward slots there; attention hooked now in "
+                         f"{s['hooked_attention_fp8_blocks']} blocks")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
