@@ -259,6 +259,9 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     plan.own_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
+    for p in LINEAR_TABLE if plan.attn_forwards else ():
+        if p.startswith("attn.") and plan.linears[p].fp8_reasons:
+            plan.linears[p].fp8_reasons[-1] += " (inside it, its gated forward runs a real FP8 GEMM where it can)"
     plan.tp_reasons = _decide_tp(block)
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
     plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")

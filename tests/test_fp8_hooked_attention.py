@@ -261,3 +261,29 @@ def test_not_installed_where_it_cannot_be_ours(seed):
     twin = copy.deepcopy(model)
     qwen_absorb.unpatch(twin)
     assert torch.equal(T.run_transformer(model, inp), T.run_transformer(twin, inp))
+
+
+def test_gate_is_per_thread(seed):
+    import threading
+
+    model, inp = _fp8(seed)
+    qwen_absorb.patch(model, **REAL)
+    _hook_attn(model)
+    T.run_transformer(model, inp)  # the gated FP8 weights exist now
+    block = model.transformer_blocks[0]
+    lin = block.attn.to_k
+    x = torch.randn(1, 5, lin.in_features, generator=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
+    fwd = fp8_forward.of(lin)
+    with torch.no_grad():
+        fake = type(lin).forward(lin, x)
+        real = fwd.gemm(fwd.quantize(x))
+        assert not torch.equal(fake, real)  # the two paths are told apart
+        got = {}
+        with fp8_forward.opened(fp8_forward.gated(block)):
+            got["here"] = lin(x)
+            t = threading.Thread(target=lambda: got.__setitem__("there", torch.no_grad()(lin)(x)))
+            t.start()
+            t.join()
+        got["after"] = lin(x)
+    assert torch.equal(got["here"], real) and torch.equal(got["there"], fake) and torch.equal(got["after"], fake)
+    assert fwd.gate == 0
