@@ -387,8 +387,9 @@ def test_patch_again_reports_a_change_before_any_call(seed):
 
 
 def test_a_hook_on_the_attention_keeps_the_rest_real_fp8(seed):
-    """A hook on ``attn`` (what diffusers' caches do): the attention runs as its module (its linears as
-    ModelOpt runs them), the FFN and modulation linears stay real FP8; the same as a twin hooked first."""
+    """A hook on ``attn`` (what diffusers' caches do): the attention runs as its module (its linears
+    through their gated real-FP8 forwards, tests/test_fp8_hooked_attention.py), the FFN and modulation
+    linears stay real FP8; the same as a twin hooked first."""
     model, inp = _fp8(seed)
     twin = copy.deepcopy(model)
     calls = []
