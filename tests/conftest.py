@@ -42,3 +42,17 @@ def _threads():
     torch.set_num_threads(min(n, 2))
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def gemms(monkeypatch):
+    """The ``torch._scaled_mm`` calls of the test, by activation shape (the real GEMM still runs)."""
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    return calls

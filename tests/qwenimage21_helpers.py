@@ -107,3 +107,13 @@ def fallback_counts(decisions, allowed=("fused ops ran their torch references",)
             if k not in allowed:
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def f32(inp: dict) -> dict:
+    """``inp`` with its floating-point tensors upcast to fp32 (the fp32 reference's inputs)."""
+    return {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inp.items()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

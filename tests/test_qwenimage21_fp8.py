@@ -20,7 +20,9 @@ from qwen_absorb import fp8_forward as F8
 from qwen_absorb import ops
 from qwen_absorb import testing as T
 
+from .qwenimage21_helpers import f32 as _f32
 from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
+from .qwenimage21_helpers import rel as _rel
 
 pytest.importorskip("modelopt")
 
@@ -36,28 +38,6 @@ def _models(seed: int = 0, flex: bool = False, cond: bool = False):
     inp = model_inputs(model, cond=cond, seed=seed + 1)
     T.fp8_quantize(model, [inp, model_inputs(model, cond=not cond, seed=seed + 2)])
     return model, inp, m32
-
-
-def _f32(inp: dict) -> dict:
-    return {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inp.items()}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.fixture
-def gemms(monkeypatch):
-    """Counts torch._scaled_mm calls."""
-    calls = []
-    real = torch._scaled_mm
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
-    return calls
 
 
 def _fallbacks(report) -> dict:

@@ -28,7 +28,9 @@ from qwen_absorb import testing as T
 
 from .ops_helpers import poison_allocator as poison
 from .ops_helpers import skip_module_without_kernels
+from .qwenimage21_helpers import f32 as _f32
 from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
+from .qwenimage21_helpers import rel as _rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 skip_module_without_kernels()
@@ -54,27 +56,6 @@ def _models(seed: int = 0, cond: bool = True, flex: bool = False, device: str = 
         model.to(device)
         inp = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     return model, inp, m32
-
-
-def _f32(inp: dict) -> dict:
-    return {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inp.items()}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.fixture
-def gemms(monkeypatch):
-    calls = []
-    real = torch._scaled_mm
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
-    return calls
 
 
 def _options() -> dict:
