@@ -67,6 +67,9 @@ TARGETS = {  # name: (key, op, target), issue 21 "Targets"
     "fp8_speedup_vs_bf16_eager_1024": ("fp8_speedup_vs_bf16_eager_1024", ">=", 1.8),
     "fidelity_ratio_forward": ("fidelity_ratio_forward", "<=", 1.05),
 }
+# extra cases beside the defaults (patch options named), in the table when measured
+EXTRA = ("bf16_patched_eager_1024_ms", "bf16_patched_graph_1024_ms", "fp8_patched_eager_1024_ms",
+         "fp8_patched_graph_1024_ms")
 KEYS = ("bf16_bit_identical", "bf16_bit_identical_1024", "bf16_bit_identical_2048", "fidelity_ratio_forward",
         "fp8_real_linears", *TIMED, *(k.replace("_ms", "_wall_ms") for k in TIMED),
         *(k.replace("_ms", "_gpu_busy_ms") for k in TIMED), *RATIOS)
@@ -272,11 +275,11 @@ class Bench(H.Bench):
         self.R.put("fidelity_ratio_forward", H.ratio(ep, ef), why)
         qwen_absorb.unpatch(self.model)
 
-    def graph_case(self, key: str) -> None:
-        """An extra case beside the defaults: ``patch(model, cuda_graph=True)`` (2.1's ``"auto"`` leaves graphs
-        off), to tell whether the eager call is host-bound."""
+    def option_case(self, key: str, **kw: Any) -> None:
+        """An extra case beside the defaults: ``patch(model, **kw)``: ``cuda_graph=False`` (the eager patched
+        call, what the per-block graphs of ``"auto"`` win) or ``cuda_graph=True`` (captured at first sight)."""
         qwen_absorb.unpatch(self.model)
-        rep = self.patch(key[:-3], cuda_graph=True)
+        rep = self.patch(key[:-3], **kw)
         self.case(key, "1024", rep)
         qwen_absorb.unpatch(self.model)
 
@@ -294,14 +297,18 @@ class Bench(H.Bench):
         for size in SIZES:
             s(f"bf16_patched_{size}", lambda size=size: self.bf16_patched(size),
               [(R, f"bf16_patched_{size}_ms"), (R, f"bf16_bit_identical_{size}")])
-        s("bf16_patched_graph_1024", lambda: self.graph_case("bf16_patched_graph_1024_ms"),
+        s("bf16_patched_eager_1024", lambda: self.option_case("bf16_patched_eager_1024_ms", cuda_graph=False),
+          [(R, "bf16_patched_eager_1024_ms")])
+        s("bf16_patched_graph_1024", lambda: self.option_case("bf16_patched_graph_1024_ms", cuda_graph=True),
           [(R, "bf16_patched_graph_1024_ms")])
         s("fp32_reference", self.fp32_reference, [(R, "fidelity_ratio_forward")])
         if s("fp8_quantize", self.fp8_quantize, [(R, k) for k in TIMED[4:]]):
             s("fp8_fake_quant_1024", self.fp8_fake, [(R, "fp8_fake_quant_1024_ms")])
             s("fp8_patched_1024", self.fp8_patched, [(R, "fp8_patched_1024_ms"), (R, "fp8_real_linears"),
                                                      (R, "fidelity_ratio_forward")])
-            s("fp8_patched_graph_1024", lambda: self.graph_case("fp8_patched_graph_1024_ms"),
+            s("fp8_patched_eager_1024", lambda: self.option_case("fp8_patched_eager_1024_ms", cuda_graph=False),
+              [(R, "fp8_patched_eager_1024_ms")])
+            s("fp8_patched_graph_1024", lambda: self.option_case("fp8_patched_graph_1024_ms", cuda_graph=True),
               [(R, "fp8_patched_graph_1024_ms")])
         return self.finish()
 
@@ -329,7 +336,7 @@ def markdown(d: dict[str, Any]) -> str:
                       f"{c.get('fake_iters')} after {c.get('fake_warmup')}); ms = CUDA events around one "
                       "synchronized call, wall = perf_counter, GPU busy = kernel time of one profiled call")
     rows = []
-    for k in TIMED:
+    for k in (*TIMED, *(k for k in EXTRA if d.get(k) is not None)):
         size = "2048" if "2048" in k else "1024"
         busy = d.get(k.replace("_ms", "_gpu_busy_ms"))
         rows.append([k[:-3], d.get(k), d.get(k.replace("_ms", "_wall_ms")), busy, H.ratio(d.get(k), busy),

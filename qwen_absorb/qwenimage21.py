@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fp8_forward, hooks, quant
+from . import attention21, fp8_forward, hooks, quant
 from .ops import _validate
 from .ops._eligibility import force_reference_requested, kernel_runtime_reasons
 from .ops._target_rows import select_rows
@@ -122,6 +122,8 @@ class Decision:
     eps1: float
     eps2: float
     reasons: tuple[str, ...]
+    attn: bool = False  # the attention runs as attention21.run (q/k RMSNorm + RoPE fused where qk.kernel)
+    qk: attention21.QkPlan | None = None
     counts: _Counts = field(default_factory=_Counts, compare=False, repr=False)
 
     @property
@@ -215,17 +217,27 @@ def decide(block: nn.Module, device: torch.device | str) -> Decision:
         kernel_reasons.append("reference forced (QWEN_ABSORB_FORCE_REFERENCE=1)")
     kernel_reasons += kernel_runtime_reasons(device)
     reasons += [f"fused ops run their torch references: {r}" for r in kernel_reasons]
+    kernels = enabled and not kernel_reasons
+    attn_ok, qk = False, None
+    if enabled:
+        attn_why, qk = attention21.reasons(block.attn, kernels, device)
+        attn_ok = not attn_why
+        reasons += [f"attention runs as its module: {r}" for r in attn_why]
+        if attn_ok and not qk.kernel:
+            reasons += [f"q/k RMSNorm + RoPE not fused: {r}" for r in qk.why_not]
     n1, n2 = block._modules.get("img_norm1"), block._modules.get("img_norm2")
     return Decision(
         device=device,
         enabled=enabled,
-        kernels=enabled and not kernel_reasons,
+        kernels=kernels,
         norm1=enabled and site_reasons.get("norm1") is None,
         norm2=enabled and site_reasons.get("norm2") is None,
         swiglu=enabled and site_reasons.get("swiglu") is None,
         eps1=float(getattr(n1, "eps", 1e-6)),
         eps2=float(getattr(n2, "eps", 1e-6)),
         reasons=tuple(reasons),
+        attn=attn_ok,
+        qk=qk,
     )
 
 
@@ -296,16 +308,24 @@ def patched_forward(
     if codes1 is not None:  # diffusers' processors call to_q/to_k/to_v with exactly this tensor
         fp8_forward.hand(qkv, img_modulated, codes1)
     try:
-        attn_output = attn(
-            hidden_states=img_modulated,
-            attention_mask=attention_mask,
-            rotary_emb=rotary_emb,
-            layer_cache=layer_cache,
-            kv_cache_mode=kv_cache_mode,
-            cache_write_slice=cache_write_slice,
-            segments=segments,
-            key_valid=key_valid,
-        )
+        if decision.attn and mode != _COMPILED and attention21.call_ok(attn, decision.qk.eps):
+            attn_output = attention21.run(attn, decision.qk, mode == _KERNEL, img_modulated, attention_mask,
+                                          rotary_emb, layer_cache, kv_cache_mode, cache_write_slice, segments,
+                                          key_valid)
+        else:
+            if decision.attn and not compiling:
+                decision.counts.add("attn, its processor or its q/k norms changed or hooked since patching: "
+                                    "the attention runs as its module")
+            attn_output = attn(
+                hidden_states=img_modulated,
+                attention_mask=attention_mask,
+                rotary_emb=rotary_emb,
+                layer_cache=layer_cache,
+                kv_cache_mode=kv_cache_mode,
+                cache_write_slice=cache_write_slice,
+                segments=segments,
+                key_valid=key_valid,
+            )
     finally:
         if codes1 is not None:
             fp8_forward.take_back(qkv, img_modulated)

@@ -130,8 +130,12 @@ class BlockReport:
                  for s in ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual")]
         kernel_reasons = [r.split(": ", 1)[1] for r in d.reasons if r.startswith("fused ops run their torch references: ")]
         blocked = [] if d.enabled else list(d.reasons)
+        qk_fused = bool(d.attn and d.qk is not None and d.qk.kernel)
+        qk_why = [] if qk_fused else [r.split(": ", 1)[1] for r in d.reasons
+                                      if r.startswith(("attention runs as its module: ", "q/k RMSNorm + RoPE not fused: "))]
+        qk_why = qk_why or ([] if qk_fused else ["block not patched"])
         return cls(index, d.enabled, blocked, install, str(d.device), d.kernels, kernel_reasons, sites, linears, {}, {},
-                   False, ["Qwen-Image-2.1: diffusers' attention processor runs the q/k norms"], {}, False,
+                   qk_fused, qk_why, {}, False,
                    ["Qwen-Image-2.1: not implemented"], [], 0, fast_accum)
 
     def site(self, stream: str, name: str) -> SiteReport:

@@ -114,6 +114,19 @@ def model_classes() -> tuple[type, ...]:
 
 
 @functools.lru_cache(maxsize=1)
+def attention21_functions() -> tuple | None:
+    """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen, QwenImage21Attention,
+    QwenImage21AttnProcessor, RMSNorm)`` as Qwen-Image-2.1's processor uses them, or None where this
+    diffusers has no Qwen-Image-2.1."""
+    try:
+        from diffusers.models.normalization import RMSNorm  # noqa: PLC0415
+        from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415
+    except ImportError:
+        return None
+    return m.dispatch_attention_fn, m.apply_rotary_emb_qwen, m.QwenImage21Attention, m.QwenImage21AttnProcessor, RMSNorm
+
+
+@functools.lru_cache(maxsize=1)
 def attention_functions() -> tuple:
     """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen)`` the joint attention calls."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: PLC0415

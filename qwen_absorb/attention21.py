@@ -1,0 +1,173 @@
+"""The attention of a patched Qwen-Image-2.1 block, with its q/k RMSNorm + RoPE as one kernel launch.
+
+diffusers' default processor, ``QwenImage21AttnProcessor`` (``_qwenimage21_prepare_qkv`` then the
+segment prefill or the decode), step for step: q/k/v called as the block's linears (their hooks, LoRA
+refusals and real-FP8 forwards run, so norm1's handed e4m3 codes are taken as before), the prefix KV
+cache stored or read exactly where diffusers does, one ``dispatch_attention_fn`` call per prefix
+segment and one for the target rows, ``to_out``. The only change: ``norm_q`` / ``norm_k`` and both
+``apply_rotary_emb_qwen`` calls (about 22 eager kernels through fp32 temporaries per block) are one
+``qk_norm_rope`` launch over q and k, bit-identical to the chain where the device's fp32 variance
+order is the kernel's (:func:`qwen_absorb.ops.qk_norm_rope.probe_variance_order`); elsewhere, and on
+the torch references, the chain runs through the norm modules themselves.
+
+The block runs this only where :func:`reasons` found nothing at decision time and :func:`call_ok`
+finds nothing for the call (the processor, norms and attention module unchanged and unhooked);
+otherwise it calls ``block.attn(...)`` as diffusers does. The flex processor always runs as itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from . import hooks
+from .ops.qk_norm_rope import HEAD_DIM, probe_variance_order
+from .ops.qk_norm_rope import launch as qkr_launch
+from .sites import attention21_functions
+
+NORMS = ("norm_q", "norm_k")
+LINEARS = ("to_q", "to_k", "to_v")
+
+
+class QkPlan(NamedTuple):
+    """What :func:`reasons` decided: the kernel may run (``kernel``), with the norms' eps and the row count
+    from which PyTorch's variance order is the kernel's; ``why_not``: readable reasons it may not."""
+
+    kernel: bool
+    eps: tuple[float, float]
+    min_rows: int
+    why_not: tuple[str, ...]
+
+
+def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[str], QkPlan]:
+    """``(why the attention cannot run here, the q/k kernel plan)``, decided once per block and device."""
+    fns = attention21_functions()
+    if fns is None:
+        return ["diffusers has no Qwen-Image-2.1 attention"], QkPlan(False, (0.0, 0.0), 0, ())
+    _, _, attn_cls, proc_cls, rms = fns
+    r: list[str] = []
+    if type(attn) is not attn_cls:
+        r.append(f"attn is a {type(attn).__name__}, not diffusers' {attn_cls.__name__}")
+    elif type(attn.processor) is not proc_cls:
+        r.append(f"attn.processor is a {type(attn.processor).__name__} (only {proc_cls.__name__} is replicated)")
+    if hooks.hooked(attn):
+        r.append("attn has a hook or a wrapped forward")
+    for name in NORMS:
+        n = attn._modules.get(name)
+        if type(n) is not rms:
+            r.append(f"attn.{name} is a {type(n).__name__}, not diffusers' RMSNorm")
+        elif n.weight is None or getattr(n, "bias", None) is not None:
+            r.append(f"attn.{name} is not an RMSNorm with weight and no bias")
+        elif hooks.hooked(n):
+            r.append(f"attn.{name} has a hook or a wrapped forward")
+    for name in LINEARS:
+        if not isinstance(attn._modules.get(name), nn.Module):
+            r.append(f"attn.{name}: missing")
+    if r:
+        return r, QkPlan(False, (0.0, 0.0), 0, ())
+    nq, nk = attn.norm_q, attn.norm_k
+    why: list[str] = []
+    if not kernels:
+        why.append("the fused kernels cannot run here")
+    if attn.inner_dim // attn.heads != HEAD_DIM:
+        why.append(f"head_dim {attn.inner_dim // attn.heads} != {HEAD_DIM}")
+    if nq.weight.dtype != nk.weight.dtype or type(nq.weight.data) is not torch.Tensor \
+            or type(nk.weight.data) is not torch.Tensor:
+        why.append("attn.norm_q / norm_k weights differ in dtype or are not plain tensors")
+    min_rows = 0
+    if not why:
+        vo = probe_variance_order(device)  # once per device (cached)
+        if vo.order is None:
+            why.append(f"PyTorch's fp32 reduction order here is not one the kernel implements: {vo.detail}")
+        min_rows = vo.min_rows
+    return [], QkPlan(not why, (float(nq.eps), float(nk.eps)), min_rows, tuple(why))
+
+
+def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
+    """The attention is still the one :func:`reasons` accepted (checked per call: hooks can come and go)."""
+    fns = attention21_functions()
+    if fns is None or type(attn.processor) is not fns[3] or hooks.hooked(attn):
+        return False
+    rms = fns[4]
+    for name, eps in zip(NORMS, plan_eps):
+        n = attn._modules.get(name)
+        if type(n) is not rms or n.weight is None or hooks.hooked(n) or n.eps != eps:
+            return False
+    return True
+
+
+def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, qk: QkPlan) -> bool:
+    """Per-call conditions of the q/k kernel: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)``
+    is then the identity), complex64 rope of q's length on its device, enough rows for the probed order."""
+    w = attn.norm_q.weight
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
+        return False
+    return (q.dtype == w.dtype == k.dtype == v.dtype == attn.norm_k.weight.dtype
+            and q.device == w.device and rope.device == q.device and rope.dtype == torch.complex64
+            and tuple(rope.shape) == (q.shape[1], HEAD_DIM // 2) and rope.stride(-1) == 1
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape == k.shape
+            and q.numel() // HEAD_DIM >= qk.min_rows and q.numel() // HEAD_DIM < 2**31)
+
+
+def run(attn: nn.Module, qk: QkPlan, use_kernel: bool, hidden_states: torch.Tensor, attention_mask: Any,
+        rotary_emb: torch.Tensor | None, layer_cache: Any, kv_cache_mode: str | None,
+        cache_write_slice: slice | None, segments: list | None, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit; returns the attention output."""
+    dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
+    query = attn.to_q(hidden_states)
+    key = attn.to_k(hidden_states)
+    value = attn.to_v(hidden_states)
+    head_dim = attn.inner_dim // attn.heads
+    query = query.unflatten(-1, (-1, head_dim))
+    key = key.unflatten(-1, (-1, head_dim))
+    value = value.unflatten(-1, (-1, head_dim))
+    if use_kernel and qk.kernel and rotary_emb is not None and _kernel_ok(query, key, value, rotary_emb, attn, qk):
+        query, key = qkr_launch((query, key), (attn.norm_q.weight, attn.norm_k.weight), (rotary_emb, rotary_emb),
+                                qk.eps)
+    else:
+        query = attn.norm_q(query).to(value.dtype)
+        key = attn.norm_k(key).to(value.dtype)
+        if rotary_emb is not None:
+            query = apply_rotary_emb_qwen(query, rotary_emb, use_real=False)
+            key = apply_rotary_emb_qwen(key, rotary_emb, use_real=False)
+
+    if layer_cache is not None:
+        if kv_cache_mode == "extract" and cache_write_slice is not None:
+            # clone(): a contiguous() of the prefix slice can be the same view at B = 1 (diffusers' note)
+            layer_cache.store(key[:, cache_write_slice].clone(), value[:, cache_write_slice].clone())
+        elif kv_cache_mode == "cached":
+            cached_k, cached_v = layer_cache.get()
+            key = torch.cat([cached_k, key], dim=1)
+            value = torch.cat([cached_v, value], dim=1)
+    seq_len_q = query.shape[1]
+
+    proc = attn.processor
+    if segments is None:  # decode: the target rows against [cached prefix, target]
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+                                    backend=proc._attention_backend, parallel_config=proc._parallel_config)
+    else:  # prefill: each prefix segment sees the keys [0, end) (text: causal over its own), then the target
+        prefix_len = segments[-1][1] if segments else 0
+        outputs = []
+        for start, end, is_text in segments:
+            seg_mask = None
+            if is_text:
+                n = end - start
+                seg_mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=query.device),
+                                      torch.tril(torch.ones(n, n, dtype=torch.bool, device=query.device))],
+                                     dim=1)[None, None]
+            if key_valid is not None:
+                kv = key_valid[:, None, None, :end]
+                seg_mask = kv if seg_mask is None else (seg_mask & kv)
+            outputs.append(dispatch_attention_fn(query[:, start:end], key[:, :end], value[:, :end],
+                                                 attn_mask=seg_mask, dropout_p=0.0, backend=None,
+                                                 parallel_config=proc._parallel_config))
+        outputs.append(dispatch_attention_fn(query[:, prefix_len:], key, value,
+                                             attn_mask=None if key_valid is None else key_valid[:, None, None, :],
+                                             dropout_p=0.0, backend=None, parallel_config=proc._parallel_config))
+        out = torch.cat(outputs, dim=1)
+    out = out[:, :seq_len_q]
+    out = out.flatten(2, 3).type_as(query)
+    out = attn.to_out[0](out)
+    return attn.to_out[1](out)
