@@ -6,6 +6,9 @@ backend and context-parallel config, split, output projections), except that
 
 - the four RMSNorm + RoPE chains (44 eager kernels in bf16) are one ``qk_norm_rope`` launch where
   the plan allows it (``plan.qk_fused``), and
+- at batch 1 on kernels, q/k (the qk kernel) and v (the FP8 GEMMs of to_v / add_v_proj, where
+  nothing follows them) are written straight into the joint ``[text, image]`` tensors the attention
+  reads: no concatenation copies (``JOINT_OUTPUTS``), the same bits, and
 - each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes (plus its LoRA branches, from
   the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split and
   quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the
@@ -25,7 +28,7 @@ from . import lora
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import fp8_linear, run_module, tp_linear, tp_shard_for, wait
+from .projection import fp8_linear, fp8_linear_into, run_module, tp_linear, tp_shard_for, wait, writes_into
 from .sites import attention_functions
 
 
@@ -49,6 +52,7 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
 
 
 QKV_IMG = ("attn.to_q", "attn.to_k", "attn.to_v")
+JOINT_OUTPUTS = True  # False: q/k/v concatenated after the fact (diffusers' order; the GPU tests compare both)
 QKV_TXT = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
 
@@ -87,23 +91,49 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
 
     head_dim = attn.inner_dim // attn.heads
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
+    # B = 1 on kernels: q/k (the qk kernel) and v (FP8 GEMMs) are written straight into the joint
+    # [text, image] tensors the attention reads, instead of concatenated after (three copies per block)
+    joint = (JOINT_OUTPUTS and use_kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
+             and plan.qk_fused and image_rotary_emb is not None)
+    jv = None
+    if joint and all(writes_into(plan.linears[p]) for p in (QKV_IMG[2], QKV_TXT[2])):
+        w_img, w_txt = plan.linears[QKV_IMG[2]].weight, plan.linears[QKV_TXT[2]].weight
+        if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
+            jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=img_in.device)
     qkv = []
-    for paths, x, act in ((QKV_IMG, img_in, img_act), (QKV_TXT, txt_in, txt_act)):
+    for paths, x, act, rows in ((QKV_IMG, img_in, img_act, slice(seq_txt, None)),
+                                (QKV_TXT, txt_in, txt_act, slice(0, seq_txt))):
         pre = None if compiling else _shared_lora(attn, plan, paths, act)
-        qkv.append([_linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None)
-                    .unflatten(-1, (-1, head_dim)) for p in paths])
+        ys = []
+        for p in paths:
+            if jv is not None and p == paths[2]:
+                y = fp8_linear_into(x, plan.linears[p], plan, jv[rows]).unsqueeze(0)
+            else:
+                y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None)
+            ys.append(y.unflatten(-1, (-1, head_dim)))
+        qkv.append(ys)
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
+    joint_q = joint_k = None
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
+        outs = None
+        if joint:
+            shape = (1, seq_txt + seq_img, img_q.shape[2], head_dim)
+            dt = attn.norm_q.weight.dtype  # the kernel's output dtype (RMSNorm returns the weight's)
+            joint_q = torch.empty(shape, dtype=dt, device=img_q.device)
+            joint_k = torch.empty(shape, dtype=dt, device=img_q.device)
+            outs = (joint_q[:, seq_txt:], joint_k[:, seq_txt:], joint_q[:, :seq_txt], joint_k[:, :seq_txt])
         img_q, img_k, txt_q, txt_k = qkr_launch(
             (img_q, img_k, txt_q, txt_k),
             (attn.norm_q.weight, attn.norm_k.weight, attn.norm_added_q.weight, attn.norm_added_k.weight),
-            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps)
+            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps, outs)
     else:
         img_q, img_k, txt_q, txt_k = _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb)
-    joint_q = torch.cat([txt_q, img_q], dim=1)
+    if joint_q is None:
+        joint_q, joint_k = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
+    joint_v = jv.view(1, seq_txt + seq_img, -1, head_dim) if jv is not None else torch.cat([txt_v, img_v], dim=1)
     out = dispatch_attention_fn(
-        joint_q, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
+        joint_q, joint_k, joint_v,
         attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
         backend=proc._attention_backend, parallel_config=proc._parallel_config,
     )

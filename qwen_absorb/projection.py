@@ -79,6 +79,24 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     return out
 
 
+def writes_into(lp: LinearPlan) -> bool:
+    """Whether :func:`fp8_linear_into` computes exactly what :func:`fp8_linear` does for ``lp``: the GEMM and
+    its fused bias alone (no LoRA branch, tensor-parallel reduction or separate bias add after it)."""
+    w, bias = lp.weight, lp.bias
+    return (lp.fp8_gemm and not lp.lora and lp.tp is None and w is not None and w.out_dtype != torch.float32
+            and (bias is None or bias.dtype == w.out_dtype))
+
+
+def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor) -> torch.Tensor:
+    """:func:`fp8_linear` for a linear with :func:`writes_into`, written into ``out`` (a contiguous
+    [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor): the same
+    cuBLASLt call, so the same bits, without the copy a later concatenation would make."""
+    w = lp.weight
+    torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
+                     bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
+    return out
+
+
 def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
     """What :func:`fp8_linear` computes, in fp32 (dequantize both, matmul, scale, bias)."""
     w = lp.weight

@@ -270,6 +270,22 @@ def test_launch_packs_jobs(monkeypatch):
     assert all(j[10] == 0 and j[11] == grid for j in jobs[2:])  # padding jobs: no rows
 
 
+def test_launch_writes_into_joint_rows(monkeypatch):
+    """``into``: the jobs' output pointers are the given views (the text and image rows of one joint tensor)."""
+    rec = _Recorder()
+    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), rec)
+    gen = torch.Generator().manual_seed(7)
+    xi, wi, fi = _inputs(1, 6, 3, torch.bfloat16, gen)
+    xt, wt, ft = _inputs(1, 4, 3, torch.bfloat16, gen)
+    joint = torch.empty(1, 10, 3, DH, dtype=torch.bfloat16)
+    into = (joint[:, 4:], joint[:, :4])
+    outs = qkr.launch([xi, xt], [wi, wt], [fi, ft], [1e-6, 1e-6], into)
+    assert outs[0] is into[0] and outs[1] is into[1]
+    (_, v), = rec.calls
+    n = len(qkr.JOB_LAYOUT.replace("4P", "PPPP").replace("4q", "qqqq").replace("4i", "iiii"))
+    assert v[3] == joint.data_ptr() + 4 * 3 * DH * 2 and v[n + 3] == joint.data_ptr()
+
+
 def test_launch_refuses_subclasses_and_too_many_jobs(monkeypatch):
     monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), _Recorder())
     x, w, f = _args()

@@ -213,10 +213,12 @@ _PAD_JOB = (0,) * 11  # an unused job: pointers, strides, L, H, rows; then block
 
 def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
-    eps: Sequence[float],
+    eps: Sequence[float], into: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to
-    four tensors in ONE launch; returns the outputs (new contiguous [B, L, H, 128] tensors).
+    four tensors in ONE launch; returns the outputs (new contiguous [B, L, H, 128] tensors, or ``into``:
+    contiguous [B, L, H, 128] views of x's dtype and device the caller provides, e.g. the text and image
+    rows of one joint [1, S_txt + S_img, H, 128] tensor, so that no concatenation follows).
 
     The caller guarantees, once: all xs on one usable CUDA device, one dtype (bf16/fp16/fp32),
     shape [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that
@@ -248,7 +250,7 @@ def launch(
             raise TypeError("qwen_absorb kernels take plain tensors; got "
                             + ", ".join(type(t).__name__ for t in (x, w, f)))
         B, L, H, _ = x.shape
-        out = torch.empty((B, L, H, HEAD_DIM), dtype=x.dtype, device=x.device)
+        out = torch.empty((B, L, H, HEAD_DIM), dtype=x.dtype, device=x.device) if into is None else into[i]
         outs.append(out)
         rows = B * L * H
         sb, sl, sh, _ = x.stride()

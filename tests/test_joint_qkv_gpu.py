@@ -1,0 +1,84 @@
+"""GPU tests of the joint q/k/v outputs of the patched Qwen-Image attention (batch 1): the qk kernel writes
+q and k, and the FP8 GEMMs of to_v / add_v_proj write v, straight into the [text, image] tensors the
+attention reads. The promise: the same bits as concatenating afterwards (``attention.JOINT_OUTPUTS =
+False``), and, in bf16, as diffusers itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import attention
+from qwen_absorb import testing as T
+
+from .ops_helpers import poison_allocator, skip_module_without_kernels
+
+pytestmark = pytest.mark.gpu
+skip_module_without_kernels()
+
+DEV = "cuda"
+GEOMETRY = dict(attention_head_dim=128, num_attention_heads=2, axes_dims_rope=(16, 56, 56))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Calls of the qk kernel with joint outputs, and of the FP8 GEMMs written in place."""
+    n = {"qk_joint": 0, "qk": 0, "v_into": 0}
+    qkr, into = attention.qkr_launch, attention.fp8_linear_into
+
+    def qk(xs, w, f, eps, outs=None):
+        n["qk_joint" if outs is not None else "qk"] += 1
+        return qkr(xs, w, f, eps, outs)
+
+    def v(*a, **k):
+        n["v_into"] += 1
+        return into(*a, **k)
+
+    monkeypatch.setattr(attention, "qkr_launch", qk)
+    monkeypatch.setattr(attention, "fp8_linear_into", v)
+    return n
+
+
+def _inputs(model, seed, **kw):
+    inp = T.transformer_inputs(model, batch_size=1, seed=seed, height=8, width=8, text_len=20, **kw)
+    return {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in inp.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_joint_qk_is_diffusers(dtype, spy):
+    model = T.tiny_transformer(dtype=dtype, seed=91, **GEOMETRY).to(DEV)
+    inp = _inputs(model, 92)
+    ref = T.run_transformer(model, inp)
+    report = qwen_absorb.patch(model)
+    try:
+        assert report.summary["qk_norm_rope_fused_blocks"] == 2, str(report)
+        poison_allocator(1 << 24)
+        out = T.run_transformer(model, inp)
+        assert spy["qk_joint"] == 2 and spy["qk"] == 0, spy
+        assert torch.equal(out, ref)
+    finally:
+        qwen_absorb.unpatch(model)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs need sm_89+")
+def test_fp8_joint_qkv_equals_concatenation(spy, monkeypatch):
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=93, **GEOMETRY).to(DEV)
+    calib = [_inputs(model, 94)]
+    T.fp8_quantize(model, calib)
+    inp = _inputs(model, 95)
+    report = qwen_absorb.patch(model, fp8_gemm=True, cuda_graph=False)
+    try:
+        assert report.summary["fp8_gemm_linears"] == 28, str(report)
+        poison_allocator(1 << 24)
+        joint = T.run_transformer(model, inp)
+        assert spy["qk_joint"] == 2 and spy["v_into"] == 4, spy  # 2 blocks x (to_v, add_v_proj)
+        monkeypatch.setattr(attention, "JOINT_OUTPUTS", False)
+        poison_allocator(1 << 24)
+        cat = T.run_transformer(model, inp)
+        assert spy["qk"] == 2 and spy["v_into"] == 4, spy
+        assert torch.equal(joint, cat)
+        assert torch.isfinite(joint).all()
+    finally:
+        qwen_absorb.unpatch(model)
