@@ -15,9 +15,10 @@ processors (segment or flex), the prefix KV cache (``extract`` / ``cached`` / no
 hooked on the attention keep working; so are the FFN's three linears (LoRA, ModelOpt, TP shards
 are theirs). What the fused ops bypass is only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s own
 forward: a site is fused only where those are plain and unhooked. A ModelOpt ``QuantLayerNorm``
-(``LayerNorm(input_quantizer(x))``) counts as plain: the runner calls its input quantizer (the module,
-so ModelOpt's fake quant exactly) and fuses the rest; norm2 then runs as the residual op followed by
-norm1's op, the quantizer between them.
+(``LayerNorm(input_quantizer(x))``) counts as plain: on kernels, an FP8 per-tensor static input
+quantizer runs inside the fused op (``Fp8PerTensorQuant``, ModelOpt's formula bit for bit, read per
+call); any other quantizer (disabled, calibrating, references) is called as the module and the rest
+fused, norm2 then as the residual op followed by norm1's op, the quantizer between them.
 
 Real FP8 (ModelOpt FP8 linears, :mod:`qwen_absorb.fp8_forward`, installed by the patch floor in each
 linear's forward slot): where a site's real-FP8 consumers share one input amax, its fused op also writes
@@ -300,8 +301,9 @@ def patched_forward(
     qkv = fp8_forward.group(attn, ("to_q", "to_k", "to_v"), dev) if fp8 and norm1 else None
     codes1 = None
     if norm1:
-        img_modulated, codes1 = _layer_norm_scale(mode, _norm_input(block.img_norm1, x, mode), scale1,
-                                                  decision.eps1, mask, qkv)
+        nq1 = _fused_quant(block.img_norm1, mode, dev)
+        img_modulated, codes1 = _layer_norm_scale(mode, x if nq1 is not None else _norm_input(block.img_norm1, x, mode),
+                                                  scale1, decision.eps1, mask, qkv, nq=nq1)
     else:
         img_modulated = block.img_norm1(hidden_states) * (1 + select_rows(scale1, target_token_mask))
 
@@ -343,13 +345,14 @@ def patched_forward(
     ab_direct = ab is not None and swiglu and all(f.direct() for f in ab)
     codes2 = None
     if norm2:
-        if "input_quantizer" in block.img_norm2._modules:  # ModelOpt: LayerNorm(Q(h)), Q between the two ops
+        nq2 = _fused_quant(block.img_norm2, amode, dev)
+        if nq2 is None and "input_quantizer" in block.img_norm2._modules:  # LayerNorm(Q(h)), Q between two ops
             h = _residual(amode, x, attn_output, gate1, mask, False)
             img_modulated2, codes2 = _layer_norm_scale(amode, _norm_input(block.img_norm2, h, amode), scale2,
                                                        decision.eps2, mask, ab, not ab_direct)
         else:
             h, img_modulated2, codes2 = _residual_norm(amode, x, attn_output, gate1, scale2, decision.eps2, mask,
-                                                       ab, not ab_direct)
+                                                       ab, not ab_direct, nq=nq2)
     else:
         h = _residual(amode, x, attn_output, gate1, mask, False)
         img_modulated2 = block.img_norm2(h) * (1 + select_rows(scale2, target_token_mask))
@@ -458,28 +461,40 @@ def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:
     return qx.contiguous() if mode == _KERNEL else qx
 
 
+def _fused_quant(norm: nn.Module, mode: int, device: torch.device):
+    """A QuantLayerNorm's input quantizer as the kernels' ``Fp8PerTensorQuant``, applied inside the fused op
+    (bit for bit ModelOpt's fake quantization, as for Qwen-Image's norms), or None: no quantizer, not on
+    kernels, or one the kernels do not reproduce (disabled, calibrating, not FP8 per-tensor: then the
+    runner calls the quantizer module itself, :func:`_norm_input`). Read per call: quantizers can change."""
+    q = norm._modules.get("input_quantizer")
+    if q is None or mode != _KERNEL or _hooked(q):  # a hook on the quantizer runs with the module
+        return None
+    return quant.norm_input_fp8(q, device)[0]
+
+
 def _emits(fwds, mode):
     """The fp32 one-element amax of the consumers (None: no FP8 emission)."""
     return fwds[0].weight.input_amax if fwds is not None and mode != _COMPILED else None
 
 
-def _layer_norm_scale(mode, x, scale, eps, mask, fwds=None, want_out=True):
-    """``(out or None, codes or None)``: codes when ``fwds`` (the real-FP8 consumers) is given."""
+def _layer_norm_scale(mode, x, scale, eps, mask, fwds=None, want_out=True, nq=None):
+    """``(out or None, codes or None)``: codes when ``fwds`` (the real-FP8 consumers) is given; ``nq``
+    (kernels only): the norm-input fake quantizer, applied in the kernel."""
     amax = _emits(fwds, mode)
     if mode == _KERNEL:
-        return ln_scale_launch(x, scale, eps, mask, out=want_out or amax is None, fp8_amax=amax)
+        return ln_scale_launch(x, scale, eps, mask, out=want_out or amax is None, fp8_amax=amax, norm_input_quant=nq)
     if mode == _COMPILED:
         return torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, mask, None)[0], None
     out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=mask)
     return out, (quantize_fp8_reference(out, amax) if amax is not None else None)
 
 
-def _residual_norm(mode, h, y, gate, scale, eps, mask, fwds=None, want_out=True):
-    """``(new residual, modulated or None, codes or None)``."""
+def _residual_norm(mode, h, y, gate, scale, eps, mask, fwds=None, want_out=True, nq=None):
+    """``(new residual, modulated or None, codes or None)``; ``nq`` as for :func:`_layer_norm_scale`."""
     amax = _emits(fwds, mode)
     if mode == _KERNEL:
         return tgrln_launch(h.contiguous(), y.contiguous(), gate, scale, eps, mask, False,
-                            out=want_out or amax is None, fp8_amax=amax)
+                            out=want_out or amax is None, fp8_amax=amax, norm_input_quant=nq)
     if mode == _COMPILED:
         out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
         return out[0], out[1], None

@@ -266,3 +266,43 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, f"{f}:\n{res.stderr[-4000:]}"
         assert "warning" not in res.stderr.lower(), res.stderr[-2000:]
+
+
+def _struct_kinds(source: str, struct_name: str) -> str:
+    """The field kinds of a kernel's parameter struct, read from its CUDA source, one letter per field in
+    declaration order: pointers P, qa_i64 q, int i, float f."""
+    import re
+
+    body = re.search(r"struct\s+" + struct_name + r"\s*\{(.*?)\};", source, re.S).group(1)
+    kinds = ""
+    for decl in re.sub(r"//[^\n]*", "", body).split(";"):
+        decl = decl.strip()
+        if decl:
+            head = decl.split(",")[0]
+            kind = "P" if "*" in head else "q" if head.startswith("qa_i64") else "f" if head.startswith("float") else "i"
+            kinds += kind * (1 + decl.count(","))
+    return kinds
+
+
+def _expand(layout: str) -> str:
+    """``"6P3qiii"`` -> ``"PPPPPPqqqiii"``."""
+    import re
+
+    return "".join(c * int(n or 1) for n, c in re.findall(r"(\d*)([A-Za-z])", layout))
+
+
+@pytest.mark.parametrize("module", ["bias_gate_residual", "bias_residual_layer_norm_scale_shift", "layer_norm_scale",
+                                    "layer_norm_scale_shift", "tanh_gate_residual",
+                                    "tanh_gate_residual_layer_norm_scale"])
+def test_kernel_layouts_match_the_c_structs(module):
+    """The host packs the parameter struct by ``Kernels.layout``: it must be the .cu struct, field for field
+    (a field added on one side only shifts every later one: wrong pointers, not an error)."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    mod = importlib.import_module(f"qwen_absorb.ops.{module}")
+    k = mod.KERNELS
+    src = (Path(mod.__file__).parent / "csrc" / k.cu).read_text()
+    struct_name = re.search(k.name + r"\(const (\w+) p\)", src).group(1)
+    assert _struct_kinds(src, struct_name) == _expand(k.layout)

@@ -23,7 +23,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import fp8_forward as F8
-from qwen_absorb import gating, ops
+from qwen_absorb import gating, ops, qwenimage21
 from qwen_absorb import testing as T
 
 from .ops_helpers import poison_allocator as poison
@@ -130,6 +130,32 @@ def test_fused_quant_layer_norms_bit_identical_without_fp8():
     assert report.summary["sites_on_kernels"] == 5 * LAYERS, str(report)
     poison(64 << 20)
     assert torch.equal(run(model, inp), want)
+
+
+def test_norm_input_quantizers_run_inside_the_kernels(monkeypatch):
+    """The QuantLayerNorm input fake quantization runs inside norm1's and norm2's kernels (no quantizer
+    call), bit-identical to ModelOpt's; a hooked quantizer runs as its module (its hook sees the call)."""
+    model, inp, _ = _models(4)
+    want = run(model, inp)
+    launched = []
+    for name in ("ln_scale_launch", "tgrln_launch"):
+        fn = getattr(qwenimage21, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            launched.append((_name, k.get("norm_input_quant") is not None))
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(qwenimage21, name, spy)
+    qwen_absorb.patch(model, fp8_gemm=False, cuda_graph=False)
+    poison(64 << 20)
+    assert torch.equal(run(model, inp), want)
+    assert sorted(launched) == sorted([("ln_scale_launch", True), ("tgrln_launch", True)] * LAYERS), launched
+    calls = []
+    model.transformer_blocks[1].img_norm2.input_quantizer.register_forward_hook(lambda m, a, o: calls.append(1))
+    launched.clear()
+    poison(64 << 20)
+    assert torch.equal(run(model, inp), want)
+    assert calls == [1] and launched.count(("tgrln_launch", True)) == LAYERS - 1, launched
 
 
 @pytest.mark.parametrize("flex", [False, True])

@@ -24,11 +24,11 @@ from ._launch import contiguous_or_none as _contig
 from ._modulation import layer_norm
 from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
 from ._validate import check_activation, check_eps, check_fp8_amax
-from .fp8 import quantize_fp8_reference
+from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
 
-# LayerNormScaleParams in the .cu: x, out, out_fp8, scale, mask, out_amax (pointers);
-# scale_rs, B, L (int64); D (int32), eps (float), vec_flags (int32)
-KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "6P3qifi")
+# LayerNormScaleParams in the .cu: x, out, out_fp8, scale, mask, out_amax, amax (pointers);
+# scale_rs, B, L (int64); D (int32), eps (float), quant_mode, vec_flags (int32)
+KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "7P3qifii")
 
 
 # ---------------------------------------------------------------------------- references
@@ -55,25 +55,31 @@ def layer_norm_scale_fp8_reference(
 
 def launch(
     x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
-    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(out or None, e4m3 codes or None)``; arguments already validated.
 
     x: contiguous [B, L, D] on a usable CUDA device; scale [B (+1), D] rows with unit last stride;
     target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
+    norm_input_quant: a QuantLayerNorm's input fake quantizer, applied to x inside the kernel
+    (``LayerNorm(Q(x))``, bit for bit ``Q``'s own output: :meth:`Fp8PerTensorQuant.reference`).
     """
     o, f8 = outs = outputs(x, (x, scale), out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
         return outs
     B, L, D = x.shape
     esize = x.element_size()
-    # eager's norm1 sees x itself: a misaligned x sends PyTorch down its rowwise path
+    # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the quantizer's
+    # fresh (aligned) output
     xp = x.data_ptr()
-    launcher, a = KERNELS.ln(x, D, xp % (4 * esize) == 0)
+    nq = norm_input_quant
+    launcher, a = KERNELS.ln(x, D, nq is not None or xp % (4 * esize) == 0)
     crs = row_stride(scale)
     cp = scale.data_ptr()
     flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
-    launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(fp8_amax), crs, B, L, D, eps, flags)
+    amax, mode = (nq.amax_fp32(x.device), nq.mode_for(x.device)) if nq is not None else (None, 0)
+    launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(fp8_amax), ptr(amax), crs, B, L, D, eps,
+             mode, flags)
     return o, f8
 
 

@@ -24,12 +24,12 @@ from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fak
 from ._modulation import layer_norm
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
 from ._validate import check_eps, check_fp8_amax, check_residual
-from .fp8 import quantize_fp8_reference
+from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
 
 # TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out,
-# out_fp8, mask, out_amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
-# clip, vec_flags (int32)
-KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "9P4qifii")
+# out_fp8, mask, out_amax, amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
+# clip, quant_mode, vec_flags (int32)
+KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "10P4qifiii")
 
 
 # ---------------------------------------------------------------------------- references
@@ -50,12 +50,14 @@ def tanh_gate_residual_layer_norm_scale_reference(
 def launch(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
     target_token_mask: torch.Tensor | None, clip_fp16: bool = False,
-    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(new_residual, modulated or None, e4m3 codes of modulated or None)``.
 
     residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale [B (+1), D] rows with unit
     last stride; target_token_mask contiguous bool [L] or None; fp8_amax fp32 one-element on the device.
+    norm_input_quant: a QuantLayerNorm's input fake quantizer: ``modulated = LayerNorm(Q(new_residual))
+    * (1 + scale)``, ``Q`` bit for bit :meth:`Fp8PerTensorQuant.reference` (new_residual not quantized).
     """
     h, o, f8 = outs = outputs(x, (residual, x, gate, scale), new_residual=True, out=out, codes=fp8_amax is not None)
     if x.numel() == 0:
@@ -68,8 +70,10 @@ def launch(
     xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
     flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
-    launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(fp8_amax), grs, crs,
-             B, L, D, eps, clip, flags)
+    nq = norm_input_quant
+    amax, mode = (nq.amax_fp32(x.device), nq.mode_for(x.device)) if nq is not None else (None, 0)
+    launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(fp8_amax), ptr(amax),
+             grs, crs, B, L, D, eps, clip, mode, flags)
     return h, o, f8
 
 

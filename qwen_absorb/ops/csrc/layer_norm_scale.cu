@@ -1,5 +1,7 @@
-// layer_norm_scale: out = LayerNorm(x) * (1 + scale)   (Qwen-Image-2.1's norm1 site: no shift)
+// layer_norm_scale: out = LayerNorm(Q(x)) * (1 + scale)   (Qwen-Image-2.1's norm1 site: no shift)
 //
+// Q is the identity (quant_mode 0) or ModelOpt's FP8 per-tensor fake quantization of a QuantLayerNorm's
+// input quantizer (1: its CUDA extension's formula, 2: its torch formula; fp8.cuh), amax at `amax`.
 // One block per row in PyTorch's LayerNorm layout (layer_norm.cuh: the mode eager takes for this
 // input, its Welford order), driven by qa_ln_row (ln_row.cuh). NV > 0: x read once and kept in
 // registers; NV == 0: streaming variant for very wide rows (x read twice). The scale row of each
@@ -19,9 +21,11 @@ struct LayerNormScaleParams {
   const void* scale;
   const unsigned char* mask;  // target_token_mask [L] or null
   const float* out_amax;
+  const float* amax;  // norm-input quantizer (quant_mode != 0)
   qa_i64 scale_rs, B, L;
   int D;
   float eps;
+  int quant_mode;
   int vec_flags;  // 1: x/out rows vector-aligned, 4: scale rows
 };
 
@@ -30,7 +34,7 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
   const qa_i64 row = blockIdx.x;
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaLnInput<T> load(p.x, off, p.vec_flags);
+  const QaLnInput<T> load(p.x, off, p.vec_flags, p.amax, p.quant_mode);
   const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale,
                                       qa_target_row(row, p.L, p.B, p.mask) * p.scale_rs);
   qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);

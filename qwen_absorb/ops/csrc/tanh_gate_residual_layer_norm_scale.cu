@@ -1,6 +1,8 @@
 // tanh_gate_residual_layer_norm_scale   (Qwen-Image-2.1's norm2 site, after attention)
 //   new_residual = C(residual + tanh(gate) * x)
-//   modulated    = LayerNorm(new_residual) * (1 + scale)
+//   modulated    = LayerNorm(Q(new_residual)) * (1 + scale)
+// Q: the identity (quant_mode 0) or a QuantLayerNorm's FP8 input fake quantization (1, 2; amax at
+// `amax`), as in bias_residual_layer_norm_scale_shift.cu; new_residual itself is never quantized.
 // C: the identity, or (clip != 0, float16) the block's final clip(-65504, 65504), so that the op
 // also serves the FFN residual followed by the next block's norm1. Layout and variants as in
 // layer_norm_scale.cu (qa_ln_row, ln_row.cuh); eager's norm2 sees a fresh tensor, so the caller
@@ -22,10 +24,12 @@ struct TanhGateResidualLayerNormScaleParams {
   unsigned char* out_fp8;
   const unsigned char* mask;  // target_token_mask [L] or null
   const float* out_amax;
+  const float* amax;  // norm-input quantizer (quant_mode != 0)
   qa_i64 gate_rs, scale_rs, B, L;
   int D;
   float eps;
   int clip;
+  int quant_mode;
   int vec_flags;  // 1: activations, 4: scale rows, 8: gate rows vector-aligned
 };
 
@@ -40,8 +44,11 @@ tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleP
                                            p.vec_flags, p.clip);
   // the LayerNorm input is new_residual: computed (and written) once; the streaming variant
   // re-reads the slots this thread wrote itself (program order makes them visible)
-  auto produce = [&](int c, float (&t)[CH]) { qa_widen<T, CH>(res.template step<CH>(c), t); };
-  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags);
+  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags, p.amax, p.quant_mode);
+  auto produce = [&](int c, float (&t)[CH]) {
+    qa_widen<T, CH>(res.template step<CH>(c), t);
+    qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
+  };
   const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs);
   qa_ln_row<MODE, NV>(p.D, p.eps, produce, reread, emit);
 }
