@@ -259,12 +259,13 @@ def test_launch_packs_jobs(monkeypatch):
     jobs = [v[i * n:(i + 1) * n] for i in range(qkr.MAX_JOBS)]
     assert v[-1] == 2
     rows0, rows1 = 1 * 6 * 3, 2 * 5 * 3
-    assert grid == -(-rows0 // qkr.WARPS) + -(-rows1 // qkr.WARPS)
+    per = qkr.WARPS * qkr.ROWS_PER_WARP  # rows per block
+    assert grid == -(-rows0 // per) + -(-rows1 // per)
     j0, j1 = jobs[0], jobs[1]
     assert j0[:4] == (xi.data_ptr(), wi.data_ptr(), fi.data_ptr(), outs[0].data_ptr())
     assert j0[4:8] == (*xi.stride()[:3], 2 * DH // 2)
     assert j0[8:12] == (6, 3, rows0, 0)
-    assert j1[4:8] == (*xt.stride()[:3], DH) and j1[8:12] == (5, 3, rows1, -(-rows0 // qkr.WARPS))
+    assert j1[4:8] == (*xt.stride()[:3], DH) and j1[8:12] == (5, 3, rows1, -(-rows0 // per))
     assert j1[12] == 2e-6
     assert j1[13] & 1 == 0 and (j1[13] >> 1) & 1 == (wt.data_ptr() % 8 == 0)
     assert all(j[10] == 0 and j[11] == grid for j in jobs[2:])  # padding jobs: no rows

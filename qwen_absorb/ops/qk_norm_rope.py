@@ -43,7 +43,8 @@ from ._validate import SUPPORTED_DTYPES, check_eps, check_tensor
 
 log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
-WARPS = 4  # QA_QKR_WARPS: rows (one warp each) per block
+WARPS = 4  # QA_QKR_WARPS: warps per block
+ROWS_PER_WARP = 4  # the kernel's RPW: consecutive rows a warp loads before reducing the first
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
 _FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
@@ -230,13 +231,14 @@ def launch(
         raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
     x0 = xs[0]
     dev = x0.get_device()
-    key = (x0.dtype, dev)
+    rpw = ROWS_PER_WARP
+    key = (x0.dtype, dev) if rpw == 4 else (x0.dtype, dev, rpw)
     launcher = _fns.get(key)
     if launcher is None:
         order = probe_variance_order(dev).order  # cached: the caller's checks probed it
         if order is None:
             raise RuntimeError("qk_norm_rope.launch: PyTorch's variance order on this device is not the kernel's")
-        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}, {order}>", dev)
+        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}, {order}, {rpw}>", dev)
         launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
     esize = x0.element_size()
     a = 4 * esize  # one lane's 4 elements
@@ -259,7 +261,7 @@ def launch(
         flags = (((xp | sb * esize | sl * esize | sh * esize) % a == 0)
                  | ((wp % a == 0) << 1) | (((fp | fs * 4) % 16 == 0) << 2))
         vals += (xp, wp, fp, out.data_ptr(), sb, sl, sh, fs, L, H, rows, blocks, eps[i], flags)
-        blocks += (rows + WARPS - 1) // WARPS
+        blocks += (rows + WARPS * rpw - 1) // (WARPS * rpw)
     for _ in range(n, MAX_JOBS):
         vals += _PAD_JOB
         vals += (blocks, 0.0, 0)
@@ -269,7 +271,7 @@ def launch(
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, f"qk_norm_rope_kernel<{t}, {o}>") for t in rt.TRAITS.values() for o in ORDERS]
+    return [(CU, f"qk_norm_rope_kernel<{t}, {o}, {ROWS_PER_WARP}>") for t in rt.TRAITS.values() for o in ORDERS]
 
 
 # ---------------------------------------------------------------------------- validation, reasons

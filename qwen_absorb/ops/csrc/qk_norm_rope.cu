@@ -1,6 +1,8 @@
 // qk_norm_rope: diffusers' q/k RMSNorm followed by Qwen-Image's complex RoPE, per (b, l, h) head row
 // of DH = 128 elements, for up to QA_QKR_MAX_JOBS tensors in one launch (a block's four: img q/k,
-// txt q/k). One warp per row; lane u holds elements 4u .. 4u+3 (two complex pairs).
+// txt q/k). One warp per row, RPW consecutive rows per warp (their loads all issued before the first
+// reduction: more bytes in flight per SM, the rows' arithmetic unchanged); lane u holds elements
+// 4u .. 4u+3 (two complex pairs) of each.
 //
 // The eager chain it reproduces (diffusers 0.42.1, RMSNorm.forward + apply_rotary_emb_qwen):
 //   var = x.float().pow(2).mean(-1)          fp32 squares, PyTorch's reduction order (below), * (1/128)
@@ -94,7 +96,7 @@ __device__ __forceinline__ float qa_qkr_lane_partial(const float* sq, int u) {
 template <int G>
 __device__ __forceinline__ constexpr int qa_qkr_lanes() { return G == 2 ? 16 : (G == 4 ? 8 : 32); }
 
-template <class T, int ORDER>
+template <class T, int ORDER, int RPW>
 __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
   typedef typename T::storage S;
   // Which job this block belongs to (block-uniform), then its parameters by constant-index selects
@@ -109,51 +111,61 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
     if (j == k) J = p.job[k];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = ((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp;
-  if (row >= J.rows) return;  // whole warps only: the shuffles below need all 32 lanes
+  const int row0 = (((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp) * RPW;
+  if (row0 >= J.rows) return;  // whole warps only: the shuffles below need all 32 lanes
   const int lh = J.L * J.H;
-  const int b = row / lh;
-  const int rem = row - b * lh;
-  const int l = rem / J.H;
-  const int h = rem - l * J.H;
   const int e = lane * 4;
 
-  const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
-  float v[4];
-  qa_load<T, 4>(xr, J.vec_flags & 1, v);
+  // every load of the warp's rows first (row0 + r < rows is warp-uniform)
+  float v[RPW][4], f[RPW][4];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int row = row0 + r;
+    if (row < J.rows) {
+      const int b = row / lh;
+      const int rem = row - b * lh;
+      const int l = rem / J.H;
+      const int h = rem - l * J.H;
+      const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
+      qa_load<T, 4>(xr, J.vec_flags & 1, v[r]);
+      qa_load<QaF32, 4>(J.freqs + l * J.freqs_stride + e, J.vec_flags & 4, f[r]);  // (c, d) of pairs e/2, e/2+1
+    }
+  }
+  float w[4];
+  qa_load<T, 4>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
 
   // variance: the squares go through shared memory so each lane can sum the elements it owns in
   // PyTorch's order (ORDER, see the header), then a shfl_down tree over the lanes.
   __shared__ float sq_all[QA_QKR_WARPS][128];
   float* sq = sq_all[warp];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) sq[e + i] = __fmul_rn(v[i], v[i]);
-  __syncwarp();
   constexpr int G = ORDER % 10, LANES = qa_qkr_lanes<G>();
-  float s = qa_qkr_lane_partial<G>(sq, lane);
-  if (ORDER >= 10) {
 #pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
-  } else {
+  for (int r = 0; r < RPW; ++r) {
+    const int row = row0 + r;
+    if (row >= J.rows) break;
+    __syncwarp();  // the previous row's reads of sq are done
 #pragma unroll
-    for (int off = 1; off < LANES; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+    for (int i = 0; i < 4; ++i) sq[e + i] = __fmul_rn(v[r][i], v[r][i]);
+    __syncwarp();
+    float s = qa_qkr_lane_partial<G>(sq, lane);
+    if (ORDER >= 10) {
+#pragma unroll
+      for (int off = LANES / 2; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+    } else {
+#pragma unroll
+      for (int off = 1; off < LANES; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
+    }
+    const float var = __fmul_rn(__shfl_sync(0xffffffffu, s, 0), 0.0078125f);
+    const float rs = rsqrtf(__fadd_rn(var, J.eps));  // torch.rsqrt: ::rsqrt(float), same libdevice call
+    float y[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = qa_mul<T>(qa_round<T>(__fmul_rn(v[r][i], rs)), w[i]);
+    float o[4];
+    qa_qkr_cmul(y[0], y[1], f[r][0], f[r][1], o[0], o[1]);
+    qa_qkr_cmul(y[2], y[3], f[r][2], f[r][3], o[2], o[3]);
+    QaVec<S, 4> ov;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ov.v[i] = T::store(o[i]);
+    qa_store_raw<T, 4>(reinterpret_cast<S*>(J.out) + (qa_i64)row * 128 + e, true, ov);
   }
-  const float var = __fmul_rn(__shfl_sync(0xffffffffu, s, 0), 0.0078125f);
-  const float r = rsqrtf(__fadd_rn(var, J.eps));  // torch.rsqrt: ::rsqrt(float), same libdevice call
-
-  float w[4];
-  qa_load<T, 4>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
-  float y[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = qa_mul<T>(qa_round<T>(__fmul_rn(v[i], r)), w[i]);
-
-  float f[4];  // (c, d) of pairs e/2 and e/2 + 1
-  qa_load<QaF32, 4>(J.freqs + l * J.freqs_stride + e, J.vec_flags & 4, f);
-  float o[4];
-  qa_qkr_cmul(y[0], y[1], f[0], f[1], o[0], o[1]);
-  qa_qkr_cmul(y[2], y[3], f[2], f[3], o[2], o[3]);
-  QaVec<S, 4> ov;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) ov.v[i] = T::store(o[i]);
-  qa_store_raw<T, 4>(reinterpret_cast<S*>(J.out) + (qa_i64)row * 128 + e, true, ov);
 }
