@@ -56,3 +56,12 @@ def gemms(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
     return calls
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's streams and graphs replaced by CPU stand-ins (tests/cuda_graph_fakes.py), CPU tensors allowed
+    into graphs: the capture / replay code path of qwen_absorb.cuda_graph runs on the CPU."""
+    from . import cuda_graph_fakes
+
+    cuda_graph_fakes.install(monkeypatch)

@@ -27,6 +27,9 @@ from qwen_absorb.cuda_graph import settings
 from qwen_absorb.cuda_graph import signature as S
 from qwen_absorb import testing as T
 
+from .cuda_graph_fakes import FakeGraph as _FakeGraph
+from .cuda_graph_fakes import arm as _arm
+
 CPU_REASON = "cuda_graph: input on cpu"
 
 
@@ -705,73 +708,10 @@ def test_keep_rope_holds_cached_freqs(seed):
 
 
 # ------------------------------------------------------------------------------------------ capture plumbing
-# The capture / replay code path driven on the CPU with stand-ins for torch.cuda's stream and graph objects: the
-# "graph" of a signature replays by running the wrapped forward on the static buffers and writing into the static
-# output, which is what a CUDA graph does. Exactness of real replays is checked in tests/test_cuda_graph_gpu.py.
-
-
-class _FakeStream:
-    def __init__(self, *a, **k):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
-class _FakeGraph:
-    fail = False
-
-    def __init__(self):
-        self.fn = None
-
-    def replay(self):
-        self.fn()
-
-
-class _fake_capture:
-    def __init__(self, graph, pool=None, stream=None, capture_error_mode=None):
-        assert capture_error_mode == "thread_local" and pool is not None and stream is not None
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        if _FakeGraph.fail and exc[0] is None:
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    import contextlib
-
-    monkeypatch.setattr(settings, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(settings, "ALIGN", 64)  # what the CPU allocator promises (CUDA: 512), so fresh inputs share a key
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(C.HostConstants, "device_types", ("cpu",))
-    monkeypatch.setattr(_FakeGraph, "fail", False)
-
-
-def _arm(runner):
-    """Give every captured fake graph its replay: the wrapped forward on the static inputs, into the static output."""
-    for key, entry in runner._graphs.items():
-        if entry.graph.fn is not None:
-            continue
-
-        def fn(entry=entry, spec=key[0]):
-            it = iter(entry.statics)
-            args = S.thaw(spec[0], it)
-            kwargs = {k: S.thaw(v, it) for k, v in spec[1]}
-            fresh = runner._inner(*args, **kwargs)
-            for dst, src in zip(C.tensors_in(entry.out), C.tensors_in(fresh)):
-                dst.copy_(src)
-
-        entry.graph.fn = fn
+# The capture / replay code path driven on the CPU with stand-ins for torch.cuda's stream and graph objects
+# (tests/cuda_graph_fakes.py, the fake_cuda fixture of tests/conftest.py): the "graph" of a signature replays by
+# running the wrapped forward on the static buffers and writing into the static output, which is what a CUDA graph
+# does. Exactness of real replays is checked in tests/test_cuda_graph_gpu.py.
 
 
 def _gcall(runner, model, kw):

@@ -1,0 +1,80 @@
+"""Stand-ins for torch.cuda's streams and graphs, so that the CUDA-graph capture / replay code path runs on the CPU.
+
+A fake graph "replays" by running the runner's wrapped forward on the static buffers and writing into the static
+output (:func:`arm`), which is what a CUDA graph does; the ``fake_cuda`` fixture (tests/conftest.py) installs the
+fakes. Exactness of real replays is checked by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from qwen_absorb.cuda_graph import capture as C
+from qwen_absorb.cuda_graph import settings
+from qwen_absorb.cuda_graph import signature as S
+
+
+class FakeStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+class FakeGraph:
+    fail = False
+
+    def __init__(self):
+        self.fn = None
+        self.pool = None  # the pool handle it was captured into
+
+    def replay(self):
+        self.fn()
+
+
+class fake_capture:  # noqa: N801  (stands in for torch.cuda.graph)
+    def __init__(self, graph, pool=None, stream=None, capture_error_mode=None):
+        assert capture_error_mode == "thread_local" and pool is not None and stream is not None
+        graph.pool = pool
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        if FakeGraph.fail and exc[0] is None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def install(monkeypatch) -> None:
+    monkeypatch.setattr(settings, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(settings, "ALIGN", 64)  # what the CPU allocator promises (CUDA: 512), so fresh inputs share a key
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(C.HostConstants, "device_types", ("cpu",))
+    monkeypatch.setattr(FakeGraph, "fail", False)
+
+
+def arm(runner) -> None:
+    """Give every captured fake graph of ``runner`` its replay: the wrapped forward on the static inputs, into the
+    static output."""
+    for key, entry in runner._graphs.items():
+        if entry.graph.fn is not None:
+            continue
+
+        def fn(entry=entry, spec=key[0]):
+            it = iter(entry.statics)
+            args = S.thaw(spec[0], it)
+            kwargs = {k: S.thaw(v, it) for k, v in spec[1]}
+            fresh = runner._inner(*args, **kwargs)
+            for dst, src in zip(C.tensors_in(entry.out), C.tensors_in(fresh)):
+                dst.copy_(src)
+
+        entry.graph.fn = fn
