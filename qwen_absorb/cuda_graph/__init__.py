@@ -31,14 +31,22 @@ on the caller's current stream). Not seen by the fingerprint, so call ``invalida
 through ``param.data`` (replay reads the new values anyway; only caches derived from weights would be stale),
 ``del`` of a submodule or parameter, direct writes into ``_parameters`` / ``_modules``.
 
+Per block (Qwen-Image-2.1, whose forward syncs with the host before its block loop, so its whole call cannot be
+captured): :func:`install_blocks` puts a :class:`GraphedCall` on every block, all sharing one :class:`Shared`
+(one memory pool and side stream per device, one lock, one static buffer per argument position and tensor
+metadata); :class:`BlockGraphs` removes, invalidates and describes them as one.
+
 The package, bottom up (imports only point down): ``settings`` (the tunables), ``signature`` (arguments
 frozen into keys, the refusals they raise), ``fingerprint`` (what graphs baked in, the verdict, torch's
 registration hooks), ``capture`` (static buffers, host constants, RoPE tables kept, the capture itself),
-``runner`` (:class:`GraphedCall`, :func:`install`). Hook chains are read through :mod:`qwen_absorb.hooks`.
+``shared`` (what a group of runners shares), ``runner`` (:class:`GraphedCall`, :func:`install`), ``blocks``
+(:class:`BlockGraphs`, :func:`install_blocks`). Hook chains are read through :mod:`qwen_absorb.hooks`.
 """
 
 from __future__ import annotations
 
+from .blocks import BlockGraphs, install_blocks
 from .runner import GraphedCall, install
+from .shared import Shared
 
-__all__ = ["GraphedCall", "install"]
+__all__ = ["BlockGraphs", "GraphedCall", "Shared", "install", "install_blocks"]

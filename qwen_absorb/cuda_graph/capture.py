@@ -278,17 +278,19 @@ class Captured:
 
 
 def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc: str, streams: dict,
-            pools: dict) -> Captured:
+            pools: dict, statics: list[torch.Tensor] | None = None) -> Captured:
     """Warm up and capture ``inner`` (the wrapped forward) for ``call``'s signature.
 
     ``streams`` / ``pools``: the runner's side streams and graph memory pools by device (created here when
-    missing). An exception of the warm-up propagates (the eager call would raise it too); one of the capture
+    missing). ``statics``: the static buffers to capture from, one per tensor of ``call`` (a group's shared
+    ones, :mod:`.shared`); made here with :func:`static_like` when None. An exception of the warm-up propagates (the eager call would raise it too); one of the capture
     is returned in ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile.
     """
     dev = call.device
     with torch.cuda.device(dev):
         cur = torch.cuda.current_stream()
-        statics = [static_like(x) for x in call.tensors]
+        if statics is None:
+            statics = [static_like(x) for x in call.tensors]
         for s, x in zip(statics, call.tensors):
             s.copy_(x)
         s_args, s_kwargs = thaw_call(call.spec, statics)

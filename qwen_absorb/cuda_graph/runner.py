@@ -12,6 +12,10 @@ values, in-place writes, hooks, PEFT state; most of the host time on a 60-block 
 change, the replay's output is discarded (never returned, counted in ``discarded_replays``), the graphs are
 dropped (after the replay finished) and the call runs eager, as it would have had the change been seen first.
 No call returns a result computed from stale state; the host checks overlap the GPU instead of preceding it.
+
+A runner given ``shared=`` (a :class:`~.shared.Shared`: the per-block runners of one Qwen-Image-2.1 model) takes
+its lock, memory pools, side streams and static input buffers from it, and its parent's refusals (see
+:mod:`.shared`); without one (the default) it owns them all, as a runner on a whole transformer does.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .. import hooks
 from . import settings
 from .capture import Graph, capture, map_tensors
 from .fingerprint import Scan, root_reason, unwatch, watch
+from .shared import Shared
 from .signature import Call, Refusal, positional_names
 
 log = logging.getLogger("qwen_absorb")
@@ -68,17 +73,20 @@ class GraphedCall:
     :func:`install`. After :meth:`remove` it holds nothing of the model (only plain counters) and is a
     pass-through to the forward it wrapped for as long as that forward lives."""
 
+    __qwen_absorb_graph__ = True  # qwen_absorb.patch recognises its per-block runners by it (not a hook library's)
     __slots__ = (
         "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev", "_prev_present", "_positional",
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
-        "capture_failures", "_host_us", "_host_n", "_check_us", "discarded_replays",
+        "capture_failures", "_host_us", "_host_n", "_check_us", "discarded_replays", "_shared",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
-                 host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> None:
+                 host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
+                 shared: Shared | None = None) -> None:
         self._transformer = transformer
+        self._shared = shared
         self._name = type(transformer).__name__
         self.fallbacks = fallbacks
         self.max_graphs = int(max_graphs)
@@ -96,18 +104,20 @@ class GraphedCall:
         t = self._transformer
         self._positional = positional_names(type(t)) if t is not None else ()
         self._graphs: collections.OrderedDict[Any, Graph] = collections.OrderedDict()
-        self._pools: dict[torch.device, Any] = {}
-        self._streams: dict[torch.device, Any] = {}
+        sh = self._shared
+        self._pools: dict[torch.device, Any] = sh.pools if sh is not None else {}
+        self._streams: dict[torch.device, Any] = sh.streams if sh is not None else {}
         self._scan: Scan | None = None
         self._dirty: str | None = None
         self._failed: dict[Any, str] = {}
         self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._removed = False
         self._busy = False
-        self._lock = threading.Lock()  # one caller at a time in the static buffers; others run eager
+        # one caller at a time in the static buffers (of the group, when shared); others run eager
+        self._lock = sh.lock if sh is not None else threading.Lock()
         self._unstable = False
         self._unreplayed = 0
-        self._logged: set[str] = set()
+        self._logged: set[str] = sh.logged if sh is not None else set()
         self.captures = self.replays = self.eager_calls = self.new_signature_calls = self.evictions = 0
         self.refusals: collections.Counter = collections.Counter()
         self.invalidations: collections.Counter = collections.Counter()
@@ -118,6 +128,8 @@ class GraphedCall:
         self.discarded_replays = 0
         if t is not None:
             watch(self)
+            if sh is not None:
+                sh.join(self)
 
     # ------------------------------------------------------------------ the call
 
@@ -142,6 +154,8 @@ class GraphedCall:
         if t.training:
             return self._eager("module in training mode", "", args, kwargs)
         root = root_reason(t)
+        if root is None and self._shared is not None:
+            root = self._shared.parent_reason()  # e.g. an offloading hook on the transformer around a block
         if root is not None:
             self._drop(f"refused: {root[0]}", count=False, track=False)  # offloading needs the memory back
             return self._eager(root[0], root[1], args, kwargs)
@@ -272,8 +286,9 @@ class GraphedCall:
         self._launch(entry, call)
         return self._served(entry, call)
 
-    @staticmethod
-    def _launch(entry: Graph, call: Call) -> None:
+    def _launch(self, entry: Graph, call: Call) -> None:
+        if self._shared is not None:
+            self._shared.order(call.device)  # the shared buffers' last stream first
         for s, x in zip(entry.statics, call.tensors):
             s.copy_(x)
         entry.graph.replay()
@@ -288,9 +303,15 @@ class GraphedCall:
 
     def _capture(self, call: Call) -> Any:
         desc = call.describe(self._positional)
+        sh = self._shared
         self._busy = True
         try:
-            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools)
+            statics = None
+            if sh is not None:
+                sh.order(call.device)
+                statics = sh.statics(call.tensors)
+            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics)
+            del statics
         finally:
             self._busy = False
         if got.error is not None:
@@ -298,8 +319,8 @@ class GraphedCall:
             return got.warm
         self._insert(call.key, got.graph)
         self.captures += 1
-        log.info("captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
-                 len(self._graphs), self.max_graphs, got.graph.capture_ms, desc, got.host_constants)
+        log.log(self._level("captured " + desc), "captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
+                len(self._graphs), self.max_graphs, got.graph.capture_ms, desc, got.host_constants)
         # Lazy state set by the warm-up or the capture itself (plans decided on first run, caches) is part
         # of what this graph saw: take the snapshot now. If it moved, older graphs may be stale: drop them.
         scan = self._scan
@@ -366,10 +387,26 @@ class GraphedCall:
                             "graph mode stays off for this model (invalidate() re-enables it)",
                             self._unreplayed, reason)
         self._graphs.clear()
-        self._pools.clear()
+        self._forget_pools()
         if count:
             self.invalidations[reason] += 1
-        log.info("dropped CUDA graphs: %s", reason)
+        log.log(self._level("dropped " + reason), "dropped CUDA graphs: %s", reason)
+
+    def _forget_pools(self) -> None:
+        """Graphs gone: the pool handles with them (a group's only when none of its runners holds a graph)."""
+        if self._shared is None:
+            self._pools.clear()
+        else:
+            self._shared.forget_pools()
+
+    def _level(self, what: str) -> int:
+        """INFO for a private runner; in a group, INFO the first time any of its runners logs ``what``."""
+        if self._shared is None:
+            return logging.INFO
+        if what in self._logged:
+            return logging.DEBUG
+        self._logged.add(what)
+        return logging.INFO
 
     # ------------------------------------------------------------------ public API
 
@@ -407,6 +444,11 @@ class GraphedCall:
                         "a pass-through", self._name)
         self._drop("remove()", count=False, track=False)
         self._graphs.clear()
+        if self._shared is not None:  # the group's pools and streams stay with the group
+            self._shared.leave(self)
+            self._shared.forget_pools()
+            self._pools, self._streams, self._logged = {}, {}, set(self._logged)
+            self._shared = None
         self._pools.clear()
         self._failed.clear()
         self._seen.clear()
@@ -471,6 +513,7 @@ class GraphedCall:
             "capture_after": self.capture_after,  # host_tensors: a closure over this model, neither copied nor saved
             "prev_present": self._prev_present, "prev": self._prev,
             "inner": None if cls_forward else inner, "removed": self._removed,
+            "shared": self._shared,  # copied fresh and empty, once for all the runners of the group
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -486,6 +529,7 @@ class GraphedCall:
         inner = state["inner"]
         self._inner = inner if inner is not None or t is None else type(t).forward.__get__(t)
         self._weak_inner = _dead
+        self._shared = None if state["removed"] else state.get("shared")
         self._setup()
         self._removed = state["removed"]
         if self._removed:
@@ -493,7 +537,8 @@ class GraphedCall:
 
 
 def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
-            host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> GraphedCall:
+            host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
+            shared: Shared | None = None) -> GraphedCall:
     """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
     pipeline holding one) and return its :class:`GraphedCall`.
 
@@ -507,6 +552,9 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     capture_after: eager calls a signature must have had before it is captured (0: capture on first sight;
         1: on the second call, so that a one-off call never pays a capture); counted in
         ``describe()["new_signature_calls"]``.
+    shared: a :class:`~.shared.Shared` the runner takes its lock, pools, side streams and static input buffers
+        from, with other runners called one after another on one stream (the blocks of one model, see
+        :func:`.blocks.install_blocks`); default: its own, as for a whole transformer.
 
     Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
     """
@@ -518,13 +566,15 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
         raise TypeError(f"host_tensors must be a callable returning tensors, got {type(host_tensors).__name__}")
     if type(capture_after) is not int or capture_after < 0:
         raise ValueError(f"capture_after must be an int >= 0, got {capture_after!r}")
+    if shared is not None and not isinstance(shared, Shared):
+        raise TypeError(f"shared must be a qwen_absorb.cuda_graph.Shared, got {type(shared).__name__}")
     t = hooks.resolve_transformer(transformer, (nn.Module,))
     current = t.__dict__.get("forward")
     if isinstance(current, GraphedCall) and not current._removed:
         log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
         return current
-    runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after)
+    runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after, shared)
     object.__setattr__(t, "forward", runner)
-    log.info("CUDA-graph mode installed on %s (max %d graphs%s)", type(t).__name__, max_graphs,
-             f", capture after {capture_after} eager calls" if capture_after else "")
+    log.log(logging.INFO if shared is None else logging.DEBUG, "CUDA-graph mode installed on %s (max %d graphs%s)",
+            type(t).__name__, max_graphs, f", capture after {capture_after} eager calls" if capture_after else "")
     return runner

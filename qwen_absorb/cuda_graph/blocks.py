@@ -1,0 +1,164 @@
+"""CUDA graphs per block: one :class:`~.runner.GraphedCall` on each block of a model whose whole call cannot be
+captured, all of them sharing one :class:`~.shared.Shared`.
+
+diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host before its block loop
+(``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a graph of the whole call can never be
+captured. Its blocks can: :func:`install_blocks` puts a runner in each block's ``forward`` (wrapping whatever
+forward is there, e.g. ``qwen_absorb.patch``'s), and every block call with a signature seen before replays a graph
+of that block. Per call, each runner does what a whole-call runner does (refuse, drop, replay, capture; see
+:mod:`qwen_absorb.cuda_graph`), with its own fingerprint of its own block, and refuses as well when the parent
+(the transformer) carries an offloading or cache hook. Refusals are counted per block call.
+
+What the runners share, and why that is safe, is :mod:`.shared`'s business. :class:`BlockGraphs` is the group: it
+removes, invalidates and describes its runners as one (``describe()`` has the keys of a whole-call runner's,
+summed over the blocks, plus ``mode: "per block"``, ``blocks``, ``shared`` and ``per_block``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .runner import GraphedCall, install
+from .shared import Shared
+
+log = logging.getLogger("qwen_absorb")
+
+MODE = "per block"
+_SUMMED = ("graphs", "captures", "replays", "eager_calls", "new_signature_calls", "evictions", "failed_signatures",
+           "discarded_replays")
+_MERGED = ("refusals", "invalidations", "capture_failures")
+
+
+class BlockGraphs:
+    """The per-block CUDA-graph runners of one model and what they share. Create with :func:`install_blocks`.
+
+    After :meth:`remove` it holds only plain counters (the last description) and nothing of the model."""
+
+    __slots__ = ("runners", "indices", "shared", "max_graphs", "capture_after", "_parent", "_last", "__weakref__")
+
+    def __init__(self, runners: list[GraphedCall], indices: list[int], shared: Shared, parent: nn.Module | None,
+                 max_graphs: int, capture_after: int) -> None:
+        self.runners, self.indices, self.shared = runners, indices, shared
+        self.max_graphs, self.capture_after = max_graphs, capture_after
+        self._parent = weakref.ref(parent) if parent is not None else None
+        self._last: dict[str, Any] | None = None  # the description as of remove()
+
+    @property
+    def installed(self) -> bool:
+        return self._last is None
+
+    def invalidate(self, reason: str = "invalidate() called") -> None:
+        """Drop every block's graphs (see :meth:`GraphedCall.invalidate`)."""
+        for r in self.runners:
+            r.invalidate(reason)
+
+    def remove(self) -> None:
+        """Remove every runner (each block's previous forward back in place), then what they shared: graphs,
+        pools, streams and static buffers are released; the model is no longer referenced."""
+        if self._last is not None:
+            return
+        try:
+            for r in self.runners:
+                r.remove()
+        finally:
+            self._last = self.describe()
+            self._last["installed"] = False
+            self.shared.clear()
+            self.runners, self._parent = [], None
+        log.info("CUDA graphs per block removed from %d blocks", len(self.indices))
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able status, summed over the blocks (block calls, not model calls), with the keys of
+        :meth:`GraphedCall.describe`; ``per_block`` has each block's counts."""
+        if self._last is not None:
+            return dict(self._last)
+        ds = [r.describe() for r in self.runners]
+        out: dict[str, Any] = {"mode": MODE, "installed": True, "blocks": len(ds), "max_graphs": self.max_graphs,
+                               "capture_after": self.capture_after}
+        for k in _SUMMED:
+            out[k] = sum(d[k] for d in ds)
+        for k in _MERGED:
+            c: collections.Counter = collections.Counter()
+            for d in ds:
+                c.update(d[k])
+            out[k] = dict(c)
+        out["signatures"] = list(dict.fromkeys(s for d in ds for s in d["signatures"]))
+        out["unstable"] = any(d["unstable"] for d in ds)
+        out["unstable_blocks"] = [i for i, d in zip(self.indices, ds) if d["unstable"]]
+        out["capture_ms"] = [round(sum(d["capture_ms"]), 1) for d in ds]  # per block, its graphs together
+        n = out["replays"]
+        for k in ("host_us_per_replay", "overlapped_check_us_per_replay"):
+            total = sum((d[k] or 0.0) * d["replays"] for d in ds)
+            out[k] = round(total / n, 1) if n else None
+        out["outputs"] = "clone"
+        out["shared"] = self.shared.describe()
+        out["per_block"] = [{"block": i, "graphs": d["graphs"], "captures": d["captures"], "replays": d["replays"],
+                             "eager_calls": d["eager_calls"]} for i, d in zip(self.indices, ds)]
+        return out
+
+    def __repr__(self) -> str:
+        d = self.describe()
+        return (f"<qwen_absorb BlockGraphs on {d['blocks']} blocks: {d['graphs']} graphs, {d['captures']} captures, "
+                f"{d['replays']} replays{'' if d['installed'] else ', removed'}>")
+
+    # copies (deepcopy / pickle of a patched model): the runners and the Shared copy with it; the parent is
+    # held strongly in the state so that the copy's parent is the copied model
+    def __getstate__(self) -> dict[str, Any]:
+        return {"runners": self.runners, "indices": self.indices, "shared": self.shared, "max_graphs": self.max_graphs,
+                "capture_after": self.capture_after, "last": self._last,
+                "parent": self._parent() if self._parent is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        parent = state["parent"]
+        BlockGraphs.__init__(self, state["runners"], state["indices"], state["shared"], parent, state["max_graphs"],
+                             state["capture_after"])
+        self._last = state["last"]
+        self.shared.set_parent(parent)
+
+
+def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counter, parent: nn.Module | None = None,
+                   max_graphs: int = 8, capture_after: int = 0,
+                   indices: Sequence[int] | None = None) -> BlockGraphs:
+    """Put a :class:`GraphedCall` on each of ``blocks`` (see the module doc), all sharing one :class:`Shared`,
+    and return the group.
+
+    fallbacks: the ``Counter`` refused block calls are counted in (by reason, as :func:`install`'s).
+    parent: the module around the blocks (the transformer): its offloading / cache hooks refuse the blocks'
+        calls too.
+    max_graphs, capture_after: per block, as :func:`install`'s.
+    indices: the blocks' indices in the model (for ``describe()["per_block"]``; default 0, 1, ...).
+
+    A block that already carries a runner of its own (not of this group) keeps it and is left out. An exception
+    while installing removes the runners already installed.
+    """
+    shared = Shared(parent)
+    runners: list[GraphedCall] = []
+    kept: list[int] = []
+    idx = list(indices) if indices is not None else list(range(len(blocks)))
+    if len(idx) != len(blocks):
+        raise ValueError(f"indices: {len(idx)} for {len(blocks)} blocks")
+    try:
+        for i, block in zip(idx, blocks):
+            r = install(block, fallbacks=fallbacks, max_graphs=max_graphs, capture_after=capture_after, shared=shared)
+            if r._shared is not shared:
+                log.warning("block %d already carries a CUDA-graph runner of its own; it is left as it is", i)
+                continue
+            runners.append(r)
+            kept.append(i)
+    except BaseException:
+        for r in runners:
+            r.remove()
+        shared.clear()
+        raise
+    log.info("CUDA graphs per block installed on %d blocks (max %d graphs each%s)", len(runners), max_graphs,
+             f", capture after {capture_after} eager calls" if capture_after else "")
+    return BlockGraphs(runners, kept, shared, parent, max_graphs, capture_after)
+
+
+__all__ = ["MODE", "BlockGraphs", "install_blocks"]
