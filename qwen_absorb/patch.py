@@ -34,9 +34,6 @@ from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
 
-GRAPHS_21_REFUSAL = ("Qwen-Image-2.1's forward synchronises with the host before its blocks (tolist / nonzero "
-                     "on the token masks), so it cannot be captured whole; its blocks run eager")
-
 _STATE_ATTR = "_qwen_absorb_state"
 
 
@@ -134,9 +131,14 @@ def _remove_forward(block: nn.Module, fwd: Any, had_instance_forward: bool) -> b
 
 def _strip(block: nn.Module) -> None:
     """Remove any patch a block carries without being this patch's (a deep copy of a patched block
-    added to the model, a block of an earlier patch): its plan and its patched forward."""
+    added to the model, a block of an earlier patch): its plan, its per-block CUDA-graph runner and its
+    patched forward."""
     block.__dict__.pop(PLAN_ATTR, None)
     fp8_forward.remove(block)  # a Qwen-Image-2.1 block's real-FP8 linears
+    for _, get, _ in list(hooks.forward_slots(block)):
+        fn = get()
+        if getattr(type(fn), "__qwen_absorb_graph__", False) is True and isinstance(fn._inner, PatchedForward):
+            fn.remove()  # puts the patched forward it wraps back in its slot: removed next
     for where, get, _ in list(hooks.forward_slots(block)):
         fn = get()
         if isinstance(fn, PatchedForward):
@@ -280,9 +282,9 @@ def patch(
             _offload_originals(state)
         auto = cuda_graph == "auto"
         if cuda_graph is True or (auto and device.type == "cuda"):
-            state.graph = _install_graphs(transformer, fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
-                                          host_tensors=lambda: [w for w, _ in state.offloaded],
-                                          capture_after=1 if auto else 0)
+            state.graph = _cuda_graph().install(
+                transformer, fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
+                host_tensors=lambda: [w for w, _ in state.offloaded], capture_after=1 if auto else 0)
     except BaseException:
         _undo(state)
         for b in blocks:
@@ -307,10 +309,11 @@ def _catch_up(state: _PatchState) -> None:
             redecide(plan, rec.block, plan.rt.device, "the model changed (seen by patch())")
 
 
-def _install_graphs(transformer: nn.Module, **kw: Any) -> Any:
+def _cuda_graph() -> Any:
+    """:mod:`qwen_absorb.cuda_graph`, imported when graph mode is installed."""
     from . import cuda_graph  # noqa: PLC0415  (the one lazy import: graph mode is optional and large)
 
-    return cuda_graph.install(transformer, **kw)
+    return cuda_graph
 
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
@@ -318,11 +321,16 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
     (same install, report and unpatch; no bias deferral, no hand-off yet), and its ModelOpt FP8 linears
     real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`, per ``fp8_gemm`` /
     ``capabilities`` / ``use_fast_accum`` as for Qwen-Image).
-    No CUDA-graph mode: diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host
+    CUDA graphs per block: diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host
     before its blocks (``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a whole call
-    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``); capturing
-    the block loop alone is not built. ``cuda_graph=True`` is refused with that reason in the report,
-    ``"auto"`` leaves it eager."""
+    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``). Under the same
+    rule as Qwen-Image (``True``, or ``"auto"`` on a model on a CUDA device; ``"auto"`` captures a signature
+    at its second sight and counts refusals in ``report.graph_fallbacks``, ``True`` at first sight into
+    ``report.runtime_fallbacks``) each patched block gets a :class:`qwen_absorb.cuda_graph.GraphedCall`
+    around its patched forward, all sharing one memory pool, lock and set of static inputs
+    (:func:`qwen_absorb.cuda_graph.install_blocks`): a block call of a signature seen before replays that
+    block's graph. Calls a graph cannot take (the prefix KV cache, a flex ``BlockMask``, grad, hooks) run
+    the block eager, counted per block call; ``report.cuda_graph["mode"]`` is ``"per block"``."""
     report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
                          capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
                          force_reference=options.force_reference, cuda_graph_mode=cuda_graph)
@@ -345,9 +353,12 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
             report.record21(i, installed[0], fwd.decision)
             fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, report.record21_linear)
-        if cuda_graph is True:
-            report.cuda_graph_refused = GRAPHS_21_REFUSAL
-            log.warning("cuda_graph=True: %s", GRAPHS_21_REFUSAL)
+        auto = cuda_graph == "auto"
+        if state.records and (cuda_graph is True or (auto and device.type == "cuda")):
+            state.graph = _cuda_graph().install_blocks(
+                [rec.block for rec in state.records], parent=transformer,
+                fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
+                capture_after=1 if auto else 0, indices=[rec.installed.index for rec in state.records])
     except BaseException:
         _undo(state)
         raise

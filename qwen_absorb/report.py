@@ -400,9 +400,11 @@ class PatchReport:
                           [(x.defer_reasons, x.block) for x in self._sites(blocks) if x.projection and not x.bias_deferred])
         g = self.cuda_graph
         if g is not None:
-            lines.append(f"  CUDA graphs (cuda_graph={self.cuda_graph_mode!r}): {g.get('graphs', 0)} kept, "
-                         f"{g.get('captures', 0)} captured, {g.get('replays', 0)} replays, "
-                         f"{g.get('eager_calls', 0)} calls eager")
+            per = g.get("mode") == "per block"  # Qwen-Image-2.1: one runner per block, counts in block calls
+            where = f" over {g.get('blocks', 0)} blocks" if per else ""
+            lines.append(f"  CUDA graphs{' per block' if per else ''} (cuda_graph={self.cuda_graph_mode!r}): "
+                         f"{g.get('graphs', 0)} kept{where}, {g.get('captures', 0)} captured, "
+                         f"{g.get('replays', 0)} replays, {g.get('eager_calls', 0)} {'block ' if per else ''}calls eager")
             if self.graph_fallbacks:
                 lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
         elif self.cuda_graph_refused:

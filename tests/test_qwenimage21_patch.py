@@ -78,21 +78,27 @@ def test_a_hook_on_a_bypassed_norm_runs():
     assert torch.equal(out, want) and len(seen) == 2
 
 
-def test_cuda_graph_true_is_refused_with_the_reason_and_runs_eager(caplog):
-    """diffusers' 2.1 forward syncs with the host before its blocks (tolist / nonzero), so a whole call
-    cannot be captured: cuda_graph=True installs no graph runner, says why, and runs exactly as eager."""
+def test_cuda_graph_true_installs_graphs_per_block_and_runs_exact():
+    """diffusers' 2.1 forward syncs with the host before its blocks (tolist / nonzero), so a whole call cannot be
+    captured: cuda_graph=True puts a graph runner on every block instead (tests/test_cuda_graph_blocks21.py).
+    On the CPU every block call is refused ("input on cpu"), counted, and runs exactly as eager."""
+    from qwen_absorb import cuda_graph as CG
+
     model = tiny_model(dtype=torch.bfloat16, seed=5, gain=4.0)
     inp = model_inputs(model, seed=6)
     ref = run(model, inp)
-    with caplog.at_level("WARNING", logger="qwen_absorb"):
-        report = qwen_absorb.patch(model, cuda_graph=True)
-    assert report.cuda_graph is None
-    assert "synchronises with the host" in (report.cuda_graph_refused or "")
-    assert report.to_dict()["cuda_graph_refused"] == report.cuda_graph_refused
-    assert "CUDA graphs: off (Qwen-Image-2.1" in str(report)
-    assert any("cuda_graph=True" in r.getMessage() for r in caplog.records)
+    report = qwen_absorb.patch(model, cuda_graph=True)
+    assert report.cuda_graph_refused is None
+    assert all(isinstance(b.__dict__["forward"], CG.GraphedCall) for b in model.transformer_blocks)
     assert [torch.equal(run(model, inp), ref) for _ in range(3)] == [True] * 3
+    d = report.cuda_graph
+    assert d["mode"] == "per block" and d["blocks"] == 2 and d["refusals"] == {"input on cpu": 6}
+    assert report.to_dict()["cuda_graph"]["mode"] == "per block"
+    assert "CUDA graphs per block (cuda_graph=True): 0 kept over 2 blocks" in str(report)
+    assert report.runtime_fallbacks["cuda_graph: input on cpu"] == 6
     qwen_absorb.unpatch(model)
-    auto = qwen_absorb.patch(model)  # "auto": nothing asked, nothing refused
-    assert auto.cuda_graph_refused is None
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+    auto = qwen_absorb.patch(model)  # "auto" on a CPU model: no graph runners
+    assert auto.cuda_graph_refused is None and auto.cuda_graph is None
+    assert all(isinstance(b.__dict__["forward"], Patched21Forward) for b in model.transformer_blocks)
     qwen_absorb.unpatch(model)
