@@ -87,7 +87,7 @@ class Shared:
         and pool were last used on, when that is another one."""
         cur = torch.cuda.current_stream(device)
         last = self._last.get(device)
-        if last is not None and last != cur:
+        if last is not None and not last == cur:  # Stream.__eq__ compares the CUDA streams
             cur.wait_stream(last)
         self._last[device] = cur
 
