@@ -1238,3 +1238,89 @@ def test_switch_values_compared_by_value_identity_elsewhere(seed):
     assert scan.moved() is None and scan.changed() is None
     blk.forward = type(blk).forward.__get__(blk)  # an equal bound method, a new object: seen before any replay
     assert scan.moved() == F.SWITCHED
+
+
+class _RecordingGraph(_FakeGraph):
+    """A fake graph that records when its capture began and ended (the order the chain must keep)."""
+
+    events: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.id = len([e for e in _RecordingGraph.events if e[0] == "new"])
+        _RecordingGraph.events.append(("new", self.id))
+
+
+class _recording_capture:  # noqa: N801
+    def __init__(self, graph, pool=None, stream=None, capture_error_mode=None):
+        assert capture_error_mode == "thread_local" and pool is not None and stream is not None
+        self.graph = graph
+        graph.pool = pool
+
+    def __enter__(self):
+        _RecordingGraph.events.append(("begin", self.graph.id))
+
+    def __exit__(self, *exc):
+        _RecordingGraph.events.append(("end", self.graph.id, exc[0] is not None))
+        if _FakeGraph.fail and exc[0] is None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("every,parts", [(1, 3), (2, 2), (8, 1)])
+def test_whole_call_capture_is_cut_at_block_entries(fake_cuda, monkeypatch, every, parts, seed):
+    """settings.BLOCKS_PER_GRAPH: the capture of a patched 3-block model is cut into consecutive graphs at
+    block entries (never before the first block), all in one pool, each begun after the previous ended; the
+    eager warm-up answers the call; outside a capture the block entries do nothing."""
+    from qwen_absorb import capture_points
+
+    monkeypatch.setattr(settings, "BLOCKS_PER_GRAPH", every)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _recording_capture)
+    monkeypatch.setattr(_RecordingGraph, "events", [])
+    model = T.tiny_transformer(seed=seed, num_layers=3)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    ref = _first(_run(model, kw))
+    qwen_absorb.patch(model, cuda_graph=False)
+    runner, fb = _install(model, max_graphs=2)
+    assert torch.equal(_first(_run(model, kw)), ref)
+    entry = next(iter(runner._graphs.values()))
+    chain = entry.graph
+    assert isinstance(chain, C.Chain) and len(chain.graphs) == parts
+    assert chain.cuts == [i for i in (1, 2) if i % every == 0]
+    assert len({g.pool for g in chain.graphs}) == 1
+    ev = [e for e in _RecordingGraph.events if e[0] != "new"]
+    assert ev == [x for i in range(parts) for x in (("begin", i), ("end", i, False))], ev
+    assert runner.describe()["graph_parts"] == [parts]
+    order = []
+    for i, g in enumerate(chain.graphs):
+        g.fn = lambda i=i: order.append(i)
+    chain.replay()
+    assert order == list(range(parts))  # replayed in capture order
+    calls = []
+    with capture_points.cutting(calls.append):
+        capture_points.block_entry(4)
+    capture_points.block_entry(5)  # outside cutting: nothing
+    assert calls == [4]
+    runner.remove()
+    qwen_absorb.unpatch(model)
+
+
+def test_a_failing_cut_capture_runs_eager_and_ends_every_part(fake_cuda, monkeypatch, seed):
+    monkeypatch.setattr(settings, "BLOCKS_PER_GRAPH", 1)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _recording_capture)
+    monkeypatch.setattr(_RecordingGraph, "events", [])
+    monkeypatch.setattr(_FakeGraph, "fail", True)
+    model = T.tiny_transformer(seed=seed, num_layers=3)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    ref = _first(_run(model, kw))
+    qwen_absorb.patch(model, cuda_graph=False)
+    runner, fb = _install(model)
+    assert torch.equal(_first(_run(model, kw)), ref)
+    assert torch.equal(_first(_run(model, kw)), ref)
+    d = runner.describe()
+    assert d["graphs"] == 0 and d["failed_signatures"] == 1 and d["capture_failures"], d
+    ev = [e for e in _RecordingGraph.events if e[0] != "new"]
+    assert ev[:2] == [("begin", 0), ("end", 0, False)]  # the first part's end raised: nothing after it
+    runner.remove()
+    qwen_absorb.unpatch(model)

@@ -79,7 +79,7 @@ class GraphedCall:
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
-        "capture_failures", "_host_us", "_host_n", "_check_us", "discarded_replays", "_shared",
+        "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
@@ -125,6 +125,7 @@ class GraphedCall:
         self._host_us = 0.0  # host time of a replayed call up to the replay's launch
         self._host_n = 0
         self._check_us = 0.0  # host time of the checks after the launch (overlapping the GPU)
+        self._launch_us = 0.0  # host time of the launches (copies + replay calls)
         self.discarded_replays = 0
         if t is not None:
             watch(self)
@@ -195,8 +196,10 @@ class GraphedCall:
         entry = self._graphs.get(call.key)
         if entry is None or scan.moved() is not None:
             return _MISS
+        tl = time.perf_counter()
         self._launch(entry, call)
         t1 = time.perf_counter()
+        self._launch_us += (t1 - tl) * 1e6
         if scan.stale() is not None:
             self.discarded_replays += 1  # its output is never read; _current_scan drops the graphs after it ran
             return _MISS
@@ -310,7 +313,8 @@ class GraphedCall:
             if sh is not None:
                 sh.order(call.device)
                 statics = sh.statics(call.tensors)
-            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics)
+            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics,
+                          split=sh is None and settings.BLOCKS_PER_GRAPH > 0)
             del statics
         finally:
             self._busy = False
@@ -480,6 +484,9 @@ class GraphedCall:
             "capture_ms": [round(g.capture_ms, 1) for g in self._graphs.values()],
             "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
             "overlapped_check_us_per_replay": round(self._check_us / self._host_n, 1) if self._host_n else None,
+            # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay of every part)
+            "launch_us_per_replay": round(self._launch_us / self._host_n, 1) if self._host_n else None,
+            "graph_parts": [len(getattr(g.graph, "graphs", (g.graph,))) for g in self._graphs.values()],
             "discarded_replays": self.discarded_replays,
             "outputs": "clone",
         }
