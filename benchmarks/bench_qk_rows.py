@@ -13,6 +13,7 @@ compared bit for bit with RPW = 1 and with diffusers' eager chain.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qwen_absorb.ops import qk_norm_rope as qkr  # noqa: E402
+from qwen_absorb.ops._eligibility import kernel_runtime_reasons  # noqa: E402
+
+qkr = importlib.import_module("qwen_absorb.ops.qk_norm_rope")  # the module (ops.qk_norm_rope is also the op)
 
 SHAPES = {"qwenimage_img_1024": (4096, 24), "qwenimage21_1024": (4224, 32), "qwenimage21_2048": (16512, 32)}
 VARIANTS = (1, 2, 4, 8)
@@ -49,6 +52,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
     dev = torch.device("cuda")
+    why = kernel_runtime_reasons(dev)  # loads CuPy (the kernels' runtime) and says why not
+    if why:
+        print(f"the kernels cannot run here: {why}")
+        return 2
     gen = torch.Generator(device=dev).manual_seed(0)
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "variance_order":

@@ -42,7 +42,6 @@ from .ops.layer_norm_scale_shift import launch as lnss_launch
 from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import is_dtensor, local_view
-from .capture_points import block_entry
 from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide
 from .projection import fp8_linear, run_module, tp_linear, tp_shard_for, wait
 from .sites import resolve, unwrap_peft
@@ -71,9 +70,6 @@ class PatchedForward:
         self.block = block
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self.block.__dict__.get(PLAN_ATTR)
-        if plan is not None:
-            block_entry(plan.index)  # where a whole-call graph capture may cut (qwen_absorb.capture_points)
         return patched_forward(self.block, *args, **kwargs)
 
     def __getstate__(self) -> nn.Module:

@@ -316,6 +316,11 @@ def _cuda_graph() -> Any:
     return cuda_graph
 
 
+GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
+                  "faster than the eager patched call (qwenimage21_h200.md: FP8 79.2 vs 78.7 ms, bf16 116.2 vs 115.4 ms) "
+                  "and hold one output per block; cuda_graph=True installs them")
+
+
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
     """Qwen-Image-2.1: every ``QwenImage21TransformerBlock`` runs :func:`qwenimage21.patched_forward`
     (same install, report and unpatch; no bias deferral, no hand-off yet), and its ModelOpt FP8 linears
@@ -323,14 +328,14 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
     ``capabilities`` / ``use_fast_accum`` as for Qwen-Image).
     CUDA graphs per block: diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host
     before its blocks (``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a whole call
-    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``). Under the same
-    rule as Qwen-Image (``True``, or ``"auto"`` on a model on a CUDA device; ``"auto"`` captures a signature
-    at its second sight and counts refusals in ``report.graph_fallbacks``, ``True`` at first sight into
-    ``report.runtime_fallbacks``) each patched block gets a :class:`qwen_absorb.cuda_graph.GraphedCall`
-    around its patched forward, all sharing one memory pool, lock and set of static inputs
-    (:func:`qwen_absorb.cuda_graph.install_blocks`): a block call of a signature seen before replays that
-    block's graph. Calls a graph cannot take (the prefix KV cache, a flex ``BlockMask``, grad, hooks) run
-    the block eager, counted per block call; ``report.cuda_graph["mode"]`` is ``"per block"``."""
+    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``). With
+    ``cuda_graph=True`` each patched block gets a :class:`qwen_absorb.cuda_graph.GraphedCall` around its
+    patched forward, all sharing one memory pool, lock and set of static inputs
+    (:func:`qwen_absorb.cuda_graph.install_blocks`), captured at first sight: a block call of a signature
+    seen before replays that block's graph. Calls a graph cannot take (the prefix KV cache, a flex
+    ``BlockMask``, grad, hooks) run the block eager, counted per block call in ``report.runtime_fallbacks``;
+    ``report.cuda_graph["mode"]`` is ``"per block"``. ``"auto"`` installs none (``GRAPHS_21_AUTO``): measured,
+    the patched 2.1 call is no longer host-bound and the graphs were no faster."""
     report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
                          capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
                          force_reference=options.force_reference, cuda_graph_mode=cuda_graph)
@@ -353,12 +358,12 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
             report.record21(i, installed[0], fwd.decision)
             fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, report.record21_linear)
-        auto = cuda_graph == "auto"
-        if state.records and (cuda_graph is True or (auto and device.type == "cuda")):
+        if state.records and cuda_graph is True:
             state.graph = _cuda_graph().install_blocks(
-                [rec.block for rec in state.records], parent=transformer,
-                fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
-                capture_after=1 if auto else 0, indices=[rec.installed.index for rec in state.records])
+                [rec.block for rec in state.records], parent=transformer, fallbacks=report.runtime_fallbacks,
+                capture_after=0, indices=[rec.installed.index for rec in state.records])
+        elif state.records and cuda_graph == "auto" and device.type == "cuda":
+            report.cuda_graph_refused = GRAPHS_21_AUTO
     except BaseException:
         _undo(state)
         raise

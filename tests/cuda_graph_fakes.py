@@ -60,8 +60,6 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(C.HostConstants, "device_types", ("cpu",))
     monkeypatch.setattr(FakeGraph, "fail", False)
-    # one graph per capture (a fake graph replays the whole forward); the cut captures have their own tests
-    monkeypatch.setattr(settings, "BLOCKS_PER_GRAPH", 0)
 
 
 def arm(runner) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -24,6 +25,7 @@ from .ops_helpers import poison_allocator as poison
 from .ops_helpers import skip_module_without_kernels
 from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
 
+P = importlib.import_module("qwen_absorb.patch")  # the module (qwen_absorb.patch is also the function)
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 skip_module_without_kernels()
 
@@ -88,16 +90,16 @@ def test_replays_bit_identical_to_unpatched(dtype, case, seed):
     assert same(run(model, ins[0]), want[0])
 
 
-def test_auto_captures_at_second_sight(seed):
+def test_auto_leaves_the_blocks_eager_and_says_why(seed):
+    """"auto" on a CUDA model installs no block graphs (measured no faster, qwenimage21_h200.md) and says so."""
     model, twin = _pair(seed % 1000)
-    report = qwen_absorb.patch(model)  # "auto" on a CUDA model
-    ins = [model_inputs(model, seed=seed + i, target=TARGET, cond=True) for i in range(4)]
-    for i, inp in enumerate(ins):
+    report = qwen_absorb.patch(model)
+    assert report.cuda_graph is None and report.cuda_graph_refused == P.GRAPHS_21_AUTO
+    for i in range(2):
+        inp = model_inputs(model, seed=seed + i, target=TARGET, cond=True)
         poison(64 << 20)
         assert same(run(model, inp), run(twin, inp)), i
-    d = report.cuda_graph
-    assert (d["new_signature_calls"], d["captures"], d["replays"]) == (3, 3, 6), d
-    assert _graph_fallbacks(report) == {}
+    qwen_absorb.unpatch(model)
 
 
 def test_kv_cache_refused_and_a_weight_change_recaptured(seed):

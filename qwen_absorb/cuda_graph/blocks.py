@@ -96,7 +96,6 @@ class BlockGraphs:
         for k in ("host_us_per_replay", "overlapped_check_us_per_replay", "launch_us_per_replay"):
             total = sum((d[k] or 0.0) * d["replays"] for d in ds)
             out[k] = round(total / n, 1) if n else None
-        out["graph_parts"] = [p for d in ds for p in d["graph_parts"]]
         out["outputs"] = "clone"
         out["shared"] = self.shared.describe()
         out["per_block"] = [{"block": i, "graphs": d["graphs"], "captures": d["captures"], "replays": d["replays"],

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import capture_points, hooks
+from .. import hooks
 from . import settings
 from .signature import ATOMS, Call, thaw_call
 
@@ -265,44 +265,6 @@ class Graph:
         self.capture_ms = capture_ms
 
 
-class Chain:
-    """A capture cut at patched-block entries (``settings.BLOCKS_PER_GRAPH``) into consecutive graphs of one
-    memory pool; :meth:`replay` replays them in capture order, the only order their shared memory allows (a
-    later graph may reuse what an earlier one freed, and reads what it left allocated)."""
-
-    __slots__ = ("graphs", "_pool", "_stream", "_every", "_cm", "_started", "cuts")
-
-    def __init__(self, pool: Any, stream: Any, every: int) -> None:
-        self.graphs: list[Any] = []
-        self._pool, self._stream, self._every = pool, stream, every
-        self._cm: Any = None
-        self._started = False  # a block entered since the capture began: cutting now leaves no graph empty
-        self.cuts: list[int] = []
-
-    def begin(self) -> None:
-        g = torch.cuda.CUDAGraph()
-        self._cm = torch.cuda.graph(g, pool=self._pool, stream=self._stream, capture_error_mode="thread_local")
-        self._cm.__enter__()
-        self.graphs.append(g)
-
-    def end(self, *exc: Any) -> None:
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            cm.__exit__(*(exc or (None, None, None)))
-
-    def cut(self, index: int) -> None:
-        """``qwen_absorb.capture_points`` callback: block ``index`` starts."""
-        if self._started and self._every > 0 and index % self._every == 0 and self._cm is not None:
-            self.end()
-            self.cuts.append(index)
-            self.begin()
-        self._started = True
-
-    def replay(self) -> None:
-        for g in self.graphs:
-            g.replay()
-
-
 # ---------------------------------------------------------------------------------------------- the capture
 
 
@@ -316,15 +278,13 @@ class Captured:
 
 
 def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc: str, streams: dict,
-            pools: dict, statics: list[torch.Tensor] | None = None, split: bool = False) -> Captured:
+            pools: dict, statics: list[torch.Tensor] | None = None) -> Captured:
     """Warm up and capture ``inner`` (the wrapped forward) for ``call``'s signature.
 
     ``streams`` / ``pools``: the runner's side streams and graph memory pools by device (created here when
     missing). ``statics``: the static buffers to capture from, one per tensor of ``call`` (a group's shared
-    ones, :mod:`.shared`); made here with :func:`static_like` when None. ``split``: cut the capture into a
-    :class:`Chain` at patched-block entries (a whole-call runner; ``settings.BLOCKS_PER_GRAPH``). An exception
-    of the warm-up propagates (the eager call would raise it too); one of the capture is returned in
-    ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile.
+    ones, :mod:`.shared`); made here with :func:`static_like` when None. An exception of the warm-up propagates (the eager call would raise it too); one of the capture
+    is returned in ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile.
     """
     dev = call.device
     with torch.cuda.device(dev):
@@ -354,7 +314,7 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
             return x
 
         warm = map_tensors(warm, own)
-        graph: Any = None
+        graph = torch.cuda.CUDAGraph()
         keep: list[torch.Tensor] = []
         pool = pools.get(dev)
         if pool is None:
@@ -369,20 +329,8 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
             # The outer stream context restores the caller's stream even if capture_end raises
             # (torch.cuda.graph.__exit__ skips its own stream restore then).
             with torch.cuda.stream(side), consts.active("replay"), KeepRope(transformer, keep):
-                if split:
-                    graph = Chain(pool, side, settings.BLOCKS_PER_GRAPH)
-                    graph.begin()
-                    try:
-                        with capture_points.cutting(graph.cut):
-                            out = inner(*s_args, **s_kwargs)
-                    except BaseException as e:
-                        graph.end(type(e), e, e.__traceback__)
-                        raise
-                    graph.end()
-                else:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                        out = inner(*s_args, **s_kwargs)
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    out = inner(*s_args, **s_kwargs)
         except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
             return Captured(warm, None, e, consts.hits)
         finally:

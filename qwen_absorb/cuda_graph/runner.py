@@ -313,8 +313,7 @@ class GraphedCall:
             if sh is not None:
                 sh.order(call.device)
                 statics = sh.statics(call.tensors)
-            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics,
-                          split=sh is None and settings.BLOCKS_PER_GRAPH > 0)
+            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics)
             del statics
         finally:
             self._busy = False
@@ -484,9 +483,9 @@ class GraphedCall:
             "capture_ms": [round(g.capture_ms, 1) for g in self._graphs.values()],
             "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
             "overlapped_check_us_per_replay": round(self._check_us / self._host_n, 1) if self._host_n else None,
-            # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay of every part)
+            # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay; on the H200 it overlaps
+            # the GPU work it starts, benchmarks/results/graph_cuts.md)
             "launch_us_per_replay": round(self._launch_us / self._host_n, 1) if self._host_n else None,
-            "graph_parts": [len(getattr(g.graph, "graphs", (g.graph,))) for g in self._graphs.values()],
             "discarded_replays": self.discarded_replays,
             "outputs": "clone",
         }

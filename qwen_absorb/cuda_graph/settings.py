@@ -18,7 +18,3 @@ MAX_UNREPLAYED_INVALIDATIONS = 3
 GRAPH_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # Signatures whose eager calls are counted for ``capture_after`` (least recently seen forgotten first).
 MAX_COUNTED_SIGNATURES = 64
-# Patched blocks per graph of a whole-call capture (0: one graph): the capture is cut at every such block entry
-# into consecutive graphs of one pool, replayed in order, so that the GPU starts on the first while the host
-# launches the others (qwen_absorb.capture_points). A per-block runner (Qwen-Image-2.1) is never cut.
-BLOCKS_PER_GRAPH = 8
