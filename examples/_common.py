@@ -259,21 +259,28 @@ def unsupported_patch_options(kwargs: dict, patch_fn=None) -> str | None:
 # Memory needed by the full-size random transformer
 
 
-def _param_count(num_layers: int) -> int:
-    """Parameters of the full-size transformer with ``num_layers`` blocks, counted on the meta device."""
-    from diffusers import QwenImageTransformer2DModel
+FAMILIES = ("qwenimage", "qwenimage21")  # --family: Qwen-Image, Qwen-Image-2.1
+FAMILY_NAMES = {"qwenimage": "Qwen-Image", "qwenimage21": "Qwen-Image-2.1"}
 
-    cfg = {**_testing().FULL_SIZE_CONFIG, "num_layers": num_layers}
+
+def _param_count(num_layers: int, family: str = "qwenimage") -> int:
+    """Parameters of the full-size transformer of ``family`` with ``num_layers`` blocks, counted on meta."""
+    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
+
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**cfg)
+        if family == "qwenimage21":  # diffusers' default config is the full-size 2.1 geometry
+            model = QwenImage21Transformer2DModel(num_layers=num_layers)
+        else:
+            model = QwenImageTransformer2DModel(**{**_testing().FULL_SIZE_CONFIG, "num_layers": num_layers})
     return sum(p.numel() for p in model.parameters())
 
 
-def full_size_params(num_layers: int) -> tuple[int, int]:
-    """(parameters outside the blocks, parameters per block) of ``qwen_absorb.testing.FULL_SIZE_CONFIG``:
-    about 40.5 M + 340 M per block, 20.4 B for 60 blocks. Built on meta: no memory, well under a second."""
-    outside = _param_count(0)
-    return outside, _param_count(1) - outside
+def full_size_params(num_layers: int, family: str = "qwenimage") -> tuple[int, int]:
+    """(parameters outside the blocks, parameters per block) of the full-size transformer: Qwen-Image
+    (``qwen_absorb.testing.FULL_SIZE_CONFIG``) about 40.5 M + 340 M per block, 20.4 B for 60 blocks;
+    Qwen-Image-2.1 about 7.1 B for 32 blocks. Built on meta: no memory, well under a second."""
+    outside = _param_count(0, family)
+    return outside, _param_count(1, family) - outside
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:
@@ -304,8 +311,9 @@ def _host_available_bytes() -> int | None:
 MEMORY_HEADROOM = 1.10  # activations, the VAE and ModelOpt's quantizer state on top of the weights
 
 
-def full_size_memory_problem(num_layers: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why a full-size transformer of ``num_layers`` blocks in ``dtype`` will not fit on ``device``, or None.
+def full_size_memory_problem(num_layers: int, dtype: torch.dtype, device: torch.device,
+                             family: str = "qwenimage") -> str | None:
+    """Why a full-size ``family`` transformer of ``num_layers`` blocks in ``dtype`` will not fit on ``device``, or None.
 
     Refusing up front beats an out-of-memory kill (or a swapping host) after minutes: 60 fp32 blocks are
     ~82 GB of weights alone.
@@ -314,14 +322,15 @@ def full_size_memory_problem(num_layers: int, dtype: torch.dtype, device: torch.
     if avail is None:
         return None
     free, where = avail
-    outside, per_block = full_size_params(num_layers)
+    outside, per_block = full_size_params(num_layers, family)
     size = dtype.itemsize
     need = (outside + per_block * num_layers) * size
     if need * MEMORY_HEADROOM <= free:
         return None
     fit = int((free / MEMORY_HEADROOM - outside * size) // (per_block * size))
     hint = f"at most --num-layers {fit} fits" if fit >= 1 else "not even one layer fits"
-    return (f"the full-size transformer with {plural(num_layers, 'layer')} in {SHORT_DTYPE.get(dtype, dtype)} needs about "
+    return (f"the full-size {FAMILY_NAMES[family]} transformer with {plural(num_layers, 'layer')} in "
+            f"{SHORT_DTYPE.get(dtype, dtype)} needs about "
             f"{need / 1e9:.1f} GB for its weights alone ({(outside + per_block * num_layers) / 1e9:.2f} B "
             f"parameters x {size} bytes, {per_block * size / 1e9:.2f} GB per layer), plus about "
             f"{(MEMORY_HEADROOM - 1) * 100:.0f}% for activations; {where}. {hint[0].upper() + hint[1:]} here; "
@@ -499,6 +508,30 @@ def full_size_transformer(num_layers: int, dtype: torch.dtype, device: torch.dev
 
 def tiny_transformer(dtype: torch.dtype, device: torch.device, seed: int = 0, num_layers: int = 2):
     return _testing().tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
+
+
+def qwenimage21_pipeline(size: str, dtype: torch.dtype, device: torch.device, num_layers: int, seed: int = 0,
+                         cfg: float = 4.0):
+    """A random QwenImage21Pipeline (no text encoder, no processor) and its call / calibration arguments:
+    ``(pipe, call_kwargs, calib_kwargs(i))``. ``size`` "tiny": qwen_absorb.testing's 2-block 2.1 transformer;
+    "full": the real 2.1 geometry (4096 = 32 x 128) with ``num_layers`` blocks; both with a tiny 16x VAE.
+    Prompt embeddings are random, text only (the pipeline takes no precomputed condition-image embeddings);
+    negative ones too, so ``cfg`` > 1 runs true CFG as for Qwen-Image."""
+    t = _testing()
+    transformer = None
+    if size == "full":
+        transformer = t.random_qwenimage21_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed)
+    pipe = t.tiny_qwenimage21_pipeline(dtype=dtype, seed=seed, transformer=transformer).to(device)
+    length = 7 if size == "tiny" else 32
+
+    def embeds(s: int) -> dict:
+        dim = pipe.transformer.config.context_in_dim
+        pe, pm = t.qwenimage21_prompt_embeds(seq_len=length, dim=dim, seed=s + 1, dtype=dtype, device=device)
+        ne, nm = t.qwenimage21_prompt_embeds(seq_len=3, dim=dim, seed=s + 2, dtype=dtype, device=device)
+        return {"prompt_embeds": pe, "prompt_embeds_mask": pm, "negative_prompt_embeds": ne,
+                "negative_prompt_embeds_mask": nm, "true_cfg_scale": cfg}
+
+    return pipe, embeds(seed), lambda i: embeds(seed + 100 + i)
 
 
 class ModelArgumentError(Exception):
@@ -733,12 +766,12 @@ def runtime_fallbacks(report) -> dict:
 
 
 def to_hwc(images: torch.Tensor):
-    """[B, 3, H, W] in [0, 1] -> numpy float64 [B, H, W, 3]."""
+    """[B, C, H, W] in [0, 1] -> numpy float64 [B, H, W, C] (C = 3; 4 for Qwen-Image-2.1's RGBA VAE)."""
     return images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().double().numpy()
 
 
 def image_metrics(ref, test) -> dict:
-    """max abs / mean abs difference, PSNR and SSIM (scikit-image) of two [B, H, W, 3] arrays in [0, 1]."""
+    """max abs / mean abs difference, PSNR and SSIM (scikit-image) of two [B, H, W, C] arrays in [0, 1]."""
     import numpy as np
     from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
@@ -794,7 +827,7 @@ def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: f
     ``titles`` name the first two panels. Returns the amplification factor used.
     """
     import numpy as np
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
     a, b = ref[0], test[0]
     diff = np.abs(a - b)
@@ -806,7 +839,7 @@ def side_by_side_png(ref, test, path: Path, caption_lines: list[str], amplify: f
     scale = max(1, math.ceil(min_panel / max(h, w)))
     panels = []
     for arr in (a, b, d):
-        im = Image.fromarray((arr * 255).round().astype(np.uint8))
+        im = Image.fromarray((arr * 255).round().astype(np.uint8)).convert("RGB")  # RGBA: the metrics keep alpha
         if scale > 1:
             im = im.resize((w * scale, h * scale), Image.NEAREST)
         elif max(h, w) > max_panel:  # keep the PNG small; the JSON has the exact metrics

@@ -4,11 +4,14 @@
     python examples/compare_outputs.py                      # tiny random pipeline, runs anywhere (CPU: seconds)
     python examples/compare_outputs.py --device cuda --size full --num-layers 8 --dtype bf16 --quant fp8
     python examples/compare_outputs.py --model Qwen/Qwen-Image --device cuda --prompt "a red fox in snow"
+    python examples/compare_outputs.py --family qwenimage21    # the same for a tiny random Qwen-Image-2.1 pipeline
 
 Default: an embedded tiny random pipeline (tiny transformer, tiny VAE, precomputed prompt embeddings, no
 text encoder). ``--size full`` swaps in a full-width random transformer (hidden 3072, 24 heads of 128; the
 real model has 60 layers, ``--num-layers`` keeps it quick; a size that the device cannot hold is refused up
-front with the memory it needs). ``--model`` loads real weights.
+front with the memory it needs). ``--model`` loads real weights. ``--family qwenimage21`` builds the random
+pipeline as a QwenImage21Pipeline instead (its 2.1 transformer, full size 4096 = 32 x 128, 32 layers; a tiny
+16x VAE; text-only prompt embeddings); options that do not apply to it are refused (exit 2).
 
 It prints the PatchReport, the difference (max abs, PSNR, SSIM from scikit-image) and the timings, and
 writes DIR/side_by_side_<tag>.png (unpatched | patched | amplified difference, with a caption) and
@@ -45,6 +48,7 @@ import qwen_absorb  # noqa: E402
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_ARGS, EXIT_UNSUPPORTED, EXIT_ERROR = 0, 1, 2, 3, 4
 
+FULL_LAYERS = {"qwenimage": 60, "qwenimage21": 32}  # --num-layers default: the real models' depth
 DEFAULTS = {  # size -> (height, width, steps)
     "tiny": (64, 64, 4),
     "full": (1024, 1024, 8),
@@ -64,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="load real weights with DiffusionPipeline.from_pretrained (a folder, or a hub id)")
+    p.add_argument("--family", choices=C.FAMILIES, default="qwenimage",
+                   help="random pipeline: qwenimage (QwenImagePipeline, default) or qwenimage21 (QwenImage21Pipeline)")
     p.add_argument("--size", choices=("tiny", "full"), default="tiny",
                    help="random pipeline to build when --model is not given (default tiny)")
-    p.add_argument("--num-layers", type=C.positive_int, default=60,
-                   help="layers of the --size full transformer (default 60)")
+    p.add_argument("--num-layers", type=C.positive_int, default=None,
+                   help="layers of the --size full transformer (default 60; Qwen-Image-2.1 32)")
     p.add_argument("--quant", choices=C.QUANT_FORMATS, default="none",
                    help="quantize the transformer with ModelOpt (mtq.quantize + calibration) first")
     p.add_argument("--calib-steps", type=C.positive_int, default=2, help="denoising steps per calibration prompt")
@@ -120,6 +126,12 @@ def parse_args(argv=None):
     """Parse and check every argument; a bad one exits 2 (argparse) before anything is built."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.family == "qwenimage21":
+        why = qwenimage21_problem(args)
+        if why:
+            p.error(why)
+    if args.num_layers is None:
+        args.num_layers = FULL_LAYERS[args.family]
     if args.image and not args.model:
         p.error("--image is for --model pipelines that take an input image; the random pipelines ignore it")
     if args.prompt is not None and not args.model:
@@ -142,6 +154,26 @@ def parse_args(argv=None):
     if why:
         p.error(f"--out: {why}")
     return args
+
+
+def qwenimage21_problem(args) -> str | None:
+    """Why the options ask for something the random Qwen-Image-2.1 pipeline cannot do, or None."""
+    if args.model:
+        return ("--family picks the random pipeline; --model loads the pipeline its folder names (a "
+                "Qwen-Image-2.1 folder needs no --family)")
+    if args.image:
+        return ("--image: QwenImage21Pipeline takes condition images only through its text encoder (with "
+                "precomputed prompt embeddings its __call__ passes no image_pad_mask); the random pipeline has none")
+    if args.quant == "nvfp4":
+        return "--quant nvfp4: NVFP4 is not validated for Qwen-Image-2.1 in qwen_absorb; use --quant fp8 or none"
+    if args.defer_bias == "true":
+        return "--defer-bias true: Qwen-Image-2.1's linears have no biases and its patch defers none"
+    for side in ("height", "width"):
+        value = getattr(args, side)
+        if value is not None and value % 32:
+            return (f"--{side} {value}: QwenImage21Pipeline needs a multiple of 32 (16x VAE, 2 x 2 latent tokens "
+                    "per image slot); it would round down")
+    return None
 
 
 class Unsupported(Exception):
@@ -169,7 +201,8 @@ def main(argv=None) -> int:
     results = {
         "status": "error",
         "config": {
-            "model": args.model, "prompt": args.prompt, "size": size, "num_layers": args.num_layers if size == "full" else None,
+            "model": args.model, "family": None if args.model else args.family, "prompt": args.prompt, "size": size,
+            "num_layers": args.num_layers if size == "full" else None,
             "quant": args.quant, "device": str(device), "dtype": str(dtype), "steps": steps,
             "height": height, "width": width, "seed": args.seed, "true_cfg_scale": args.cfg,
             "defer_bias": args.defer_bias, "force_reference": args.force_reference,
@@ -178,8 +211,8 @@ def main(argv=None) -> int:
         },
         "environment": C.environment(device),
     }
-    print(f"qwen_absorb compare_outputs: {size} pipeline, quant={args.quant}, {C.SHORT_DTYPE[dtype]} on {device}, "
-          f"{height}x{width}, {steps} steps, seed {args.seed}")
+    print(f"qwen_absorb compare_outputs: {pipeline_label(args, size)}, quant={args.quant}, {C.SHORT_DTYPE[dtype]} on "
+          f"{device}, {height}x{width}, {steps} steps, seed {args.seed}")
     code = EXIT_ERROR
     try:
         preflight(args, device, dtype, size)
@@ -208,6 +241,12 @@ def main(argv=None) -> int:
     return code
 
 
+def pipeline_label(args, size) -> str:
+    """"tiny pipeline", "full Qwen-Image-2.1 pipeline", "model pipeline"."""
+    family = "" if args.model or args.family == "qwenimage" else f" {C.FAMILY_NAMES[args.family]}"
+    return f"{size}{family} pipeline"
+
+
 def default_tag(args, size, dtype, device, height, width) -> str:
     """The configuration in the file name, so that runs of other configurations do not overwrite each
     other: what is always set, then every option that differs from its default."""
@@ -215,7 +254,8 @@ def default_tag(args, size, dtype, device, height, width) -> str:
     import re
 
     first = re.sub(r"[^\w.-]+", "-", Path(args.model.rstrip("/")).name if args.model else size)
-    parts = [first, *([f"{args.num_layers}l"] if size == "full" else []), args.quant, C.SHORT_DTYPE[dtype],
+    family = [] if args.model or args.family == "qwenimage" else [args.family]
+    parts = [first, *family, *([f"{args.num_layers}l"] if size == "full" else []), args.quant, C.SHORT_DTYPE[dtype],
              device.type, f"{height}x{width}"]
     if args.steps is not None:
         parts.append(f"{args.steps}steps")
@@ -247,7 +287,7 @@ def preflight(args, device, dtype, size) -> None:
     if why:
         raise Unsupported(f"--quant {args.quant} on {device}: {why}")
     if size == "full":
-        why = C.full_size_memory_problem(args.num_layers, dtype, device)
+        why = C.full_size_memory_problem(args.num_layers, dtype, device, family=args.family)
         if why:
             raise Unsupported(f"--size full on {device}: {why}")
     if args.model:
@@ -293,6 +333,9 @@ def build(args, device, dtype, size):
             prompts = ["a photo of a cat", "a city street at night, neon signs", "a bowl of fruit, still life",
                        "a mountain lake, morning fog"]
             return {**call_kwargs, "prompt": prompts[i % len(prompts)]}
+    elif args.family == "qwenimage21":
+        pipe, call_kwargs, calib_kwargs = C.qwenimage21_pipeline(size, dtype, device, args.num_layers,
+                                                                  seed=args.seed, cfg=args.cfg)
     else:
         if size == "tiny":
             pipe = C.tiny_pipeline(dtype, device, seed=args.seed)
@@ -514,8 +557,9 @@ def write_pngs(args, results, arrays, png_path, size, dtype, height, width, step
     where = env["gpu"] or f"CPU ({env.get('cpu_threads')} threads)"
     kernels = "yes" if results["kernels_available"] else "no (" + "; ".join(results["kernel_unavailable_reasons"]) + ")"
     clock = "" if t["speed_measurement"] else " (CPU wall-clock, not a speed measurement)"
+    layers = C.plural(results["config"]["transformer_layers"], "layer")
     caption = [
-        f"qwen_absorb compare_outputs | {size} pipeline ({C.plural(results['config']['transformer_layers'], 'layer')}), "
+        f"qwen_absorb compare_outputs | {pipeline_label(args, size)} ({layers}), "
         f"quant={args.quant}, {C.SHORT_DTYPE[dtype]}, {height}x{width}, {steps} steps, seed {args.seed}, "
         f"{where}, {env['date']}",
         f"fused CUDA kernels: {kernels} | deferred biases: {results['deferred_biases']} | "

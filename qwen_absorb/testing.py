@@ -12,6 +12,9 @@ Stable names (other code imports them):
 - :func:`nvfp4_weight_only_compress` ModelOpt NVFP4 weight-only, calibrated and compressed
 - :func:`modelopt_calibrate`        ``mtq.quantize`` with a loop over transformer kwargs
 - :func:`run_transformer`           ``transformer(**inputs)[0]`` without grad
+- :func:`tiny_qwenimage21_pipeline` a ``QwenImage21Pipeline`` with the tiny 2.1 transformer and a 16x VAE,
+                                    ``text_encoder=None`` / ``processor=None`` (use precomputed embeds)
+- :func:`qwenimage21_prompt_embeds` ``(prompt_embeds, prompt_embeds_mask)`` for it
 
 Weights are random; nothing is downloaded. Every builder takes a ``seed`` and draws from its own
 generator, so building a model never disturbs the caller's global RNG stream. Models are built in their
@@ -415,3 +418,83 @@ def qwenimage21_inputs(
         encoder_hidden_states_mask=None,
         return_dict=False,
     )
+
+
+__all__ += ["qwenimage21_prompt_embeds", "tiny_qwenimage21_pipeline", "tiny_qwenimage21_vae"]
+
+
+def tiny_qwenimage21_vae(z_dim: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny random ``AutoencoderKLQwenImage21`` (~30 k parameters for ``z_dim`` 4): 16x spatial as the real one
+    (four 2x stages, 8 channels wide, one res block each, no temporal downsampling), RGBA in and out as the real
+    one; latents mean 0, std 1. ``z_dim`` must be the transformer's ``in_channels`` (4 tiny, 64 full size)."""
+    from diffusers import AutoencoderKLQwenImage21  # noqa: PLC0415
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLQwenImage21(
+            base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False] * 4, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        )
+    return _in_dtype(vae, dtype).eval()
+
+
+class _InitOnlyProcessor:
+    """What ``QwenImage21Pipeline.__init__`` reads from its ``Qwen3VLProcessor`` (diffusers 0.42.1): the token count
+    of the system message (``apply_chat_template``) and the id of ``<|image_pad|>`` (``tokenizer.encode``), kept as
+    ``_drop_idx`` / ``_img_token_id`` for prompt encoding only. A real processor needs tokenizer files (a download);
+    with precomputed embeddings neither number is used, so this answers both for the constructor and is then
+    replaced by None (:func:`tiny_qwenimage21_pipeline`)."""
+
+    class tokenizer:  # noqa: N801 (the attribute name the pipeline reads)
+        @staticmethod
+        def encode(text: str) -> list[int]:
+            return [1]
+
+    @staticmethod
+    def apply_chat_template(conversation: Any, tokenize: bool = True, return_dict: bool = False) -> list[list[int]]:
+        return [[0]]
+
+
+def tiny_qwenimage21_pipeline(
+    dtype: torch.dtype = torch.float32, seed: int = 0, transformer: nn.Module | None = None, num_layers: int = 2,
+) -> Any:
+    """A ``diffusers.QwenImage21Pipeline`` with random weights that runs on a CPU in well under a second: the
+    tiny 2.1 transformer (:data:`QWENIMAGE21_TINY_CONFIG`, ``num_layers`` blocks, or ``transformer``), a tiny 16x
+    VAE (:func:`tiny_qwenimage21_vae`), a FlowMatch scheduler, ``text_encoder=None`` and ``processor=None``.
+
+    Call it with ``prompt_embeds`` / ``prompt_embeds_mask`` from :func:`qwenimage21_prompt_embeds` (and the
+    negative ones with ``true_cfg_scale > 1``); sides a multiple of 32. Embeddings supplied that way are text
+    only: ``__call__`` passes no ``image_pad_mask``, so condition images need the real text encoder."""
+    import diffusers  # noqa: PLC0415
+
+    if transformer is None:
+        transformer = random_qwenimage21_transformer(
+            **{**QWENIMAGE21_TINY_CONFIG, "num_layers": num_layers}, dtype=dtype, device="cpu", seed=seed)
+    vae = tiny_qwenimage21_vae(z_dim=transformer.config.in_channels, seed=seed + 1, dtype=dtype)
+    vae = vae.to(next(transformer.parameters()).device)
+    pipe = diffusers.QwenImage21Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+        processor=_InitOnlyProcessor(), transformer=transformer,
+    )
+    pipe.processor = None  # registered as (None, None): nothing here can encode a prompt
+    return pipe
+
+
+def qwenimage21_prompt_embeds(
+    batch_size: int = 1, seq_len: int = 7, dim: int = 32, padded: int = 0, seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(prompt_embeds [B, L, dim], prompt_embeds_mask [B, L] long)`` shaped as
+    ``QwenImage21Pipeline.encode_prompt`` returns them: each sample's tokens first, then right padding with zero
+    embeddings; sample 0 is the longest and every later one ends in ``padded`` padding tokens. ``dim`` is the
+    transformer's ``context_in_dim``. The pipeline adds the rest itself (an all-text ``image_pad_mask``, the
+    target slots of ``img_mask``) and turns a mask of all ones into None."""
+    if not 0 <= padded < seq_len:
+        raise ValueError(f"qwenimage21_prompt_embeds: padded={padded} must be in [0, seq_len={seq_len})")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    embeds = torch.randn(batch_size, seq_len, dim, generator=gen)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if padded:
+        mask[1:, seq_len - padded:] = 0
+        embeds[1:, seq_len - padded:] = 0.0
+    return embeds.to(device, dtype), mask.to(device)

@@ -76,6 +76,68 @@ def test_compare_outputs_default_tiny(tmp_path):
     assert w >= 3 * 64 and h > 64  # three panels plus a caption
 
 
+def test_compare_outputs_qwenimage21_tiny(tmp_path):
+    """--family qwenimage21: the tiny random QwenImage21Pipeline, unpatched vs patched, its side-by-side PNG."""
+    p = _run("compare_outputs.py", "--family", "qwenimage21", "--steps", "2", "--warmup", "0", "--out", str(tmp_path))
+    assert p.returncode == 0, _explain(p)
+    res = json.loads(_one("results_*qwenimage21*.json", tmp_path).read_text())
+    png = _one("side_by_side_*qwenimage21*.png", tmp_path)
+    assert res["status"] == "pass", res
+    assert res["config"]["family"] == "qwenimage21" and res["config"]["pipeline"] == "QwenImage21Pipeline"
+    assert res["report"]["transformer_class"] == "QwenImage21Transformer2DModel"
+    assert res["report"]["summary"]["blocks_patched"] == res["config"]["transformer_layers"] == 2
+    assert res["unpatch_restores_output"] is True
+    # 1 patched call x 2 steps x (cond + uncond: --cfg 4, negative embeddings) x 2 blocks, each the patched forward
+    assert sum(res["runtime_fallbacks"].values()) == 8, res["runtime_fallbacks"]
+    if not HAS_CUDA:
+        assert res["metrics"]["identical"] is True and res["criterion"].startswith("bit-identical")
+    assert "tiny Qwen-Image-2.1 pipeline" in p.stdout and "PASS" in p.stdout
+
+    from PIL import Image
+
+    with Image.open(png) as im:
+        w, h = im.size
+        assert im.mode == "RGB"
+    assert w >= 3 * 64 and h > 64
+
+
+def test_compare_outputs_qwenimage21_modelopt_fp8(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    mod = _load_compare_module()
+    code = mod.main(["--family", "qwenimage21", "--quant", "fp8", "--steps", "1", "--warmup", "0",
+                     "--calib-prompts", "1", "--calib-steps", "1", "--out", str(tmp_path), "--tag", "t"])
+    assert code == 0
+    res = json.loads((tmp_path / "results_t.json").read_text())
+    assert res["status"] == "pass" and res["quantization"]["quantized_linears"] > 0
+    assert res["report"]["summary"]["blocks_patched"] == 2
+    if not HAS_CUDA:  # ModelOpt's fake quantization on both sides, the fused ops on their references
+        assert res["metrics"]["identical"] is True and res["fp8_gemms"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant", "nvfp4"], "--quant nvfp4: NVFP4 is not validated for Qwen-Image-2.1"),
+    (["--defer-bias", "true"], "--defer-bias true: Qwen-Image-2.1's linears have no biases"),
+    (["--image", "photo.png"], "--image: QwenImage21Pipeline takes condition images only through its text encoder"),
+    (["--height", "48"], "--height 48: QwenImage21Pipeline needs a multiple of 32"),
+    (["--size", "full", "--width", "1040"], "--width 1040: QwenImage21Pipeline needs a multiple of 32"),
+    (["--model", "Qwen/Qwen-Image-2.1"], "--family picks the random pipeline"),
+])
+def test_compare_outputs_qwenimage21_refuses_what_does_not_apply(tmp_path, monkeypatch, capsys, argv, message):
+    mod = _load_compare_module()
+    monkeypatch.setattr(mod, "build", _must_not_run("build"))
+    assert _exit_code(mod.main, ["--family", "qwenimage21", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # refused before anything, the output folder included
+
+
+def test_compare_outputs_qwenimage21_refused_option_exits_2(tmp_path):
+    """The real exit status of a refused option, as a user sees it."""
+    p = _run("compare_outputs.py", "--family", "qwenimage21", "--quant", "nvfp4", "--out", str(tmp_path / "out"))
+    assert p.returncode == 2, _explain(p)
+    assert "NVFP4 is not validated for Qwen-Image-2.1" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_compare_outputs_modelopt_fp8(tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
     p = _run("compare_outputs.py", "--quant", "fp8", "--steps", "2", "--out", str(tmp_path))
@@ -166,8 +228,6 @@ def test_compare_outputs_exits_nonzero_on_mismatch(tmp_path, monkeypatch):
 
 
 def test_compare_outputs_exits_nonzero_on_exception(tmp_path, monkeypatch):
-    import qwen_absorb
-
     mod = _load_compare_module()
 
     def broken(*a, **k):
@@ -265,7 +325,8 @@ def test_compare_outputs_model_too_large_is_refused(tmp_path, monkeypatch, capsy
 
 def test_compare_outputs_result_names_differ_by_configuration(tmp_path):
     mod = _load_compare_module()
-    configs = [[], ["--defer-bias", "true"], ["--defer-bias", "false"], ["--force-reference"], ["--steps", "2"],
+    configs = [[], ["--family", "qwenimage21"], ["--family", "qwenimage21", "--size", "full"],
+               ["--defer-bias", "true"], ["--defer-bias", "false"], ["--force-reference"], ["--steps", "2"],
                ["--seed", "1"], ["--cfg", "1"], ["--cuda-graph"], ["--fp8-gemm", "off"], ["--quant", "fp8"],
                ["--quant", "fp8", "--no-three-way"], ["--quant", "fp8", "--calib-prompts", "1"]]
     tags = set()
@@ -312,15 +373,17 @@ def test_compare_outputs_unwritable_out_refused_before_work(tmp_path, monkeypatc
     assert "--out: cannot create the folder" in capsys.readouterr().err
 
 
-def test_compare_outputs_refuses_full_size_that_cannot_fit(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("family, name", [("qwenimage", "Qwen-Image"), ("qwenimage21", "Qwen-Image-2.1")])
+def test_compare_outputs_refuses_full_size_that_cannot_fit(tmp_path, monkeypatch, capsys, family, name):
     """A model larger than the device is refused with the size it needs (exit 3), not started."""
     mod = _load_compare_module()
     monkeypatch.setattr(mod, "build", _must_not_run("build"))
-    code = mod.main(["--size", "full", "--num-layers", "100000", "--device", "cpu", "--dtype", "fp32",
-                     "--out", str(tmp_path)])
+    code = mod.main(["--family", family, "--size", "full", "--num-layers", "100000", "--device", "cpu",
+                     "--dtype", "fp32", "--out", str(tmp_path)])
     assert code == 3
     err = capsys.readouterr().err
     assert "CANNOT RUN HERE" in err and re.search(r"needs about [\d.]+ GB", err) and "--num-layers" in err
+    assert f"full-size {name} transformer" in err
     res = json.loads(_one("results_*.json", tmp_path).read_text())
     assert res["status"] == "unsupported"
 
