@@ -88,8 +88,8 @@ def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[
 def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
     """The attention is still the one :func:`reasons` accepted (checked per call: hooks can come and go)."""
     fns = attention21_functions()
-    if fns is None or type(attn.processor) is not fns[3] or hooks.hooked(attn):
-        return False
+    if fns is None or type(attn) is not fns[2] or type(attn.processor) is not fns[3] or hooks.hooked(attn):
+        return False  # (the attention module itself may have been replaced since deciding)
     rms = fns[4]
     for name, eps in zip(NORMS, plan_eps):
         n = attn._modules.get(name)

@@ -134,3 +134,31 @@ def test_report_says_why_qk_is_not_fused_here(seed):
             assert "the fused kernels cannot run here" in b["qk_norm_rope_reasons"]
     finally:
         qwen_absorb.unpatch(model)
+
+
+def test_an_attention_module_replaced_after_deciding_runs_as_itself(calls, seed):
+    """block.attn swapped for another class after deciding (here a subclass with an editing forward): the
+    block calls it as a module, counted, and the result is what the swapped model computes unpatched."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Attention
+
+    class Edited(QwenImage21Attention):
+        def forward(self, hidden_states, **kwargs):
+            return super().forward(hidden_states, **kwargs) * 0.5
+
+    model = tiny_model(dtype=torch.float32, seed=seed % 1000, gain=4.0)
+    inputs = model_inputs(model, batch_size=1, seed=seed)
+    blk = model.transformer_blocks[0]
+    with installed(model, "cpu") as decisions:
+        old = blk.attn
+        new = Edited(dim=old.to_q.in_features, heads=old.heads, dim_head=old.inner_dim // old.heads)
+        new.load_state_dict(old.state_dict())
+        new.set_processor(old.processor)
+        blk.attn = new
+        try:
+            out = run(model, inputs)
+            want = run_unpatched_like(model, inputs)
+        finally:
+            blk.attn = old
+        assert any("changed or hooked since patching" in k for k in fallback_counts(decisions))
+    assert_bit_identical(out, want, "replaced attention")
+    assert not torch.equal(out, run(model, inputs))
