@@ -13,7 +13,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21KVCache,
 )
 
-from qwen_absorb import qwenimage21
+from qwen_absorb import fp8_forward, qwenimage21
 
 
 def tiny_model(dtype=torch.float32, device="cpu", seed=0, heads=2, head_dim=16, axes=(4, 6, 6), layers=2,
@@ -117,3 +117,27 @@ def f32(inp: dict) -> dict:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||, in fp32."""
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def spy_fp8_linears(model, monkeypatch) -> tuple[dict, list, list]:
+    """``(seen, used, quantized)``, filled while ``model`` runs: every block linear's input by ``(block, path)``
+    (a no-op pre-hook on each, so each is called as a module), the codes each real-FP8 GEMM multiplied, and the
+    paths of the linears that quantized their input themselves (clones: the buffers may be reused)."""
+    seen, used, quantized = {}, [], []
+    for name in fp8_forward.LINEARS:
+        for i, b in enumerate(model.transformer_blocks):
+            b.get_submodule(name).register_forward_pre_hook(
+                lambda m, args, key=(i, name): seen.__setitem__(key, args[0].clone()))
+    real_gemm, real_quantize = fp8_forward.Fp8LinearForward.gemm, fp8_forward.Fp8LinearForward.quantize
+
+    def gemm(self, codes):
+        used.append(((self.index, self.path), codes.clone()))
+        return real_gemm(self, codes)
+
+    def quantize(self, x):
+        quantized.append(self.path)
+        return real_quantize(self, x)
+
+    monkeypatch.setattr(fp8_forward.Fp8LinearForward, "gemm", gemm)
+    monkeypatch.setattr(fp8_forward.Fp8LinearForward, "quantize", quantize)
+    return seen, used, quantized

@@ -21,7 +21,7 @@ from qwen_absorb import ops
 from qwen_absorb import testing as T
 
 from .qwenimage21_helpers import f32 as _f32
-from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
+from .qwenimage21_helpers import model_inputs, run, run_kv, spy_fp8_linears, tiny_model
 from .qwenimage21_helpers import rel as _rel
 
 pytest.importorskip("modelopt")
@@ -111,23 +111,7 @@ def test_codes_handed_over_equal_the_reference_quantization(monkeypatch):
     qwen_absorb.patch(model, **REAL)
     plain = run(model, inp)
 
-    seen, used, quantized = {}, [], []
-    for name in F8.LINEARS:
-        for i, b in enumerate(model.transformer_blocks):
-            b.get_submodule(name).register_forward_pre_hook(
-                lambda m, args, key=(i, name): seen.__setitem__(key, args[0]))
-    real_gemm, real_quantize = F8.Fp8LinearForward.gemm, F8.Fp8LinearForward.quantize
-
-    def gemm(self, codes):
-        used.append(((self.index, self.path), codes))
-        return real_gemm(self, codes)
-
-    def quantize(self, x):
-        quantized.append(self.path)
-        return real_quantize(self, x)
-
-    monkeypatch.setattr(F8.Fp8LinearForward, "gemm", gemm)
-    monkeypatch.setattr(F8.Fp8LinearForward, "quantize", quantize)
+    seen, used, quantized = spy_fp8_linears(model, monkeypatch)
     hooked = run(model, inp)
     assert len(used) == N_LINEARS
     assert sorted(quantized) == ["attn.to_out.0"] * LAYERS

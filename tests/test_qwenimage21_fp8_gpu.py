@@ -29,7 +29,7 @@ from qwen_absorb import testing as T
 from .ops_helpers import poison_allocator as poison
 from .ops_helpers import skip_module_without_kernels
 from .qwenimage21_helpers import f32 as _f32
-from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
+from .qwenimage21_helpers import model_inputs, run, run_kv, spy_fp8_linears, tiny_model
 from .qwenimage21_helpers import rel as _rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
@@ -94,23 +94,7 @@ def test_codes_handed_over_bit_identical(monkeypatch):
     poison(64 << 20)
     direct = run(model, inp)  # unhooked: the runner's GEMMs read the codes straight from the kernels
 
-    seen, used, quantized = {}, [], []
-    for name in F8.LINEARS:
-        for i, b in enumerate(model.transformer_blocks):
-            b.get_submodule(name).register_forward_pre_hook(
-                lambda m, args, key=(i, name): seen.__setitem__(key, args[0].clone()))
-    real_gemm, real_quantize = F8.Fp8LinearForward.gemm, F8.Fp8LinearForward.quantize
-
-    def gemm(self, codes):
-        used.append(((self.index, self.path), codes.clone()))
-        return real_gemm(self, codes)
-
-    def quantize(self, x):
-        quantized.append(self.path)
-        return real_quantize(self, x)
-
-    monkeypatch.setattr(F8.Fp8LinearForward, "gemm", gemm)
-    monkeypatch.setattr(F8.Fp8LinearForward, "quantize", quantize)
+    seen, used, quantized = spy_fp8_linears(model, monkeypatch)
     poison(64 << 20)
     hooked = run(model, inp)
     assert len(used) == N_LINEARS
