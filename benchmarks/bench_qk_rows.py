@@ -60,6 +60,14 @@ def main() -> int:
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "variance_order":
                  qkr.probe_variance_order(dev).detail, "shapes": {}}
+    default_rpw = qkr.ROWS_PER_WARP
+    try:
+        return _run(a, dev, gen, res)
+    finally:
+        qkr.ROWS_PER_WARP = default_rpw
+
+
+def _run(a: argparse.Namespace, dev: torch.device, gen: torch.Generator, res: dict) -> int:
     for name, (L, H) in SHAPES.items():
         q = torch.randn(1, L, H, 128, device=dev, generator=gen).bfloat16()
         k = torch.randn(1, L, H, 128, device=dev, generator=gen).bfloat16() * 3
@@ -88,7 +96,6 @@ def main() -> int:
                 "bit_identical_to_rpw1": all(torch.equal(g, b) for g, b in zip(got, base))}
             print(f"{name} RPW {rpw}: {us:.1f} us ({copy_us / us:.0%} of copy rate), eager-identical {same_eager}")
         res["shapes"][name] = row
-    qkr.ROWS_PER_WARP = 4
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "bench_qk_rows.json").write_text(json.dumps(res, indent=1))
     lines = [f"# qk_norm_rope rows per warp ({res['gpu']}, torch {res['torch']}, {res['date']})", "",
