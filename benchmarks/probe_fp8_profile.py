@@ -120,6 +120,47 @@ def case(R: H.Results, key: str, model: torch.nn.Module, kw: dict[str, Any], dev
     H.log(f"  {key}: b2b {r['b2b_ms']:.3f} ms, clocks {r['clocks']}, host {r.get('host_checks')}")
 
 
+def copy_stacks(model: torch.nn.Module, kw: dict[str, Any], dev: torch.device) -> list[dict[str, Any]]:
+    """The Python stacks of the same-dtype copies (aten::copy_ and what calls it) of one eager call: which
+    code launches the small direct_copy kernels of the FP8 call."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with torch.inference_mode():
+        fn = lambda: model(**kw)[0]  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                     record_shapes=True) as prof:
+            fn()
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=12):
+        if e.key not in ("aten::copy_", "aten::clone", "aten::contiguous", "aten::to", "aten::cat",
+                         "aten::_to_copy", "aten::reshape"):
+            continue
+        rows.append({"op": e.key, "count": e.count, "shapes": str(e.input_shapes)[:200],
+                     "device_us": round(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)), 1),
+                     "stack": [s for s in (e.stack or []) if "qwen_absorb" in s or "diffusers" in s][:6]})
+    rows.sort(key=lambda r: -r["count"])
+    return rows[:25]
+
+
+def compile_case(R: H.Results, model: torch.nn.Module, kw: dict[str, Any], dev: torch.device) -> None:
+    """FP8 patched (defaults) + compile_repeated_blocks(fullgraph=True): the blocks are opaque ops."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    counters.clear()
+    rep = qwen_absorb.patch(model)
+    model.compile_repeated_blocks(fullgraph=True)
+    case(R, "fp8_graph_compiled", model, kw, dev, rep)
+    R.d["details"]["fp8_graph_compiled"]["dynamo"] = H.dynamo_counters()
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    torch._dynamo.reset()
+
+
 def markdown(d: dict[str, Any]) -> str:
     lines = H.md_head("FP8 call profile: GPU time per kernel, clocks, host checks (issues 18, 19)", d,
                       "60 layers, 1024^2, B = 1, ModelOpt FP8_DEFAULT_CFG; median of 7 synchronized calls after 2 "
@@ -137,6 +178,10 @@ def markdown(d: dict[str, Any]) -> str:
                       f"runner: host_us_per_replay {r['graph_runner'].get('host_us_per_replay')}, launch_us_per_replay "
                       f"{r['graph_runner'].get('launch_us_per_replay')}, overlapped_check_us_per_replay "
                       f"{r['graph_runner'].get('overlapped_check_us_per_replay')}"]
+    if d.get("copy_stacks"):
+        lines += ["", "### copies of one eager FP8 call, by launching code", ""]
+        lines += [f"- {r['op']} x{r['count']} {r['shapes']} {r['device_us']} us: {' <- '.join(r['stack'][:4])}"
+                  for r in d["copy_stacks"]]
     for k, r in d["details"].items():
         p = r.get("profile") or {}
         lines += ["", f"### {k}: kernels by time", ""]
@@ -149,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--num-layers", type=int, default=60)
+    ap.add_argument("--compile", action="store_true", help="also FP8 defaults + compile_repeated_blocks()")
+    ap.add_argument("--stacks", action="store_true", help="Python stacks of the copies of an eager call")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     env = H.environment(dev)
@@ -163,8 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     H.fp8_quantize(model, calib)
     rep = qwen_absorb.patch(model)
     case(R, "fp8_graph", model, kw, dev, rep)
+    if a.compile:
+        compile_case(R, model, kw, dev)
+        rep = qwen_absorb.patch(model)
+        case(R, "fp8_graph_again", model, kw, dev, rep)
     rep = qwen_absorb.patch(model, cuda_graph=False)
     case(R, "fp8_eager", model, kw, dev, rep)
+    if a.stacks:
+        R.put("copy_stacks", copy_stacks(model, kw, dev))
     qwen_absorb.patch(model)  # patched when the LoRA is added (benchmarks/fp8_lora.py's order)
     model.add_adapter(lora_config(64))
     seed_lora(model, 64, 0)

@@ -107,7 +107,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         ys = []
         for p in paths:
             if jv is not None and p == paths[2]:
-                y = fp8_linear_into(x, plan.linears[p], plan, jv[rows]).unsqueeze(0)
+                y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p),
+                                    pre.get(p) if pre else None).unsqueeze(0)
             else:
                 y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None)
             ys.append(y.unflatten(-1, (-1, head_dim)))

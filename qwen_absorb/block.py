@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, fp8_forward, handoff, hooks, lora, qwenimage21
+from . import attention, compile_boundary, fp8_forward, handoff, hooks, lora, qwenimage21
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -68,6 +68,8 @@ class PatchedForward:
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
+        if type(self) is PatchedForward:
+            compile_boundary.track(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return patched_forward(self.block, *args, **kwargs)
@@ -77,6 +79,7 @@ class PatchedForward:
 
     def __setstate__(self, block: nn.Module) -> None:
         self.block = block
+        compile_boundary.track(block)
 
     def __repr__(self) -> str:
         return f"<qwen_absorb patched forward of {type(self.block).__name__}>"
@@ -162,6 +165,10 @@ def patched_forward(
         if not compiling:
             handoff.drop()
         return _original(self, *args)
+    if compiling and plan.options.kernels_under_compile == "auto":
+        out = compile_boundary.call(self, *args)  # the whole eager patched forward as one opaque op
+        if out is not None:
+            return out
     if plan.modelopt and not compiling:
         # ModelOpt's modules keep per-call state on the module (quantize_weight() toggles a flag,
         # QuantAttention swaps global functions): concurrent calls of one block would see each
@@ -169,6 +176,9 @@ def patched_forward(
         with plan.rt.lock:
             return _fused_forward(self, plan, compiling, *args)
     return _fused_forward(self, plan, compiling, *args)
+
+
+compile_boundary.register_forward(patched_forward)
 
 
 def _announce(plan: BlockPlan) -> None:
@@ -223,7 +233,7 @@ class _Call:
     plan: BlockPlan
     block: nn.Module
     use_kernels: bool  # launch the kernels (else the ops' references)
-    use_fused: bool  # run the fused ops at all (under torch.compile: only with kernels_under_compile)
+    use_fused: bool  # run the fused ops at all (traced by torch.compile: only with kernels_under_compile=True)
     compiling: bool
 
 
@@ -319,7 +329,7 @@ def _shadowing(plan: BlockPlan) -> contextlib.AbstractContextManager:
 
 def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                    temb, image_rotary_emb, joint_attention_kwargs, modulate_index):
-    c = _Call(plan, self, plan.kernels and not compiling, not compiling or plan.options.kernels_under_compile,
+    c = _Call(plan, self, plan.kernels and not compiling, not compiling or plan.options.kernels_under_compile is True,
               compiling)
     given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, modulate_index)
     if given is not None:

@@ -110,9 +110,10 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
 
 def _caller_frame(code: Any) -> int | None:
     """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up:
-    patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop)."""
+    patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop; under
+    torch.compile the custom op of :mod:`qwen_absorb.compile_boundary` and its wrappers sit in between)."""
     f = sys._getframe(2)
-    for _ in range(8):
+    for _ in range(40):
         if f is None:
             return None
         if f.f_code is code:

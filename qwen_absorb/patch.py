@@ -173,7 +173,8 @@ def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_
         defer_bias=gating.check_mode(defer_bias), fp8_gemm=gating.check_fp8_mode(fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
-        force_reference=bool(force_reference), kernels_under_compile=bool(kernels_under_compile),
+        force_reference=bool(force_reference),
+        kernels_under_compile=gating.check_tristate("kernels_under_compile", kernels_under_compile),
         offload_original_weights=bool(offload_original_weights),
         use_fast_accum=gating.check_fast_accum_mode(use_fast_accum),
         cross_block=bool(cross_block),
@@ -183,7 +184,7 @@ def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_
 def patch(
     target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: str | bool = "auto",
     offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
-    force_reference: bool = False, kernels_under_compile: bool = False, use_fast_accum: str | bool = "auto",
+    force_reference: bool = False, kernels_under_compile: str | bool = "auto", use_fast_accum: str | bool = "auto",
     cross_block: bool = True,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
@@ -212,8 +213,11 @@ def patch(
     capabilities: replaces the validated capability sets for this call, e.g. ``{(9, 0)}``, or
         ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
     force_reference: make the fused ops run their torch references (debugging).
-    kernels_under_compile: while ``torch.compile`` traces a patched block, use the fused CUDA
-        kernels (custom ops) instead of leaving the elementwise chains to Inductor.
+    kernels_under_compile: what ``torch.compile`` sees of a patched Qwen-Image block: ``"auto"``
+        (default) one opaque op that runs the eager patched forward, checks included
+        (:mod:`qwen_absorb.compile_boundary`; calls it cannot carry are traced as with ``False``);
+        ``True`` the forward traced with the fused kernels as custom ops; ``False`` traced with the
+        ops' torch references, which Inductor fuses its own way.
     use_fast_accum: ``torch._scaled_mm``'s fast accumulation for the FP8 GEMMs: ``"auto"`` (default) on
         GPUs where it passed the fidelity gate (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`),
         ``True`` / ``False`` everywhere.

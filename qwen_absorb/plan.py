@@ -56,7 +56,7 @@ class Options:
     capabilities: frozenset = frozenset()
     fp8_capabilities: frozenset = frozenset()
     force_reference: bool = False
-    kernels_under_compile: bool = False
+    kernels_under_compile: str | bool = "auto"
     offload_original_weights: bool = False
     use_fast_accum: str | bool = "auto"
     cross_block: bool = True

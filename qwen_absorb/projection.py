@@ -80,20 +80,29 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
 
 
 def writes_into(lp: LinearPlan) -> bool:
-    """Whether :func:`fp8_linear_into` computes exactly what :func:`fp8_linear` does for ``lp``: the GEMM and
-    its fused bias alone (no LoRA branch, tensor-parallel reduction or separate bias add after it)."""
+    """Whether :func:`fp8_linear_into` computes exactly what :func:`fp8_linear` does for ``lp``: the GEMM with
+    its fused bias (no tensor-parallel reduction or separate bias add after it), then its LoRA branches."""
     w, bias = lp.weight, lp.bias
-    return (lp.fp8_gemm and not lp.lora and lp.tp is None and w is not None and w.out_dtype != torch.float32
+    return (lp.fp8_gemm and lp.tp is None and w is not None and w.out_dtype != torch.float32
             and (bias is None or bias.dtype == w.out_dtype))
 
 
-def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor) -> torch.Tensor:
+def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor,
+                    x: torch.Tensor | None = None, module: nn.Module | None = None,
+                    branches: list | None = None) -> torch.Tensor:
     """:func:`fp8_linear` for a linear with :func:`writes_into`, written into ``out`` (a contiguous
     [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor): the same
-    cuBLASLt call, so the same bits, without the copy a later concatenation would make."""
+    cuBLASLt call and the same in-place LoRA additions, so the same bits, without the copy a later
+    concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`."""
     w = lp.weight
     torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
+    if branches is not None:
+        lora.add_products(out, branches)
+    elif lp.lora:
+        y = lora.add_branches(module, out, x)
+        if y is not out:  # PEFT's own expression (not in place): its result, where the view is
+            out.copy_(y.reshape(out.shape))
     return out
 
 

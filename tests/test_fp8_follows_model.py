@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -498,3 +499,36 @@ def test_shared_lora_a_refuses_dropout(seed):
     assert L.shared_input_branches(layers[:1], x, torch.bfloat16) is not None  # two adapters on one layer
     model.set_adapters(["a"])
     assert L.shared_input_branches(layers[:1], x, torch.bfloat16) is None  # one branch: nothing to share
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fp8_linear_into_a_view_is_fp8_linear(seed, shared):
+    """The v projections of the joint attention write into rows of the joint tensor (GPU, batch 1): with a
+    LoRA, the GEMM into the view and the branches added there in place give fp8_linear's bits."""
+    from qwen_absorb import projection
+    from qwen_absorb.ops.fp8 import quantize_fp8_reference
+
+    model, inp = _fp8(seed)
+    _add_lora(model, seed + 3)
+    _real(model)
+    block = model.transformer_blocks[0]
+    plan = block.__dict__[PLAN_ATTR]
+    attn = block.attn
+    x = torch.randn(1, 9, attn.to_v.in_features, generator=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
+    paths = ("attn.to_q", "attn.to_k", "attn.to_v")
+    for p in paths:
+        assert plan.linears[p].lora and projection.writes_into(plan.linears[p])
+    lp = plan.linears["attn.to_v"]
+    codes = quantize_fp8_reference(x, lp.weight.input_amax)
+    branches = None
+    if shared:
+        rows = L.shared_input_branches([attn.to_q, attn.to_k, attn.to_v], x, torch.bfloat16)
+        assert rows is not None
+        branches = rows[2]
+    want = projection.fp8_linear(codes, lp, plan, None, x, attn.to_v, branches)
+    joint = torch.full((13, want.shape[-1]), float("nan"), dtype=torch.bfloat16)  # poisoned: [4 text, 9 image]
+    got = projection.fp8_linear_into(codes, lp, plan, joint[4:], x, attn.to_v, branches)
+    assert got.data_ptr() == joint[4:].data_ptr()
+    assert torch.equal(joint[4:], want.reshape(9, -1)) and torch.isnan(joint[:4]).all()
+    base = projection.fp8_linear(codes, dataclasses.replace(lp, lora=False), plan, None)
+    assert _rel(want, base) > 1e-3  # the branch is there

@@ -63,14 +63,27 @@ def test_bf16_joint_qk_is_diffusers(dtype, spy):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 GEMMs need sm_89+")
-def test_fp8_joint_qkv_equals_concatenation(spy, monkeypatch):
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_fp8_joint_qkv_equals_concatenation(spy, monkeypatch, with_lora):
+    """With a LoRA the v projections' branches are added in place to the joint rows (shared lora_A products
+    of the stream included): the same bits as adding them to a separate output and concatenating."""
     model = T.tiny_transformer(dtype=torch.bfloat16, seed=93, **GEOMETRY).to(DEV)
     calib = [_inputs(model, 94)]
     T.fp8_quantize(model, calib)
+    if with_lora:
+        peft = pytest.importorskip("peft")
+        model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=[
+            "to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"]))
+        g = torch.Generator(device=DEV).manual_seed(96)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g, device=DEV, dtype=p.dtype) * 0.05)
     inp = _inputs(model, 95)
     report = qwen_absorb.patch(model, fp8_gemm=True, cuda_graph=False)
     try:
         assert report.summary["fp8_gemm_linears"] == 28, str(report)
+        assert report.summary["fp8_gemm_lora_linears"] == (16 if with_lora else 0), str(report)
         poison_allocator(1 << 24)
         joint = T.run_transformer(model, inp)
         assert spy["qk_joint"] == 2 and spy["v_into"] == 4, spy  # 2 blocks x (to_v, add_v_proj)

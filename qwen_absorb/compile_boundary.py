@@ -1,0 +1,154 @@
+"""A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
+
+Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the elementwise
+chains its own way (slower than the fused kernels on the H200, ``benchmarks/results/speed_h200.md``: FP8
+103.1 ms compiled against 89.1 ms), without eager's intermediate roundings (which flips FP8 codes), and the
+per-call checks of the plan (weights, quantizers, LoRA state, hooks) are not traced at all. So by default
+(``kernels_under_compile="auto"``) the traced forward is one call of ``qwen_absorb::qwen_image_block``:
+at run time that op runs the block's eager patched forward, checks included, exactly as without compile.
+Nothing is left for Inductor to fuse inside a patched block, and ``fullgraph=True`` works (no graph break,
+also for ModelOpt modules, which Dynamo cannot trace).
+
+Finding the block: an op cannot take a module, and anything block-specific Dynamo reads as a Python value
+(an index, an id) would specialise the graph, so ``compile_repeated_blocks()`` would compile one graph per
+block and soon hit the recompile limit. The op takes the block's ``attn.norm_q.weight`` instead: a
+parameter, lifted as a graph input like every other, so one graph serves all blocks. At run time the op
+finds the patched block whose parameter has that storage (a dict, checked against the live parameter on
+every hit; rebuilt from the patched blocks on a miss).
+
+What the op cannot carry is traced as before (``joint_attention_kwargs`` with entries, tensors of mixed
+dtypes, a block without ``attn.norm_q``). The eager patched forward is registered by
+:mod:`qwen_absorb.block` (:func:`register_forward`): this module sits below it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .plan import PLAN_ATTR
+
+_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_blocks: weakref.WeakSet = weakref.WeakSet()  # every block a PatchedForward was made for
+_by_ptr: dict[int, weakref.ref] = {}
+_lock = threading.Lock()
+
+
+def register_forward(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The eager patched forward ``fn(block, hidden_states, encoder_hidden_states, mask, temb, rope,
+    joint_attention_kwargs, modulate_index)`` the op runs."""
+    global _forward
+    _forward = fn
+
+
+def track(block: nn.Module) -> None:
+    """A block that may be called through the op (its patched forward was installed, copied or unpickled)."""
+    with _lock:
+        _blocks.add(block)
+
+
+def handle(block: nn.Module) -> Any:
+    """The parameter the op identifies ``block`` by (traced: plain attribute reads), or None."""
+    attn = getattr(block, "attn", None)
+    norm = getattr(attn, "norm_q", None)
+    w = getattr(norm, "weight", None)
+    return w if isinstance(w, torch.Tensor) else None
+
+
+def call(block: nn.Module, hidden_states: Any, encoder_hidden_states: Any, encoder_hidden_states_mask: Any,
+         temb: Any, image_rotary_emb: Any, joint_attention_kwargs: Any,
+         modulate_index: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Under ``torch.compile``: the block's outputs from the op, or None where the op cannot carry the call
+    (the caller traces the forward then)."""
+    if joint_attention_kwargs:
+        return None
+    h = handle(block)
+    tensors = (hidden_states, encoder_hidden_states, temb)
+    if h is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    dt = hidden_states.dtype
+    if encoder_hidden_states.dtype != dt or temb.dtype != dt:
+        return None  # the outputs' dtype would follow diffusers' type promotion: traced instead
+    for t in (encoder_hidden_states_mask, modulate_index):
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+    if image_rotary_emb is None:
+        f_img = f_txt = None
+    elif (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2
+          and all(isinstance(f, torch.Tensor) for f in image_rotary_emb)):
+        f_img, f_txt = image_rotary_emb
+    else:
+        return None
+    txt, img = torch.ops.qwen_absorb.qwen_image_block(h, hidden_states, encoder_hidden_states,
+                                                      encoder_hidden_states_mask, temb, f_img, f_txt, modulate_index)
+    return txt, img
+
+
+def _find(h: torch.Tensor) -> nn.Module:
+    """The tracked block holding ``h``; a patched one where an unpatched copy shares it (its forward then
+    runs diffusers' own, as an unpatched block under a foreign wrapper does)."""
+    ptr = h.data_ptr()
+    ref = _by_ptr.get(ptr)
+    b = ref() if ref is not None else None
+    if b is not None and _ptr(b) == ptr:
+        return b
+    with _lock:
+        found = [b for b in list(_blocks) if _ptr(b) == ptr]
+        if len(found) > 1:
+            found = [b for b in found if PLAN_ATTR in b.__dict__]
+        if len(found) == 1:
+            if len(_by_ptr) > 4 * len(_blocks) + 64:  # forget addresses of freed or moved parameters
+                _by_ptr.clear()
+            _by_ptr[ptr] = weakref.ref(found[0])
+            return found[0]
+    if not found:
+        raise RuntimeError("qwen_absorb: a compiled patched Qwen-Image block was called with an attn.norm_q.weight "
+                           "no patched block holds; call torch._dynamo.reset() and compile again")
+    raise RuntimeError("qwen_absorb: several patched blocks share the storage of attn.norm_q.weight, so the "
+                       "compiled op cannot tell them apart; patch with kernels_under_compile=True or False")
+
+
+def _ptr(b: nn.Module) -> int | None:
+    h = handle(b)
+    return h.data_ptr() if h is not None else None
+
+
+def _own(out: torch.Tensor, like: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    """``out`` as the op's fake promised it: ``like``'s dtype, contiguous, not aliasing an input."""
+    if out.dtype != like.dtype or out.shape != like.shape:
+        raise RuntimeError(f"qwen_absorb: the patched block returned {out.dtype} {tuple(out.shape)} where "
+                           f"{like.dtype} {tuple(like.shape)} was traced")
+    out = out.contiguous()
+    ptr = out.untyped_storage().data_ptr()
+    if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in inputs):
+        out = out.clone()
+    return out
+
+
+@torch.library.custom_op("qwen_absorb::qwen_image_block", mutates_args=())
+def _op(handle_: torch.Tensor, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None, temb: torch.Tensor, img_freqs: torch.Tensor | None,
+        txt_freqs: torch.Tensor | None, modulate_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _forward is None:
+        raise RuntimeError("qwen_absorb: the patched block forward is not registered (qwen_absorb.block not imported)")
+    block = _find(handle_)
+    rope = None if img_freqs is None else (img_freqs, txt_freqs)
+    txt, img = _forward(block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, rope, None,
+                        modulate_index)
+    inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, img_freqs, txt_freqs,
+              modulate_index, handle_)
+    return _own(txt, encoder_hidden_states, inputs), _own(img, hidden_states, inputs)
+
+
+@_op.register_fake
+def _(handle_, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, img_freqs, txt_freqs,
+      modulate_index):
+    return (torch.empty_like(encoder_hidden_states, memory_format=torch.contiguous_format),
+            torch.empty_like(hidden_states, memory_format=torch.contiguous_format))
+
+
+__all__ = ["call", "handle", "register_forward", "track"]
