@@ -306,3 +306,28 @@ def test_kernel_layouts_match_the_c_structs(module):
     src = (Path(mod.__file__).parent / "csrc" / k.cu).read_text()
     struct_name = re.search(k.name + r"\(const (\w+) p\)", src).group(1)
     assert _struct_kinds(src, struct_name) == _expand(k.layout)
+
+
+def test_norm_quant_amax_fp32_is_converted_once_per_value():
+    """A bf16 model's norm-input quantizers hold bf16 amaxes; the kernels read fp32. The conversion is
+    kept while the amax keeps its version and address, and redone after an in-place change."""
+    from qwen_absorb.ops.fp8 import Fp8PerTensorQuant
+
+    amax = torch.tensor(3.3, dtype=torch.bfloat16)
+    q = Fp8PerTensorQuant(amax=amax)
+    a = q.amax_fp32(torch.device("cpu"))
+    assert a.dtype == torch.float32 and a.shape == () and a.item() == amax.float().item()
+    assert q.amax_fp32(torch.device("cpu")) is a  # no conversion per call
+    amax.mul_(2)  # recalibrated in place
+    b = q.amax_fp32(torch.device("cpu"))
+    assert b is not a and b.item() == amax.float().item()
+    with torch.no_grad():
+        amax.copy_(torch.tensor(0.5))  # load_state_dict's way
+    assert q.amax_fp32(torch.device("cpu")).item() == 0.5
+    f32 = torch.tensor(1.25)
+    assert Fp8PerTensorQuant(amax=f32).amax_fp32(torch.device("cpu")).data_ptr() == f32.data_ptr()
+    with torch.inference_mode():
+        inf = torch.tensor(2.0, dtype=torch.bfloat16)
+    qi = Fp8PerTensorQuant(amax=inf)
+    assert qi.amax_fp32(torch.device("cpu")).item() == 2.0  # no version counter: converted each call
+    assert q == Fp8PerTensorQuant(amax=amax) and hash(q) == hash(Fp8PerTensorQuant(amax=amax))

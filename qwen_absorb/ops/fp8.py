@@ -26,7 +26,7 @@ The ModelOpt side (which quantizers qualify, reading them) lives in :mod:`qwen_a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +69,7 @@ class Fp8PerTensorQuant:
 
     amax: torch.Tensor
     formula: str = "auto"
+    _fp32: list = field(default_factory=list, compare=False, repr=False)  # [key, fp32 copy] (amax_fp32)
 
     def __post_init__(self) -> None:
         if not isinstance(self.amax, torch.Tensor) or self.amax.numel() != 1:
@@ -91,12 +92,24 @@ class Fp8PerTensorQuant:
         return QUANT_MODE[self.formula_for(device)]
 
     def amax_fp32(self, device: torch.device) -> torch.Tensor:
+        """The amax as the kernels read it: a 0-d fp32 tensor on ``device``. An amax of another dtype or
+        device (a bf16 model's quantizers hold bf16 amaxes) is converted once per value, not per call:
+        the copy is kept while the amax tensor keeps its version and address (an in-place recalibration or
+        ``load_state_dict`` bumps the version; an inference tensor, which has none, is converted each call)."""
         a = self.amax.detach()
-        if a.device != device:
-            a = a.to(device)
-        if a.dtype != torch.float32:
-            a = a.float()
-        return a.reshape(())
+        if a.device == device and a.dtype == torch.float32:
+            return a.reshape(())
+        try:
+            key = (a._version, a.data_ptr(), device)
+        except RuntimeError:  # inference tensors have no version counter
+            key = None
+        c = self._fp32
+        if key is not None and c and c[0] == key:
+            return c[1]
+        v = a.to(device=device, dtype=torch.float32).reshape(())
+        if key is not None:
+            c[:] = [key, v]
+        return v
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Exactly what ModelOpt's quantizer returns for ``x`` (torch ops)."""
