@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import qwen_absorb  # noqa: E402
 
 SECTIONS = ("bf16", "compile", "fp8", "torchao", "pipeline")
-CALLS = ("bf16_eager_ms", "bf16_patched_ms", "bf16_patched_eager_ms", "bf16_compile_ms", "fp8_fake_ms",
+CALLS = ("bf16_eager_ms", "bf16_patched_ms", "bf16_patched_eager_ms", "bf16_compile_ms", "bf16_patched_compiled_ms",
+         "fp8_fake_ms",
          "fp8_patched_ms", "fp8_patched_eager_ms", "fp8_patched_compiled_ms", "torchao_fp8_compile_ms")
 PIPES = ("pipe_bf16_50step_s", "pipe_bf16_cache_s", "pipe_fp8_first_call_s", "pipe_fp8_50step_s", "pipe_fp8_cache_s",
          "pipe_fp8_8step_s")
@@ -55,6 +56,7 @@ TARGETS = {  # name: (numerator, denominator, op, target), issue 19 "Targets"; n
     "pipe_bf16_50step_over_fp8_50step": ("pipe_bf16_50step_s", "pipe_fp8_50step_s", ">=", 1.95),
     "pipe_bf16_cache_over_fp8_cache": ("pipe_bf16_cache_s", "pipe_fp8_cache_s", ">=", 1.8)}
 RATIOS = {"fp8_patched_eager_over_bf16_eager": ("fp8_patched_eager_ms", "bf16_eager_ms"),
+          "bf16_patched_compiled_over_bf16_patched": ("bf16_patched_compiled_ms", "bf16_patched_ms"),
           "fp8_patched_eager_over_fp8_patched": ("fp8_patched_eager_ms", "fp8_patched_ms"),
           "bf16_patched_eager_over_bf16_patched": ("bf16_patched_eager_ms", "bf16_patched_ms"),
           "pipe_bf16_cache_over_bf16_50step": ("pipe_bf16_cache_s", "pipe_bf16_50step_s"),
@@ -156,6 +158,11 @@ class Speed(H.Bench):
         qwen_absorb.unpatch(m)
         if key == "bf16_compile_ms":
             return self.compiled(key, m, fullgraph=True)
+        if key == "bf16_patched_compiled_ms":  # each patched block one opaque op (kernels_under_compile="auto")
+            try:
+                return self.compiled(key, m, self.patched(m, "auto"), fullgraph=True)
+            finally:
+                qwen_absorb.unpatch(m)
         rep = None if key == "bf16_eager_ms" else self.patched(m, key == "bf16_patched_ms" and "auto")
         self.case(key, m, rep)
         if key == "bf16_patched_ms":
@@ -189,7 +196,7 @@ class Speed(H.Bench):
             return self.case(key, q, keep="fake")
         rep = self.patched(q, key != "fp8_patched_eager_ms" and "auto")
         if key == "fp8_patched_compiled_ms":
-            self.compiled(key, q, rep)
+            self.compiled(key, q, rep, fullgraph=True)
         else:
             self.case(key, q, rep, keep="patched" if key == "fp8_patched_ms" else None)
         if key == "fp8_patched_ms":
@@ -309,9 +316,9 @@ class Speed(H.Bench):
         if not s("build", self.build):
             return 1
         pipe50 = dict(runs=a.pipeline_runs)
-        plan = [*(("bf16" if "compile" not in k else "compile", k, lambda k=k: self.bf16(k)) for k in CALLS[:4]),
+        plan = [*(("bf16" if "compile" not in k else "compile", k, lambda k=k: self.bf16(k)) for k in CALLS[:5]),
                 ("fp8", "fp32_reference", self.fp32_reference), ("fp8", "fp8_quantize", self.fp8_quantize),
-                *(("fp8", k, lambda k=k: self.fp8(k)) for k in CALLS[4:8]),
+                *(("fp8", k, lambda k=k: self.fp8(k)) for k in CALLS[5:9]),
                 ("torchao", "torchao_fp8_compile_ms", self.torchao),
                 ("pipeline", "pipe_bf16_50step_s", lambda: self.pipe_case("pipe_bf16_50step_s", reserve_s=150, **pipe50)),
                 ("pipeline", "pipe_bf16_cache_s", lambda: self.pipe_case("pipe_bf16_cache_s", cache=True)),
