@@ -217,7 +217,7 @@ def patch(
         (default) one opaque op that runs the eager patched forward, checks included
         (:mod:`qwen_absorb.compile_boundary`; calls it cannot carry are traced as with ``False``);
         ``True`` the forward traced with the fused kernels as custom ops; ``False`` traced with the
-        ops' torch references, which Inductor fuses its own way.
+        ops' torch references, which Inductor fuses its own way. Qwen-Image-2.1 blocks are traced.
     use_fast_accum: ``torch._scaled_mm``'s fast accumulation for the FP8 GEMMs: ``"auto"`` (default) on
         GPUs where it passed the fidelity gate (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`),
         ``True`` / ``False`` everywhere.
