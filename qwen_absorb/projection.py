@@ -64,7 +64,11 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     )
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)
-    out = _add_lora(out.reshape(*lead, out.shape[-1]), lp, x, module, branches)
+    out = out.reshape(*lead, out.shape[-1])
+    if branches is not None:
+        out = lora.add_products(out.contiguous(), branches)
+    elif lp.lora:
+        out = lora.add_branches(module, out, x)
     tp = lp.tp
     if tp is not None and tp.style == "rowwise":
         work = torch.distributed.all_reduce(out, group=tp.group, async_op=True)
@@ -93,20 +97,12 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     w = lp.weight
     torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
-    y = _add_lora(out, lp, x, module, branches)
-    if y is not out:  # PEFT's own expression (not in place): its result, where the view is
-        out.copy_(y.reshape(out.shape))
-    return out
-
-
-def _add_lora(out: torch.Tensor, lp: LinearPlan, x: torch.Tensor | None, module: nn.Module | None,
-              branches: list | None) -> torch.Tensor:
-    """``out`` (the GEMM's output) plus the linear's LoRA branches: from the stream's shared lora_A products
-    where the caller computed them (``branches``), else as PEFT adds them; in place where it can."""
     if branches is not None:
-        return lora.add_products(out.contiguous(), branches)
-    if lp.lora:
-        return lora.add_branches(module, out, x)
+        lora.add_products(out, branches)
+    elif lp.lora:
+        y = lora.add_branches(module, out, x)
+        if y is not out:  # PEFT's own expression (not in place): its result, where the view is
+            out.copy_(y.reshape(out.shape))
     return out
 
 
