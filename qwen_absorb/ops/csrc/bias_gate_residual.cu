@@ -28,8 +28,10 @@ template <class T, int VEC, int NV>
 __global__ void __launch_bounds__(QA_BGR_THREADS, QA_BGR_MIN_BLOCKS)
 bias_gate_residual_kernel(const BiasGateResidualParams p) {
   const qa_i64 row = blockIdx.x;
-  const QaResidualRow<T, QA_GATE_LINEAR> res(p.residual, p.x, p.bias, p.gate, p.out, row * (qa_i64)p.D,
-                                             qa_param_row(row, p.L, p.B, p.index, p.index_kind) * p.gate_rs,
-                                             p.vec_flags);
-  qa_for_slots<QA_BGR_THREADS, NV>(p.D / VEC, [&](int c) { res.template step<VEC>(c); });
+  const qa_i64 goff = qa_param_row(row, p.L, p.B, p.index, p.index_kind) * p.gate_rs;
+  qa_with_bias(p.bias, [&](auto has_bias) {
+    const QaResidualRow<T, QA_GATE_LINEAR, VEC, decltype(has_bias)::value> res(p.residual, p.x, p.bias, p.gate, p.out,
+                                                                               row * (qa_i64)p.D, goff, p.vec_flags);
+    qa_for_slots<QA_BGR_THREADS, NV>(p.D / VEC, [&](int rel) { res.step(rel); });
+  });
 }

@@ -38,16 +38,23 @@ bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShif
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaResidualRow<T, QA_GATE_LINEAR> res(p.residual, p.x, p.bias, p.gate, p.new_residual, off, prow * p.gate_rs,
-                                             p.vec_flags);
-  // The LayerNorm input is Q(new_residual): new_residual computed and written once; the streaming
-  // variant re-reads the slots this thread wrote itself (program order makes them visible).
-  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags, p.amax, p.quant_mode);
-  auto produce = [&](int c, float (&t)[CH]) {
-    qa_widen<T, CH>(res.template step<CH>(c), t);
-    qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
-  };
-  const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs,
-                                     p.shift, prow * p.shift_rs);
-  qa_ln_row<MODE, NV>(p.D, p.eps, produce, reread, emit);
+  const int needed = 1 | 2 | 4 | 8 | (p.bias != nullptr ? 16 : 0);
+  qa_with_bias(p.bias, [&](auto has_bias) {
+    qa_ln_dispatch<MODE, NV>(p.D, p.vec_flags, needed, [&](auto fast) {
+      constexpr bool FAST = decltype(fast)::value;
+      const int vf = FAST ? needed : p.vec_flags;
+      const QaResidualRow<T, QA_GATE_LINEAR, CH, decltype(has_bias)::value> res(
+          p.residual, p.x, p.bias, p.gate, p.new_residual, off, prow * p.gate_rs, vf);
+      // The LayerNorm input is Q(new_residual): new_residual computed and written once; the streaming
+      // variant re-reads the slots this thread wrote itself (program order makes them visible).
+      const QaLnInput<T, CH> reread(p.new_residual, off, vf, p.amax, p.quant_mode);
+      const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs, p.shift,
+                                         prow * p.shift_rs);
+      auto produce = [&](int rel, float (&t)[CH]) {
+        qa_widen<T, CH>(res.step(rel), t);
+        qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
+      };
+      qa_ln_row<MODE, NV, FAST>(p.D, p.eps, produce, reread, emit);
+    });
+  });
 }

@@ -55,10 +55,15 @@ struct QaF32 {
     return r;                                                                            \
   }
 
+// load2: both halves of a packed pair widened (element 2p, the low half, into lo).
 struct QaBF16 {
   QA_PACKED16_OPS("bf16", 0x3F803F80u)
   static __device__ __forceinline__ float load(qa_u16 v) {
     return __uint_as_float(((unsigned int)v) << 16);
+  }
+  static __device__ __forceinline__ void load2(unsigned w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
   }
 };
 
@@ -68,6 +73,10 @@ struct QaF16 {
     float r;
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
     return r;
+  }
+  static __device__ __forceinline__ void load2(unsigned w, float& lo, float& hi) {
+    asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
   }
 };
 
@@ -81,19 +90,29 @@ __device__ __forceinline__ float qa_add(float a, float b) { return qa_round<T>(_
 template <class T>
 __device__ __forceinline__ float qa_mul(float a, float b) { return qa_round<T>(__fmul_rn(a, b)); }
 
+// A compile-time flag passed to a generic lambda (f(QaBool<true>{}) / f(QaBool<false>{})): the
+// kernels branch once per block on a uniform condition and get straight-line code in each branch.
+template <bool B>
+struct QaBool {
+  static constexpr bool value = B;
+};
+
 // ---- vector access ---------------------------------------------------------------------------
 template <class S, int N>
 struct __align__(sizeof(S) * N) QaVec { S v[N]; };
 
-// Pair p of a vector of 16-bit values as one 32-bit register (element 2p in the low half).
+// Pair p of a vector of 16-bit values as one 32-bit register (element 2p in the low half). As
+// memcpy of the bytes: the compiler then keeps the register a vector load filled as it is (splitting
+// it into halves and joining them again cost two instructions per pair).
 template <int N>
 __device__ __forceinline__ unsigned qa_pair(const QaVec<qa_u16, N>& v, int p) {
-  return (unsigned)v.v[2 * p] | ((unsigned)v.v[2 * p + 1] << 16);
+  unsigned r;
+  memcpy(&r, &v.v[2 * p], sizeof(r));
+  return r;
 }
 template <int N>
 __device__ __forceinline__ void qa_set_pair(QaVec<qa_u16, N>& v, int p, unsigned r) {
-  v.v[2 * p] = (qa_u16)(r & 0xffffu);
-  v.v[2 * p + 1] = (qa_u16)(r >> 16);
+  memcpy(&v.v[2 * p], &r, sizeof(r));
 }
 
 // Why packed pairs are exact for bf16 and fp16: eager computes a + b or a * b of two 16-bit values
@@ -151,8 +170,13 @@ __device__ __forceinline__ void qa_store_raw(typename T::storage* p, bool vec, c
 // N elements in storage form widened to float.
 template <class T, int N>
 __device__ __forceinline__ void qa_widen(const QaVec<typename T::storage, N>& r, float (&out)[N]) {
+  if constexpr (T::kPacked && N % 2 == 0) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+    for (int p = 0; p < N / 2; ++p) T::load2(qa_pair(r, p), out[2 * p], out[2 * p + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = T::load(r.v[i]);
+  }
 }
 
 // Load N consecutive elements widened to float (one vector load when `vec`).
@@ -162,19 +186,26 @@ __device__ __forceinline__ void qa_load(const typename T::storage* p, bool vec, 
 }
 
 // ---- a thread's slots of a row ---------------------------------------------------------------
-// f(c) for each slot c of this thread in a row of nslots slots spread over TH threads: NV > 0,
-// the slots threadIdx.x + k * TH for k < NV (unrolled; the launcher picks NV large enough);
-// NV == 0, a strided loop (very wide rows).
+// f(rel) for each slot of this thread in a row of nslots slots spread over TH threads, rel being
+// the slot's distance from the thread's first slot threadIdx.x (the callers address slots from a
+// per-thread pointer, so unrolled addresses are that pointer plus a constant). NV > 0: the slots
+// threadIdx.x + k * TH for k < NV (unrolled; the launcher picks NV large enough); NV == 0, a
+// strided loop (very wide rows).
 template <int TH, int NV, class F>
 __device__ __forceinline__ void qa_for_slots(int nslots, F&& f) {
+  const int tid = threadIdx.x;
   if (NV > 0) {
+    if (NV * TH == nslots) {
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int c = threadIdx.x + k * TH;
-      if (c < nslots) f(c);
+      for (int k = 0; k < NV; ++k) f(k * TH);
+    } else {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (tid + k * TH < nslots) f(k * TH);
+      }
     }
   } else {
-    for (int c = threadIdx.x; c < nslots; c += TH) f(c);
+    for (int rel = 0; tid + rel < nslots; rel += TH) f(rel);
   }
 }
 

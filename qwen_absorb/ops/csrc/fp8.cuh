@@ -111,13 +111,35 @@ __device__ __forceinline__ unsigned char qa_fp8_encode(float v, float scale) {
 #endif
 }
 
+#if QA_HW_E4M3
+// The codes of two values (qa_fp8_encode of each) in one conversion: lo in the low byte.
+__device__ __forceinline__ unsigned short qa_fp8_encode2(float lo, float hi, float scale) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(__fmul_rn(hi, scale)), "f"(__fmul_rn(lo, scale)));
+  return r;
+}
+#endif
+
 // Store the e4m3 codes of CH values held in storage form (CH-byte vector store when `vec`).
 template <class T, int CH>
 __device__ __forceinline__ void qa_store_fp8(unsigned char* p, bool vec, const QaVec<typename T::storage, CH>& o,
                                              float scale) {
   QaVec<unsigned char, CH> b;
+#if QA_HW_E4M3
+  if constexpr (CH % 2 == 0) {
+    float f[CH];
+    qa_widen<T, CH>(o, f);
 #pragma unroll
-  for (int i = 0; i < CH; ++i) b.v[i] = qa_fp8_encode(T::load(o.v[i]), scale);
+    for (int i = 0; i < CH; i += 2) {
+      const unsigned short two = qa_fp8_encode2(f[i], f[i + 1], scale);
+      memcpy(&b.v[i], &two, sizeof(two));
+    }
+  } else
+#endif
+  {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) b.v[i] = qa_fp8_encode(T::load(o.v[i]), scale);
+  }
   if (vec) {
     *reinterpret_cast<QaVec<unsigned char, CH>*>(p) = b;
   } else {

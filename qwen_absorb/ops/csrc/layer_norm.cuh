@@ -141,6 +141,59 @@ __device__ __forceinline__ float2 qa_row_mean_rstd(QaWelford w, int D, float eps
   return make_float2(smem[0], smem[1]);
 }
 
+// MODE 0 on a full row (every thread holds N0 elements, D = 128 * N0): the same combine tree as
+// qa_row_mean_rstd<0>, but every count in it is known at compile time. Both sides of each combine
+// hold C = N0 * 2^level elements, so PyTorch's count, 1/count (__frcp_rn, correctly rounded) and
+// a.count * coef are the constexpr values below (constant folding in fp32 rounds the same way), the
+// count > 0 test is always true and the counts need not be shuffled.
+template <int C>
+__device__ __forceinline__ QaWelford qa_combine_equal(QaWelford b, float a_mean, float a_m2) {
+  constexpr float coef = 1.0f / (2.0f * (float)C);
+  constexpr float n = (float)C * coef;  // na == nb
+  const float delta = __fsub_rn(b.mean, a_mean);
+  QaWelford r;
+#if QA_WELFORD_MEAN_ORDER == 0
+  r.mean = __fmaf_rn(n, a_mean, __fmul_rn(n, b.mean));
+#else
+  r.mean = __fmaf_rn(n, b.mean, __fmul_rn(n, a_mean));
+#endif
+  r.m2 = __fmaf_rn(__fmul_rn(__fmul_rn(delta, delta), (float)C), n, __fadd_rn(a_m2, b.m2));
+  r.count = 2.0f * (float)C;
+  return r;
+}
+
+template <int C, int OFF>
+__device__ __forceinline__ QaWelford qa_warp_combine_equal(QaWelford w) {
+  if constexpr (OFF == 0) {
+    return w;
+  } else {
+    const float om = __shfl_down_sync(0xffffffffu, w.mean, OFF);
+    const float om2 = __shfl_down_sync(0xffffffffu, w.m2, OFF);
+    return qa_warp_combine_equal<2 * C, OFF / 2>(qa_combine_equal<C>(w, om, om2));
+  }
+}
+
+// The 4 warp results go through shared memory once, and every thread combines them itself in
+// PyTorch's order ((W0 + W2) + (W1 + W3), own value first), which needs one barrier instead of
+// five. smem: at least 8 floats.
+template <int N0>
+__device__ __forceinline__ float2 qa_row_mean_rstd_full(QaWelford w, float eps, float* smem) {
+  static_assert(QaLn<0>::THREADS == 128, "the tree below is PyTorch's for 4 warps");
+  constexpr int CW = N0 * 32;  // elements per warp
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  w = qa_warp_combine_equal<N0, 16>(w);
+  if (lane == 0) {
+    smem[2 * warp] = w.mean;
+    smem[2 * warp + 1] = w.m2;
+  }
+  __syncthreads();
+  const QaWelford w0 = {smem[0], smem[1], 0.f}, w1 = {smem[2], smem[3], 0.f};
+  const QaWelford a = qa_combine_equal<CW>(w0, smem[4], smem[5]);
+  const QaWelford b = qa_combine_equal<CW>(w1, smem[6], smem[7]);
+  const QaWelford r = qa_combine_equal<2 * CW>(a, b.mean, b.m2);
+  return make_float2(r.mean, rsqrtf(__fadd_rn(__fdiv_rn(r.m2, (float)(4 * CW)), eps)));
+}
+
 // LayerNorm output (no affine) in fp32, before PyTorch rounds it to the tensor dtype.
 template <int MODE>
 __device__ __forceinline__ float qa_ln_value(float v, float mean, float rstd) {

@@ -34,8 +34,12 @@ __global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
   const qa_i64 row = blockIdx.x;
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaLnInput<T> load(p.x, off, p.vec_flags, p.amax, p.quant_mode);
-  const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale,
-                                      qa_target_row(row, p.L, p.B, p.mask) * p.scale_rs);
-  qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);
+  const qa_i64 soff = qa_target_row(row, p.L, p.B, p.mask) * p.scale_rs;
+  qa_ln_dispatch<MODE, NV>(p.D, p.vec_flags, 1 | 4, [&](auto fast) {
+    constexpr bool FAST = decltype(fast)::value;
+    const int vf = FAST ? (1 | 4) : p.vec_flags;
+    const QaLnInput<T, QaLn<MODE>::CH> load(p.x, off, vf, p.amax, p.quant_mode);
+    const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, soff);
+    qa_ln_row<MODE, NV, FAST>(p.D, p.eps, load, load, emit);
+  });
 }

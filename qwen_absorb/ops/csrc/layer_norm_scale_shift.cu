@@ -37,8 +37,12 @@ layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaLnInput<T> load(p.x, off, p.vec_flags, p.amax, p.quant_mode);
-  const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs,
-                                     p.shift, prow * p.shift_rs);
-  qa_ln_row<MODE, NV>(p.D, p.eps, load, load, emit);
+  qa_ln_dispatch<MODE, NV>(p.D, p.vec_flags, 1 | 2 | 4, [&](auto fast) {
+    constexpr bool FAST = decltype(fast)::value;
+    const int vf = FAST ? (1 | 2 | 4) : p.vec_flags;
+    const QaLnInput<T, QaLn<MODE>::CH> load(p.x, off, vf, p.amax, p.quant_mode);
+    const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs, p.shift,
+                                       prow * p.shift_rs);
+    qa_ln_row<MODE, NV, FAST>(p.D, p.eps, load, load, emit);
+  });
 }

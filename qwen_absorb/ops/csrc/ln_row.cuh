@@ -3,77 +3,115 @@
 // input and output steps passed in; every LayerNorm kernel runs on it, and QaLnEmit (below) is the
 // emit step of all of them.
 //
-//   produce(c, v): slot c's LayerNorm input (CH floats) into v; may write side outputs (a residual)
-//   reread(c, v):  the same input again (NV == 0 only: the streaming variant keeps nothing)
-//   emit(c, v, mean, rstd): slot c's outputs from its input and the row statistics
+// Thread t owns the slots t, t + TH, t + 2 TH, ... of the row. The steps address a slot by `rel`, its
+// distance in slots from the thread's first slot (k * TH for its k-th slot): they keep pointers to
+// the thread's first slot, so in the unrolled loops every address is that pointer plus a constant
+// (the LayerNorm kernels are bound by instruction issue, not by memory; per-slot 64-bit address
+// arithmetic was a third of their instructions).
+//   produce(rel, v): that slot's LayerNorm input (CH floats) into v; may write side outputs (a residual)
+//   reread(rel, v):  the same input again (NV == 0 only: the streaming variant keeps nothing)
+//   emit(rel, v, mean, rstd): the slot's outputs from its input and the row statistics
 //
 // NV > 0: each thread keeps its NV slots in registers between the statistics and the outputs
-// (slots are filled in order, so the Welford count of each element is a compile-time constant);
-// NV == 0: a strided loop for very wide rows that obtains every input twice.
+// (slots are filled in order, so the Welford count of each element is a compile-time constant).
+// A full row (MODE 0, D == NV * TH * CH: every thread holds NV slots; Qwen-Image's 3072 and 2.1's
+// 4096) also has compile-time counts in the reduction (qa_row_mean_rstd_full). NV == 0: a strided
+// loop for very wide rows that obtains every input twice.
 #pragma once
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
 
-template <int MODE, int NV, class Produce, class Reread, class Emit>
-__device__ __forceinline__ void qa_ln_row(int D, float eps, Produce&& produce, Reread&& reread, Emit&& emit) {
-  constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
+// The reduction's shared memory: one array per kernel, however many variants of the row code the
+// kernel holds (a __shared__ declared in each template instance would be one array each).
+__device__ __forceinline__ float* qa_ln_smem() {
   __shared__ float smem[48];
+  return smem;
+}
+
+template <int MODE, int NV, bool FULL, class Produce, class Emit>
+__device__ __forceinline__ void qa_ln_row_registers(int D, float eps, Produce& produce, Emit& emit) {
+  constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
+  float* smem = qa_ln_smem();
   const int nslots = D / CH;
   const int tid = threadIdx.x;
   QaWelford w = {0.f, 0.f, 0.f};
-  float v[NV > 0 ? NV : 1][CH];
-
-  if (NV > 0) {
+  float v[NV][CH];
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * TH;
-      if (c < nslots) produce(c, v[k]);
-    }
+  for (int k = 0; k < NV; ++k) {
+    if (FULL || tid + k * TH < nslots) produce(k * TH, v[k]);
+  }
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (tid + k * TH < nslots) {
+  for (int k = 0; k < NV; ++k) {
+    if (FULL || tid + k * TH < nslots) {
 #pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          const int n = k * CH + i + 1;
-          qa_welford_add<MODE>(w, v[k][i], (float)n, 1.0f / (float)n);
-        }
+      for (int i = 0; i < CH; ++i) {
+        const int n = k * CH + i + 1;
+        qa_welford_add<MODE>(w, v[k][i], (float)n, 1.0f / (float)n);
       }
     }
+  }
+  float2 mr;
+  if constexpr (FULL) {
+    mr = qa_row_mean_rstd_full<NV * CH>(w, eps, smem);
   } else {
+    mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+  }
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (FULL || tid + k * TH < nslots) emit(k * TH, v[k], mr.x, mr.y);
+  }
+}
+
+// f(QaBool<FAST>{}), FAST: a full row in MODE 0 whose vec_flags include every bit of `needed` (the
+// kernels then build their steps with constant flags, so the scalar fallbacks drop out, and run
+// qa_ln_row<MODE, NV, true>). The common case in Qwen-Image: D = 3072, fresh aligned tensors.
+template <int MODE, int NV, class F>
+__device__ __forceinline__ void qa_ln_dispatch(int D, int vec_flags, int needed, F&& f) {
+  if constexpr (MODE == 0 && NV > 0) {
+    if (D == NV * QaLn<MODE>::THREADS * QaLn<MODE>::CH && (vec_flags & needed) == needed) {
+      f(QaBool<true>{});
+      return;
+    }
+  }
+  f(QaBool<false>{});
+}
+
+// FULL: the caller has checked D == NV * TH * CH (qa_ln_dispatch).
+template <int MODE, int NV, bool FULL = false, class Produce, class Reread, class Emit>
+__device__ __forceinline__ void qa_ln_row(int D, float eps, Produce&& produce, Reread&& reread, Emit&& emit) {
+  constexpr int TH = QaLn<MODE>::THREADS, CH = QaLn<MODE>::CH;
+  if constexpr (NV > 0) {
+    qa_ln_row_registers<MODE, NV, FULL && MODE == 0>(D, eps, produce, emit);
+  } else {
+    float* smem = qa_ln_smem();
+    const int nslots = D / CH;
+    const int tid = threadIdx.x;
+    QaWelford w = {0.f, 0.f, 0.f};
     int n = 0;
-    for (int c = tid; c < nslots; c += TH) {
+    for (int rel = 0; tid + rel < nslots; rel += TH) {
       float t[CH];
-      produce(c, t);
+      produce(rel, t);
 #pragma unroll
       for (int i = 0; i < CH; ++i) {
         ++n;
         qa_welford_add<MODE>(w, t[i], (float)n, __frcp_rn((float)n));
       }
     }
-  }
-  const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
-
-  if (NV > 0) {
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int c = tid + k * TH;
-      if (c < nslots) emit(c, v[k], mr.x, mr.y);
-    }
-  } else {
-    for (int c = tid; c < nslots; c += TH) {
+    const float2 mr = qa_row_mean_rstd<MODE>(w, D, eps, smem);
+    for (int rel = 0; tid + rel < nslots; rel += TH) {
       float t[CH];
-      reread(c, t);
-      emit(c, t, mr.x, mr.y);
+      reread(rel, t);
+      emit(rel, t, mr.x, mr.y);
     }
   }
 }
 
-// A LayerNorm input read from memory (qa_ln_row's `produce` or `reread`): slot c of the row at
-// element offset `off`, widened, then Q: the identity (quant_mode 0), or ModelOpt's FP8 per-tensor
+// A LayerNorm input read from memory (qa_ln_row's `produce` or `reread`): this thread's slot `rel`
+// (CH elements) of the row at element offset `off`, widened, then Q: the identity (quant_mode 0), or ModelOpt's FP8 per-tensor
 // fake quantization of the norm's input (quant_mode 1/2 with the amax at `amax`, QuantLayerNorm's
 // input quantizer). vec_flags bit 1: the rows are vector-aligned.
-template <class T>
+template <class T, int CH>
 struct QaLnInput {
   typedef typename T::storage S;
   const S* in;
@@ -83,17 +121,16 @@ struct QaLnInput {
 
   __device__ __forceinline__ QaLnInput(const void* base, qa_i64 off, int vec_flags, const float* amax = nullptr,
                                        int quant_mode_ = 0)
-      : in(reinterpret_cast<const S*>(base) + off), vec(vec_flags & 1), quant_mode(quant_mode_) {
+      : in(reinterpret_cast<const S*>(base) + off + threadIdx.x * CH), vec(vec_flags & 1), quant_mode(quant_mode_) {
     if (quant_mode != 0) qa_fp8_scales(amax, quant_mode, qscale, qinv);
   }
 
-  template <int CH>
-  __device__ __forceinline__ void operator()(int c, float (&v)[CH]) const {
-    qa_load_quant<T, CH>(in + c * CH, vec, quant_mode, qscale, qinv, v);
+  __device__ __forceinline__ void operator()(int rel, float (&v)[CH]) const {
+    qa_load_quant<T, CH>(in + rel * CH, vec, quant_mode, qscale, qinv, v);
   }
 };
 
-// The emit step of every LayerNorm kernel (qa_ln_row's `emit`): slot c's modulated output
+// The emit step of every LayerNorm kernel (qa_ln_row's `emit`): slot rel's modulated output
 // LayerNorm(v) * (1 + scale) [+ shift] (qa_modulated, diffusers' roundings), written to `out` in the
 // tensor dtype (skipped when null) and/or to `out_fp8` as the e4m3 codes of the same rounded values
 // under the per-tensor amax at `out_amax` (the FP8 input of the consumer linears when they run as
@@ -102,6 +139,7 @@ struct QaLnInput {
 template <class T, int MODE, bool SHIFT>
 struct QaLnEmit {
   typedef typename T::storage S;
+  static constexpr int CH_ = QaLn<MODE>::CH;
   S* out;
   unsigned char* f8;
   const S* sc;
@@ -112,21 +150,23 @@ struct QaLnEmit {
   __device__ __forceinline__ QaLnEmit(void* out_base, unsigned char* f8_base, const float* out_amax, qa_i64 off,
                                       int vec_flags, const void* scale, qa_i64 scale_off,
                                       const void* shift = nullptr, qa_i64 shift_off = 0)
-      : out(out_base ? reinterpret_cast<S*>(out_base) + off : nullptr), f8(f8_base ? f8_base + off : nullptr),
-        sc(reinterpret_cast<const S*>(scale) + scale_off),
-        sh(SHIFT ? reinterpret_cast<const S*>(shift) + shift_off : nullptr), vx(vec_flags & 1),
+      : out(out_base ? reinterpret_cast<S*>(out_base) + off + threadIdx.x * CH_ : nullptr),
+        f8(f8_base ? f8_base + off + threadIdx.x * CH_ : nullptr),
+        sc(reinterpret_cast<const S*>(scale) + scale_off + threadIdx.x * CH_),
+        sh(SHIFT ? reinterpret_cast<const S*>(shift) + shift_off + threadIdx.x * CH_ : nullptr), vx(vec_flags & 1),
         vsc(vec_flags & 4), vsh(vec_flags & 2) {
     float f8inv = 1.f;
     if (f8) qa_fp8_scales(out_amax, 1, f8scale, f8inv);
   }
 
   template <int CH>
-  __device__ __forceinline__ void operator()(int c, const float (&v)[CH], float mean, float rstd) const {
-    const QaVec<S, CH> scv = qa_load_raw<T, CH>(sc + c * CH, vsc);
+  __device__ __forceinline__ void operator()(int rel, const float (&v)[CH], float mean, float rstd) const {
+    const int e = rel * CH;
+    const QaVec<S, CH> scv = qa_load_raw<T, CH>(sc + e, vsc);
     QaVec<S, CH> shv = {};
-    if constexpr (SHIFT) shv = qa_load_raw<T, CH>(sh + c * CH, vsh);
+    if constexpr (SHIFT) shv = qa_load_raw<T, CH>(sh + e, vsh);
     const QaVec<S, CH> o = qa_modulated<T, MODE, CH, SHIFT>(v, mean, rstd, scv, shv);
-    if (out) qa_store_raw<T, CH>(out + c * CH, vx, o);
-    if (f8) qa_store_fp8<T, CH>(f8 + c * CH, vx, o, f8scale);
+    if (out) qa_store_raw<T, CH>(out + e, vx, o);
+    if (f8) qa_store_fp8<T, CH>(f8 + e, vx, o, f8scale);
   }
 };

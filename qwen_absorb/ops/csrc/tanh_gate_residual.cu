@@ -23,7 +23,7 @@ struct TanhGateResidualParams {
 template <class T, int VEC, int NV>
 __global__ void __launch_bounds__(QA_TGR_THREADS) tanh_gate_residual_kernel(const TanhGateResidualParams p) {
   const qa_i64 row = blockIdx.x;
-  const QaResidualRow<T, QA_GATE_TANH> res(p.residual, p.x, nullptr, p.gate, p.out, row * (qa_i64)p.D,
+  const QaResidualRow<T, QA_GATE_TANH, VEC> res(p.residual, p.x, nullptr, p.gate, p.out, row * (qa_i64)p.D,
                                            qa_target_row(row, p.L, p.B, p.mask) * p.gate_rs, p.vec_flags, p.clip);
-  qa_for_slots<QA_TGR_THREADS, NV>(p.D / VEC, [&](int c) { res.template step<VEC>(c); });
+  qa_for_slots<QA_TGR_THREADS, NV>(p.D / VEC, [&](int rel) { res.step(rel); });
 }

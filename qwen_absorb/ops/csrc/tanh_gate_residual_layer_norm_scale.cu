@@ -40,15 +40,19 @@ tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleP
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_target_row(row, p.L, p.B, p.mask);
   const qa_i64 off = row * (qa_i64)p.D;
-  const QaResidualRow<T, QA_GATE_TANH> res(p.residual, p.x, nullptr, p.gate, p.new_residual, off, prow * p.gate_rs,
-                                           p.vec_flags, p.clip);
-  // the LayerNorm input is new_residual: computed (and written) once; the streaming variant
-  // re-reads the slots this thread wrote itself (program order makes them visible)
-  const QaLnInput<T> reread(p.new_residual, off, p.vec_flags, p.amax, p.quant_mode);
-  auto produce = [&](int c, float (&t)[CH]) {
-    qa_widen<T, CH>(res.template step<CH>(c), t);
-    qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
-  };
-  const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, p.vec_flags, p.scale, prow * p.scale_rs);
-  qa_ln_row<MODE, NV>(p.D, p.eps, produce, reread, emit);
+  qa_ln_dispatch<MODE, NV>(p.D, p.vec_flags, 1 | 4 | 8, [&](auto fast) {
+    constexpr bool FAST = decltype(fast)::value;
+    const int vf = FAST ? (1 | 4 | 8) : p.vec_flags;
+    const QaResidualRow<T, QA_GATE_TANH, CH> res(p.residual, p.x, nullptr, p.gate, p.new_residual, off,
+                                                 prow * p.gate_rs, vf, p.clip);
+    // the LayerNorm input is new_residual: computed (and written) once; the streaming variant
+    // re-reads the slots this thread wrote itself (program order makes them visible)
+    const QaLnInput<T, CH> reread(p.new_residual, off, vf, p.amax, p.quant_mode);
+    auto produce = [&](int rel, float (&t)[CH]) {
+      qa_widen<T, CH>(res.step(rel), t);
+      qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
+    };
+    const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs);
+    qa_ln_row<MODE, NV, FAST>(p.D, p.eps, produce, reread, emit);
+  });
 }
