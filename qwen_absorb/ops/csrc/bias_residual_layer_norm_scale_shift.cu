@@ -32,7 +32,7 @@ struct BiasResidualLayerNormScaleShiftParams {
 };
 
 template <class T, int MODE, int NV>
-__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShiftParams p) {
   constexpr int CH = QaLn<MODE>::CH;
   const qa_i64 row = blockIdx.x;

@@ -23,14 +23,23 @@
 #endif
 
 template <int MODE> struct QaLn;
-// MIN_BLOCKS caps registers (65536 / (THREADS * MIN_BLOCKS)) so enough rows are in flight per SM.
-// Minimum resident blocks per SM for mode 0 (caps registers at 65536 / (128 * QA_LN_MIN_BLOCKS));
-// 1 leaves the compiler free. Tuned on the H200 by benchmarks/bench_ops.py --sweep.
+template <> struct QaLn<0> { static constexpr int THREADS = 128, CH = 4; };
+template <> struct QaLn<1> { static constexpr int THREADS = 512, CH = 1; };
+
+// Minimum resident blocks per SM in a kernel's __launch_bounds__: it caps registers at
+// 65536 / (THREADS * blocks) so enough rows are in flight per SM. Mode 0 with at most 6 slots per
+// thread (D <= 3072: Qwen-Image's rows) takes 10 (51 registers): the H200 sweep of
+// benchmarks/bench_ops.py --sweep measured 113 us against 124 us with the compiler left free (1) for
+// bias_residual_layer_norm_scale_shift at [1, 16384, 3072], and 54.6 against 55.6 for
+// layer_norm_scale_shift. Wider rows keep 1 (their registers hold more slots). QA_LN_MIN_BLOCKS > 0
+// forces one value for every mode-0 kernel (the sweep).
 #ifndef QA_LN_MIN_BLOCKS
-#define QA_LN_MIN_BLOCKS 1
+#define QA_LN_MIN_BLOCKS 0
 #endif
-template <> struct QaLn<0> { static constexpr int THREADS = 128, CH = 4, MIN_BLOCKS = QA_LN_MIN_BLOCKS; };
-template <> struct QaLn<1> { static constexpr int THREADS = 512, CH = 1, MIN_BLOCKS = 2; };
+template <int MODE, int NV>
+__host__ __device__ constexpr int qa_ln_min_blocks() {
+  return MODE == 1 ? 2 : QA_LN_MIN_BLOCKS > 0 ? QA_LN_MIN_BLOCKS : (NV >= 1 && NV <= 6 ? 10 : 1);
+}
 
 struct QaWelford {
   float mean, m2, count;

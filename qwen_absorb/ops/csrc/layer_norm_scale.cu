@@ -30,7 +30,7 @@ struct LayerNormScaleParams {
 };
 
 template <class T, int MODE, int NV>
-__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
   const qa_i64 row = blockIdx.x;
   const qa_i64 off = row * (qa_i64)p.D;

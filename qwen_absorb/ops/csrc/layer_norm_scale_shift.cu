@@ -32,7 +32,7 @@ struct LayerNormScaleShiftParams {
 };
 
 template <class T, int MODE, int NV>
-__global__ void __launch_bounds__(QaLn<MODE>::THREADS, QaLn<MODE>::MIN_BLOCKS)
+__global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
   const qa_i64 row = blockIdx.x;
   const qa_i64 prow = qa_param_row(row, p.L, p.B, p.index, p.index_kind);

@@ -113,29 +113,35 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = (((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp) * RPW;
   if (row0 >= J.rows) return;  // whole warps only: the shuffles below need all 32 lanes
-  const int lh = J.L * J.H;
   const int e = lane * 4;
 
-  // every load of the warp's rows first (row0 + r < rows is warp-uniform)
+  // every load of the warp's rows first (row0 + r < rows is warp-uniform). The warp's rows are
+  // consecutive: (b, l, h) of the first by division, of the next ones by counting on.
   float v[RPW][4], f[RPW][4];
+  int b = row0 / (J.L * J.H);
+  int l = (row0 - b * J.L * J.H) / J.H;
+  int h = row0 - (b * J.L + l) * J.H;
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const int row = row0 + r;
-    if (row < J.rows) {
-      const int b = row / lh;
-      const int rem = row - b * lh;
-      const int l = rem / J.H;
-      const int h = rem - l * J.H;
+    if (row0 + r < J.rows) {
       const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
       qa_load<T, 4>(xr, J.vec_flags & 1, v[r]);
       qa_load<QaF32, 4>(J.freqs + l * J.freqs_stride + e, J.vec_flags & 4, f[r]);  // (c, d) of pairs e/2, e/2+1
+      if (++h == J.H) {
+        h = 0;
+        if (++l == J.L) {
+          l = 0;
+          ++b;
+        }
+      }
     }
   }
   float w[4];
   qa_load<T, 4>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
 
-  // variance: the squares go through shared memory so each lane can sum the elements it owns in
-  // PyTorch's order (ORDER, see the header), then a shfl_down tree over the lanes.
+  // variance: each lane sums the squares of the elements it owns in PyTorch's order (ORDER, see the
+  // header), then a shfl_down tree over the lanes. ORDER 0 / 10 sums exactly the lane's own four
+  // elements, from registers; the other orders pass the squares through shared memory.
   __shared__ float sq_all[QA_QKR_WARPS][128];
   float* sq = sq_all[warp];
   constexpr int G = ORDER % 10, LANES = qa_qkr_lanes<G>();
@@ -143,11 +149,19 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
   for (int r = 0; r < RPW; ++r) {
     const int row = row0 + r;
     if (row >= J.rows) break;
-    __syncwarp();  // the previous row's reads of sq are done
+    float s;
+    if constexpr (G == 0) {
+      float q[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sq[e + i] = __fmul_rn(v[r][i], v[r][i]);
-    __syncwarp();
-    float s = qa_qkr_lane_partial<G>(sq, lane);
+      for (int i = 0; i < 4; ++i) q[i] = __fmul_rn(v[r][i], v[r][i]);
+      s = __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[1]), q[2]), q[3]);
+    } else {
+      __syncwarp();  // the previous row's reads of sq are done
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sq[e + i] = __fmul_rn(v[r][i], v[r][i]);
+      __syncwarp();
+      s = qa_qkr_lane_partial<G>(sq, lane);
+    }
     if (ORDER >= 10) {
 #pragma unroll
       for (int off = LANES / 2; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off));
