@@ -264,7 +264,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
             plan.linears[p].fp8_reasons[-1] += " (inside it, its gated forward runs a real FP8 GEMM where it can)"
     plan.tp_reasons = _decide_tp(block)
     plan.modelopt = any(_has_quantizers(m) for m in block.modules())
-    plan.quant_attention = type(block.attn).__module__.startswith("modelopt.")
+    plan.quant_attention = quant.is_modelopt_object(block.attn)
     plan.calibrating = any(quant.calibrating(m) for p in (*LINEAR_TABLE, *NORMS) if (m := resolve(block, p)) is not None)
     plan.bypassed = dep.bypassed(plan, block)
     plan.rt.watch = dep.watch(block)

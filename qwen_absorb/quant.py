@@ -38,8 +38,14 @@ INT4 = "INT4"
 OTHER = "other"
 
 
+def is_modelopt_object(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a ModelOpt class: a quantizer, or a module ModelOpt put in place of a
+    diffusers one (its quantized attention, linears, norms)."""
+    return obj is not None and type(obj).__module__.startswith("modelopt.")
+
+
 def is_modelopt_quantizer(q: Any) -> bool:
-    return q is not None and type(q).__module__.startswith("modelopt.")
+    return is_modelopt_object(q)
 
 
 def _first_quantizer(q: Any) -> Any:

@@ -203,3 +203,23 @@ def test_gating_functions_are_data():
         assert isinstance(k, tuple) and len(k) == 2 and isinstance(v, str) and v
     with pytest.raises(ValueError):
         gating.check_mode(1)
+
+
+def test_modelopt_objects_are_told_by_their_class(seed):
+    """quant.is_modelopt_object owns the ModelOpt class test: FP8_DEFAULT_CFG puts QuantAttention in place of the
+    block attention, and the plan records it (block.py then guards ModelOpt's global attention swap)."""
+    from qwen_absorb import quant
+    from qwen_absorb.plan import PLAN_ATTR
+
+    model = _quantized("fp8", torch.bfloat16, False, seed)
+    plain = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    blk, pblk = model.transformer_blocks[0], plain.transformer_blocks[0]
+    assert quant.is_modelopt_object(blk.attn) and quant.is_modelopt_object(blk.attn.to_q.weight_quantizer)
+    assert not quant.is_modelopt_object(pblk.attn) and not quant.is_modelopt_object(pblk.attn.to_q)
+    assert not quant.is_modelopt_object(None)
+    qwen_absorb.patch(model)
+    qwen_absorb.patch(plain)
+    assert blk.__dict__[PLAN_ATTR].quant_attention is True
+    assert pblk.__dict__[PLAN_ATTR].quant_attention is False
+    qwen_absorb.unpatch(model)
+    qwen_absorb.unpatch(plain)
