@@ -321,7 +321,7 @@ def _cuda_graph() -> Any:
 
 
 GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
-                  "faster than the eager patched call (qwenimage21_h200.md: FP8 79.2 vs 78.7 ms, bf16 116.2 vs 115.4 ms) "
+                  "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 116.2 vs 115.4 ms) "
                   "and hold one output per block; cuda_graph=True installs them")
 
 

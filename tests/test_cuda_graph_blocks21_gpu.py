@@ -91,7 +91,7 @@ def test_replays_bit_identical_to_unpatched(dtype, case, seed):
 
 
 def test_auto_leaves_the_blocks_eager_and_says_why(seed):
-    """"auto" on a CUDA model installs no block graphs (measured no faster, qwenimage21_h200.md) and says so."""
+    """"auto" on a CUDA model installs no block graphs (measured no faster, qwenimage21_h200_3341f42.md) and says so."""
     model, twin = _pair(seed % 1000)
     report = qwen_absorb.patch(model)
     assert report.cuda_graph is None and report.cuda_graph_refused == P.GRAPHS_21_AUTO

@@ -28,7 +28,7 @@ template <> struct QaLn<1> { static constexpr int THREADS = 512, CH = 1; };
 
 // Minimum resident blocks per SM in a kernel's __launch_bounds__: it caps registers at
 // 65536 / (THREADS * blocks) so enough rows are in flight per SM. Mode 0 with at most 6 slots per
-// thread (D <= 3072: Qwen-Image's rows) takes 10 (51 registers): the H200 sweep of
+// thread (D <= 3072: Qwen-Image's rows) takes 10 (ptxas: 48 registers, ~90 bytes of spills): the H200 sweep of
 // benchmarks/bench_ops.py --sweep measured 113 us against 124 us with the compiler left free (1) for
 // bias_residual_layer_norm_scale_shift at [1, 16384, 3072], and 54.6 against 55.6 for
 // layer_norm_scale_shift. Wider rows keep 1 (their registers hold more slots). QA_LN_MIN_BLOCKS > 0
