@@ -82,10 +82,9 @@ _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.
 _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
 
 
-def _hook_state(m: nn.Module) -> tuple:
-    """What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`)."""
-    d = m.__dict__
-    return (len(d.get("_forward_pre_hooks") or ()), len(d.get("_forward_hooks") or ()), d.get("forward"))
+# What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`): its forward slot,
+# and how many forward (pre-)hooks it holds
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
 def watch(block: nn.Module) -> Watch:
@@ -127,9 +126,13 @@ def watch(block: nn.Module) -> Watch:
         add((attn, "__dict__", "processor"), entries)
     holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
     modules.update((id(m), m) for m in holders)
-    stateful += [(m, type) for m in modules.values()]  # a class converted in place (mtq.quantize)
-    stateful += [(m, _hook_state) for m in modules.values()]  # a hook added or removed: decide again
-    return Watch(entries.values(), tensors.values(), stateful)
+    sized: dict[tuple[int, str, str], tuple] = {}
+    for m in modules.values():  # a hook added or removed: decide again
+        add((m, "__dict__", "forward"), entries)
+        for name in _HOOK_DICTS:
+            add((m, "__dict__", name), sized)
+    # typed: a class converted in place (mtq.quantize)
+    return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
 
 
 __all__ = ["bypassed", "hook_refusal", "hooked", "tp_style_hooks", "watch"]

@@ -172,7 +172,7 @@ class Fp8LinearForward:
         self.reasons = r
         switches, tensors = quant.watch_pairs(lin)
         # the class too: ModelOpt converts modules in place (mtq.compress: QuantLinear -> RealQuantQuantLinear)
-        self.watch = Watch(switches, tensors + [(lin, "_parameters", "weight")], stateful=[(lin, type)])
+        self.watch = Watch(switches, tensors + [(lin, "_parameters", "weight")], typed=[lin])
         if not first:
             self.rebuilds[f"real-FP8 linear {self.path}: its weight, quantizers or device changed"] += 1
             log.info("block %d %s: FP8 weight decided anew (%s)", self.index, self.path,

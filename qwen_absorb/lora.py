@@ -151,29 +151,48 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
 
 
 def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
-    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of branches whose A products :func:`shared_input_branches`
-    computed: the fp32-accumulated ``addmm_`` of :func:`add_branches`' fast path."""
+    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of branches whose A products were computed
+    (:func:`products`, :func:`shared_input_branches`): one fp32-accumulated ``addmm_`` each, in place."""
     y2 = y.view(-1, y.shape[-1])
     for t, wb, s in branches:
         y2.addmm_(t, wb.t(), alpha=s)
     return y
 
 
-def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y`` (the base layer's output for input ``x``) plus every active adapter's branch."""
+def write_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
+    """``y = sum of scaling * (x @ A.T) @ B.T`` over the branches (at least one), in place: the first product
+    overwrites ``y`` (``beta = 0``: its old contents, uninitialised memory included, are never read), the others
+    are added as :func:`add_products` adds them. What an FP8 GEMM that accumulates into ``y`` then completes."""
+    y2 = y.view(-1, y.shape[-1])
+    (t, wb, s), rest = branches[0], branches[1:]
+    y2.addmm_(t, wb.t(), beta=0, alpha=s)
+    for t, wb, s in rest:
+        y2.addmm_(t, wb.t(), alpha=s)
+    return y
+
+
+def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, Any]] | None:
+    """``[(x @ A.T, lora_B.weight, scaling)]`` of the layer's active branches, for an output of ``out_dtype``
+    (empty: none is active); None where PEFT's own expression must run instead (dropout that is not the
+    identity, adapter weights of another dtype or device than ``x`` and the output)."""
     branches = active_branches(layer)
     if not branches:
-        return y
+        return []
+    if not all(_identity_dropout(drop) and a.weight.dtype == x.dtype == out_dtype == b.weight.dtype
+               and a.weight.device == x.device == b.weight.device for a, b, drop, _ in branches):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    return [(torch.nn.functional.linear(x2, a.weight), b.weight, s) for a, b, _, s in branches]
+
+
+def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (the base layer's output for input ``x``) plus every active adapter's branch: in place through
+    :func:`products` where it applies (``y`` contiguous), else PEFT's expression op for op (a new tensor)."""
+    prods = products(layer, x, y.dtype) if y.is_contiguous() else None
+    if prods is not None:
+        return add_products(y, prods) if prods else y
+    branches = active_branches(layer)
     out_dtype = y.dtype
-    fast = y.is_contiguous() and all(
-        _identity_dropout(drop) and a.weight.dtype == x.dtype == out_dtype == b.weight.dtype
-        and a.weight.device == y.device for a, b, drop, _ in branches)
-    if fast:
-        y2 = y.view(-1, y.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        for a, b, _, s in branches:
-            y2.addmm_(torch.nn.functional.linear(x2, a.weight), b.weight.t(), alpha=s)
-        return y
     cast = getattr(layer, "cast_input_dtype_enabled", True)
     for a, b, drop, s in branches:
         if cast and x.dtype != a.weight.dtype:
@@ -183,4 +202,4 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
 
 
 __all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "has_lora_bias", "is_lora_layer",
-           "shared_input_branches", "state", "unsupported_reasons"]
+           "products", "shared_input_branches", "state", "unsupported_reasons", "write_products"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import lora
+from . import cublaslt, lora
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
@@ -42,19 +42,43 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
     return module(*args)
 
 
+# Where a LoRA linear's branches are written into its output first and the FP8 GEMM's product is added by the
+# GEMM's epilogue (cuBLASLt ``beta = 1``, :mod:`qwen_absorb.cublaslt`) instead of added after it. The epilogue
+# reads the branches back inside a GEMM that is bound by its tensor cores; cuBLASLt's Hopper kernels do not
+# overlap that read with the main loop, so it only pays where the output is wide against K (the FFN up
+# projection: N = 4K), benchmarks/results/lora_gemm_h200.md. "auto": N >= 2K; True: wherever cuBLASLt takes
+# the operands; False: never (the branches are added after the GEMM).
+LORA_EPILOGUE: str | bool = "auto"
+
+
+def lora_epilogue_wanted(mode: str | bool, n: int, k: int) -> bool:
+    """:data:`LORA_EPILOGUE`'s rule for an [.., K] -> [.., N] linear (operands permitting)."""
+    return mode is True or (mode == "auto" and n >= 2 * k)
+
+
+def _lora_into_epilogue(a: torch.Tensor, lp: LinearPlan, out: torch.Tensor) -> bool:
+    if out.device.type != "cuda" or not lora_epilogue_wanted(LORA_EPILOGUE, out.shape[-1], a.shape[-1]):
+        return False
+    return not cublaslt.scaled_mm_reasons(a, lp.weight.codes, lp.bias, out)
+
+
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
                x: torch.Tensor | None = None, module: nn.Module | None = None,
                branches: list | None = None) -> torch.Tensor:
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
 
     A LoRA linear (``lp.lora``): ``module`` is the PEFT layer and ``x`` the unquantized input; its
-    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.add_branches`),
+    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.products`),
     or, where the caller computed their ``lora_A`` products together with those of the other linears
     reading ``x`` (``branches``, :func:`qwen_absorb.lora.shared_input_branches`), from those.
     Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
     output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
     lead = codes.shape[:-1]
+    if writes_into(lp) and codes.numel():
+        out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
+                          device=codes.device)
+        return fp8_linear_into(codes, lp, plan, out, x, module, branches).view(*lead, out.shape[-1])
     a = codes.reshape(-1, codes.shape[-1])
     bias = lp.bias
     fuse_bias = bias is not None and bias.dtype == w.out_dtype and w.out_dtype != torch.float32
@@ -91,17 +115,30 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
                     x: torch.Tensor | None = None, module: nn.Module | None = None,
                     branches: list | None = None) -> torch.Tensor:
     """:func:`fp8_linear` for a linear with :func:`writes_into`, written into ``out`` (a contiguous
-    [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor): the same
-    cuBLASLt call and the same in-place LoRA additions, so the same bits, without the copy a later
-    concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`."""
+    [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor), without
+    the copy a later concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`.
+
+    The LoRA branches (``branches``, or :func:`qwen_absorb.lora.products` of ``module``) are either added
+    after the GEMM (``torch._scaled_mm``, then one fp32-accumulated ``addmm_`` per branch: the sum rounded
+    once), or, where :data:`LORA_EPILOGUE` says so, written into ``out`` first and the GEMM's product and
+    bias added to them by its epilogue (the branches rounded once, then the sum once)."""
     w = lp.weight
-    torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
+    a = codes.reshape(-1, codes.shape[-1])
+    prods = branches
+    if prods is None and lp.lora:
+        prods = lora.products(module, x, w.out_dtype)
+    if prods and _lora_into_epilogue(a, lp, out):
+        lora.write_products(out, prods)
+        if cublaslt.scaled_mm(a, w.codes, lp.input_scale, w.scale, lp.bias, out, fast_accum=plan.fast_accum,
+                              accumulate=True):
+            return out
+    torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
-    if branches is not None:
-        lora.add_products(out, branches)
-    elif lp.lora:
+    if prods is not None:
+        lora.add_products(out, prods)
+    elif lp.lora:  # PEFT's own expression (not in place): its result, where the view is
         y = lora.add_branches(module, out, x)
-        if y is not out:  # PEFT's own expression (not in place): its result, where the view is
+        if y is not out:
             out.copy_(y.reshape(out.shape))
     return out
 

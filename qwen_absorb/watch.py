@@ -7,7 +7,12 @@ objects whose state only a function can read (PEFT layers, :func:`qwen_absorb.lo
 - the identity of every watched value (a module, parameter or buffer replaced; a bool switch flipped:
   ``True``/``False``/``None`` are singletons),
 - the ``_version`` and ``data_ptr`` of every watched tensor (modified in place, ``param.data = ...``),
+- the length of every sized value (a hook added to or removed from a module's hook dict),
+- the class of every typed object (a module converted in place, as ``mtq.quantize`` does),
 - the state tuples of the stateful objects.
+
+All but the last are C-level ``map`` loops: a block's watch holds ~700 values, and an eager call asks 60
+of them (one per block) before it computes.
 
 Entries are ``(owner, holder, key)``: ``owner.__dict__`` (``holder == "__dict__"``) or one of the
 module dicts in it (``"_parameters"``, ``"_modules"``, ``"_buffers"``), so a copy (``deepcopy``,
@@ -21,7 +26,7 @@ block decides again before the call computes. Host metadata only: nothing here t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -44,15 +49,24 @@ def tensor_version(t: Any) -> int:
 
 
 _version = tensor_version
+_BY_ID = ("_modules", "_parameters")
 
 
 class Watch:
-    __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "tdicts", "tkeys", "tids", "vers", "ptrs",
-                 "stateful", "states", "pending")
+    __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "rdicts", "rkeys", "rvals", "tdicts", "tkeys", "tids",
+                 "vers", "ptrs",
+                 "sentries", "sdicts", "skeys", "lens", "typed", "types", "stateful", "states", "pending")
 
     def __init__(self, entries: Iterable[Entry] = (), tensors: Iterable[Entry] = (),
-                 stateful: Iterable[tuple[Any, Callable[[Any], Any]]] = ()) -> None:
+                 stateful: Iterable[tuple[Any, Callable[[Any], Any]]] = (), sized: Iterable[Entry] = (),
+                 typed: Iterable[Any] = ()) -> None:
+        """``entries``: values compared by identity; ``tensors``: tensors compared by identity, version and
+        address; ``sized``: values (present now, with a length) compared by identity and length; ``typed``:
+        objects whose class is compared; ``stateful``: ``(object, fn)`` pairs whose ``fn(object)`` is compared."""
         entries, tensors, self.stateful = list(entries), list(tensors), list(stateful)
+        self.typed = list(typed)
+        self.sentries = [e for e in sized if _dict(e).get(e[2]) is not None]
+        entries += [e for e in self.sentries if e not in entries]
         # tensors only where one is present now; a slot that is empty now is watched by identity
         present = [e for e in tensors if isinstance(_dict(e).get(e[2]), torch.Tensor)]
         self.entries = entries + [e for e in tensors if not isinstance(_dict(e).get(e[2]), torch.Tensor)]
@@ -61,25 +75,37 @@ class Watch:
 
     def _resolve(self) -> None:
         self.pending = False
-        self.dicts, self.keys = [_dict(e) for e in self.entries], [e[2] for e in self.entries]
+        # module and parameter slots by id (a replaced module or weight is not kept alive by the watch); the
+        # other values (switches, forward slots, processors, amax buffers: small) by reference, which
+        # compares without making an id object per value
+        by_id = [e for e in self.entries if e[1] in _BY_ID]
+        by_ref = [e for e in self.entries if e[1] not in _BY_ID]
+        self.dicts, self.keys = [_dict(e) for e in by_id], [e[2] for e in by_id]
+        self.rdicts, self.rkeys = [_dict(e) for e in by_ref], [e[2] for e in by_ref]
         self.tdicts, self.tkeys = [_dict(e) for e in self.tentries], [e[2] for e in self.tentries]
+        self.sdicts, self.skeys = [_dict(e) for e in self.sentries], [e[2] for e in self.sentries]
         self.take()
 
     @classmethod
-    def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list) -> Watch:
+    def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list, sentries: list[Entry] = (),
+                  typed: list = ()) -> Watch:
         """A copy: its owners are still being rebuilt (deepcopy / unpickling), so it resolves them at
         its first use, taking the copy's values then."""
         w = cls.__new__(cls)
         w.entries, w.tentries, w.stateful, w.pending = entries, tentries, stateful, True
+        w.sentries, w.typed = list(sentries), list(typed)
         return w
 
     def take(self) -> None:
         """Record the current values as the ones decided for."""
         self.ids = list(map(id, map(dict.get, self.dicts, self.keys)))
+        self.rvals = list(map(dict.get, self.rdicts, self.rkeys))
         cur = list(map(dict.get, self.tdicts, self.tkeys))
         self.tids = list(map(id, cur))
         self.vers = [_version(t) for t in cur]
         self.ptrs = list(map(_data_ptr, cur))
+        self.lens = list(map(len, map(dict.get, self.sdicts, self.skeys)))
+        self.types = list(map(type, self.typed))
         self.states = [fn(obj) for obj, fn in self.stateful]
 
     def changed(self) -> bool:
@@ -87,6 +113,8 @@ class Watch:
             self._resolve()
             return False
         if list(map(id, map(dict.get, self.dicts, self.keys))) != self.ids:
+            return True
+        if any(map(is_not, map(dict.get, self.rdicts, self.rkeys), self.rvals)):
             return True
         cur = list(map(dict.get, self.tdicts, self.tkeys))
         if list(map(id, cur)) != self.tids:
@@ -99,13 +127,17 @@ class Watch:
                 return True
         if list(map(_data_ptr, cur)) != self.ptrs:
             return True
+        if list(map(len, map(dict.get, self.sdicts, self.skeys))) != self.lens:
+            return True
+        if list(map(type, self.typed)) != self.types:
+            return True
         return any(fn(obj) != s for (obj, fn), s in zip(self.stateful, self.states))
 
     def __reduce__(self) -> tuple:
-        return (Watch._restored, (self.entries, self.tentries, self.stateful))
+        return (Watch._restored, (self.entries, self.tentries, self.stateful, self.sentries, self.typed))
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.tentries) + len(self.stateful)
+        return len(self.entries) + len(self.tentries) + len(self.sentries) + len(self.typed) + len(self.stateful)
 
 
 def _dict(e: Entry) -> dict:
