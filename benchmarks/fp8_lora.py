@@ -15,8 +15,8 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again: ``fp8_lora_graph_ms``
-   (then, patched anew each, ``fp8_lora_add_after_graph_ms`` and ``fp8_lora_epilogue_everywhere_graph_ms``: the
-   branches added after every FP8 GEMM, or accumulated by every GEMM's epilogue, against the default rule),
+   (``results/fp8_lora.json`` also holds ``fp8_lora_add_after_graph_ms`` and ``fp8_lora_epilogue_everywhere_graph_ms``,
+   written at f9c5cea while the library had the cuBLASLt epilogue switch: see ``benchmarks/cublaslt_fp8.py``),
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
    fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt
    fake-quant + LoRA model (one call: it is slow), ``lora_fidelity_ratio`` = a / b;
@@ -55,11 +55,7 @@ import qwen_absorb  # noqa: E402
 
 TARGET_MODULES = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
                   "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
-TIMED = ("fp8_graph_ms", "fast_accum_graph_ms", "offload_graph_ms", "fp8_lora_graph_ms",
-         "fp8_lora_add_after_graph_ms", "fp8_lora_epilogue_everywhere_graph_ms", "fp8_fused_lora_graph_ms")
-# the LoRA call again with projection.LORA_EPILOGUE False (branches added after every GEMM) and True (written first,
-# accumulated by every GEMM's epilogue), against the default rule
-LORA_EPILOGUE_CASES = (("fp8_lora_add_after", False), ("fp8_lora_epilogue_everywhere", True))
+TIMED = ("fp8_graph_ms", "fast_accum_graph_ms", "offload_graph_ms", "fp8_lora_graph_ms", "fp8_fused_lora_graph_ms")
 KEYS = TIMED + ("fp8_lora_real_linears", "fp8_fused_lora_real_linears", "lora_fidelity_ratio", "mem_before_patch_gib",
                 "mem_patched_gib", "mem_after_unpatch_gib", "mem_after_repatch_gib", "offload_model_gib")
 
@@ -226,18 +222,6 @@ class Bench(H.Bench):
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
-        from qwen_absorb import projection  # noqa: PLC0415
-
-        default = projection.LORA_EPILOGUE
-        try:
-            for case, mode in LORA_EPILOGUE_CASES:  # unpatched by repatched(): fresh graphs for each mode
-                projection.LORA_EPILOGUE = mode
-                rep = self.patch(f"{case}_graph")
-                self.timed(f"{case}_graph_ms", rep)
-                self.fidelity(f"{case}_patched")
-                qwen_absorb.unpatch(self.model)
-        finally:
-            projection.LORA_EPILOGUE = default
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
         self.R.put("lora_fidelity_ratio", H.ratio(self.R.get("rel_err.fp8_lora_patched"),
                                                   self.R.get("rel_err.fp8_lora_fake_quant_unpatched")))

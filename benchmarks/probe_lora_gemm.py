@@ -6,7 +6,7 @@ For the shapes of a Qwen-Image block at 1024^2 (4096 image rows, 128 text rows, 
 - ``base``: ``torch._scaled_mm`` with the bias in its epilogue (no LoRA);
 - ``add_after``: ``base``, then ``out.addmm_(x @ A.T, B.T, alpha=s)`` (reads and writes the output once more);
 - ``accumulate``: ``out.addmm_(x @ A.T, B.T, beta=0, alpha=s)`` first, then the FP8 GEMM adds its product and
-  the bias to it in its epilogue (``qwen_absorb.cublaslt.scaled_mm(accumulate=True)``, cuBLASLt ``beta = 1``);
+  the bias to it in its epilogue (``cublaslt_fp8.scaled_mm(accumulate=True)``, cuBLASLt ``beta = 1``);
 - the ``lora_A`` product three ways (``F.linear(x, A)``, ``x @ A.T`` with A.T stored contiguous, ``(A @ x.T).T``).
 
 Each time is the median of CUDA-graph replays (no host cost). Exactness: every variant against the fp32
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
-from qwen_absorb import cublaslt  # noqa: E402
+import cublaslt_fp8 as cublaslt  # noqa: E402
 
 SHAPES = [(4096, 3072, 3072), (4096, 12288, 3072), (4096, 3072, 12288),
           (128, 3072, 3072), (128, 12288, 3072), (128, 3072, 12288)]

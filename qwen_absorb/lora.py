@@ -159,18 +159,6 @@ def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tenso
     return y
 
 
-def write_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
-    """``y = sum of scaling * (x @ A.T) @ B.T`` over the branches (at least one), in place: the first product
-    overwrites ``y`` (``beta = 0``: its old contents, uninitialised memory included, are never read), the others
-    are added as :func:`add_products` adds them. What an FP8 GEMM that accumulates into ``y`` then completes."""
-    y2 = y.view(-1, y.shape[-1])
-    (t, wb, s), rest = branches[0], branches[1:]
-    y2.addmm_(t, wb.t(), beta=0, alpha=s)
-    for t, wb, s in rest:
-        y2.addmm_(t, wb.t(), alpha=s)
-    return y
-
-
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, Any]] | None:
     """``[(x @ A.T, lora_B.weight, scaling)]`` of the layer's active branches, for an output of ``out_dtype``
     (empty: none is active); None where PEFT's own expression must run instead (dropout that is not the
@@ -202,4 +190,4 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
 
 
 __all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "has_lora_bias", "is_lora_layer",
-           "products", "shared_input_branches", "state", "unsupported_reasons", "write_products"]
+           "products", "shared_input_branches", "state", "unsupported_reasons"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import cublaslt, lora
+from . import lora
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
@@ -40,26 +40,6 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
     if compiling and plan.modelopt:
         return _opaque(module, *args)
     return module(*args)
-
-
-# Where a LoRA linear's branches are written into its output first and the FP8 GEMM's product is added by the
-# GEMM's epilogue (cuBLASLt ``beta = 1``, :mod:`qwen_absorb.cublaslt`) instead of added after it. The epilogue
-# reads the branches back inside a GEMM that is bound by its tensor cores; cuBLASLt's Hopper kernels do not
-# overlap that read with the main loop, so it only pays where the output is wide against K (the FFN up
-# projection: N = 4K), benchmarks/results/lora_gemm_h200.md. "auto": N >= 2K; True: wherever cuBLASLt takes
-# the operands; False: never (the branches are added after the GEMM).
-LORA_EPILOGUE: str | bool = "auto"
-
-
-def lora_epilogue_wanted(mode: str | bool, n: int, k: int) -> bool:
-    """:data:`LORA_EPILOGUE`'s rule for an [.., K] -> [.., N] linear (operands permitting)."""
-    return mode is True or (mode == "auto" and n >= 2 * k)
-
-
-def _lora_into_epilogue(a: torch.Tensor, lp: LinearPlan, out: torch.Tensor) -> bool:
-    if out.device.type != "cuda" or not lora_epilogue_wanted(LORA_EPILOGUE, out.shape[-1], a.shape[-1]):
-        return False
-    return not cublaslt.scaled_mm_reasons(a, lp.weight.codes, lp.bias, out)
 
 
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
@@ -118,20 +98,15 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor), without
     the copy a later concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`.
 
-    The LoRA branches (``branches``, or :func:`qwen_absorb.lora.products` of ``module``) are either added
-    after the GEMM (``torch._scaled_mm``, then one fp32-accumulated ``addmm_`` per branch: the sum rounded
-    once), or, where :data:`LORA_EPILOGUE` says so, written into ``out`` first and the GEMM's product and
-    bias added to them by its epilogue (the branches rounded once, then the sum once)."""
+    The LoRA branches (``branches``, or :func:`qwen_absorb.lora.products` of ``module``) are added after the
+    GEMM, one fp32-accumulated ``addmm_`` each (the sum rounded once). Writing them first and letting the
+    GEMM's epilogue add its product (cuBLASLt ``beta = 1``) was measured on the H200 and gained nothing: the
+    epilogue reads them back without overlapping its main loop (``benchmarks/cublaslt_fp8.py``)."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
     if prods is None and lp.lora:
         prods = lora.products(module, x, w.out_dtype)
-    if prods and _lora_into_epilogue(a, lp, out):
-        lora.write_products(out, prods)
-        if cublaslt.scaled_mm(a, w.codes, lp.input_scale, w.scale, lp.bias, out, fast_accum=plan.fast_accum,
-                              accumulate=True):
-            return out
     torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
