@@ -55,7 +55,9 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
     lead = codes.shape[:-1]
-    if writes_into(lp) and codes.numel():
+    if (lp.lora or branches is not None) and writes_into(lp) and codes.numel():
+        # the LoRA tail is fp8_linear_into's; a plain GEMM lets torch._scaled_mm allocate its output (an eager
+        # call makes 840 of these: a torch.empty from Python each would cost host time, probe_host_profile)
         out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
                           device=codes.device)
         return fp8_linear_into(codes, lp, plan, out, x, module, branches).view(*lead, out.shape[-1])
