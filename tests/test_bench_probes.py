@@ -1,0 +1,46 @@
+"""The probes of this round in their CPU modes: ``probe_host_profile.py --tiny`` profiles the eager patched FP8
+call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py`` refuses a machine without
+CUDA with its exit code 3 and a line that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_host_profile_tiny_names_the_patched_forwards(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    p = _run("probe_host_profile.py", "--tiny", "--device", "cpu", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads((tmp_path / "host_profile_h200.json").read_text())
+    assert not d["errors"]
+    for fam, forward in (("qwenimage", "block.py"), ("qwenimage21", "qwenimage21.py")):
+        f = d[fam]
+        assert f["calls_profiled"] == 3 and f["median_ms"] > 0 and f["profiled_ms_per_call"] > 0
+        names = [r["function"] for r in f["by_cumtime"]]
+        assert any(n.startswith(forward) and "patched_forward" in n for n in names), names
+        assert all(r["cumtime_ms"] >= r["tottime_ms"] >= 0 for r in f["by_tottime"])
+        assert f["summary"]["blocks_patched"] == f["summary"]["blocks"] > 0
+    assert "## qwenimage21" in (tmp_path / "host_profile_h200.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_lora_gemm_probe_refuses_without_cuda(tmp_path):
+    p = _run("probe_lora_gemm.py", "--device", "cpu", "--out", str(tmp_path))
+    assert p.returncode == 3 and "needs CUDA" in p.stdout + p.stderr
+    assert not list(tmp_path.iterdir())
