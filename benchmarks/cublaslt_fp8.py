@@ -247,15 +247,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     offers no such algorithm (the caller then computes it otherwise)."""
     if _lib is None and _load() is None:
         raise RuntimeError(f"cuBLASLt is not usable: {_lib_reason}")
-    m, k = a.shape
-    n = b.shape[0]
-    dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    out_type = _OUT_TYPES[out.dtype]
-    bias_type = None if bias is None else out_type
-    ptrs = (b.data_ptr(), a.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr())
-    aligns = tuple(_alignment(p) for p in ptrs)
-    lda, ldb, ldd = b.stride(0), a.stride(0), out.stride(0)
-    key = (dev, m, n, k, lda, ldb, ldd, out_type, bias_type, bool(fast_accum), bool(accumulate), aligns)
+    key, ptrs = _problem(a, b, bias, out, fast_accum, accumulate)
+    dev, m, n, k, lda, ldb, ldd, out_type, bias_type, _, _, aligns = key
     st = _state()
     desc = st.desc(bool(fast_accum), bias_type)
     s = _lib.cublasLtMatmulDescSetAttribute
@@ -287,13 +280,20 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 def algorithm_count(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *,
                     fast_accum: bool, accumulate: bool) -> int:
     """How many heuristic candidates :func:`scaled_mm` has for these operands (after one call with them)."""
+    return len(_algos.get(_problem(a, b, bias, out, fast_accum, accumulate)[0]) or ())
+
+
+def _problem(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, fast_accum: bool,
+             accumulate: bool) -> tuple[tuple, tuple[int, int, int, int]]:
+    """``(key, pointers)``: what the heuristic's answer depends on (device, sizes, leading dimensions, types,
+    flags, pointer alignments), and the pointers of cuBLASLt's A (weight), B (codes), C = D (out) and bias."""
     m, k = a.shape
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    out_type = _OUT_TYPES[out.dtype]
     ptrs = (b.data_ptr(), a.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr())
-    key = (dev, m, b.shape[0], k, b.stride(0), a.stride(0), out.stride(0), _OUT_TYPES[out.dtype],
-           None if bias is None else _OUT_TYPES[out.dtype], bool(fast_accum), bool(accumulate),
-           tuple(_alignment(p) for p in ptrs))
-    return len(_algos.get(key) or ())
+    key = (dev, m, b.shape[0], k, b.stride(0), a.stride(0), out.stride(0), out_type,
+           None if bias is None else out_type, bool(fast_accum), bool(accumulate), tuple(map(_alignment, ptrs)))
+    return key, ptrs
 
 
 def _heuristic(handle, desc, lay_a, lay_b, lay_d, aligns, count: int) -> list[_HeuristicResult]:

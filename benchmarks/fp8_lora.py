@@ -14,8 +14,8 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``fast_accum_graph_ms``, ``mem_after_repatch_gib``; ``unpatch()`` with both reports held:
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
-4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again: ``fp8_lora_graph_ms``
-   (``results/fp8_lora.json`` also holds ``fp8_lora_add_after_graph_ms`` and ``fp8_lora_epilogue_everywhere_graph_ms``,
+4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
+   ``fp8_lora_graph_ms`` (``results/fp8_lora.json`` also holds ``fp8_lora_add_after_graph_ms`` and ``fp8_lora_epilogue_everywhere_graph_ms``,
    written at f9c5cea while the library had the cuBLASLt epilogue switch: see ``benchmarks/cublaslt_fp8.py``),
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
    fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt

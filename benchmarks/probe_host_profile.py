@@ -85,8 +85,9 @@ def profile_family(family: str, a: Any, calls: int = 3) -> dict[str, Any]:
 
 def _markdown(d: dict[str, Any]) -> str:
     lines = H.md_head("Host time of an eager patched FP8 call (cProfile)", d,
-                      "1024^2, B = 1, ModelOpt FP8_DEFAULT_CFG, qwen_absorb.patch(model, cuda_graph=False); medians of 5 "
-                      "calls; then 3 calls under cProfile (its own overhead included in profiled_ms_per_call)")
+                      "1024^2, B = 1, ModelOpt FP8_DEFAULT_CFG, qwen_absorb.patch(model, cuda_graph=False); "
+                      "medians of 5 calls; then 3 calls under cProfile (its own overhead included in "
+                      "profiled_ms_per_call)")
     for fam in FAMILIES:
         f = d.get(fam)
         if not f:

@@ -9,7 +9,7 @@ For the shapes of a Qwen-Image block at 1024^2 (4096 image rows, 128 text rows, 
   the bias to it in its epilogue (``cublaslt_fp8.scaled_mm(accumulate=True)``, cuBLASLt ``beta = 1``);
 - the ``lora_A`` product three ways (``F.linear(x, A)``, ``x @ A.T`` with A.T stored contiguous, ``(A @ x.T).T``).
 
-Each time is the median of CUDA-graph replays (no host cost). Exactness: every variant against the fp32
+Each time is per call: the median of 20 replays of a CUDA graph holding 10 calls (no host cost). Exactness: every variant against the fp32
 expression ``sa*sb*(a @ w.T) + bias + s*(t @ B.T)``, in units of the output's rounding; ``accumulate`` into a zero
 output against ``torch._scaled_mm`` (bit for bit when cuBLASLt picks the same kernel); graph capture; an output
 that is a row slice of a joint tensor at an unaligned offset.
@@ -229,7 +229,8 @@ def speed(dev: torch.device, gen: torch.Generator) -> dict[str, Any]:
 
 def _markdown(d: dict[str, Any]) -> str:
     lines = H.md_head("The LoRA branch of a real-FP8 linear, GEMM by GEMM (issue 18)", d,
-                      "rank 64, bf16 output, per-tensor e4m3; times: median of 20 replays of a CUDA graph of 10 calls, per call (us)")
+                      "rank 64, bf16 output, per-tensor e4m3; times: median of 20 replays of a CUDA graph of 10 calls, "
+                      "per call (us)")
     sp = d.get("speed") or {}
     rows = [[k] + [v.get(c) for c in ("base_us", "add_after_us", "accumulate_us", "b_product_only_us", "add_only_us",
                                       "base_fast_us", "add_after_fast_us", "accumulate_fast_us")]

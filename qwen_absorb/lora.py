@@ -159,7 +159,10 @@ def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tenso
     return y
 
 
-def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, Any]] | None:
+Products = list[tuple[torch.Tensor, torch.Tensor, Any]]  # [(x @ A.T, lora_B.weight, scaling)]
+
+
+def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:
     """``[(x @ A.T, lora_B.weight, scaling)]`` of the layer's active branches, for an output of ``out_dtype``
     (empty: none is active); None where PEFT's own expression must run instead (dropout that is not the
     identity, adapter weights of another dtype or device than ``x`` and the output)."""

@@ -137,7 +137,7 @@ class Watch:
         return (Watch._restored, (self.entries, self.tentries, self.stateful, self.sentries, self.typed))
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.tentries) + len(self.sentries) + len(self.typed) + len(self.stateful)
+        return len(self.entries) + len(self.tentries) + len(self.typed) + len(self.stateful)  # sized: in entries
 
 
 def _dict(e: Entry) -> dict:
