@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, fp8_forward, handoff, hooks, lora, qwenimage21
+from . import attention, compile_boundary, fp8_forward, handoff, hooks, lora, qwenimage21, taylorseer
 from .ops import _validate
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -353,7 +353,12 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     with _shadowing(plan):
         deferred = _Deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
-            if plan.own_attention or (not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
+            if plan.attn_cache and not compiling:  # diffusers' TaylorSeer hook, run around our attention
+                img_attn, txt_attn = taylorseer.run(self.attn, lambda: attention.run(
+                    self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.use_kernels,
+                    compiling))
+            elif (plan.own_attention and not plan.attn_cache) or (
+                    not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
                                                    image_rotary_emb, c.use_kernels, compiling)
             else:  # as its module; hooked (plan.attn_forwards): its linears' gated forwards run real FP8

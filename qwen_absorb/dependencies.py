@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from . import hooks, lora, parallel, quant
+from . import hooks, lora, parallel, quant, taylorseer
 from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, resolve, unwrap_peft
 from .watch import Watch
 
@@ -45,6 +45,18 @@ def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
 
 
 
+def attention_cache(block: nn.Module) -> bool:
+    """``block.attn``'s only hook is a diffusers TaylorSeer cache the block can run around its own attention
+    (:func:`qwen_absorb.taylorseer.supported_hook`)."""
+    attn = block._modules.get("attn")
+    return attn is not None and taylorseer.supported_hook(attn) is not None
+
+
+def attention_hook_refusal(block: nn.Module) -> list[str]:
+    """:func:`hook_refusal` for the attention as a whole, except a TaylorSeer cache the block runs itself."""
+    return [] if attention_cache(block) else hook_refusal(block, "the attention runs as its module", "attn")
+
+
 def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
     """The modules whose hooks the fused path would skip or show other values: fused norms, linears
     run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
@@ -63,7 +75,8 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
             elif top.endswith("_mlp"):
                 paths += [top, f"{top}.net.0", f"{top}.net.1"]
     if plan.own_attention:
-        paths.append("attn")
+        if not plan.attn_cache:  # a TaylorSeer hook on attn runs inside the block (taylorseer.run)
+            paths.append("attn")
         if plan.qk_fused:
             paths += [f"attn.{n}" for n in QK_NORMS]
     out: dict[int, tuple[dict, int, int]] = {}
@@ -135,4 +148,5 @@ def watch(block: nn.Module) -> Watch:
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
 
 
-__all__ = ["bypassed", "hook_refusal", "hooked", "tp_style_hooks", "watch"]
+__all__ = ["attention_cache", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
+           "watch"]

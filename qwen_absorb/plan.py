@@ -151,6 +151,9 @@ class BlockPlan:
     # the attention runs as its module only because a hook sits on it (a diffusers cache): while the block
     # calls it, its ModelOpt linears' gated forwards (qwen_absorb.fp8_forward) run real FP8 GEMMs
     attn_forwards: bool = False
+    # a diffusers TaylorSeer cache is the attention's only hook, and the block runs it around its own
+    # attention (qwen_absorb.taylorseer.run): diffusers' decision, update and prediction, or graph-mode steps
+    attn_cache: bool = False
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
@@ -257,6 +260,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     _build_fp8(plan, block, old)
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
+    plan.attn_cache = plan.own_attention and dep.attention_cache(block)
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
     for p in LINEAR_TABLE if plan.attn_forwards else ():
@@ -352,7 +356,7 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     """What around a linear the FP8 path reproduces: diffusers' processor without attention
     quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
-        r = _processor_reasons(block) + dep.hook_refusal(block, "the attention runs as its module", "attn")
+        r = _processor_reasons(block) + dep.attention_hook_refusal(block)
         return r or _attention_reasons(block)
 
     if path.endswith("_mod.1"):

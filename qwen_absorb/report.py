@@ -94,6 +94,7 @@ class BlockReport:
     fast_accum: bool = False  # its FP8 GEMMs use fast accumulation
     attn_forwards: bool = False  # a hooked attention runs as its module, its linears real FP8 in their forward slots
     fp8_forward_linears: int = 0  # its attention linears holding a gated real-FP8 forward able to run here
+    attn_cache: bool = False  # a diffusers TaylorSeer cache on its attention runs inside the block (taylorseer)
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
@@ -104,7 +105,7 @@ class BlockReport:
             {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
             {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
-            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards)
+            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards, attn_cache=p.attn_cache)
 
     @classmethod
     def of21(cls, index: int, install: str, d: qwenimage21.Decision,
@@ -154,7 +155,7 @@ class BlockReport:
             "cross_block_handoff": self.handoff, "cross_block_reasons": list(self.handoff_reasons),
             "cross_block_receive_reasons": list(self.handoff_in_reasons), "cross_block_handoffs_taken": self.handoffs_used,
             "fp8_fast_accum": self.fast_accum, "hooked_attention_fp8": self.attn_forwards,
-            "fp8_forward_linears": self.fp8_forward_linears,
+            "fp8_forward_linears": self.fp8_forward_linears, "taylorseer_attention": self.attn_cache,
             "linears": {k: v.to_dict() for k, v in self.linears.items()},
             "projections": {k: v.to_dict() for k, v in self.projections.items()},
             "norms": {k: v.to_dict() for k, v in self.norms.items()},
@@ -327,6 +328,7 @@ class PatchReport:
             "fp8_emitting_sites": sum(s.fp8_out for s in sites),
             "fp8_forward_linears": sum(b.fp8_forward_linears for b in patched),
             "hooked_attention_fp8_blocks": sum(b.attn_forwards for b in patched),
+            "taylorseer_attention_blocks": sum(b.attn_cache for b in patched),
             "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in blocks),
             "cross_block_links": sum(b.handoff for b in blocks),
             "cross_block_handoffs_taken": sum(b.handoffs_used for b in blocks),
@@ -386,6 +388,9 @@ class PatchReport:
             lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): {s['fp8_forward_linears']} "
                          f"attention linears run real FP8 in their forward slots there; attention hooked now in "
                          f"{s['hooked_attention_fp8_blocks']} blocks")
+        if s["taylorseer_attention_blocks"]:
+            lines.append(f"  diffusers' TaylorSeer cache run inside {s['taylorseer_attention_blocks']} blocks, around "
+                         "their own attention (graph mode replays its steps)")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "

@@ -92,4 +92,6 @@ def test_taylorseer_warmup_steps_bit_identical_on_gpu(seed):
             with model.cache_context("cond"):
                 out = model(**inp)[0]
             assert torch.equal(out, want)
-    assert qwen_absorb.patch_report(model).summary["hooked_attention_fp8_blocks"] == LAYERS
+    # the block runs the cache around its own attention (qwen_absorb.taylorseer), no gated forward
+    assert qwen_absorb.patch_report(model).summary["hooked_attention_fp8_blocks"] == 0
+    assert qwen_absorb.patch_report(model).summary["taylorseer_attention_blocks"] == LAYERS

@@ -46,7 +46,8 @@ registration hooks), ``capture`` (static buffers, host constants, RoPE tables ke
 from __future__ import annotations
 
 from .blocks import BlockGraphs, install_blocks
-from .runner import GraphedCall, install
+from .attach import install
+from .runner import GraphedCall
 from .shared import Shared
 
 __all__ = ["BlockGraphs", "GraphedCall", "Shared", "install", "install_blocks"]

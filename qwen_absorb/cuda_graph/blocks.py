@@ -24,7 +24,8 @@ from typing import Any
 
 from torch import nn
 
-from .runner import GraphedCall, install
+from .attach import install
+from .runner import GraphedCall
 from .shared import Shared
 
 log = logging.getLogger("qwen_absorb")

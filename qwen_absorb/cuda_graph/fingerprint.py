@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
-from .. import hooks
+from .. import hooks, taylorseer
 from ..plan import PLAN_ATTR
 from . import settings
 
@@ -116,15 +116,18 @@ def registry_reason(module: nn.Module) -> tuple[str, str] | None:
     return hooks.hook_category(name, hook), f"diffusers hook {name!r} ({type(hook).__name__})"
 
 
-def root_reason(t: nn.Module) -> tuple[str, str] | None:
-    """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves)."""
+def root_reason(t: nn.Module, cache_steps: bool = True) -> tuple[str, str] | None:
+    """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
+    ``cache_steps``: a TaylorSeer cache is left to the walk (whole-model runners replay its steps, see
+    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here."""
     if hooks.offload_hooked(t):
         return "offloading hook", "offload hook on the transformer"
     r = registry_reason(t)
     if r is not None:
         return r
-    if getattr(t, "_cache_config", None) is not None:
-        return "cache hook active (enable_cache)", f"_cache_config {type(t._cache_config).__name__}"
+    cfg = getattr(t, "_cache_config", None)
+    if cfg is not None and not (cache_steps and taylorseer.is_config(cfg)):  # TaylorSeer: per hook, in the walk
+        return "cache hook active (enable_cache)", f"_cache_config {type(cfg).__name__}"
     return None
 
 
@@ -177,7 +180,7 @@ class Scan:
         "watch_keys", "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys",
         "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "vtensors", "vnames", "vers", "peft",
         "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count", "plans", "gens",
+        "host_count", "plans", "gens", "cache_hooks",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = ()) -> None:
@@ -197,6 +200,9 @@ class Scan:
         self.peft_dicts: list[dict] = []
         self.plans: list[Any] = []  # the blocks' qwen_absorb plans: their generation moves with every decision
         self.peft_names: list[str] = []
+        # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
+        self.cache_hooks: list[Any] = []
+        cache_ok: set[int] = set()  # the attention modules of blocks whose plan runs their cache
         host = [x for x in host if isinstance(x, torch.Tensor)]
         host_ids = set(map(id, host))
         self.host_count = 0
@@ -249,7 +255,11 @@ class Scan:
             if not root:
                 r = registry_reason(m)
                 if r is not None:
-                    refuse(r[0], f"{r[1]} on {label}")
+                    h = taylorseer.supported_hook(m) if id(m) in cache_ok else None
+                    if h is None:
+                        refuse(r[0], f"{r[1]} on {label}")
+                    else:
+                        self.cache_hooks.append(h)
             if hooks.offload_hooked(m):
                 refuse("offloading hook", f"offload hook on {label}")
             proc = d.get("processor")
@@ -264,6 +274,8 @@ class Scan:
             plan = d.get(PLAN_ATTR)
             if plan is not None and hasattr(plan, "rt"):
                 self.plans.append(plan)
+                if getattr(plan, "attn_cache", False) and (a := d["_modules"].get("attn")) is not None:
+                    cache_ok.add(id(a))
             if peft_layer:
                 self.peft.append(m)
                 self.peft_dicts.append(d)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import hooks
+from .. import hooks, taylorseer
 from . import settings
 from .capture import Graph, capture, map_tensors
 from .fingerprint import Scan, root_reason, unwatch, watch
@@ -79,7 +79,7 @@ class GraphedCall:
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
-        "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared",
+        "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared", "_cache",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
@@ -127,6 +127,7 @@ class GraphedCall:
         self._check_us = 0.0  # host time of the checks after the launch (overlapping the GPU)
         self._launch_us = 0.0  # host time of the launches (copies + replay calls)
         self.discarded_replays = 0
+        self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
         if t is not None:
             watch(self)
             if sh is not None:
@@ -164,7 +165,36 @@ class GraphedCall:
             call = Call(args, kwargs, self._positional)
         except Refusal as r:
             return self._eager(r.reason, r.detail, args, kwargs)
-        out = self._fast_replay(call, t0)
+        steps = self._cache_steps(call)
+        if isinstance(steps, str):
+            return self._eager(steps, "", args, kwargs)
+        if steps is None:
+            return self._keyed(call, args, kwargs, t0, None)
+        call.key = (call.key, steps.key)  # one graph per kind of step (see qwen_absorb.taylorseer)
+        with steps:
+            out = self._keyed(call, args, kwargs, t0, steps)
+        steps.apply()  # the states' Python side (a replay ran none of it; eager runs did, the same)
+        return out
+
+    def _cache_steps(self, call: Call) -> taylorseer.Steps | str | None:
+        """This call's TaylorSeer steps, decided now (the hooks' counters advance), when a TaylorSeer cache is
+        on and the blocks run its hooks; None otherwise (the hooks then decide for themselves, eager); a
+        refusal when its steps cannot be replayed here."""
+        if not taylorseer.is_config(getattr(self._transformer, "_cache_config", None)):
+            return None
+        scan = self._scan if self._scan is not None else self._current_scan()
+        if scan.refusal is not None or not scan.cache_hooks or scan.device != call.device:
+            return None
+        why = taylorseer.graph_reasons(call.device)
+        if why:
+            return "TaylorSeer cache: " + why[0]
+        if self._cache is None:
+            self._cache = taylorseer.GraphSteps()
+        return self._cache.begin(scan.cache_hooks, call.device)
+
+    def _keyed(self, call: Call, args: tuple, kwargs: dict, t0: float, steps: taylorseer.Steps | None) -> Any:
+        writes = steps is not None and steps.writes
+        out = self._fast_replay(call, t0, writes)
         if out is not _MISS:
             return out
         scan = self._current_scan()
@@ -174,6 +204,10 @@ class GraphedCall:
             return self._eager("model and inputs on different devices", f"{scan.device} vs {call.device}", args, kwargs)
         if self._unstable:
             return self._eager("model state changes on every call", "", args, kwargs)
+        if steps is None and scan.cache_hooks:  # hooks the blocks run, found after this call began
+            return self._eager("TaylorSeer cache: steps not decided for this call", "", args, kwargs)
+        if steps is not None and not steps.capturable:
+            return self._eager("TaylorSeer cache: first update of its factors", "", args, kwargs)
         entry = self._graphs.get(call.key)
         if entry is not None:
             out = self._replay(entry, call)
@@ -184,9 +218,9 @@ class GraphedCall:
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
         if self.capture_after and self._count_new(call.key):
             return self._inner(*args, **kwargs)
-        return self._capture(call)
+        return self._capture(call, steps)
 
-    def _fast_replay(self, call: Call, t0: float) -> Any:
+    def _fast_replay(self, call: Call, t0: float, writes: bool = False) -> Any:
         """Replay the graph of ``call`` on an unchanged snapshot: ``Scan.moved`` before the launch, ``Scan.stale``
         after it (see the module doc). ``_MISS`` when there is no such graph, or when the snapshot changed (a
         launched replay is then discarded): the caller takes the full path, which drops the graphs."""
@@ -196,11 +230,13 @@ class GraphedCall:
         entry = self._graphs.get(call.key)
         if entry is None or scan.moved() is not None:
             return _MISS
+        if writes and scan.stale() is not None:
+            return _MISS  # a replay that updates cache factors in place cannot be discarded: check first
         tl = time.perf_counter()
         self._launch(entry, call)
         t1 = time.perf_counter()
         self._launch_us += (t1 - tl) * 1e6
-        if scan.stale() is not None:
+        if not writes and scan.stale() is not None:
             self.discarded_replays += 1  # its output is never read; _current_scan drops the graphs after it ran
             return _MISS
         out = self._served(entry, call)
@@ -304,7 +340,7 @@ class GraphedCall:
         self._unreplayed = 0
         return map_tensors(entry.out, torch.Tensor.clone)
 
-    def _capture(self, call: Call) -> Any:
+    def _capture(self, call: Call, steps: taylorseer.Steps | None = None) -> Any:
         desc = call.describe(self._positional)
         sh = self._shared
         self._busy = True
@@ -320,6 +356,10 @@ class GraphedCall:
         if got.error is not None:
             self._capture_failed(call, desc, got.error)
             return got.warm
+        if steps is not None:
+            if not steps.capturable:  # the warm-up reallocated cache factors: the graph read the old ones
+                return got.warm
+            got.graph.keep.extend(steps.tensors())  # the cache factors and step sizes it reads and writes
         self._insert(call.key, got.graph)
         self.captures += 1
         log.log(self._level("captured " + desc), "captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
@@ -456,6 +496,9 @@ class GraphedCall:
         self._failed.clear()
         self._seen.clear()
         self._streams.clear()
+        for h in self._scan.cache_hooks if self._scan is not None else ():
+            taylorseer.release(h)  # the TaylorSeer factors kept for graphs (the states keep what they hold)
+        self._cache = None
         self._scan = None
         self._removed = True
         unwatch(self)
@@ -541,46 +584,3 @@ class GraphedCall:
         if self._removed:
             unwatch(self)
 
-
-def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
-            host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
-            shared: Shared | None = None) -> GraphedCall:
-    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
-    pipeline holding one) and return its :class:`GraphedCall`.
-
-    fallbacks: a ``Counter`` to count refused calls in, by reason (``"cuda_graph: grad enabled"``, ...);
-        ``qwen_absorb.patch`` passes its report's ``runtime_fallbacks``.
-    max_graphs: graphs kept at most (one per input signature; least recently used dropped first).
-    host_tensors: a callable returning the tensors allowed to live off the GPU (registered parameters or
-        buffers, e.g. original weights offloaded to host memory while their FP8 copies run on the GPU); read
-        at every scan of the model. They are left out of the "model not on CUDA" check and still fingerprinted
-        (a change to them drops the graphs). The forward must not read them, or the capture fails.
-    capture_after: eager calls a signature must have had before it is captured (0: capture on first sight;
-        1: on the second call, so that a one-off call never pays a capture); counted in
-        ``describe()["new_signature_calls"]``.
-    shared: a :class:`~.shared.Shared` the runner takes its lock, pools, side streams and static input buffers
-        from, with other runners called one after another on one stream (the blocks of one model, see
-        :func:`.blocks.install_blocks`); default: its own, as for a whole transformer.
-
-    Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
-    """
-    if max_graphs < 1:
-        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-    if not isinstance(fallbacks, collections.Counter):
-        raise TypeError(f"fallbacks must be a collections.Counter, got {type(fallbacks).__name__}")
-    if host_tensors is not None and not callable(host_tensors):
-        raise TypeError(f"host_tensors must be a callable returning tensors, got {type(host_tensors).__name__}")
-    if type(capture_after) is not int or capture_after < 0:
-        raise ValueError(f"capture_after must be an int >= 0, got {capture_after!r}")
-    if shared is not None and not isinstance(shared, Shared):
-        raise TypeError(f"shared must be a qwen_absorb.cuda_graph.Shared, got {type(shared).__name__}")
-    t = hooks.resolve_transformer(transformer, (nn.Module,))
-    current = t.__dict__.get("forward")
-    if isinstance(current, GraphedCall) and not current._removed:
-        log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
-        return current
-    runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after, shared)
-    object.__setattr__(t, "forward", runner)
-    log.log(logging.INFO if shared is None else logging.DEBUG, "CUDA-graph mode installed on %s (max %d graphs%s)",
-            type(t).__name__, max_graphs, f", capture after {capture_after} eager calls" if capture_after else "")
-    return runner

@@ -79,7 +79,7 @@ class Shared:
         p = self._parent() if self._parent is not None else None
         if p is None:
             return None
-        r = root_reason(p)
+        r = root_reason(p, cache_steps=False)
         return (r[0], f"{r[1]} (on the {type(p).__name__} around the blocks)") if r is not None else None
 
     def order(self, device: torch.device) -> None:

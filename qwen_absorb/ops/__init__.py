@@ -80,7 +80,8 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
     import importlib  # noqa: PLC0415  (the op functions above shadow their modules' names)
 
     mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
-            "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu")
+            "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu",
+            "taylor_seer")
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 

@@ -1,0 +1,61 @@
+"""Putting CUDA-graph mode on a transformer: :func:`install` checks its arguments and sets a
+:class:`~.runner.GraphedCall` as the transformer's ``forward`` (``GraphedCall.remove()`` undoes it)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .. import hooks
+from .runner import GraphedCall
+from .shared import Shared
+
+log = logging.getLogger("qwen_absorb")
+
+
+def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
+            host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
+            shared: Shared | None = None) -> GraphedCall:
+    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
+    pipeline holding one) and return its :class:`GraphedCall`.
+
+    fallbacks: a ``Counter`` to count refused calls in, by reason (``"cuda_graph: grad enabled"``, ...);
+        ``qwen_absorb.patch`` passes its report's ``runtime_fallbacks``.
+    max_graphs: graphs kept at most (one per input signature; least recently used dropped first).
+    host_tensors: a callable returning the tensors allowed to live off the GPU (registered parameters or
+        buffers, e.g. original weights offloaded to host memory while their FP8 copies run on the GPU); read
+        at every scan of the model. They are left out of the "model not on CUDA" check and still fingerprinted
+        (a change to them drops the graphs). The forward must not read them, or the capture fails.
+    capture_after: eager calls a signature must have had before it is captured (0: capture on first sight;
+        1: on the second call, so that a one-off call never pays a capture); counted in
+        ``describe()["new_signature_calls"]``.
+    shared: a :class:`~.shared.Shared` the runner takes its lock, pools, side streams and static input buffers
+        from, with other runners called one after another on one stream (the blocks of one model, see
+        :func:`.blocks.install_blocks`); default: its own, as for a whole transformer.
+
+    Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
+    """
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    if not isinstance(fallbacks, collections.Counter):
+        raise TypeError(f"fallbacks must be a collections.Counter, got {type(fallbacks).__name__}")
+    if host_tensors is not None and not callable(host_tensors):
+        raise TypeError(f"host_tensors must be a callable returning tensors, got {type(host_tensors).__name__}")
+    if type(capture_after) is not int or capture_after < 0:
+        raise ValueError(f"capture_after must be an int >= 0, got {capture_after!r}")
+    if shared is not None and not isinstance(shared, Shared):
+        raise TypeError(f"shared must be a qwen_absorb.cuda_graph.Shared, got {type(shared).__name__}")
+    t = hooks.resolve_transformer(transformer, (nn.Module,))
+    current = t.__dict__.get("forward")
+    if isinstance(current, GraphedCall) and not current._removed:
+        log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
+        return current
+    runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after, shared)
+    object.__setattr__(t, "forward", runner)
+    log.log(logging.INFO if shared is None else logging.DEBUG, "CUDA-graph mode installed on %s (max %d graphs%s)",
+            type(t).__name__, max_graphs, f", capture after {capture_after} eager calls" if capture_after else "")
+    return runner

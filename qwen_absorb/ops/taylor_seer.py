@@ -1,0 +1,123 @@
+"""taylor_seer: one step of diffusers' TaylorSeer cache on factors held in place (graph-replayable).
+
+diffusers' ``TaylorSeerState.update`` builds new factor tensors from the features and the previous
+factors (divided differences over ``delta_step``) and ``predict`` sums ``factor_k * offset^k / k!``;
+both allocate and take their step sizes as host scalars, which a CUDA graph cannot replay. These
+kernels do the same elementwise arithmetic with the rounding points of diffusers' expression, in
+place on caller-owned factor buffers, reading the step coefficients from device memory:
+
+- :func:`update_`: ``f_0..f_nprev`` (in place) from features ``x``, previous ``f_0..f_{nprev-1}``
+  and ``coef[0] = 1 / delta_step`` (fp32, as PyTorch's CUDA division by a host scalar uses it);
+- :func:`predict`: ``sum_k D(D(f_k) * c_k)`` accumulated from zero, ``c_0 = 1``, ``c_k = coef[k - 1]``.
+
+``D`` is the module's output dtype, ``F`` the factor dtype (bf16, fp16 or fp32 each). The references
+(:func:`update_reference_`, :func:`predict_reference`) are diffusers' expressions op for op with the
+coefficients as host scalars; they run wherever the kernel cannot (CPU, no CuPy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import kernel_runtime_reasons
+
+MAX_ORDER = 4  # differences a factor set may hold (QA_TS_MAX_ORDERS - 1 in the .cu)
+_THREADS = 256
+_LAYOUT = "8Pq"  # x, out, f[5], coef; n
+_cache: dict[tuple, rt.Launcher] = rt.register_cache({})
+
+
+def update_coefficients(delta_step: int) -> list[float]:
+    """``coef`` of :func:`update_`: the reciprocal PyTorch multiplies by (computed in double, stored fp32)."""
+    return [1.0 / delta_step]
+
+
+def predict_coefficients(offset: int, orders: int) -> list[float]:
+    """``coef`` of :func:`predict`: ``offset^k / k!`` for k = 1 .. orders - 1, as diffusers computes them."""
+    return [(offset ** k) / math.factorial(k) for k in range(1, orders)]
+
+
+def update_reference_(x: torch.Tensor, factors: list[torch.Tensor], nprev: int, delta_step: int) -> None:
+    """diffusers' update, op for op, written into ``factors[0..nprev]``."""
+    new = [x]
+    for j in range(nprev):
+        new.append((new[j] - factors[j].to(x.dtype)) / delta_step)
+    for k, v in enumerate(new):
+        factors[k].copy_(v.to(factors[k].dtype))
+
+
+def predict_reference(factors: list[torch.Tensor], orders: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' prediction, op for op."""
+    out = torch.zeros_like(factors[0], dtype=dtype)
+    for k in range(orders):
+        out = out + factors[k].to(dtype) * ((offset ** k) / math.factorial(k))
+    return out
+
+
+def machine_reasons(device: torch.device) -> list[str]:
+    """Why the kernels cannot run on ``device`` at all."""
+    return kernel_runtime_reasons(device)
+
+
+def reasons(x: torch.Tensor, factors: list[torch.Tensor]) -> list[str]:
+    """Why the kernels cannot run on these tensors (empty: they can)."""
+    r = []
+    if x.dtype not in rt.TRAITS or any(f.dtype not in rt.TRAITS for f in factors):
+        r.append("a dtype other than bf16 / fp16 / fp32")
+    if len(factors) > MAX_ORDER + 1:
+        r.append(f"more than {MAX_ORDER} Taylor orders")
+    if any(f.shape != x.shape or not f.is_contiguous() or f.device != x.device for f in factors):
+        r.append("factors not contiguous with the features' shape and device")
+    if r:
+        return r
+    return kernel_runtime_reasons(x.device)
+
+
+def _launcher(kind: str, d: torch.dtype, f: torch.dtype, n: int, device: torch.device) -> rt.Launcher:
+    idx = rt.device_index(device)
+    key = (kind, d, f, n, idx)
+    hit = _cache.get(key)
+    if hit is None:
+        fn = rt.function("taylor_seer.cu", f"taylor_seer_{kind}_kernel<{rt.TRAITS[d]}, {rt.TRAITS[f]}, {n}>", idx)
+        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx)
+    return hit
+
+
+def _grid(n: int) -> int:
+    return max(1, min(-(-n // _THREADS), 1 << 16))
+
+
+def _pointers(factors: list[torch.Tensor]) -> list[int]:
+    ps = [f.data_ptr() for f in factors]
+    return ps + [0] * (MAX_ORDER + 1 - len(ps))
+
+
+def update_(x: torch.Tensor, factors: list[torch.Tensor], nprev: int, coef: torch.Tensor) -> None:
+    """Kernel: ``factors[0..nprev]`` updated in place (``len(factors) >= nprev + 1``; x contiguous; ``coef``
+    fp32 on x's device, ``coef[0] = 1 / delta_step``). Callers check :func:`reasons` first."""
+    launch = _launcher("update", x.dtype, factors[0].dtype, nprev, x.device)
+    n = x.numel()
+    launch(_grid(n), x.data_ptr(), 0, *_pointers(factors), coef.data_ptr(), n)
+
+
+def predict(factors: list[torch.Tensor], orders: int, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Kernel: the prediction from ``factors[:orders]`` as a new ``dtype`` tensor (``coef[k - 1] = c_k``)."""
+    f0 = factors[0]
+    out = torch.empty(f0.shape, dtype=dtype, device=f0.device)
+    launch = _launcher("predict", dtype, f0.dtype, orders, f0.device)
+    n = f0.numel()
+    launch(_grid(n), 0, out.data_ptr(), *_pointers(factors[:orders]), coef.data_ptr(), n)
+    return out
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    out = []
+    for d in rt.TRAITS.values():
+        for f in rt.TRAITS.values():
+            out += [("taylor_seer.cu", f"taylor_seer_update_kernel<{d}, {f}, {n}>") for n in range(MAX_ORDER + 1)]
+            out += [("taylor_seer.cu", f"taylor_seer_predict_kernel<{d}, {f}, {n}>")
+                    for n in range(1, MAX_ORDER + 2)]
+    return out

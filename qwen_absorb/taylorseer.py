@@ -1,0 +1,353 @@
+"""diffusers' TaylorSeer cache (``transformer.enable_cache(TaylorSeerCacheConfig(...))``): the one reader of its
+hooks and states.
+
+TaylorSeer hooks every block's ``attn``: on a compute step the attention runs and its outputs update Taylor
+factors (divided differences over the steps between updates); on the other steps the hook returns the factors'
+extrapolation instead of running the attention. The step is decided on the host from a counter, so a call's
+work is known before it runs, which is what lets graph mode compose with it:
+
+- **In a patched block** the attention is the block's own fused one (:func:`supported_hook` says when): the
+  block calls :func:`run` instead of the hooked module, which runs diffusers' own decision, update and
+  prediction around that attention (bit for bit what the hook would do around diffusers' attention).
+- **In CUDA-graph mode** the runner decides every hook's step before the call (:class:`GraphSteps`, the hook's
+  own ``_measure_should_compute``) and keys its graphs by the kinds of step. Inside the call, :func:`run`
+  executes each step on factors kept in place per (hook, cache context) (:class:`_Record`), with
+  :mod:`qwen_absorb.ops.taylor_seer` reading the step sizes from device memory, so that one graph serves every
+  offset. The states' Python side (step counters, the factor dicts, pointing at the kept factors) is applied
+  after each call, replayed or not.
+
+Only the active mode on a hook that is its module's only hook is run this way (the inactive "skip" mode and
+anything else stay diffusers' hooked module, which graph mode refuses).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ops import taylor_seer as ts_ops
+
+log = logging.getLogger("qwen_absorb")
+
+HOOK_NAME = "taylorseer_cache"
+_serials = itertools.count(1)
+_local = threading.local()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def is_config(config: Any) -> bool:
+    """``config`` (a transformer's ``_cache_config``) is diffusers' TaylorSeer configuration."""
+    t = type(config)
+    return t.__name__ == "TaylorSeerCacheConfig" and t.__module__.startswith("diffusers.")
+
+
+def _registry_forward(fwd: Any) -> bool:
+    """The instance ``forward`` diffusers' ``HookRegistry`` installs (a partial of its ``new_forward``)."""
+    f = getattr(fwd, "func", None)
+    return isinstance(fwd, functools.partial) and "create_new_forward" in getattr(f, "__qualname__", "")
+
+
+def supported_hook(module: nn.Module) -> Any | None:
+    """The TaylorSeer hook of ``module`` when a patched block may run it around its own attention: the module's
+    only hook (no torch or accelerate hook, nothing wrapped around the registry's forward), in the active
+    (caching) mode, with at most ``ops.taylor_seer.MAX_ORDER`` orders and factors in bf16 / fp16 / fp32."""
+    d = module.__dict__
+    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
+        return None
+    named = getattr(d.get("_diffusers_hook"), "hooks", None)
+    if not named or len(named) != 1:
+        return None
+    hook = named.get(HOOK_NAME)
+    if hook is None or type(hook).__name__ != "TaylorSeerCacheHook" \
+            or not type(hook).__module__.startswith("diffusers.") or not _registry_forward(d.get("forward")):
+        return None
+    kw = getattr(getattr(hook, "state_manager", None), "_init_kwargs", None)
+    if not isinstance(kw, dict) or kw.get("is_inactive", False):
+        return None
+    if not 0 <= int(kw.get("max_order", 1)) <= ts_ops.MAX_ORDER:
+        return None
+    if kw.get("taylor_factors_dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    return hook
+
+
+def graph_reasons(device: torch.device) -> list[str]:
+    """Why the steps cannot be replayed on ``device`` (their kernels read the step sizes from device memory)."""
+    return ts_ops.machine_reasons(device)
+
+
+# ---------------------------------------------------------------------------------------------- the kept factors
+
+
+class _Record:
+    """The factors of one (hook, cache context), kept in place: ``bufs[i][k]`` is order k of output i. A new
+    record (new ``serial``) whenever their shapes or dtypes change; graphs read and write one serial's tensors."""
+
+    __slots__ = ("serial", "bufs", "dtypes")
+
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, orders: int) -> None:
+        self.serial = next(_serials)
+        self.dtypes = tuple(x.dtype for x in like)  # the module's output dtypes (what predictions are made in)
+        self.bufs = [[torch.empty(x.shape, dtype=dtype, device=x.device) for _ in range(orders)] for x in like]
+
+    def fits(self, like: list[torch.Tensor], dtype: torch.dtype) -> bool:
+        return len(self.bufs) == len(like) and all(
+            b[0].shape == x.shape and b[0].dtype == dtype and b[0].device == x.device for b, x in zip(self.bufs, like))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for b in self.bufs for t in b]
+
+
+# hook -> {context name: _Record}. Keyed by the hook, not by the state: diffusers drops its states at the end of
+# every pipeline call (maybe_free_model_hooks), and the next run's graphs should find the same factors.
+_records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _record(hook: Any, name: str) -> _Record | None:
+    per = _records.get(hook)
+    return per.get(name) if per is not None else None
+
+
+def _new_record(hook: Any, name: str, like: list[torch.Tensor], dtype: torch.dtype, orders: int) -> _Record:
+    rec = _Record(like, dtype, orders)
+    _records.setdefault(hook, {})[name] = rec
+    log.debug("TaylorSeer factors kept for %r: %d tensors, %.1f MiB", name, len(rec.tensors()),
+              sum(t.numel() * t.element_size() for t in rec.tensors()) / 2**20)
+    return rec
+
+
+def release(hook: Any) -> None:
+    """Forget the kept factors of ``hook`` (graphs holding them keep theirs until dropped)."""
+    _records.pop(hook, None)
+
+
+# ---------------------------------------------------------------------------------------------- one step
+
+
+class Step:
+    """One hook's step in one call, decided before the call (graph mode)."""
+
+    __slots__ = ("hook", "state", "name", "compute", "n", "delta", "offset", "coef", "record", "orders", "changed")
+
+    def __init__(self, hook: Any, state: Any, compute: bool) -> None:
+        self.hook, self.state, self.compute = hook, state, compute
+        self.name = hook.state_manager._context.name
+        self.orders = int(state.max_order) + 1
+        self.delta = self.offset = 0
+        self.coef: torch.Tensor | None = None  # this step's row of the device coefficients
+        self.changed = False  # the factors were reallocated while running: no graph of this call
+        facs = state.taylor_factors
+        if compute:
+            first = state.last_update_step is None
+            self.delta = 0 if first else state.current_step - state.last_update_step
+            if not first and self.delta == 0:
+                raise ValueError("Delta step cannot be zero for TaylorSeer update.")
+            # diffusers differences each order it holds (up to max_order) against the new features
+            self.n = 0 if first else min(int(state.max_order), len(facs.get(0, {})))
+        else:
+            if state.last_update_step is None or not facs:
+                self.n = -1  # diffusers raises; run() raises the same
+            else:
+                self.offset = state.current_step - state.last_update_step
+                self.n = len(facs[0])
+        self.record = self._adopt()
+
+    def key(self) -> tuple:
+        return (self.compute, self.n, self.record.serial if self.record is not None else None)
+
+    def coefficients(self) -> list[float]:
+        if self.compute:
+            return ts_ops.update_coefficients(self.delta) if self.n > 0 else []
+        return ts_ops.predict_coefficients(self.offset, self.n) if self.n > 0 else []
+
+    def _adopt(self) -> _Record | None:
+        """The kept factors this step reads, holding what the state holds (copied in where diffusers' own update
+        ran last: eager calls, another patch)."""
+        st = self.state
+        need = self.n if self.compute else max(self.n, 0)
+        rec = _record(self.hook, self.name)
+        if need == 0:
+            return rec
+        outs = [st.taylor_factors[i] for i in sorted(st.taylor_factors)]
+        like = [o[0] for o in outs]
+        dtype = like[0].dtype
+        if rec is None or not rec.fits(like, dtype):
+            rec = _new_record(self.hook, self.name, like, dtype, self.orders)
+        if st.module_dtypes:
+            rec.dtypes = tuple(st.module_dtypes)
+        for o, b in zip(outs, rec.bufs):
+            for k in range(need):
+                if o[k] is not b[k]:
+                    b[k].copy_(o[k])
+        return rec
+
+    def run(self, compute: Callable[[], Any]) -> Any:
+        st = self.state
+        if not self.compute:
+            if self.n < 0:
+                raise ValueError("Cannot predict without prior initialization/update.")
+            outs = [self._predict(b, dt) for b, dt in zip(self.record.bufs, st.module_dtypes)]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        out = compute()
+        feats = [out] if isinstance(out, torch.Tensor) else list(out)
+        fdtype = st.taylor_factors_dtype
+        rec = self.record
+        if rec is None or not rec.fits(feats, fdtype):
+            if _capturing():
+                raise RuntimeError("TaylorSeer factors reallocated during a CUDA-graph capture")
+            self.record = rec = _new_record(self.hook, self.name, feats, fdtype, self.orders)
+            self.changed, self.n = True, 0  # diffusers restarts its expansion on a shape change too
+        rec.dtypes = tuple(x.dtype for x in feats)
+        for x, b in zip(feats, rec.bufs):
+            if ts_ops.reasons(x, b):  # off CUDA (the runner never decides steps there): diffusers' ops
+                ts_ops.update_reference_(x, b, self.n, self.delta)
+            else:
+                ts_ops.update_(x.contiguous(), b, self.n, self.coef)
+        return out
+
+    def _predict(self, bufs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if ts_ops.reasons(bufs[0], bufs):
+            return ts_ops.predict_reference(bufs, self.n, self.offset, dtype)
+        return ts_ops.predict(bufs, self.n, self.coef, dtype)
+
+    def apply(self) -> None:
+        """The state's Python side after this step ran (replayed or not): what diffusers' update leaves."""
+        if not self.compute or self.record is None:
+            return
+        st = self.state
+        for i, b in enumerate(self.record.bufs):
+            st.taylor_factors[i] = {k: b[k] for k in range(self.n + 1)}
+        st.module_dtypes = self.record.dtypes
+        st.device = self.record.bufs[0][0].device
+        st.last_update_step = st.current_step
+
+
+class GraphSteps:
+    """A runner's TaylorSeer steps: decides every hook's step before a call, keys it, and owns the device
+    coefficients the kernels read (one row of ``MAX_ORDER`` floats per hook, copied from a pinned ring)."""
+
+    RING = 4
+
+    def __init__(self) -> None:
+        self._dev: torch.Tensor | None = None
+        self._host: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._next = 0
+
+    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+        dev = self._dev
+        if dev is None or dev.shape[0] < n or dev.device != device:
+            m = ts_ops.MAX_ORDER
+            self._dev = dev = torch.zeros(max(n, 1), m, dtype=torch.float32, device=device)
+            pin = device.type == "cuda"
+            self._host = [torch.zeros(dev.shape, dtype=torch.float32, pin_memory=pin) for _ in range(self.RING)]
+            self._events = [None] * self.RING
+        return dev
+
+    def begin(self, hooks: list[Any], device: torch.device) -> Steps:
+        """Each hook's step for this call (the hooks' own counters advance, as their eager calls would)."""
+        steps = []
+        for h in hooks:
+            should, state = h._measure_should_compute()
+            steps.append(Step(h, state, bool(should)))
+        dev = self._rows(len(steps), device)
+        r = self._next
+        self._next = (r + 1) % self.RING
+        ev = self._events[r]
+        if ev is not None:
+            ev.synchronize()  # the copy that last read this pinned slot has run (never waits in practice)
+        m = ts_ops.MAX_ORDER
+        flat = []
+        for i, s in enumerate(steps):
+            c = s.coefficients()
+            flat += c + [0.0] * (m - len(c))
+            s.coef = dev[i]
+        host = self._host[r]
+        if flat:
+            host[: len(steps)].copy_(torch.tensor(flat, dtype=torch.float32).view(len(steps), m))
+        if device.type == "cuda":
+            dev.copy_(host, non_blocking=True)
+            ev = self._events[r] = torch.cuda.Event()
+            ev.record()
+        else:
+            dev.copy_(host)
+        return Steps(steps, self)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self._dev] if self._dev is not None else []
+
+
+class Steps:
+    """One call's steps: the graph key part, the context :func:`run` finds them in, the Python side after."""
+
+    __slots__ = ("steps", "by_hook", "key", "owner", "_prev")
+
+    def __init__(self, steps: list[Step], owner: GraphSteps) -> None:
+        self.steps, self.owner = steps, owner
+        self.by_hook = {id(s.hook): s for s in steps}
+        self.key = tuple(s.key() for s in steps)
+
+    @property
+    def capturable(self) -> bool:
+        """Every step's factors exist (a first update allocates them) and none moved while running."""
+        return all(s.record is not None and not s.changed for s in self.steps)
+
+    @property
+    def writes(self) -> bool:
+        return any(s.compute for s in self.steps)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a graph of this call reads and writes outside its pool: kept alive with the graph."""
+        return [t for s in self.steps if s.record is not None for t in s.record.tensors()] + self.owner.tensors()
+
+    def __enter__(self) -> Steps:
+        self._prev = getattr(_local, "steps", None)
+        _local.steps = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.steps = self._prev
+
+    def apply(self) -> None:
+        for s in self.steps:
+            s.apply()
+
+
+# ---------------------------------------------------------------------------------------------- in the block
+
+
+def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
+    """What calling the TaylorSeer-hooked ``module`` returns, with ``compute()`` as its forward: the step decided
+    for this call in graph mode (:class:`Steps`), else diffusers' own decision, update and prediction."""
+    hook = supported_hook(module)
+    if hook is None:
+        raise RuntimeError("qwen_absorb: the TaylorSeer hook this block was decided for is gone")
+    steps = getattr(_local, "steps", None)
+    step = steps.by_hook.get(id(hook)) if steps is not None else None
+    if step is not None:
+        out = step.run(compute)
+        if not _capturing():
+            step.apply()
+        return out
+    should, state = hook._measure_should_compute()
+    if should:
+        out = compute()
+        state.update((out,) if isinstance(out, torch.Tensor) else out)
+        return out
+    outs = state.predict()
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+__all__ = ["GraphSteps", "HOOK_NAME", "Step", "Steps", "graph_reasons", "is_config", "release", "run",
+           "supported_hook"]
