@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .ops import kernel_runtime_reasons
 from .ops import taylor_seer as ts_ops
 
 log = logging.getLogger("qwen_absorb")
@@ -84,7 +85,7 @@ def supported_hook(module: nn.Module) -> Any | None:
 
 def graph_reasons(device: torch.device) -> list[str]:
     """Why the steps cannot be replayed on ``device`` (their kernels read the step sizes from device memory)."""
-    return ts_ops.machine_reasons(device)
+    return kernel_runtime_reasons(device)
 
 
 # ---------------------------------------------------------------------------------------------- the kept factors
@@ -180,6 +181,9 @@ class Step:
         if need == 0:
             return rec
         outs = [st.taylor_factors[i] for i in sorted(st.taylor_factors)]
+        if rec is not None and len(outs) == len(rec.bufs) and all(
+                o.get(k) is b[k] for o, b in zip(outs, rec.bufs) for k in range(need)):
+            return rec  # the state holds the kept factors themselves (every step after the first, in graph mode)
         like = [o[0] for o in outs]
         dtype = like[0].dtype
         if rec is None or not rec.fits(like, dtype):

@@ -36,7 +36,7 @@ GEOMETRY = dict(attention_head_dim=128, num_attention_heads=2, axes_dims_rope=(1
 
 
 def _kernels_or_skip():
-    why = ts_ops.machine_reasons(torch.device(DEV))
+    why = taylorseer.graph_reasons(torch.device(DEV))
     if why:
         pytest.skip(why[0])
 

@@ -57,11 +57,6 @@ def predict_reference(factors: list[torch.Tensor], orders: int, offset: int, dty
     return out
 
 
-def machine_reasons(device: torch.device) -> list[str]:
-    """Why the kernels cannot run on ``device`` at all."""
-    return kernel_runtime_reasons(device)
-
-
 def reasons(x: torch.Tensor, factors: list[torch.Tensor]) -> list[str]:
     """Why the kernels cannot run on these tensors (empty: they can)."""
     r = []
