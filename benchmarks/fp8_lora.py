@@ -15,8 +15,11 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
-   ``fp8_lora_graph_ms`` (``results/fp8_lora.json`` also holds ``fp8_lora_add_after_graph_ms`` and ``fp8_lora_epilogue_everywhere_graph_ms``,
-   written at f9c5cea while the library had the cuBLASLt epilogue switch: see ``benchmarks/cublaslt_fp8.py``),
+   ``fp8_lora_graph_ms`` (the library's defaults: every branch by cuBLAS's ``addmm_``),
+   ``fp8_lora_gelu_kernel_graph_ms`` (net[0]'s branch inside the GELU quantization: ``projection.LORA_GELU_KERNEL``)
+   and ``fp8_lora_all_kernel_graph_ms`` (both ``projection.LORA_*_KERNEL`` switches on: every branch by
+   ``ops.lora_add``); ``results/fp8_lora_87ebd27.json`` also holds the cuBLASLt epilogue variants measured at
+   f9c5cea (``benchmarks/cublaslt_fp8.py``),
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
    fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt
    fake-quant + LoRA model (one call: it is slow), ``lora_fidelity_ratio`` = a / b;
@@ -222,6 +225,20 @@ class Bench(H.Bench):
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
+        if self.cuda:  # the same call with branches added by ops.lora_add (projection's switches; off by default)
+            from qwen_absorb import projection  # noqa: PLC0415
+
+            saved = projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL
+            try:
+                for case, switches in (("fp8_lora_gelu_kernel", (True, False)), ("fp8_lora_all_kernel", (True, True))):
+                    projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL = switches
+                    rep = self.patch(f"{case}_graph")
+                    self.timed(f"{case}_graph_ms", rep)
+                    self.fidelity(f"{case}_patched")
+                    qwen_absorb.unpatch(self.model)
+            finally:
+                projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL = saved
+                qwen_absorb.unpatch(self.model)
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
         self.R.put("lora_fidelity_ratio", H.ratio(self.R.get("rel_err.fp8_lora_patched"),
                                                   self.R.get("rel_err.fp8_lora_fake_quant_unpatched")))

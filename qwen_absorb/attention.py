@@ -28,19 +28,20 @@ from . import lora
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import fp8_linear, fp8_linear_into, run_module, tp_linear, tp_shard_for, wait, writes_into
+from .projection import add_deferred, fp8_linear, fp8_linear_into, run_module, tp_linear, tp_shard_for, wait, writes_into
 from .sites import attention_functions
 
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
-            works: list, branches: list | None = None) -> torch.Tensor:
+            works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
     """One attention linear: real FP8 (``x`` the codes, ``act`` the unquantized input its LoRA branches
     read, ``branches`` their lora_A products where computed for the whole stream), on its tensor-parallel
-    shards (a row-wise all-reduce is appended to ``works``), or the module as it is."""
+    shards (a row-wise all-reduce is appended to ``works``), or the module as it is. ``defer``: see
+    :func:`qwen_absorb.projection.fp8_linear`."""
     lp = plan.linears[path]
     m = _module(attn, path)
     if lp.fp8_gemm:
-        return fp8_linear(x, lp, plan, None, act, m, branches)
+        return fp8_linear(x, lp, plan, None, act, m, branches, defer)
     if not compiling:
         shard = tp_shard_for(plan, path, m, x)
         if shard is not None:
@@ -101,18 +102,22 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
             jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=img_in.device)
     qkv = []
+    deferred: list = []  # the six q/k/v LoRA branch sums, added in one launch once every GEMM is written
     for paths, x, act, rows in ((QKV_IMG, img_in, img_act, slice(seq_txt, None)),
                                 (QKV_TXT, txt_in, txt_act, slice(0, seq_txt))):
         pre = None if compiling else _shared_lora(attn, plan, paths, act)
+        defer = deferred if pre else None
         ys = []
         for p in paths:
             if jv is not None and p == paths[2]:
                 y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p),
-                                    pre.get(p) if pre else None).unsqueeze(0)
+                                    pre.get(p) if pre else None, defer).unsqueeze(0)
             else:
-                y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None)
+                y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None, defer)
             ys.append(y.unflatten(-1, (-1, head_dim)))
         qkv.append(ys)
+    if deferred:
+        add_deferred(plan, deferred)
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
     joint_q = joint_k = None
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):

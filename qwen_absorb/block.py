@@ -43,7 +43,7 @@ from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import is_dtensor, local_view
 from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide
-from .projection import fp8_linear, run_module, tp_linear, tp_shard_for, wait
+from .projection import fp8_linear, fp8_linear_gelu_fp8, run_module, tp_linear, tp_shard_for, wait
 from .sites import resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
@@ -581,6 +581,9 @@ def _ffn(c: _Call, mlp_name: str, x_in, works: list):
         y = None if c.compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
         return y if y is not None else run_module(plan, c.compiling, mlp, x)
     net = mlp.net
+    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj)  # net[0]'s LoRA inside the GELU quantization
+    if fused is not None:
+        return fp8_linear(fused[0], down, plan, works, fused[1], net[2])
     h = fp8_linear(x, up, plan, None, act, net[0].proj) if up.fp8_gemm else run_module(plan, c.compiling, net[0].proj, x)
     if not down.fp8_gemm:
         return run_module(plan, c.compiling, net[2], net[1](net[0].gelu(h)))

@@ -15,9 +15,10 @@ duration of one call, so ``scaling`` is read at every call, never cached.
 On the real-FP8 path the base layer is the FP8 GEMM and :func:`add_branches` adds the branches to
 its output. Where the adapter weights, the input and the output share one dtype and dropout is the
 identity (inference), each branch is ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``: the
-same sum, with the B product and the scaled add accumulated in fp32 and rounded once (PEFT rounds
-three times: the B output, the product with ``scaling`` and the sum). Anything else runs PEFT's
-expression op for op.
+same sum, with the B product and the scaled add accumulated in fp32 (PEFT rounds three times: the B
+output, the product with ``scaling`` and the sum; the expression rounds once, and cuBLAS's kernel at
+rank >= 32 differs from that single rounding in ~25% of the elements, tests/test_lora_add_gpu.py).
+Anything else runs PEFT's expression op for op.
 
 What PEFT layer kinds are not reproduced (DoRA and other variants, ``lora_bias``, non-Linear
 adapters, nested wrappers) is said by :func:`unsupported_reasons`; such a linear runs as PEFT runs it.

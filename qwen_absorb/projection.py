@@ -20,11 +20,20 @@ import torch
 from torch import nn
 
 from . import lora
+from .ops import lora_add
+from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
 # False sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
 TP_LOCAL = True
+# Where ops.lora_add adds LoRA branches instead of torch's addmm_ (switches for measurements; H200, rank 64,
+# benchmarks/results/probe_lora_add.md and fp8_lora_lora_add.md). Both off: as a plain in-place add the kernel is
+# slower than cuBLAS (112 against 86 us at 4096 x 12288; the 60-layer LoRA call 106.0 against 103.9 ms); inside
+# net[0]'s GELU + e4m3 quantization it saves 0.9 ms of GPU time a call (152 against 158 us per block) but no wall
+# time (103.7 against 103.9 ms), and its bit-for-bit GPU test has not run cleanly yet.
+LORA_GELU_KERNEL = False
+LORA_ADD_KERNEL = False
 
 
 @torch.compiler.disable
@@ -44,13 +53,15 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
 
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
                x: torch.Tensor | None = None, module: nn.Module | None = None,
-               branches: list | None = None) -> torch.Tensor:
+               branches: list | None = None, defer: list | None = None) -> torch.Tensor:
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
 
     A LoRA linear (``lp.lora``): ``module`` is the PEFT layer and ``x`` the unquantized input; its
     active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.products`),
     or, where the caller computed their ``lora_A`` products together with those of the other linears
-    reading ``x`` (``branches``, :func:`qwen_absorb.lora.shared_input_branches`), from those.
+    reading ``x`` (``branches``, :func:`qwen_absorb.lora.shared_input_branches`), from those. ``defer``: where
+    the branches are added in place (:func:`writes_into`), they are appended to it as ``(output, branches)``
+    for :func:`add_deferred` instead (q, k and v of a stream share one launch).
     Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
     output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
     w = lp.weight
@@ -60,7 +71,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
         # call makes 840 of these: a torch.empty from Python each would cost host time, probe_host_profile)
         out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
                           device=codes.device)
-        return fp8_linear_into(codes, lp, plan, out, x, module, branches).view(*lead, out.shape[-1])
+        return fp8_linear_into(codes, lp, plan, out, x, module, branches, defer).view(*lead, out.shape[-1])
     a = codes.reshape(-1, codes.shape[-1])
     bias = lp.bias
     fuse_bias = bias is not None and bias.dtype == w.out_dtype and w.out_dtype != torch.float32
@@ -72,7 +83,8 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
         out = out + bias.to(out.dtype)
     out = out.reshape(*lead, out.shape[-1])
     if branches is not None:
-        out = lora.add_products(out.contiguous(), branches)
+        out = out.contiguous()
+        add_products(plan, out.view(-1, out.shape[-1]), branches)
     elif lp.lora:
         out = lora.add_branches(module, out, x)
     tp = lp.tp
@@ -95,15 +107,16 @@ def writes_into(lp: LinearPlan) -> bool:
 
 def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor,
                     x: torch.Tensor | None = None, module: nn.Module | None = None,
-                    branches: list | None = None) -> torch.Tensor:
+                    branches: list | None = None, defer: list | None = None) -> torch.Tensor:
     """:func:`fp8_linear` for a linear with :func:`writes_into`, written into ``out`` (a contiguous
     [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor), without
     the copy a later concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`.
 
     The LoRA branches (``branches``, or :func:`qwen_absorb.lora.products` of ``module``) are added after the
-    GEMM, one fp32-accumulated ``addmm_`` each (the sum rounded once). Writing them first and letting the
-    GEMM's epilogue add its product (cuBLASLt ``beta = 1``) was measured on the H200 and gained nothing: the
-    epilogue reads them back without overlapping its main loop (``benchmarks/cublaslt_fp8.py``)."""
+    GEMM by :func:`add_products` (the sum accumulated in fp32), or handed to ``defer``.
+    Writing them first and letting the GEMM's epilogue add its product (cuBLASLt ``beta = 1``) was measured on
+    the H200 and gained nothing: the epilogue reads them back without overlapping its main loop
+    (``benchmarks/cublaslt_fp8.py``)."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
@@ -112,12 +125,73 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
-        lora.add_products(out, prods)
+        if defer is not None:
+            defer.append((out, prods))
+        else:
+            add_products(plan, out, prods)
     elif lp.lora:  # PEFT's own expression (not in place): its result, where the view is
         y = lora.add_branches(module, out, x)
         if y is not out:
             out.copy_(y.reshape(out.shape))
     return out
+
+
+def _kernel_branches(plan: BlockPlan, y: torch.Tensor, prods: lora.Products, switch: bool) -> bool:
+    """Whether :mod:`qwen_absorb.ops.lora_add` adds these branches to ``y`` [M, N] (else ``addmm_``)."""
+    if not (switch and plan.kernels) or torch.compiler.is_compiling():
+        return False
+    return all(type(s) is float and not lora_add.reasons(y, t, b) for t, b, s in prods)
+
+
+def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None:
+    """``y`` ([M, N]) plus each branch ``scaling * (x @ A.T) @ B.T``, in place, one after the other: the
+    tensor-core kernel where it runs and ``LORA_ADD_KERNEL`` asks for it, else
+    :func:`qwen_absorb.lora.add_products` (``addmm_``): the same expression, fp32 accumulation (the kernel rounds
+    each sum once; cuBLAS, measured, not quite: ``benchmarks/NOTES.md``)."""
+    if prods and _kernel_branches(plan, y, prods, LORA_ADD_KERNEL):
+        for t, b, s in prods:
+            lora_add.add_([(y, t, b, s)])
+    else:
+        lora.add_products(y, prods)
+
+
+def add_deferred(plan: BlockPlan, deferred: list) -> None:
+    """Add the branches :func:`fp8_linear_into` deferred (``[(output, branches)]``, distinct outputs): the
+    i-th branch of every output in one launch where the kernel runs, in each output's own order."""
+    if all(_kernel_branches(plan, y, prods, LORA_ADD_KERNEL) for y, prods in deferred):
+        depth = max((len(p) for _, p in deferred), default=0)
+        for i in range(depth):
+            lora_add.add_([(y, *prods[i]) for y, prods in deferred if i < len(prods)])
+    else:
+        for y, prods in deferred:
+            lora.add_products(y, prods)
+    deferred.clear()
+
+
+def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, plan: BlockPlan, x: torch.Tensor,
+                        module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """net[0].proj (``lp``) of a FeedForward with LoRA branches, with the last branch added inside the GELU(tanh)
+    + e4m3 quantization for a real-FP8 net[2] (``down``) where ``LORA_GELU_KERNEL`` and the kernel allow:
+    ``(codes, GELU output where net[2]'s own branches read it, else None)``, the values of :func:`fp8_linear`
+    then :func:`qwen_absorb.ops.quantize_fp8` with ``gelu_tanh``. None where the switch is off, the kernels
+    cannot run or the layout is not the GEMM-into-output one (nothing computed yet): the caller runs the steps."""
+    if not (LORA_GELU_KERNEL and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
+            or torch.compiler.is_compiling():
+        return None
+    amax, act_out = down.weight.input_amax, down.lora
+    w = lp.weight
+    n = w.codes.shape[0]
+    lead = codes.shape[:-1]
+    out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
+    prods = lora.products(module, x, w.out_dtype)
+    if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
+        fp8_linear_into(codes, lp, plan, out, x, module, prods)
+        _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
+        return c, g
+    fp8_linear_into(codes, lp, plan, out, x, module, prods[:-1])
+    t, b, s = prods[-1]
+    c, g = lora_add.add_gelu_fp8(out, t, b, s, amax, act_out)
+    return c.view(*lead, n), (g.view(*lead, n) if g is not None else None)
 
 
 def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The probes of this round in their CPU modes: ``probe_host_profile.py --tiny`` profiles the eager patched FP8
-call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py`` refuses a machine without
-CUDA with its exit code 3 and a line that says so."""
+call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py`` and ``probe_lora_add.py``
+refuse a machine without CUDA with their exit code 3 and a line that says so."""
 
 from __future__ import annotations
 
@@ -42,5 +42,12 @@ def test_host_profile_tiny_names_the_patched_forwards(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
 def test_lora_gemm_probe_refuses_without_cuda(tmp_path):
     p = _run("probe_lora_gemm.py", "--device", "cpu", "--out", str(tmp_path))
+    assert p.returncode == 3 and "needs CUDA" in p.stdout + p.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_lora_add_probe_refuses_without_cuda(tmp_path):
+    p = _run("probe_lora_add.py", "--out", str(tmp_path))
     assert p.returncode == 3 and "needs CUDA" in p.stdout + p.stderr
     assert not list(tmp_path.iterdir())

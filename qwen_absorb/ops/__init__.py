@@ -8,6 +8,8 @@ its reference, which is the diffusers eager expression itself.
 - :func:`quantize_fp8`, :func:`quantize_fp8_split`  FP8 e4m3 codes of an activation (optionally GELU'd)
 - ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output.
 - :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
+- ``lora_add``                                   a LoRA branch added to its linear's output (tensor cores), fused
+                                                 into net[0]'s GELU + e4m3 quantization, or alone
 
 Qwen-Image-2.1 (scale-only modulation, tanh gates, per-token rows by ``target_token_mask``):
 
@@ -81,7 +83,7 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
     mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
             "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu",
-            "taylor_seer")
+            "taylor_seer", "lora_add")
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 

@@ -11,6 +11,7 @@
 // quantized for both output projections in one launch. One block per row.
 #include "common.cuh"
 #include "fp8.cuh"
+#include "activation.cuh"
 
 #define QA_QF8_THREADS 256
 
@@ -26,18 +27,6 @@ struct QuantizeFp8Params {
   int H, DH;
   int vec;  // 1: VEC-element vector loads are legal
 };
-
-// PyTorch's GELU(tanh) in fp32 (aten ActivationGeluKernel.cu), in the same operation order.
-__device__ __forceinline__ float qa_gelu_tanh(float x) {
-  const float kBeta = (float)(1.4142135623730951 * 1.1283791670955126 * 0.5);
-  const float kKappa = 0.044715f;
-  const float x_cube = x * x * x;
-  const float inner = kBeta * (x + kKappa * x_cube);
-  return 0.5f * x * (1.f + tanhf(inner));
-}
-
-// PyTorch's SiLU in fp32 (aten ActivationSiluKernel.cu): x / (1 + exp(-x)).
-__device__ __forceinline__ float qa_silu(float x) { return x / (1.f + expf(-x)); }
 
 template <class T, int ACT, int VEC>
 __global__ void __launch_bounds__(QA_QF8_THREADS) quantize_fp8_kernel(const QuantizeFp8Params p) {

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""The LoRA branch add, kernel against cuBLAS (issue 18): ``ops.lora_add`` against ``addmm_`` at a block's shapes.
+
+Per call (us, the median of 30 replays of a CUDA graph holding 10 calls; no host cost), rank 64, bf16:
+
+- ``addmm``: ``y.addmm_(t, B.T, alpha=s)`` (the library before this kernel), ``add``: ``lora_add.add_``;
+- ``addmm + gelu``: ``addmm_`` then the GELU + e4m3 quantization kernel, against ``add_gelu_fp8`` (net[0]);
+- ``qkv``: six ``addmm_`` (q/k/v of the image and text streams) against one grouped ``add_`` launch;
+- each for every ``QA_LA_MIN_BLOCKS`` given (blocks per SM the compiler must fit), and the achieved TB/s of the
+  kernel's y traffic (read + write; codes + GELU output for the fused form).
+
+    python benchmarks/probe_lora_add.py --out benchmarks/results       # ~30 s on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402
+
+from qwen_absorb.ops import _runtime as rt  # noqa: E402
+from qwen_absorb.ops import lora_add  # noqa: E402
+from qwen_absorb.ops.quantize_fp8 import launch as qf8_launch  # noqa: E402
+
+RANK = 64
+SHAPES = [(4096, 3072), (4096, 12288), (128, 3072), (128, 12288)]
+
+
+def _ops(m: int, n: int, gen: torch.Generator, dev: str) -> tuple:
+    y = torch.randn(m, n, generator=gen, device=dev).bfloat16()
+    t = torch.randn(m, RANK, generator=gen, device=dev).bfloat16()
+    b = (torch.randn(n, RANK, generator=gen, device=dev) * 0.02).bfloat16()
+    return y, t, b
+
+
+def _per_call_us(fn) -> float:
+    ms, _ = H.time_graph(lambda: [fn() for _ in range(10)])
+    return round(ms * 100.0, 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--min-blocks", default="2,3")
+    a = ap.parse_args()
+    dev = "cuda"
+    if not torch.cuda.is_available():
+        print("probe_lora_add.py needs CUDA (the kernel and cuBLAS's addmm_ on a GPU); nothing written")
+        return 3
+    env = H.environment(dev)
+    res = {**H.head("benchmarks/probe_lora_add.py", env, {"rank": RANK, "shapes": SHAPES}), "us": {}}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    amax = torch.tensor([4.0], device=dev)
+    for mb in [int(v) for v in a.min_blocks.split(",")]:
+        rt.set_defines({"QA_LA_MIN_BLOCKS": mb})
+        row = res["us"][f"min_blocks_{mb}"] = {}
+        for m, n in SHAPES:
+            y, t, b = _ops(m, n, gen, dev)
+            row[f"{m}x{n} addmm"] = _per_call_us(lambda: y.addmm_(t, b.t(), alpha=0.5))
+            k = row[f"{m}x{n} add"] = _per_call_us(lambda: lora_add.add_([(y, t, b, 0.5)]))
+            row[f"{m}x{n} add TB/s"] = round(4 * m * n / (k * 1e-6) / 1e12, 2)
+            row[f"{m}x{n} addmm + gelu"] = _per_call_us(
+                lambda: qf8_launch(y.addmm_(t, b.t(), alpha=0.5).unsqueeze(0), 0, None, amax, "gelu_tanh", True))
+            k = row[f"{m}x{n} add_gelu_fp8"] = _per_call_us(lambda: lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True))
+            row[f"{m}x{n} add_gelu_fp8 TB/s"] = round(5 * m * n / (k * 1e-6) / 1e12, 2)
+        probs = [(*_ops(m, 3072, gen, dev), 0.5) for m in (4096,) * 3 + (128,) * 3]
+        row["qkv 6x addmm"] = _per_call_us(lambda: [y.addmm_(t, b.t(), alpha=s) for y, t, b, s in probs])
+        row["qkv grouped add"] = _per_call_us(lambda: lora_add.add_(probs))
+        H.log(f"min_blocks {mb}: {row}")
+    rt.set_defines(None)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe_lora_add.json").write_text(json.dumps(H.json_safe(res), indent=1))
+    lines = ["# LoRA branch add: ops.lora_add against addmm_ (us per call, CUDA graph, rank 64, bf16)", "",
+             f"- GPU: {env.get('gpu')}, driver {env.get('driver')}; torch {env.get('torch')}, cupy {env.get('cupy')}; "
+             f"qwen_absorb {env.get('qwen_absorb_commit')} (dirty: {env.get('git_dirty')}); {env.get('date')}", ""]
+    keys = list(next(iter(res["us"].values())))
+    lines += H.md_table(["case", *res["us"]], [[k, *(res["us"][c][k] for c in res["us"])] for k in keys], 2)
+    (out / "probe_lora_add.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

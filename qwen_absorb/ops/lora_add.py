@@ -1,0 +1,162 @@
+"""lora_add: a LoRA branch added to its linear's output in place, ``y += alpha * t @ B.T``, on tensor cores.
+
+``t`` is the branch's ``lora_A`` product ``x @ A.T`` ([M, R]), ``B`` lora_B's weight ([N, R]) and ``y`` the base
+layer's output ([M, N]), all bf16 or all fp16. The sum is ``y + alpha * t @ B.T`` accumulated in fp32 and rounded
+once (``torch.addmm_``'s expression; cuBLAS's own ``addmm_`` is not rounded once at rank >= 32: on the H200 it
+differs from the correctly rounded sum in ~25% of the elements, and the kernel is never further from the exact sum;
+tests/test_lora_add_gpu.py). Two forms:
+
+- :func:`add_gelu_fp8`: net[0].proj's last branch fused into the GELU(tanh) + e4m3 quantization that feeds
+  net[2] (:func:`qwen_absorb.ops.quantize_fp8`'s ``gelu_tanh`` on the sum, bit for bit): returns the codes and,
+  when asked, the rounded GELU output; the sum itself is never written
+  (:func:`qwen_absorb.projection.fp8_linear_gelu_fp8`): one kernel instead of ``addmm_`` and the quantization,
+  152 against 158 us at 4096 x 12288, rank 64, but no wall-time gain for the 60-layer call.
+- :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs (q, k and v of both streams) in one launch. Slower
+  than cuBLAS's ``addmm_`` (112 against 86 us at 4096 x 12288).
+
+The FP8 path keeps ``addmm_`` by default; ``projection.LORA_GELU_KERNEL`` / ``LORA_ADD_KERNEL`` switch these on
+(``benchmarks/results/probe_lora_add.md``, ``fp8_lora_lora_add.md``, ``benchmarks/NOTES.md``).
+
+:func:`add_reference_` / :func:`add_gelu_fp8_reference` are the torch expressions; callers check :func:`reasons`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import kernel_runtime_reasons
+from .fp8 import quantize_fp8_reference
+
+MAX_PROBLEMS = 6
+_THREADS = 256
+_BM = 128
+MAX_RANK = 128
+KSTEPS = (1, 2, 4, 8)  # rank / 16 rounded up to one of these: the kernel's template instances
+_PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
+_LAYOUT = _PROBLEM * MAX_PROBLEMS + "iPPP"  # nprob; codes, act_out, amax
+_DTYPES = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
+_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16 operands
+_cache: dict[tuple, rt.Launcher] = rt.register_cache({})
+
+Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]  # (y, t, B, alpha)
+
+
+def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
+    """Why the kernel cannot add ``alpha * t @ b.T`` to ``y`` (empty: it can)."""
+    r = []
+    if not (y.dtype == t.dtype == b.dtype) or y.dtype not in _DTYPES:
+        r.append(f"dtypes {y.dtype}, {t.dtype}, {b.dtype}: the kernel takes one of bf16 / fp16 for all")
+    if y.dim() != 2 or t.dim() != 2 or b.dim() != 2:
+        r.append("not 2-D")
+    elif t.shape[0] != y.shape[0] or b.shape[0] != y.shape[1] or t.shape[1] != b.shape[1]:
+        r.append(f"shapes {tuple(y.shape)}, {tuple(t.shape)}, {tuple(b.shape)} do not chain")
+    elif any(u.stride(1) != 1 for u in (y, t, b)) or y.numel() >= 1 << 31 or y.shape[0] >= 1 << 30:
+        r.append("inner dimensions not contiguous, or too large for 32-bit tile indices")
+    elif t.shape[1] % 2 or t.shape[1] > MAX_RANK or not rt.aligned(t, 4, t.stride(0)):
+        r.append(f"rank {t.shape[1]}: the kernel takes even ranks up to {MAX_RANK} with 4-byte aligned lora_A rows")
+    if not (y.device == t.device == b.device):
+        r.append("tensors on different devices")
+    if r:
+        return r
+    r = kernel_runtime_reasons(y.device)
+    if not r and rt.device_capability(y.device) < _MIN_CAPABILITY:
+        r.append("tensor-core bf16 / fp16 mma needs compute capability 8.0")
+    return r
+
+
+def _ksteps(rank: int) -> int:
+    return next(k for k in KSTEPS if 16 * k >= rank)
+
+
+def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device) -> rt.Launcher:
+    idx = rt.device_index(device)
+    key = (act, dtype, ks, idx)
+    hit = _cache.get(key)
+    if hit is None:
+        fn = rt.function("lora_add.cu", f"lora_add_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx)
+        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx)
+    return hit
+
+
+SMEM_ELEMENTS = 256 * 72  # QA_LA_SMEM: lora_B's staged rows, bnb * (16 ks + 8) elements at most
+
+
+def columns_per_block(m: int, ks: int) -> int:
+    """Columns per block for a launch of ``ks`` k-steps: lora_B's staged rows must fit ``SMEM_ELEMENTS`` at the
+    launch's pitch (a grouped launch pads every problem to its largest rank: the pitch is the launch's, not the
+    problem's); a short problem (the text stream) wants blocks more than reuse."""
+    bnb = 64 if m <= 256 else 256
+    while bnb * (16 * ks + 8) > SMEM_ELEMENTS:
+        bnb //= 2
+    return bnb
+
+
+def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int,
+            ks: int) -> tuple[list, int]:
+    m, n = y.shape
+    r = t.shape[1]
+    bnb = columns_per_block(m, ks)
+    tiles_n = -(-n // bnb)
+    tiles = -(-m // _BM) * tiles_n
+    vec = int(r % 8 == 0 and rt.aligned(b, 16, b.stride(0)))
+    vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16, y.stride(0)))
+    return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, r, tiles_n,
+            begin, vec, bnb, float(alpha)], tiles
+
+
+_EMPTY = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 << 30, 0, 64, 0.0]
+
+
+def add_(problems: Sequence[Problem]) -> None:
+    """Kernel: ``y += alpha * t @ B.T`` in place for each ``(y, t, B, alpha)`` (distinct, non-overlapping ``y``),
+    up to :data:`MAX_PROBLEMS` per launch."""
+    for i in range(0, len(problems), MAX_PROBLEMS):
+        chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
+        if not chunk:
+            continue
+        fields, total = [], 0
+        ks = max(_ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
+        for y, t, b, alpha in chunk:
+            f, tiles = _fields(y, t, b, alpha, total, ks)
+            fields += f
+            total += tiles
+        fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
+        y0 = chunk[0][0]
+        _launcher(0, y0.dtype, ks, y0.device)(total, *fields, len(chunk), 0, 0, 0)
+
+
+def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
+                 act_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel: ``(codes, g or None)`` with ``g = GELU_tanh(y + alpha * t @ B.T)`` (each rounded to y's dtype) and
+    ``codes`` its e4m3 codes under ``amax`` (fp32, one element); ``y`` [M, N] contiguous is only read."""
+    if not y.is_contiguous():
+        raise ValueError("add_gelu_fp8 needs a contiguous y")
+    codes = torch.empty(y.shape, dtype=torch.float8_e4m3fn, device=y.device)
+    g = torch.empty_like(y) if act_out else None
+    if y.numel():
+        ks = _ksteps(t.shape[1])
+        f, tiles = _fields(y, t, b, alpha, 0, ks)
+        a = amax.float().reshape(1)
+        _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, codes.data_ptr(), rt.ptr(g),
+                                        a.data_ptr())
+    return codes, g
+
+
+def add_reference_(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The expression :func:`add_` computes: ``y.addmm_(t, b.T, alpha=alpha)``."""
+    return y.addmm_(t, b.t(), alpha=alpha)
+
+
+def add_gelu_fp8_reference(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float,
+                           amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expression :func:`add_gelu_fp8` computes: the sum, GELU(tanh) of it, its codes."""
+    h = torch.addmm(y, t, b.t(), alpha=alpha)
+    g = torch.nn.functional.gelu(h, approximate="tanh")
+    return quantize_fp8_reference(g, amax), g
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [("lora_add.cu", f"lora_add_kernel<{d}, {a}, {k}>") for d in _DTYPES.values() for a in (0, 1) for k in KSTEPS]
