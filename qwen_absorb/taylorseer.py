@@ -139,10 +139,12 @@ def release(hook: Any) -> None:
 class Step:
     """One hook's step in one call, decided before the call (graph mode)."""
 
-    __slots__ = ("hook", "state", "name", "compute", "n", "delta", "offset", "coef", "record", "orders", "changed")
+    __slots__ = ("hook", "state", "name", "compute", "n", "delta", "offset", "coef", "record", "orders", "changed",
+                 "entered", "ran")
 
     def __init__(self, hook: Any, state: Any, compute: bool) -> None:
         self.hook, self.state, self.compute = hook, state, compute
+        self.entered = self.ran = False  # the block reached this step / finished it (see Steps.abandon)
         self.name = hook.state_manager._context.name
         self.orders = int(state.max_order) + 1
         self.delta = self.offset = 0
@@ -198,10 +200,12 @@ class Step:
 
     def run(self, compute: Callable[[], Any]) -> Any:
         st = self.state
+        self.entered = True
         if not self.compute:
             if self.n < 0:
                 raise ValueError("Cannot predict without prior initialization/update.")
             outs = [self._predict(b, dt) for b, dt in zip(self.record.bufs, st.module_dtypes)]
+            self.ran = True
             return outs[0] if len(outs) == 1 else tuple(outs)
         out = compute()
         feats = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -218,6 +222,7 @@ class Step:
                 ts_ops.update_reference_(x, b, self.n, self.delta)
             else:
                 ts_ops.update_(x.contiguous(), b, self.n, self.coef)
+        self.ran = True
         return out
 
     def _predict(self, bufs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -326,6 +331,29 @@ class Steps:
     def apply(self) -> None:
         for s in self.steps:
             s.apply()
+
+    def replayed(self) -> None:
+        """A graph ran every step of this call (no Python of the steps runs in a replay)."""
+        for s in self.steps:
+            s.entered = s.ran = True
+
+    def abandon(self) -> None:
+        """The call raised: leave each state as diffusers' own hooks would have. A step the blocks finished is
+        applied; one they entered and did not finish keeps its advanced counter and its factors, as a hooked
+        module whose forward raised; one never reached gets its counter back (``begin`` advanced it ahead of
+        the blocks, diffusers' hook had not run yet)."""
+        for s in self.steps:
+            if s.ran:
+                s.apply()
+            elif not s.entered:
+                s.state.current_step -= 1  # what _measure_should_compute added
+
+
+def replayed() -> None:
+    """The runner launched a graph for the call whose steps are current in this thread (if any)."""
+    steps = getattr(_local, "steps", None)
+    if steps is not None:
+        steps.replayed()
 
 
 # ---------------------------------------------------------------------------------------------- in the block

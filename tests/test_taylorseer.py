@@ -370,3 +370,59 @@ def test_graph_runner_refusals_under_caches(fake_cuda, monkeypatch, seed):
     assert any(k.startswith("TaylorSeer cache: tensors are on cpu") for k in r), r
     assert r.get("cache hook active (enable_cache)", 0) >= 8, r
     assert report.cuda_graph["replays"] == 0
+
+
+def test_a_raising_call_leaves_the_states_as_diffusers_does(fake_cuda, monkeypatch, seed):
+    """A forward that raises inside a block (a user's KeyboardInterrupt, an OOM) in graph mode: the runner decided
+    every hook's step (advancing its counter) before the call, so it must leave each state as diffusers' own hooks
+    leave it: a block that finished its step applied, a block whose forward raised with its counter advanced and
+    its factors untouched, a block never reached with its counter back. Then the cache goes on exactly as the
+    same cache without graph mode that raised at the same place: every later output and state equal."""
+    from qwen_absorb import attention
+    from qwen_absorb.cuda_graph import runner as R
+
+    monkeypatch.setattr(R, "capture", _capture_once)
+    monkeypatch.setattr(taylorseer, "graph_reasons", lambda device: [])
+    model = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, cuda_graph=True, **REAL)
+    qwen_absorb.patch(twin, cuda_graph=False, **REAL)
+    config = TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2)
+    model.enable_cache(config)
+    twin.enable_cache(config)
+    armed: dict = {}
+    run = attention.run
+
+    def raising(attn, *a, **k):
+        if armed.pop(id(attn), False):
+            raise RuntimeError("injected")
+        return run(attn, *a, **k)
+
+    monkeypatch.setattr(attention, "run", raising)
+    # (step, context, block): a first update that raises in the second block (the first one finished), and the
+    # warm-up of a capture that raises in the first block (the second one never reached)
+    raises = {(0, "cond"): 1, (1, "uncond"): 0}
+    steps = _steps(model, 7, seed + 91)
+    n_raised = 0
+    with torch.no_grad():
+        for i, kw in enumerate(steps):
+            for name in ("cond", "uncond"):
+                outs = []
+                for m in (model, twin):
+                    b = raises.get((i, name))
+                    if b is not None:
+                        armed[id(m.transformer_blocks[b].attn)] = True
+                    with m.cache_context(name):
+                        try:
+                            outs.append(m(**kw)[0].clone())
+                        except RuntimeError as e:
+                            assert "injected" in str(e)
+                            outs.append(None)
+                if outs[0] is None or outs[1] is None:
+                    assert outs[0] is None and outs[1] is None, (i, name)
+                    n_raised += 1
+                else:
+                    assert torch.equal(outs[0], outs[1]), (i, name)
+                _same_states(_states(model, name), _states(twin, name))
+    assert n_raised == 2 and not armed
+    assert model.forward.replays > 0  # graph mode did replay the steps after the raises

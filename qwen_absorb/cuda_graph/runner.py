@@ -172,7 +172,11 @@ class GraphedCall:
             return self._keyed(call, args, kwargs, t0, None)
         call.key = (call.key, steps.key)  # one graph per kind of step (see qwen_absorb.taylorseer)
         with steps:
-            out = self._keyed(call, args, kwargs, t0, steps)
+            try:
+                out = self._keyed(call, args, kwargs, t0, steps)
+            except BaseException:
+                steps.abandon()  # the states as diffusers' hooks leave them when a forward raises
+                raise
         steps.apply()  # the states' Python side (a replay ran none of it; eager runs did, the same)
         return out
 
@@ -331,6 +335,7 @@ class GraphedCall:
         for s, x in zip(entry.statics, call.tensors):
             s.copy_(x)
         entry.graph.replay()
+        taylorseer.replayed()
 
     def _served(self, entry: Graph, call: Call) -> Any:
         """The launched replay of ``entry`` answers the call: bookkeeping, and clones of its outputs."""
