@@ -17,7 +17,7 @@ tests/test_lora_add_gpu.py). Two forms:
 The FP8 path keeps ``addmm_`` by default; ``projection.LORA_GELU_KERNEL`` / ``LORA_ADD_KERNEL`` switch these on
 (``benchmarks/results/probe_lora_add.md``, ``fp8_lora_lora_add.md``, ``benchmarks/NOTES.md``).
 
-:func:`add_reference_` / :func:`add_gelu_fp8_reference` are the torch expressions; callers check :func:`reasons`.
+Where :func:`reasons` refuses, callers run the torch expressions (``addmm_``, then the quantization op).
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import kernel_runtime_reasons
-from .fp8 import quantize_fp8_reference
 
 MAX_PROBLEMS = 6
 _THREADS = 256
 _BM = 128
-MAX_RANK = 128
 KSTEPS = (1, 2, 4, 8)  # rank / 16 rounded up to one of these: the kernel's template instances
+MAX_RANK = 16 * KSTEPS[-1]
 _PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
 _LAYOUT = _PROBLEM * MAX_PROBLEMS + "iPPP"  # nprob; codes, act_out, amax
 _DTYPES = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
@@ -143,19 +142,6 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
         _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, codes.data_ptr(), rt.ptr(g),
                                         a.data_ptr())
     return codes, g
-
-
-def add_reference_(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The expression :func:`add_` computes: ``y.addmm_(t, b.T, alpha=alpha)``."""
-    return y.addmm_(t, b.t(), alpha=alpha)
-
-
-def add_gelu_fp8_reference(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float,
-                           amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expression :func:`add_gelu_fp8` computes: the sum, GELU(tanh) of it, its codes."""
-    h = torch.addmm(y, t, b.t(), alpha=alpha)
-    g = torch.nn.functional.gelu(h, approximate="tanh")
-    return quantize_fp8_reference(g, amax), g
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:

@@ -26,7 +26,6 @@
 #define QA_LA_THREADS 256
 #define QA_LA_BM 128
 #define QA_LA_SMEM (256 * 72)  // lora_B's staged rows: bnb * (16 KS + 8) elements at most
-#define QA_LA_MAX_RANK 128
 #define QA_LA_MAXP 6
 #ifndef QA_LA_MIN_BLOCKS
 #define QA_LA_MIN_BLOCKS 2  // <= 128 registers: KS = 8 holds 32 A registers; 3 (85 registers) spills there
