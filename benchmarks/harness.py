@@ -141,13 +141,22 @@ def head(benchmark: str, env: dict[str, Any], config: dict[str, Any]) -> dict[st
 # ------------------------------------------------------------------------------------------ timing
 
 
-def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, b2b: int = 0) -> dict[str, Any]:
-    """``warmup`` untimed calls, then ``iters`` calls, each between CUDA events and synchronized after it (the
-    time of one call, host work included: ``median_ms``), with perf_counter around it (``wall_median_ms``);
-    then ``b2b`` calls back to back between two events (``b2b_ms`` per call: host work overlaps the GPU)."""
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, b2b: int = 0,
+               warmup_s: float = 0.0) -> dict[str, Any]:
+    """``warmup`` untimed calls, and more until ``warmup_s`` seconds have passed (the H200's clocks follow its
+    power and temperature: a case timed right after a pause, e.g. a compile, runs at higher clocks than one timed
+    after a busy case; a few seconds of calls bring every case to the same steady state); then ``iters`` calls,
+    each between CUDA events and synchronized after it (the time of one call, host work included:
+    ``median_ms``), with perf_counter around it (``wall_median_ms``); then ``b2b`` calls back to back between
+    two events (``b2b_ms`` per call: host work overlaps the GPU)."""
     cuda = device.type == "cuda"
-    for _ in range(warmup):
+    t_warm = time.perf_counter()
+    n_warm = 0
+    while n_warm < warmup or time.perf_counter() - t_warm < warmup_s:
         fn()
+        n_warm += 1
+        if n_warm >= warmup:
+            sync(device)
     sync(device)
     ev: list[float] = []
     wall: list[float] = []
@@ -167,7 +176,8 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
     r: dict[str, Any] = {
         "median_ms": statistics.median(ev), "min_ms": min(ev), "max_ms": max(ev),
         "wall_median_ms": statistics.median(wall), "samples_ms": [round(x, 4) for x in ev],
-        "warmup": warmup, "iters": iters, "timer": "cuda_events" if cuda else "perf_counter",
+        "warmup": warmup, "warmup_calls": n_warm, "warmup_s": warmup_s, "iters": iters,
+        "timer": "cuda_events" if cuda else "perf_counter",
     }
     if b2b > 0:
         sync(device)
@@ -208,9 +218,41 @@ def kernel_summary(prof: Any, top: int = 12) -> dict[str, Any]:
     }
 
 
+def idle_summary(prof: Any, wall_ms: float, top: int = 8) -> dict[str, Any]:
+    """Where a profiled call's GPU idles: ``span_ms`` from its first device activity (kernels, copies) to its
+    last, ``idle_in_span_ms`` = span minus the union of those activities (gaps between kernels, a launch that
+    falls behind), ``idle_outside_span_ms`` = the call's CUDA-event wall minus its span (host work before the
+    first launch and after the last), and the ``largest_gaps`` with the activities around them."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+
+    acts = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    if not acts:
+        return {}
+    gaps: list[tuple[float, str, str]] = []
+    end, last = acts[0][1], acts[0][2]
+    covered = acts[0][1] - acts[0][0]
+    for a0, a1, name in acts[1:]:
+        if a0 > end:
+            gaps.append((a0 - end, last, name))
+            covered += a1 - a0
+        elif a1 > end:
+            covered += a1 - end
+        if a1 >= end:
+            end, last = a1, name
+    span = end - acts[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"profiled_wall_ms": round(wall_ms, 4), "span_ms": round(span / 1e3, 4),
+            "idle_in_span_ms": round((span - covered) / 1e3, 4),
+            "idle_outside_span_ms": round(wall_ms - span / 1e3, 4), "gaps": len(gaps),
+            "gaps_over_5us": sum(g[0] > 5 for g in gaps),
+            "largest_gaps": [{"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]]}
+
+
 def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 12,
                  cpu_activity: bool = False) -> tuple[dict[str, Any] | None, str | None]:
-    """One call under torch.profiler (CUDA activity): :func:`kernel_summary`, or ``(None, reason)``."""
+    """One call under torch.profiler (CUDA activity): :func:`kernel_summary` and :func:`idle_summary` (under
+    ``idle``), or ``(None, reason)``."""
     if device.type != "cuda":
         return None, f"{NEEDS_CUDA} (torch.profiler CUDA activity); device is {device.type}"
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
@@ -219,9 +261,13 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 12,
     try:
         sync(device)
         with profile(activities=acts) as prof:
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
             fn()
+            t1.record()
             sync(device)
         s = kernel_summary(prof, top)
+        s["idle"] = idle_summary(prof, t0.elapsed_time(t1))
     except Exception as e:  # noqa: BLE001 - a profiler problem must not cost the timings
         return None, f"profiler failed: {type(e).__name__}: {e}"
     return (s, None) if s["kernels_per_call"] else (None, "the profiler saw no kernels")
@@ -236,7 +282,7 @@ def start_profiler(device: torch.device) -> None:
 
 
 def measure(label: str, fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, b2b: int = 0,
-            profile: bool = True) -> dict[str, Any]:
+            profile: bool = True, warmup_s: float = 0.0) -> dict[str, Any]:
     """First call (timed apart: compiles, builds, graph captures), :func:`time_calls`, one profiled call."""
     log(f"  {label}: first call ...")
     with torch.inference_mode():
@@ -245,7 +291,7 @@ def measure(label: str, fn: Callable[[], Any], device: torch.device, warmup: int
         fn()
         sync(device)
         r: dict[str, Any] = {"first_call_s": round(time.perf_counter() - t0, 4)}
-        r.update(time_calls(fn, device, warmup, iters, b2b))
+        r.update(time_calls(fn, device, warmup, iters, b2b, warmup_s))
         r["profile"], r["profile_skipped"] = profile_call(fn, device) if profile else (None, "not requested")
     p = r["profile"]
     log(f"  {label}: median {r['median_ms']:.3f} ms (wall {r['wall_median_ms']:.3f})"

@@ -2,8 +2,10 @@
 """Issue 19's speed benchmark: the library defaults against unpatched, compiled and torchao, one process, one GPU.
 
 60-layer random full-size transformer, 1024^2 (4096 image + 128 text tokens), B = 1, no text mask, bf16. Per call
-case (harness.measure): first call, ``--warmup`` calls, ``--iters`` (>= 5) timed calls between CUDA events,
-synchronized after each (median: wall ms of one call); GPU busy: sum of kernel durations of one profiled call.
+case (harness.measure): first call, ``--warmup`` calls continued for ``--warmup-s`` seconds (3: the clocks reach
+their steady state under load, whatever ran before), ``--iters`` (>= 5) timed calls between CUDA events,
+synchronized after each (median: wall ms of one call); GPU busy: sum of kernel durations of one profiled call,
+whose idle time is attributed in the details (``idle``: gaps inside its span, wall outside it).
 default = ``qwen_absorb.patch(model)`` (``cuda_graph="auto"``), eager = ``cuda_graph=False``. Sections, in order:
 bf16 (unpatched, default, eager); compile (unpatched + ``compile_repeated_blocks(fullgraph=True)``); fp8 (fp32
 reference of the same weights, a copy with ModelOpt FP8_DEFAULT_CFG calibrated on the timing input: fake quant
@@ -120,7 +122,7 @@ class Speed(H.Bench):
     def case(self, key: str, model: torch.nn.Module, rep: Any = None, keep: str | None = None, **extra: Any) -> None:
         a, kw, fake = self.a, self.kw, key == "fp8_fake_ms"
         r = H.measure(key[:-3], lambda: model(**kw)[0], self.dev, 1 if fake else a.warmup, a.fake_iters if fake
-                      else a.iters)
+                      else a.iters, warmup_s=0.0 if fake else a.warmup_s)
         self.R.put(key, round(r["median_ms"], 4))
         b, why = H.busy(r)
         self.R.put(key.replace("_ms", "_gpu_busy_ms"), b and round(b, 4), why)
@@ -128,6 +130,7 @@ class Speed(H.Bench):
         self.R.put(f"details.{key}", H.json_safe({
             **{k: r[k] for k in ("first_call_s", "wall_median_ms", "min_ms", "max_ms", "samples_ms", "warmup", "iters")},
             "kernels_per_call": p.get("kernels_per_call"), "top_kernels": (p.get("top_kernels_by_time") or [])[:8],
+            "warmup_calls": r.get("warmup_calls"), "idle": p.get("idle"),
             **({"report": rep_info(rep)} if rep is not None else {}), **extra}))
         if keep:
             with torch.inference_mode():
@@ -348,20 +351,27 @@ class Speed(H.Bench):
         return 1 if s.failed else 0
 
 
+def idle_cells(idle: dict[str, Any] | None) -> list[Any]:
+    """The profiled call's own wall and where its GPU idled (harness.idle_summary)."""
+    idle = idle or {}
+    return [idle.get("profiled_wall_ms"), idle.get("idle_in_span_ms"), idle.get("idle_outside_span_ms")]
+
+
 def markdown(d: dict[str, Any]) -> str:
     c, det, mem = d.get("config") or {}, d.get("details") or {}, d.get("peak_memory_gib") or {}
     lines = H.md_head("Speed of the library defaults vs peers (issue 19)", d,
                       f"{c.get('num_layers')} layers, {c.get('image_tokens')} image + {c.get('text_tokens')} text "
                       f"tokens, B = 1, bf16, no mask; median of {c.get('iters')} timed calls after {c.get('warmup')} "
-                      f"warm-up (fp8_fake: {c.get('fake_iters')} calls after 1, ~0.8 s a call); ms = CUDA events "
+                      f"warm-up, continued to {c.get('warmup_s')} s (steady clocks; fp8_fake: {c.get('fake_iters')} calls after "
+                      "1, ~0.8 s a call); ms = CUDA events "
                       "around one synchronized call; GPU busy = kernel time of one profiled call; default = "
                       "qwen_absorb.patch(model), cuda_graph='auto'")
     rows = [[k[:-3], d.get(k), d.get(k[:-3] + "_gpu_busy_ms"), H.ratio(d.get(k), d.get(k[:-3] + "_gpu_busy_ms")),
              (det.get(k) or {}).get("kernels_per_call"), (det.get(k) or {}).get("first_call_s"),
-             H.ratio(d.get("bf16_eager_ms"), d.get(k))] for k in CALLS]
+             H.ratio(d.get("bf16_eager_ms"), d.get(k)), *idle_cells((det.get(k) or {}).get("idle"))] for k in CALLS]
     f = d.get("fidelity") or {}
-    lines += ["", *H.md_table(["case", "ms", "GPU busy ms", "wall/busy", "kernels", "first call s", "vs bf16 eager"],
-                              rows), "", f"Fidelity (forward vs fp32): default FP8 {H.fmt(f.get('rel_err_forward_fp8_patched'))}"
+    lines += ["", *H.md_table(["case", "ms", "GPU busy ms", "wall/busy", "kernels", "first call s", "vs bf16 eager",
+                               "profiled: wall ms", "idle in span", "idle outside span"], rows), "", f"Fidelity (forward vs fp32): default FP8 {H.fmt(f.get('rel_err_forward_fp8_patched'))}"
               f", fake quant {H.fmt(f.get('rel_err_forward_fp8_fake'))}, ratio {H.fmt(d.get('fidelity_ratio_forward'))}",
               "", f"Pipeline: QwenImagePipeline {c.get('pipeline_size')}^2, latents out, cache `{c.get('cache')}` "
               "(calls graph mode refuses run eager: graph_fallbacks in the details)", "",
@@ -385,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                 "fast_steps": (8, 2), "warmup_steps": (3, 1)}
     for k, (full, tiny) in defaults.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="keep warming each call case up until this many seconds passed (steady clocks; default 3, "
+                        "--tiny: 0)")
     p.add_argument("--pipeline-runs", type=int, default=2, help="timed runs of the 50-step modes, budget allowing")
     p.add_argument("--cache", choices=("taylorseer", "fbc"), default="taylorseer",
                    help="taylorseer: TaylorSeerCacheConfig() (diffusers' defaults: a fixed schedule, no host sync, the "
@@ -393,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v[1] if a.tiny else v[0])
+    if a.warmup_s is None:
+        a.warmup_s = 0.0 if a.tiny else 3.0
     if not a.tiny and a.iters < 5:
         p.error("--iters must be >= 5 (medians of at least 5 timed calls)")
     return Speed(a).run()

@@ -1,6 +1,7 @@
 """The probes of this round in their CPU modes: ``probe_host_profile.py --tiny`` profiles the eager patched FP8
-call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py`` and ``probe_lora_add.py``
-refuse a machine without CUDA with their exit code 3 and a line that says so."""
+call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py``, ``probe_lora_add.py``
+and ``probe_graph_idle.py`` refuse a machine without CUDA with their exit code 3 and a line that says so; the
+harness's idle attribution on a made-up trace."""
 
 from __future__ import annotations
 
@@ -51,3 +52,39 @@ def test_lora_add_probe_refuses_without_cuda(tmp_path):
     p = _run("probe_lora_add.py", "--out", str(tmp_path))
     assert p.returncode == 3 and "needs CUDA" in p.stdout + p.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_graph_idle_probe_refuses_without_cuda(tmp_path):
+    p = _run("probe_graph_idle.py", "--device", "cpu", "--out", str(tmp_path))
+    assert p.returncode == 3 and "needs CUDA" in p.stdout + p.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_idle_summary_attributes_gaps_and_overlap():
+    """harness.idle_summary on a made-up trace: gaps between device activities (overlapping ones merged, side
+    streams included), the span, and the wall outside it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import harness as H
+    from torch.autograd import DeviceType
+
+    class _Range:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+    class _Event:
+        def __init__(self, name, start, end, device=DeviceType.CUDA):
+            self.name, self.time_range, self.device_type = name, _Range(start, end), device
+
+    class _Prof:
+        def events(self):
+            return [_Event("gemm", 100, 140), _Event("host op", 0, 500, DeviceType.CPU), _Event("side", 150, 190),
+                    _Event("norm", 145, 160), _Event("copy", 200, 205), _Event("late", 230, 240)]
+
+    s = H.idle_summary(_Prof(), wall_ms=0.2)
+    assert s["span_ms"] == pytest.approx(0.14)
+    assert s["idle_in_span_ms"] == pytest.approx((5 + 10 + 25) / 1e3)  # 140-145, 190-200, 205-230
+    assert s["idle_outside_span_ms"] == pytest.approx(0.06)
+    assert s["gaps"] == 3 and s["gaps_over_5us"] == 2
+    assert [(g["us"], g["after"], g["before"]) for g in s["largest_gaps"]] == [
+        (25.0, "copy", "late"), (10.0, "side", "copy"), (5.0, "gemm", "norm")]

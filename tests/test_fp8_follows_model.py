@@ -376,6 +376,40 @@ def test_a_kept_report_pins_nothing(seed):
     assert "unpatched" in str(again) and again.to_dict()["blocks"]
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_graph_scan_checks_fp8_sources_after_the_launch(seed, compress):
+    """CUDA-graph mode's snapshot (cuda_graph.fingerprint.Scan): the original weights and quantizer amaxes of
+    the FP8-GEMM linears (the graph reads the plan's codes and scales made from them) are compared after a
+    replay is launched (``stale``), every tensor the graph reads before it (``moved``). ModelOpt's compressed
+    weight *is* the codes the GEMM reads: it stays a pre-launch check."""
+    from qwen_absorb.cuda_graph import fingerprint as F
+
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed, num_layers=LAYERS)
+    inp = T.transformer_inputs(model, seed=seed + 1)
+    T.fp8_quantize(model, [inp], compress=compress)
+    _real(model)
+    scan = F.Scan(model)
+    read, src = set(map(id, scan.tensors)), set(map(id, scan.stensors))
+    assert not read & src
+    q = model.transformer_blocks[0].attn.to_q
+    plan = model.transformer_blocks[0].__dict__[PLAN_ATTR]
+    assert plan.linears["attn.to_q"].weight.reused_storage is compress
+    assert id(q.input_quantizer._amax) in src and id(q.bias) in read
+    assert (id(q.weight) in read) if compress else (id(q.weight) in src)
+    # input amax, weight amax, and the original weight (compressed: the weight quantizer's scale instead)
+    assert len(src) == 3 * 14 * LAYERS, sorted(scan.snames)
+
+    # a source replaced: the replay's result would be stale (seen after the launch), its memory is not read
+    amax = q.input_quantizer._amax
+    amax.data = amax.data.clone()  # new memory, same tensor (replacing the buffer is seen by fingerprint.watch)
+    assert scan.moved() is None and scan.stale() == "weights moved or replaced"
+    assert scan.which().endswith("to_q.input_quantizer._amax")
+    scan = F.Scan(model)
+    assert scan.changed() is None
+    q.bias.data = q.bias.data.clone()  # read by the graph (the GEMM epilogue): seen before the launch
+    assert scan.moved() == "weights moved or replaced"
+
+
 def test_patch_again_reports_a_change_before_any_call(seed):
     """``patch()`` again after a LoRA is added (no call in between): the report it returns is current."""
     model, inp = _fp8(seed)

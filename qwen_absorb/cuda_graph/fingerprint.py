@@ -17,6 +17,10 @@ How attributes are compared, per call:
 - PEFT layers: merged adapters, scaling, disable flag and active adapters of all layers by value, against
   copies (PEFT mutates the lists and dicts in place).
 
+``moved()`` is the half a replay must not be launched past (the tensors the graph reads), ``stale()`` the half
+checked while the GPU runs it (everything else, including the tensors that only the plans' derived state is made
+from: ``plan.derived_only_sources``).
+
 The same walk gives the verdict: a refusal (hooks, calibration, a model off the graph device) or the device
 graphs run on.
 
@@ -40,7 +44,7 @@ from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import hooks, taylorseer
-from ..plan import PLAN_ATTR
+from ..plan import PLAN_ATTR, derived_only_sources
 from . import settings
 
 # Instance attributes whose identity decides what a call runs: hook chains and compiled wrappers (from
@@ -58,6 +62,13 @@ _generation = attrgetter("rt.generation")
 _data_ptr = torch.Tensor.data_ptr
 # One C++ loop over (tensor, data_ptr) pairs (CUDA builds; what Inductor's CUDA-graph trees use); a map otherwise.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
+    """Whether every tensor still starts where it did (torch's C++ comparison where it has one)."""
+    if _ptrs_equal is not None:
+        return _ptrs_equal(tensors, ptrs, indices)
+    return list(map(_data_ptr, tensors)) == ptrs
 # PEFT's per-layer switches, read from a LoRA layer's __dict__ in one C call; _PEFT_KEYS are compared there
 # (by value) and left out of the attribute comparison
 _PEFT_KEYS = ("merged_adapters", "scaling", "_disable_adapters", "_active_adapter")
@@ -178,7 +189,8 @@ class Scan:
     __slots__ = (
         "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watch_dicts",
         "watch_keys", "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys",
-        "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "vtensors", "vnames", "vers", "peft",
+        "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs",
+        "sindices", "vtensors", "vnames", "vers", "peft",
         "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
         "host_count", "plans", "gens", "cache_hooks",
     )
@@ -199,6 +211,7 @@ class Scan:
         self.peft: list[nn.Module] = []
         self.peft_dicts: list[dict] = []
         self.plans: list[Any] = []  # the blocks' qwen_absorb plans: their generation moves with every decision
+        sources: set[int] = set()  # ids of tensors only the plans' derived state is made from (see moved())
         self.peft_names: list[str] = []
         # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
         self.cache_hooks: list[Any] = []
@@ -274,6 +287,7 @@ class Scan:
             plan = d.get(PLAN_ATTR)
             if plan is not None and hasattr(plan, "rt"):
                 self.plans.append(plan)
+                sources.update(map(id, derived_only_sources(plan, m)))
                 if getattr(plan, "attn_cache", False) and (a := d["_modules"].get("attn")) is not None:
                     cache_ok.add(id(a))
             if peft_layer:
@@ -304,6 +318,11 @@ class Scan:
         elif devices:
             self.device = next(iter(devices))
         self.module_ids = frozenset(map(id, self.modules))
+        # the tensors a graph reads are checked before a replay launches, the plans' sources after (moved())
+        kept = [(x, n) for x, n in zip(self.tensors, self.names) if id(x) not in sources]
+        src = [(x, n) for x, n in zip(self.tensors, self.names) if id(x) in sources]
+        self.tensors, self.names = [x for x, _ in kept], [n for _, n in kept]
+        self.stensors, self.snames = [x for x, _ in src], [n for _, n in src]
         self.take()
 
     def take(self) -> None:
@@ -328,6 +347,8 @@ class Scan:
         self.watch_ids = list(map(id, self.watch_objs))
         self.ptrs = list(map(_data_ptr, self.tensors))
         self.indices = list(range(len(self.tensors)))
+        self.sptrs = list(map(_data_ptr, self.stensors))
+        self.sindices = list(range(len(self.stensors)))
         self.vers = list(map(_version_of, self.vtensors))
         self.peft_state = lora_snapshot(self.peft_dicts)
         self.gens = list(map(_generation, self.plans))
@@ -340,15 +361,18 @@ class Scan:
     def moved(self) -> str | None:
         """The part of :meth:`changed` a replay must not run past: memory the graph reads may be gone (a
         parameter or buffer moved or replaced, a block decided anew and rebuilt its FP8 weights, a forward,
-        processor or plan replaced). The runner asks it before launching a replay."""
+        processor or plan replaced). The runner asks it before launching a replay.
+
+        The tensors that only a plan's derived state is made from (``plan.derived_only_sources``: the original
+        weights and quantizer amaxes of the FP8-GEMM linears, 2520 of the 3866 tensors of a 60-block ModelOpt
+        model) are not read by the graph: :meth:`stale` compares their pointers, after the launch. Comparing
+        them here cost ~1.5 ms of host time before every replay on the H200's host
+        (benchmarks/results/graph_idle_h200.md)."""
         if list(map(_generation, self.plans)) != self.gens:
             return "a block decided anew (its derived tensors were rebuilt)"
         if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
             return SWITCHED
-        if _ptrs_equal is not None:
-            if not _ptrs_equal(self.tensors, self.ptrs, self.indices):
-                return "weights moved or replaced"
-        elif list(map(_data_ptr, self.tensors)) != self.ptrs:
+        if not _same_ptrs(self.tensors, self.ptrs, self.indices):
             return "weights moved or replaced"
         return None
 
@@ -369,6 +393,8 @@ class Scan:
                 return SWITCHED
         except Exception:  # noqa: BLE001 - a switch deleted (KeyError) or a value that cannot be compared
             return SWITCHED
+        if not _same_ptrs(self.stensors, self.sptrs, self.sindices):
+            return "weights moved or replaced"
         if list(map(_version_of, self.vtensors)) != self.vers:
             return "weights modified in place"
         if self.peft_dicts:
@@ -381,7 +407,7 @@ class Scan:
 
     def which(self) -> str:
         """The first changed item, by name (slow; for the log only)."""
-        for x, n, p in zip(self.tensors, self.names, self.ptrs):
+        for x, n, p in zip(self.tensors + self.stensors, self.names + self.snames, self.ptrs + self.sptrs):
             if _data_ptr(x) != p:
                 return n
         for x, n, v in zip(self.vtensors, self.vnames, self.vers):
