@@ -1212,6 +1212,55 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
     assert runner.describe()["discarded_replays"] == len(stale_steps)
 
 
+def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed):
+    """A real-FP8 model (the CPU's ``torch._scaled_mm``): its graph reads the plans' FP8 codes and scales, not the
+    original weights or amaxes they are made from (``plan.derived_only_sources``). Such a source moved: the replay
+    is launched and discarded (Scan.stale); a tensor the graph reads (a bias) moved: never launched. Outputs are
+    always those of the ungraphed twin that made the same change."""
+    pytest.importorskip("modelopt")
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    T.fp8_quantize(model, [kw])
+    twin = copy.deepcopy(model)
+    real = {"fp8_gemm": True, "capabilities": {"cpu"}}
+    assert qwen_absorb.patch(model, **real).summary["fp8_gemm_linears"] == 28
+    qwen_absorb.patch(twin, **real, cuda_graph=False)
+    runner, fb = _install(model)
+    launches = collections.Counter()
+    real_replay = _FakeGraph.replay
+
+    def counting(self):
+        launches[id(self)] += 1
+        real_replay(self)
+
+    monkeypatch.setattr(_FakeGraph, "replay", counting)
+
+    def graphed():
+        for _ in range(2):
+            assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
+        (entry,) = runner._graphs.values()
+        return id(entry.graph)
+
+    def scaled(t):  # new memory, new values: the twin rebuilds its FP8 weight from them too
+        t.data = t.data * 1.5
+
+    steps = [  # (what, change, launched and discarded)
+        ("original weight moved", lambda b: scaled(b.attn.to_q.weight), True),
+        ("input amax moved", lambda b: scaled(b.img_mlp.net[2].input_quantizer._amax), True),
+        ("bias moved", lambda b: scaled(b.attn.to_k.bias), False),
+    ]
+    for label, step, discarded in steps:
+        g = graphed()
+        n, d = launches[g], runner.discarded_replays
+        with torch.no_grad():
+            step(model.transformer_blocks[1])
+            step(twin.transformer_blocks[1])
+        assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
+        assert launches[g] == n + discarded and runner.discarded_replays == d + discarded, label
+        assert not any(id(e.graph) == g for e in runner._graphs.values()), label
+    assert not fb, fb
+
+
 def test_switch_values_compared_by_value_identity_elsewhere(seed):
     """Plain switch values (ModelOpt's bools, num_bits tuples) are compared by value, one itemgetter per dict;
     a deleted switch or an incomparable value is a change; anything else by identity."""
