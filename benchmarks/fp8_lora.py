@@ -127,7 +127,8 @@ class Bench(H.Bench):
 
     def timed(self, key: str, rep: Any, iters: int | None = None) -> dict[str, Any]:
         kw = self.kw
-        r = H.measure(key, lambda: self.model(**kw)[0], self.dev, self.a.warmup, iters or self.a.iters)
+        r = H.measure(key, lambda: self.model(**kw)[0], self.dev, self.a.warmup, iters or self.a.iters,
+                      warmup_s=self.a.warmup_s)
         self.R.put(key, round(r["median_ms"], 4))
         self.R.put(f"wall_ms.{key}", round(r["wall_median_ms"], 4))
         for k, dst in (("gpu_busy_ms", "gpu_busy_ms"), ("kernels_per_call", "kernels_per_call")):
@@ -320,7 +321,8 @@ def markdown(d: dict[str, Any]) -> str:
                       f"{cfg.get('num_layers')} layers, {cfg.get('image_tokens')} image + {cfg.get('text_tokens')} "
                       f"text tokens, B = 1, bf16, ModelOpt FP8_DEFAULT_CFG; LoRA rank {cfg.get('rank')} on "
                       f"{len(TARGET_MODULES)} linears per block; median of {cfg.get('iters')} calls after "
-                      f"{cfg.get('warmup')} warm-up (CUDA events), wall = perf_counter, GPU busy = sum of kernel "
+                      f"{cfg.get('warmup')} warm-up continued to {cfg.get('warmup_s')} s (steady clocks; CUDA events), "
+                      "wall = perf_counter, GPU busy = sum of kernel "
                       "durations of one call (torch.profiler)")
     lines += ["", *H.md_table(["case", "ms (events)", "wall ms", "GPU busy ms", "kernels", "real FP8 linears",
                                "runtime fallbacks"],
@@ -349,12 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     H.add_model_args(ap, **MODEL)
     ap.add_argument("--rank", type=int, default=None, help="LoRA rank (default 64; --tiny: 4)")
     ap.add_argument("--warmup", type=int, default=2)
+    H.add_steady_warmup_arg(ap)
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
     a = ap.parse_args(argv)
     if a.iters < 5 or a.warmup < 1:
         ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")
     a = H.finish_args(ap, a, tiny_prefix="fp8_lora")
+    a.warmup_s = H.steady_warmup_s(a)
     H.resolve_model_args(a, **MODEL)
     a.rank = a.rank or (4 if a.tiny else 64)
     return Bench(a).run()

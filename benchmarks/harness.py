@@ -573,6 +573,22 @@ def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (),
     ap.add_argument("--seed", type=int, default=0)
 
 
+STEADY_WARMUP_S = 3.0
+
+
+def add_steady_warmup_arg(ap: argparse.ArgumentParser) -> None:
+    """``--warmup-s``: keep warming each timed case up until this many seconds passed (:func:`time_calls`)."""
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help=f"warm each timed case up for at least this many seconds, so that every case is timed at "
+                         f"steady clocks (default {STEADY_WARMUP_S:g}; --tiny: 0)")
+
+
+def steady_warmup_s(a: argparse.Namespace) -> float:
+    """The ``--warmup-s`` of a parsed namespace: its value, else 0 for ``--tiny`` and :data:`STEADY_WARMUP_S`."""
+    v = getattr(a, "warmup_s", None)
+    return float(v) if v is not None else (0.0 if getattr(a, "tiny", False) else STEADY_WARMUP_S)
+
+
 def add_model_args(ap: argparse.ArgumentParser, layers: tuple[int, int], side: tuple[int, int] | None = None,
                    text: tuple[int, int] = (128, 8)) -> None:
     """--num-layers, --side (image tokens per side; omitted where ``side`` is None) and --text-tokens, each

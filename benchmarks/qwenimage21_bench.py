@@ -150,7 +150,7 @@ class Bench(H.Bench):
         H.peak_memory_gib(self.dev)  # reset: the peak below is this mode's
         kw = self.kw[size]
         r = H.measure(key[:-3], lambda: self.model(**kw)[0], self.dev, a.fake_warmup if fake else a.warmup,
-                      a.fake_iters if fake else a.iters)
+                      a.fake_iters if fake else a.iters, warmup_s=0.0 if fake else a.warmup_s)
         self.R.put(key, round(r["median_ms"], 4))
         self.R.put(key.replace("_ms", "_wall_ms"), round(r["wall_median_ms"], 4))
         b, why = H.busy(r)
@@ -332,7 +332,8 @@ def markdown(d: dict[str, Any]) -> str:
                       f"{c.get('num_layers')}-layer random QwenImage21Transformer2DModel, {c.get('text_tokens')} text "
                       f"tokens + {toks.get('1024')} (1024^2) / {toks.get('2048')} (2048^2) target tokens, B = 1, bf16, "
                       f"no mask, no KV cache; patched = qwen_absorb.patch(model) (defaults); median of "
-                      f"{c.get('iters')} timed calls after {c.get('warmup')} warm-up (fake quant: "
+                      f"{c.get('iters')} timed calls after {c.get('warmup')} warm-up, continued to {c.get('warmup_s')} s "
+                      f"(steady clocks; fake quant: "
                       f"{c.get('fake_iters')} after {c.get('fake_warmup')}); ms = CUDA events around one "
                       "synchronized call, wall = perf_counter, GPU busy = kernel time of one profiled call")
     rows = []
@@ -379,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="target latent tokens per side of the '1024' and '2048' cases (default 64,128; tiny: 4,8)")
     for k, (full, tiny) in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (tiny: {tiny})")
+    H.add_steady_warmup_arg(p)
     a = p.parse_args(argv)
     a.tiny = a.tiny or a.size == "tiny"
     a.size = "tiny" if a.tiny else "full"
     a = H.finish_args(p, a, tiny_prefix="qwenimage21")
+    a.warmup_s = H.steady_warmup_s(a)
     for k, v in DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v[a.tiny])

@@ -395,9 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fast_steps": (8, 2), "warmup_steps": (3, 1)}
     for k, (full, tiny) in defaults.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
-    p.add_argument("--warmup-s", type=float, default=None,
-                   help="keep warming each call case up until this many seconds passed (steady clocks; default 3, "
-                        "--tiny: 0)")
+    H.add_steady_warmup_arg(p)
     p.add_argument("--pipeline-runs", type=int, default=2, help="timed runs of the 50-step modes, budget allowing")
     p.add_argument("--cache", choices=("taylorseer", "fbc"), default="taylorseer",
                    help="taylorseer: TaylorSeerCacheConfig() (diffusers' defaults: a fixed schedule, no host sync, the "
@@ -406,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v[1] if a.tiny else v[0])
-    if a.warmup_s is None:
-        a.warmup_s = 0.0 if a.tiny else 3.0
+    a.warmup_s = H.steady_warmup_s(a)
     if not a.tiny and a.iters < 5:
         p.error("--iters must be >= 5 (medians of at least 5 timed calls)")
     return Speed(a).run()
