@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
 import qwen_absorb  # noqa: E402
+from qwen_absorb import taylorseer  # noqa: E402
 from qwen_absorb.cuda_graph import fingerprint as F  # noqa: E402
 
 SECTIONS = ("bf16", "fp8")
@@ -60,7 +61,6 @@ def time_variant(model: torch.nn.Module, kw: dict[str, Any], variant: str, iters
         t = time.perf_counter()
         entry.graph.replay()
         marks["replay_host_ms"] = (time.perf_counter() - t) * 1e3
-        from qwen_absorb import taylorseer  # noqa: PLC0415
         taylorseer.replayed()
 
     saved = F.Scan.moved, F.Scan.stale

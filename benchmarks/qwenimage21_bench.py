@@ -332,8 +332,8 @@ def markdown(d: dict[str, Any]) -> str:
                       f"{c.get('num_layers')}-layer random QwenImage21Transformer2DModel, {c.get('text_tokens')} text "
                       f"tokens + {toks.get('1024')} (1024^2) / {toks.get('2048')} (2048^2) target tokens, B = 1, bf16, "
                       f"no mask, no KV cache; patched = qwen_absorb.patch(model) (defaults); median of "
-                      f"{c.get('iters')} timed calls after {c.get('warmup')} warm-up, continued to {c.get('warmup_s')} s "
-                      f"(steady clocks; fake quant: "
+                      f"{c.get('iters')} timed calls after {c.get('warmup')} warm-up, continued to "
+                      f"{c.get('warmup_s')} s (steady clocks; fake quant: "
                       f"{c.get('fake_iters')} after {c.get('fake_warmup')}); ms = CUDA events around one "
                       "synchronized call, wall = perf_counter, GPU busy = kernel time of one profiled call")
     rows = []

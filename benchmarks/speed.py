@@ -362,16 +362,16 @@ def markdown(d: dict[str, Any]) -> str:
     lines = H.md_head("Speed of the library defaults vs peers (issue 19)", d,
                       f"{c.get('num_layers')} layers, {c.get('image_tokens')} image + {c.get('text_tokens')} text "
                       f"tokens, B = 1, bf16, no mask; median of {c.get('iters')} timed calls after {c.get('warmup')} "
-                      f"warm-up, continued to {c.get('warmup_s')} s (steady clocks; fp8_fake: {c.get('fake_iters')} calls after "
-                      "1, ~0.8 s a call); ms = CUDA events "
-                      "around one synchronized call; GPU busy = kernel time of one profiled call; default = "
+                      f"warm-up, continued to {c.get('warmup_s')} s (steady clocks; fp8_fake: {c.get('fake_iters')} "
+                      "calls after 1, ~0.8 s a call); ms = CUDA events around one synchronized call; GPU busy = kernel time of one profiled call; default = "
                       "qwen_absorb.patch(model), cuda_graph='auto'")
     rows = [[k[:-3], d.get(k), d.get(k[:-3] + "_gpu_busy_ms"), H.ratio(d.get(k), d.get(k[:-3] + "_gpu_busy_ms")),
              (det.get(k) or {}).get("kernels_per_call"), (det.get(k) or {}).get("first_call_s"),
              H.ratio(d.get("bf16_eager_ms"), d.get(k)), *idle_cells((det.get(k) or {}).get("idle"))] for k in CALLS]
     f = d.get("fidelity") or {}
     lines += ["", *H.md_table(["case", "ms", "GPU busy ms", "wall/busy", "kernels", "first call s", "vs bf16 eager",
-                               "profiled: wall ms", "idle in span", "idle outside span"], rows), "", f"Fidelity (forward vs fp32): default FP8 {H.fmt(f.get('rel_err_forward_fp8_patched'))}"
+                               "profiled: wall ms", "idle in span", "idle outside span"], rows), "",
+              f"Fidelity (forward vs fp32): default FP8 {H.fmt(f.get('rel_err_forward_fp8_patched'))}"
               f", fake quant {H.fmt(f.get('rel_err_forward_fp8_fake'))}, ratio {H.fmt(d.get('fidelity_ratio_forward'))}",
               "", f"Pipeline: QwenImagePipeline {c.get('pipeline_size')}^2, latents out, cache `{c.get('cache')}` "
               "(calls graph mode refuses run eager: graph_fallbacks in the details)", "",

@@ -1,7 +1,7 @@
 """The probes of this round in their CPU modes: ``probe_host_profile.py --tiny`` profiles the eager patched FP8
 call of both families and names qwen_absorb's own functions; ``probe_lora_gemm.py``, ``probe_lora_add.py``
 and ``probe_graph_idle.py`` refuse a machine without CUDA with their exit code 3 and a line that says so; the
-harness's idle attribution on a made-up trace."""
+harness's idle attribution on a made-up trace; ``probe_scan_cost.py`` (CPU) splits the fingerprint's checks."""
 
 from __future__ import annotations
 
@@ -88,3 +88,15 @@ def test_idle_summary_attributes_gaps_and_overlap():
     assert s["gaps"] == 3 and s["gaps_over_5us"] == 2
     assert [(g["us"], g["after"], g["before"]) for g in s["largest_gaps"]] == [
         (25.0, "copy", "late"), (10.0, "side", "copy"), (5.0, "gemm", "norm")]
+
+
+def test_scan_cost_probe_splits_the_checks(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    p = _run("probe_scan_cost.py", "--layers", "2", "--calls", "2", "--reps", "1", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads((tmp_path / "scan_cost.json").read_text())
+    after, before = d["sources_after_launch"], d["all_before_launch"]
+    assert d["fp8_gemm_linears"] == 28 and before["tensors_after_launch"] == 0
+    assert after["tensors_after_launch"] == 3 * 28  # each FP8 linear's weight, input amax, weight amax
+    assert after["tensors_before_launch"] + after["tensors_after_launch"] == before["tensors_before_launch"]
+    assert after["moved_us"] > 0 and before["stale_us"] > 0

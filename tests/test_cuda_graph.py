@@ -1154,6 +1154,27 @@ def test_lora_lifecycle_recaptures_with_fake_graphs(fake_cuda, seed):
     assert d["captures"] == 1 + len(steps) and not d["unstable"] and not fb, (d, fb)
 
 
+def _count_launches(monkeypatch) -> collections.Counter:
+    """Fake replays counted per graph (by id) from now on."""
+    launches = collections.Counter()
+    real_replay = _FakeGraph.replay
+
+    def counting(self):
+        launches[id(self)] += 1
+        real_replay(self)
+
+    monkeypatch.setattr(_FakeGraph, "replay", counting)
+    return launches
+
+
+def _graphed_once(runner, model, twin, kw) -> int:
+    """Two calls (capture if needed, then a replay), each equal to the ungraphed twin's; the id of the one graph."""
+    for _ in range(2):
+        assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
+    (entry,) = runner._graphs.values()
+    return id(entry.graph)
+
+
 def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed):
     """Scan.moved runs before a replay is launched (memory the graph reads may be gone: never launched), Scan.stale
     after it (the launched replay is discarded, the call runs eager): each kind of change, outputs always the
@@ -1163,20 +1184,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
     qwen_absorb.patch(twin, cuda_graph=False)
     kw = T.transformer_inputs(model, seed=seed + 1)
     runner, fb = _install(model)
-    launches = collections.Counter()
-    real_replay = _FakeGraph.replay
-
-    def counting(self):
-        launches[id(self)] += 1
-        real_replay(self)
-
-    monkeypatch.setattr(_FakeGraph, "replay", counting)
-
-    def graphed():
-        for _ in range(2):
-            assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
-        (entry,) = runner._graphs.values()
-        return id(entry.graph)
+    launches = _count_launches(monkeypatch)
 
     blk, tblk = model.transformer_blocks[0], twin.transformer_blocks[0]
     stale_steps = [  # seen after the launch: one discarded replay each
@@ -1186,7 +1194,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
         ("hook added", lambda b: b.img_norm1.register_forward_hook(lambda *a: None)),
     ]
     for label, step in stale_steps:
-        g = graphed()
+        g = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             handles = [step(blk), step(tblk)]
@@ -1202,7 +1210,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
         ("forward replaced", lambda b: setattr(b.attn, "processor", type(b.attn.processor)())),
     ]
     for label, step in moved_steps:
-        g = graphed()
+        g = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             step(blk)
@@ -1226,20 +1234,7 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
     assert qwen_absorb.patch(model, **real).summary["fp8_gemm_linears"] == 28
     qwen_absorb.patch(twin, **real, cuda_graph=False)
     runner, fb = _install(model)
-    launches = collections.Counter()
-    real_replay = _FakeGraph.replay
-
-    def counting(self):
-        launches[id(self)] += 1
-        real_replay(self)
-
-    monkeypatch.setattr(_FakeGraph, "replay", counting)
-
-    def graphed():
-        for _ in range(2):
-            assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
-        (entry,) = runner._graphs.values()
-        return id(entry.graph)
+    launches = _count_launches(monkeypatch)
 
     def scaled(t):  # new memory, new values: the twin rebuilds its FP8 weight from them too
         t.data = t.data * 1.5
@@ -1250,7 +1245,7 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
         ("bias moved", lambda b: scaled(b.attn.to_k.bias), False),
     ]
     for label, step, discarded in steps:
-        g = graphed()
+        g = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             step(model.transformer_blocks[1])

@@ -62,6 +62,11 @@ _generation = attrgetter("rt.generation")
 _data_ptr = torch.Tensor.data_ptr
 # One C++ loop over (tensor, data_ptr) pairs (CUDA builds; what Inductor's CUDA-graph trees use); a map otherwise.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+# PEFT's per-layer switches, read from a LoRA layer's __dict__ in one C call; _PEFT_KEYS are compared there
+# (by value) and left out of the attribute comparison
+_PEFT_KEYS = ("merged_adapters", "scaling", "_disable_adapters", "_active_adapter")
+_peft_get = itemgetter(*_PEFT_KEYS)
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
@@ -69,11 +74,6 @@ def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int])
     if _ptrs_equal is not None:
         return _ptrs_equal(tensors, ptrs, indices)
     return list(map(_data_ptr, tensors)) == ptrs
-# PEFT's per-layer switches, read from a LoRA layer's __dict__ in one C call; _PEFT_KEYS are compared there
-# (by value) and left out of the attribute comparison
-_PEFT_KEYS = ("merged_adapters", "scaling", "_disable_adapters", "_active_adapter")
-_peft_get = itemgetter(*_PEFT_KEYS)
-_PLAIN = (bool, int, float, str, type(None))
 
 
 # ---------------------------------------------------------------------------------------------- registration
@@ -365,9 +365,9 @@ class Scan:
 
         The tensors that only a plan's derived state is made from (``plan.derived_only_sources``: the original
         weights and quantizer amaxes of the FP8-GEMM linears, 2520 of the 3866 tensors of a 60-block ModelOpt
-        model) are not read by the graph: :meth:`stale` compares their pointers, after the launch. Comparing
-        them here cost ~1.5 ms of host time before every replay on the H200's host
-        (benchmarks/results/graph_idle_h200.md)."""
+        model) are not read by the graph: :meth:`stale` compares their pointers, after the launch. With them,
+        this check took 2.3 ms of host time before every replay on the H200's host
+        (benchmarks/results/graph_idle_h200.md); the split's host cost: benchmarks/results/scan_cost.md."""
         if list(map(_generation, self.plans)) != self.gens:
             return "a block decided anew (its derived tensors were rebuilt)"
         if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
