@@ -230,7 +230,8 @@ def test_layout_matches_the_c_struct():
 
 def test_kernel_expressions_are_listed():
     mine = qkr.all_kernel_expressions()
-    assert len(mine) == 3 * len(qkr.ORDERS) and set(mine) <= set(ops.all_kernel_expressions())
+    assert len(mine) == 3 * (len(qkr.ORDERS) + len(qkr.WIDE_ORDERS)) and set(mine) <= set(ops.all_kernel_expressions())
+    assert set(qkr.WIDE_ORDERS) <= set(qkr.ORDERS)
 
 
 class _Recorder:
@@ -242,10 +243,40 @@ class _Recorder:
         self.calls.append((grid, values))
 
 
+def _inject(monkeypatch, rec, per_lane=4):
+    """The launcher cache entry launch() would build for CPU tensors (device -1): the recorder, elements per lane."""
+    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1, qkr.ROWS_PER_WARP, qkr.WIDE), (rec, per_lane))
+
+
+@pytest.mark.parametrize("order,wide,expected", [
+    (10, True, "qk_norm_rope_wide_kernel<QaBF16, 10, 4>"), (0, True, "qk_norm_rope_wide_kernel<QaBF16, 0, 4>"),
+    (1, True, "qk_norm_rope_kernel<QaBF16, 1, 4>"), (13, True, "qk_norm_rope_kernel<QaBF16, 13, 4>"),
+    (10, False, "qk_norm_rope_kernel<QaBF16, 10, 4>"),
+])
+def test_launch_picks_the_wide_form_where_it_implements_the_order(monkeypatch, order, wide, expected):
+    """The wide kernel (8 elements per lane) for the orders of 4-element lane groups (0, 10), the 4-element
+    kernel otherwise or with ``WIDE`` off; the vector flags follow the lane width (16 / 8 bytes in bf16)."""
+    monkeypatch.setattr(qkr, "_fns", {})
+    monkeypatch.setattr(qkr, "WIDE", wide)
+    monkeypatch.setattr(qkr, "probe_variance_order", lambda dev: qkr.VarianceOrder(order, 1, "forced by the test"))
+    built, rec = [], _Recorder()
+    monkeypatch.setattr(qkr.rt, "function", lambda cu, expr, dev: built.append(expr) or expr)
+    monkeypatch.setattr(qkr.rt, "Launcher", lambda fn, block, layout, dev: rec)
+    gen = torch.Generator().manual_seed(8)
+    fused = torch.randn(1, 6, 2 * 3 * DH + 8, generator=gen).bfloat16()
+    x = fused[..., 4: 4 + 3 * DH].unflatten(-1, (-1, DH))  # 8-byte aligned rows, not 16-byte aligned
+    w, f = torch.randn(DH, generator=gen).bfloat16(), _freqs(6, gen)
+    qkr.launch([x], [w], [f], [1e-6])
+    qkr.launch([x], [w], [f], [1e-6])
+    assert built == [expected]  # compiled once, cached
+    flags = rec.calls[0][1][13]
+    assert flags & 1 == (0 if "wide" in expected else 1)
+
+
 def test_launch_packs_jobs(monkeypatch):
     """The host side of launch(), with the kernel replaced by a recorder (CPU tensors: device -1)."""
     rec = _Recorder()
-    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), rec)
+    _inject(monkeypatch, rec)
     gen = torch.Generator().manual_seed(6)
     xi, wi, fi = _inputs(1, 6, 3, torch.bfloat16, gen)
     fused = torch.randn(2, 5, 3 * 3 * DH, generator=gen).bfloat16()
@@ -274,7 +305,7 @@ def test_launch_packs_jobs(monkeypatch):
 def test_launch_writes_into_joint_rows(monkeypatch):
     """``into``: the jobs' output pointers are the given views (the text and image rows of one joint tensor)."""
     rec = _Recorder()
-    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), rec)
+    _inject(monkeypatch, rec)
     gen = torch.Generator().manual_seed(7)
     xi, wi, fi = _inputs(1, 6, 3, torch.bfloat16, gen)
     xt, wt, ft = _inputs(1, 4, 3, torch.bfloat16, gen)
@@ -288,7 +319,7 @@ def test_launch_writes_into_joint_rows(monkeypatch):
 
 
 def test_launch_refuses_subclasses_and_too_many_jobs(monkeypatch):
-    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1), _Recorder())
+    _inject(monkeypatch, _Recorder())
     x, w, f = _args()
 
     class Sub(torch.Tensor):

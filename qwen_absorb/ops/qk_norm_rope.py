@@ -45,6 +45,10 @@ log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
 WARPS = 4  # QA_QKR_WARPS: warps per block
 ROWS_PER_WARP = 4  # the kernel's RPW: consecutive rows a warp loads before reducing the first
+# The wide form (qk_norm_rope_wide_kernel: 8 elements per lane, a row per half-warp, 16-byte loads) where it
+# implements the probed order (groups of 4 elements: orders 0 and 10); off: the 4-element form everywhere.
+WIDE = True
+WIDE_ORDERS = (0, 10)
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
 _FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
@@ -232,16 +236,18 @@ def launch(
     x0 = xs[0]
     dev = x0.get_device()
     rpw = ROWS_PER_WARP
-    key = (x0.dtype, dev) if rpw == 4 else (x0.dtype, dev, rpw)
-    launcher = _fns.get(key)
-    if launcher is None:
+    key = (x0.dtype, dev, rpw, WIDE)
+    entry = _fns.get(key)
+    if entry is None:
         order = probe_variance_order(dev).order  # cached: the caller's checks probed it
         if order is None:
             raise RuntimeError("qk_norm_rope.launch: PyTorch's variance order on this device is not the kernel's")
-        fn = rt.function(CU, f"qk_norm_rope_kernel<{rt.TRAITS[x0.dtype]}, {order}, {rpw}>", dev)
-        launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
+        wide = WIDE and order in WIDE_ORDERS and rpw % 2 == 0
+        fn = rt.function(CU, _expression(rt.TRAITS[x0.dtype], order, rpw, wide), dev)
+        entry = _fns[key] = (rt.Launcher(fn, WARPS * 32, LAYOUT, dev), 8 if wide else 4)
+    launcher, per_lane = entry
     esize = x0.element_size()
-    a = 4 * esize  # one lane's 4 elements
+    a = per_lane * esize  # one lane's elements: the vector loads' alignment
     vals: list = []
     outs = []
     blocks = 0
@@ -270,8 +276,13 @@ def launch(
     return outs
 
 
+def _expression(traits: str, order: int, rpw: int, wide: bool) -> str:
+    return f"qk_norm_rope_{'wide_' if wide else ''}kernel<{traits}, {order}, {rpw}>"
+
+
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, f"qk_norm_rope_kernel<{t}, {o}, {ROWS_PER_WARP}>") for t in rt.TRAITS.values() for o in ORDERS]
+    narrow = [(CU, _expression(t, o, ROWS_PER_WARP, False)) for t in rt.TRAITS.values() for o in ORDERS]
+    return narrow + [(CU, _expression(t, o, ROWS_PER_WARP, True)) for t in rt.TRAITS.values() for o in WIDE_ORDERS]
 
 
 # ---------------------------------------------------------------------------- validation, reasons

@@ -19,6 +19,7 @@ from .fp8 import quantize_fp8_reference
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
+UNROLL = 2  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store
 MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
 
 # SwigluParams in the .cu: a, b, out, out_fp8, out_amax (pointers); n (int64); vec (int32)
@@ -54,22 +55,27 @@ def launch(
     esize = a.element_size()
     vec = 16 // esize
     dev = a.get_device()
-    key = (a.dtype, dev)
+    unroll = UNROLL
+    key = (a.dtype, dev, unroll)
     launcher = _fns.get(key)
     if launcher is None:
-        fn = rt.function(CU, f"swiglu_kernel<{rt.TRAITS[a.dtype]}, {vec}>", dev)
+        fn = rt.function(CU, _expression(rt.TRAITS[a.dtype], vec, unroll), dev)
         launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
     ap, bp = a.data_ptr(), b.data_ptr()
     op = o.data_ptr() if o is not None else 0
     fp = f8.data_ptr() if f8 is not None else 0
     vectorized = (ap | bp | op) % 16 == 0 and fp % vec == 0
-    grid = (n + THREADS * vec - 1) // (THREADS * vec)
+    grid = (n + THREADS * vec * unroll - 1) // (THREADS * vec * unroll)
     launcher(grid, ap, bp, op, fp, fp8_amax.data_ptr() if fp8_amax is not None else 0, n, int(vectorized))
     return o, f8
 
 
+def _expression(traits: str, vec: int, unroll: int) -> str:
+    return f"swiglu_kernel<{traits}, {vec}, {unroll}>"
+
+
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, f"swiglu_kernel<{t}, {16 // torch.empty(0, dtype=d).element_size()}>") for d, t in rt.TRAITS.items()]
+    return [(CU, _expression(t, 16 // torch.empty(0, dtype=d).element_size(), UNROLL)) for d, t in rt.TRAITS.items()]
 
 
 def _validate(a, b, fp8_amax=None) -> None:

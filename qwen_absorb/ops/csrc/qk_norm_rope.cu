@@ -183,3 +183,115 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
     qa_store_raw<T, 4>(reinterpret_cast<S*>(J.out) + (qa_i64)row * 128 + e, true, ov);
   }
 }
+
+// ---- the wide form: 8 elements per lane, a row per half-warp -----------------------------------
+// The same arithmetic for the two orders PyTorch uses on the devices we know (ORDER 0 and 10: lane
+// groups of 4 consecutive elements), with one 16-byte load of x per lane (bf16/fp16) and two rows
+// per warp instruction: lane u of half-warp hw holds elements 8u .. 8u+7 of row row0 + 2r + hw,
+// i.e. PyTorch's groups 2u and 2u+1. The shfl tree over 32 groups maps onto 16 lanes exactly:
+//   ORDER 10 (offsets 16, 8, 4, 2, 1): groups g and g+16 are lanes u and u+8 (same slot), ... g+2
+//     is lane u+1, and the last step (g0 + g1) is lane 0's two slots: both slots go through the
+//     shfl steps 8, 4, 2, 1, then slot0 + slot1.
+//   ORDER 0 (offsets 1, 2, 4, ...): the first step (g + g+1) is each lane's slot0 + slot1, the rest
+//     (g+2, g+4, g+8, g+16) are lanes u+1, u+2, u+4, u+8. Lane 0's value is all that is read.
+// Shuffles of width 16 keep the halves apart; both halves shuffle on every row pair (a half past
+// the last row computes on zeros and stores nothing), so the full-mask shuffles stay warp-uniform.
+template <class T, int ORDER, int RPW>
+__global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_wide_kernel(const QkNormRopeParams p) {
+  static_assert(ORDER == 0 || ORDER == 10, "the wide form implements groups of 4 only");
+  static_assert(RPW % 2 == 0, "rows come in pairs (one per half-warp)");
+  typedef typename T::storage S;
+  constexpr int PAIRS = RPW / 2;
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
+    if (k < p.njobs && (int)blockIdx.x >= p.job[k].block_start) j = k;
+  QkNormRopeJob J = p.job[0];
+#pragma unroll
+  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
+    if (j == k) J = p.job[k];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane >> 4, u = lane & 15;
+  const int row0 = (((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp) * RPW;
+  if (row0 >= J.rows) return;  // whole warps only
+  const int e = u * 8;
+
+  float v[PAIRS][8], f[PAIRS][8];
+  int b, l, h;
+  {
+    const int r0 = row0 + half;
+    b = r0 / (J.L * J.H);
+    l = (r0 - b * J.L * J.H) / J.H;
+    h = r0 - (b * J.L + l) * J.H;
+  }
+#pragma unroll
+  for (int r = 0; r < PAIRS; ++r) {
+    if (row0 + 2 * r + half < J.rows) {
+      const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
+      qa_load<T, 8>(xr, J.vec_flags & 1, v[r]);
+      const float* fr = J.freqs + l * J.freqs_stride + e;
+      float f0[4], f1[4];
+      qa_load<QaF32, 4>(fr, J.vec_flags & 4, f0);
+      qa_load<QaF32, 4>(fr + 4, J.vec_flags & 4, f1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[r][i] = f0[i];
+        f[r][4 + i] = f1[i];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[r][i] = f[r][i] = 0.f;
+    }
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {  // the next row of this half: two rows on
+      if (++h == J.H) {
+        h = 0;
+        if (++l == J.L) {
+          l = 0;
+          ++b;
+        }
+      }
+    }
+  }
+  float w[8];
+  qa_load<T, 8>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
+
+#pragma unroll
+  for (int r = 0; r < PAIRS; ++r) {
+    if (row0 + 2 * r >= J.rows) break;  // warp-uniform: the first half's row
+    const int row = row0 + 2 * r + half;
+    float q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = __fmul_rn(v[r][i], v[r][i]);
+    const float s0 = __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[1]), q[2]), q[3]);  // group 2u
+    const float s1 = __fadd_rn(__fadd_rn(__fadd_rn(q[4], q[5]), q[6]), q[7]);  // group 2u + 1
+    float s;
+    if constexpr (ORDER == 10) {
+      float a0 = s0, a1 = s1;
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) {
+        a0 = __fadd_rn(a0, __shfl_down_sync(0xffffffffu, a0, off, 16));
+        a1 = __fadd_rn(a1, __shfl_down_sync(0xffffffffu, a1, off, 16));
+      }
+      s = __fadd_rn(a0, a1);
+    } else {
+      s = __fadd_rn(s0, s1);
+#pragma unroll
+      for (int off = 1; off < 16; off <<= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, off, 16));
+    }
+    const float var = __fmul_rn(__shfl_sync(0xffffffffu, s, 0, 16), 0.0078125f);
+    const float rs = rsqrtf(__fadd_rn(var, J.eps));
+    float y[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = qa_mul<T>(qa_round<T>(__fmul_rn(v[r][i], rs)), w[i]);
+    float o[8];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) qa_qkr_cmul(y[2 * c], y[2 * c + 1], f[r][2 * c], f[r][2 * c + 1], o[2 * c], o[2 * c + 1]);
+    if (row < J.rows) {
+      QaVec<S, 8> ov;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ov.v[i] = T::store(o[i]);
+      qa_store_raw<T, 8>(reinterpret_cast<S*>(J.out) + (qa_i64)row * 128 + e, true, ov);
+    }
+  }
+}
