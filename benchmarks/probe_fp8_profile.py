@@ -96,7 +96,7 @@ def host_checks(model: torch.nn.Module, kw: dict[str, Any], n: int = 50) -> dict
         "stale_us": t(scan.stale),
         "tensors": len(scan.tensors), "ident_attrs": len(scan.ident_dicts), "plain_dicts": len(scan.plain_dicts),
         "versioned": len(scan.vtensors), "len_dicts": len(scan.len_dicts), "hook_dicts": len(scan.hook_dicts),
-        "peft_layers": len(scan.peft_dicts), "plans": len(scan.plans),
+        "peft_layers": len(scan.peft_dicts), "owners": len(scan.owners),
         "ptrs_equal_in_cpp": fingerprint._ptrs_equal is not None,
     }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Host cost of the CUDA-graph runner's per-call fingerprint halves (issue 19): ``Scan.moved()`` (asked before a
-replay is launched) and ``Scan.stale()`` (while the GPU runs it), with the plans' derived-only sources
+replay is launched) and ``Scan.stale()`` (while the GPU runs it; it also compares the identities of forwards,
+processors and plans, ``identities_us`` alone), with the plans' derived-only sources
 (``plan.derived_only_sources``) checked after the launch, as the library does, and all checked before it (the
 sources made an empty list: the previous split), side by side in one process.
 
@@ -58,9 +59,12 @@ def measure(a: Any, R: H.Results) -> None:
         finally:
             F.derived_only_sources = saved
         assert scan.changed() is None
+        ident = lambda: list(map(id, map(dict.get, scan.ident_dicts, scan.ident_keys))) != scan.watch_ids  # noqa: E731
         R.put(split, {"tensors_before_launch": len(scan.tensors), "tensors_after_launch": len(scan.stensors),
                       "moved_us": _median_us(scan.moved, a.calls, a.reps),
-                      "stale_us": _median_us(scan.stale, a.calls, a.reps)})
+                      "stale_us": _median_us(scan.stale, a.calls, a.reps),
+                      "identities": len(scan.ident_keys), "identities_us": _median_us(ident, a.calls, a.reps),
+                      "generations": len(scan.owners)})
         H.log(f"{split}: {R.get(split)}")
 
 
@@ -69,8 +73,11 @@ def _markdown(d: dict[str, Any]) -> str:
                       f"{(d.get('config') or {}).get('layers')}-block tiny-width Qwen-Image, ModelOpt FP8, real-FP8 "
                       f"decisions on the CPU ({d.get('fp8_gemm_linears')} FP8-GEMM linears); medians of "
                       f"{(d.get('config') or {}).get('reps')} x {(d.get('config') or {}).get('calls')} checks; "
-                      "moved() runs before a replay's launch, stale() after it")
-    cols = ["tensors_before_launch", "tensors_after_launch", "moved_us", "stale_us"]
+                      "moved() runs before a replay's launch (tensor addresses, generations), stale() after it (the "
+                      "identity comparison of forwards, processors and plans among the rest; identities_us: that "
+                      "comparison alone, in moved() before 2026-12-02 06:30)")
+    cols = ["tensors_before_launch", "tensors_after_launch", "moved_us", "stale_us", "identities", "identities_us",
+            "generations"]
     lines += ["", *H.md_table(["split", *cols], [[s, *((d.get(s) or {}).get(c) for c in cols)] for s in SPLITS])]
     return H.md_document(lines, d)
 

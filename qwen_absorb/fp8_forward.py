@@ -115,7 +115,7 @@ class Fp8LinearForward:
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state",
                  "weight", "input_scale", "amax_value", "fast_accum", "device", "reasons", "watch", "handed",
-                 "gated", "gate", "__weakref__")
+                 "gated", "gate", "generation", "__weakref__")
     __qwen_absorb__ = True
 
     def __init__(self, linear: nn.Module, slot: tuple[dict, str], path: str, index: int, options: Any,
@@ -123,9 +123,13 @@ class Fp8LinearForward:
         self.linear, self.slot, self.path, self.index, self.options = linear, slot, path, index, options
         self.counter, self.rebuilds, self.on_state = counter, rebuilds, on_state
         self.gated, self.gate = gated, 0
+        # bumped whenever the derived tensors are dropped or replaced: a CUDA graph that read them must not be
+        # replayed after (the graph runner compares it before every launch, see cuda_graph.fingerprint)
+        self.generation = 0
         self._clear()
 
     def _clear(self) -> None:
+        self.generation += 1
         self.weight: quant.Fp8Weight | None = None
         self.input_scale: torch.Tensor | None = None
         self.amax_value = 0.0
@@ -146,6 +150,7 @@ class Fp8LinearForward:
                 # CUDA-graph capture. The module runs (ModelOpt's forward, what the graph records); the
                 # next eager call decides.
                 self.weight, self.watch = None, None
+                self.generation += 1
                 return False
             self._decide(first=w is None)
         return self.weight is not None and self.device == device
@@ -157,6 +162,7 @@ class Fp8LinearForward:
         if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())
         self.weight, self.input_scale = None, None
+        self.generation += 1
         r = refusals(lin, dev, self.options)
         fw = None
         if not r:
@@ -260,7 +266,7 @@ class Fp8LinearForward:
     def __setstate__(self, state: tuple) -> None:
         (self.linear, self.slot, self.path, self.index, self.options, self.counter, self.rebuilds,
          self.on_state, self.gated) = state
-        self.gate = 0  # a copy starts closed
+        self.gate, self.generation = 0, 0  # a copy starts closed
         self._clear()  # derived state is rebuilt from the copy's own tensors at its first call
 
     def __repr__(self) -> str:

@@ -1192,6 +1192,8 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
         ("switch value", lambda b: setattr(b.attn.to_q, "_disable_adapters", True)),
         ("LoRA scaling", lambda b: b.attn.to_k.scaling.__setitem__("a", 0.25)),
         ("hook added", lambda b: b.img_norm1.register_forward_hook(lambda *a: None)),
+        # the scan holds the replaced processor: the replay reads live memory, and is discarded
+        ("processor replaced", lambda b: setattr(b.attn, "processor", type(b.attn.processor)())),
     ]
     for label, step in stale_steps:
         g = _graphed_once(runner, model, twin, kw)
@@ -1207,7 +1209,6 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
     moved_steps = [  # seen before the launch: the old graph never runs again
         ("weight moved", lambda b: setattr(b.img_mod[1].weight, "data", b.img_mod[1].weight.data.clone())),
         ("block decided anew", lambda b: qwen_absorb.block.redecide(b._qwen_absorb_plan, b, torch.device("cpu"), "t")),
-        ("forward replaced", lambda b: setattr(b.attn, "processor", type(b.attn.processor)())),
     ]
     for label, step in moved_steps:
         g = _graphed_once(runner, model, twin, kw)
@@ -1280,5 +1281,5 @@ def test_switch_values_compared_by_value_identity_elsewhere(seed):
     blk.forward = type(blk).forward.__get__(blk)  # an instance forward (a bound method): watched by identity
     scan = F.Scan(model)
     assert scan.moved() is None and scan.changed() is None
-    blk.forward = type(blk).forward.__get__(blk)  # an equal bound method, a new object: seen before any replay
-    assert scan.moved() == F.SWITCHED
+    blk.forward = type(blk).forward.__get__(blk)  # an equal bound method, a new object (the scan holds the old)
+    assert scan.moved() is None and scan.stale() == F.SWITCHED

@@ -410,6 +410,42 @@ def test_graph_scan_checks_fp8_sources_after_the_launch(seed, compress):
     assert scan.moved() == "weights moved or replaced"
 
 
+def test_graph_scan_sees_derived_tensors_dropped_before_the_launch(seed):
+    """What holds derived tensors a graph reads (a block's ``BlockRuntime``, an ``Fp8LinearForward``) moves its
+    ``generation`` when it drops or rebuilds them, and ``Scan.moved`` (asked before a replay is launched) sees
+    it; replacing a forward object is left to ``Scan.stale`` (the scan holds the replaced object alive)."""
+    from qwen_absorb import fp8_forward
+    from qwen_absorb.cuda_graph import fingerprint as F
+
+    model, inp = _fp8(seed)
+    _real(model)
+    blk = model.transformer_blocks[0]
+    fwds = [o for o in F.Scan(model).owners if isinstance(o, fp8_forward.Fp8LinearForward)]
+    assert fwds, "the patched FP8 model installs FP8 forwards"
+    f = fwds[0]
+    scan = F.Scan(model)
+    assert scan.moved() is None and scan.changed() is None
+    g = f.generation
+    f._clear()  # what unpatch and fp8_forward.release do with the FP8 weights
+    assert f.generation == g + 1
+    assert scan.moved() == "a block decided anew or an FP8 forward rebuilt its derived tensors"
+
+    scan = F.Scan(model)
+    g = f.generation
+    f._decide(first=False)  # a rebuild (its sources changed), e.g. when a block is called on its own
+    assert f.generation > g and scan.moved() is not None
+
+    scan = F.Scan(model)
+    lin = f.linear
+    lin.forward = copy.copy(f)  # a new forward object: the old one is held by the scan, its memory stays
+    assert scan.moved() is None and scan.stale() == F.SWITCHED
+    lin.forward = f
+    assert scan.changed() is None
+    with torch.no_grad():
+        blk.attn.to_q.weight.mul_(1.0)  # in place: a version change only, after the launch
+    assert scan.moved() is None and scan.stale() == "weights modified in place"
+
+
 def test_patch_again_reports_a_change_before_any_call(seed):
     """``patch()`` again after a LoRA is added (no call in between): the report it returns is current."""
     model, inp = _fp8(seed)

@@ -17,9 +17,10 @@ How attributes are compared, per call:
 - PEFT layers: merged adapters, scaling, disable flag and active adapters of all layers by value, against
   copies (PEFT mutates the lists and dicts in place).
 
-``moved()`` is the half a replay must not be launched past (the tensors the graph reads), ``stale()`` the half
-checked while the GPU runs it (everything else, including the tensors that only the plans' derived state is made
-from: ``plan.derived_only_sources``).
+``moved()`` is the half a replay must not be launched past (the addresses of the tensors the graph reads, and the
+``generation`` of what holds derived tensors: plan runtimes, FP8 forwards), ``stale()`` the half checked while
+the GPU runs it (everything else: identities of forwards, processors and plans, whose replaced objects this
+scan holds alive, and the tensors that only the plans' derived state is made from: ``plan.derived_only_sources``).
 
 The same walk gives the verdict: a refusal (hooks, calibration, a model off the graph device) or the device
 graphs run on.
@@ -58,7 +59,7 @@ WATCH_KEYS = (
 SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
 
 _version_of = attrgetter("_version")
-_generation = attrgetter("rt.generation")
+_generation = attrgetter("generation")
 _data_ptr = torch.Tensor.data_ptr
 # One C++ loop over (tensor, data_ptr) pairs (CUDA builds; what Inductor's CUDA-graph trees use); a map otherwise.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -192,7 +193,7 @@ class Scan:
         "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs",
         "sindices", "vtensors", "vnames", "vers", "peft",
         "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count", "plans", "gens", "cache_hooks",
+        "host_count", "owners", "gens", "cache_hooks",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = ()) -> None:
@@ -210,7 +211,9 @@ class Scan:
         self.vnames: list[str] = []
         self.peft: list[nn.Module] = []
         self.peft_dicts: list[dict] = []
-        self.plans: list[Any] = []  # the blocks' qwen_absorb plans: their generation moves with every decision
+        # what holds derived tensors a graph reads: the plans' runtimes and the FP8 forwards. Their
+        # ``generation`` moves whenever those tensors are dropped or replaced (a decision, a rebuild)
+        self.owners: list[Any] = []
         sources: set[int] = set()  # ids of tensors only the plans' derived state is made from (see moved())
         self.peft_names: list[str] = []
         # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
@@ -284,9 +287,12 @@ class Scan:
                     self.watch_keys.append(k)
             if d.get("_if_calib") is True and d.get("_disabled") is False:
                 refuse("ModelOpt calibration running", f"quantizer {label} is calibrating")
+            fwd = d.get("forward")
+            if getattr(type(fwd), "__qwen_absorb__", False) and hasattr(fwd, "generation"):
+                self.owners.append(fwd)
             plan = d.get(PLAN_ATTR)
             if plan is not None and hasattr(plan, "rt"):
-                self.plans.append(plan)
+                self.owners.append(plan.rt)
                 sources.update(map(id, derived_only_sources(plan, m)))
                 if getattr(plan, "attn_cache", False) and (a := d["_modules"].get("attn")) is not None:
                     cache_ok.add(id(a))
@@ -351,7 +357,7 @@ class Scan:
         self.sindices = list(range(len(self.stensors)))
         self.vers = list(map(_version_of, self.vtensors))
         self.peft_state = lora_snapshot(self.peft_dicts)
-        self.gens = list(map(_generation, self.plans))
+        self.gens = list(map(_generation, self.owners))
         self.global_hooks = hooks.global_hook_count()
 
     def changed(self) -> str | None:
@@ -360,18 +366,19 @@ class Scan:
 
     def moved(self) -> str | None:
         """The part of :meth:`changed` a replay must not run past: memory the graph reads may be gone (a
-        parameter or buffer moved or replaced, a block decided anew and rebuilt its FP8 weights, a forward,
-        processor or plan replaced). The runner asks it before launching a replay.
+        parameter or buffer moved or replaced, a block decided anew or an FP8 forward rebuilt its derived
+        tensors). The runner asks it before launching a replay.
 
-        The tensors that only a plan's derived state is made from (``plan.derived_only_sources``: the original
-        weights and quantizer amaxes of the FP8-GEMM linears, 2520 of the 3866 tensors of a 60-block ModelOpt
-        model) are not read by the graph: :meth:`stale` compares their pointers, after the launch. With them,
-        this check took 2.3 ms of host time before every replay on the H200's host
-        (benchmarks/results/graph_idle_h200.md); the split's host cost: benchmarks/results/scan_cost.md."""
-        if list(map(_generation, self.plans)) != self.gens:
-            return "a block decided anew (its derived tensors were rebuilt)"
-        if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
-            return SWITCHED
+        Two kinds of change are left to :meth:`stale` (after the launch), because the memory a graph reads
+        survives them: the tensors that only a plan's derived state is made from
+        (``plan.derived_only_sources``: the original weights and quantizer amaxes of the FP8-GEMM linears,
+        2520 of the 3866 tensors of a 60-block ModelOpt model), and the identity of forwards, processors and
+        plans (the replaced objects are held by this scan, and qwen_absorb's own objects move their
+        ``generation`` when they drop what they hold). On the H200's host this check took 2.3 ms before every
+        replay with everything in it (benchmarks/results/graph_idle_h200.md); the split's host cost:
+        benchmarks/results/scan_cost.md."""
+        if list(map(_generation, self.owners)) != self.gens:
+            return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):
             return "weights moved or replaced"
         return None
@@ -382,6 +389,8 @@ class Scan:
         just launched runs, and discards that replay's output when it answers."""
         if list(map(len, self.len_dicts)) != self.lens:
             return "module structure or attributes changed"
+        if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
+            return SWITCHED
         # Every torch hook registration takes an id from RemovableHandle.next_id: the hook dicts are only
         # counted when it moved (or when refusing, so that removing the hook is seen too).
         if RemovableHandle.next_id != self.handle_id or self.refusal is not None:

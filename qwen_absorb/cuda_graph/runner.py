@@ -6,9 +6,10 @@ Per call, in order: the O(1) refusals (grad, training, hooks on the transformer)
 the signature replayed, or a new signature captured (:mod:`.capture`), after ``capture_after`` eager calls.
 
 The fingerprint is asked in two parts around a replay. Before launching it: whatever could leave the graph
-reading memory that is gone (``Scan.moved``: tensors moved or replaced, blocks decided anew, forwards and
-plans replaced; cheap). After launching it, while the GPU runs it: everything else (``Scan.stale``: switch
-values, in-place writes, hooks, PEFT state; most of the host time on a 60-block model). When that finds a
+reading memory that is gone (``Scan.moved``: tensors moved or replaced, blocks decided anew, FP8 forwards
+rebuilt; cheap). After launching it, while the GPU runs it: everything else (``Scan.stale``: forwards,
+processors and plans replaced, switch values, in-place writes, hooks, PEFT state; most of the host time on a
+60-block model). When that finds a
 change, the replay's output is discarded (never returned, counted in ``discarded_replays``), the graphs are
 dropped (after the replay finished) and the call runs eager, as it would have had the change been seen first.
 No call returns a result computed from stale state; the host checks overlap the GPU instead of preceding it.
