@@ -416,7 +416,9 @@ def test_a_change_drops_the_graphs_and_stays_exact(fake_cuda, change, seed):
     d = report.cuda_graph
     assert d["invalidations"], d
     assert d["captures"] > captures and d["replays"] > 3, d
-    assert d["discarded_replays"] == (3 if change == "load_state_dict" else 0), d
+    # seen after the launch (that replay discarded): in-place writes in every block, a processor replaced in one
+    # (the scan holds the old processor); moved or replaced tensors are seen before it (never launched)
+    assert d["discarded_replays"] == {"load_state_dict": 3, "processor": 1}.get(change, 0), d
 
 
 def test_real_fp8_blocks_replay_exactly_and_a_quantizer_switch_drops(fake_cuda, seed):
@@ -440,7 +442,8 @@ def test_real_fp8_blocks_replay_exactly_and_a_quantizer_switch_drops(fake_cuda, 
     for inp in ins:
         assert torch.equal(_call(model, inp), run(twin, inp))
     d = report.cuda_graph
-    assert any("switch" in k for k in d["invalidations"]), d
+    # the switch (named in the reason's detail); the FP8 forward it feeds may have rebuilt first (its generation)
+    assert any("'_disabled': False -> True" in k for k in d["invalidations"]), d["invalidations"]
     assert d["per_block"][1]["captures"] == 2 and d["per_block"][0]["captures"] == 1, d
 
 

@@ -26,6 +26,11 @@ the output is bit-identical to diffusers' eager chain.
 The kernel needs DH == 128 (Qwen-Image's head_dim), complex64 freqs, weight.dtype == x.dtype and at
 least ``min_rows`` rows (PyTorch's layout for fewer rows can differ; the probe says from which row
 count on its order holds); anything else runs the reference.
+
+Two forms of the kernel compute the same bits: one row per warp with 4 elements per lane (every order), and
+the wide form, a row per half-warp with 8 elements per lane (16-byte loads), for the orders whose lanes sum
+groups of 4 (``WIDE_ORDERS``; PyTorch 2.11's among them): 8-10% faster on the H200
+(benchmarks/results/bench_stream_kernels.md).
 """
 
 from __future__ import annotations
