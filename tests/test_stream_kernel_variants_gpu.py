@@ -19,7 +19,7 @@ import torch
 
 from qwen_absorb.ops import _runtime
 
-from .ops_helpers import assert_bit_identical
+from .ops_helpers import assert_bit_identical, poison_allocator
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
@@ -33,11 +33,6 @@ sw = importlib.import_module("qwen_absorb.ops.swiglu")
 DEV = "cuda"
 DH = 128
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def _poison(nbytes: int) -> None:
-    blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=DEV).fill_(0xFF) for _ in range(3)]
-    del blocks
 
 
 def _freqs(L, gen):
@@ -77,7 +72,7 @@ def test_qk_norm_rope_wide_form_is_the_narrow_forms_bits(order, dtype, monkeypat
             for rpw in (2, 4, 8):
                 monkeypatch.setattr(qkr, "WIDE", wide)
                 monkeypatch.setattr(qkr, "ROWS_PER_WARP", rpw)
-                _poison(sum(x.numel() for x in xs) * 4)
+                poison_allocator(sum(x.numel() for x in xs) * 4)
                 got = qkr.launch(xs, ws, fs, eps)
                 for i, (g, w_) in enumerate(zip(got, want)):
                     assert_bit_identical(g, w_, f"order {order} {dtype} {jobs} wide={wide} rpw={rpw} job {i}")
@@ -96,11 +91,11 @@ def test_swiglu_unroll_variants_are_exact(dtype, monkeypatch):
             b = torch.randn(n, generator=gen, device=DEV).to(dtype)
             want = sw.swiglu_reference(a, b)
             want_codes = sw.swiglu_fp8_reference(a, b, amax)[0]
-            _poison(3 * n * 4)
+            poison_allocator(3 * n * 4)
             out, codes = sw.launch(a, b, fp8_amax=amax)
             assert_bit_identical(out, want, f"swiglu {dtype} unroll {unroll} n {n} offset {offset}")
             assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (dtype, unroll, n, offset)
-            _poison(3 * n * 4)
+            poison_allocator(3 * n * 4)
             none, codes = sw.launch(a, b, out=False, fp8_amax=amax)
             assert none is None
             assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (dtype, unroll, n, offset)

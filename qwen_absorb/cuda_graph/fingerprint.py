@@ -375,8 +375,9 @@ class Scan:
         2520 of the 3866 tensors of a 60-block ModelOpt model), and the identity of forwards, processors and
         plans (the replaced objects are held by this scan, and qwen_absorb's own objects move their
         ``generation`` when they drop what they hold). On the H200's host this check took 2.3 ms before every
-        replay with everything in it (benchmarks/results/graph_idle_h200.md); the split's host cost:
-        benchmarks/results/scan_cost.md."""
+        replay with everything in it (benchmarks/results/graph_idle_h200.md), 1152 us with the identities and
+        378 us without them (graph_idle_h200_c2e4f7e.md, graph_idle_h200_e321c57.md); the split's host cost on
+        the CPU: benchmarks/results/scan_cost.md."""
         if list(map(_generation, self.owners)) != self.gens:
             return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):
