@@ -15,11 +15,11 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
-   ``fp8_lora_graph_ms`` (the library's defaults: every branch by cuBLAS's ``addmm_``),
-   ``fp8_lora_gelu_kernel_graph_ms`` (net[0]'s branch inside the GELU quantization: ``projection.LORA_GELU_KERNEL``)
-   and ``fp8_lora_all_kernel_graph_ms`` (both ``projection.LORA_*_KERNEL`` switches on: every branch by
-   ``ops.lora_add``); ``results/fp8_lora_87ebd27.json`` also holds the cuBLASLt epilogue variants measured at
-   f9c5cea (``benchmarks/cublaslt_fp8.py``),
+   ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (which branches
+   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``projection.LORA_*_KERNEL``) and, with ``--tiles``,
+   every branch by the kernel at other tile geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
+   ``results/fp8_lora_2cf64d7.json`` also holds the cuBLASLt epilogue variants measured at 2cf64d7
+   (``benchmarks/cublaslt_fp8.py``),
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
    fidelity: rel err ||y - y_ref|| / ||y_ref|| of (a) this patched model and (b) the unpatched ModelOpt
    fake-quant + LoRA model (one call: it is slow), ``lora_fidelity_ratio`` = a / b;
@@ -226,19 +226,29 @@ class Bench(H.Bench):
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
-        if self.cuda:  # the same call with branches added by ops.lora_add (projection's switches; off by default)
+        if self.cuda:  # the same call with other switches of projection (which branches ops.lora_add adds)
             from qwen_absorb import projection  # noqa: PLC0415
+            from qwen_absorb.ops import lora_add  # noqa: PLC0415
 
-            saved = projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL
+            names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
+            saved = tuple(getattr(projection, n) for n in names)
+            cases = [(case, sw, None) for case, sw in LORA_VARIANTS.items() if case in self.a.variants]
+            cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb)) for r, st, mb in self.a.tiles]
             try:
-                for case, switches in (("fp8_lora_gelu_kernel", (True, False)), ("fp8_lora_all_kernel", (True, True))):
-                    projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL = switches
+                for case, switches, tiles in cases:
+                    for n, v in zip(names, switches):
+                        setattr(projection, n, v)
+                    if tiles:
+                        lora_add.configure_tiles(*tiles)
                     rep = self.patch(f"{case}_graph")
                     self.timed(f"{case}_graph_ms", rep)
                     self.fidelity(f"{case}_patched")
                     qwen_absorb.unpatch(self.model)
+                    lora_add.configure_tiles()
             finally:
-                projection.LORA_GELU_KERNEL, projection.LORA_ADD_KERNEL = saved
+                for n, v in zip(names, saved):
+                    setattr(projection, n, v)
+                lora_add.configure_tiles()
                 qwen_absorb.unpatch(self.model)
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
         self.R.put("lora_fidelity_ratio", H.ratio(self.R.get("rel_err.fp8_lora_patched"),
@@ -344,6 +354,17 @@ def markdown(d: dict[str, Any]) -> str:
 
 
 MODEL = {"layers": (60, 2), "side": (64, 4)}  # (default, --tiny)
+# Variants of the LoRA call timed after the default one: (LORA_GELU_KERNEL, LORA_GROUPED_KERNEL, LORA_ADD_KERNEL)
+LORA_VARIANTS = {
+    "fp8_lora_addmm": (False, False, False),  # every branch by cuBLAS's addmm_
+    "fp8_lora_gelu_kernel": (True, False, False),  # net[0]'s branch inside the GELU quantization
+    "fp8_lora_gelu_grouped_kernel": (True, True, False),  # + q/k/v of both streams in one launch
+    "fp8_lora_all_kernel": (True, True, True),  # every branch by ops.lora_add
+}
+
+
+def _tile_configs(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in c.split(",")) for c in text.split(";") if c.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     H.add_steady_warmup_arg(ap)
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
+    ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v], default=list(LORA_VARIANTS),
+                    help=f"LoRA-call variants to time (comma-separated subset of {','.join(LORA_VARIANTS)}; '' none)")
+    ap.add_argument("--tiles", type=_tile_configs, default=[],
+                    help="also every branch by ops.lora_add with these tile geometries: 'rows,stages,min_blocks;...'")
     a = ap.parse_args(argv)
     if a.iters < 5 or a.warmup < 1:
         ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")

@@ -27,13 +27,15 @@ from .plan import BlockPlan, LinearPlan
 
 # False sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
 TP_LOCAL = True
-# Where ops.lora_add adds LoRA branches instead of torch's addmm_ (switches for measurements; H200, rank 64,
-# benchmarks/results/probe_lora_add.md and fp8_lora_lora_add.md). Both off: as a plain in-place add the kernel is
-# slower than cuBLAS (112 against 86 us at 4096 x 12288; the 60-layer LoRA call 106.0 against 103.9 ms); inside
-# net[0]'s GELU + e4m3 quantization it saves 0.9 ms of GPU time a call (152 against 158 us per block) but no wall
-# time (103.7 against 103.9 ms). Both forms pass their GPU tests bit for bit (results/gpu_tests_h200_round18.log).
-LORA_GELU_KERNEL = False
-LORA_ADD_KERNEL = False
+# Where ops.lora_add adds LoRA branches instead of torch's addmm_ (H200, rank 64, the tiled kernel:
+# benchmarks/results/probe_lora_add.md, fp8_lora.md). Inside net[0]'s GELU + e4m3 quantization it replaces addmm_
+# and the quantization kernel (120 against 158 us per block at 4096 x 12288): on by default. As a plain add it
+# loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at 4096 x 12288
+# (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet neither moved
+# the 60-layer call's wall time beyond the run-to-run noise (~2 ms): both off.
+LORA_GELU_KERNEL = True
+LORA_GROUPED_KERNEL = False  # the deferred branches of q, k and v of both streams, one launch
+LORA_ADD_KERNEL = False  # a single output's branches
 
 
 @torch.compiler.disable
@@ -158,7 +160,7 @@ def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None
 def add_deferred(plan: BlockPlan, deferred: list) -> None:
     """Add the branches :func:`fp8_linear_into` deferred (``[(output, branches)]``, distinct outputs): the
     i-th branch of every output in one launch where the kernel runs, in each output's own order."""
-    if all(_kernel_branches(plan, y, prods, LORA_ADD_KERNEL) for y, prods in deferred):
+    if all(_kernel_branches(plan, y, prods, LORA_GROUPED_KERNEL) for y, prods in deferred):
         depth = max((len(p) for _, p in deferred), default=0)
         for i in range(depth):
             lora_add.add_([(y, *prods[i]) for y, prods in deferred if i < len(prods)])

@@ -15,7 +15,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import projection
 from qwen_absorb import testing as T
-from qwen_absorb.ops import _runtime
+from qwen_absorb.ops import _runtime, lora_add
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
@@ -78,18 +78,38 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
     e_real, e_fake = _rel(out, want), _rel(fake, want)
     print(f"LoRA on real FP8: rel err vs fp32 {e_real:.5f}, fake quant {e_fake:.5f} ({e_real / e_fake:.4f}x)")
     assert e_real <= 1.1 * e_fake + 1e-3
-    # the default adds the branches with cuBLAS's addmm_; ops.lora_add (projection's switches) is a rounding
-    # apart (the kernel rounds each sum once, cuBLAS does not quite), which the FP8 codes downstream amplify a
-    # little: far below the quantization error, and as close to fp32
-    assert not projection.LORA_GELU_KERNEL and not projection.LORA_ADD_KERNEL
-    for gelu, add in ((True, False), (True, True)):  # net[0]'s branch inside the GELU quantization; every branch
-        monkeypatch.setattr(projection, "LORA_GELU_KERNEL", gelu)
-        monkeypatch.setattr(projection, "LORA_ADD_KERNEL", add)
+    # ops.lora_add (projection's switches) against cuBLAS's addmm_: a rounding apart (the kernel rounds each sum
+    # once, cuBLAS does not quite), which the FP8 codes downstream amplify a little: far below the quantization
+    # error, and as close to fp32
+    names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
+    defaults = tuple(getattr(projection, n) for n in names)
+
+    def switches(values):
+        for n, v in zip(names, values):
+            monkeypatch.setattr(projection, n, v)
+
+    # eager (the switches are read per call; a captured graph replays the kernels it captured)
+    qwen_absorb.patch(model, **REAL, cuda_graph=False)
+    calls = {"add_gelu_fp8": 0, "add_": 0}
+    for fn in calls:
+        def counted(*args, _fn=getattr(lora_add, fn), _name=fn, **kw):
+            calls[_name] += 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(lora_add, fn, counted)
+    switches((False, False, False))
+    out_addmm = T.run_transformer(model, inp)
+    assert _rel(out_addmm, want) <= 1.1 * e_fake + 1e-3 and calls == {"add_gelu_fp8": 0, "add_": 0}
+    # net[0]'s branch inside the GELU quantization; + q/k/v grouped; every branch
+    for combo in ((True, False, False), (True, True, False), (True, True, True)):
+        switches(combo)
+        calls.update({"add_gelu_fp8": 0, "add_": 0})
         out_kernel = T.run_transformer(model, inp)
-        assert 0 < _rel(out_kernel, out) < 0.25 * e_fake, (gelu, add)
-        assert _rel(out_kernel, want) <= 1.1 * e_fake + 1e-3, (gelu, add)
-    monkeypatch.setattr(projection, "LORA_GELU_KERNEL", False)
-    monkeypatch.setattr(projection, "LORA_ADD_KERNEL", False)
+        assert calls["add_gelu_fp8"] == 2 * LAYERS and (calls["add_"] > 0) == combo[1], (combo, calls)
+        assert _rel(out_kernel, out_addmm) < 0.25 * e_fake, combo
+        assert _rel(out_kernel, want) <= 1.1 * e_fake + 1e-3, combo
+        if combo == defaults:
+            assert torch.equal(out_kernel, out)
+    switches(defaults)
     # kernels vs the path's references: same codes, same GEMMs, same branches
     qwen_absorb.patch(model, **REAL, force_reference=True)
     assert _rel(T.run_transformer(model, inp), out) < 2e-3

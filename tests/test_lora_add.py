@@ -36,13 +36,15 @@ def test_layout_matches_the_cuda_structs():
     maxp = int(re.search(r"#define QA_LA_MAXP (\d+)", src).group(1))
     assert maxp == lora_add.MAX_PROBLEMS
     assert problem == lora_add._PROBLEM
-    assert _kinds(params.replace("LoraProblem p[QA_LA_MAXP];", "")) == "iPPP"
-    assert struct.calcsize("@" + lora_add._LAYOUT) == 512  # 6 x 80-byte problems, nprob, 3 pointers
+    assert _kinds(params.replace("LoraProblem p[QA_LA_MAXP];", "")) == "iiiPPP"
+    assert struct.calcsize("@" + lora_add._LAYOUT) == 520  # 6 x 80-byte problems, nprob, units, per_block, 3 pointers
+    assert "struct LoraAddParams" in _runtime.kernel_source(lora_add.TILES_CU)  # both kernels take the one struct
 
 
 def test_instances_registered_and_reasons():
     mine = lora_add.all_kernel_expressions()
-    assert len(mine) == 16 and set(mine) <= set(ops.all_kernel_expressions())
+    assert len(mine) == 32 and set(mine) <= set(ops.all_kernel_expressions())
+    assert sum(cu == lora_add.TILES_CU for cu, _ in mine) == 16
     y = torch.zeros(4, 6, dtype=torch.bfloat16)
     t, b = torch.zeros(4, 2, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.bfloat16)
     assert any("CUDA" in r for r in lora_add.reasons(y, t, b))
@@ -98,3 +100,50 @@ def test_deferred_branches_equal_per_output_sums(dtype):
     projection.add_products(_Plan(), y, prods)
     lora.add_products(y2, prods)
     assert torch.equal(y, y2)
+
+
+def test_tiled_kernel_constants_and_shared_memory():
+    """The host's tile geometry is the CUDA source's; a rank-64 block leaves room for two per H200 SM (228 KiB),
+    rank 128 for one."""
+    src = _runtime.kernel_source(lora_add.TILES_CU)
+    const = {k: re.search(rf"#define {k} \(?([^\n/]+?)\)?\s*(//|\n)", src).group(1).strip()
+             for k in ("QA_LT_BM", "QA_LT_BN", "QA_LT_YP", "QA_LT_STAGES", "QA_LT_MIN_BLOCKS")}
+    assert (int(const["QA_LT_BM"]), int(const["QA_LT_BN"]), int(const["QA_LT_STAGES"]),
+            int(const["QA_LT_MIN_BLOCKS"])) == (lora_add.TILE_ROWS, lora_add.TILE_COLS, lora_add.TILE_STAGES,
+                                                lora_add.TILE_MIN_BLOCKS)
+    assert lora_add.TILE_DEFAULTS == {"rows": 64, "stages": 3, "min_blocks": 2}
+    assert const["QA_LT_YP"].replace(" ", "") == "QA_LT_BN+32" and lora_add._TILE_Y_PITCH == lora_add.TILE_COLS + 32
+    per_sm = 228 * 1024
+    assert 2 * (lora_add.tile_smem_bytes(4) + 1024) <= per_sm < 2 * (lora_add.tile_smem_bytes(8) + 1024)
+    assert lora_add.tile_smem_bytes(8) <= 227 * 1024
+
+
+@pytest.mark.parametrize("units,slots", [(6144, 264), (1536, 264), (48, 264), (7, 3), (1, 1), (265, 264)])
+def test_tile_grid_covers_every_tile_once(units, slots):
+    blocks, per = lora_add.tile_grid(units, slots)
+    assert blocks <= max(slots, 1) and blocks * per >= units > (blocks - 1) * per
+
+
+def test_tile_reasons():
+    y = torch.zeros(64, 136, dtype=torch.bfloat16)
+    t, b = torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(136, 16, dtype=torch.bfloat16)
+    assert lora_add.tile_reasons(y, t, b) == []
+    assert any("multiples of 8" in r for r in lora_add.tile_reasons(y[:, :130], t, b[:130]))
+    assert any("multiples of 8" in r for r in lora_add.tile_reasons(y, t[:, :12], b[:, :12]))
+    wide = torch.zeros(64, 40, dtype=torch.bfloat16)
+    assert any("aligned" in r for r in lora_add.tile_reasons(y, wide[:, 2:18], b))
+    assert lora_add.TILES
+
+
+def test_configure_tiles_sets_the_defines_and_restores_them():
+    try:
+        lora_add.configure_tiles(rows=32, stages=2, min_blocks=4)
+        assert (lora_add.TILE_ROWS, lora_add.TILE_STAGES, lora_add.TILE_MIN_BLOCKS) == (32, 2, 4)
+        assert {"-DQA_LT_BM=32", "-DQA_LT_STAGES=2", "-DQA_LT_MIN_BLOCKS=4"} <= set(_runtime.NVRTC_OPTIONS)
+        assert lora_add.tile_smem_bytes(4) == 2 * (128 * 72 + 2 * 32 * (160 + 72))
+        with pytest.raises(ValueError):
+            lora_add.configure_tiles(rows=48)
+    finally:
+        lora_add.configure_tiles()
+    assert (lora_add.TILE_ROWS, lora_add.TILE_STAGES, lora_add.TILE_MIN_BLOCKS) == (64, 3, 2)
+    assert not any("QA_LT" in o for o in _runtime.NVRTC_OPTIONS)

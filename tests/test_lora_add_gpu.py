@@ -8,6 +8,9 @@
   of wider tensors whose other columns must stay untouched, several rank chunks), bf16 and fp16.
 - Several outputs in one launch give each output's single-launch result bit for bit.
 - ``add_gelu_fp8``: bit for bit what ``add_`` followed by the GELU + e4m3 quantization kernel gives.
+- The tiled kernel (``lora_add_tiles.cu``, the default where rows are 16-byte aligned and widths / ranks multiples
+  of 8) gives ``lora_add_kernel``'s outputs bit for bit, both forms, on partial tiles, grouped launches and blocks
+  that walk across column ranges and problems (few resident blocks forced); poisoned outputs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 
 from qwen_absorb.ops import lora_add
 from qwen_absorb.ops.quantize_fp8 import quantize_fp8
+
+from .ops_helpers import poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -122,3 +127,70 @@ def test_add_gelu_fp8_is_add_then_the_gelu_quantization(dtype, shape):
     assert torch.equal(g, want_g)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(codes_only.view(torch.uint8), codes.view(torch.uint8))
+
+
+TILE_SHAPES = [  # M, N, R: rank 8 pieces, partial row tiles, partial column tiles, several column ranges
+    (4096, 12288, 64),
+    (4096, 3072, 64),
+    (128, 3072, 64),
+    (100, 264, 16),
+    (65, 136, 8),
+    (130, 1000, 24),
+    (64, 256, 128),
+    (3, 8, 32),
+    (1000, 392, 48),
+]
+
+
+def _both_kernels(monkeypatch, fn):
+    """fn() with the tiled kernel, then with lora_add_kernel (TILES off), each output over a poisoned pool."""
+    outs = []
+    for tiles in (True, False):
+        monkeypatch.setattr(lora_add, "TILES", tiles)
+        poison_allocator(1 << 26)
+        outs.append(fn())
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", TILE_SHAPES)
+def test_tiled_kernel_equals_the_row_kernel(monkeypatch, dtype, shape):
+    _skip_without_kernel()
+    m, n, r = shape
+    _, y, t, b = _operands(m, n, r, dtype, seed=m * 3 + n * 5 + r)
+    assert not lora_add.tile_reasons(y, t, b), lora_add.tile_reasons(y, t, b)
+    amax = torch.tensor([3.3], device=DEV)
+
+    def add():
+        out = y.clone()
+        lora_add.add_([(out, t, b, 0.8125)])
+        return out
+
+    tiled, rows = _both_kernels(monkeypatch, add)
+    assert not tiled.isnan().any() and torch.equal(tiled, rows)
+    (c1, g1), (c2, g2) = _both_kernels(monkeypatch, lambda: lora_add.add_gelu_fp8(y, t, b, 1.5, amax, act_out=True))
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(g1, g2)
+    assert not g1.isnan().any()
+
+
+@pytest.mark.parametrize("slots", [1, 3, 7])
+def test_tiled_blocks_walk_across_column_ranges_and_problems(monkeypatch, slots):
+    """Few resident blocks: each walks many tiles, restaging lora_B where its column range or problem changes
+    (ranks mixed: the launch pads to the largest)."""
+    _skip_without_kernel()
+    shapes = [(300, 520, 64), (128, 3072, 64), (77, 1024, 32), (512, 264, 16), (64, 136, 64), (9, 2048, 48)]
+    probs = []
+    for i, (m, n, r) in enumerate(shapes):
+        _, y, t, b = _operands(m, n, r, torch.bfloat16, seed=500 + i)
+        probs.append((y, t, b, 0.25 + i))
+    monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: slots)
+
+    def grouped():
+        outs = [y.clone() for y, _, _, _ in probs]
+        lora_add.add_([(o, t, b, a) for o, (_, t, b, a) in zip(outs, probs)])
+        return outs
+
+    tiled, rows = _both_kernels(monkeypatch, grouped)
+    for a, b in zip(tiled, rows):
+        assert torch.equal(a, b)

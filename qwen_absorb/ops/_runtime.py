@@ -108,18 +108,22 @@ def kernel_source(filename: str) -> str:
     return expand(filename)
 
 
-def function(filename: str, expr: str, device_idx: int):
+def function(filename: str, expr: str, device_idx: int, dynamic_smem: int = 0):
     """The compiled kernel ``expr`` (a template instance) of ``csrc/filename`` on a device.
 
     Compiles on first use; call it once before a CUDA-graph capture (the ops do so on their first
-    eager call), since NVRTC and module loading cannot be captured.
+    eager call), since NVRTC and module loading cannot be captured. ``dynamic_smem``: the bytes of
+    dynamic shared memory its launches ask for; above the default 48 KiB the kernel opts in once.
     """
-    key = (filename, expr, device_idx)
+    key = (filename, expr, device_idx, dynamic_smem)
     fn = _functions.get(key)
     if fn is None:
         with _cupy.cuda.Device(device_idx):
             mod = _cupy.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS, name_expressions=[expr])
-            fn = mod.get_function(expr).kernel  # the low-level Function: no argument preprocessing
+            raw = mod.get_function(expr)
+            if dynamic_smem > 48 * 1024:
+                raw.max_dynamic_shared_size_bytes = dynamic_smem
+            fn = raw.kernel  # the low-level Function: no argument preprocessing
         log.debug("compiled %s for device %d", expr, device_idx)
         _functions[key] = fn
     return fn
@@ -163,10 +167,10 @@ class Launcher:
     """Launches one compiled kernel whose only parameter is a struct laid out as ``layout``
     (a :mod:`struct` format in native mode, fields in the order of the C struct)."""
 
-    __slots__ = ("fn", "block", "dev", "_pack", "_size", "_tls")
+    __slots__ = ("fn", "block", "dev", "smem", "_pack", "_size", "_tls")
 
-    def __init__(self, fn, block: int, layout: str, device_idx: int) -> None:
-        self.fn, self.block, self.dev = fn, (block, 1, 1), device_idx
+    def __init__(self, fn, block: int, layout: str, device_idx: int, smem: int = 0) -> None:
+        self.fn, self.block, self.dev, self.smem = fn, (block, 1, 1), device_idx, smem
         packer = struct.Struct("@" + layout)
         self._pack = packer.pack_into
         self._size = (packer.size + 15) // 16 * 16  # room for the C struct's trailing padding
@@ -181,12 +185,12 @@ class Launcher:
         self._pack(buf, 0, *values)
         dev = self.dev
         if torch._C._cuda_getDevice() == dev:
-            self.fn((grid, 1, 1), self.block, tls.arg, 0, _stream(dev))
+            self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
         else:
             # CuPy launches in the current context: a kernel loaded for cuda:1 launched while
             # cuda:0 is current fails with an invalid handle.
             with torch.cuda.device(dev):
-                self.fn((grid, 1, 1), self.block, tls.arg, 0, _stream(dev))
+                self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
 
 
 def ptr(t: torch.Tensor | None) -> int:

@@ -10,12 +10,15 @@ tests/test_lora_add_gpu.py). Two forms:
   net[2] (:func:`qwen_absorb.ops.quantize_fp8`'s ``gelu_tanh`` on the sum, bit for bit): returns the codes and,
   when asked, the rounded GELU output; the sum itself is never written
   (:func:`qwen_absorb.projection.fp8_linear_gelu_fp8`): one kernel instead of ``addmm_`` and the quantization,
-  152 against 158 us at 4096 x 12288, rank 64, but no wall-time gain for the 60-layer call.
-- :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs (q, k and v of both streams) in one launch. Slower
-  than cuBLAS's ``addmm_`` (112 against 86 us at 4096 x 12288).
+  120 against 158 us at 4096 x 12288, rank 64 (the FP8 path's default).
+- :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs (q, k and v of both streams) in one launch: 66 against
+  cuBLAS's 85 us at 4096 x 12288, 18 against 12 us at 4096 x 3072 (where cuBLAS reads the GEMM output from L2).
 
-The FP8 path keeps ``addmm_`` by default; ``projection.LORA_GELU_KERNEL`` / ``LORA_ADD_KERNEL`` switch these on
-(``benchmarks/results/probe_lora_add.md``, ``fp8_lora_lora_add.md``, ``benchmarks/NOTES.md``).
+Two kernels compute the same sums bit for bit (the same mma sequence per element): ``lora_add_tiles.cu`` (the
+default where rows are 16-byte aligned and widths and ranks multiples of 8: cp.async ring of tiles, a balanced run
+of tiles per block, ~3 TB/s) and ``lora_add.cu`` (any layout, ~1.8 TB/s). Which branches the FP8 path hands to
+them: ``projection.LORA_*_KERNEL`` (``benchmarks/results/probe_lora_add.md``, ``fp8_lora.md``,
+``benchmarks/NOTES.md``).
 
 Where :func:`reasons` refuses, callers run the torch expressions (``addmm_``, then the quantization op).
 """
@@ -35,7 +38,7 @@ _BM = 128
 KSTEPS = (1, 2, 4, 8)  # rank / 16 rounded up to one of these: the kernel's template instances
 MAX_RANK = 16 * KSTEPS[-1]
 _PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
-_LAYOUT = _PROBLEM * MAX_PROBLEMS + "iPPP"  # nprob; codes, act_out, amax
+_LAYOUT = _PROBLEM * MAX_PROBLEMS + "iiiPPP"  # nprob, units, per_block; codes, act_out, amax
 _DTYPES = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
 _MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16 operands
 _cache: dict[tuple, rt.Launcher] = rt.register_cache({})
@@ -70,14 +73,88 @@ def _ksteps(rank: int) -> int:
     return next(k for k in KSTEPS if 16 * k >= rank)
 
 
-def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device) -> rt.Launcher:
+def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles: bool = False) -> rt.Launcher:
     idx = rt.device_index(device)
-    key = (act, dtype, ks, idx)
+    key = (act, dtype, ks, idx, tiles)
     hit = _cache.get(key)
     if hit is None:
-        fn = rt.function("lora_add.cu", f"lora_add_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx)
-        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx)
+        if tiles:
+            smem = tile_smem_bytes(ks)
+            fn = rt.function(TILES_CU, f"lora_add_tiles_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx, smem)
+        else:
+            smem = 0
+            fn = rt.function("lora_add.cu", f"lora_add_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx)
+        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx, smem)
     return hit
+
+
+# lora_add_tiles.cu: the same sums laid out for the copy rate (cp.async ring of y / t tiles, lora_B staged once
+# per column range, a balanced run of tiles per block). False: every launch takes lora_add_kernel (measurements).
+TILES = True
+TILES_CU = "lora_add_tiles.cu"
+TILE_COLS = 128  # QA_LT_BN
+_TILE_Y_PITCH = TILE_COLS + 32  # QA_LT_YP
+TILE_DEFAULTS = {"rows": 64, "stages": 3, "min_blocks": 2}  # QA_LT_BM, QA_LT_STAGES, QA_LT_MIN_BLOCKS
+TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = TILE_DEFAULTS.values()
+
+
+def configure_tiles(rows: int | None = None, stages: int | None = None, min_blocks: int | None = None) -> None:
+    """Recompile the tiled kernel with another geometry (rows per tile 32 or 64, ring stages, blocks per SM the
+    registers must allow): a switch for measurements (benchmarks/probe_lora_add.py); no arguments: the defaults.
+    Resets every op's compile-time defines (:func:`qwen_absorb.ops._runtime.set_defines`)."""
+    global TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS
+    d = TILE_DEFAULTS
+    TILE_ROWS, TILE_STAGES = rows or d["rows"], stages or d["stages"]
+    TILE_MIN_BLOCKS = min_blocks or d["min_blocks"]
+    if TILE_ROWS not in (32, 64) or TILE_STAGES < 2 or TILE_MIN_BLOCKS < 1:
+        raise ValueError(f"tile geometry rows={TILE_ROWS} stages={TILE_STAGES} min_blocks={TILE_MIN_BLOCKS}")
+    _slots.clear()
+    changed = (TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS) != tuple(d.values())
+    rt.set_defines({"QA_LT_BM": TILE_ROWS, "QA_LT_STAGES": TILE_STAGES, "QA_LT_MIN_BLOCKS": TILE_MIN_BLOCKS}
+                   if changed else None)
+
+
+def tile_smem_bytes(ks: int) -> int:
+    """Dynamic shared memory of a tiled launch with ``ks`` k-steps: lora_B's rows for one column range, then the
+    ring of (y tile, t tile) stages (bf16 / fp16 elements; pitches as in lora_add_tiles.cu)."""
+    ld = 16 * ks + 8
+    return 2 * (TILE_COLS * ld + TILE_STAGES * TILE_ROWS * (_TILE_Y_PITCH + ld))
+
+
+def tile_reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
+    """Why the tiled kernel cannot take a problem :func:`reasons` accepts (lora_add_kernel then runs it)."""
+    r = []
+    if not TILES:
+        r.append("lora_add.TILES is off")
+    if y.shape[1] % 8 or t.shape[1] % 8:
+        r.append(f"width {y.shape[1]} / rank {t.shape[1]} not multiples of 8 (16-byte pieces)")
+    if not (rt.aligned(y, 16, y.stride(0)) and rt.aligned(t, 16, t.stride(0)) and rt.aligned(b, 16, b.stride(0))):
+        r.append("rows not 16-byte aligned")
+    return r
+
+
+_slots: dict[tuple[int, int], int] = {}
+
+
+def tile_slots(device: torch.device, ks: int) -> int:
+    """Blocks of a tiled launch resident at once on ``device`` (SMs x blocks per SM by shared memory, at most
+    the ``TILE_MIN_BLOCKS`` the kernel's register bound guarantees); 0 where one block does not fit."""
+    idx = rt.device_index(device)
+    hit = _slots.get((idx, ks))
+    if hit is None:
+        props = torch.cuda.get_device_properties(idx)
+        need = tile_smem_bytes(ks)
+        per_block = getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+        per_sm = getattr(props, "shared_memory_per_multiprocessor", per_block)
+        fit = 0 if need > per_block else min(TILE_MIN_BLOCKS, per_sm // (need + 1024))  # 1 KiB reserved per block
+        hit = _slots[(idx, ks)] = props.multi_processor_count * fit
+    return hit
+
+
+def tile_grid(units: int, slots: int) -> tuple[int, int]:
+    """``(blocks, tiles per block)``: every resident block walks the same number of tiles (the last fewer)."""
+    per = -(-units // max(slots, 1))
+    return -(-units // per), per
 
 
 SMEM_ELEMENTS = 256 * 72  # QA_LA_SMEM: lora_B's staged rows, bnb * (16 ks + 8) elements at most
@@ -109,6 +186,35 @@ def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, beg
 _EMPTY = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 << 30, 0, 64, 0.0]
 
 
+def _tile_fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int) -> tuple[list, int]:
+    m, n = y.shape
+    tiles_n = -(-n // TILE_COLS)
+    return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, t.shape[1],
+            tiles_n, begin, 3, TILE_COLS, float(alpha)], -(-m // TILE_ROWS) * tiles_n
+
+
+def _launch_tiles(act: int, chunk: Sequence[Problem], ks: int, codes: int = 0, act_out: int = 0,
+                  amax: int = 0) -> bool:
+    """The tiled kernel over ``chunk`` (<= MAX_PROBLEMS problems); False (nothing launched) where a problem does
+    not suit it or a block does not fit the device's shared memory."""
+    y0 = chunk[0][0]
+    if any(tile_reasons(y, t, b) for y, t, b, _ in chunk):
+        return False
+    slots = tile_slots(y0.device, ks)
+    if not slots:
+        return False
+    fields, units = [], 0
+    for y, t, b, alpha in chunk:
+        f, tiles = _tile_fields(y, t, b, alpha, units)
+        fields += f
+        units += tiles
+    blocks, per = tile_grid(units, slots)
+    fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
+    _launcher(act, y0.dtype, ks, y0.device, tiles=True)(blocks, *fields, len(chunk), units, per, codes, act_out,
+                                                        amax)
+    return True
+
+
 def add_(problems: Sequence[Problem]) -> None:
     """Kernel: ``y += alpha * t @ B.T`` in place for each ``(y, t, B, alpha)`` (distinct, non-overlapping ``y``),
     up to :data:`MAX_PROBLEMS` per launch."""
@@ -116,15 +222,17 @@ def add_(problems: Sequence[Problem]) -> None:
         chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
         if not chunk:
             continue
-        fields, total = [], 0
         ks = max(_ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
+        if _launch_tiles(0, chunk, ks):
+            continue
+        fields, total = [], 0
         for y, t, b, alpha in chunk:
             f, tiles = _fields(y, t, b, alpha, total, ks)
             fields += f
             total += tiles
         fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
         y0 = chunk[0][0]
-        _launcher(0, y0.dtype, ks, y0.device)(total, *fields, len(chunk), 0, 0, 0)
+        _launcher(0, y0.dtype, ks, y0.device)(total, *fields, len(chunk), 0, 0, 0, 0, 0)
 
 
 def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
@@ -137,12 +245,15 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
     g = torch.empty_like(y) if act_out else None
     if y.numel():
         ks = _ksteps(t.shape[1])
-        f, tiles = _fields(y, t, b, alpha, 0, ks)
         a = amax.float().reshape(1)
-        _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, codes.data_ptr(), rt.ptr(g),
-                                        a.data_ptr())
+        if not _launch_tiles(1, [(y, t, b, alpha)], ks, codes.data_ptr(), rt.ptr(g), a.data_ptr()):
+            f, tiles = _fields(y, t, b, alpha, 0, ks)
+            _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, 0, 0, codes.data_ptr(),
+                                                rt.ptr(g), a.data_ptr())
     return codes, g
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [("lora_add.cu", f"lora_add_kernel<{d}, {a}, {k}>") for d in _DTYPES.values() for a in (0, 1) for k in KSTEPS]
+    return [(cu, f"{name}<{d}, {a}, {k}>") for cu, name in (("lora_add.cu", "lora_add_kernel"),
+                                                             (TILES_CU, "lora_add_tiles_kernel"))
+            for d in _DTYPES.values() for a in (0, 1) for k in KSTEPS]

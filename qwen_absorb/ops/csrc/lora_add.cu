@@ -9,9 +9,10 @@
 //          that feeds net[2]; the rounded GELU output goes to act_out where net[2]'s own LoRA branch reads it.
 //
 // Why: the branch is rank-small, so the work is memory traffic. The ACT 1 form saves the sum's write and the GELU
-// kernel's read of it (H200: 152 against 158 us for addmm_ + the quantization at 4096 x 12288). The plain ACT 0 add
-// reaches ~1.8-2.1 TB/s, below cuBLAS's addmm_ (86 us at 4096 x 12288): the library keeps addmm_ there. Up to
-// QA_LA_MAXP problems with distinct outputs (q, k and v of both streams) share one launch.
+// kernel's read of it. This kernel takes any layout but reaches only ~1.8-2.1 TB/s (152 against 158 us for addmm_ +
+// the quantization at 4096 x 12288, H200); lora_add_tiles.cu computes the same sums bit for bit at ~3 TB/s where
+// rows are 16-byte aligned and widths and ranks multiples of 8 (the launcher picks it there). Up to QA_LA_MAXP
+// problems with distinct outputs (q, k and v of both streams) share one launch.
 //
 // Tiles: a block is 8 warps of 16 rows each (128 rows) over a range of bnb columns (256 for ranks <= 64, 128 up to
 // 128; 64 for short problems, which need blocks more than reuse). KS = rank / 16 rounded up (1, 2, 4 or 8): each
@@ -19,84 +20,7 @@
 // shared memory once (zero-filled past R and N: zeros add nothing to the fp32 sums), and the warp walks the range in
 // chunks of 64 columns, mma.sync m16n8k16 with fp32 accumulators, the next chunk's y loaded before this chunk's
 // products. All first loads are issued before anything waits (a loop of dependent global loads cost 15 us a call).
-#include "common.cuh"
-#include "fp8.cuh"
-#include "activation.cuh"
-
-#define QA_LA_THREADS 256
-#define QA_LA_BM 128
-#define QA_LA_SMEM (256 * 72)  // lora_B's staged rows: bnb * (16 KS + 8) elements at most
-#define QA_LA_MAXP 6
-#ifndef QA_LA_MIN_BLOCKS
-#define QA_LA_MIN_BLOCKS 2  // <= 128 registers: KS = 8 holds 32 A registers; 3 (85 registers) spills there
-#endif
-
-struct LoraProblem {
-  void* y;
-  const void* t;
-  const void* b;
-  qa_i64 ys, ts, bs;  // row strides (elements)
-  int M, N, R;
-  int tiles_n;     // ceil(N / bnb)
-  int tile_begin;  // this problem's first block
-  int vec;         // 1: 16-byte B loads are legal (R % 8 == 0, aligned); 2: 16-byte y runs (N % 8 == 0, aligned)
-  int bnb;         // columns per block: 256, 128 or 64 (bnb * (16 KS + 8) <= QA_LA_SMEM)
-  float alpha;
-};
-
-struct LoraAddParams {
-  LoraProblem p[QA_LA_MAXP];
-  int nprob;
-  unsigned char* codes;  // ACT 1: [M, N] e4m3
-  void* act_out;         // ACT 1: [M, N] T, the rounded GELU output, or null
-  const float* amax;     // ACT 1: the consumer's input amax (one fp32)
-};
-
-// D += A B on tensor cores, m16n8k16, fp32 accumulators; TY: the operands' PTX type.
-template <class T>
-struct QaMma;
-#define QA_LA_MMA(TRAITS, TY)                                                                                   \
-  template <>                                                                                                   \
-  struct QaMma<TRAITS> {                                                                                        \
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { \
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
-                   "{%8,%9}, {%0,%1,%2,%3};"                                                                    \
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                             \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                             \
-    }                                                                                                           \
-  };
-QA_LA_MMA(QaBF16, "bf16")
-QA_LA_MMA(QaF16, "f16")
-
-// lora_B rows [n0, n0 + rows) x [0, R) into shared memory (pitch ld), zero-filled past N and R. Row r's 16-element
-// group k lives at group k ^ ((r / 8) & swm): the fragment loads of a warp read rows {0, 1, 8, 9, 16, 17, 24, 25} +
-// const (the column order below), which the pitch alone maps to 2 or 4 banks each; swizzled, they are
-// conflict-free for ranks above 32.
-__device__ __forceinline__ void qa_la_stage_b(qa_u16* dst, int ld, int swm, const qa_u16* src, qa_i64 bs, int n0,
-                                              int rows, int N, int R, int rp, bool vec) {
-  if (vec) {  // 8 elements per load; R % 8 == 0, so a vector is wholly inside or outside
-    const int per_row = rp / 8;
-    for (int i = threadIdx.x; i < rows * per_row; i += QA_LA_THREADS) {
-      const int r = i / per_row, c = (i - r * per_row) * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (n0 + r < N && c < R) v = *reinterpret_cast<const uint4*>(src + (qa_i64)(n0 + r) * bs + c);
-      *reinterpret_cast<uint4*>(dst + r * ld + (c ^ (((r >> 3) & swm) << 4))) = v;
-    }
-  } else {
-    for (int i = threadIdx.x; i < rows * rp; i += QA_LA_THREADS) {
-      const int r = i / rp, c = i - r * rp;
-      qa_u16 v = 0;
-      if (n0 + r < N && c < R) v = src[(qa_i64)(n0 + r) * bs + c];
-      dst[r * ld + (c ^ (((r >> 3) & swm) << 4))] = v;
-    }
-  }
-}
-
-// Output columns: the mma's column j of n8 tile ni is the chunk's column (ni / 4) * 32 + (j / 2) * 8 + 2 (ni % 4) +
-// j % 2 (lora_B's rows are staged in that order), so that a thread's accumulators for one row are two runs of
-// 8 adjacent columns, tq * 8 and 32 + tq * 8: y is read and written in 16-byte vectors, 64 contiguous bytes per
-// row and instruction (the mma's own layout gives 4-byte pieces, and the kernel ran at ~1.4 TB/s).
-__device__ __forceinline__ int qa_la_col(int ni, int j) { return (ni >> 2) * 32 + (j >> 1) * 8 + 2 * (ni & 3) + (j & 1); }
+#include "lora_mma.cuh"
 
 // y's 8-element run of row m from column c (zeros past M and N): one 16-byte load where `vec` and whole.
 template <class S>

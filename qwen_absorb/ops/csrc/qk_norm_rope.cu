@@ -96,11 +96,9 @@ __device__ __forceinline__ float qa_qkr_lane_partial(const float* sq, int u) {
 template <int G>
 __device__ __forceinline__ constexpr int qa_qkr_lanes() { return G == 2 ? 16 : (G == 4 ? 8 : 32); }
 
-template <class T, int ORDER, int RPW>
-__global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
-  typedef typename T::storage S;
-  // Which job this block belongs to (block-uniform), then its parameters by constant-index selects
-  // (a dynamically indexed kernel parameter would be copied to local memory).
+// The job of this block (block-uniform): its index first, then its parameters by constant-index selects (a
+// dynamically indexed kernel parameter would be copied to local memory).
+__device__ __forceinline__ QkNormRopeJob qa_qkr_job(const QkNormRopeParams& p) {
   int j = 0;
 #pragma unroll
   for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
@@ -109,6 +107,13 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
 #pragma unroll
   for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
     if (j == k) J = p.job[k];
+  return J;
+}
+
+template <class T, int ORDER, int RPW>
+__global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
+  typedef typename T::storage S;
+  const QkNormRopeJob J = qa_qkr_job(p);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = (((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp) * RPW;
@@ -202,14 +207,7 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_wide_kernel(co
   static_assert(RPW % 2 == 0, "rows come in pairs (one per half-warp)");
   typedef typename T::storage S;
   constexpr int PAIRS = RPW / 2;
-  int j = 0;
-#pragma unroll
-  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
-    if (k < p.njobs && (int)blockIdx.x >= p.job[k].block_start) j = k;
-  QkNormRopeJob J = p.job[0];
-#pragma unroll
-  for (int k = 1; k < QA_QKR_MAX_JOBS; ++k)
-    if (j == k) J = p.job[k];
+  const QkNormRopeJob J = qa_qkr_job(p);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane >> 4, u = lane & 15;
   const int row0 = (((int)blockIdx.x - J.block_start) * QA_QKR_WARPS + warp) * RPW;
