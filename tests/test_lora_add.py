@@ -147,3 +147,36 @@ def test_configure_tiles_sets_the_defines_and_restores_them():
         lora_add.configure_tiles()
     assert (lora_add.TILE_ROWS, lora_add.TILE_STAGES, lora_add.TILE_MIN_BLOCKS) == (64, 3, 2)
     assert not any("QA_LT" in o for o in _runtime.NVRTC_OPTIONS)
+
+
+def test_launches_pick_the_tiled_kernel_where_the_layout_allows(monkeypatch):
+    """Which kernel a launch takes and what the tiled one is told: every problem's first tile, the launch's tiles
+    and tiles per block (a block walks a balanced run of them)."""
+    rec = []
+    monkeypatch.setattr(lora_add, "_launcher", lambda act, dtype, ks, device, tiles=False:
+                        (lambda grid, *v: rec.append((act, ks, tiles, grid, v))))
+    monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: 264)
+    bf = torch.bfloat16
+    y, t, b = torch.zeros(4096, 3072, dtype=bf), torch.zeros(4096, 64, dtype=bf), torch.zeros(3072, 64, dtype=bf)
+    y2, t2 = torch.zeros(128, 3072, dtype=bf), torch.zeros(128, 32, dtype=bf)
+    b2 = torch.zeros(3072, 32, dtype=bf)
+    lora_add.add_([(y, t, b, 0.5), (y2, t2, b2, 0.25)])
+    act, ks, tiles, grid, v = rec[-1]
+    np_ = len(lora_add._PROBLEM)
+    units = 64 * 24 + 2 * 24
+    assert (act, ks, tiles) == (0, 4, True)  # the smaller rank is padded to the launch's k steps
+    assert v[np_ + lora_add._PROBLEM.index("i") + 4] == 64 * 24  # the second problem's first tile
+    assert v[np_ * lora_add.MAX_PROBLEMS:np_ * lora_add.MAX_PROBLEMS + 3] == (2, units, 6) and grid == 264
+    y3, t3, b3 = torch.zeros(77, 130, dtype=bf), torch.zeros(77, 12, dtype=bf), torch.zeros(130, 12, dtype=bf)
+    lora_add.add_([(y3, t3, b3, 1.0)])  # width and rank not multiples of 8: the row kernel
+    assert rec[-1][2] is False and rec[-1][4][np_ * lora_add.MAX_PROBLEMS + 1:][:2] == (0, 0)
+    codes, g = lora_add.add_gelu_fp8(y, t, b, 0.5, torch.tensor([2.0]), act_out=True)
+    assert rec[-1][:3] == (1, 4, True) and codes.shape == y.shape and g is not None
+    assert rec[-1][4][-3:] == (codes.data_ptr(), g.data_ptr(), rec[-1][4][-1]) and rec[-1][4][-1] != 0
+    monkeypatch.setattr(lora_add, "TILES", False)
+    lora_add.add_([(y, t, b, 0.5)])
+    assert rec[-1][2] is False
+    monkeypatch.setattr(lora_add, "TILES", True)
+    monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: 0)  # a block does not fit: the row kernel
+    lora_add.add_([(y, t, b, 0.5)])
+    assert rec[-1][2] is False
