@@ -116,11 +116,7 @@ __global__ void __launch_bounds__(QA_LA_THREADS, QA_LA_MIN_BLOCKS) lora_add_kern
         if (c >= q.N) continue;
         const bool whole = vec && c + 8 <= q.N;
         const qa_i64 e = (qa_i64)mrow[h] * q.ys + c;
-        float yf[8];
-        qa_widen<T, 8>(ycur[h][half], yf);
-        QaVec<S, 8> o;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = T::store(__fmaf_rn(q.alpha, acc[half * 4 + (i >> 1)][2 * h + (i & 1)], yf[i]));
+        const QaVec<S, 8> o = qa_la_sum_run<T>(ycur[h][half], acc, half, h, q.alpha);
         if constexpr (ACT == 0) {
           if (whole) {
             *reinterpret_cast<QaVec<S, 8>*>(y + e) = o;
@@ -132,9 +128,7 @@ __global__ void __launch_bounds__(QA_LA_THREADS, QA_LA_MIN_BLOCKS) lora_add_kern
           }
         } else {
           // codes / act_out are contiguous [M, N]: q.ys == q.N for ACT 1 (the host passes a contiguous y)
-          QaVec<S, 8> gv;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) gv.v[i] = T::store(qa_gelu_tanh(T::load(o.v[i])));
+          const QaVec<S, 8> gv = qa_la_gelu_run<T>(o);
           if (whole) {
             qa_store_fp8<T, 8>(p.codes + e, true, gv, scale);
             if (ao) *reinterpret_cast<QaVec<S, 8>*>(ao + e) = gv;

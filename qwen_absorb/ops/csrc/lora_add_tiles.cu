@@ -153,18 +153,12 @@ __global__ void __launch_bounds__(QA_LA_THREADS, QA_LT_MIN_BLOCKS) lora_add_tile
         const int cl = nh * QA_LT_CW + half * 32 + tq * 8, c = n0 + cl;  // this run's first column
         if (c >= q.N) continue;                                     // N % 8 == 0: a run is whole or absent
         const QaVec<S, 8> yv = *reinterpret_cast<const QaVec<S, 8>*>(ys + r * QA_LT_YP + cl);
-        float yf[8];
-        qa_widen<T, 8>(yv, yf);
-        QaVec<S, 8> o;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o.v[e] = T::store(__fmaf_rn(q.alpha, acc[half * 4 + (e >> 1)][2 * h + (e & 1)], yf[e]));
+        const QaVec<S, 8> o = qa_la_sum_run<T>(yv, acc, half, h, q.alpha);
         const qa_i64 at = (qa_i64)m * q.ys + c;
         if constexpr (ACT == 0) {
           *reinterpret_cast<QaVec<S, 8>*>(y + at) = o;
         } else {  // contiguous y: q.ys == q.N
-          QaVec<S, 8> gv;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) gv.v[e] = T::store(qa_gelu_tanh(T::load(o.v[e])));
+          const QaVec<S, 8> gv = qa_la_gelu_run<T>(o);
           qa_store_fp8<T, 8>(p.codes + at, true, gv, scale);
           if (ao) *reinterpret_cast<QaVec<S, 8>*>(ao + at) = gv;
         }

@@ -84,3 +84,27 @@ __device__ __forceinline__ void qa_la_stage_b(qa_u16* dst, int ld, int swm, cons
 // row and instruction (the mma's own layout gives 4-byte pieces, and the kernel ran at ~1.4 TB/s).
 __device__ __forceinline__ int qa_la_col(int ni, int j) { return (ni >> 2) * 32 + (j >> 1) * 8 + 2 * (ni & 3) + (j & 1); }
 
+
+// One thread's run of 8 adjacent outputs of row h (0: g, 1: g + 8) from its accumulators (the qa_la_col order:
+// run `half` holds n8 tiles 4 half .. 4 half + 3): y + alpha * acc, one fp32 fma rounded to T (ACT 0's output,
+// and the sum ACT 1 feeds the GELU).
+template <class T>
+__device__ __forceinline__ QaVec<typename T::storage, 8> qa_la_sum_run(const QaVec<typename T::storage, 8>& yv,
+                                                                     const float (*acc)[4], int half, int h,
+                                                                     float alpha) {
+  float yf[8];
+  qa_widen<T, 8>(yv, yf);
+  QaVec<typename T::storage, 8> o;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o.v[i] = T::store(__fmaf_rn(alpha, acc[half * 4 + (i >> 1)][2 * h + (i & 1)], yf[i]));
+  return o;
+}
+
+// ACT 1: GELU_tanh of a rounded run, rounded to T (quantize_fp8.cu's ACT 1 before its e4m3 encode).
+template <class T>
+__device__ __forceinline__ QaVec<typename T::storage, 8> qa_la_gelu_run(const QaVec<typename T::storage, 8>& o) {
+  QaVec<typename T::storage, 8> gv;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) gv.v[i] = T::store(qa_gelu_tanh(T::load(o.v[i])));
+  return gv;
+}

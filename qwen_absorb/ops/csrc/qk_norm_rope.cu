@@ -110,6 +110,29 @@ __device__ __forceinline__ QkNormRopeJob qa_qkr_job(const QkNormRopeParams& p) {
   return J;
 }
 
+// (b, l, h) of a row of the [B, L, H] row space, by division; the next row's by counting on (a warp's rows are
+// consecutive, so only its first pays the divisions).
+struct QaQkrRow {
+  int b, l, h;
+  __device__ __forceinline__ QaQkrRow(const QkNormRopeJob& J, int row) {
+    b = row / (J.L * J.H);
+    l = (row - b * J.L * J.H) / J.H;
+    h = row - (b * J.L + l) * J.H;
+  }
+  __device__ __forceinline__ void next(const QkNormRopeJob& J) {
+    if (++h == J.H) {
+      h = 0;
+      if (++l == J.L) {
+        l = 0;
+        ++b;
+      }
+    }
+  }
+  __device__ __forceinline__ qa_i64 x_offset(const QkNormRopeJob& J) const {
+    return b * J.stride_b + l * J.stride_l + h * J.stride_h;
+  }
+};
+
 template <class T, int ORDER, int RPW>
 __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
   typedef typename T::storage S;
@@ -123,22 +146,13 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_kernel(const Q
   // every load of the warp's rows first (row0 + r < rows is warp-uniform). The warp's rows are
   // consecutive: (b, l, h) of the first by division, of the next ones by counting on.
   float v[RPW][4], f[RPW][4];
-  int b = row0 / (J.L * J.H);
-  int l = (row0 - b * J.L * J.H) / J.H;
-  int h = row0 - (b * J.L + l) * J.H;
+  QaQkrRow at(J, row0);
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     if (row0 + r < J.rows) {
-      const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
-      qa_load<T, 4>(xr, J.vec_flags & 1, v[r]);
-      qa_load<QaF32, 4>(J.freqs + l * J.freqs_stride + e, J.vec_flags & 4, f[r]);  // (c, d) of pairs e/2, e/2+1
-      if (++h == J.H) {
-        h = 0;
-        if (++l == J.L) {
-          l = 0;
-          ++b;
-        }
-      }
+      qa_load<T, 4>(reinterpret_cast<const S*>(J.x) + at.x_offset(J) + e, J.vec_flags & 1, v[r]);
+      qa_load<QaF32, 4>(J.freqs + at.l * J.freqs_stride + e, J.vec_flags & 4, f[r]);  // (c, d) of pairs e/2, e/2+1
+      at.next(J);
     }
   }
   float w[4];
@@ -215,19 +229,12 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_wide_kernel(co
   const int e = u * 8;
 
   float v[PAIRS][8], f[PAIRS][8];
-  int b, l, h;
-  {
-    const int r0 = row0 + half;
-    b = r0 / (J.L * J.H);
-    l = (r0 - b * J.L * J.H) / J.H;
-    h = r0 - (b * J.L + l) * J.H;
-  }
+  QaQkrRow at(J, row0 + half);
 #pragma unroll
   for (int r = 0; r < PAIRS; ++r) {
     if (row0 + 2 * r + half < J.rows) {
-      const S* xr = reinterpret_cast<const S*>(J.x) + (b * J.stride_b + l * J.stride_l + h * J.stride_h) + e;
-      qa_load<T, 8>(xr, J.vec_flags & 1, v[r]);
-      const float* fr = J.freqs + l * J.freqs_stride + e;
+      qa_load<T, 8>(reinterpret_cast<const S*>(J.x) + at.x_offset(J) + e, J.vec_flags & 1, v[r]);
+      const float* fr = J.freqs + at.l * J.freqs_stride + e;
       float f0[4], f1[4];
       qa_load<QaF32, 4>(fr, J.vec_flags & 4, f0);
       qa_load<QaF32, 4>(fr + 4, J.vec_flags & 4, f1);
@@ -240,16 +247,8 @@ __global__ void __launch_bounds__(QA_QKR_WARPS * 32) qk_norm_rope_wide_kernel(co
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[r][i] = f[r][i] = 0.f;
     }
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {  // the next row of this half: two rows on
-      if (++h == J.H) {
-        h = 0;
-        if (++l == J.L) {
-          l = 0;
-          ++b;
-        }
-      }
-    }
+    at.next(J);  // the next row of this half: two rows on
+    at.next(J);
   }
   float w[8];
   qa_load<T, 8>(reinterpret_cast<const S*>(J.weight) + e, J.vec_flags & 2, w);
