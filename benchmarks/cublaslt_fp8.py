@@ -4,7 +4,7 @@
 It was the library's LoRA path for one commit (f9c5cea, ``projection.LORA_EPILOGUE``) and was taken out after the
 60-layer benchmark measured no gain: the LoRA call took 100.87 ms with the epilogue on the FFN up projections,
 100.65 ms with every branch added after its GEMM, 99.80 ms with every branch accumulated by the epilogue, GPU busy
-95.27 / 95.23 / 96.14 ms (``results/fp8_lora.md``). The per-GEMM reason is in ``results/lora_gemm_h200.md``.
+95.27 / 95.23 / 96.14 ms (``results/fp8_lora_f9c5cea.md``). The per-GEMM reason is in ``results/lora_gemm_h200.md``.
 
 ``torch._scaled_mm`` calls ``cublasLtMatmul`` with ``beta = 0``: it can write its product, never add it to
 a tensor. A LoRA linear on the real-FP8 path needs ``base(x) + branches(x)``, and adding the branches after

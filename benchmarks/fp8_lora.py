@@ -16,7 +16,9 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
    ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (which branches
-   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``projection.LORA_*_KERNEL``) and, with ``--tiles``,
+   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``projection.LORA_*_KERNEL``), those of ``LANE_VARIANTS``
+   (``ops.lane``'s lanes switched off: ``fp8_lora_no_lanes``, ``fp8_lora_no_branch_lane``; step 2 then also times
+   the no-LoRA call so, ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``) and, with ``--tiles``,
    every branch by the kernel at other tile geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
    ``results/fp8_lora_2cf64d7.json`` also holds the cuBLASLt epilogue variants measured at 2cf64d7
    (``benchmarks/cublaslt_fp8.py``),
@@ -43,9 +45,11 @@ linears; lora_fidelity_ratio <= 1.05; memory after unpatch / re-patch within 0.2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,7 @@ import harness as H  # noqa: E402
 import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
+from qwen_absorb.ops import lane  # noqa: E402
 
 TARGET_MODULES = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
                   "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
@@ -204,6 +209,12 @@ class Bench(H.Bench):
         self.mem("mem_after_repatch_gib")
         qwen_absorb.unpatch(self.model)  # both reports still held
         self.mem("mem_after_unpatch_gib")
+        for case, off in LANE_VARIANTS.items() if self.cuda and "no_lanes" in self.a.variants else ():
+            with lanes_off(*off):  # the no-LoRA call with ops.lane's lanes (some) off
+                case = case.replace("fp8_lora_", "fp8_graph_")
+                rep = self.patch(case)
+                self.timed(f"{case}_ms", rep)
+                qwen_absorb.unpatch(self.model)
         self.peak("patch_repatch_unpatch")
 
     def offload(self) -> None:
@@ -232,16 +243,20 @@ class Bench(H.Bench):
 
             names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
             saved = tuple(getattr(projection, n) for n in names)
-            cases = [(case, sw, None) for case, sw in LORA_VARIANTS.items() if case in self.a.variants]
-            cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb)) for r, st, mb in self.a.tiles]
+            cases = [(case, sw, None, ()) for case, sw in LORA_VARIANTS.items() if case in self.a.variants]
+            cases += [(case, saved, None, off) for case, off in LANE_VARIANTS.items()
+                      if "no_lanes" in self.a.variants]
+            cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb), ())
+                      for r, st, mb in self.a.tiles]
             try:
-                for case, switches, tiles in cases:
+                for case, switches, tiles, off in cases:
                     for n, v in zip(names, switches):
                         setattr(projection, n, v)
                     if tiles:
                         lora_add.configure_tiles(*tiles)
-                    rep = self.patch(f"{case}_graph")
-                    self.timed(f"{case}_graph_ms", rep)
+                    with lanes_off(*off):
+                        rep = self.patch(f"{case}_graph")
+                        self.timed(f"{case}_graph_ms", rep)
                     self.fidelity(f"{case}_patched")
                     qwen_absorb.unpatch(self.model)
                     lora_add.configure_tiles()
@@ -363,6 +378,22 @@ LORA_VARIANTS = {
 }
 
 
+# The LoRA call with ops.lane's lanes switched off (with the variant "no_lanes"; the no-LoRA call too, as
+# fp8_graph_no_lanes_ms, ...): every lane, or the branch lane only (lora_A products and the next block's image
+# modulation in line, the text stream on its lane)
+LANE_VARIANTS = {"fp8_lora_no_lanes": lane.NAMES, "fp8_lora_no_branch_lane": ("branch",)}
+
+
+@contextlib.contextmanager
+def lanes_off(*names: str) -> Iterator[None]:
+    saved = dict(lane.ENABLED)
+    lane.ENABLED.update(dict.fromkeys(names, False))
+    try:
+        yield
+    finally:
+        lane.ENABLED.update(saved)
+
+
 def _tile_configs(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in c.split(",")) for c in text.split(";") if c.strip()]
 
@@ -375,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     H.add_steady_warmup_arg(ap)
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
-    ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v], default=list(LORA_VARIANTS),
-                    help=f"LoRA-call variants to time (comma-separated subset of {','.join(LORA_VARIANTS)}; '' none)")
+    ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v],
+                    default=[*LORA_VARIANTS, "no_lanes"],
+                    help=f"variants to time (comma-separated subset of {','.join(LORA_VARIANTS)},no_lanes; '' none)")
     ap.add_argument("--tiles", type=_tile_configs, default=[],
                     help="also every branch by ops.lora_add with these tile geometries: 'rows,stages,min_blocks;...'")
     a = ap.parse_args(argv)

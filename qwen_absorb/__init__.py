@@ -6,7 +6,7 @@ adapters included) as real FP8 GEMMs, and CUDA graphs on GPU models, and returns
 ``qwen_absorb.unpatch(pipe)`` undoes it.
 
 Layering (imports only point down; ARCHITECTURE.md has the table): face ``patch``, ``report``,
-``cuda_graph``; orchestration ``block``; runners ``attention``, ``handoff``, ``projection``,
+``cuda_graph``; orchestration ``block``; runners ``attention``, ``ffn``, ``handoff``, ``projection``,
 ``qwenimage21``, ``fp8_forward``; decisions ``plan``, ``dependencies``, ``gating``, ``watch``; adapters, one foreign library each: ``quant`` and
 ``modelopt_recipe`` (ModelOpt), ``lora`` (PEFT), ``parallel`` (torch.distributed), ``hooks`` (hook chains),
 ``sites`` (diffusers' block layout and names); kernels ``ops`` (tensors only).

@@ -21,14 +21,18 @@ sits on the attention module; the processor installed on ``block.attn`` stays di
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from . import lora
+from .ops import lane
 from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
 from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import add_deferred, fp8_linear, fp8_linear_into, run_module, tp_linear, tp_shard_for, wait, writes_into
+from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, run_module, tp_linear,
+                         tp_shard_for, wait, writes_into)
 from .sites import attention_functions
 
 
@@ -66,7 +70,9 @@ def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tenso
     dtypes = {plan.linears[p].weight.out_dtype for p in lora_paths}
     if len(dtypes) != 1:
         return None
-    rows = lora.shared_input_branches([_module(attn, p) for p in lora_paths], act, dtypes.pop())
+    out_dtype, layers = dtypes.pop(), [_module(attn, p) for p in lora_paths]
+    active = any(plan.linears[p].lora_active for p in lora_paths)
+    rows = branch_products(lambda: lora.shared_input_branches(layers, act, out_dtype), act, active)
     return None if rows is None else dict(zip(lora_paths, rows))
 
 
@@ -76,10 +82,15 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
 
 
 def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
-        use_kernels: bool, compiling: bool):
+        use_kernels: bool, compiling: bool, txt_lane: bool = False):
     """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the
     e4m3 codes where norm1 emitted them for FP8 q/k/v (with the modulated tensor beside them where a
-    LoRA branch reads it, else None), or ``(modulated tensor, None)``."""
+    LoRA branch reads it, else None), or ``(modulated tensor, None)``.
+
+    ``txt_lane``: the text stream's q/k/v and output projection run on :mod:`qwen_absorb.ops.lane`'s ``"txt"``
+    lane (the caller decided it may: a CUDA-graph capture on kernels): q/k/v forked from the caller's stream
+    and settled before the q/k kernel reads them; the output projection forked after the attention output is
+    quantized, its result left on the lane for the block's text stream to continue there."""
     dispatch_attention_fn, _ = attention_functions()
     (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
     proc = attn.processor
@@ -101,24 +112,35 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         w_img, w_txt = plan.linears[QKV_IMG[2]].weight, plan.linears[QKV_TXT[2]].weight
         if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
             jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=img_in.device)
-    qkv = []
+    qkv = {}
     deferred: list = []  # the six q/k/v LoRA branch sums, added in one launch once every GEMM is written
-    for paths, x, act, rows in ((QKV_IMG, img_in, img_act, slice(seq_txt, None)),
-                                (QKV_TXT, txt_in, txt_act, slice(0, seq_txt))):
-        pre = None if compiling else _shared_lora(attn, plan, paths, act)
-        defer = deferred if pre else None
-        ys = []
-        for p in paths:
-            if jv is not None and p == paths[2]:
-                y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p),
-                                    pre.get(p) if pre else None, defer).unsqueeze(0)
-            else:
-                y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None, defer)
-            ys.append(y.unflatten(-1, (-1, head_dim)))
-        qkv.append(ys)
+    dev = img_in.device
+    streams = (("img", QKV_IMG, img_in, img_act, slice(seq_txt, None)),
+               ("txt", QKV_TXT, txt_in, txt_act, slice(0, seq_txt)))
+    for name, paths, x, act, rows in streams[::-1] if txt_lane else streams:  # the lane's work first: it forks
+        on_lane = txt_lane and name == "txt"
+        region = lane.region(dev, "txt", reads=(x, act, jv)) if on_lane else contextlib.nullcontext(lane.Region(None))
+        with region as r:
+            pre = None if compiling else _shared_lora(attn, plan, paths, act)
+            own = [] if r.on_lane else deferred  # the lane adds its own
+            defer = own if pre else None
+            ys = []
+            for p in paths:
+                if jv is not None and p == paths[2]:
+                    y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p),
+                                        pre.get(p) if pre else None, defer).unsqueeze(0)
+                else:
+                    y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None, defer)
+                ys.append(y.unflatten(-1, (-1, head_dim)))
+            if r.on_lane and own:
+                add_deferred(plan, own)
+            r.give(*ys)
+        qkv[name] = ys
     if deferred:
         add_deferred(plan, deferred)
-    (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv
+    if txt_lane:
+        lane.settle(dev, "txt")
+    (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
     joint_q = joint_k = None
     if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
@@ -153,16 +175,23 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
             txt_codes = quantize_fp8_reference(flat[:, :seq_txt], txt_lp.weight.input_amax)
             img_codes = quantize_fp8_reference(flat[:, seq_txt:], img_lp.weight.input_amax)
         flat = out.flatten(2, 3)
+        with _txt_region(dev, txt_lane, (out, txt_codes)):
+            txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
         img_out = fp8_linear(img_codes, img_lp, plan, works, flat[:, seq_txt:], attn.to_out[0])
-        txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
     else:
         flat = out.flatten(2, 3)
+        with _txt_region(dev, txt_lane, (out,)):
+            txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling, works)
         img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling, works)
-        txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling, works)
     wait(works)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)  # dropout, as diffusers
     return img_out, txt_out
+
+
+def _txt_region(dev: torch.device, on: bool, reads: tuple) -> contextlib.AbstractContextManager:
+    """The text lane's stretch from the attention output on (forked: it reads the quantized output), or nothing."""
+    return lane.region(dev, "txt", reads=reads) if on else contextlib.nullcontext()
 
 
 def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, fp8_forward, handoff, hooks, lora, qwenimage21, taylorseer
-from .ops import _validate
+from . import attention, compile_boundary, ffn, fp8_forward, handoff, lora, qwenimage21, taylorseer
+from .ops import _validate, lane
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
 from .ops.bias_gate_residual import bias_gate_residual_reference
@@ -43,7 +43,7 @@ from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import is_dtensor, local_view
 from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide
-from .projection import fp8_linear, fp8_linear_gelu_fp8, run_module, tp_linear, tp_shard_for, wait
+from .projection import fp8_linear, run_module, wait
 from .sites import resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
@@ -332,6 +332,9 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     c = _Call(plan, self, plan.kernels and not compiling, not compiling or plan.options.kernels_under_compile is True,
               compiling)
     given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, modulate_index)
+    tl = _text_lane(c, plan, self, hidden_states)
+    if given is None or not tl:  # what the text lane made (the previous block's hand-off) is read here
+        lane.settle(hidden_states.device, "txt")
     if given is not None:
         img_mod_params, txt_mod_params = given.img_mod, given.txt_mod
     else:
@@ -360,7 +363,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
             elif (plan.own_attention and not plan.attn_cache) or (
                     not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
-                                                   image_rotary_emb, c.use_kernels, compiling)
+                                                   image_rotary_emb, c.use_kernels, compiling, tl)
             else:  # as its module; hooked (plan.attn_forwards): its linears' gated forwards run real FP8
                 gate = plan.attn_forwards and not compiling
                 with fp8_forward.opened(fp8_forward.gated(self)) if gate else contextlib.nullcontext():
@@ -369,38 +372,52 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
                         encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
                         **(joint_attention_kwargs or {}),
                     )
+    # The text stream from here to the next block's q/k/v: on the text lane where tl (forked in attention.run at
+    # to_add_out; each stretch below continues it without waiting for the image stream's work issued in between)
+    txt_reads = (encoder_hidden_states, txt_mod_params, temb)
+    with _txt_stretch(tl, hidden_states, txt_reads):
+        encoder_hidden_states, txt_ffn_in = _residual_norm(
+            c, self, site("txt", "attn_residual"), self.txt_norm2, encoder_hidden_states, txt_attn,
+            deferred.bias(1, txt_attn), t1.gate, t2, "txt.attn_residual")
     hidden_states, img_ffn_in = _residual_norm(
         c, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
         i1.gate, i2, "img.attn_residual")
-    encoder_hidden_states, txt_ffn_in = _residual_norm(
-        c, self, site("txt", "attn_residual"), self.txt_norm2, encoder_hidden_states, txt_attn,
-        deferred.bias(1, txt_attn), t1.gate, t2, "txt.attn_residual")
 
-    with _shadowing(plan):
-        deferred = _Deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
-        with deferred:
-            works: list = []  # row-wise all-reduces in flight (tensor parallelism)
-            img_ffn = _ffn(c, "img_mlp", img_ffn_in, works)
-            txt_ffn = _ffn(c, "txt_mlp", txt_ffn_in, works)
-            wait(works)
     nxt = handoff.target(plan, self, hidden_states) if c.use_fused and not compiling else None
     if nxt is not None:
         nb, np_, frame, code = nxt
         nc = _Call(np_, nb, c.use_kernels, c.use_fused, compiling)
-        n_img_mod, n_txt_mod = _modulations(nc, np_, nb, temb)
+        # the next block's image modulation (a GEMV over its 3072 x 18432 weight) beside this block's image FFN
+        # (ops.lane's branch lane where a capture runs; in line before the FFN otherwise)
+        n_img_mod = lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
+    with _shadowing(plan):
+        deferred = _Deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
+        with deferred:
+            works: list = []  # row-wise all-reduces in flight (tensor parallelism)
+            with _txt_stretch(tl, hidden_states, txt_reads):
+                txt_ffn = ffn.run(plan, self, "txt_mlp", txt_ffn_in, works, compiling, c.use_kernels)
+            img_ffn = ffn.run(plan, self, "img_mlp", img_ffn_in, works, compiling, c.use_kernels)
+            wait(works)
+    if nxt is not None:
+        with _txt_stretch(tl, hidden_states, txt_reads):
+            n_txt_mod = _txt_modulation(nc, np_, nb, temb)
+            encoder_hidden_states, n_txt_in = _residual_norm(
+                nc, nb, np_.site("txt", "norm1"), nb.txt_norm1, encoder_hidden_states, txt_ffn,
+                deferred.bias(1, txt_ffn), t2.gate, _Mod.of(n_txt_mod.chunk(2, dim=-1)[0], None),
+                "txt.ffn_residual + next txt.norm1", plan)
+        lane.settle(hidden_states.device, "branch")
         hidden_states, n_img_in = _residual_norm(
             nc, nb, np_.site("img", "norm1"), nb.img_norm1, hidden_states, img_ffn, deferred.bias(0, img_ffn),
             i2.gate, _Mod.of(n_img_mod.chunk(2, dim=-1)[0], index), "img.ffn_residual + next img.norm1", plan)
-        encoder_hidden_states, n_txt_in = _residual_norm(
-            nc, nb, np_.site("txt", "norm1"), nb.txt_norm1, encoder_hidden_states, txt_ffn, deferred.bias(1, txt_ffn),
-            t2.gate, _Mod.of(n_txt_mod.chunk(2, dim=-1)[0], None), "txt.ffn_residual + next txt.norm1", plan)
         handoff.give(handoff.Handoff(np_, frame, code, hidden_states, encoder_hidden_states, temb, modulate_index,
                                      n_img_mod, n_txt_mod, n_img_in, n_txt_in))
         return encoder_hidden_states, hidden_states  # bf16/fp32 only (fp16 blocks do not receive)
+    with _txt_stretch(tl, hidden_states, txt_reads):
+        encoder_hidden_states = _ffn_residual(c, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,
+                                              deferred.bias(1, txt_ffn), t2.gate, None)
     hidden_states = _ffn_residual(c, site("img", "ffn_residual"), hidden_states, img_ffn,
                                   deferred.bias(0, img_ffn), i2.gate, index)
-    encoder_hidden_states = _ffn_residual(c, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,
-                                          deferred.bias(1, txt_ffn), t2.gate, None)
+    lane.settle(hidden_states.device, "txt")  # the block's text output is read after it
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -418,11 +435,32 @@ def _local(y):
 
 
 def _modulations(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Tensor):
-    """(img_mod(temb), txt_mod(temb)) of a block, with diffusers' zero_cond_t split of temb."""
-    img = _modulation(c, plan, block, "img_mod", temb)
+    """(img_mod(temb), txt_mod(temb)) of a block."""
+    return _modulation(c, plan, block, "img_mod", temb), _txt_modulation(c, plan, block, temb)
+
+
+def _txt_modulation(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Tensor) -> torch.Tensor:
+    """txt_mod(temb), with diffusers' zero_cond_t split of temb."""
     if block.zero_cond_t:
         temb = torch.chunk(temb, 2, dim=0)[0]
-    return img, _modulation(c, plan, block, "txt_mod", temb)
+    return _modulation(c, plan, block, "txt_mod", temb)
+
+
+def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> bool:
+    """Whether this call runs its text stream on :mod:`qwen_absorb.ops.lane`'s text lane: lanes are active (a
+    CUDA-graph capture), the block runs its own attention on kernels (no TaylorSeer hook around it) and no
+    tensor-parallel linear (whose all-reduces the lane would reorder)."""
+    if c.compiling or not (c.use_kernels and plan.own_attention and not plan.attn_cache):
+        return False
+    if lane.lane_for(h.device, "txt") is None:
+        return False
+    return not any(is_dtensor(p) for p in block.txt_mlp.parameters())
+
+
+def _txt_stretch(on: bool, h: torch.Tensor, reads: tuple) -> contextlib.AbstractContextManager:
+    """A stretch of the text stream on its lane, continuing the lane's work (no wait for the image stream's work
+    issued since it forked), holding the caller's tensors it reads; or nothing."""
+    return lane.region(h.device, "txt", fork=False, reads=reads) if on else contextlib.nullcontext()
 
 
 def _modulation(c: _Call, plan: BlockPlan, block: nn.Module, name: str, temb: torch.Tensor) -> torch.Tensor:
@@ -545,55 +583,6 @@ def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
     if joint_attention_kwargs or not is_dtensor(attn.to_q._parameters.get("weight")):
         return False
     return not plan.tp_reasons["attn"]
-
-
-def _tp_ffn(plan, mlp_name, mlp, x, works):
-    """The FeedForward on its tensor-parallel shards (column-wise up projection, GELU, row-wise down
-    projection whose all-reduce goes to ``works``), or None: not TP, or not exactly diffusers'
-    (GELU, Dropout, Linear) without hooks on the FeedForward, GELU or Dropout module."""
-    net = mlp.net
-    up = net[0].proj
-    if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
-        return None
-    if any(hooks.hooked(m) for m in (mlp, net[0], net[1])):
-        plan.count(f"{mlp_name}: a forward hook on the FeedForward: it runs through DTensor")
-        return None
-    s_up = tp_shard_for(plan, f"{mlp_name}.net.0.proj", up, x)
-    s_down = tp_shard_for(plan, f"{mlp_name}.net.2", net[2], x) if s_up is not None else None
-    if s_down is None:
-        return None
-    h = tp_linear(up, s_up, x)[0]
-    h = net[1](net[0].gelu(h))
-    y, work = tp_linear(net[2], s_down, h)
-    if work is not None:
-        works.append(work)
-    return y
-
-
-def _ffn(c: _Call, mlp_name: str, x_in, works: list):
-    """The FeedForward (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8 where planned,
-    on its local shards under tensor parallelism. ``x_in``: ``(input, activation or None)``."""
-    plan, block = c.plan, c.block
-    x, act = x_in
-    mlp = block._modules[mlp_name]
-    up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
-    if not up.fp8_gemm and not down.fp8_gemm:
-        y = None if c.compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
-        return y if y is not None else run_module(plan, c.compiling, mlp, x)
-    net = mlp.net
-    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj)  # net[0]'s LoRA inside the GELU quantization
-    if fused is not None:
-        return fp8_linear(fused[0], down, plan, works, fused[1], net[2])
-    h = fp8_linear(x, up, plan, None, act, net[0].proj) if up.fp8_gemm else run_module(plan, c.compiling, net[0].proj, x)
-    if not down.fp8_gemm:
-        return run_module(plan, c.compiling, net[2], net[1](net[0].gelu(h)))
-    g = None
-    if c.use_kernels:
-        _, codes, g = qf8_launch(h, 0, None, down.weight.input_amax, "gelu_tanh", act_out=down.lora)
-    else:
-        g = net[0].gelu(h)
-        codes = quantize_fp8_reference(g, down.weight.input_amax)
-    return fp8_linear(codes, down, plan, works, g, net[2])
 
 
 __all__ = ["HOOK_FALLBACK", "Patched21Forward", "PatchedForward", "patched_forward", "redecide"]

@@ -96,6 +96,9 @@ class LinearPlan:
     fp8_gemm: bool = False
     fp8_reasons: list[str] = field(default_factory=list)
     lora: bool = False  # a PEFT LoRA layer whose branches are added after the FP8 GEMM
+    # it has active branches now (PEFT's adapter state is watched: merging, disabling or switching adapters
+    # decides again); False: its input activation need not be handed over, nothing forks for its branches
+    lora_active: bool = False
     offloaded: bool = False  # its original weight was moved to host memory
     # derived state
     weight: quant.Fp8Weight | None = None
@@ -317,6 +320,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     if wrappers:
         r += [f"PEFT LoRA: {x}" for x in lora.unsupported_reasons(wrappers[0])]
         lp.lora = True  # its branches are added after the GEMM (none while merged or disabled)
+        lp.lora_active = bool(lora.active_branches(wrappers[0]))
     if m is not None and any(hooks.offload_hooked(x) for x in (m, base)):
         r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
     w = base._parameters.get("weight") if base is not None else None
@@ -337,7 +341,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
                             (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())
     r += dep.hook_refusal(block, "the linear runs as its module", *containers)
     if r:
-        lp.fp8_reasons, lp.tp, lp.lora = r, None, False
+        lp.fp8_reasons, lp.tp, lp.lora, lp.lora_active = r, None, False, False
         return lp
     lp.fp8_gemm = True
     return lp
@@ -444,7 +448,7 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
                 _refuse(lp, why)
             continue
         sp.fp8_out = True
-        sp.act_out = any(lp.lora for lp in lps)
+        sp.act_out = any(lp.lora and lp.lora_active for lp in lps)
 
 
 def _fp8_cache_key(block: nn.Module, path: str, device: torch.device) -> tuple:
@@ -562,7 +566,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
 
 
 def _refuse(lp: LinearPlan, why: str) -> None:
-    lp.fp8_gemm, lp.tp, lp.lora = False, None, False
+    lp.fp8_gemm, lp.tp, lp.lora, lp.lora_active = False, None, False, False
     lp.fp8_reasons = [why]
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .ops import lora_add
+from .ops import lane, lora_add
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
@@ -28,14 +28,22 @@ from .plan import BlockPlan, LinearPlan
 # False sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
 TP_LOCAL = True
 # Where ops.lora_add adds LoRA branches instead of torch's addmm_ (H200, rank 64, the tiled kernel:
-# benchmarks/results/probe_lora_add.md, fp8_lora.md). Inside net[0]'s GELU + e4m3 quantization it replaces addmm_
-# and the quantization kernel (120 against 158 us per block at 4096 x 12288): on by default. As a plain add it
-# loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at 4096 x 12288
-# (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet neither moved
-# the 60-layer call's wall time beyond the run-to-run noise (~2 ms): both off.
+# benchmarks/results/probe_lora_add.md, fp8_lora_tiles_h200.md). Inside net[0]'s GELU + e4m3 quantization it
+# replaces addmm_ and the quantization kernel (120 against 158 us per block at 4096 x 12288): on by default. As a
+# plain add it loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at
+# 4096 x 12288 (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet
+# neither moved the 60-layer call's wall time beyond the run-to-run noise (~2 ms; with the text stream on its
+# lane, q/k/v of the image stream grouped: 95.07 against 94.91 ms, fp8_lora.md): both off.
 LORA_GELU_KERNEL = True
 LORA_GROUPED_KERNEL = False  # the deferred branches of q, k and v of both streams, one launch
 LORA_ADD_KERNEL = False  # a single output's branches
+
+
+def branch_products(fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
+    """``fn()`` (LoRA ``lora_A`` products of input ``x``) on :mod:`qwen_absorb.ops.lane`'s branch lane, beside the
+    base layer's FP8 GEMM, where a capture runs (the same kernels and inputs: the same bits); whoever reads them
+    calls :func:`qwen_absorb.ops.lane.settle` first. In line where no branch is ``active`` (nothing to compute)."""
+    return lane.aside(fn, x) if active else fn()
 
 
 @torch.compiler.disable
@@ -123,7 +131,7 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
     if prods is None and lp.lora:
-        prods = lora.products(module, x, w.out_dtype)
+        prods = branch_products(lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
     torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
@@ -150,6 +158,7 @@ def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None
     tensor-core kernel where it runs and ``LORA_ADD_KERNEL`` asks for it, else
     :func:`qwen_absorb.lora.add_products` (``addmm_``): the same expression, fp32 accumulation (the kernel rounds
     each sum once; cuBLAS, measured, not quite: ``benchmarks/NOTES.md``)."""
+    lane.settle(y.device, "branch")
     if prods and _kernel_branches(plan, y, prods, LORA_ADD_KERNEL):
         for t, b, s in prods:
             lora_add.add_([(y, t, b, s)])
@@ -160,6 +169,8 @@ def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None
 def add_deferred(plan: BlockPlan, deferred: list) -> None:
     """Add the branches :func:`fp8_linear_into` deferred (``[(output, branches)]``, distinct outputs): the
     i-th branch of every output in one launch where the kernel runs, in each output's own order."""
+    if deferred:
+        lane.settle(deferred[0][0].device, "branch")
     if all(_kernel_branches(plan, y, prods, LORA_GROUPED_KERNEL) for y, prods in deferred):
         depth = max((len(p) for _, p in deferred), default=0)
         for i in range(depth):
@@ -180,17 +191,18 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     if not (LORA_GELU_KERNEL and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
             or torch.compiler.is_compiling():
         return None
-    amax, act_out = down.weight.input_amax, down.lora
+    amax, act_out = down.weight.input_amax, down.lora and down.lora_active
     w = lp.weight
     n = w.codes.shape[0]
     lead = codes.shape[:-1]
     out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
-    prods = lora.products(module, x, w.out_dtype)
+    prods = branch_products(lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
     if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
         fp8_linear_into(codes, lp, plan, out, x, module, prods)
         _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
         return c, g
     fp8_linear_into(codes, lp, plan, out, x, module, prods[:-1])
+    lane.settle(out.device, "branch")
     t, b, s = prods[-1]
     c, g = lora_add.add_gelu_fp8(out, t, b, s, amax, act_out)
     return c.view(*lead, n), (g.view(*lead, n) if g is not None else None)

@@ -97,6 +97,7 @@ def _op_spy(calls: list):
     import torch  # noqa: PLC0415
 
     import qwen_absorb.block as block_mod  # noqa: PLC0415
+    import qwen_absorb.ffn as ffn_mod  # noqa: PLC0415
     import qwen_absorb.ops as ops_mod  # noqa: PLC0415
 
     saved = []
@@ -117,10 +118,11 @@ def _op_spy(calls: list):
         return spy
 
     targets = [(ops_mod, n) for n in OPS if callable(ops_mod.__dict__.get(n))]
-    for n, fn in list(block_mod.__dict__.items()):
-        mod = getattr(fn, "__module__", "") or ""
-        if callable(fn) and not isinstance(fn, type) and mod.startswith("qwen_absorb.ops"):
-            targets.append((block_mod, n))
+    for where in (block_mod, ffn_mod):  # the op launchers as the block and its FeedForward runner import them
+        for n, fn in list(where.__dict__.items()):
+            mod = getattr(fn, "__module__", "") or ""
+            if callable(fn) and not isinstance(fn, type) and mod.startswith("qwen_absorb.ops"):
+                targets.append((where, n))
     for mod, name in targets:
         fn = mod.__dict__[name]
         saved.append((mod, name, fn))
@@ -135,12 +137,12 @@ def _op_spy(calls: list):
 @contextlib.contextmanager
 def _tp_spy(counts: dict):
     """Count the linears the patched block ran on their local TP shards (``projection.tp_linear``, as
-    imported by ``qwen_absorb.block`` and ``qwen_absorb.attention``), per style."""
+    imported by ``qwen_absorb.ffn`` and ``qwen_absorb.attention``), per style."""
     import qwen_absorb.attention as attn_mod  # noqa: PLC0415
-    import qwen_absorb.block as block_mod  # noqa: PLC0415
+    import qwen_absorb.ffn as ffn_mod  # noqa: PLC0415
 
     saved = []
-    for mod in (block_mod, attn_mod):
+    for mod in (ffn_mod, attn_mod):
         fn = mod.__dict__["tp_linear"]
 
         def spy(linear, shard, x, _fn=fn):

@@ -602,3 +602,44 @@ def test_fp8_linear_into_a_view_is_fp8_linear(seed, shared):
     assert torch.equal(joint[4:], want.reshape(9, -1)) and torch.isnan(joint[:4]).all()
     base = projection.fp8_linear(codes, dataclasses.replace(lp, lora=False), plan, None)
     assert _rel(want, base) > 1e-3  # the branch is there
+
+
+def test_layers_without_active_branches_hand_over_nothing(seed):
+    """A LoRA layer whose adapters are disabled or merged has no branch to feed: no producer hands its activation
+    over (the GELU output for net[2] included) and nothing is computed for it; enabling or unmerging decides again
+    (PEFT's adapter state is watched). Each state against a twin patched in that state: the same bits."""
+    model, inp = _fp8(seed)
+    _add_lora(model, seed)
+    twin = copy.deepcopy(model)
+    _real(model)
+    qwen_absorb.patch(twin, **REAL)
+
+    def state():
+        plan = model.transformer_blocks[0].__dict__[PLAN_ATTR]
+        return ({sp.key for sp in plan.sites if sp.act_out},
+                {p for p, lp in plan.linears.items() if lp.lora_active})
+
+    def same():
+        out = T.run_transformer(model, inp)
+        assert torch.equal(out, T.run_transformer(twin, inp)), _rel(out, T.run_transformer(twin, inp))
+        return out
+
+    on = same()
+    handed, active = state()
+    assert handed == {"img.norm1", "txt.norm1", "img.attn_residual", "txt.attn_residual"}, handed
+    assert len(active) == 12, active
+    for m in (model, twin):
+        m.disable_lora()
+    off = same()
+    assert state() == (set(), set()) and not torch.equal(off, on)
+    for m in (model, twin):
+        m.enable_lora()
+    assert torch.equal(same(), on) and state() == (handed, active)
+    for m in (model, twin):
+        m.fuse_lora()
+    same()
+    assert state() == (set(), set())
+    for m in (model, twin):
+        m.unfuse_lora()
+    same()
+    assert state() == (handed, active)

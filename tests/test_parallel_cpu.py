@@ -455,7 +455,8 @@ def test_attention_and_ffn_take_the_tp_path_only_under_tp(mesh):
     diffusers' attention processor and FeedForward module; with sharded weights it takes the local path."""
     import qwen_absorb  # noqa: PLC0415
     from qwen_absorb import testing as T  # noqa: PLC0415
-    from qwen_absorb.block import _tp_attention, _tp_ffn  # noqa: PLC0415
+    from qwen_absorb.block import _tp_attention  # noqa: PLC0415
+    from qwen_absorb.ffn import _tp_ffn  # noqa: PLC0415
     from qwen_absorb.plan import PLAN_ATTR  # noqa: PLC0415
 
     model = T.tiny_transformer(num_layers=1)

@@ -2,9 +2,10 @@
 
 :func:`capture` copies a call's tensors into static buffers (same shapes, strides, dtypes and address modulo
 ``settings.ALIGN``), runs one eager warm-up on a side stream (its output answers the call) and captures the
-wrapped forward into the runner's memory pool. ``torch.tensor(host data, device=cuda)`` cannot be captured
-(:class:`HostConstants` answers it from the warm-up's values), and diffusers' RoPE caches may evict a table a
-graph reads (:class:`KeepRope` holds each one per graph).
+wrapped forward into the runner's memory pool. Both run with :mod:`qwen_absorb.ops.lane` active (LoRA ``lora_A``
+products beside their GEMMs; the warm-up sets the lane's stream up outside the graph).
+``torch.tensor(host data, device=cuda)`` cannot be captured (:class:`HostConstants` answers it from the warm-up's
+values), and diffusers' RoPE caches may evict a table a graph reads (:class:`KeepRope` holds each one per graph).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import hooks
+from ..ops import lane
 from . import settings
 from .signature import ATOMS, Call, thaw_call
 
@@ -301,7 +303,7 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         # Warm-up on the side stream the capture will use (lazy per-stream state such as cuBLAS workspaces
         # is created outside the graph). Its output answers this call.
         side.wait_stream(cur)
-        with torch.cuda.stream(side), consts.active("record"):
+        with torch.cuda.stream(side), consts.active("record"), lane.active():
             warm = inner(*s_args, **s_kwargs)
         cur.wait_stream(side)
         statics_storage = {s.untyped_storage().data_ptr() for s in statics}
@@ -329,7 +331,7 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
             # The outer stream context restores the caller's stream even if capture_end raises
             # (torch.cuda.graph.__exit__ skips its own stream restore then).
             with torch.cuda.stream(side), consts.active("replay"), KeepRope(transformer, keep):
-                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"), lane.active():
                     out = inner(*s_args, **s_kwargs)
         except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
             return Captured(warm, None, e, consts.hits)

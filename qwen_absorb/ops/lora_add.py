@@ -17,7 +17,7 @@ tests/test_lora_add_gpu.py). Two forms:
 Two kernels compute the same sums bit for bit (the same mma sequence per element): ``lora_add_tiles.cu`` (the
 default where rows are 16-byte aligned and widths and ranks multiples of 8: cp.async ring of tiles, a balanced run
 of tiles per block, ~3 TB/s) and ``lora_add.cu`` (any layout, ~1.8 TB/s). Which branches the FP8 path hands to
-them: ``projection.LORA_*_KERNEL`` (``benchmarks/results/probe_lora_add.md``, ``fp8_lora.md``,
+them: ``projection.LORA_*_KERNEL`` (``benchmarks/results/probe_lora_add.md``, ``fp8_lora_tiles_h200.md``,
 ``benchmarks/NOTES.md``).
 
 Where :func:`reasons` refuses, callers run the torch expressions (``addmm_``, then the quantization op).

@@ -1,0 +1,69 @@
+"""How a patched Qwen-Image block's FeedForward runs: as its module, on its tensor-parallel shards, or with its
+linears as real FP8 GEMMs, net[0]'s GELU fused with the e4m3 quantization that feeds net[2] (and, with a LoRA,
+net[0]'s last branch added inside it: :func:`qwen_absorb.projection.fp8_linear_gelu_fp8`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import hooks
+from .ops.fp8 import quantize_fp8_reference
+from .ops.quantize_fp8 import launch as qf8_launch
+from .parallel import is_dtensor
+from .plan import BlockPlan
+from .projection import fp8_linear, fp8_linear_gelu_fp8, run_module, tp_linear, tp_shard_for
+
+
+def _tp_ffn(plan, mlp_name, mlp, x, works):
+    """The FeedForward on its tensor-parallel shards (column-wise up projection, GELU, row-wise down
+    projection whose all-reduce goes to ``works``), or None: not TP, or not exactly diffusers'
+    (GELU, Dropout, Linear) without hooks on the FeedForward, GELU or Dropout module."""
+    net = mlp.net
+    up = net[0].proj
+    if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
+        return None
+    if any(hooks.hooked(m) for m in (mlp, net[0], net[1])):
+        plan.count(f"{mlp_name}: a forward hook on the FeedForward: it runs through DTensor")
+        return None
+    s_up = tp_shard_for(plan, f"{mlp_name}.net.0.proj", up, x)
+    s_down = tp_shard_for(plan, f"{mlp_name}.net.2", net[2], x) if s_up is not None else None
+    if s_down is None:
+        return None
+    h = tp_linear(up, s_up, x)[0]
+    h = net[1](net[0].gelu(h))
+    y, work = tp_linear(net[2], s_down, h)
+    if work is not None:
+        works.append(work)
+    return y
+
+
+def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: list, compiling: bool,
+        use_kernels: bool) -> torch.Tensor:
+    """The FeedForward ``mlp_name`` of ``block`` (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8
+    where planned, on its local shards under tensor parallelism. ``x_in``: ``(input, activation or None)``, what
+    the producing site handed over; ``use_kernels``: launch the kernels (else the ops' references)."""
+    x, act = x_in
+    mlp = block._modules[mlp_name]
+    up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
+    if not up.fp8_gemm and not down.fp8_gemm:
+        y = None if compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
+        return y if y is not None else run_module(plan, compiling, mlp, x)
+    net = mlp.net
+    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj)  # net[0]'s LoRA inside the GELU quantization
+    if fused is not None:
+        return fp8_linear(fused[0], down, plan, works, fused[1], net[2])
+    h = fp8_linear(x, up, plan, None, act, net[0].proj) if up.fp8_gemm else run_module(plan, compiling, net[0].proj, x)
+    if not down.fp8_gemm:
+        return run_module(plan, compiling, net[2], net[1](net[0].gelu(h)))
+    g = None
+    if use_kernels:
+        _, codes, g = qf8_launch(h, 0, None, down.weight.input_amax, "gelu_tanh",
+                                 act_out=down.lora and down.lora_active)
+    else:
+        g = net[0].gelu(h)
+        codes = quantize_fp8_reference(g, down.weight.input_amax)
+    return fp8_linear(codes, down, plan, works, g, net[2])
+
+
+__all__ = ["run"]
