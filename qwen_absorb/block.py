@@ -128,6 +128,13 @@ def _original(block, hs, ehs, mask, temb, rope, kwargs, index):
     return type(block).forward(block, hs, ehs, mask, temb, rope, kwargs, index)
 
 
+def _unpatched(block, hs, *args):
+    """diffusers' forward, after the text lane's work (a previous block's hand-off to this one, which diffusers'
+    forward does not take) is waited for: it reads ``encoder_hidden_states`` on this stream."""
+    lane.settle(hs.device, "txt")
+    return _original(block, hs, *args)
+
+
 def patched_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -144,19 +151,19 @@ def patched_forward(
     plan: BlockPlan | None = self.__dict__.get(PLAN_ATTR)
     compiling = torch.compiler.is_compiling()
     if plan is None:  # unpatched while a foreign wrapper still held us
-        return _original(self, *args)
+        return _unpatched(self, *args)
     if torch.is_grad_enabled():
         # The kernels have no backward: training runs diffusers' forward, exactly the unpatched block.
         plan.count("grad enabled: original diffusers forward")
         if not compiling:
             handoff.drop()
-        return _original(self, *args)
+        return _unpatched(self, *args)
     if not compiling:
         why = _call_check(plan, self, hidden_states)
         if why is not None:
             plan.count(why)
             handoff.drop()
-            return _original(self, *args)
+            return _unpatched(self, *args)
         if not plan.kernels:
             plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
             _announce(plan)
@@ -164,7 +171,7 @@ def patched_forward(
         plan.count("DTensor activations: original diffusers forward")
         if not compiling:
             handoff.drop()
-        return _original(self, *args)
+        return _unpatched(self, *args)
     if compiling and plan.options.kernels_under_compile == "auto":
         out = compile_boundary.call(self, *args)  # the whole eager patched forward as one opaque op
         if out is not None:
