@@ -21,8 +21,6 @@ sits on the attention module; the processor installed on ``block.attn`` stays di
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -118,9 +116,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     streams = (("img", QKV_IMG, img_in, img_act, slice(seq_txt, None)),
                ("txt", QKV_TXT, txt_in, txt_act, slice(0, seq_txt)))
     for name, paths, x, act, rows in streams[::-1] if txt_lane else streams:  # the lane's work first: it forks
-        on_lane = txt_lane and name == "txt"
-        region = lane.region(dev, "txt", reads=(x, act, jv)) if on_lane else contextlib.nullcontext(lane.Region(None))
-        with region as r:
+        with lane.region(dev, "txt", reads=(x, act, jv), on=txt_lane and name == "txt") as r:
             pre = None if compiling else _shared_lora(attn, plan, paths, act)
             own = [] if r.on_lane else deferred  # the lane adds its own
             defer = own if pre else None
@@ -175,23 +171,18 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
             txt_codes = quantize_fp8_reference(flat[:, :seq_txt], txt_lp.weight.input_amax)
             img_codes = quantize_fp8_reference(flat[:, seq_txt:], img_lp.weight.input_amax)
         flat = out.flatten(2, 3)
-        with _txt_region(dev, txt_lane, (out, txt_codes)):
+        with lane.region(dev, "txt", reads=(out, txt_codes), on=txt_lane):  # forked: it reads the quantized output
             txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
         img_out = fp8_linear(img_codes, img_lp, plan, works, flat[:, seq_txt:], attn.to_out[0])
     else:
         flat = out.flatten(2, 3)
-        with _txt_region(dev, txt_lane, (out,)):
+        with lane.region(dev, "txt", reads=(out,), on=txt_lane):
             txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling, works)
         img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling, works)
     wait(works)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)  # dropout, as diffusers
     return img_out, txt_out
-
-
-def _txt_region(dev: torch.device, on: bool, reads: tuple) -> contextlib.AbstractContextManager:
-    """The text lane's stretch from the attention output on (forked: it reads the quantized output), or nothing."""
-    return lane.region(dev, "txt", reads=reads) if on else contextlib.nullcontext()
 
 
 def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:

@@ -465,9 +465,9 @@ def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> 
 
 
 def _txt_stretch(on: bool, h: torch.Tensor, reads: tuple) -> contextlib.AbstractContextManager:
-    """A stretch of the text stream on its lane, continuing the lane's work (no wait for the image stream's work
-    issued since it forked), holding the caller's tensors it reads; or nothing."""
-    return lane.region(h.device, "txt", fork=False, reads=reads) if on else contextlib.nullcontext()
+    """A stretch of the text stream on its lane where ``on``, continuing the lane's work (no wait for the image
+    stream's work issued since it forked), holding the caller's tensors it reads."""
+    return lane.region(h.device, "txt", fork=False, reads=reads, on=on)
 
 
 def _modulation(c: _Call, plan: BlockPlan, block: nn.Module, name: str, temb: torch.Tensor) -> torch.Tensor:

@@ -192,15 +192,35 @@ class Region:
             self.lane.lane_held.extend(_tensors(tensors, []))
 
 
+class _InLine:
+    """What :func:`region` returns where the work runs in line: entered on every block call of an eager model, so
+    one shared object, not a generator per call."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Region:
+        return _NO_LANE
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LANE = Region(None)
+_IN_LINE = _InLine()
+
+
+def region(device: torch.device, name: str, fork: bool = True, reads: tuple = (),
+           on: bool = True) -> contextlib.AbstractContextManager[Region]:
+    """Run the body on lane ``name`` of ``device`` where ``on`` and lanes are active (else in line): after the
+    caller's work so far (``fork``), or after the lane's own work only (``fork=False``: the body reads nothing of
+    the caller's stream that was not there, or held, when the lane last forked). ``reads`` are held
+    (:meth:`Region.hold`)."""
+    lane = lane_for(device, name) if on else None
+    return _IN_LINE if lane is None else _on_lane(lane, fork, reads)
+
+
 @contextlib.contextmanager
-def region(device: torch.device, name: str, fork: bool = True, reads: tuple = ()) -> Iterator[Region]:
-    """Run the body on lane ``name`` of ``device`` where lanes are active (else in line): after the caller's work
-    so far (``fork``), or after the lane's own work only (``fork=False``: the body reads nothing of the caller's
-    stream that was not there, or held, when the lane last forked). ``reads`` are held (:meth:`Region.hold`)."""
-    lane = lane_for(device, name)
-    if lane is None:
-        yield Region(None)
-        return
+def _on_lane(lane: Lane, fork: bool, reads: tuple) -> Iterator[Region]:
     if fork or not lane.pending:
         lane.fork()
     r = Region(lane)
