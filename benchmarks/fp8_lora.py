@@ -18,7 +18,10 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (which branches
    ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``projection.LORA_*_KERNEL``), those of ``LANE_VARIANTS``
    (``ops.lane``'s lanes switched off: ``fp8_lora_no_lanes``, ``fp8_lora_no_branch_lane``; step 2 then also times
-   the no-LoRA call so, ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``) and, with ``--tiles``,
+   the no-LoRA call so, ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``), ``fp8_lora_no_fold``
+   (net[2]'s ``lora_A`` products read back from the GELU output, ``ops.lora_fold`` off),
+   ``fp8_lora_products_aside`` (the ``lora_A`` products on the branch lane beside their GEMMs,
+   ``projection.LORA_PRODUCTS_ASIDE``) and, with ``--tiles``,
    every branch by the kernel at other tile geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
    ``results/fp8_lora_2cf64d7.json`` also holds the cuBLASLt epilogue variants measured at 2cf64d7
    (``benchmarks/cublaslt_fp8.py``),
@@ -239,7 +242,7 @@ class Bench(H.Bench):
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
         if self.cuda:  # the same call with other switches of projection (which branches ops.lora_add adds)
             from qwen_absorb import projection  # noqa: PLC0415
-            from qwen_absorb.ops import lora_add  # noqa: PLC0415
+            from qwen_absorb.ops import lora_add, lora_fold  # noqa: PLC0415
 
             names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
             saved = tuple(getattr(projection, n) for n in names)
@@ -248,10 +251,15 @@ class Bench(H.Bench):
                       if "no_lanes" in self.a.variants]
             cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb), ())
                       for r, st, mb in self.a.tiles]
+            flags = {"no_fold": (lora_fold, "ENABLED", False), "products_aside": (projection, "LORA_PRODUCTS_ASIDE", True)}
+            flag_saved = {k: getattr(m, n) for k, (m, n, _) in flags.items()}
+            cases += [(f"fp8_lora_{k}", saved, None, ()) for k in flags if k in self.a.variants]
             try:
                 for case, switches, tiles, off in cases:
                     for n, v in zip(names, switches):
                         setattr(projection, n, v)
+                    for k, (m, n, v) in flags.items():
+                        setattr(m, n, v if case == f"fp8_lora_{k}" else flag_saved[k])
                     if tiles:
                         lora_add.configure_tiles(*tiles)
                     with lanes_off(*off):
@@ -263,6 +271,8 @@ class Bench(H.Bench):
             finally:
                 for n, v in zip(names, saved):
                     setattr(projection, n, v)
+                for k, (m, n, _) in flags.items():
+                    setattr(m, n, flag_saved[k])
                 lora_add.configure_tiles()
                 qwen_absorb.unpatch(self.model)
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
@@ -354,7 +364,8 @@ def markdown(d: dict[str, Any]) -> str:
                               [[k[:-3], d.get(k), (d.get("wall_ms") or {}).get(k), (d.get("gpu_busy_ms") or {}).get(k),
                                 (d.get("kernels_per_call") or {}).get(k),
                                 (d.get("real_linears") or {}).get(k[:-3]),
-                                str((d.get("runtime_fallbacks") or {}).get(k) or "-")] for k in TIMED])]
+                                str((d.get("runtime_fallbacks") or {}).get(k) or "-")]
+                               for k in [*TIMED, *(v for v in d.get("wall_ms") or {} if v not in TIMED)]])]
     lines += ["", "| memory (GiB allocated after gc) | GiB |", "|---|---|"]
     lines += [f"| {k} | {H.fmt(d.get(k))} |" for k in KEYS if k.endswith("_gib")]
     lines += [f"| peak: {k} | {H.fmt(v)} |" for k, v in (d.get("peak_memory_gib") or {}).items()]
@@ -407,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
     ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v],
-                    default=[*LORA_VARIANTS, "no_lanes"],
-                    help=f"variants to time (comma-separated subset of {','.join(LORA_VARIANTS)},no_lanes; '' none)")
+                    default=[*LORA_VARIANTS, "no_lanes", "no_fold", "products_aside"],
+                    help=f"variants to time (comma-separated subset of {','.join(LORA_VARIANTS)},no_lanes,"
+                         "no_fold,products_aside; '' none)")
     ap.add_argument("--tiles", type=_tile_configs, default=[],
                     help="also every branch by ops.lora_add with these tile geometries: 'rows,stages,min_blocks;...'")
     a = ap.parse_args(argv)

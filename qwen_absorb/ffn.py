@@ -50,9 +50,11 @@ def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: li
         y = None if compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
         return y if y is not None else run_module(plan, compiling, mlp, x)
     net = mlp.net
-    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj)  # net[0]'s LoRA inside the GELU quantization
+    # net[0]'s LoRA inside the GELU quantization (and net[2]'s lora_A products with it, where they fold)
+    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj, net[2])
     if fused is not None:
-        return fp8_linear(fused[0], down, plan, works, fused[1], net[2])
+        codes, g, branches = fused
+        return fp8_linear(codes, down, plan, works, g, net[2], branches)
     h = fp8_linear(x, up, plan, None, act, net[0].proj) if up.fp8_gemm else run_module(plan, compiling, net[0].proj, x)
     if not down.fp8_gemm:
         return run_module(plan, compiling, net[2], net[1](net[0].gelu(h)))

@@ -151,6 +151,23 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
     return out
 
 
+def foldable_branch(layer: nn.Module, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+    """``(lora_A weight, lora_B weight, scaling)`` of a layer whose one active branch a producing kernel may
+    compute the ``lora_A`` product of, from the input it makes in ``dtype`` on ``device``
+    (:mod:`qwen_absorb.ops.lora_fold`); None where PEFT's branches are anything else (several or none active,
+    dropout that is not the identity, adapter weights of another dtype or device)."""
+    branches = active_branches(layer)
+    if len(branches) != 1:
+        return None
+    a, b, drop, s = branches[0]
+    wa, wb = a.weight, b.weight
+    if not (_identity_dropout(drop) and wa.dtype == dtype == wb.dtype and wa.device == device == wb.device
+            and type(wa.data) is torch.Tensor):
+        return None
+    return wa, wb, s
+
+
 def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
     """``y`` plus ``scaling * (x @ A.T) @ B.T`` of branches whose A products were computed
     (:func:`products`, :func:`shared_input_branches`): one fp32-accumulated ``addmm_`` each, in place."""
@@ -193,5 +210,5 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
     return y.to(out_dtype)
 
 
-__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "has_lora_bias", "is_lora_layer",
+__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "foldable_branch", "has_lora_bias", "is_lora_layer",
            "products", "shared_input_branches", "state", "unsupported_reasons"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .ops import lane, lora_add
+from .ops import lane, lora_add, lora_fold
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
@@ -33,17 +33,26 @@ TP_LOCAL = True
 # plain add it loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at
 # 4096 x 12288 (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet
 # neither moved the 60-layer call's wall time beyond the run-to-run noise (~2 ms; with the text stream on its
-# lane, q/k/v of the image stream grouped: 95.07 against 94.91 ms, fp8_lora.md): both off.
+# lane, q/k/v of the image stream grouped: 95.07 against 94.91 ms, fp8_lora_50e4b96.md): both off.
 LORA_GELU_KERNEL = True
 LORA_GROUPED_KERNEL = False  # the deferred branches of q, k and v of both streams, one launch
 LORA_ADD_KERNEL = False  # a single output's branches
 
 
+# Whether the lora_A products run on ops.lane's branch lane beside their base GEMMs in a captured call. Off: with
+# net[2]'s product folded into the GELU kernel (ops.lora_fold) the LoRA call was slower with them aside in three runs
+# (fp8_lora.md: 96.81 against 94.52 ms in line; fp8_lora_fold_h200_first.md / _second.md: 97.09 / 96.68 against
+# 95.69 / 95.34 with no branch lane), while the next block's image modulation beside the FFN still gains in the plain
+# call (83.78 against 84.48 ms): a product beside a GEMM that fills every SM slows the GEMM by about what it hides.
+LORA_PRODUCTS_ASIDE = False
+
+
 def branch_products(fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
-    """``fn()`` (LoRA ``lora_A`` products of input ``x``) on :mod:`qwen_absorb.ops.lane`'s branch lane, beside the
-    base layer's FP8 GEMM, where a capture runs (the same kernels and inputs: the same bits); whoever reads them
-    calls :func:`qwen_absorb.ops.lane.settle` first. In line where no branch is ``active`` (nothing to compute)."""
-    return lane.aside(fn, x) if active else fn()
+    """``fn()`` (LoRA ``lora_A`` products of input ``x``): on :mod:`qwen_absorb.ops.lane`'s branch lane, beside the
+    base layer's FP8 GEMM, where ``LORA_PRODUCTS_ASIDE`` asks for it and a capture runs (the same kernels and
+    inputs: the same bits; whoever reads them calls :func:`qwen_absorb.ops.lane.settle` first); else in line, as
+    where no branch is ``active`` (nothing to compute)."""
+    return lane.aside(fn, x) if active and LORA_PRODUCTS_ASIDE else fn()
 
 
 @torch.compiler.disable
@@ -182,12 +191,16 @@ def add_deferred(plan: BlockPlan, deferred: list) -> None:
 
 
 def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, plan: BlockPlan, x: torch.Tensor,
-                        module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """net[0].proj (``lp``) of a FeedForward with LoRA branches, with the last branch added inside the GELU(tanh)
-    + e4m3 quantization for a real-FP8 net[2] (``down``) where ``LORA_GELU_KERNEL`` and the kernel allow:
-    ``(codes, GELU output where net[2]'s own branches read it, else None)``, the values of :func:`fp8_linear`
-    then :func:`qwen_absorb.ops.quantize_fp8` with ``gelu_tanh``. None where the switch is off, the kernels
-    cannot run or the layout is not the GEMM-into-output one (nothing computed yet): the caller runs the steps."""
+                        module: nn.Module, down_module: nn.Module | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, lora.Products | None] | None:
+    """net[0].proj (``lp``, PEFT layer ``module``) of a FeedForward with LoRA branches, with the last branch added
+    inside the GELU(tanh) + e4m3 quantization for a real-FP8 net[2] (``down``, module ``down_module``) where
+    ``LORA_GELU_KERNEL`` and the kernel allow: ``(codes, g, branches)``, the values of :func:`fp8_linear` then
+    :func:`qwen_absorb.ops.quantize_fp8` with ``gelu_tanh``. Where net[2] has active branches, either their
+    ``lora_A`` products came out of the same kernel (:mod:`qwen_absorb.ops.lora_fold`: ``branches`` for
+    :func:`fp8_linear`, ``g`` None) or the GELU output ``g`` is handed over for them (``branches`` None).
+    None where the switch is off, the kernels cannot run or the layout is not the GEMM-into-output one (nothing
+    computed yet): the caller runs the steps."""
     if not (LORA_GELU_KERNEL and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
             or torch.compiler.is_compiling():
         return None
@@ -200,12 +213,16 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
         fp8_linear_into(codes, lp, plan, out, x, module, prods)
         _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
-        return c, g
+        return c, g, None
     fp8_linear_into(codes, lp, plan, out, x, module, prods[:-1])
     lane.settle(out.device, "branch")
     t, b, s = prods[-1]
+    fold = lora.foldable_branch(down_module, out.dtype, out.device) if act_out and down_module is not None else None
+    if fold is not None and not lora_fold.reasons(out, t, b, fold[0]):
+        c, t2 = lora_fold.add_gelu_fp8_fold(out, t, b, s, amax, fold[0])
+        return c.view(*lead, n), None, [(t2, fold[1], fold[2])]
     c, g = lora_add.add_gelu_fp8(out, t, b, s, amax, act_out)
-    return c.view(*lead, n), (g.view(*lead, n) if g is not None else None)
+    return c.view(*lead, n), (g.view(*lead, n) if g is not None else None), None
 
 
 def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:

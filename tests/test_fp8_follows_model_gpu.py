@@ -15,7 +15,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import projection
 from qwen_absorb import testing as T
-from qwen_absorb.ops import _runtime, lora_add
+from qwen_absorb.ops import _runtime, lora_add, lora_fold
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
@@ -60,7 +60,14 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _fold_image_rows_only(monkeypatch):
+    """ops.lora_fold's size rule as on a full-size model: the image stream's rows fold, the text stream's do not
+    (the tiny model has 16 image and 7 text rows)."""
+    monkeypatch.setattr(lora_fold, "size_reasons", lambda m, sms: [] if m > 8 else ["text rows"])
+
+
 def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatch):
+    _fold_image_rows_only(monkeypatch)
     model, inp = _fp8(3)
     _lora(model, 4)
     ref32 = copy.deepcopy(model)
@@ -79,8 +86,9 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
     print(f"LoRA on real FP8: rel err vs fp32 {e_real:.5f}, fake quant {e_fake:.5f} ({e_real / e_fake:.4f}x)")
     assert e_real <= 1.1 * e_fake + 1e-3
     # ops.lora_add (projection's switches) against cuBLAS's addmm_: a rounding apart (the kernel rounds each sum
-    # once, cuBLAS does not quite), which the FP8 codes downstream amplify a little: far below the quantization
-    # error, and as close to fp32
+    # once, cuBLAS does not quite; ops.lora_fold sums net[2]'s lora_A product in another order), which the FP8 codes
+    # downstream amplify (a code that flips moves by an e4m3 step): below half the quantization error (0.25 held
+    # before the fold; with it one run measured 0.252), and as close to fp32
     names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
     defaults = tuple(getattr(projection, n) for n in names)
 
@@ -90,24 +98,31 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
 
     # eager (the switches are read per call; a captured graph replays the kernels it captured)
     qwen_absorb.patch(model, **REAL, cuda_graph=False)
-    calls = {"add_gelu_fp8": 0, "add_": 0}
+    calls = {"add_gelu_fp8": 0, "add_": 0, "add_gelu_fp8_fold": 0}
     for fn in calls:
-        def counted(*args, _fn=getattr(lora_add, fn), _name=fn, **kw):
+        mod = lora_fold if fn == "add_gelu_fp8_fold" else lora_add
+        def counted(*args, _fn=getattr(mod, fn), _name=fn, **kw):
             calls[_name] += 1
             return _fn(*args, **kw)
-        monkeypatch.setattr(lora_add, fn, counted)
+        monkeypatch.setattr(mod, fn, counted)
+    zero = dict.fromkeys(calls, 0)
     switches((False, False, False))
     out_addmm = T.run_transformer(model, inp)
-    assert _rel(out_addmm, want) <= 1.1 * e_fake + 1e-3 and calls == {"add_gelu_fp8": 0, "add_": 0}
-    # net[0]'s branch inside the GELU quantization; + q/k/v grouped; every branch
-    for combo in ((True, False, False), (True, True, False), (True, True, True)):
+    assert _rel(out_addmm, want) <= 1.1 * e_fake + 1e-3 and calls == zero
+    # net[0]'s branch inside the GELU quantization (net[2]'s lora_A products folded in, or not); + q/k/v grouped;
+    # every branch
+    for combo, fold in (((True, False, False), True), ((True, False, False), False), ((True, True, False), True),
+                        ((True, True, True), True)):
         switches(combo)
-        calls.update({"add_gelu_fp8": 0, "add_": 0})
+        monkeypatch.setattr(lora_fold, "ENABLED", fold)
+        calls.update(zero)
         out_kernel = T.run_transformer(model, inp)
-        assert calls["add_gelu_fp8"] == 2 * LAYERS and (calls["add_"] > 0) == combo[1], (combo, calls)
-        assert _rel(out_kernel, out_addmm) < 0.25 * e_fake, combo
+        assert calls["add_gelu_fp8"] + calls["add_gelu_fp8_fold"] == 2 * LAYERS, (combo, calls)
+        assert calls["add_gelu_fp8_fold"] == (LAYERS if fold else 0) and (calls["add_"] > 0) == combo[1], \
+            (combo, calls)
+        assert _rel(out_kernel, out_addmm) < 0.5 * e_fake, combo
         assert _rel(out_kernel, want) <= 1.1 * e_fake + 1e-3, combo
-        if combo == defaults:
+        if combo == defaults and fold:
             assert torch.equal(out_kernel, out)
     switches(defaults)
     # kernels vs the path's references: same codes, same GEMMs, every branch by addmm_ as with the switches off
@@ -115,7 +130,7 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
     qwen_absorb.patch(model, **REAL, force_reference=True, cuda_graph=False)
     ref_out = T.run_transformer(model, inp)
     assert _rel(ref_out, out_addmm) < 2e-3
-    assert _rel(ref_out, out) < 0.25 * e_fake
+    assert _rel(ref_out, out) < 0.5 * e_fake
     qwen_absorb.unpatch(model)
     assert torch.equal(T.run_transformer(model, inp), fake)
 
@@ -223,6 +238,7 @@ def test_lora_products_beside_their_gemms_in_graphs_are_bit_identical(monkeypatc
     with the lanes switched off."""
     from qwen_absorb.ops import lane
 
+    monkeypatch.setattr(projection, "LORA_PRODUCTS_ASIDE", True)
     model, inp = _fp8(15)
     _lora(model, 16)
     _lora(model, 17, "b", r=4)
@@ -241,3 +257,37 @@ def test_lora_products_beside_their_gemms_in_graphs_are_bit_identical(monkeypatc
         for o in outs:
             assert torch.equal(o, eager), (on, _rel(o, eager))
         qwen_absorb.unpatch(model)
+
+
+def test_folded_lora_a_products_replay_bit_identical_and_read_the_weights_as_they_are(monkeypatch):
+    """One adapter: the image stream's net[2] lora_A products come out of the GELU kernel (ops.lora_fold, counted),
+    the text stream's from the GELU output. A captured
+    call equals the eager call bit for bit, and after an in-place edit of net[2]'s lora_A weights (PEFT's hotswap
+    writes .data) it equals an eager twin with the same edit."""
+    _fold_image_rows_only(monkeypatch)
+    model, inp = _fp8(19)
+    _lora(model, 20)
+    twin = copy.deepcopy(model)
+    n = {"fold": 0}
+
+    def counted(*args, _fn=lora_fold.add_gelu_fp8_fold, **kw):
+        n["fold"] += 1
+        return _fn(*args, **kw)
+
+    monkeypatch.setattr(lora_fold, "add_gelu_fp8_fold", counted)
+    qwen_absorb.patch(twin, **REAL, cuda_graph=False)
+    eager = T.run_transformer(twin, inp)
+    assert n["fold"] == LAYERS
+    report = qwen_absorb.patch(model, **REAL, cuda_graph=True)
+    outs = [T.run_transformer(model, inp) for _ in range(3)]
+    assert report.cuda_graph["replays"] >= 1, report.cuda_graph
+    assert all(torch.equal(o, eager) for o in outs)
+    with torch.no_grad():
+        for m in (model, twin):
+            for mlp in ("img_mlp", "txt_mlp"):
+                m.transformer_blocks[1].get_submodule(f"{mlp}.net.2").lora_A["default"].weight.data.mul_(-1.5)
+    out = T.run_transformer(model, inp)
+    assert torch.equal(out, T.run_transformer(twin, inp)) and not torch.equal(out, eager)
+    monkeypatch.setattr(lora_fold, "ENABLED", False)  # the two steps: the product a rounding apart
+    qwen_absorb.patch(twin, **REAL, cuda_graph=False)
+    assert _rel(T.run_transformer(twin, inp), out) < 2e-2

@@ -83,7 +83,7 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
     mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
             "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu",
-            "taylor_seer", "lora_add")
+            "taylor_seer", "lora_add", "lora_fold")
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 

@@ -14,9 +14,11 @@ Two lanes per device, each one stream:
 Same kernels, same inputs, so the same bits as on one stream. Work inside a lane never forks another lane (it
 runs in line there).
 
-Measured (``benchmarks/results/fp8_lora.md``, 60 layers, H200): the FP8 call 81.9 ms against 84.6 on one stream,
+Measured (``benchmarks/results/fp8_lora_50e4b96.md``, 60 layers, H200): the FP8 call 81.9 ms against 84.6 on one stream,
 with a rank-64 LoRA 94.9 against 100.2 ms; the branch lane alone gains nothing (a product beside a GEMM that fills
-every SM slows it by about what it hides), beside the text lane 0.26-0.44 ms.
+every SM slows it by about what it hides), beside the text lane 0.26-0.44 ms. With net[2]'s product folded into
+the GELU kernel the LoRA call is faster with the products in line (``projection.LORA_PRODUCTS_ASIDE``, off:
+94.5 against 96.8 ms, ``fp8_lora.md``); the next block's image modulation stays on the branch lane.
 
 Only while a CUDA graph is captured (and in the eager warm-up before it, which sets each lane's cuBLAS workspace
 up outside the graph): :func:`active` is entered by ``cuda_graph.capture``. In a graph a fork and a join are edges

@@ -39,7 +39,7 @@ KSTEPS = (1, 2, 4, 8)  # rank / 16 rounded up to one of these: the kernel's temp
 MAX_RANK = 16 * KSTEPS[-1]
 _PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
 _LAYOUT = _PROBLEM * MAX_PROBLEMS + "iiiPPP"  # nprob, units, per_block; codes, act_out, amax
-_DTYPES = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
+DTYPE_TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
 _MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16 operands
 _cache: dict[tuple, rt.Launcher] = rt.register_cache({})
 
@@ -49,7 +49,7 @@ Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]  # (y, t, B, al
 def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
     """Why the kernel cannot add ``alpha * t @ b.T`` to ``y`` (empty: it can)."""
     r = []
-    if not (y.dtype == t.dtype == b.dtype) or y.dtype not in _DTYPES:
+    if not (y.dtype == t.dtype == b.dtype) or y.dtype not in DTYPE_TRAITS:
         r.append(f"dtypes {y.dtype}, {t.dtype}, {b.dtype}: the kernel takes one of bf16 / fp16 for all")
     if y.dim() != 2 or t.dim() != 2 or b.dim() != 2:
         r.append("not 2-D")
@@ -69,7 +69,7 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
     return r
 
 
-def _ksteps(rank: int) -> int:
+def ksteps(rank: int) -> int:
     return next(k for k in KSTEPS if 16 * k >= rank)
 
 
@@ -80,10 +80,10 @@ def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles
     if hit is None:
         if tiles:
             smem = tile_smem_bytes(ks)
-            fn = rt.function(TILES_CU, f"lora_add_tiles_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx, smem)
+            fn = rt.function(TILES_CU, f"lora_add_tiles_kernel<{DTYPE_TRAITS[dtype]}, {act}, {ks}>", idx, smem)
         else:
             smem = 0
-            fn = rt.function("lora_add.cu", f"lora_add_kernel<{_DTYPES[dtype]}, {act}, {ks}>", idx)
+            fn = rt.function("lora_add.cu", f"lora_add_kernel<{DTYPE_TRAITS[dtype]}, {act}, {ks}>", idx)
         hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx, smem)
     return hit
 
@@ -222,7 +222,7 @@ def add_(problems: Sequence[Problem]) -> None:
         chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
         if not chunk:
             continue
-        ks = max(_ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
+        ks = max(ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
         if _launch_tiles(0, chunk, ks):
             continue
         fields, total = [], 0
@@ -244,7 +244,7 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
     codes = torch.empty(y.shape, dtype=torch.float8_e4m3fn, device=y.device)
     g = torch.empty_like(y) if act_out else None
     if y.numel():
-        ks = _ksteps(t.shape[1])
+        ks = ksteps(t.shape[1])
         a = amax.float().reshape(1)
         if not _launch_tiles(1, [(y, t, b, alpha)], ks, codes.data_ptr(), rt.ptr(g), a.data_ptr()):
             f, tiles = _fields(y, t, b, alpha, 0, ks)
@@ -256,4 +256,4 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
 def all_kernel_expressions() -> list[tuple[str, str]]:
     return [(cu, f"{name}<{d}, {a}, {k}>") for cu, name in (("lora_add.cu", "lora_add_kernel"),
                                                              (TILES_CU, "lora_add_tiles_kernel"))
-            for d in _DTYPES.values() for a in (0, 1) for k in KSTEPS]
+            for d in DTYPE_TRAITS.values() for a in (0, 1) for k in KSTEPS]

@@ -28,14 +28,6 @@
 #define QA_LT_CW (QA_LT_BN * QA_LT_WM / 8)     // columns per warp: 64 (BM 64) or 32 (BM 32)
 #define QA_LT_NT (QA_LT_CW / 8)                // n8 tiles per warp
 
-__device__ __forceinline__ void qa_cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void qa_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void qa_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // The problem holding tile u (problems in launch order, each from its tile_begin), its tile's first row and column.
 __device__ __forceinline__ LoraProblem qa_lt_locate(const LoraAddParams& p, int u, int& pi, int& m0, int& n0) {
   LoraProblem q = p.p[0];

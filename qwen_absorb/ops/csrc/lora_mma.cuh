@@ -54,6 +54,16 @@ struct QaMma;
 QA_LA_MMA(QaBF16, "bf16")
 QA_LA_MMA(QaF16, "f16")
 
+// 16 bytes global -> shared without registers (zero-filled where !valid), and the group bookkeeping: the tiled
+// kernels' rings (lora_add_tiles.cu, lora_gelu_fold.cu).
+__device__ __forceinline__ void qa_cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void qa_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void qa_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // lora_B rows [n0, n0 + rows) x [0, R) into shared memory (pitch ld), zero-filled past N and R. Row r's 16-element
 // group k lives at group k ^ ((r / 8) & swm): the fragment loads of a warp read rows {0, 1, 8, 9, 16, 17, 24, 25} +
 // const (the column order below), which the pitch alone maps to 2 or 4 banks each; swizzled, they are
