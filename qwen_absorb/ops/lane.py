@@ -2,10 +2,10 @@
 
 Two lanes per device, each one stream:
 
-- ``"branch"``: work of a few kernels that reads what a GEMM reads and is needed only after it. A LoRA
-  branch's ``lora_A`` product (``x @ A.T``) runs beside the FP8 GEMM of its base layer (the GEMM is
-  compute-bound, the rank-64 product memory- or latency-bound), the next block's image modulation beside the
-  image FFN: :func:`aside` forks the lane from the caller's stream and runs the work there, :func:`settle` makes
+- ``"branch"``: work of a few kernels that reads what a GEMM reads and is needed only after it: the next block's
+  image modulation beside the image FFN, and, where ``projection.LORA_PRODUCTS_ASIDE`` asks for it (off by
+  default, measured below), a LoRA branch's ``lora_A`` product (``x @ A.T``) beside the FP8 GEMM of its base
+  layer (the GEMM is compute-bound, the rank-64 product memory- or latency-bound): :func:`aside` forks the lane from the caller's stream and runs the work there, :func:`settle` makes
   the caller's stream wait before the result is read.
 - ``"txt"``: the text stream of a Qwen-Image block (128 rows: its GEMMs and fused ops are latency-bound and run
   in a few SMs) beside the image stream, from after the attention to the next block's q/k/v: :func:`region`
