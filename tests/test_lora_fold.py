@@ -82,6 +82,7 @@ def test_reasons_past_the_runtime(monkeypatch):
     a2 = torch.zeros(8, 256, dtype=bf)
     assert lora_fold.reasons(y, t, b, a2) == []
     assert any("multiple of 128" in r for r in lora_fold.reasons(y[:, :136], t, b[:136], a2[:, :136]))
+    assert any("multiple of 128" in r for r in lora_fold.reasons(y[:, :0], t, b[:0], a2[:, :0]))
     assert any("rank 12" in r for r in lora_fold.reasons(y, t, b, torch.zeros(12, 256, dtype=bf)))
     assert any("rank 72" in r for r in lora_fold.reasons(y, t, b, torch.zeros(72, 256, dtype=bf)))
     assert any("row-major" in r for r in lora_fold.reasons(y, t, b, a2.float()))

@@ -63,8 +63,8 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, a2: torch.Tensor)
         r.append("lora_fold.ENABLED is off")
     if not y.is_contiguous():
         r.append("y not contiguous")
-    if y.shape[1] % _BN:
-        r.append(f"width {y.shape[1]} not a multiple of {_BN}")
+    if y.shape[1] % _BN or not y.shape[1]:
+        r.append(f"width {y.shape[1]} not a positive multiple of {_BN}")
     if a2.dtype != y.dtype or a2.device != y.device or a2.dim() != 2 or a2.shape[1] != y.shape[1] \
             or a2.stride(1) != 1:
         r.append("net[2]'s lora_A weight is not a [R2, N] row-major tensor of y's dtype and device")
