@@ -333,6 +333,12 @@ def time_graph(fn_all: Callable[[], Any], warmup: int = 5, reps: int = 30) -> tu
     return statistics.median(times), times
 
 
+def graph_us_per_call(fn: Callable[[], Any], calls: int = 10) -> float:
+    """Median us of one ``fn()`` inside a CUDA graph holding ``calls`` of them (:func:`time_graph`), 2 decimals."""
+    ms, _ = time_graph(lambda: [fn() for _ in range(calls)])
+    return round(ms * 1000.0 / calls, 2)
+
+
 def copy_rate_tb_s(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy rate (bytes read + written), best of an eager loop and a graph replay."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()

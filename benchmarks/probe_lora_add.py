@@ -43,11 +43,6 @@ def _tile_configs(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in c.split(",")) for c in text.split(";") if c.strip()]
 
 
-def _per_call_us(fn) -> float:
-    ms, _ = H.time_graph(lambda: [fn() for _ in range(10)])
-    return round(ms * 100.0, 2)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -68,14 +63,15 @@ def main() -> int:
     for m, n in SHAPES:
         y, t, b = ops[(m, n)]
         src = torch.empty_like(y)
-        ref[f"{m}x{n} copy"] = _per_call_us(lambda: y.copy_(src))
-        k = ref[f"{m}x{n} add"] = _per_call_us(lambda: y.addmm_(t, b.t(), alpha=0.5))
+        ref[f"{m}x{n} copy"] = H.graph_us_per_call(lambda: y.copy_(src))
+        k = ref[f"{m}x{n} add"] = H.graph_us_per_call(lambda: y.addmm_(t, b.t(), alpha=0.5))
         ref[f"{m}x{n} add TB/s"] = round(4 * m * n / (k * 1e-6) / 1e12, 2)
-        k = ref[f"{m}x{n} add_gelu_fp8"] = _per_call_us(
+        k = ref[f"{m}x{n} add_gelu_fp8"] = H.graph_us_per_call(
             lambda: qf8_launch(y.addmm_(t, b.t(), alpha=0.5).unsqueeze(0), 0, None, amax, "gelu_tanh", True))
         ref[f"{m}x{n} add_gelu_fp8 TB/s"] = round(5 * m * n / (k * 1e-6) / 1e12, 2)
-        ref[f"{m}x{n} gelu alone"] = _per_call_us(lambda: qf8_launch(y.unsqueeze(0), 0, None, amax, "gelu_tanh", True))
-    ref["qkv grouped add"] = _per_call_us(lambda: [y.addmm_(t, b.t(), alpha=s) for y, t, b, s in probs])
+        ref[f"{m}x{n} gelu alone"] = H.graph_us_per_call(
+            lambda: qf8_launch(y.unsqueeze(0), 0, None, amax, "gelu_tanh", True))
+    ref["qkv grouped add"] = H.graph_us_per_call(lambda: [y.addmm_(t, b.t(), alpha=s) for y, t, b, s in probs])
     configs = [("rows kernel", None)] + [(f"tiles {r}x{st}x{mb}", (r, st, mb)) for r, st, mb in a.tiles]
     for label, geometry in configs:
         lora_add.TILES = geometry is not None
@@ -85,12 +81,13 @@ def main() -> int:
         for m, n in SHAPES:
             y, t, b = ops[(m, n)]
             row[f"{m}x{n} copy"] = ref[f"{m}x{n} copy"]
-            k = row[f"{m}x{n} add"] = _per_call_us(lambda: lora_add.add_([(y, t, b, 0.5)]))
+            k = row[f"{m}x{n} add"] = H.graph_us_per_call(lambda: lora_add.add_([(y, t, b, 0.5)]))
             row[f"{m}x{n} add TB/s"] = round(4 * m * n / (k * 1e-6) / 1e12, 2)
-            k = row[f"{m}x{n} add_gelu_fp8"] = _per_call_us(lambda: lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True))
+            k = row[f"{m}x{n} add_gelu_fp8"] = H.graph_us_per_call(
+                lambda: lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True))
             row[f"{m}x{n} add_gelu_fp8 TB/s"] = round(5 * m * n / (k * 1e-6) / 1e12, 2)
             row[f"{m}x{n} gelu alone"] = ref[f"{m}x{n} gelu alone"]
-        row["qkv grouped add"] = _per_call_us(lambda: lora_add.add_(probs))
+        row["qkv grouped add"] = H.graph_us_per_call(lambda: lora_add.add_(probs))
         H.log(f"{label}: {row}")
     lora_add.TILES = True
     lora_add.configure_tiles()

@@ -31,11 +31,6 @@ RANK = 64
 SHAPES = [(4096, 12288), (128, 12288), (16384, 12288)]
 
 
-def _per_call_us(fn) -> float:
-    ms, _ = H.time_graph(lambda: [fn() for _ in range(10)])
-    return round(ms * 100.0, 2)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -60,24 +55,23 @@ def main() -> int:
             raise RuntimeError(f"the fold refuses {m}x{n}: {why}")
         _, g = lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True)
         r = res["us"][f"{m}x{n}"] = {
-            "two steps": _per_call_us(
+            "two steps": H.graph_us_per_call(
                 lambda: torch.nn.functional.linear(lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True)[1], a2)),
-            "gelu kernel alone": _per_call_us(lambda: lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True)),
-            "lora_A GEMM alone": _per_call_us(lambda: torch.nn.functional.linear(g, a2)),
-            "fold": _per_call_us(lambda: lora_fold.add_gelu_fp8_fold(y, t, b, 0.5, amax, a2)),
+            "gelu kernel alone": H.graph_us_per_call(lambda: lora_add.add_gelu_fp8(y, t, b, 0.5, amax, True)),
+            "lora_A GEMM alone": H.graph_us_per_call(lambda: torch.nn.functional.linear(g, a2)),
+            "fold": H.graph_us_per_call(lambda: lora_fold.add_gelu_fp8_fold(y, t, b, 0.5, amax, a2)),
         }
         r["fold TB/s"] = round(3 * m * n / (r["fold"] * 1e-6) / 1e12, 2)
-        r["segments"] = lora_fold.segments(-(-m // 128), n // 128, lora_fold._device_limits(y.device)[0])
+        r["segments"] = lora_fold.segments_for(m, n, y.device)
         rows.append([f"{m}x{n}", *r.values()])
         H.log(f"{m}x{n}: {r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe_lora_fold.json").write_text(json.dumps(H.json_safe(res), indent=1))
-    lines = ["# net[2]'s lora_A product folded into net[0]'s GELU quantization (us per call, CUDA graph, rank 64, bf16)",
-             "", f"- GPU: {env.get('gpu')}, driver {env.get('driver')}; torch {env.get('torch')}, cupy {env.get('cupy')}; "
-             f"qwen_absorb {env.get('qwen_absorb_commit')} (dirty: {env.get('git_dirty')}); {env.get('date')}", ""]
-    lines += H.md_table(["shape", *next(iter(res["us"].values()))], rows, 2)
-    (out / "probe_lora_fold.md").write_text("\n".join(lines) + "\n")
+    H.write_atomic(out / "probe_lora_fold.json", json.dumps(H.json_safe(res), indent=1))
+    lines = H.md_head("net[2]'s lora_A product folded into net[0]'s GELU quantization", res,
+                      "us per call, the median of 30 replays of a CUDA graph holding 10 calls; rank 64, bf16")
+    lines += ["", *H.md_table(["shape", *next(iter(res["us"].values()))], rows, 2)]
+    H.write_atomic(out / "probe_lora_fold.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -111,6 +111,13 @@ def _identity_dropout(m: nn.Module) -> bool:
     return type(m) is nn.Identity or (isinstance(m, nn.Dropout) and (m.p == 0.0 or not m.training))
 
 
+def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """A branch whose ``lora_A`` product the fast paths may compute from an input of ``dtype`` on ``device``:
+    dropout is the identity and both adapter weights have that dtype and device (no cast, no copy)."""
+    wa, wb = a.weight, b.weight
+    return _identity_dropout(drop) and wa.dtype == dtype == wb.dtype and wa.device == device == wb.device
+
+
 def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
                           out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
     """The active branches of several LoRA layers that read one input ``x`` (q/k/v of a stream), with all
@@ -134,9 +141,8 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
         return None
     dev = x.device
     for a, b, drop, _ in flat:
-        wa, wb = a.weight, b.weight
-        if not (_identity_dropout(drop) and wa.dtype == x.dtype == out_dtype == wb.dtype and wa.device == dev
-                and wb.device == dev and type(wa.data) is torch.Tensor):
+        if not (x.dtype == out_dtype and _plain_branch(a, b, drop, x.dtype, dev)
+                and type(a.weight.data) is torch.Tensor):
             return None
     w = torch.cat([a.weight for a, _, _, _ in flat], 0)
     t = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w)
@@ -161,11 +167,9 @@ def foldable_branch(layer: nn.Module, dtype: torch.dtype,
     if len(branches) != 1:
         return None
     a, b, drop, s = branches[0]
-    wa, wb = a.weight, b.weight
-    if not (_identity_dropout(drop) and wa.dtype == dtype == wb.dtype and wa.device == device == wb.device
-            and type(wa.data) is torch.Tensor):
+    if not (_plain_branch(a, b, drop, dtype, device) and type(a.weight.data) is torch.Tensor):
         return None
-    return wa, wb, s
+    return a.weight, b.weight, s
 
 
 def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
@@ -187,8 +191,7 @@ def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Produ
     branches = active_branches(layer)
     if not branches:
         return []
-    if not all(_identity_dropout(drop) and a.weight.dtype == x.dtype == out_dtype == b.weight.dtype
-               and a.weight.device == x.device == b.weight.device for a, b, drop, _ in branches):
+    if x.dtype != out_dtype or not all(_plain_branch(a, b, drop, x.dtype, x.device) for a, b, drop, _ in branches):
         return None
     x2 = x.reshape(-1, x.shape[-1])
     return [(torch.nn.functional.linear(x2, a.weight), b.weight, s) for a, b, _, s in branches]

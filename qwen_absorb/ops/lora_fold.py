@@ -99,6 +99,11 @@ def segments(tiles_m: int, tiles_n: int, sms: int) -> int:
     return min(divisors, key=lambda s: (-(-tiles_m * s // max(sms, 1)) * (tiles_n // s), s))
 
 
+def segments_for(m: int, n: int, device: torch.device) -> int:
+    """:func:`segments` of an ``[m, n]`` launch on ``device``."""
+    return segments(-(-m // _BM), n // _BN, _device_limits(device)[0])
+
+
 def _launchers(dtype: torch.dtype, ks: int, na: int, device: torch.device) -> tuple[rt.Launcher, rt.Launcher]:
     idx = rt.device_index(device)
     key = (dtype, ks, na, idx)
@@ -127,7 +132,7 @@ def add_gelu_fp8_fold(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: 
     ks, na = lora_add.ksteps(t.shape[1]), _ntiles(r2)
     fold, red = _launchers(y.dtype, ks, na, y.device)
     tiles_m, tiles_n = -(-m // _BM), n // _BN
-    s = segments(tiles_m, tiles_n, _device_limits(y.device)[0])
+    s = segments_for(m, n, y.device)
     part = torch.empty((s, m, r2), dtype=torch.float32, device=y.device)
     a = amax.float().reshape(1)
     fold(tiles_m * s, y.data_ptr(), t.data_ptr(), b.data_ptr(), a2.data_ptr(), part.data_ptr(), codes.data_ptr(),
