@@ -122,6 +122,11 @@ def test_quantize_fp8_split_strided_attention_layout():
     flat = x.flatten(2, 3)
     assert_same_codes(ca, ops.quantize_fp8_reference(flat[:, :split], a1), "text part")
     assert_same_codes(cb, ops.quantize_fp8_reference(flat[:, split:], a2), "image part")
+    packed = x.contiguous()  # heads side by side: the row kernel skips its per-vector head index
+    poison(packed.numel() * 4)
+    ca, cb = ops.quantize_fp8_split(packed, split, a1, a2)
+    assert_same_codes(ca, ops.quantize_fp8_reference(flat[:, :split], a1), "text part, packed heads")
+    assert_same_codes(cb, ops.quantize_fp8_reference(flat[:, split:], a2), "image part, packed heads")
     misaligned = torch.randn(B * S * H * DH + 3, generator=gen, device=DEV).bfloat16()[3:].view(B, S, H * DH)
     ca, cb = ops.quantize_fp8_split(misaligned, split, a1, a2)
     assert_same_codes(cb, ops.quantize_fp8_reference(misaligned[:, split:], a2), "misaligned")

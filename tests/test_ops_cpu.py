@@ -308,6 +308,16 @@ def test_kernel_layouts_match_the_c_structs(module):
     assert _struct_kinds(src, struct_name) == _expand(k.layout)
 
 
+def test_quantize_fp8_layouts_match_the_c_structs():
+    import importlib
+    from pathlib import Path
+
+    qf8 = importlib.import_module("qwen_absorb.ops.quantize_fp8")  # ops.quantize_fp8 is also the op
+    src = (Path(qf8.__file__).parent / "csrc" / qf8.CU).read_text()
+    assert _struct_kinds(src, "QuantizeFp8Params") == _expand(qf8.LAYOUT)
+    assert len(qf8.all_kernel_expressions()) == 3 * 3 * 2  # dtypes x activations x (scalar, vector)
+
+
 def test_norm_quant_amax_fp32_is_converted_once_per_value():
     """A bf16 model's norm-input quantizers hold bf16 amaxes; the kernels read fp32. The conversion is
     kept while the amax keeps its version and address, and redone after an in-place change."""

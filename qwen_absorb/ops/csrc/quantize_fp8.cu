@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(QA_QF8_THREADS) quantize_fp8_kernel(const Quan
   const S* xr = reinterpret_cast<const S*>(p.x) + b * p.stride_b + s * p.stride_s;
   const int per_head = p.DH / VEC;
   const int nvec = p.H * per_head;
+  const bool heads_packed = p.stride_h == p.DH;  // the row is contiguous: no per-vector head division
   for (int c = threadIdx.x; c < nvec; c += QA_QF8_THREADS) {
-    const int h = c / per_head, d = (c - h * per_head) * VEC;
+    const int h = heads_packed ? 0 : c / per_head, d = (c - h * per_head) * VEC;
     float v[VEC];
     qa_load<T, VEC>(xr + h * p.stride_h + d, p.vec, v);
     QaVec<S, VEC> r;
