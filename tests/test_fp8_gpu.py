@@ -18,7 +18,7 @@ from qwen_absorb import testing as T
 from qwen_absorb.ops import _runtime
 from qwen_absorb.ops.quantize_fp8 import launch as qf8_launch
 
-from .ops_helpers import chunk_views, diffusers_layer_norm, diffusers_modulate, ln_output_stats, make_index, make_mod_params
+from .ops_helpers import chunk_views, ln_output_stats, make_index, make_mod_params
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:

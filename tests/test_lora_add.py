@@ -60,7 +60,7 @@ def test_staged_rows_fit_shared_memory_for_every_launch():
     """A grouped launch pads every problem to its largest rank: the columns per block follow the launch's pitch
     (a rank-64 problem grouped with a rank-128 one overflowed shared memory on the H200: illegal address)."""
     src = _runtime.kernel_source("lora_add.cu")
-    assert f"#define QA_LA_SMEM (256 * 72)" in src and lora_add.SMEM_ELEMENTS == 256 * 72
+    assert "#define QA_LA_SMEM (256 * 72)" in src and lora_add.SMEM_ELEMENTS == 256 * 72
     for ks in lora_add.KSTEPS:
         for m in (1, 128, 256, 257, 4096):
             bnb = lora_add.columns_per_block(m, ks)
