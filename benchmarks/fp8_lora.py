@@ -16,12 +16,12 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
    ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (which branches
-   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``projection.LORA_*_KERNEL``), those of ``LANE_VARIANTS``
+   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``Tuning.lora_*_kernel``), those of ``LANE_VARIANTS``
    (``ops.lane``'s lanes switched off: ``fp8_lora_no_lanes``, ``fp8_lora_no_branch_lane``; step 2 then also times
    the no-LoRA call so, ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``), ``fp8_lora_no_fold``
    (net[2]'s ``lora_A`` products read back from the GELU output, ``ops.lora_fold`` off),
    ``fp8_lora_products_aside`` (the ``lora_A`` products on the branch lane beside their GEMMs,
-   ``projection.LORA_PRODUCTS_ASIDE``) and, with ``--tiles``,
+   ``Tuning.lora_products_aside``) and, with ``--tiles``,
    every branch by the kernel at other tile geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
    ``results/fp8_lora_2cf64d7.json`` also holds the cuBLASLt epilogue variants measured at 2cf64d7
    (``benchmarks/cublaslt_fp8.py``),
@@ -48,11 +48,10 @@ linears; lora_fidelity_ratio <= 1.05; memory after unpatch / re-patch within 0.2
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import dataclasses
 import gc
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,29 +63,11 @@ import torch  # noqa: E402
 import qwen_absorb  # noqa: E402
 from qwen_absorb.ops import lane  # noqa: E402
 
-TARGET_MODULES = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
-                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+TARGET_MODULES = H.LORA_TARGETS  # the LoRA's shape and weights: harness (shared with one_owner, pipeline_e2e)
+lora_config, lora_params, seed_lora = H.lora_config, H.lora_params, H.seed_lora
 TIMED = ("fp8_graph_ms", "fast_accum_graph_ms", "offload_graph_ms", "fp8_lora_graph_ms", "fp8_fused_lora_graph_ms")
 KEYS = TIMED + ("fp8_lora_real_linears", "fp8_fused_lora_real_linears", "lora_fidelity_ratio", "mem_before_patch_gib",
                 "mem_patched_gib", "mem_after_unpatch_gib", "mem_after_repatch_gib", "offload_model_gib")
-
-
-def lora_config(rank: int) -> Any:
-    from peft import LoraConfig  # noqa: PLC0415
-
-    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=list(TARGET_MODULES))
-
-
-def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
-
-
-@torch.no_grad()
-def seed_lora(model: torch.nn.Module, rank: int, seed: int) -> None:
-    """Seeded LoRA weights: lora_A ~ N(0, 1/r) (PEFT's gaussian init), lora_B ~ N(0, 0.02/sqrt(r)) (not zero)."""
-    for i, (n, p) in enumerate(sorted(lora_params(model).items())):
-        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        p.normal_(0.0, (1.0 / rank) if ".lora_A." in n else 0.02 / rank**0.5, generator=g)
 
 
 class Bench(H.Bench):
@@ -213,11 +194,10 @@ class Bench(H.Bench):
         qwen_absorb.unpatch(self.model)  # both reports still held
         self.mem("mem_after_unpatch_gib")
         for case, off in LANE_VARIANTS.items() if self.cuda and "no_lanes" in self.a.variants else ():
-            with lanes_off(*off):  # the no-LoRA call with ops.lane's lanes (some) off
-                case = case.replace("fp8_lora_", "fp8_graph_")
-                rep = self.patch(case)
-                self.timed(f"{case}_ms", rep)
-                qwen_absorb.unpatch(self.model)
+            case = case.replace("fp8_lora_", "fp8_graph_")  # the no-LoRA call with ops.lane's lanes (some) off
+            rep = self.patch(case, tuning=lanes_off(*off))
+            self.timed(f"{case}_ms", rep)
+            qwen_absorb.unpatch(self.model)
         self.peak("patch_repatch_unpatch")
 
     def offload(self) -> None:
@@ -240,39 +220,30 @@ class Bench(H.Bench):
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
-        if self.cuda:  # the same call with other switches of projection (which branches ops.lora_add adds)
-            from qwen_absorb import projection  # noqa: PLC0415
-            from qwen_absorb.ops import lora_add, lora_fold  # noqa: PLC0415
+        if self.cuda:  # the same call with other switches (qwen_absorb.Tuning: which branches ops.lora_add adds)
+            from qwen_absorb.ops import lora_add  # noqa: PLC0415
 
-            names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
-            saved = tuple(getattr(projection, n) for n in names)
+            names = ("lora_gelu_kernel", "lora_grouped_kernel", "lora_add_kernel")
+            saved = tuple(getattr(qwen_absorb.Tuning(), n) for n in names)
             cases = [(case, sw, None, ()) for case, sw in LORA_VARIANTS.items() if case in self.a.variants]
             cases += [(case, saved, None, off) for case, off in LANE_VARIANTS.items()
                       if "no_lanes" in self.a.variants]
             cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb), ())
                       for r, st, mb in self.a.tiles]
-            flags = {"no_fold": (lora_fold, "ENABLED", False), "products_aside": (projection, "LORA_PRODUCTS_ASIDE", True)}
-            flag_saved = {k: getattr(m, n) for k, (m, n, _) in flags.items()}
+            flags = {"no_fold": {"lora_fold": False}, "products_aside": {"lora_products_aside": True}}
             cases += [(f"fp8_lora_{k}", saved, None, ()) for k in flags if k in self.a.variants]
             try:
                 for case, switches, tiles, off in cases:
-                    for n, v in zip(names, switches):
-                        setattr(projection, n, v)
-                    for k, (m, n, v) in flags.items():
-                        setattr(m, n, v if case == f"fp8_lora_{k}" else flag_saved[k])
+                    extra = next((v for k, v in flags.items() if case == f"fp8_lora_{k}"), {})
+                    tuning = dataclasses.replace(lanes_off(*off), **dict(zip(names, switches)), **extra)
                     if tiles:
                         lora_add.configure_tiles(*tiles)
-                    with lanes_off(*off):
-                        rep = self.patch(f"{case}_graph")
-                        self.timed(f"{case}_graph_ms", rep)
+                    rep = self.patch(f"{case}_graph", tuning=tuning)
+                    self.timed(f"{case}_graph_ms", rep)
                     self.fidelity(f"{case}_patched")
                     qwen_absorb.unpatch(self.model)
                     lora_add.configure_tiles()
             finally:
-                for n, v in zip(names, saved):
-                    setattr(projection, n, v)
-                for k, (m, n, _) in flags.items():
-                    setattr(m, n, flag_saved[k])
                 lora_add.configure_tiles()
                 qwen_absorb.unpatch(self.model)
         self.fidelity("fp8_lora_fake_quant_unpatched")  # one call: ~0.8 s on the H200
@@ -380,7 +351,7 @@ def markdown(d: dict[str, Any]) -> str:
 
 
 MODEL = {"layers": (60, 2), "side": (64, 4)}  # (default, --tiny)
-# Variants of the LoRA call timed after the default one: (LORA_GELU_KERNEL, LORA_GROUPED_KERNEL, LORA_ADD_KERNEL)
+# Variants of the LoRA call timed after the default one: Tuning's (lora_gelu_kernel, lora_grouped_kernel, lora_add_kernel)
 LORA_VARIANTS = {
     "fp8_lora_addmm": (False, False, False),  # every branch by cuBLAS's addmm_
     "fp8_lora_gelu_kernel": (True, False, False),  # net[0]'s branch inside the GELU quantization
@@ -395,14 +366,9 @@ LORA_VARIANTS = {
 LANE_VARIANTS = {"fp8_lora_no_lanes": lane.NAMES, "fp8_lora_no_branch_lane": ("branch",)}
 
 
-@contextlib.contextmanager
-def lanes_off(*names: str) -> Iterator[None]:
-    saved = dict(lane.ENABLED)
-    lane.ENABLED.update(dict.fromkeys(names, False))
-    try:
-        yield
-    finally:
-        lane.ENABLED.update(saved)
+def lanes_off(*names: str) -> qwen_absorb.Tuning:
+    """The default tuning with ops.lane's lanes ``names`` switched off."""
+    return qwen_absorb.Tuning(lanes=frozenset(lane.NAMES) - set(names))
 
 
 def _tile_configs(text: str) -> list[tuple[int, int, int]]:

@@ -1,141 +1,44 @@
-"""The one harness of the benchmarks: provenance, timing, GPU busy, result files, steps, common arguments.
+"""The one harness of the benchmarks: timing, GPU busy, memory, models, the patch (and, re-exported from
+:mod:`harness_io`, provenance, result files, steps and common arguments).
 
 Every script in ``benchmarks/`` imports this module (``import harness as H``; the scripts put their own folder on
-``sys.path``, nothing else) and nothing from another script or from ``examples/``:
+``sys.path``, nothing else) and nothing from ``examples/``:
 
-- :func:`environment` GPU, driver, versions, date, git commit and a hash of the ``qwen_absorb`` sources run;
 - :func:`time_calls` / :func:`measure` wall (perf_counter) and CUDA-event times of single calls, medians after a
   warm-up; :func:`profile_call` one call under ``torch.profiler``: GPU busy = the sum of its kernels' durations,
-  their count, the NCCL part and the kernel table by name; :func:`time_graph` / :func:`copy_rate_tb_s` for ops;
-- :class:`Results` one JSON + markdown document, rewritten atomically after every measurement (a killed run keeps
-  what was done); a value not measured stays ``null`` with its reason under ``skipped``;
-- :class:`Steps` runs named steps under a time budget, records errors and run times, and writes after each;
-- :class:`Bench` a runner's arguments, device and environment; :func:`parser` a script's argument parser;
-- :func:`add_common_args` / :func:`finish_args` ``--tiny`` (CPU smoke mode, never writes into
-  ``benchmarks/results`` unless ``--out`` says so), ``--out``, ``--sections``, ``--budget-s``, ``--device``, ``--seed``;
+  their count, the NCCL part and the kernel table by name; :func:`memory_gib` (after gc);
 - model helpers over ``qwen_absorb.testing``: :func:`build_transformer`, :func:`inputs`, :func:`fp8_quantize`,
   :func:`flow_match_denoise` (the step runner), :func:`tiny_vae`, :func:`prompt_kwargs`, :func:`rel_err`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime as _dt
 import gc
-import hashlib
-import importlib.metadata as _md
 import io
-import json
-import math
 import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 # ModelOpt builds its FP8 CUDA extension on first use (~60 s): keep it where a later run can reuse it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/qwen_absorb_torch_extensions")
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-if str(ROOT) not in sys.path:  # a checkout that was not pip-installed; PYTHONPATH (the GPU machine) wins
-    sys.path.append(str(ROOT))
+from harness_io import (  # noqa: E402,F401 - re-exported: scripts use ``H.<name>``
+    RESULTS, ROOT, STEADY_WARMUP_S, T0, VERSION_KEYS, Bench, Results, Steps, add_common_args, add_model_args,
+    add_steady_warmup_arg, dotted_get, environment, finish_args, fmt, git_commit, head, json_safe, log, md_document,
+    md_footer, md_head, md_table, parser, resolve_model_args, sources_sha256, steady_warmup_s, write_atomic,
+)
 
 import torch  # noqa: E402
 
-T0 = time.perf_counter()
 NEEDS_CUDA = "needs CUDA"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ------------------------------------------------------------------------------------------ provenance
-
-
-def _run(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return _md.version(dist)
-    except _md.PackageNotFoundError:
-        return None
-
-
-def sources_sha256() -> str | None:
-    """Hash of the qwen_absorb sources run (the device copy may have no .git, the tree may be dirty)."""
-    h = hashlib.sha256()
-    try:
-        for p in sorted((ROOT / "qwen_absorb").rglob("*")):
-            if p.is_file() and p.suffix in (".py", ".cu", ".cuh", ".h"):
-                h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
-    except OSError:
-        return None
-    return h.hexdigest()[:16]
-
-
-def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
-    """GPU, driver, versions, date and code provenance: recorded with every result."""
-    device = torch.device(device)
-    cupy = _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy")
-    if cupy is None:
-        with contextlib.suppress(Exception):
-            import cupy as _cp  # noqa: PLC0415
-
-            cupy = _cp.__version__
-    env: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy,
-        "diffusers": _version("diffusers"), "transformers": _version("transformers"),
-        "modelopt": _version("nvidia-modelopt"), "peft": _version("peft"),
-        "qwen_absorb_commit": _run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
-        "git_dirty": _run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]) is not None,
-        "sources_sha256": sources_sha256(), "device": str(device), "gpu": None,
-    }
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        p = torch.cuda.get_device_properties(idx)
-        env.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", sms=p.multi_processor_count,
-                   l2_mb=round(p.L2_cache_size / 2**20, 1), gpu_memory_gib=round(p.total_memory / 2**30, 1),
-                   driver=_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]))
-        with contextlib.suppress(Exception):
-            import qwen_absorb  # noqa: PLC0415
-
-            env["kernel_unavailable_reasons"] = list(qwen_absorb.ops.kernel_runtime_reasons(device))
-    else:
-        env.update(cpu=platform.processor() or platform.machine(), cpu_threads=torch.get_num_threads())
-    return env
-
-
-VERSION_KEYS = ("torch", "cuda", "cupy", "diffusers", "transformers", "modelopt", "peft", "python", "driver",
-                "qwen_absorb_commit")
-
-
-def head(benchmark: str, env: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """The first keys of every results document."""
-    return {"benchmark": benchmark, "gpu": env.get("gpu"), "date": env.get("date"),
-            "versions": {k: env.get(k) for k in VERSION_KEYS}, "environment": env,
-            "config": json_safe(config), "tiny": bool(config.get("tiny"))}
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -308,46 +211,6 @@ def busy(r: dict[str, Any] | None, key: str = "gpu_busy_ms") -> tuple[Any, str |
     return (p[key], None) if p else (None, r.get("profile_skipped") or "not profiled")
 
 
-def time_graph(fn_all: Callable[[], Any], warmup: int = 5, reps: int = 30) -> tuple[float, list[float]]:
-    """Median ms of one replay of a CUDA graph that runs ``fn_all()`` once (launch overhead removed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn_all()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn_all()
-    for _ in range(warmup):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), times
-
-
-def graph_us_per_call(fn: Callable[[], Any], calls: int = 10) -> float:
-    """Median us of one ``fn()`` inside a CUDA graph holding ``calls`` of them (:func:`time_graph`), 2 decimals."""
-    ms, _ = time_graph(lambda: [fn() for _ in range(calls)])
-    return round(ms * 1000.0 / calls, 2)
-
-
-def copy_rate_tb_s(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy rate (bytes read + written), best of an eager loop and a graph replay."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    eager = time_calls(lambda: dst.copy_(src), torch.device("cuda"), 10, 20)["median_ms"]
-    graph, _ = time_graph(lambda: dst.copy_(src), warmup=10, reps=20)
-    return 2 * nbytes / (min(eager, graph) * 1e-3) / 1e12
-
-
 def memory_gib(device: torch.device) -> float | None:
     """``torch.cuda.memory_allocated`` in GiB after gc + synchronize + empty_cache (None off CUDA)."""
     if device.type != "cuda":
@@ -356,284 +219,6 @@ def memory_gib(device: torch.device) -> float | None:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device) / 2**30
-
-
-# ------------------------------------------------------------------------------------------ result files
-
-
-def json_safe(obj: Any) -> Any:
-    """inf/nan -> strings, tensors, dtypes, paths, counters -> plain data, recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
-        return obj.item()
-    return str(obj)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def dotted_get(d: Any, path: str) -> Any:
-    for k in path.split("."):
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
-
-
-class Bench:
-    """What every benchmark's runner starts from: its arguments ``a``, device, environment (provenance of
-    the result files) and the GPU's L2 size in bytes (0 where unknown)."""
-
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.a, self.dev = a, a.device
-        self.cuda = self.dev.type == "cuda"
-        self.env = environment(self.dev)
-        self.l2 = int(self.env.get("l2_mb", 0) * 2**20)
-
-
-class Results:
-    """``<out>/<name>.json`` + ``.md``. ``put("a.b", v)`` sets a dotted key; ``put(k, None, reason)`` and
-    ``skip(k, reason)`` record why under ``skipped``. ``markdown(data) -> str`` renders the .md. With
-    ``merge=True`` the keys already in the file that this run does not write are kept."""
-
-    def __init__(self, out: Path, name: str, data: dict[str, Any], markdown: Callable[[dict[str, Any]], str],
-                 merge: bool = False) -> None:
-        self.json, self.md = out / f"{name}.json", out / f"{name}.md"
-        self.markdown = markdown
-        self.d: dict[str, Any] = {"skipped": {}, "errors": [], "timings_s": {}, **data}
-        if merge and self.json.exists():
-            with contextlib.suppress(OSError, ValueError):
-                old = json.loads(self.json.read_text())
-                self.d = {**old, **self.d} if isinstance(old, dict) else self.d
-
-    def get(self, path: str) -> Any:
-        return dotted_get(self.d, path)
-
-    def put(self, path: str, value: Any, reason: str | None = None) -> None:
-        keys = path.split(".")
-        d = self.d
-        for k in keys[:-1]:
-            d = d.setdefault(k, {})
-        d[keys[-1]] = value
-        if value is None and reason:
-            self.d["skipped"][path] = reason
-        elif value is not None:
-            self.d["skipped"].pop(path, None)
-
-    def skip(self, path: str, reason: str) -> None:
-        if self.get(path) is None:
-            self.d["skipped"].setdefault(path, reason)
-
-    def write(self) -> None:
-        self.d["elapsed_s"] = round(time.perf_counter() - T0, 1)
-        write_atomic(self.json, json.dumps(json_safe(self.d), indent=2) + "\n")
-        write_atomic(self.md, self.markdown(self.d))
-
-
-class Steps:
-    """Named steps under a time budget: a step that would start after ``budget_s`` is skipped (its keys get the
-    reason), an exception is recorded (``errors``) instead of ending the run; every document is written after
-    each step. ``cleanup`` runs after a failed step (e.g. unpatch, free GPU memory)."""
-
-    def __init__(self, docs: list[Results], budget_s: float | None, cleanup: Callable[[], None] | None = None):
-        self.docs, self.budget_s, self.cleanup = docs, budget_s, cleanup
-        self.failed = 0
-        self.not_started: list[str] = []
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - T0
-
-    def __call__(self, name: str, fn: Callable[[], Any], fills: list[tuple[Results | None, str]] = ()) -> bool:
-        fills = [(d, p) for d, p in fills if d is not None]
-        if self.budget_s and self.elapsed() > self.budget_s:
-            why = f"time budget {self.budget_s:.0f} s reached ({self.elapsed():.0f} s) before step '{name}'"
-            self.not_started.append(name)
-            log(f"SKIP {name}: {why}")
-            for d, p in fills:
-                d.skip(p, why)
-            for d in self.docs:
-                d.d["time_budget_reached"] = f"{why}; steps not started: {', '.join(self.not_started)}"
-            self.write()
-            return False
-        log(f"step {name} ...")
-        t0 = time.perf_counter()
-        ok = True
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - recorded; the next step runs
-            ok, self.failed = False, self.failed + 1
-            msg, tb = f"{type(e).__name__}: {e}", traceback.format_exc(limit=8)
-            log(f"ERROR in step {name}: {msg}\n{tb}")
-            for d in self.docs:
-                d.d["errors"].append({"step": name, "error": msg, "traceback": tb})
-            for d, p in fills:
-                d.skip(p, f"error in step '{name}': {msg}")
-            if self.cleanup is not None:
-                with contextlib.suppress(Exception):
-                    self.cleanup()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        dt = time.perf_counter() - t0
-        for d in self.docs:
-            d.d["timings_s"][name] = round(d.d["timings_s"].get(name, 0.0) + dt, 1)
-        log(f"step {name} done in {dt:.1f} s (total {self.elapsed():.0f} s)")
-        self.write()
-        return ok
-
-    def write(self) -> None:
-        for d in self.docs:
-            d.write()
-
-
-# ------------------------------------------------------------------------------------------ markdown
-
-
-def fmt(v: Any, nd: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool) or not isinstance(v, float):
-        return str(v)
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.{nd}f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
-
-
-def md_table(header: list[str], rows: list[list[Any]], nd: int = 3) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(fmt(c, nd) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
-
-
-def md_head(title: str, d: dict[str, Any], method: str | None = None) -> list[str]:
-    """Title and the provenance lines (GPU, versions, commit, date) of a results document."""
-    env = d.get("environment") or {}
-    gpu = (f"{env['gpu']} ({env.get('capability')}), driver {env.get('driver')}" if env.get("gpu")
-           else f"none (CPU: {env.get('cpu')})")
-    lines = [f"# {title}" + (" (--tiny smoke run, not a benchmark)" if d.get("tiny") else ""), "",
-             f"- GPU: {gpu}",
-             f"- torch {env.get('torch')} (CUDA {env.get('cuda')}), cupy {env.get('cupy')}, diffusers "
-             f"{env.get('diffusers')}, modelopt {env.get('modelopt')}, peft {env.get('peft')}; qwen_absorb "
-             f"{env.get('qwen_absorb_commit')} (dirty: {env.get('git_dirty')}, sources {env.get('sources_sha256')})",
-             f"- date: {d.get('date')}; run time {fmt(d.get('elapsed_s'), 1)} s"]
-    return lines + ([f"- method: {method}"] if method else [])
-
-
-def md_document(lines: list[str], d: dict[str, Any]) -> str:
-    """A result document's markdown: its lines, then :func:`md_footer`."""
-    return "\n".join(lines + md_footer(d)) + "\n"
-
-
-def md_footer(d: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    if d.get("skipped"):
-        lines += ["", "Not measured:"] + [f"- `{k}`: {v}" for k, v in d["skipped"].items()]
-    if d.get("errors"):
-        lines += ["", "Errors:"] + [f"- {e['step']}: {e['error']}" for e in d["errors"]]
-    if d.get("time_budget_reached"):
-        lines += ["", f"Time budget: {d['time_budget_reached']}"]
-    if d.get("timings_s"):
-        lines += ["", f"Run time per step (s): `{json.dumps(d['timings_s'])}`"]
-    return lines
-
-
-# ------------------------------------------------------------------------------------------ arguments
-
-
-def parser(doc: str, sections: tuple[str, ...] = (), budget_s: float = 0.0,
-           description: str | None = None) -> argparse.ArgumentParser:
-    """A script's argument parser: its docstring as help (first line as description, unless given) and
-    :func:`add_common_args`."""
-    ap = argparse.ArgumentParser(description=description or doc.split("\n")[0], epilog=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, sections, budget_s)
-    return ap
-
-
-def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (), budget_s: float = 0.0) -> None:
-    ap.add_argument("--tiny", action="store_true",
-                    help="CPU smoke run on a tiny model (seconds; never writes into benchmarks/results unless --out)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output folder (default benchmarks/results; --tiny: a new temp folder)")
-    if sections:
-        ap.add_argument("--sections", default=",".join(sections), help=f"comma-separated subset of {','.join(sections)}")
-    ap.add_argument("--budget-s", "--time-budget-s", dest="budget_s", type=float, default=budget_s,
-                    help=f"do not start a new step after this many seconds (0: no limit; default {budget_s:.0f})")
-    ap.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
-    ap.add_argument("--seed", type=int, default=0)
-
-
-STEADY_WARMUP_S = 3.0
-
-
-def add_steady_warmup_arg(ap: argparse.ArgumentParser) -> None:
-    """``--warmup-s``: keep warming each timed case up until this many seconds passed (:func:`time_calls`)."""
-    ap.add_argument("--warmup-s", type=float, default=None,
-                    help=f"warm each timed case up for at least this many seconds, so that every case is timed at "
-                         f"steady clocks (default {STEADY_WARMUP_S:g}; --tiny: 0)")
-
-
-def steady_warmup_s(a: argparse.Namespace) -> float:
-    """The ``--warmup-s`` of a parsed namespace: its value, else 0 for ``--tiny`` and :data:`STEADY_WARMUP_S`."""
-    v = getattr(a, "warmup_s", None)
-    return float(v) if v is not None else (0.0 if getattr(a, "tiny", False) else STEADY_WARMUP_S)
-
-
-def add_model_args(ap: argparse.ArgumentParser, layers: tuple[int, int], side: tuple[int, int] | None = None,
-                   text: tuple[int, int] = (128, 8)) -> None:
-    """--num-layers, --side (image tokens per side; omitted where ``side`` is None) and --text-tokens, each
-    given as (default, --tiny default); :func:`resolve_model_args` fills them in after parsing."""
-    ap.add_argument("--num-layers", type=int, default=None, help=f"blocks (default {layers[0]}; --tiny: {layers[1]})")
-    if side is not None:
-        ap.add_argument("--side", type=int, default=None, help=f"image tokens per side (default {side[0]} = "
-                                                               f"{16 * side[0]}^2; --tiny: {side[1]})")
-    ap.add_argument("--text-tokens", type=int, default=None, help=f"default {text[0]} (--tiny: {text[1]})")
-
-
-def resolve_model_args(a: argparse.Namespace, layers: tuple[int, int], side: tuple[int, int] | None = None,
-                       text: tuple[int, int] = (128, 8)) -> None:
-    """The defaults of :func:`add_model_args` (the same arguments) where the command line left them out."""
-    a.num_layers = a.num_layers or layers[a.tiny]
-    if side is not None:
-        a.side = a.side or side[a.tiny]
-    a.text_tokens = a.text_tokens or text[a.tiny]
-
-
-def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, sections: tuple[str, ...] = (),
-                tiny_prefix: str = "bench") -> argparse.Namespace:
-    """Resolve --sections, --device (exit 2 with a clear line where CUDA is missing) and --out."""
-    if sections:
-        asked = {s.strip() for s in a.sections.split(",") if s.strip()}
-        bad = asked - set(sections)
-        if bad or not asked:
-            ap.error(f"--sections: choose from {','.join(sections)} (got {sorted(bad) or 'nothing'})")
-        a.sections = [s for s in sections if s in asked]
-    a.device = torch.device(a.device or ("cpu" if a.tiny else "cuda"))
-    if a.device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"CUDA is not available (torch {torch.__version__}): this benchmark runs on a GPU; "
-                 "use --tiny for the CPU smoke run")
-    if a.out is None:
-        a.out = Path(tempfile.mkdtemp(prefix=f"{tiny_prefix}_tiny_")) if a.tiny else RESULTS
-    a.out = Path(a.out).resolve()
-    if a.tiny and a.device.type == "cpu":
-        torch.set_num_threads(1)  # tiny shapes: threads only contend on a shared host
-    return a
 
 
 # ------------------------------------------------------------------------------------------ models and inputs
@@ -769,47 +354,6 @@ def capture_block_inputs(model: torch.nn.Module, idx: int, store: dict[str, Any]
         h.remove()
 
 
-# ------------------------------------------------------------------------------------------ the fused ops
-
-OPS = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual")
-EPS = 1e-6
-
-
-def op_sets(shape: tuple[int, int, int], k: int, device: torch.device, seed: int = 0) -> list[tuple]:
-    """``k`` distinct bf16 input sets ``(x, residual, shift, scale, gate, bias)`` of the fused ops."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    B, L, D = shape
-    sets = []
-    for _ in range(k):
-        shift, scale, gate = (t.unsqueeze(1) for t in torch.randn(B, 3 * D, generator=gen, device=device)
-                              .bfloat16().chunk(3, dim=-1))
-        sets.append((torch.randn(shape, generator=gen, device=device).bfloat16(),
-                     torch.randn(shape, generator=gen, device=device).bfloat16(), shift, scale, gate,
-                     torch.randn(D, generator=gen, device=device).bfloat16()))
-    return sets
-
-
-def op_call(op: str, impl: str = "qwen_absorb") -> Callable[..., Any]:
-    """``fn(x, r, shift, scale, gate, bias)``: the public fused op as the block calls it, or (``impl="eager"``)
-    diffusers' eager expression it replaces."""
-    import qwen_absorb.ops as o  # noqa: PLC0415
-
-    ln = torch.nn.functional.layer_norm
-    calls = {
-        ("layer_norm_scale_shift", "eager"): lambda x, r, sh, sc, g, b: ln(x, x.shape[-1:], eps=EPS) * (1 + sc) + sh,
-        ("layer_norm_scale_shift", "qwen_absorb"):
-            lambda x, r, sh, sc, g, b: o.layer_norm_scale_shift(x, shift=sh, scale=sc, eps=EPS),
-        ("bias_residual_layer_norm_scale_shift", "eager"):
-            lambda x, r, sh, sc, g, b: (lambda h: (h, ln(h, h.shape[-1:], eps=EPS) * (1 + sc) + sh))(r + g * (x + b)),
-        ("bias_residual_layer_norm_scale_shift", "qwen_absorb"):
-            lambda x, r, sh, sc, g, b: o.bias_residual_layer_norm_scale_shift(r, x, bias=b, gate=g, shift=sh,
-                                                                              scale=sc, eps=EPS),
-        ("bias_gate_residual", "eager"): lambda x, r, sh, sc, g, b: r + g * (x + b),
-        ("bias_gate_residual", "qwen_absorb"): lambda x, r, sh, sc, g, b: o.bias_gate_residual(r, x, bias=b, gate=g),
-    }
-    return calls[(op, impl)]
-
-
 # ------------------------------------------------------------------------------------------ the patch
 
 
@@ -866,3 +410,28 @@ def peak_memory_gib(device: torch.device, reset: bool = True) -> float | None:
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+# ------------------------------------------------------------------------------------------ the LoRA
+
+# A Lightning-shaped PEFT LoRA: the 12 linears of every block (attention q/k/v/out of both streams, both MLPs).
+LORA_TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out",
+                "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+
+
+def lora_config(rank: int) -> Any:
+    from peft import LoraConfig  # noqa: PLC0415
+
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=list(LORA_TARGETS))
+
+
+def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+@torch.no_grad()
+def seed_lora(model: torch.nn.Module, rank: int, seed: int) -> None:
+    """Seeded LoRA weights: lora_A ~ N(0, 1/r) (PEFT's gaussian init), lora_B ~ N(0, 0.02/sqrt(r)) (not zero)."""
+    for i, (n, p) in enumerate(sorted(lora_params(model).items())):
+        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        p.normal_(0.0, (1.0 / rank) if ".lora_A." in n else 0.02 / rank**0.5, generator=g)

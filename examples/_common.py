@@ -121,6 +121,24 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+# Options that are "auto", True or False in qwen_absorb.patch are spelled auto / true / false on every
+# example's command line (bare --cuda-graph also means true); plain switches are --x (and --no-x where both exist).
+TRISTATE = ("auto", "true", "false")
+
+
+def tristate(text: str) -> str:
+    """argparse ``type=`` for an option the API takes as ``"auto"``, ``True`` or ``False``."""
+    value = text.lower()
+    if value not in TRISTATE:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, true or false (the API's 'auto', True, False)")
+    return value
+
+
+def tristate_value(text: str) -> str | bool:
+    """``"auto"`` / ``"true"`` / ``"false"`` -> the API's ``"auto"`` / ``True`` / ``False``."""
+    return {"auto": "auto", "true": True, "false": False}[text]
+
+
 def positive_int(text: str) -> int:
     """argparse ``type=`` for counts that must be >= 1 (steps, layers, repeats, ...)."""
     value = _int(text)
@@ -231,11 +249,10 @@ def patch_options(args) -> dict:
     these options (it would raise TypeError for an unknown keyword).
     """
     kw = {}
-    if getattr(args, "cuda_graph", False):
-        kw["cuda_graph"] = True
-    fp8 = getattr(args, "fp8_gemm", "auto")
-    if fp8 != "auto":
-        kw["fp8_gemm"] = {"on": True, "off": False}[fp8]
+    for name in ("cuda_graph", "fp8_gemm"):
+        value = getattr(args, name, "auto")
+        if value != "auto":
+            kw[name] = tristate_value(value)
     return kw
 
 
@@ -372,6 +389,7 @@ def environment(device: torch.device) -> dict:
         "transformers": _version("transformers"),
         "nvidia_modelopt": _version("nvidia-modelopt"),
         "cupy": cupy_version(),
+        "qwen_absorb": importlib.import_module("qwen_absorb").__version__,
         "qwen_absorb_commit": git_commit(),
         "device": str(device),
         "gpu": None,
@@ -691,15 +709,19 @@ def quantize_transformer(transformer, fmt: str, forward_loop) -> dict:
     t0 = time.perf_counter()
     with _quiet_modelopt():
         mtq.quantize(transformer, copy.deepcopy(cfg), forward_loop)
-    n_enabled = 0
-    for _, m in transformer.named_modules():
+    n_enabled = n_in_blocks = 0
+    for name, m in transformer.named_modules():
         q = getattr(m, "weight_quantizer", None)
         if q is not None and getattr(q, "is_enabled", False):
             n_enabled += 1
+            n_in_blocks += name.startswith("transformer_blocks.")
     return {
         "format": fmt,
         "config": {"fp8": "mtq.FP8_DEFAULT_CFG", "nvfp4": "mtq.NVFP4_DEFAULT_CFG"}[fmt],
         "quantized_linears": n_enabled,
+        # the report counts these: the patch runs the blocks; the rest (img_in, txt_in, the time embedding,
+        # proj_out) run as ModelOpt runs them
+        "quantized_linears_in_blocks": n_in_blocks,
         "calibration_s": round(time.perf_counter() - t0, 3),
     }
 
@@ -729,13 +751,10 @@ def kernels_note(report) -> str | None:
     """A plain sentence when the fused CUDA kernels could not run, else None."""
     if getattr(report, "kernels_available", False):
         return None
-    reasons = list(getattr(report, "kernel_unavailable_reasons", []) or []) or ["(no reason given)"]
-    return (
-        "The fused CUDA kernels could NOT run here: " + "; ".join(reasons) + ".\n"
-        "The patched blocks ran qwen_absorb's torch reference path instead (the diffusers eager "
-        "expressions, same rounding), so this comparison checks the patch's wiring and exactness, "
-        "not kernel speed. Run on a CUDA GPU with CuPy installed to use the kernels."
-    )
+    # the reason itself is in the report printed just before: said once
+    return ("The fused CUDA kernels could NOT run here (why: the report above). The patched blocks ran the torch "
+            "references (diffusers' expressions, same rounding): this run checks the patch's wiring and exactness, "
+            "not speed. A CUDA GPU with CuPy runs the kernels.")
 
 
 def fp8_gemm_count(report) -> int:

@@ -2,8 +2,8 @@
 """Transformer-level benchmark: Qwen-Image transformer calls unpatched vs patched vs compile_repeated_blocks().
 
     python examples/benchmark.py                 # CUDA, full-width random transformer, about 5-6 min on an H200
-    python examples/benchmark.py --tiny          # CPU smoke run of the same code path (seconds)
-    python examples/benchmark.py --out benchmarks/results   # record a GPU run in the repository
+    python examples/benchmark.py --tiny          # smoke run of the same code path (CPU without CUDA: seconds)
+    python examples/benchmark.py --out benchmarks/results/speed   # record a GPU run in the repository
 
 For each base dtype / ModelOpt quantization (bf16, FP8 via mtq.quantize), each resolution (512^2, 1024^2,
 2048^2 -> 1024, 4096, 16384 image tokens, plus --text-tokens text tokens) and each variant:
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="smoke mode: tiny random transformer, CPU by default, fp32, small shapes, eager variants")
-    p.add_argument("--device", type=C.device_arg, default=None, help="default cuda (cpu with --tiny)")
+    p.add_argument("--device", type=_device, default="auto",
+                   help="auto (default): cuda if available, else cpu with --tiny (without --tiny: exit 3)")
     p.add_argument("--dtype", type=C.parse_dtype, default=None, help="base dtype (default bf16; fp32 with --tiny)")
     p.add_argument("--num-layers", type=C.positive_int, default=None,
                    help="blocks actually built and timed (default 8; --tiny: 2)")
@@ -109,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(VARIANTS)} (default all; --tiny: eager,patched)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="compile_repeated_blocks(dynamic=True) (default dynamic=False: one static graph per shape)")
-    p.add_argument("--cuda-graph", action="store_true", help="patched variants: qwen_absorb.patch(cuda_graph=True)")
-    p.add_argument("--fp8-gemm", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--cuda-graph", type=C.tristate, nargs="?", const="true", default="auto", metavar="{auto,true,false}",
+                   help="patched variants: qwen_absorb.patch(cuda_graph=\"auto\"|True|False) (bare --cuda-graph: true)")
+    p.add_argument("--fp8-gemm", type=C.tristate, default="auto", metavar="{auto,true,false}",
                    help="patched variants: qwen_absorb.patch(fp8_gemm=\"auto\"|True|False) (default auto: not passed)")
     p.add_argument("--warmup", type=C.nonnegative_int, default=3)
     p.add_argument("--iters", type=C.positive_int, default=10)
@@ -125,10 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device(text: str):
+    """--device: "auto" is resolved in parse_args (it depends on --tiny); anything else parsed and checked now."""
+    return "auto" if text == "auto" else C.device_arg(text)
+
+
 def parse_args(argv=None):
     """Parse and check every argument; a bad one exits 2 (argparse) before anything is built."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = torch.device("cuda" if torch.cuda.is_available() or not args.tiny else "cpu")
     if args.tiny:
         args.device = args.device or torch.device("cpu")
         args.dtype = args.dtype or torch.float32
@@ -555,7 +564,8 @@ def markdown(result) -> str:
         f"- status: {result['status']}" + ("" if result["status"] == "complete" else " (partial results)"),
         f"- GPU: {env['gpu'] or 'none (CPU)'}" + (f" ({env['gpu_capability']}), driver {env['driver']}" if env["gpu"] else ""),
         f"- torch {env['torch']} (CUDA {env['torch_cuda']}), diffusers {env['diffusers']}, "
-        f"nvidia-modelopt {env['nvidia_modelopt']}, cupy {env['cupy']}, qwen_absorb {env['qwen_absorb_commit']}",
+        f"nvidia-modelopt {env['nvidia_modelopt']}, cupy {env['cupy']}, qwen_absorb {env['qwen_absorb']} "
+        f"(commit {env['qwen_absorb_commit'] or 'unknown: no git'})",
         f"- date: {env['date']}",
         f"- method: {result['method']}",
         f"- text tokens per call: {cfg['text_tokens']}; warm-up {cfg['warmup']}, iters {cfg['iters']}; "

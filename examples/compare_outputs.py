@@ -39,8 +39,11 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+try:  # installed from a wheel as the package qwen_absorb_examples (console script qwen-absorb-compare)
+    from . import _common as C
+except ImportError:  # run as a script from a checkout: python examples/compare_outputs.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -94,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input image for --model pipelines that take one (Edit, EditPlus, Img2Img, ...)")
     p.add_argument("--cfg", type=C.finite_float, default=4.0,
                    help="true_cfg_scale (default 4.0: two transformer calls per step)")
-    p.add_argument("--defer-bias", choices=("auto", "true", "false"), default="auto",
+    p.add_argument("--defer-bias", type=C.tristate, default="auto", metavar="{auto,true,false}",
                    help="qwen_absorb.patch(defer_bias=...) (default auto)")
     p.add_argument("--force-reference", action="store_true",
                    help="patch with force_reference=True: the patched blocks use the torch references")
-    p.add_argument("--cuda-graph", action="store_true", help="qwen_absorb.patch(cuda_graph=True)")
-    p.add_argument("--fp8-gemm", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--cuda-graph", type=C.tristate, nargs="?", const="true", default="auto", metavar="{auto,true,false}",
+                   help="qwen_absorb.patch(cuda_graph=\"auto\"|True|False) (default auto; bare --cuda-graph: true)")
+    p.add_argument("--fp8-gemm", type=C.tristate, default="auto", metavar="{auto,true,false}",
                    help="qwen_absorb.patch(fp8_gemm=\"auto\"|True|False): real FP8 GEMMs for ModelOpt FP8 linears "
                         "(default auto: passed only when set)")
     p.add_argument("--three-way", action=argparse.BooleanOptionalAction, default=None,
@@ -107,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fp8_gemm=True) (default: on for --quant fp8 on CUDA)")
     p.add_argument("--warmup", type=C.nonnegative_int, default=1,
                    help="untimed runs per variant before timing (default 1)")
-    p.add_argument("--repeats", type=C.positive_int, default=1,
-                   help="timed runs per variant (the median is reported)")
+    p.add_argument("--repeats", type=C.positive_int, default=3,
+                   help="timed runs per variant after the warm-up (default 3; the median is reported)")
     p.add_argument("--min-psnr", type=C.finite_float, default=30.0,
                    help="pass threshold in dB where outputs are not promised bit-identical (default 30)")
     p.add_argument("--min-ssim", type=C.finite_float, default=0.95, help="pass threshold for SSIM (default 0.95)")
@@ -146,8 +150,8 @@ def parse_args(argv=None):
         p.error(f"--image {args.image}: no such file")
     if args.three_way and args.quant != "fp8":
         p.error("--three-way compares unquantized, ModelOpt FP8 fake quant and qwen_absorb real FP8: it needs --quant fp8")
-    if args.three_way and args.fp8_gemm == "off":
-        p.error("--three-way patches with fp8_gemm=True; it contradicts --fp8-gemm off")
+    if args.three_way and args.fp8_gemm == "false":
+        p.error("--three-way patches with fp8_gemm=True; it contradicts --fp8-gemm false")
     if args.dtype is None:
         args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     why = C.writable_dir_problem(Path(args.out))  # last: it creates the folder
@@ -183,6 +187,8 @@ class Unsupported(Exception):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    # the printed report says why the kernels cannot run; its warning at patch time would say it twice
+    logging.getLogger("qwen_absorb").addFilter(lambda r: "fused CUDA kernels cannot run" not in r.getMessage())
     device, dtype = args.device, args.dtype
     size = "model" if args.model else args.size
     h0, w0, s0 = DEFAULTS[size]
@@ -269,8 +275,8 @@ def default_tag(args, size, dtype, device, height, width) -> str:
         parts.append("reference")
     if args.fp8_gemm != "auto":
         parts.append(f"fp8gemm-{args.fp8_gemm}")
-    if args.cuda_graph:
-        parts.append("cudagraph")
+    if args.cuda_graph != "auto":
+        parts.append(f"cudagraph-{args.cuda_graph}")
     if args.three_way is not None:
         parts.append("3way" if args.three_way else "no3way")
     if args.quant != "none" and (args.calib_prompts, args.calib_steps) != (2, 2):
@@ -304,7 +310,7 @@ def resolve_three_way(args, device) -> None:
     """--three-way defaults to on for --quant fp8 on CUDA, where this qwen_absorb has fp8_gemm."""
     if args.three_way is not None:
         return
-    wanted = args.quant == "fp8" and device.type == "cuda" and args.fp8_gemm != "off"
+    wanted = args.quant == "fp8" and device.type == "cuda" and args.fp8_gemm != "false"
     if wanted and not C.patch_supports("fp8_gemm", qwen_absorb.patch):
         print("note: the three-way comparison (unquantized / fake quant / real FP8) is off: this qwen_absorb's "
               "patch() has no fp8_gemm option")
@@ -313,7 +319,7 @@ def resolve_three_way(args, device) -> None:
 
 
 def patch_kwargs(args) -> dict:
-    kw = {"defer_bias": {"auto": "auto", "true": True, "false": False}[args.defer_bias],
+    kw = {"defer_bias": C.tristate_value(args.defer_bias),
           "force_reference": args.force_reference, **C.patch_options(args)}
     if args.three_way:
         kw["fp8_gemm"] = True  # the third leg is qwen_absorb's real FP8 path, by definition
@@ -397,8 +403,11 @@ def quantize(runner, calib_kwargs, args, device, results) -> None:
         qinfo = C.quantize_transformer(runner.pipe.transformer, args.quant, forward_loop)
     except AssertionError as e:
         raise Unsupported(f"ModelOpt could not quantize to {args.quant} on {device}: {e}") from e
+    outside = qinfo["quantized_linears"] - qinfo["quantized_linears_in_blocks"]
     print(f"quantized the transformer with ModelOpt {qinfo['config']}: {qinfo['quantized_linears']} linears "
-          f"with an enabled weight quantizer, calibration {qinfo['calibration_s']:.1f} s")
+          f"with an enabled weight quantizer ({qinfo['quantized_linears_in_blocks']} in the blocks, which the "
+          f"report counts; {outside} outside them, run as ModelOpt runs them), calibration "
+          f"{qinfo['calibration_s']:.1f} s")
     results["quantization"] = qinfo
 
 
@@ -525,8 +534,10 @@ def print_metrics(m, criterion, ok, unpatch_ok, fallbacks) -> None:
     print(f"  criterion: {criterion} -> {'OK' if ok else 'FAIL'}")
     if unpatch_ok is not None:
         print(f"  unpatch restores the original output bit for bit: {unpatch_ok}")
-    if fallbacks:
-        print("  runtime fallbacks: " + ", ".join(f"{k}: {v}" for k, v in fallbacks.items()))
+    # the block calls that ran the references on a machine without kernels are in the report already
+    shown = {k: v for k, v in fallbacks.items() if not k.startswith("fused ops ran their torch references")}
+    if shown:
+        print("  runtime fallbacks (block calls): " + ", ".join(f"{k}: {v}" for k, v in shown.items()))
 
 
 def print_three_way(tw) -> None:

@@ -13,9 +13,15 @@ Layering (imports only point down; ARCHITECTURE.md has the table): face ``patch`
 """
 
 from . import ops
+from .gating import Tuning
 from .patch import patch, patch_report, unpatch
 from .report import PatchReport
 
-__version__ = "0.1.0"  # = [project] version in pyproject.toml (tests/test_examples.py checks they agree)
+from importlib import metadata as _metadata  # noqa: E402
 
-__all__ = ["PatchReport", "ops", "patch", "patch_report", "unpatch"]
+try:  # the installed distribution's version (pyproject.toml's [project] version), with or without git
+    __version__ = _metadata.version("qwen_absorb")
+except _metadata.PackageNotFoundError:  # a checkout put on sys.path without installing it
+    __version__ = "0+unknown"
+
+__all__ = ["PatchReport", "Tuning", "ops", "patch", "patch_report", "unpatch"]

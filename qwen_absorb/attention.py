@@ -8,7 +8,7 @@ backend and context-parallel config, split, output projections), except that
   the plan allows it (``plan.qk_fused``), and
 - at batch 1 on kernels, q/k (the qk kernel) and v (the FP8 GEMMs of to_v / add_v_proj, where
   nothing follows them) are written straight into the joint ``[text, image]`` tensors the attention
-  reads: no concatenation copies (``JOINT_OUTPUTS``), the same bits, and
+  reads: no concatenation copies (``Tuning.joint_outputs``), the same bits, and
 - each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes (plus its LoRA branches, from
   the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split and
   quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the
@@ -55,7 +55,6 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
 
 
 QKV_IMG = ("attn.to_q", "attn.to_k", "attn.to_v")
-JOINT_OUTPUTS = True  # False: q/k/v concatenated after the fact (diffusers' order; the GPU tests compare both)
 QKV_TXT = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
 
@@ -70,7 +69,7 @@ def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tenso
         return None
     out_dtype, layers = dtypes.pop(), [_module(attn, p) for p in lora_paths]
     active = any(plan.linears[p].lora_active for p in lora_paths)
-    rows = branch_products(lambda: lora.shared_input_branches(layers, act, out_dtype), act, active)
+    rows = branch_products(plan, lambda: lora.shared_input_branches(layers, act, out_dtype), act, active)
     return None if rows is None else dict(zip(lora_paths, rows))
 
 
@@ -103,7 +102,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
     # B = 1 on kernels: q/k (the qk kernel) and v (FP8 GEMMs) are written straight into the joint
     # [text, image] tensors the attention reads, instead of concatenated after (three copies per block)
-    joint = (JOINT_OUTPUTS and use_kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
+    # Tuning(joint_outputs=False): q/k/v concatenated after the fact (diffusers' order; the GPU tests compare both)
+    joint = (plan.options.tuning.joint_outputs and use_kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
              and plan.qk_fused and image_rotary_emb is not None)
     jv = None
     if joint and all(writes_into(plan.linears[p]) for p in (QKV_IMG[2], QKV_TXT[2])):
@@ -150,7 +150,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         img_q, img_k, txt_q, txt_k = qkr_launch(
             (img_q, img_k, txt_q, txt_k),
             (attn.norm_q.weight, attn.norm_k.weight, attn.norm_added_q.weight, attn.norm_added_k.weight),
-            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps, outs)
+            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps, outs, wide=plan.options.tuning.qk_wide)
     else:
         img_q, img_k, txt_q, txt_k = _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb)
     if joint_q is None:

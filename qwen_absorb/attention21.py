@@ -98,7 +98,7 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
     return True
 
 
-def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, qk: QkPlan) -> bool:
+def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
     """Per-call conditions of the q/k kernel: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)``
     is then the identity), complex64 rope of q's length on its device, enough rows for the probed order."""
     w = attn.norm_q.weight
@@ -108,24 +108,31 @@ def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, att
             and q.device == w.device and rope.device == q.device and rope.dtype == torch.complex64
             and tuple(rope.shape) == (q.shape[1], HEAD_DIM // 2) and rope.stride(-1) == 1
             and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape == k.shape
-            and q.numel() // HEAD_DIM >= qk.min_rows and q.numel() // HEAD_DIM < 2**31)
+            and q.numel() // HEAD_DIM >= min_rows and q.numel() // HEAD_DIM < 2**31)
 
 
-def run(attn: nn.Module, qk: QkPlan, use_kernel: bool, hidden_states: torch.Tensor, attention_mask: Any,
+def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tensor, attention_mask: Any,
         rotary_emb: torch.Tensor | None, layer_cache: Any, kv_cache_mode: str | None,
-        cache_write_slice: slice | None, segments: list | None, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit; returns the attention output."""
+        cache_write_slice: slice | None, segments: list | None, key_valid: torch.Tensor | None,
+        qkv: Any = None, codes: torch.Tensor | None = None) -> torch.Tensor:
+    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit; returns the attention output. ``plan``:
+    the block's (``qk_fused``, ``qk_eps``, ``qk_min_rows``). ``qkv`` / ``codes``: the real-FP8 forwards of to_q, to_k
+    and to_v, run as their GEMMs from ``codes`` (the e4m3 codes of ``hidden_states``), else the linears are called."""
     dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
-    query = attn.to_q(hidden_states)
-    key = attn.to_k(hidden_states)
-    value = attn.to_v(hidden_states)
+    if codes is not None:
+        query, key, value = (f.gemm(codes) for f in qkv)
+    else:
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
     head_dim = attn.inner_dim // attn.heads
     query = query.unflatten(-1, (-1, head_dim))
     key = key.unflatten(-1, (-1, head_dim))
     value = value.unflatten(-1, (-1, head_dim))
-    if use_kernel and qk.kernel and rotary_emb is not None and _kernel_ok(query, key, value, rotary_emb, attn, qk):
+    if use_kernel and plan.qk_fused and rotary_emb is not None \
+            and _kernel_ok(query, key, value, rotary_emb, attn, plan.qk_min_rows):
         query, key = qkr_launch((query, key), (attn.norm_q.weight, attn.norm_k.weight), (rotary_emb, rotary_emb),
-                                qk.eps)
+                                plan.qk_eps)
     else:
         query = attn.norm_q(query).to(value.dtype)
         key = attn.norm_k(key).to(value.dtype)

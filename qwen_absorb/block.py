@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, ffn, fp8_forward, handoff, lora, qwenimage21, taylorseer
+from . import attention, compile_boundary, ffn, fp8_forward, handoff, host_originals, lora, taylorseer
 from .ops import _validate, lane
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -85,41 +85,14 @@ class PatchedForward:
         return f"<qwen_absorb patched forward of {type(self.block).__name__}>"
 
 
-class Patched21Forward(PatchedForward):
-    """The forward slot of a patched ``QwenImage21TransformerBlock``: its :class:`qwenimage21.Decision`
-    (decided again when the block first runs on another device; ``on_decide(index, install, decision)``
-    tells the report) and :func:`qwenimage21.patched_forward`."""
-
-    __slots__ = ("decision", "index", "install", "on_decide")
-
-    def __init__(self, block: nn.Module, decision: qwenimage21.Decision, index: int, on_decide: Any) -> None:
-        super().__init__(block)
-        self.decision, self.index, self.install, self.on_decide = decision, index, "", on_decide
-
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        d = self.decision
-        if (isinstance(hidden_states, torch.Tensor) and hidden_states.device != d.device
-                and not torch.compiler.is_compiling()):
-            self.decision = d = qwenimage21.decide_into(self.block, hidden_states.device, d.counts.counter)
-            if self.on_decide is not None:
-                self.on_decide(self.index, self.install, d)
-            log.info("Qwen-Image-2.1 block %d decided anew for %s", self.index, hidden_states.device)
-        return qwenimage21.patched_forward(self.block, d, hidden_states, *args, **kwargs)
-
-    def __getstate__(self) -> tuple:
-        return (self.block, self.decision, self.index, self.install, self.on_decide)
-
-    def __setstate__(self, state: tuple) -> None:
-        self.block, self.decision, self.index, self.install, self.on_decide = state
-
-
 def redecide(plan: BlockPlan, block: nn.Module, device: torch.device, why: str) -> None:
     """Decide again (a new device, or the model changed under the plan); derived state is rebuilt."""
     with plan.rt.lock:
         decide(plan, block, device)
         plan.handoff_in_reasons = handoff.receive_reasons(plan, block)
         if not plan.attn_forwards:
-            fp8_forward.release(block)  # the hooked-attention FP8 weights are not what runs now
+            for f in plan.rt.attn_fwds.values():  # the hooked-attention FP8 weights are not what runs now
+                f._clear()
     plan.rt.rebuilds[why] += 1
     log.info("block %d decided anew for %s (%s)", plan.index, device, why)
 
@@ -132,7 +105,8 @@ def _unpatched(block, hs, *args):
     """diffusers' forward, after the text lane's work (a previous block's hand-off to this one, which diffusers'
     forward does not take) is waited for: it reads ``encoder_hidden_states`` on this stream."""
     lane.settle(hs.device, "txt")
-    return _original(block, hs, *args)
+    with host_originals.onloaded(block, hs.device):  # original weights the patch keeps on the host
+        return _original(block, hs, *args)
 
 
 def patched_forward(
@@ -167,6 +141,12 @@ def patched_forward(
         if not plan.kernels:
             plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
             _announce(plan)
+    if joint_attention_kwargs and plan.own_attention:
+        # diffusers hands these to its processor (which raises on an attention_mask); the fused attention has none
+        plan.count(f"attention kwargs {sorted(joint_attention_kwargs)}: original diffusers forward")
+        if not compiling:
+            handoff.drop()
+        return _unpatched(self, *args)
     if _validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states):
         plan.count("DTensor activations: original diffusers forward")
         if not compiling:
@@ -208,7 +188,7 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
     why = None
     if x.device != rt.device:
         why = f"first call on {x.device}"
-    elif rt.watch.changed():
+    elif not handoff.vouched(plan) and rt.watch.changed():
         why = "the model changed (modules, weights, quantizers or LoRA adapters)"
     if why is not None:
         try:
@@ -288,8 +268,10 @@ class _Deferred:
 
     def __init__(self, plan: BlockPlan, block: nn.Module, keys: tuple[str, str]) -> None:
         self.plan, self.bases, self.names = plan, [], []
+        # unpatched (or patched anew) in another thread since this call began: the GEMMs add their biases
+        current = block.__dict__.get(PLAN_ATTR) is plan
         for k in keys:
-            p = plan.deferred(k)
+            p = plan.deferred(k) if current else None
             base = unwrap_peft(resolve(block, p))[0] if p is not None else None
             if base is not None:
                 b = base._parameters.get("bias")
@@ -325,10 +307,29 @@ class _Deferred:
         return b
 
 
+@contextlib.contextmanager
+def _gated_forwards(plan: BlockPlan, block: nn.Module):
+    """The plan's gated real-FP8 forwards in their linears' forward slots, opened for this thread, for one call of the
+    hooked attention. Never between calls: ``mtq.compress`` would keep one as ``_forward_pre_dm`` (and recurse)."""
+    placed = []
+    for p, f in plan.rt.attn_fwds.items():
+        m = resolve(block, p)
+        if m is f.linear and "forward" not in m.__dict__:  # a linear replaced or wrapped since runs as its module
+            object.__setattr__(m, "forward", f)
+            placed.append(f)
+    try:
+        with fp8_forward.opened(placed):
+            yield
+    finally:
+        for f in placed:
+            if f.linear.__dict__.get("forward") is f:
+                del f.linear.__dict__["forward"]
+
+
 def _shadowing(plan: BlockPlan) -> contextlib.AbstractContextManager:
-    # the shadowing decision and the shadowed GEMMs under one lock: another thread in this block must
-    # neither see a shadowed bias as missing nor run its GEMM while the bias is shadowed
-    return plan.rt.lock if plan.deferred_paths() else contextlib.nullcontext()
+    # the shadowing decision and the shadowed GEMMs under the block's one lock (dependencies.block_lock): no other
+    # thread's call, unpatch() or patch() again sees a shadowed bias as missing or pops a shadow mid-GEMM
+    return plan.rt.lock
 
 
 # ---------------------------------------------------------------------------- the fused forward
@@ -373,7 +374,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
                                                    image_rotary_emb, c.use_kernels, compiling, tl)
             else:  # as its module; hooked (plan.attn_forwards): its linears' gated forwards run real FP8
                 gate = plan.attn_forwards and not compiling
-                with fp8_forward.opened(fp8_forward.gated(self)) if gate else contextlib.nullcontext():
+                with _gated_forwards(plan, self) if gate else contextlib.nullcontext():
                     img_attn, txt_attn = self.attn(
                         hidden_states=img_in[0], encoder_hidden_states=txt_in[0],
                         encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
@@ -396,7 +397,8 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         nc = _Call(np_, nb, c.use_kernels, c.use_fused, compiling)
         # the next block's image modulation (a GEMV over its 3072 x 18432 weight) beside this block's image FFN
         # (ops.lane's branch lane where a capture runs; in line before the FFN otherwise)
-        n_img_mod = lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
+        n_img_mod = (lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
+                     if "branch" in plan.options.tuning.lanes else _modulation(nc, np_, nb, "img_mod", temb))
     with _shadowing(plan):
         deferred = _Deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
         with deferred:
@@ -417,7 +419,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
             nc, nb, np_.site("img", "norm1"), nb.img_norm1, hidden_states, img_ffn, deferred.bias(0, img_ffn),
             i2.gate, _Mod.of(n_img_mod.chunk(2, dim=-1)[0], index), "img.ffn_residual + next img.norm1", plan)
         handoff.give(handoff.Handoff(np_, frame, code, hidden_states, encoder_hidden_states, temb, modulate_index,
-                                     n_img_mod, n_txt_mod, n_img_in, n_txt_in))
+                                     n_img_mod, n_txt_mod, n_img_in, n_txt_in, np_.rt.generation))
         return encoder_hidden_states, hidden_states  # bf16/fp32 only (fp16 blocks do not receive)
     with _txt_stretch(tl, hidden_states, txt_reads):
         encoder_hidden_states = _ffn_residual(c, site("txt", "ffn_residual"), encoder_hidden_states, txt_ffn,
@@ -457,7 +459,8 @@ def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> 
     """Whether this call runs its text stream on :mod:`qwen_absorb.ops.lane`'s text lane: lanes are active (a
     CUDA-graph capture), the block runs its own attention on kernels (no TaylorSeer hook around it) and no
     tensor-parallel linear (whose all-reduces the lane would reorder)."""
-    if c.compiling or not (c.use_kernels and plan.own_attention and not plan.attn_cache):
+    if c.compiling or not (c.use_kernels and plan.own_attention and not plan.attn_cache) \
+            or "txt" not in plan.options.tuning.lanes:
         return False
     if lane.lane_for(h.device, "txt") is None:
         return False
@@ -592,4 +595,4 @@ def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
     return not plan.tp_reasons["attn"]
 
 
-__all__ = ["HOOK_FALLBACK", "Patched21Forward", "PatchedForward", "patched_forward", "redecide"]
+__all__ = ["HOOK_FALLBACK", "PatchedForward", "patched_forward", "redecide"]

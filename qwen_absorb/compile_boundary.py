@@ -1,7 +1,7 @@
 """A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
 
 Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the elementwise
-chains its own way (slower than the fused kernels on the H200, ``benchmarks/results/speed_h200_eb5cc70.md``: FP8
+chains its own way (slower than the fused kernels on the H200, ``benchmarks/results/archive/speed/speed_h200_eb5cc70.md``: FP8
 103.1 ms compiled against 89.1 ms), without eager's intermediate roundings (which flips FP8 codes), and the
 per-call checks of the plan (weights, quantizers, LoRA state, hooks) are not traced at all. So by default
 (``kernels_under_compile="auto"``) the traced forward is one call of ``qwen_absorb::qwen_image_block``:

@@ -7,6 +7,8 @@ the adapters (:mod:`qwen_absorb.quant`, :mod:`qwen_absorb.lora`, :mod:`qwen_abso
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 from torch import nn
@@ -100,6 +102,20 @@ _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containe
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
+_BLOCK_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCK_LOCKS_GUARD = threading.Lock()
+
+
+def block_lock(block: nn.Module) -> threading.RLock:
+    """The one lock of ``block`` for every plan it ever carries: a call of an old plan still running while
+    ``patch()`` / ``unpatch()`` runs in another thread shadows the same bias Parameters the new state reads."""
+    with _BLOCK_LOCKS_GUARD:
+        lock = _BLOCK_LOCKS.get(block)
+        if lock is None:
+            lock = _BLOCK_LOCKS[block] = threading.RLock()
+        return lock
+
+
 def watch(block: nn.Module) -> Watch:
     """Everything the decisions and the derived state depend on (see :mod:`qwen_absorb.watch`)."""
     entries: dict[tuple[int, str, str], tuple] = {}
@@ -148,5 +164,5 @@ def watch(block: nn.Module) -> Watch:
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
 
 
-__all__ = ["attention_cache", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
+__all__ = ["attention_cache", "block_lock", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
            "watch"]

@@ -17,6 +17,7 @@ deferral: a non-CUDA key in the set also accepts the ops' torch references as "t
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,7 +30,7 @@ from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, NVFP4, ProjectionInfo
 # added only from a committed passing run of benchmarks/fidelity.py on that capability.
 VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {
     # 60 blocks, 4096 image tokens, ModelOpt FP8: deferred-bias error 0.9969x (forward) and
-    # 0.9996x (4-step latents) of the unpatched FP8 error: benchmarks/results/fidelity.md
+    # 0.9996x (4-step latents) of the unpatched FP8 error: benchmarks/results/transformer/fidelity.md
     (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
 }
 
@@ -37,18 +38,64 @@ VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {
 # (benchmarks/transformer_suite.py: real-FP8 error <= 1.05x ModelOpt fake-quant error, 60 blocks).
 VALIDATED_FP8_CAPABILITIES: dict[tuple[int, int], str] = {
     # 60 blocks, 4096 image + 128 text tokens: real-FP8 error 0.9997x (forward) and 0.9985x (4-step
-    # latents) of the ModelOpt fake-quant error: benchmarks/results/fp8_gemm.json
+    # latents) of the ModelOpt fake-quant error: benchmarks/results/transformer/fp8_gemm.json
     (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
 }
 
 # (major, minor) -> the passing fidelity run of torch._scaled_mm's fast accumulation (use_fast_accum="auto"):
 # 60 blocks, 4096 image + 128 text tokens, error against fp32 1.0025x (forward) and 0.9999x (4-step
-# latents) of ModelOpt fake quant's, gate <= 1.05x: benchmarks/results/fp8_gemm.json, "fast_accum"
+# latents) of ModelOpt fake quant's, gate <= 1.05x: benchmarks/results/transformer/fp8_gemm.json, "fast_accum"
 VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {
     (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
 }
 
 CPU = "cpu"  # capability key of the CPU (for capabilities= overrides in tests)
+LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The measurement switches: which of two exact ways runs (the same numbers; only the speed differs).
+    ``patch(..., tuning=Tuning(...))``; stored in the plan, part of the CUDA-graph key, shown in the report
+    when not the default. Each default is the faster way measured on the H200 (``benchmarks/NOTES.md``,
+    "Tuning defaults")."""
+
+    qk_fusion: bool = True  # the four q/k RMSNorm + RoPE chains as one qk_norm_rope launch (where bit-exact)
+    qk_wide: bool = True  # qk_norm_rope's wide-lane kernel (16-byte vectors) where the layout allows
+    joint_outputs: bool = True  # q/k/v GEMMs write the joint sequence in place (no concatenation copies)
+    tp_local: bool = True  # tensor-parallel linears on their local shards (False: through DTensor)
+    lora_gelu_kernel: bool = True  # net[0]'s last LoRA branch added inside its GELU + e4m3 quantization
+    lora_fold: bool = True  # ... with net[2]'s lora_A product out of the same kernel (ops.lora_fold)
+    lora_grouped_kernel: bool = False  # the deferred q/k/v branches of both streams in one ops.lora_add launch
+    lora_add_kernel: bool = False  # a single output's branches by ops.lora_add (else addmm_)
+    lora_add_tiles: bool = True  # ops.lora_add's tiled kernel where the layout allows (else its row kernel)
+    lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
+    lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "lanes":
+                if isinstance(v, str) or not set(v) <= set(LANES):
+                    raise ValueError(f"Tuning.lanes must be a subset of {LANES}, got {v!r}")
+                object.__setattr__(self, "lanes", frozenset(v))
+            elif type(v) is not bool:
+                raise TypeError(f"Tuning.{f.name} must be a bool, got {v!r}")
+
+    def changed(self) -> dict[str, object]:
+        """The fields that differ from the defaults (empty: the default tuning)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={sorted(v) if isinstance(v, frozenset) else v}" for k, v in self.changed().items())
+
+
+def check_tuning(tuning: object) -> Tuning:
+    if tuning is None:
+        return Tuning()
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning must be a qwen_absorb.Tuning, got {type(tuning).__name__}")
+    return tuning
 DEFERRABLE_FORMATS = (FP8_E4M3, NVFP4)
 
 CapabilityKey = tuple[int, int] | str
@@ -142,7 +189,7 @@ def describe_capabilities(capabilities: Collection[CapabilityKey]) -> str:
 
 def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
     """Tensor parallelism: why a projection's DTensor bias stays in its GEMM. Measured on 2 H200s
-    (benchmarks/results/parallel.md): the FP8 model under TP ran slower with its row-wise biases
+    (benchmarks/results/parallel/parallel.md): the FP8 model under TP ran slower with its row-wise biases
     deferred, so only ``defer_bias=True`` defers them."""
     b = getattr(base, "_parameters", {}).get("bias") if base is not None else None
     if b is None or type(b) is torch.nn.Parameter or type(b.data) is torch.Tensor:

@@ -55,6 +55,7 @@ class Handoff:
     txt_mod: torch.Tensor
     img_in: torch.Tensor  # block i+1's norm1 outputs (attention inputs: tensors or FP8 codes)
     txt_in: torch.Tensor
+    generation: int = -1  # the receiving plan's generation whose watch block i asked (vouched, see vouched())
 
 
 # ---------------------------------------------------------------------------- patch time
@@ -132,6 +133,11 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
     if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.handoff_in_reasons
             or np_.options is not plan.options or np_.calibrating):
         return None  # not decided for this device yet, or cannot receive: see its report entry
+    if np_.rt.watch.changed():
+        # the next block's decisions are out of date (a LoRA unloaded from its img_mod, a weight replaced): it
+        # decides again at its own call, and computes its norm1 then
+        plan.count("cross-block hand-off not made: the next block changed since it decided (it decides again)")
+        return None
     if h.dtype == torch.float16:
         return None  # diffusers clips fp16 block outputs after the residual (fp16 blocks do not receive)
     if has_hooks(block) or has_hooks(nb) or global_forward_hooks():
@@ -169,9 +175,16 @@ def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
     return None
 
 
+def vouched(plan: BlockPlan) -> bool:
+    """Whether this thread holds a record for ``plan`` made after its watch was asked, by the previous block,
+    moments ago, with no hook able to run in between (see :func:`target`): the block need not ask it again."""
+    rec: Handoff | None = getattr(_local, "rec", None)
+    return rec is not None and rec.to is plan and rec.generation == plan.rt.generation
+
+
 def drop() -> None:
     """Forget the thread's record (a patched block ran another path)."""
     _local.rec = None
 
 
-__all__ = ["Handoff", "drop", "give", "link", "receive_reasons", "take", "target"]
+__all__ = ["Handoff", "drop", "give", "link", "receive_reasons", "take", "target", "vouched"]

@@ -346,7 +346,7 @@ def parallel_kind(transformer: nn.Module) -> str | None:
 
 # Where a column- or row-wise linear of torch's TP styles runs on this rank's shards directly (what
 # qwen_absorb.projection.tp_linear does), the patched block skips DTensor: measured on 2 H200s
-# (benchmarks/results/parallel.md, commit 60af1d5) diffusers' TP forward took ~1 s at 1024^2 and at
+# (benchmarks/results/parallel/parallel.md, commit 60af1d5) diffusers' TP forward took ~1 s at 1024^2 and at
 # 2048^2 alike against 173 ms on one GPU, i.e. per-call host work of the twelve DTensor linears of
 # each block, not GPU work. The local computation is the one DTensor dispatches to (so the result is
 # bit-identical): column-wise ``F.linear(x, W_local, b_local)`` on the replicated input; row-wise

@@ -26,9 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fp8_forward, gating, handoff, hooks, qwenimage21
-from .block import Patched21Forward, PatchedForward, redecide
-from .plan import PLAN_ATTR, BlockPlan, BlockRuntime, Options, decide, refresh
+from . import fp8_forward, gating, handoff, hooks, host_originals
+from . import text_encoder as text_encoder_room
+from . import vae as vae_room
+from .block import PatchedForward, redecide
+from .dependencies import block_lock
+from .plan import PLAN_ATTR, BlockPlan, BlockRuntime, Options, content_changed, decide
+from .qwenimage21 import Patched21Forward
 from .report import PatchReport
 from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 
@@ -134,6 +138,7 @@ def _strip(block: nn.Module) -> None:
     added to the model, a block of an earlier patch): its plan, its per-block CUDA-graph runner and its
     patched forward."""
     block.__dict__.pop(PLAN_ATTR, None)
+    host_originals.restore(block)  # weights an earlier patch (or the copied block's) kept on the host
     fp8_forward.remove(block)  # a Qwen-Image-2.1 block's real-FP8 linears
     for _, get, _ in list(hooks.forward_slots(block)):
         fn = get()
@@ -149,43 +154,36 @@ def _strip(block: nn.Module) -> None:
 
 
 def _offload_originals(state: _PatchState) -> None:
-    """Move the original weights of FP8-GEMM linears to host memory (their values stay intact)."""
+    """The original weights of real-FP8 linears where ``offload_original_weights`` wants them
+    (:mod:`qwen_absorb.host_originals`; every later decision of a block places them again)."""
     for rec in state.records:
-        plan = rec.block.__dict__[PLAN_ATTR]
-        for path, lp in plan.linears.items():
-            if lp.fp8_gemm and lp.weight is not None and not lp.weight.reused_storage:
-                w = unwrap_peft(resolve(rec.block, path))[0]._parameters["weight"]
-                if w.device.type != "cpu":
-                    state.offloaded.append((w, w.device))
-                    w.data = w.data.to("cpu")
-                    lp.offloaded = True
-        refresh(plan, rec.block)  # the watch and the FP8 weights' keys see the moved weights as decided
-    if state.offloaded:
-        torch.cuda.empty_cache()
+        host_originals.place(rec.block.__dict__[PLAN_ATTR], rec.block)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # the moved originals' memory back to the driver
 
 
 # ---------------------------------------------------------------------------- patch
 
 
 def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-             offload_original_weights, use_fast_accum, cross_block=True) -> Options:
+             offload_original_weights, use_fast_accum, cross_block=True, tuning=None) -> Options:
     return Options(
         defer_bias=gating.check_mode(defer_bias), fp8_gemm=gating.check_fp8_mode(fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
         force_reference=bool(force_reference),
         kernels_under_compile=gating.check_tristate("kernels_under_compile", kernels_under_compile),
-        offload_original_weights=bool(offload_original_weights),
+        offload_original_weights=gating.check_tristate("offload_original_weights", offload_original_weights),
         use_fast_accum=gating.check_fast_accum_mode(use_fast_accum),
-        cross_block=bool(cross_block),
+        cross_block=bool(cross_block), tuning=gating.check_tuning(tuning),
     )
 
 
 def patch(
     target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: str | bool = "auto",
-    offload_original_weights: bool = False, capabilities: Collection[tuple[int, int] | str] | None = None,
+    offload_original_weights: str | bool = "auto", capabilities: Collection[tuple[int, int] | str] | None = None,
     force_reference: bool = False, kernels_under_compile: str | bool = "auto", use_fast_accum: str | bool = "auto",
-    cross_block: bool = True,
+    cross_block: bool = True, vae: bool = True, text_encoder: bool = True, tuning: gating.Tuning | None = None,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
@@ -203,13 +201,19 @@ def patch(
         module, with the reason in the report.
     cuda_graph: capture the transformer call once per input signature and replay it
         (:mod:`qwen_absorb.cuda_graph`); refused per call, with a reason, where replay would be wrong.
-        ``"auto"`` (default): on a model that sits on a CUDA device when patched, a signature is
-        captured when it is seen the second time (one-off calls never pay a capture), and calls the
-        graphs cannot take run eager, counted in ``report.graph_fallbacks``; ``True``: capture at first
-        sight, refusals counted in ``report.runtime_fallbacks``; ``False``: never.
-    offload_original_weights: keep only the FP8 weights of real-FP8 linears on the GPU; their original
-        weights move to host memory (values intact, ``state_dict`` the same values on the CPU) and
-        :func:`unpatch` moves them back. Moving the model with ``.to()`` afterwards moves them too.
+        ``"auto"`` (default): decided at the model's first call on a GPU (at once for a model on one, or
+        under an offload hook that runs it on one; a model patched on the CPU and moved with ``.to()``, or
+        under ``enable_model_cpu_offload()``, at its first call there): a signature is captured when it is
+        seen the second time (one-off calls never pay a capture), and calls the graphs cannot take run
+        eager, counted in ``report.graph_fallbacks`` (a refusal at that first call is logged as a warning,
+        once: e.g. group offloading, which streams weights); ``True``: capture at first sight, refusals
+        counted in ``report.runtime_fallbacks``; ``False``: never.
+    offload_original_weights: where the original weights of real-FP8 linears live
+        (:mod:`qwen_absorb.host_originals`). ``"auto"`` (default) / ``True``: in host memory while their
+        FP8 codes run on a GPU (the same ``Parameter`` objects, values intact: ``state_dict`` gives them on
+        the CPU); ``.to()`` moves the rest of the model and leaves them there; a fallback to diffusers'
+        forward brings them to the GPU for that call; :func:`unpatch` puts them back on the model's device.
+        ``False``: they stay on the GPU beside the FP8 codes (about 1.5x the bf16 model's memory).
     capabilities: replaces the validated capability sets for this call, e.g. ``{(9, 0)}``, or
         ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
     force_reference: make the fused ops run their torch references (debugging).
@@ -223,6 +227,12 @@ def patch(
         ``True`` / ``False`` everywhere.
     cross_block: let each block's FFN residual op also compute the next block's norm1 (one kernel
         instead of two at every block boundary, :mod:`qwen_absorb.handoff`).
+    tuning: a :class:`qwen_absorb.Tuning`, the measurement switches (which of two exact ways runs; None: the
+        measured defaults); part of the CUDA-graph key, shown in the report when not the default.
+
+    vae / text_encoder: where ``target`` is a pipeline, also put its VAE decode (:mod:`qwen_absorb.vae`) and its
+        prompt encoding (:mod:`qwen_absorb.text_encoder`) on their fast paths (``cuda_graph`` applies to them
+        too); their sections are ``report.parts`` (``to_dict()["vae"]`` / ``["text_encoder"]``).
 
     Patching again with the same arguments returns the current report; with other arguments, or
     after the blocks themselves changed (replaced, added, removed), it unpatches and patches anew.
@@ -232,24 +242,25 @@ def patch(
     transformer = resolve_transformer(target)
     cuda_graph = gating.check_graph_mode(cuda_graph)
     options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-                       offload_original_weights, use_fast_accum, cross_block)
+                       offload_original_weights, use_fast_accum, cross_block, tuning)
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
         stale = _stale(state, transformer)
         if state.options == options and state.cuda_graph == cuda_graph and stale is None:
             _catch_up(state)
             log.debug("already patched with these arguments; returning the current report")
-            return state.report
+            return _rooms(target, transformer, state.report, cuda_graph, vae, text_encoder)
         log.info("patching again (%s)", stale or "other arguments")
         unpatch(transformer)
     blocks = list(getattr(transformer, "transformer_blocks", []))
     if _is_21(transformer):
-        return _patch21(transformer, blocks, options, cuda_graph)
+        return _rooms(target, transformer, _patch21(transformer, blocks, options, cuda_graph), cuda_graph, vae,
+                      text_encoder)
     report = PatchReport(
         transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
         capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
         force_reference=options.force_reference, offload_original_weights=options.offload_original_weights,
-        cuda_graph_mode=cuda_graph,
+        cuda_graph_mode=cuda_graph, tuning=options.tuning.describe(),
     )
     device = _decision_device(transformer)
     block_cls = classes()[1]
@@ -258,7 +269,7 @@ def patch(
     for i, block in enumerate(blocks):
         plan = BlockPlan(index=i, options=options, rt=BlockRuntime(
             counter=report.runtime_fallbacks, rebuilds=report.rebuilds, handoffs=report.handoffs,
-            announced=announced, on_decide=report.record))
+            announced=announced, on_decide=host_originals.AfterDecide(report.record, block), lock=block_lock(block)))
         plans.append(plan)
         if not isinstance(block, block_cls):
             plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
@@ -282,13 +293,14 @@ def patch(
             if not plan.reasons:
                 _install_block(state, block, plan)
         handoff.link(plans, blocks, transformer)
-        if options.offload_original_weights:
-            _offload_originals(state)
+        _offload_originals(state)
         auto = cuda_graph == "auto"
+        graph_args = dict(fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
+                          host_tensors=lambda: host_originals.host_weights(transformer), capture_after=int(auto))
         if cuda_graph is True or (auto and device.type == "cuda"):
-            state.graph = _cuda_graph().install(
-                transformer, fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
-                host_tensors=lambda: [w for w, _ in state.offloaded], capture_after=1 if auto else 0)
+            state.graph = _cuda_graph().install(transformer, **graph_args, warn_first=auto)
+        elif auto:  # on the CPU now: decided at the first call on a GPU (.to("cuda"), an offload hook)
+            state.graph = _cuda_graph().FirstUse(transformer, **graph_args)
     except BaseException:
         _undo(state)
         for b in blocks:
@@ -301,6 +313,30 @@ def patch(
     # whether the kernels run is said at the first call on a device (qwen_absorb.block), where the
     # model really runs: a pipeline patched on the CPU is usually moved to CUDA next
     log.info("%s", report)
+    return _rooms(target, transformer, report, cuda_graph, vae, text_encoder)
+
+
+def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph: str | bool, vae: bool,
+           text_encoder: bool) -> PatchReport:
+    """A pipeline's VAE decode and prompt encoding (their own modules, their own report sections)."""
+    if target is transformer or not hasattr(target, "transformer"):
+        return report
+    if not isinstance(vae, bool) or not isinstance(text_encoder, bool):
+        raise ValueError("vae and text_encoder must be True or False")
+    pipe_vae = getattr(target, "vae", None)
+    if isinstance(pipe_vae, nn.Module):
+        if vae:
+            report.parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
+            report.parts["vae"].postprocess = vae_room.patch_postprocess(target)
+        else:
+            vae_room.unpatch(pipe_vae)
+            vae_room.unpatch_postprocess(target)
+    if text_encoder:
+        # the encoder's graphs stay opt-in (text_encoder.GRAPHS_AUTO): cuda_graph=True here does not ask for them
+        te_graphs = False if cuda_graph is False else "auto"
+        report.parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=te_graphs)
+    else:
+        text_encoder_room.unpatch(target)
     return report
 
 
@@ -309,7 +345,8 @@ def _catch_up(state: _PatchState) -> None:
     loaded, quantizers switched): the blocks decide now, so the report returned is current."""
     for rec in state.records:
         plan = rec.block.__dict__.get(PLAN_ATTR)
-        if plan is not None and plan.rt.device is not None and plan.rt.watch.changed():
+        if plan is not None and plan.rt.device is not None and (plan.rt.watch.changed()
+                                                                or content_changed(plan, rec.block)):
             redecide(plan, rec.block, plan.rt.device, "the model changed (seen by patch())")
 
 
@@ -342,7 +379,8 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
     the patched 2.1 call is no longer host-bound and the graphs were no faster."""
     report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
                          capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
-                         force_reference=options.force_reference, cuda_graph_mode=cuda_graph)
+                         force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
+                         tuning=options.tuning.describe())
     device = _decision_device(transformer)
     block_cls = classes21()[1]
     state = _PatchState(report, options, cuda_graph, blocks, [])
@@ -352,16 +390,19 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             if not isinstance(block, block_cls):
                 continue
             _strip(block)
-            fwd = Patched21Forward(block, qwenimage21.decide_into(block, device, report.runtime_fallbacks), i,
-                                   report.record21)
+            plan = BlockPlan(index=i, options=options, rt=BlockRuntime(counter=report.runtime_fallbacks,
+                                                                       rebuilds=report.rebuilds))
+            decide(plan, block, device)  # the same decide and records as Qwen-Image's (from the 2.1 rows)
+            fwd = Patched21Forward(block, plan)
             installed = _install(block, fwd)
             if installed is None:
                 log.warning("block %d: its forward is wrapped by something unknown; left unpatched", i)
                 continue
-            fwd.install = installed[0]
+            plan.patched, plan.install, plan.rt.on_decide = True, installed[0], report.record
             state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
-            report.record21(i, installed[0], fwd.decision)
-            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, report.record21_linear)
+            state.plans.append(plan)
+            report.record(plan)
+            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, fwd.linear_decided)
         if state.records and cuda_graph is True:
             state.graph = _cuda_graph().install_blocks(
                 [rec.block for rec in state.records], parent=transformer, fallbacks=report.runtime_fallbacks,
@@ -421,16 +462,17 @@ def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
 def _undo(state: _PatchState) -> None:
     if state.graph is not None:
         state.graph.remove()
-    for w, dev in state.offloaded:
-        w.data = w.data.to(dev)
+    for block in state.blocks:
+        host_originals.restore(block)  # on the device the model is on now
     state.offloaded.clear()
     for rec in state.records:
-        plan = rec.block.__dict__.get(PLAN_ATTR)
-        for path in plan.deferred_paths() if plan is not None else ():
-            base = unwrap_peft(resolve(rec.block, path))[0]
-            if base is not None:
-                base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
-        rec.block.__dict__.pop(PLAN_ATTR, None)
+        with block_lock(rec.block):  # a call in another thread finishes its shadowed GEMMs first
+            plan = rec.block.__dict__.get(PLAN_ATTR)
+            for path in plan.deferred_paths() if plan is not None else ():
+                base = unwrap_peft(resolve(rec.block, path))[0]
+                if base is not None:
+                    base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
+            rec.block.__dict__.pop(PLAN_ATTR, None)
         fp8_forward.remove(rec.block)  # the real-FP8 linears' forwards and, with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
@@ -448,6 +490,11 @@ def unpatch(target: Any) -> None:
     caller keeps holds none of it. A no-op if not patched.
     """
     transformer = resolve_transformer(target)
+    if target is not transformer and hasattr(target, "transformer"):  # a pipeline: its VAE and prompt rooms too
+        if isinstance(getattr(target, "vae", None), nn.Module):
+            vae_room.unpatch(target.vae)
+        vae_room.unpatch_postprocess(target)
+        text_encoder_room.unpatch(target)
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):

@@ -32,19 +32,19 @@ import torch
 from torch import nn
 
 from . import dependencies as dep
-from . import gating, hooks, lora, ops, parallel, quant
+from . import attention21, gating, hooks, lora, nvfp4, ops, parallel, quant
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
-from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, STREAMS, Site, classes, resolve, unwrap_peft
-from .watch import Watch
+from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, family_of,
+                    resolve, swiglu21_refusals, unwrap_peft)
+from .watch import Watch, tensor_key
 
 PLAN_ATTR = "_qwen_absorb_plan"
 QK_NORMS = dep.QK_NORMS
 # The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
-# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); False turns the
-# fusion off everywhere (a switch for measurements).
-QK_FUSION = True
-QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (qwen_absorb.plan.QK_FUSION = False)"
+# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); Tuning(qk_fusion=False)
+# turns it off (a switch for measurements).
+QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (Tuning(qk_fusion=False))"
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Options:
     offload_original_weights: bool = False
     use_fast_accum: str | bool = "auto"
     cross_block: bool = True
+    tuning: gating.Tuning = gating.Tuning()
 
 
 @dataclass
@@ -123,7 +124,9 @@ class BlockRuntime:
     announced: set = field(default_factory=set)  # devices told that the kernels cannot run (shared)
     on_decide: Any = None  # called with the plan after every decision (the report's record)
     generation: int = 0  # bumped by every decide(): derived tensors a CUDA graph read may be gone
-    lock: Any = field(default_factory=threading.RLock)
+    # the gated real-FP8 forwards of the attention linears by path, in their slots only during a call (block.py)
+    attn_fwds: dict = field(default_factory=dict)
+    lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -167,6 +170,7 @@ class BlockPlan:
     handoff_reasons: list[str] = field(default_factory=list)  # why this block hands no norm1 over
     handoff_in_reasons: list[str] = field(default_factory=list)  # why this block cannot take one
     modelopt: bool = False  # the block holds ModelOpt-quantized modules (called outside compiled graphs)
+    nvfp4: dict = field(default_factory=dict)  # module -> its NVFP4 runner (qwen_absorb.nvfp4): run_module calls it
     quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
     calibrating: bool = False  # a ModelOpt quantizer of the block collects statistics now
     # (__dict__, torch pre-hooks, hooks allowed) of the modules the fused path skips or changes: a hook
@@ -243,8 +247,16 @@ def _structure_refusals(block: nn.Module, path: str) -> list[str]:
 
 def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     """(Re)make every decision of ``plan`` for ``block`` running on ``device``, rebuild the derived
-    state (reusing FP8 weights whose inputs did not change) and take a new watch."""
+    state (reusing FP8 weights whose inputs did not change) and take a new watch (Qwen-Image-2.1: :func:`_decide21`)."""
+    if family_of(block) is QWENIMAGE21:
+        return _decide21(plan, block, device)
     o = plan.options
+    for p in ATTN_LINEARS:  # gated forwards just installed by the patch: the plan holds them
+        m = resolve(block, p)
+        f = m.__dict__.get("forward") if m is not None else None
+        if hooks.ours(f) and getattr(f, "gated", False) is True:  # (qwen_absorb.fp8_forward sits above the plan)
+            del m.__dict__["forward"]
+            plan.rt.attn_fwds[p] = f
     old = {p: lp for p, lp in plan.linears.items() if lp.weight is not None}
     plan.rt.generation += 1
     plan.rt.device = device
@@ -258,11 +270,14 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
         if s.takes_bias_of and (m := resolve(block, s.takes_bias_of)) is not None:
             plan.projections[s.takes_bias_of] = quant.inspect_projection(s.takes_bias_of, m)
     plan.linears = {p: _decide_linear(block, p, device, o) for p in LINEAR_TABLE}
+    plan.nvfp4 = (nvfp4.block_runners(block, [p for p, lp in plan.linears.items() if not lp.fp8_gemm], plan.kernels)
+                  if plan.kernels or device.type != "cuda" else {})  # on CUDA, only the kernel rounds as ModelOpt
     plan.sites = [_decide_site(plan, block, s, device) for s in SITE_TABLE.values()]
     _decide_fp8_inputs(plan, block)
     _build_fp8(plan, block, old)
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
-    plan.own_attention = any(plan.linears[p].fp8_gemm for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
+    plan.own_attention = any(plan.linears[p].fp8_gemm or (resolve(block, p) in plan.nvfp4 and not _fp8_context_reasons(
+        block, p)) for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
     plan.attn_cache = plan.own_attention and dep.attention_cache(block)
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
@@ -284,9 +299,19 @@ def refresh(plan: BlockPlan, block: nn.Module) -> None:
     """Take the watch (and the FP8 weights' source keys) anew after the patch itself moved weights
     (``offload_original_weights``): the decisions stand, the moved tensors are the ones decided for."""
     for p, lp in plan.linears.items():
-        if lp.fp8_gemm:
-            lp.cache_key = _fp8_cache_key(block, p, plan.rt.device)
+        if lp.fp8_gemm:  # moved, not changed: the content fingerprint carries over (no read of the moved weight)
+            lp.cache_key = _fp8_cache_key(block, p, plan.rt.device, lp.cache_key[2][4] if lp.cache_key else None)
     plan.rt.watch = dep.watch(block)
+
+
+def content_changed(plan: BlockPlan, block: nn.Module) -> bool:
+    """Whether an FP8 weight's source changed where no per-call check sees it (``.data`` writes with the modules back
+    as decided for: ``fuse_lora`` then ``unfuse_lora``, no call between). A sync per linear: for ``patch()`` again."""
+    try:
+        return any(lp.fp8_gemm and lp.weight is not None and _fp8_cache_key(block, p, plan.rt.device) != lp.cache_key
+                   for p, lp in plan.linears.items())
+    except Exception:  # noqa: BLE001 - a source that cannot be read as decided for: decide again
+        return True
 
 
 def _has_quantizers(m: nn.Module | None) -> bool:
@@ -300,22 +325,11 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     if o.fp8_gemm is False:
         lp.fp8_reasons = ["fp8_gemm=False"]
         return lp
-    r = ["not found"] if m is None else quant.fp8_gemm_reasons(m)
+    dev = gating.fp8_device_refusals(device, o.fp8_gemm, o.fp8_capabilities)
+    r = ["not found"] + dev if m is None else quant.fp8_linear_refusals(m, dev)
     if r == ["not ModelOpt-quantized"]:
         lp.fp8_reasons = r
         return lp
-    if device.type != "cuda":
-        # capabilities={"cpu"} with fp8_gemm=True runs the path on the CPU (torch._scaled_mm has a
-        # CPU implementation): for tests of the logic, not for speed.
-        if not (o.fp8_gemm is True and device.type in o.fp8_capabilities):
-            r.append(f"tensors are on {device.type}; real FP8 GEMMs need CUDA")
-    else:
-        cap = tuple(torch.cuda.get_device_capability(device))
-        if cap < quant.FP8_GEMM_MIN_CAPABILITY:
-            r.append(f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs 8.9)")
-        elif o.fp8_gemm == "auto" and cap not in o.fp8_capabilities:
-            r.append(f"GPU sm_{cap[0]}{cap[1]} is not in the FP8-validated set "
-                     f"{gating.describe_capabilities(o.fp8_capabilities)}")
     base, wrappers = unwrap_peft(m)
     if wrappers:
         r += [f"PEFT LoRA: {x}" for x in lora.unsupported_reasons(wrappers[0])]
@@ -329,12 +343,6 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         r += [f"tensor parallelism: {x}" for x in why]
         if wrappers:
             r.append("tensor parallelism with a LoRA adapter")
-    elif w is not None and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
-        r.append(f"weight is a {type(w.data).__name__}: the GEMM must stay the module's")
-    if w is not None and w.device.type == "meta":
-        r.append("weight on the meta device (offload hook)")
-    if w is not None and getattr(w, "metadata", {}).get("dtype", w.dtype) not in (torch.bfloat16, torch.float16):
-        r.append("activations are not bf16/fp16")
     r += _fp8_context_reasons(block, path)
     top = path.split(".")[0]
     containers = (path,) + ((f"{top}", f"{top}.0") if top.endswith("_mod") else
@@ -399,6 +407,8 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
                 sp.norm_quantizer, sp.norm_quant = "fp8-fused", nq
             else:
                 sp.norm_quantizer = "applied-before-op"
+    elif s.op == "swiglu":
+        sp.reasons = swiglu21_refusals(block)
     sp.fused = not sp.reasons
     sp.runner = ("kernel" if plan.kernels else "reference") if sp.fused else "eager"
     if s.takes_bias_of is not None:
@@ -406,8 +416,8 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
         info = plan.projections.get(s.takes_bias_of)
         if info is None:
             sp.defer_reasons = [f"{s.takes_bias_of} not found"]
-        elif plan.linears[s.takes_bias_of].fp8_gemm:
-            sp.defer_reasons = ["the projection runs as a real FP8 GEMM: its bias is fused in the GEMM epilogue"]
+        elif plan.linears[s.takes_bias_of].fp8_gemm or resolve(block, s.takes_bias_of) in plan.nvfp4:
+            sp.defer_reasons = ["the projection runs as a real FP8 GEMM or an NVFP4 runner: its bias is fused in the GEMM"]
         else:
             base = unwrap_peft(resolve(block, s.takes_bias_of))[0]
             holder = "attn" if s.takes_bias_of.startswith("attn.") else s.takes_bias_of.split(".")[0]
@@ -451,17 +461,18 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
         sp.act_out = any(lp.lora and lp.lora_active for lp in lps)
 
 
-def _fp8_cache_key(block: nn.Module, path: str, device: torch.device) -> tuple:
-    """What an FP8 weight is made from. PEFT merges (``fuse_lora``) write ``weight.data`` in place,
-    which bumps no version: the LoRA layers' merged adapters are part of the key."""
+def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: tuple | None = None) -> tuple:
+    """What an FP8 weight is made from. PEFT merges (``fuse_lora``) write ``weight.data`` in place, which bumps no
+    version, and an unload afterwards leaves the merged weight behind unwrapped (the merged adapters are gone with
+    the wrapper): the weight's content fingerprint is part of the key, as is every tensor's without a version."""
     m = resolve(block, path)
     base, wrappers = unwrap_peft(m)
     w = base._parameters["weight"]
-    ts = (w, quant.input_amax(base), getattr(base.weight_quantizer, "_amax", None),
+    ts = (quant.input_amax(base), getattr(base.weight_quantizer, "_amax", None),
           getattr(base.weight_quantizer, "_scale", None))
     merged = tuple(lora.state(x)[0] for x in wrappers if lora.is_lora_layer(x))
-    return (str(device), merged) + tuple((id(t), t._version, t.data_ptr(), t.dtype) if isinstance(t, torch.Tensor)
-                                         else None for t in ts)
+    wk = tensor_key(w, content=content is None)
+    return (str(device), merged, wk if content is None else wk[:4] + (content,)) + tuple(map(tensor_key, ts))
 
 
 def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
@@ -538,7 +549,7 @@ def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
 def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ...], list[str]]:
     """Whether the q/k RMSNorm + RoPE chains can run as one ``qk_norm_rope`` launch."""
     attn = block.attn
-    if not QK_FUSION:
+    if not plan.options.tuning.qk_fusion:
         return False, (), [QK_OFF_REASON]
     r = [] if plan.kernels else ["the fused kernels cannot run here"]
     r += _fp8_context_reasons(block, "attn.to_q")
@@ -565,10 +576,40 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
     return True, tuple(float(n.eps) for n in norms), []
 
 
+def _decide21(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
+    """A Qwen-Image-2.1 block from its rows; its linears' plans are their forward slots' (:func:`linear21_decided`)."""
+    plan.rt.generation += 1
+    plan.rt.device, plan.device = device, str(device)
+    plan.kernel_reasons = _kernel_reasons(device, plan.options)
+    plan.kernels = not plan.kernel_reasons
+    attn = block._modules.get("attn")
+    plan.reasons = [] if isinstance(attn, nn.Module) else ["block has no attn module: diffusers' forward"]
+    plan.norms = {n: quant.inspect_norm(n, block._modules.get(n)) for n in QWENIMAGE21.norms}  # None: "not a LayerNorm"
+    plan.sites = [] if plan.reasons else [_decide_site(plan, block, s, device) for s in QWENIMAGE21.sites.values()]
+    why, qk = attention21.reasons(attn, plan.kernels, device) if attn is not None else (plan.reasons, None)
+    plan.own_attention, plan.qk_fused = not why, not why and qk.kernel
+    plan.qk_eps, plan.qk_min_rows, plan.qk_reasons = (qk.eps, qk.min_rows, [] if plan.qk_fused else list(
+        why or qk.why_not)) if qk is not None else ((), 1, list(why))
+    plan.tp_reasons, plan.handoff_reasons = {}, ["Qwen-Image-2.1: not implemented"]
+    linear21_decided(plan)
+
+
+def linear21_decided(plan: BlockPlan) -> None:
+    """After a 2.1 block or linear decided: which sites emit FP8 for their consumers; the report hears the plan."""
+    for s, sp in zip(QWENIMAGE21.sites.values(), plan.sites):
+        lps = [plan.linears.get(p) for p in s.feeds]
+        sp.fp8_out = bool(lps) and sp.fused and all(lp is not None and lp.fp8_gemm for lp in lps) and all(
+            torch.equal(lp.weight.input_amax, lps[0].weight.input_amax) for lp in lps[1:])
+    fp8 = any(lp.fp8_gemm for lp in plan.linears.values())
+    plan.fast_accum = fp8 and gating.fast_accum(plan.options.use_fast_accum, plan.rt.device)
+    if plan.rt.on_decide is not None:
+        plan.rt.on_decide(plan)
+
+
 def _refuse(lp: LinearPlan, why: str) -> None:
     lp.fp8_gemm, lp.tp, lp.lora, lp.lora_active = False, None, False, False
     lp.fp8_reasons = [why]
 
 
-__all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "decide",
-           "derived_only_sources", "refresh"]
+__all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "content_changed", "decide",
+           "derived_only_sources", "linear21_decided", "refresh"]

@@ -25,34 +25,28 @@ from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
-# False sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
-TP_LOCAL = True
-# Where ops.lora_add adds LoRA branches instead of torch's addmm_ (H200, rank 64, the tiled kernel:
-# benchmarks/results/probe_lora_add.md, fp8_lora_tiles_h200.md). Inside net[0]'s GELU + e4m3 quantization it
+# Tuning(tp_local=False) sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
+# Tuning.lora_*_kernel: where ops.lora_add adds LoRA branches instead of torch's addmm_ (H200, rank 64, the tiled kernel:
+# benchmarks/results/fp8_lora/probe_lora_add.md, archive/fp8_lora/fp8_lora_tiles_h200.md). Inside net[0]'s GELU + e4m3 quantization it
 # replaces addmm_ and the quantization kernel (120 against 158 us per block at 4096 x 12288): on by default. As a
 # plain add it loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at
 # 4096 x 12288 (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet
 # neither moved the 60-layer call's wall time beyond the run-to-run noise (~2 ms; with the text stream on its
 # lane, q/k/v of the image stream grouped: 95.07 against 94.91 ms, fp8_lora_50e4b96.md): both off.
-LORA_GELU_KERNEL = True
-LORA_GROUPED_KERNEL = False  # the deferred branches of q, k and v of both streams, one launch
-LORA_ADD_KERNEL = False  # a single output's branches
-
-
-# Whether the lora_A products run on ops.lane's branch lane beside their base GEMMs in a captured call. Off: with
+# Tuning.lora_products_aside: whether the lora_A products run on ops.lane's branch lane beside their base GEMMs in a captured call. Off: with
 # net[2]'s product folded into the GELU kernel (ops.lora_fold) the LoRA call was slower with them aside in three runs
 # (fp8_lora.md: 96.81 against 94.52 ms in line; fp8_lora_fold_h200_first.md / _second.md: 97.09 / 96.68 against
 # 95.69 / 95.34 with no branch lane), while the next block's image modulation beside the FFN still gains in the plain
 # call (83.78 against 84.48 ms): a product beside a GEMM that fills every SM slows the GEMM by about what it hides.
-LORA_PRODUCTS_ASIDE = False
 
 
-def branch_products(fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
+def branch_products(plan: BlockPlan, fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
     """``fn()`` (LoRA ``lora_A`` products of input ``x``): on :mod:`qwen_absorb.ops.lane`'s branch lane, beside the
-    base layer's FP8 GEMM, where ``LORA_PRODUCTS_ASIDE`` asks for it and a capture runs (the same kernels and
+    base layer's FP8 GEMM, where ``Tuning.lora_products_aside`` asks for it and a capture runs (the same kernels and
     inputs: the same bits; whoever reads them calls :func:`qwen_absorb.ops.lane.settle` first); else in line, as
     where no branch is ``active`` (nothing to compute)."""
-    return lane.aside(fn, x) if active and LORA_PRODUCTS_ASIDE else fn()
+    t = plan.options.tuning
+    return lane.aside(fn, x) if active and t.lora_products_aside and "branch" in t.lanes else fn()
 
 
 @torch.compiler.disable
@@ -64,7 +58,11 @@ def _opaque(module: nn.Module, *args: Any) -> Any:
 
 
 def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
-    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules."""
+    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules; an NVFP4 linear (or a
+    container of them) as its runner (``plan.nvfp4``, :mod:`qwen_absorb.nvfp4`) when not compiling."""
+    runner = plan.nvfp4.get(module) if plan.nvfp4 and not compiling else None
+    if runner is not None:
+        return runner(*args)
     if compiling and plan.modelopt:
         return _opaque(module, *args)
     return module(*args)
@@ -135,12 +133,12 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     GEMM by :func:`add_products` (the sum accumulated in fp32), or handed to ``defer``.
     Writing them first and letting the GEMM's epilogue add its product (cuBLASLt ``beta = 1``) was measured on
     the H200 and gained nothing: the epilogue reads them back without overlapping its main loop
-    (``benchmarks/cublaslt_fp8.py``)."""
+    (``benchmarks/cublaslt_fp8.py`` at commit 69357ce)."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
     if prods is None and lp.lora:
-        prods = branch_products(lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
+        prods = branch_products(plan, lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
     torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
@@ -164,13 +162,13 @@ def _kernel_branches(plan: BlockPlan, y: torch.Tensor, prods: lora.Products, swi
 
 def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None:
     """``y`` ([M, N]) plus each branch ``scaling * (x @ A.T) @ B.T``, in place, one after the other: the
-    tensor-core kernel where it runs and ``LORA_ADD_KERNEL`` asks for it, else
+    tensor-core kernel where it runs and ``Tuning.lora_add_kernel`` asks for it, else
     :func:`qwen_absorb.lora.add_products` (``addmm_``): the same expression, fp32 accumulation (the kernel rounds
     each sum once; cuBLAS, measured, not quite: ``benchmarks/NOTES.md``)."""
     lane.settle(y.device, "branch")
-    if prods and _kernel_branches(plan, y, prods, LORA_ADD_KERNEL):
+    if prods and _kernel_branches(plan, y, prods, plan.options.tuning.lora_add_kernel):
         for t, b, s in prods:
-            lora_add.add_([(y, t, b, s)])
+            lora_add.add_([(y, t, b, s)], plan.options.tuning.lora_add_tiles)
     else:
         lora.add_products(y, prods)
 
@@ -180,10 +178,10 @@ def add_deferred(plan: BlockPlan, deferred: list) -> None:
     i-th branch of every output in one launch where the kernel runs, in each output's own order."""
     if deferred:
         lane.settle(deferred[0][0].device, "branch")
-    if all(_kernel_branches(plan, y, prods, LORA_GROUPED_KERNEL) for y, prods in deferred):
+    if all(_kernel_branches(plan, y, prods, plan.options.tuning.lora_grouped_kernel) for y, prods in deferred):
         depth = max((len(p) for _, p in deferred), default=0)
         for i in range(depth):
-            lora_add.add_([(y, *prods[i]) for y, prods in deferred if i < len(prods)])
+            lora_add.add_([(y, *prods[i]) for y, prods in deferred if i < len(prods)], plan.options.tuning.lora_add_tiles)
     else:
         for y, prods in deferred:
             lora.add_products(y, prods)
@@ -195,13 +193,14 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
                         ) -> tuple[torch.Tensor, torch.Tensor | None, lora.Products | None] | None:
     """net[0].proj (``lp``, PEFT layer ``module``) of a FeedForward with LoRA branches, with the last branch added
     inside the GELU(tanh) + e4m3 quantization for a real-FP8 net[2] (``down``, module ``down_module``) where
-    ``LORA_GELU_KERNEL`` and the kernel allow: ``(codes, g, branches)``, the values of :func:`fp8_linear` then
+    ``Tuning.lora_gelu_kernel`` and the kernel allow: ``(codes, g, branches)``, the values of :func:`fp8_linear` then
     :func:`qwen_absorb.ops.quantize_fp8` with ``gelu_tanh``. Where net[2] has active branches, either their
     ``lora_A`` products came out of the same kernel (:mod:`qwen_absorb.ops.lora_fold`: ``branches`` for
     :func:`fp8_linear`, ``g`` None) or the GELU output ``g`` is handed over for them (``branches`` None).
     None where the switch is off, the kernels cannot run or the layout is not the GEMM-into-output one (nothing
     computed yet): the caller runs the steps."""
-    if not (LORA_GELU_KERNEL and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
+    tuning = plan.options.tuning
+    if not (tuning.lora_gelu_kernel and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
             or torch.compiler.is_compiling():
         return None
     amax, act_out = down.weight.input_amax, down.lora and down.lora_active
@@ -209,7 +208,7 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     n = w.codes.shape[0]
     lead = codes.shape[:-1]
     out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
-    prods = branch_products(lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
+    prods = branch_products(plan, lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
     if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
         fp8_linear_into(codes, lp, plan, out, x, module, prods)
         _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
@@ -218,10 +217,10 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     lane.settle(out.device, "branch")
     t, b, s = prods[-1]
     fold = lora.foldable_branch(down_module, out.dtype, out.device) if act_out and down_module is not None else None
-    if fold is not None and not lora_fold.reasons(out, t, b, fold[0]):
+    if fold is not None and tuning.lora_fold and tuning.lora_add_tiles and not lora_fold.reasons(out, t, b, fold[0]):
         c, t2 = lora_fold.add_gelu_fp8_fold(out, t, b, s, amax, fold[0])
         return c.view(*lead, n), None, [(t2, fold[1], fold[2])]
-    c, g = lora_add.add_gelu_fp8(out, t, b, s, amax, act_out)
+    c, g = lora_add.add_gelu_fp8(out, t, b, s, amax, act_out, tiles=tuning.lora_add_tiles)
     return c.view(*lead, n), (g.view(*lead, n) if g is not None else None), None
 
 
@@ -238,7 +237,7 @@ def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
 def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpShard | None:
     """The local-shard record of a tensor-parallel linear that may skip DTensor for input ``x``, else
     None (no TP, or a layout / hook / input the local path does not reproduce: counted with why)."""
-    if not TP_LOCAL:
+    if not plan.options.tuning.tp_local:
         return None
     shard, why = tp_shard(linear)
     if shard is None:

@@ -315,6 +315,38 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
     return r
 
 
+def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[str]:
+    """The one FP8 eligibility check of a ModelOpt linear, for both block families: why ``module`` (a PEFT
+    wrapper looked through) cannot run as a real FP8 GEMM on a device that refuses for ``device_reasons``
+    (``qwen_absorb.gating.fp8_device_refusals``); empty: it can. Tensor parallelism and offloading hooks are
+    the caller's (Qwen-Image runs local shards)."""
+    r = fp8_gemm_reasons(module)
+    if r == ["not ModelOpt-quantized"]:
+        return r
+    r += device_reasons
+    base = unwrap_peft(module)[0]
+    w = base._parameters.get("weight")
+    if isinstance(w, torch.Tensor):
+        if not is_dtensor(w) and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
+            r.append(f"weight is a {type(w.data).__name__}: the GEMM must stay the module's")
+        if w.device.type == "meta":
+            r.append("weight on the meta device (offload hook)")
+        if getattr(w, "metadata", {}).get("dtype", w.dtype) not in (torch.bfloat16, torch.float16):
+            r.append("activations are not bf16/fp16")
+    return r
+
+
+def modelopt_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What ModelOpt's ``QuantInputBase.forward`` runs between its quantizers when the forward it kept from
+    before a conversion (``_forward_pre_dm``, e.g. ``mtq.compress`` after patching) is not one of the class's:
+    ``super().forward``. A forward of ours kept there calls this, never the module again (no recursion)."""
+    qf = _quant_input_forward()
+    for cls in type(module).__mro__:
+        if cls.__dict__.get("forward") is qf:
+            return super(cls, module).forward(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
 def _weight_shape(base: nn.Module) -> tuple[int, int]:
     w = base._parameters["weight"]
     shape = getattr(w, "metadata", {}).get("shape") if type(w).__name__ == "QTensorWrapper" else None

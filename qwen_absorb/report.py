@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import qwenimage21
 from .plan import BlockPlan, LinearPlan, SitePlan
 from .quant import NormInfo, ProjectionInfo
 from .sites import SITE_TABLE, SITES, STREAMS  # noqa: F401  (SITES, STREAMS: re-exported)
@@ -107,38 +106,6 @@ class BlockReport:
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
             list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards, attn_cache=p.attn_cache)
 
-    @classmethod
-    def of21(cls, index: int, install: str, d: qwenimage21.Decision,
-             linears: dict[str, LinearReport] | None = None, amax: dict[str, float] | None = None,
-             fast_accum: bool = False) -> BlockReport:
-        """A Qwen-Image-2.1 block: one stream, five sites; ``linears`` are its ModelOpt linears as
-        :mod:`qwen_absorb.fp8_forward` decided them (real FP8 GEMMs in their own forward slots, called by
-        diffusers' processors or our runner), ``amax`` their input amax (which sites emit FP8 for them)."""
-        runner = "kernel" if d.kernels else "reference"
-        fused = set(d.fused)
-        why = {s: [r.split(": ", 1)[1] for r in d.reasons if r.startswith(f"{s} not fused: ")] for s in qwenimage21.SITES}
-        linears = dict(linears or {})
-        amax = amax or {}
-
-        def emits(site: str) -> bool:  # the site's fused op writes the codes its real-FP8 consumers read
-            paths = _FEEDS21.get(site, ())
-            if site not in fused or not paths or not all(p in linears and linears[p].fp8_gemm for p in paths):
-                return False
-            return len({amax.get(p) for p in paths}) == 1
-
-        sites = [SiteReport(index, "img", s, s in fused, ([] if s in fused else why.get(s) or ["block not patched"]),
-                            runner if s in fused else "eager", None, False, [], None, emits(s), False)
-                 for s in ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual")]
-        kernel_reasons = [r.split(": ", 1)[1] for r in d.reasons if r.startswith("fused ops run their torch references: ")]
-        blocked = [] if d.enabled else list(d.reasons)
-        qk_fused = bool(d.attn and d.qk is not None and d.qk.kernel)
-        qk_why = [] if qk_fused else [r.split(": ", 1)[1] for r in d.reasons
-                                      if r.startswith(("attention runs as its module: ", "q/k RMSNorm + RoPE not fused: "))]
-        qk_why = qk_why or ([] if qk_fused else ["block not patched"])
-        return cls(index, d.enabled, blocked, install, str(d.device), d.kernels, kernel_reasons, sites, linears, {}, {},
-                   qk_fused, qk_why, {}, False,
-                   ["Qwen-Image-2.1: not implemented"], [], 0, fast_accum)
-
     def site(self, stream: str, name: str) -> SiteReport:
         for s in self.sites:
             if s.stream == stream and s.site == name:
@@ -173,6 +140,7 @@ class PatchReport:
     force_reference: bool = False
     offload_original_weights: bool = False
     cuda_graph_mode: str | bool = False
+    tuning: str = ""  # the measurement switches that differ from the defaults (qwen_absorb.Tuning.describe)
     cuda_graph_refused: str | None = None  # why graph mode was not installed although asked for
     runtime_fallbacks: Counter = field(default_factory=Counter)  # calls that could not take the fused path
     graph_fallbacks: Counter = field(default_factory=Counter)  # cuda_graph="auto": calls run eager, by reason
@@ -181,11 +149,11 @@ class PatchReport:
     _blocks: list[BlockReport] = field(default_factory=list, repr=False)
     _state: Any = field(default=None, repr=False, compare=False)  # weakref to the patch state
     _seen: dict[str, Any] = field(default_factory=lambda: {"dtype": "?", "graph": None}, repr=False)
-    # Qwen-Image-2.1: per block, (install slot, decision) and {path: (LinearReport, input amax, fast accum)}
-    _21: dict[int, tuple] = field(default_factory=dict, repr=False)
-    _21lin: dict[int, dict] = field(default_factory=dict, repr=False)
     # Qwen-Image: per block, {attention linear path: its gated real-FP8 forward may run (qwen_absorb.fp8_forward)}
     _fwd: dict[int, dict] = field(default_factory=dict, repr=False)
+    # the pipeline rooms' sections (qwen_absorb.vae.VaeReport, qwen_absorb.text_encoder.TextEncoderReport): plain
+    # data with to_dict() and line(), set by patch() when its target is a pipeline
+    parts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
         """Copy ``plan``'s decisions in (every block calls it after deciding)."""
@@ -193,34 +161,11 @@ class PatchReport:
             self._blocks.append(None)  # type: ignore[arg-type]
         self._blocks[plan.index] = BlockReport.of(plan)
 
-    def record21(self, index: int, install: str, decision: qwenimage21.Decision) -> None:
-        """Copy a Qwen-Image-2.1 block's decision in (its linears' records are kept)."""
-        while len(self._blocks) <= index:
-            self._blocks.append(None)  # type: ignore[arg-type]
-        self._21[index] = (install, decision)
-        self._rebuild21(index)
-
-    def record21_linear(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
-                        input_amax: float, fast_accum: bool = False) -> None:
-        """Copy a Qwen-Image-2.1 linear's decision in (:class:`qwen_absorb.fp8_forward.Fp8LinearForward`
-        calls it after every decision)."""
-        self._21lin.setdefault(index, {})[path] = (LinearReport(path, fp8, list(reasons), False, reused_storage, False),
-                                                   input_amax, fast_accum)
-        if index in self._21:
-            self._rebuild21(index)
-
     def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
                        input_amax: float, fast_accum: bool = False) -> None:
         """Copy the decision of a Qwen-Image attention linear's gated real-FP8 forward in (at install, then
         after every decision it makes when its hooked attention runs)."""
         self._fwd.setdefault(index, {})[path] = bool(fp8)
-
-    def _rebuild21(self, index: int) -> None:
-        install, decision = self._21[index]
-        lin = self._21lin.get(index, {})
-        self._blocks[index] = BlockReport.of21(
-            index, install, decision, {p: v[0] for p, v in lin.items()}, {p: v[1] for p, v in lin.items()},
-            any(v[0].fp8_gemm and v[2] for v in lin.values()))
 
     def bind(self, state: Any) -> None:
         """Read the dtype and graph of ``state`` (a ``qwen_absorb.patch`` state) while it is active."""
@@ -248,8 +193,7 @@ class PatchReport:
         for b in self._blocks:
             if b is not None:
                 b.handoffs_used = self.handoffs[b.index]
-                if b.index not in self._21:
-                    b.fp8_forward_linears = sum(self._fwd.get(b.index, {}).values()) if b.patched else 0
+                b.fp8_forward_linears = sum(self._fwd.get(b.index, {}).values()) if b.patched else 0
                 out.append(b)
         return out
 
@@ -350,12 +294,13 @@ class PatchReport:
             "kernels_available": d is not None and not d.kernel_reasons,
             "kernel_unavailable_reasons": list(d.kernel_reasons) if d is not None else ["no blocks"],
             "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
-            "force_reference": self.force_reference, "active": self.active,
+            "force_reference": self.force_reference, "active": self.active, "tuning": self.tuning,
             "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
             "rebuilds": dict(self.rebuilds), "cuda_graph_mode": self.cuda_graph_mode, "cuda_graph": self.cuda_graph,
             "cuda_graph_refused": self.cuda_graph_refused,
             "graph_fallbacks": dict(self.graph_fallbacks),
             "blocks": [b.to_dict() for b in blocks],
+            **{name: part.to_dict() for name, part in self.parts.items()},
         }
         json.dumps(out)  # fail here, not in the caller's serialiser, if something is not JSON-able
         return out
@@ -366,25 +311,15 @@ class PatchReport:
         d = self._decided(blocks)
         device = d.device if d is not None else "?"
         state = "active" if self.active else "unpatched"
+        kernel_why = "; ".join(d.kernel_reasons) if d is not None else ""
+        plain = _Plain(device, kernel_why)
         lines = [f"qwen_absorb PatchReport ({state}): {self.transformer_class} on {device}, {self.dtype}",
-                 f"  blocks patched {s['blocks_patched']}/{s['blocks']}"]
-        if s["sites_fused"]:
-            how = []
-            for runner, n in (("kernel", s["sites_on_kernels"]), ("reference", s["sites_on_references"])):
-                if n:
-                    how.append(f"{n} on {RUNNER_WORDS[runner]}")
-            lines.append(f"  fused sites {s['sites_fused']}/{s['sites']} ({', '.join(how) or 'none running'})")
-        if d is not None and d.kernel_reasons:
-            lines.append("  CUDA kernels not used here: " + "; ".join(d.kernel_reasons))
-        lines.append(f"  biases deferred into the fused ops: {s['biases_deferred']}/{s['biases_deferrable_sites']} "
-                     f"(defer_bias={self.defer_bias!r})")
+                 f"  blocks patched {s['blocks_patched']}/{s['blocks']}", "  " + _sites_line(s, device, kernel_why)]
+        if self.tuning:
+            lines.append(f"  tuning (not the default): {self.tuning}")
         if s["modelopt_linears"]:
-            lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
-            fast = " with fast accumulation" if any(b.fast_accum for b in blocks if b.patched) else ""
-            lines.append(f"  real FP8 GEMMs: {s['fp8_gemm_linears']} of {s['modelopt_linears']} ModelOpt linears"
-                         f"{lora_part}{fast if s['fp8_gemm_linears'] else ''} (fp8_gemm={self.fp8_gemm!r}); "
-                         f"FP8-emitting fused sites: {s['fp8_emitting_sites']}")
-        if s["fp8_forward_linears"]:
+            lines.append(self._fp8_line(s, blocks, device))
+        if s["fp8_forward_linears"] and s["hooked_attention_fp8_blocks"]:  # standby forwards: said only when used
             lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): {s['fp8_forward_linears']} "
                          f"attention linears run real FP8 in their forward slots there; attention hooked now in "
                          f"{s['hooked_attention_fp8_blocks']} blocks")
@@ -395,21 +330,32 @@ class PatchReport:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
                          f"quantized block norms: {s['quantized_norms']}")
-        lines += _grouped("  blocks not patched", "block", [(b.reasons, b.index) for b in blocks if b.reasons])
-        lines += _grouped("  sites not fused", "site", [(x.reasons, x.block) for x in self._sites(blocks) if x.reasons])
+        # Bias deferral can only apply to ModelOpt-quantized projections (or when forced with defer_bias=True):
+        # a bf16 model gets no deferral section at all.
+        deferral_applies = s["biases_deferrable_sites"] and (
+            s["biases_deferred"] or self.defer_bias is True or s["quantized_projections"])
+        if deferral_applies:
+            lines.append(f"  biases deferred into the op that follows their projection: {s['biases_deferred']}/"
+                         f"{s['biases_deferrable_sites']} (defer_bias={self.defer_bias!r})")
+        lines += _grouped("  blocks not patched", "block", [(plain(b.reasons), b.index) for b in blocks if b.reasons])
+        lines += _grouped("  sites not fused (run as diffusers' ops)", "site",
+                          [(plain(x.reasons), x.block) for x in self._sites(blocks) if x.reasons])
         lines += _grouped(
             "  ModelOpt linears not run as real FP8 GEMMs", "linear",
-            [(lp.fp8_reasons, b.index) for b in blocks for lp in b.linears.values()
+            [(plain(lp.fp8_reasons), b.index) for b in blocks for lp in b.linears.values()
              if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], limit=8)
-        lines += _grouped("  biases kept in the GEMM", "site",
-                          [(x.defer_reasons, x.block) for x in self._sites(blocks) if x.projection and not x.bias_deferred])
+        if deferral_applies:
+            lines += _grouped("  biases kept in the GEMM", "site",
+                              [(plain(x.defer_reasons), x.block) for x in self._sites(blocks)
+                               if x.projection and not x.bias_deferred])
         g = self.cuda_graph
         if g is not None:
             per = g.get("mode") == "per block"  # Qwen-Image-2.1: one runner per block, counts in block calls
             where = f" over {g.get('blocks', 0)} blocks" if per else ""
             lines.append(f"  CUDA graphs{' per block' if per else ''} (cuda_graph={self.cuda_graph_mode!r}): "
                          f"{g.get('graphs', 0)} kept{where}, {g.get('captures', 0)} captured, "
-                         f"{g.get('replays', 0)} replays, {g.get('eager_calls', 0)} {'block ' if per else ''}calls eager")
+                         f"{g.get('replays', 0)} replays, {g.get('eager_calls', 0)} {'block ' if per else ''}"
+                         f"call{'' if g.get('eager_calls', 0) == 1 else 's'} eager")
             if self.graph_fallbacks:
                 lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
         elif self.cuda_graph_refused:
@@ -420,9 +366,24 @@ class PatchReport:
             lines.append("  decided anew (block calls): "
                          + "; ".join(f"{n} x {r}" for r, n in self.rebuilds.most_common()))
         if self.runtime_fallbacks:
-            lines.append("  runtime fallbacks (calls):")
-            lines += [f"    {n:>6}  {r}" for r, n in self.runtime_fallbacks.most_common()]
+            lines.append("  runtime fallbacks (block calls):")
+            lines += [f"    {n:>6}  {plain.one(r)}" for r, n in self.runtime_fallbacks.most_common()]
+        lines += [f"  {part.line()}" for part in self.parts.values()]
         return "\n".join(lines)
+
+    def _fp8_line(self, s: dict[str, Any], blocks: list[BlockReport], device: str) -> str:
+        """The real-FP8 count. It covers the linears inside the transformer blocks (what the patch runs);
+        a quantizer's own count of the whole model also has the linears outside them (img_in, txt_in,
+        proj_out, the time embedding), which run as ModelOpt runs them."""
+        n = s["fp8_gemm_linears"]
+        lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
+        fast = " with fast accumulation" if n and any(b.fast_accum for b in blocks if b.patched) else ""
+        where = ""
+        if n and not device.startswith("cuda"):
+            where = (f"; on {device} they run torch._scaled_mm's {device} implementation (fp8_gemm=True with "
+                     f"capabilities={{'{device}'}}): a test of the logic, not a speed path")
+        return (f"  real FP8 GEMMs: {n} of {s['modelopt_linears']} ModelOpt linears in the blocks{lora_part}{fast} "
+                f"(fp8_gemm={self.fp8_gemm!r}); sites emitting their FP8 codes: {s['fp8_emitting_sites']}{where}")
 
     @staticmethod
     def _sites(blocks: list[BlockReport]) -> list[SiteReport]:
@@ -432,9 +393,45 @@ class PatchReport:
 
 
 _NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
-# Qwen-Image-2.1: the real-FP8 consumers of each FP8-emitting site
-_FEEDS21 = {"norm1": ("attn.to_q", "attn.to_k", "attn.to_v"), "norm2": ("img_mlp.gate_layer", "img_mlp.proj"),
-            "swiglu": ("img_mlp.out",)}
+
+
+def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
+    """What the sites ran on, counts adding up to all sites: the word "fused" only where kernels ran."""
+    total, kernels, refs = s["sites"], s["sites_on_kernels"], s["sites_on_references"]
+    eager = total - kernels - refs
+    parts = []
+    if kernels:
+        parts.append(f"{kernels} on fused CUDA kernels")
+    if refs:
+        parts.append(f"{refs} on torch references" + (f" (no CUDA kernels on {device}: {kernel_why})" if kernel_why else ""))
+    if eager:
+        parts.append(f"{eager} as diffusers' ops (below)")
+    if len(parts) == 1:
+        return f"{total} sites {parts[0].split(' ', 1)[1]}"
+    return f"{total} sites: " + ", ".join(parts)
+
+
+class _Plain:
+    """Says the kernels' unavailability once: reasons that repeat it (deferral refused because the fused path
+    is unavailable, a block call that ran the references) point to the sites line instead."""
+
+    def __init__(self, device: str, kernel_why: str):
+        self.device, self.why = device, kernel_why
+
+    def one(self, reason: str) -> str:
+        if not self.why:
+            return reason
+        short = f"no CUDA kernels on {self.device}"
+        if reason == "fused ops ran their torch references: " + self.why:
+            return f"ran the torch references ({short})"
+        if reason == f"tensors are on {self.device}; real FP8 GEMMs need CUDA":
+            # what examples/quantize_fp8.py forces on a CPU, said here so the two read alike
+            return reason + f" (fp8_gemm=True with capabilities={{'{self.device}'}} runs them here, for tests)"
+        return (reason.replace("fused CUDA path unavailable: " + self.why, short)
+                .replace("its bias is fused in the GEMM", "its bias is added by the GEMM"))
+
+    def __call__(self, reasons: list[str]) -> list[str]:
+        return [self.one(r) for r in reasons]
 
 
 def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: int = 0) -> list[str]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .hooks import hooked
+
 STREAMS = ("img", "txt")
 SITES = ("norm1", "attn_residual", "ffn_residual")
 
@@ -30,7 +32,7 @@ class Site:
     norm: str | None  # the block LayerNorm it replaces
     takes_bias_of: str | None  # the projection whose bias it can consume (deferral)
     feeds: tuple[str, ...]  # the linears whose input it produces (FP8 emission)
-    next: tuple[int, str]  # (block offset, site key) that follows: the residual stream's next reader
+    next: tuple[int, str] | None = None  # (block offset, site key) that follows: the residual stream's next reader
 
     @property
     def key(self) -> str:
@@ -78,6 +80,56 @@ LINEAR_TABLE: dict[str, Linear] = {
 }
 
 NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
+# The attention linears, called by diffusers' processor when the attention runs as its module (gated forwards).
+ATTN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                "attn.to_out.0", "attn.to_add_out")
+
+# Qwen-Image-2.1 (``QwenImage21TransformerBlock``): one stream; norm1's op replaces img_norm1, norm2's op the
+# attention residual and img_norm2 together (the attention residual alone where norm2 is not fused), the SwiGLU
+# op img_mlp's own forward. No bias is deferred; the FP8 emission feeds the linears named.
+_QKV21 = ("attn.to_q", "attn.to_k", "attn.to_v")
+_AB21 = ("img_mlp.gate_layer", "img_mlp.proj")
+SITE21_TABLE: dict[str, Site] = {s.key: s for s in (
+    Site("img", "norm1", "layer_norm_scale", "img_norm1", None, _QKV21),
+    Site("img", "attn_residual", "tanh_gate_residual", None, None, ()),
+    Site("img", "norm2", "tanh_gate_residual_layer_norm_scale", "img_norm2", None, _AB21),
+    Site("img", "swiglu", "swiglu", None, None, ("img_mlp.out",)),
+    Site("img", "ffn_residual", "tanh_gate_residual", None, None, ()),
+)}
+LINEAR21_TABLE: dict[str, Linear] = {
+    **{p: Linear(p, "img", "img.norm1") for p in _QKV21},
+    "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
+    **{p: Linear(p, "img", "img.norm2") for p in _AB21},
+    "img_mlp.out": Linear("img_mlp.out", "img", "img.swiglu"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One block family: its block class (by name), its sites, its linears and its q/k norms."""
+
+    name: str
+    block_class: str
+    sites: dict[str, Site]
+    linears: dict[str, Linear]
+    qk_norms: tuple[str, ...]
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        return tuple(s.norm for s in self.sites.values() if s.norm)
+
+
+QWENIMAGE = Family("Qwen-Image", "QwenImageTransformerBlock", SITE_TABLE, LINEAR_TABLE,
+                   ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
+QWENIMAGE21 = Family("Qwen-Image-2.1", "QwenImage21TransformerBlock", SITE21_TABLE, LINEAR21_TABLE,
+                     ("norm_q", "norm_k"))
+FAMILIES = (QWENIMAGE, QWENIMAGE21)
+
+
+def family_of(block: nn.Module) -> Family | None:
+    """The family whose block class ``block`` is (or derives from), by name; None: neither."""
+    names = {c.__name__ for c in type(block).__mro__}
+    return next((f for f in FAMILIES if f.block_class in names), None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,3 +211,19 @@ def resolve(block: nn.Module, path: str) -> nn.Module | None:
         if m is None:
             return None
     return m
+
+
+def swiglu21_refusals(block: nn.Module) -> list[str]:
+    """Why ``block.img_mlp`` is not diffusers' SwiGLU feed-forward the fused op reproduces (hooks: per call)."""
+    mlp, name = block._modules.get("img_mlp"), "QwenImage21SwiGLUFeedForward"
+    own = next((c.forward for c in type(mlp).__mro__ if c.__name__ == name), None)
+    if own is None:
+        return [f"img_mlp is a {type(mlp).__name__}, not diffusers' {name}"]
+    if type(mlp).forward is not own:
+        return ["img_mlp's class overrides forward"]
+    if hooked(mlp):
+        return ["img_mlp has a hook or a wrapped forward (the fused path calls its linears directly)"]
+    act = mlp._modules.get("activation_fn")
+    if type(act) is not nn.SiLU or hooked(act):
+        return [f"img_mlp.activation_fn is a {type(act).__name__}, not an unhooked nn.SiLU"]
+    return [f"img_mlp.{n}: missing" for n in ("gate_layer", "proj", "out") if not isinstance(mlp._modules.get(n), nn.Module)]

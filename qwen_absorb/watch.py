@@ -6,7 +6,8 @@ objects whose state only a function can read (PEFT layers, :func:`qwen_absorb.lo
 
 - the identity of every watched value (a module, parameter or buffer replaced; a bool switch flipped:
   ``True``/``False``/``None`` are singletons),
-- the ``_version`` and ``data_ptr`` of every watched tensor (modified in place, ``param.data = ...``),
+- the ``_version`` and ``data_ptr`` of every watched tensor (modified in place, ``param.data = ...``); for an
+  inference tensor, which has no version counter, a content fingerprint instead (:func:`content_fingerprint`),
 - the length of every sized value (a hook added to or removed from a module's hook dict),
 - the class of every typed object (a module converted in place, as ``mtq.quantize`` does),
 - the state tuples of the stateful objects.
@@ -50,11 +51,41 @@ def tensor_version(t: Any) -> int:
 
 _version = tensor_version
 _BY_ID = ("_modules", "_parameters")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAMPLE = 4096
+
+
+def content_fingerprint(t: Any) -> tuple[int, ...] | None:
+    """A cheap fingerprint of ``t``'s values, for where versions cannot be trusted: an inference tensor has no
+    version counter, and writes through ``.data`` (PEFT's merges, ``fuse_lora``) bump none. Over the bit patterns:
+    their integer sum and xor (``torch.hash_tensor``: together they see any change short of an exact compensation)
+    and a position-weighted sum of ~4k strided samples (a permutation); one read of ``t``, no temporary of its
+    size, one device sync. None where there are no values to read (meta, a tensor subclass)."""
+    try:
+        x = t.detach()
+        if x.device.type == "meta" or type(x) is not torch.Tensor or x.element_size() not in _BITS:
+            return None
+        flat = x.reshape(-1).view(_BITS[x.element_size()])
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)].to(torch.int64)
+        weights = torch.arange(1, sample.numel() + 1, device=sample.device, dtype=torch.int64)
+        parts = [flat.sum(dtype=torch.int64), torch.hash_tensor(flat).view(torch.int64), (sample * weights).sum()]
+        return tuple(torch.stack(parts).tolist())
+    except Exception:  # noqa: BLE001 - a tensor this cannot read: no fingerprint (identity, pointer still watched)
+        return None
+
+
+def tensor_key(t: Any, content: bool = False) -> tuple | None:
+    """What a tensor's derived state was made from: identity, version, address, dtype, and its content fingerprint
+    where ``content`` asks for it or the tensor has no version counter (None for a non-tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    v = tensor_version(t)
+    return (id(t), v, t.data_ptr(), t.dtype, content_fingerprint(t) if content or v < 0 else None)
 
 
 class Watch:
     __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "rdicts", "rkeys", "rvals", "tdicts", "tkeys", "tids",
-                 "vers", "ptrs",
+                 "vers", "ptrs", "vless", "fps",
                  "sentries", "sdicts", "skeys", "lens", "typed", "types", "stateful", "states", "pending")
 
     def __init__(self, entries: Iterable[Entry] = (), tensors: Iterable[Entry] = (),
@@ -104,6 +135,10 @@ class Watch:
         self.tids = list(map(id, cur))
         self.vers = [_version(t) for t in cur]
         self.ptrs = list(map(_data_ptr, cur))
+        # inference tensors (no version counter: an in-place load under inference_mode bumps nothing) are
+        # compared by content too: one fingerprint each per check, paid only by models that hold such tensors
+        self.vless = [t for t, v in zip(cur, self.vers) if v < 0]
+        self.fps = list(map(content_fingerprint, self.vless))
         self.lens = list(map(len, map(dict.get, self.sdicts, self.skeys)))
         self.types = list(map(type, self.typed))
         self.states = [fn(obj) for obj, fn in self.stateful]
@@ -127,6 +162,8 @@ class Watch:
                 return True
         if list(map(_data_ptr, cur)) != self.ptrs:
             return True
+        if self.vless and not _capturing(self.vless) and list(map(content_fingerprint, self.vless)) != self.fps:
+            return True
         if list(map(len, map(dict.get, self.sdicts, self.skeys))) != self.lens:
             return True
         if list(map(type, self.typed)) != self.types:
@@ -140,9 +177,14 @@ class Watch:
         return len(self.entries) + len(self.tentries) + len(self.typed) + len(self.stateful)  # sized: in entries
 
 
+def _capturing(ts: list) -> bool:
+    """A CUDA-graph capture runs (no sync possible: the fingerprints are compared at the next eager call)."""
+    return any(t.is_cuda for t in ts) and torch.cuda.is_current_stream_capturing()
+
+
 def _dict(e: Entry) -> dict:
     d = e[0].__dict__
     return d if e[1] == "__dict__" else d[e[1]]
 
 
-__all__ = ["Watch"]
+__all__ = ["Watch", "content_fingerprint", "tensor_key", "tensor_version"]

@@ -274,19 +274,13 @@ def _mode_scenarios(c: _Ctx, mode: str) -> None:
                 "runtime_fallbacks": {k: int(v) for k, v in report.runtime_fallbacks.items()}}
 
     def through_dtensor():
-        """projection.TP_LOCAL = False: every TP linear runs through DTensor, the rest fused."""
-        import qwen_absorb.projection as proj  # noqa: PLC0415
-
+        """Tuning(tp_local=False): every TP linear runs through DTensor, the rest fused."""
         m = c.model()
         m.enable_parallelism(config=c.cfg(mode))
-        qwen_absorb.patch(m)
+        qwen_absorb.patch(m, tuning=qwen_absorb.Tuning(tp_local=False))
         local: dict = {}
-        proj.TP_LOCAL = False
-        try:
-            with _tp_spy(local):
-                out = c.run(m, inp)
-        finally:
-            proj.TP_LOCAL = True
+        with _tp_spy(local):
+            out = c.run(m, inp)
         return {**c.cmp(out, base), "tp_local_linears": local}
 
     c.scenario(f"{mode}.patched_before", patched("before"))

@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 
 from qwen_absorb import fp8_forward, qwenimage21
+from qwen_absorb.plan import BlockPlan, decide
 
 
 def tiny_model(dtype=torch.float32, device="cpu", seed=0, heads=2, head_dim=16, axes=(4, 6, 6), layers=2,
@@ -86,24 +87,25 @@ def run_kv(model, inputs_extract, inputs_cached):
 
 @contextlib.contextmanager
 def installed(model, device):
-    """The runner in every block's forward slot (as the patch floor wires it); yields the decisions."""
-    decisions = []
-    for block in model.transformer_blocks:
-        decision = qwenimage21.decide(block, device)
-        decisions.append(decision)
-        block.forward = (lambda b, d: (lambda *a, **k: qwenimage21.patched_forward(b, d, *a, **k)))(block, decision)
+    """The runner in every block's forward slot (as the patch floor wires it); yields the blocks' plans."""
+    plans = []
+    for i, block in enumerate(model.transformer_blocks):
+        plan = BlockPlan(index=i)
+        decide(plan, block, torch.device(device))
+        plans.append(plan)
+        block.forward = (lambda b, p: (lambda *a, **k: qwenimage21.patched_forward(b, p, *a, **k)))(block, plan)
     try:
-        yield decisions
+        yield plans
     finally:
         for block in model.transformer_blocks:
             block.__dict__.pop("forward", None)
 
 
-def fallback_counts(decisions, allowed=("fused ops ran their torch references",)) -> dict:
+def fallback_counts(plans, allowed=("fused ops ran their torch references",)) -> dict:
     """Counted reasons other than the expected ones (empty: every call took the fused path)."""
     out = {}
-    for d in decisions:
-        for k, v in d.counts.snapshot().items():
+    for p in plans:
+        for k, v in p.rt.counter.items():
             if k not in allowed:
                 out[k] = out.get(k, 0) + v
     return out

@@ -60,7 +60,7 @@ def _key(kwargs, positional=()):
 def test_cpu_calls_are_the_eager_call(zero_cond_t, patched, return_dict, seed):
     model = T.tiny_transformer(seed=seed, zero_cond_t=zero_cond_t, num_layers=2)
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)
     inputs = [T.transformer_inputs(model, seed=seed + i, masked_tail=2 * (i % 2)) for i in range(3)]
     for kw in inputs:
         kw["return_dict"] = return_dict
@@ -388,7 +388,7 @@ def test_snapshot_is_stable_across_calls(zero_cond_t, patched, quantized, seed):
         pytest.importorskip("modelopt.torch.quantization")
         T.fp8_quantize(model, kw)
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)
     _run(model, kw)  # lazy first-call state
     scan = F.Scan(model)
     assert scan.refusal == "model not on CUDA"  # and nothing else: no hook, no calibration
@@ -430,7 +430,7 @@ def test_snapshot_sees_structure_and_switches(seed):
     assert scan.changed() == "forward hooks added or removed"
 
     scan = F.Scan(model)
-    qwen_absorb.patch(model)
+    qwen_absorb.patch(model, cuda_graph=False)
     assert scan.changed() is not None
     scan = F.Scan(model)
     qwen_absorb.unpatch(model)
@@ -583,7 +583,7 @@ def test_describe_is_json(seed):
 def test_deepcopy_gets_its_own_runner(patched, seed):
     model = T.tiny_transformer(seed=seed, zero_cond_t=True)
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)
     kw = T.transformer_inputs(model, seed=seed + 1)
     ref = _first(_run(model, kw))
     runner, fb = _install(model)
@@ -728,7 +728,7 @@ def test_capture_plumbing_with_fake_graphs(fake_cuda, zero_cond_t, patched, seed
 
     model = T.tiny_transformer(seed=seed, zero_cond_t=zero_cond_t)
     if patched:
-        qwen_absorb.patch(model)
+        qwen_absorb.patch(model, cuda_graph=False)
     a = [T.transformer_inputs(model, seed=seed + 1 + i, masked_tail=2) for i in range(3)]  # one signature
     b = [T.transformer_inputs(model, seed=seed + 10 + i, text_len=5, masked_tail=0) for i in range(2)]  # another
     ra, rb = [_first(_run(model, kw)) for kw in a], [_first(_run(model, kw)) for kw in b]
@@ -1180,7 +1180,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
     after it (the launched replay is discarded, the call runs eager): each kind of change, outputs always the
     ungraphed twin's."""
     model, twin = _lora_model(seed), _lora_model(seed)
-    qwen_absorb.patch(model)
+    qwen_absorb.patch(model, cuda_graph=False)
     qwen_absorb.patch(twin, cuda_graph=False)
     kw = T.transformer_inputs(model, seed=seed + 1)
     runner, fb = _install(model)
@@ -1232,7 +1232,7 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
     T.fp8_quantize(model, [kw])
     twin = copy.deepcopy(model)
     real = {"fp8_gemm": True, "capabilities": {"cpu"}}
-    assert qwen_absorb.patch(model, **real).summary["fp8_gemm_linears"] == 28
+    assert qwen_absorb.patch(model, **real, cuda_graph=False).summary["fp8_gemm_linears"] == 28
     qwen_absorb.patch(twin, **real, cuda_graph=False)
     runner, fb = _install(model)
     launches = _count_launches(monkeypatch)

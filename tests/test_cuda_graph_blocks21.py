@@ -23,7 +23,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
-from qwen_absorb.block import Patched21Forward
+from qwen_absorb.qwenimage21 import Patched21Forward
 from qwen_absorb.cuda_graph import capture as C
 
 from .cuda_graph_fakes import arm

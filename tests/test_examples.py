@@ -45,6 +45,7 @@ def _one(pattern: str, folder: Path) -> Path:
 # ------------------------------------------------------------------------------------- compare_outputs.py
 
 
+@pytest.mark.slow
 def test_compare_outputs_default_tiny(tmp_path):
     p = _run("compare_outputs.py", "--out", str(tmp_path))
     assert p.returncode == 0, _explain(p)
@@ -76,9 +77,11 @@ def test_compare_outputs_default_tiny(tmp_path):
     assert w >= 3 * 64 and h > 64  # three panels plus a caption
 
 
+@pytest.mark.slow
 def test_compare_outputs_qwenimage21_tiny(tmp_path):
     """--family qwenimage21: the tiny random QwenImage21Pipeline, unpatched vs patched, its side-by-side PNG."""
-    p = _run("compare_outputs.py", "--family", "qwenimage21", "--steps", "2", "--warmup", "0", "--out", str(tmp_path))
+    p = _run("compare_outputs.py", "--family", "qwenimage21", "--steps", "2", "--warmup", "0", "--repeats", "1",
+             "--out", str(tmp_path))
     assert p.returncode == 0, _explain(p)
     res = json.loads(_one("results_*qwenimage21*.json", tmp_path).read_text())
     png = _one("side_by_side_*qwenimage21*.png", tmp_path)
@@ -138,6 +141,7 @@ def test_compare_outputs_qwenimage21_refused_option_exits_2(tmp_path):
     assert "NVFP4 is not validated for Qwen-Image-2.1" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_compare_outputs_modelopt_fp8(tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
     p = _run("compare_outputs.py", "--quant", "fp8", "--steps", "2", "--out", str(tmp_path))
@@ -150,6 +154,7 @@ def test_compare_outputs_modelopt_fp8(tmp_path):
         assert res["metrics"]["identical"] is True
 
 
+@pytest.mark.slow
 def test_compare_outputs_forced_deferral_is_judged_by_tolerance(tmp_path):
     """defer_bias=True moves a rounding point: not bit-identical, so PSNR/SSIM decide."""
     pytest.importorskip("modelopt.torch.quantization")
@@ -162,6 +167,7 @@ def test_compare_outputs_forced_deferral_is_judged_by_tolerance(tmp_path):
     assert res["metrics"]["psnr_db"] == "inf" or res["metrics"]["psnr_db"] >= 30.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU refusal of NVFP4 fake quantization")
 def test_compare_outputs_nvfp4_refused_on_cpu(tmp_path):
     p = _run("compare_outputs.py", "--quant", "nvfp4", "--out", str(tmp_path))
@@ -199,6 +205,7 @@ def _must_not_run(what: str):
     return fail
 
 
+@pytest.mark.slow
 def test_compare_outputs_exits_nonzero_on_mismatch(tmp_path, monkeypatch):
     """A patch that changes the numbers must make the script fail (exit 1), not print PASS."""
     import qwen_absorb
@@ -227,6 +234,7 @@ def test_compare_outputs_exits_nonzero_on_mismatch(tmp_path, monkeypatch):
     assert res["metrics"]["identical"] is False
 
 
+@pytest.mark.slow
 def test_compare_outputs_exits_nonzero_on_exception(tmp_path, monkeypatch):
     mod = _load_compare_module()
 
@@ -264,7 +272,9 @@ def test_compare_outputs_bad_argument_exits_2(tmp_path):
     (["--height", "70"], "--height: must be a positive multiple of 16"),
     (["--tag", "../x"], "--tag"),
     (["--three-way"], "it needs --quant fp8"),
-    (["--quant", "fp8", "--three-way", "--fp8-gemm", "off"], "contradicts --fp8-gemm off"),
+    (["--quant", "fp8", "--three-way", "--fp8-gemm", "false"], "contradicts --fp8-gemm false"),
+    (["--fp8-gemm", "on"], "--fp8-gemm: 'on': choose auto, true or false"),  # the API's spelling, not on/off
+    (["--cuda-graph", "yes"], "--cuda-graph: 'yes': choose auto, true or false"),
 ])
 def test_compare_outputs_refuses_bad_arguments(tmp_path, monkeypatch, capsys, argv, message):
     mod = _load_compare_module()
@@ -273,6 +283,7 @@ def test_compare_outputs_refuses_bad_arguments(tmp_path, monkeypatch, capsys, ar
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compare_outputs_missing_model_exits_2_in_one_line(tmp_path):
     out = tmp_path / "out"
     p = _run("compare_outputs.py", "--model", "/nonexistent/path", "--out", str(out), timeout=120)
@@ -327,7 +338,7 @@ def test_compare_outputs_result_names_differ_by_configuration(tmp_path):
     mod = _load_compare_module()
     configs = [[], ["--family", "qwenimage21"], ["--family", "qwenimage21", "--size", "full"],
                ["--defer-bias", "true"], ["--defer-bias", "false"], ["--force-reference"], ["--steps", "2"],
-               ["--seed", "1"], ["--cfg", "1"], ["--cuda-graph"], ["--fp8-gemm", "off"], ["--quant", "fp8"],
+               ["--seed", "1"], ["--cfg", "1"], ["--cuda-graph"], ["--fp8-gemm", "false"], ["--quant", "fp8"],
                ["--quant", "fp8", "--no-three-way"], ["--quant", "fp8", "--calib-prompts", "1"]]
     tags = set()
     for argv in configs:
@@ -345,6 +356,31 @@ def test_example_help_prints_each_line_once(capsys):
         out = capsys.readouterr().out
         first = mod.__doc__.strip().splitlines()[0]
         assert out.count(first) == 1, (script, out[:500])
+
+
+def test_example_clis_share_one_device_default_and_one_tristate_spelling():
+    """--device auto everywhere; the patch options the API takes as "auto"/True/False are auto/true/false."""
+    for script in ("compare_outputs.py", "benchmark.py", "quantize_fp8.py"):
+        parser = _load(script).build_parser()
+        actions = {a.dest: a for a in parser._actions}
+        assert actions["device"].default == "auto", script
+        for dest in ("fp8_gemm", "cuda_graph", "defer_bias"):
+            if dest in actions:
+                assert actions[dest].default == "auto" and actions[dest].metavar == "{auto,true,false}", (script, dest)
+    text = (EXAMPLES / "parallel.py").read_text()
+    assert 'choices=("auto", "cuda", "cpu"), default="auto"' in text and '("auto", "true", "false")' in text
+
+
+def test_packaging_license_script_and_version():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert (REPO / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+    module, func = project["scripts"]["qwen-absorb-compare"].split(":")
+    assert module == "qwen_absorb_examples.compare_outputs" and func == "main"
+    assert "qwen_absorb_examples" in (REPO / "setup.py").read_text()  # the package the script imports
+    assert callable(_load("compare_outputs.py").main)
 
 
 def test_version_matches_pyproject():
@@ -406,7 +442,7 @@ def test_compare_outputs_patch_switches_passed_only_when_set(tmp_path, monkeypat
     assert mod.main(["--steps", "1", "--warmup", "0", "--skip-unpatch-check", "--out", str(tmp_path)]) == 0
     assert "fp8_gemm" not in default and "cuda_graph" not in default  # the default path predates them
     monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(switched, mod.qwen_absorb.patch))
-    assert mod.main(["--steps", "1", "--warmup", "0", "--skip-unpatch-check", "--fp8-gemm", "off", "--cuda-graph",
+    assert mod.main(["--steps", "1", "--warmup", "0", "--skip-unpatch-check", "--fp8-gemm", "false", "--cuda-graph",
                      "--out", str(tmp_path)]) == 0
     assert switched["fp8_gemm"] is False and switched["cuda_graph"] is True
 
@@ -420,10 +456,11 @@ def test_compare_outputs_patch_option_missing_is_unavailable(tmp_path, monkeypat
 
     monkeypatch.setattr(mod.qwen_absorb, "patch", old_patch)
     monkeypatch.setattr(mod, "build", _must_not_run("build"))
-    assert mod.main(["--fp8-gemm", "on", "--out", str(tmp_path)]) == 3
+    assert mod.main(["--fp8-gemm", "true", "--out", str(tmp_path)]) == 3
     assert "fp8_gemm=" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compare_outputs_three_way(tmp_path, monkeypatch):
     """unquantized, ModelOpt FP8 fake quant (unpatched), qwen_absorb with fp8_gemm=True: three pairs compared."""
     pytest.importorskip("modelopt.torch.quantization")
@@ -447,6 +484,7 @@ def test_compare_outputs_three_way(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------ benchmark.py
 
 
+@pytest.mark.slow
 def test_benchmark_tiny_smoke(tmp_path):
     p = _run("benchmark.py", "--tiny", "--out-dir", str(tmp_path), "--tag", "tiny", "--extrapolate-to", "4")
     assert p.returncode == 0, _explain(p)
@@ -571,7 +609,7 @@ def test_benchmark_patch_switches(tmp_path, monkeypatch):
     mod = _load("benchmark.py")
     seen = {}
     monkeypatch.setattr(mod.qwen_absorb, "patch", _recording_patch(seen, mod.qwen_absorb.patch))
-    assert mod.main([*TINY_ONE, "--variants", "patched", "--fp8-gemm", "on", "--cuda-graph",
+    assert mod.main([*TINY_ONE, "--variants", "patched", "--fp8-gemm", "true", "--cuda-graph",
                      "--out", str(tmp_path)]) == 0
     assert seen["fp8_gemm"] is True and seen["cuda_graph"] is True
 
@@ -579,6 +617,7 @@ def test_benchmark_patch_switches(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- notebook
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_executes():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

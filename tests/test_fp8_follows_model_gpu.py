@@ -89,14 +89,13 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
     # once, cuBLAS does not quite; ops.lora_fold sums net[2]'s lora_A product in another order), which the FP8 codes
     # downstream amplify (a code that flips moves by an e4m3 step): below half the quantization error (0.25 held
     # before the fold; with it one run measured 0.252), and as close to fp32
-    names = ("LORA_GELU_KERNEL", "LORA_GROUPED_KERNEL", "LORA_ADD_KERNEL")
-    defaults = tuple(getattr(projection, n) for n in names)
+    names = ("lora_gelu_kernel", "lora_grouped_kernel", "lora_add_kernel")
+    defaults = tuple(getattr(qwen_absorb.Tuning(), n) for n in names)
 
-    def switches(values):
-        for n, v in zip(names, values):
-            monkeypatch.setattr(projection, n, v)
+    def switches(values, fold=True):  # through the API: patch(tuning=...) decides again
+        qwen_absorb.patch(model, **REAL, cuda_graph=False,
+                          tuning=qwen_absorb.Tuning(**dict(zip(names, values)), lora_fold=fold))
 
-    # eager (the switches are read per call; a captured graph replays the kernels it captured)
     qwen_absorb.patch(model, **REAL, cuda_graph=False)
     calls = {"add_gelu_fp8": 0, "add_": 0, "add_gelu_fp8_fold": 0}
     for fn in calls:
@@ -113,8 +112,7 @@ def test_lora_on_the_real_fp8_path_matches_fp32_as_well_as_fake_quant(monkeypatc
     # every branch
     for combo, fold in (((True, False, False), True), ((True, False, False), False), ((True, True, False), True),
                         ((True, True, True), True)):
-        switches(combo)
-        monkeypatch.setattr(lora_fold, "ENABLED", fold)
+        switches(combo, fold)
         calls.update(zero)
         out_kernel = T.run_transformer(model, inp)
         assert calls["add_gelu_fp8"] + calls["add_gelu_fp8_fold"] == 2 * LAYERS, (combo, calls)
@@ -238,7 +236,6 @@ def test_lora_products_beside_their_gemms_in_graphs_are_bit_identical(monkeypatc
     with the lanes switched off."""
     from qwen_absorb.ops import lane
 
-    monkeypatch.setattr(projection, "LORA_PRODUCTS_ASIDE", True)
     model, inp = _fp8(15)
     _lora(model, 16)
     _lora(model, 17, "b", r=4)
@@ -247,10 +244,9 @@ def test_lora_products_beside_their_gemms_in_graphs_are_bit_identical(monkeypatc
     eager = T.run_transformer(model, inp)
     qwen_absorb.unpatch(model)
     for on in (True, False):
-        monkeypatch.setitem(lane.ENABLED, "branch", on)
-        monkeypatch.setitem(lane.ENABLED, "txt", on)
         n = lane.forks()
-        report = qwen_absorb.patch(model, **REAL, cuda_graph=True)
+        tuning = qwen_absorb.Tuning(lora_products_aside=True, lanes=lane.NAMES if on else ())
+        report = qwen_absorb.patch(model, **REAL, cuda_graph=True, tuning=tuning)
         outs = [T.run_transformer(model, inp) for _ in range(4)]
         assert report.cuda_graph["replays"] >= 2, report.cuda_graph
         assert (lane.forks() > n) == on, (on, lane.forks(), n)
@@ -288,6 +284,6 @@ def test_folded_lora_a_products_replay_bit_identical_and_read_the_weights_as_the
                 m.transformer_blocks[1].get_submodule(f"{mlp}.net.2").lora_A["default"].weight.data.mul_(-1.5)
     out = T.run_transformer(model, inp)
     assert torch.equal(out, T.run_transformer(twin, inp)) and not torch.equal(out, eager)
-    monkeypatch.setattr(lora_fold, "ENABLED", False)  # the two steps: the product a rounding apart
-    qwen_absorb.patch(twin, **REAL, cuda_graph=False)
+    # the two steps: the product a rounding apart
+    qwen_absorb.patch(twin, **REAL, cuda_graph=False, tuning=qwen_absorb.Tuning(lora_fold=False))
     assert _rel(T.run_transformer(twin, inp), out) < 2e-2

@@ -18,6 +18,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import fp8_forward
 from qwen_absorb import testing as T
+from qwen_absorb.block import _gated_forwards
 from qwen_absorb.plan import PLAN_ATTR
 
 pytest.importorskip("modelopt")
@@ -67,7 +68,10 @@ def _all_gated(spy, calls=1):
 
 
 def _gated_objects(model):
-    return [m.__dict__["forward"] for m in model.modules() if type(m.__dict__.get("forward")) is fp8_forward.Fp8LinearForward]
+    """The gated forwards the blocks' plans hold (in their linears' slots only during a call: none there now)."""
+    assert not any(type(m.__dict__.get("forward")) is fp8_forward.Fp8LinearForward for m in model.modules())
+    return [f for b in model.transformer_blocks if (p := b.__dict__.get(PLAN_ATTR)) is not None
+            for f in p.rt.attn_fwds.values()]
 
 
 def test_hooked_attention_bit_identical_and_real_fp8(seed, monkeypatch):
@@ -238,8 +242,9 @@ def test_unpatch_and_copies(seed, monkeypatch):
     dup = copy.deepcopy(model)  # the copy's gated forwards are bound to its own linears
     spy = _Spy(monkeypatch)
     assert torch.equal(T.run_transformer(dup, inp), real) and _all_gated(spy)
+    dup_modules = set(map(id, dup.modules()))
     for f in _gated_objects(dup):
-        assert f.linear.__dict__["forward"] is f and f.gate == 0
+        assert id(f.linear) in dup_modules and f.gate == 0
 
     qwen_absorb.unpatch(model)
     assert not _gated_objects(model)
@@ -277,13 +282,13 @@ def test_gate_is_per_thread(seed):
     block = model.transformer_blocks[0]
     lin = block.attn.to_k
     x = torch.randn(1, 5, lin.in_features, generator=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
-    fwd = fp8_forward.of(lin)
+    fwd = block.__dict__[PLAN_ATTR].rt.attn_fwds["attn.to_k"]
     with torch.no_grad():
         fake = type(lin).forward(lin, x)
         real = fwd.gemm(fwd.quantize(x))
         assert not torch.equal(fake, real)  # the two paths are told apart
         got = {}
-        with fp8_forward.opened(fp8_forward.gated(block)):
+        with _gated_forwards(block.__dict__[PLAN_ATTR], block):
             got["here"] = lin(x)
             t = threading.Thread(target=lambda: got.__setitem__("there", torch.no_grad()(lin)(x)))
             t.start()

@@ -1,7 +1,7 @@
 """GPU tests of the joint q/k/v outputs of the patched Qwen-Image attention (batch 1): the qk kernel writes
 q and k, and the FP8 GEMMs of to_v / add_v_proj write v, straight into the [text, image] tensors the
-attention reads. The promise: the same bits as concatenating afterwards (``attention.JOINT_OUTPUTS =
-False``), and, in bf16, as diffusers itself."""
+attention reads. The promise: the same bits as concatenating afterwards (``Tuning(joint_outputs=
+False)``), and, in bf16, as diffusers itself."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_fp8_joint_qkv_equals_concatenation(spy, monkeypatch, with_lora):
         poison_allocator(1 << 24)
         joint = T.run_transformer(model, inp)
         assert spy["qk_joint"] == 2 and spy["v_into"] == 4, spy  # 2 blocks x (to_v, add_v_proj)
-        monkeypatch.setattr(attention, "JOINT_OUTPUTS", False)
+        qwen_absorb.patch(model, fp8_gemm=True, cuda_graph=False, tuning=qwen_absorb.Tuning(joint_outputs=False))
         poison_allocator(1 << 24)
         cat = T.run_transformer(model, inp)
         assert spy["qk"] == 2 and spy["v_into"] == 4, spy

@@ -39,10 +39,3 @@ def test_regions_on_the_cpu_run_in_line():
         assert not r.on_lane and not lane.pending(torch.device("cpu"), "txt")
         assert lane.lane_for(torch.device("cpu"), "txt") is None
     assert torch.equal(y, x * 2)
-
-
-def test_switched_off_lanes_are_not_handed_out(monkeypatch):
-    """ENABLED (a measurement switch) is read per request: a lane switched off is never given, even on CUDA."""
-    monkeypatch.setitem(lane.ENABLED, "txt", False)
-    with lane.active():
-        assert lane.lane_for(torch.device("cuda", 0), "txt") is None

@@ -17,6 +17,7 @@ import torch
 from qwen_absorb import lora, ops, projection
 from qwen_absorb.ops import _runtime
 from qwen_absorb.ops import lora_add
+from qwen_absorb.plan import Options
 
 
 def _kinds(body: str) -> str:
@@ -74,6 +75,7 @@ def test_staged_rows_fit_shared_memory_for_every_launch():
 
 class _Plan:
     kernels = False
+    options = Options()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -132,7 +134,6 @@ def test_tile_reasons():
     assert any("multiples of 8" in r for r in lora_add.tile_reasons(y, t[:, :12], b[:, :12]))
     wide = torch.zeros(64, 40, dtype=torch.bfloat16)
     assert any("aligned" in r for r in lora_add.tile_reasons(y, wide[:, 2:18], b))
-    assert lora_add.TILES
 
 
 def test_configure_tiles_sets_the_defines_and_restores_them():
@@ -173,10 +174,10 @@ def test_launches_pick_the_tiled_kernel_where_the_layout_allows(monkeypatch):
     codes, g = lora_add.add_gelu_fp8(y, t, b, 0.5, torch.tensor([2.0]), act_out=True)
     assert rec[-1][:3] == (1, 4, True) and codes.shape == y.shape and g is not None
     assert rec[-1][4][-3:] == (codes.data_ptr(), g.data_ptr(), rec[-1][4][-1]) and rec[-1][4][-1] != 0
-    monkeypatch.setattr(lora_add, "TILES", False)
-    lora_add.add_([(y, t, b, 0.5)])
+    lora_add.add_([(y, t, b, 0.5)], tiles=False)  # Tuning(lora_add_tiles=False)
     assert rec[-1][2] is False
-    monkeypatch.setattr(lora_add, "TILES", True)
+    lora_add.add_gelu_fp8(y, t, b, 0.5, torch.tensor([2.0]), tiles=False)
+    assert rec[-1][2] is False
     monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: 0)  # a block does not fit: the row kernel
     lora_add.add_([(y, t, b, 0.5)])
     assert rec[-1][2] is False

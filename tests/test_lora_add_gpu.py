@@ -143,12 +143,11 @@ TILE_SHAPES = [  # M, N, R: rank 8 pieces, partial row tiles, partial column til
 
 
 def _both_kernels(monkeypatch, fn, nbytes=1 << 26):
-    """fn() with the tiled kernel, then with lora_add_kernel (TILES off), each output over a poisoned pool."""
+    """fn(tiles=True) (the tiled kernel), then fn(tiles=False) (lora_add_kernel), each output over a poisoned pool."""
     outs = []
     for tiles in (True, False):
-        monkeypatch.setattr(lora_add, "TILES", tiles)
         poison_allocator(nbytes)  # the size of the largest output: its block is reused
-        outs.append(fn())
+        outs.append(fn(tiles))
     torch.cuda.synchronize()
     return outs
 
@@ -162,14 +161,14 @@ def test_tiled_kernel_equals_the_row_kernel(monkeypatch, dtype, shape):
     assert not lora_add.tile_reasons(y, t, b), lora_add.tile_reasons(y, t, b)
     amax = torch.tensor([3.3], device=DEV)
 
-    def add():
+    def add(tiles):
         out = y.clone()
-        lora_add.add_([(out, t, b, 0.8125)])
+        lora_add.add_([(out, t, b, 0.8125)], tiles)
         return out
 
     tiled, rows = _both_kernels(monkeypatch, add, y.numel() * y.element_size())
     assert not tiled.isnan().any() and torch.equal(tiled, rows)
-    (c1, g1), (c2, g2) = _both_kernels(monkeypatch, lambda: lora_add.add_gelu_fp8(y, t, b, 1.5, amax, act_out=True),
+    (c1, g1), (c2, g2) = _both_kernels(monkeypatch, lambda tiles: lora_add.add_gelu_fp8(y, t, b, 1.5, amax, act_out=True, tiles=tiles),
                                        y.numel() * y.element_size())
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(g1, g2)
     assert not g1.isnan().any()
@@ -187,9 +186,9 @@ def test_tiled_blocks_walk_across_column_ranges_and_problems(monkeypatch, slots)
         probs.append((y, t, b, 0.25 + i))
     monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: slots)
 
-    def grouped():
+    def grouped(tiles):
         outs = [y.clone() for y, _, _, _ in probs]
-        lora_add.add_([(o, t, b, a) for o, (_, t, b, a) in zip(outs, probs)])
+        lora_add.add_([(o, t, b, a) for o, (_, t, b, a) in zip(outs, probs)], tiles)
         return outs
 
     tiled, rows = _both_kernels(monkeypatch, grouped)

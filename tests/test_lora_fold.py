@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from qwen_absorb import lora, ops, projection
+from qwen_absorb.gating import Tuning
 from qwen_absorb.ops import _runtime, lora_add, lora_fold
+from qwen_absorb.plan import Options
 
 from .test_lora_add import _kinds
 
@@ -96,8 +98,6 @@ def test_reasons_past_the_runtime(monkeypatch):
     assert lora_fold.size_reasons(4096, 132) == [] and lora_fold.size_reasons(512, 132) != []
     monkeypatch.setattr(lora_fold, "_device_limits", lambda device: (132, 48 * 1024))
     assert any("shared memory" in r for r in lora_fold.reasons(y5, t5, b, a2))
-    monkeypatch.setattr(lora_fold, "ENABLED", False)
-    assert any("ENABLED" in r for r in lora_fold.reasons(y5, t5, b, a2))
 
 
 def _peft_linear(n_in, n_out, adapters, dtype=torch.bfloat16, dropout=0.0):
@@ -169,7 +169,7 @@ def test_the_feedforward_hands_net2_the_folded_products(monkeypatch):
             self.tp, self.bias, self.input_scale = None, None, torch.ones(())
 
     class Plan:
-        kernels, fast_accum = True, False
+        kernels, fast_accum, options = True, False, Options()
 
     lp_up, lp_down = LP(up), LP(down)
 
@@ -180,7 +180,7 @@ def test_the_feedforward_hands_net2_the_folded_products(monkeypatch):
             lora.add_products(out, prods)
         return out
 
-    def gelu_ref(y, t, b, s, amax, act_out=False):
+    def gelu_ref(y, t, b, s, amax, act_out=False, tiles=True):
         h = y.clone().addmm_(t, b.t(), alpha=s)
         g = torch.nn.functional.gelu(h, approximate="tanh")
         return quantize_fp8_reference(g, amax), (g if act_out else None)
@@ -199,8 +199,9 @@ def test_the_feedforward_hands_net2_the_folded_products(monkeypatch):
     assert g is None and len(branches) == 1
     t2, b2, s2 = branches[0]
     assert b2 is down.lora_B["one"].weight and s2 == down.scaling["one"]
-    monkeypatch.setattr(lora_fold, "reasons", lambda *a: ["off"])
-    c_old, g_old, none = projection.fp8_linear_gelu_fp8(codes, lp_up, lp_down, Plan(), x, up, down)
+    off = Plan()
+    off.options = Options(tuning=Tuning(lora_fold=False))  # the fold switched off through the API
+    c_old, g_old, none = projection.fp8_linear_gelu_fp8(codes, lp_up, lp_down, off, x, up, down)
     assert none is None and g_old is not None
     assert torch.equal(c.view(torch.uint8), c_old.view(torch.uint8))
     assert torch.equal(t2, torch.nn.functional.linear(g_old, down.lora_A["one"].weight))

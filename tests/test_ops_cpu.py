@@ -252,6 +252,7 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc") or None
 
 
+@pytest.mark.slow  # nvcc compiles every kernel variant: ~100 s
 @pytest.mark.skipif(_nvcc() is None, reason="no nvcc on this machine")
 def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     """Instantiates every template the launchers can request and compiles it for sm_90 with nvcc."""

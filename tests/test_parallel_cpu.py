@@ -187,7 +187,7 @@ def test_modelopt_fp8_real_gemms_under_parallelism(run, mode):
 
 
 def test_tp_through_dtensor_switch(run):
-    """projection.TP_LOCAL = False: the TP linears run through DTensor (the comparison the benchmark
+    """Tuning(tp_local=False): the TP linears run through DTensor (the comparison the benchmark
     makes); still bit-identical."""
     r = _get(run, "tp.patched_through_dtensor")
     assert r["tp_local_linears"] == {} and r["equal"], r
@@ -383,7 +383,7 @@ def test_parallel_kind():
 
 
 def test_auto_leaves_rowwise_tp_biases_in_the_gemm(mesh):
-    """Measured on 2 H200s (benchmarks/results/parallel.md): the FP8 model under TP ran slower with its
+    """Measured on 2 H200s (benchmarks/results/parallel/parallel.md): the FP8 model under TP ran slower with its
     row-wise biases deferred, so defer_bias="auto" keeps them in the GEMM (decided at plan time, said in
     the report); True still defers."""
     from qwen_absorb import gating  # noqa: PLC0415

@@ -245,7 +245,7 @@ class _Recorder:
 
 def _inject(monkeypatch, rec, per_lane=4):
     """The launcher cache entry launch() would build for CPU tensors (device -1): the recorder, elements per lane."""
-    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1, qkr.ROWS_PER_WARP, qkr.WIDE), (rec, per_lane))
+    monkeypatch.setitem(qkr._fns, (torch.bfloat16, -1, qkr.ROWS_PER_WARP, True), (rec, per_lane))
 
 
 @pytest.mark.parametrize("order,wide,expected", [
@@ -255,9 +255,8 @@ def _inject(monkeypatch, rec, per_lane=4):
 ])
 def test_launch_picks_the_wide_form_where_it_implements_the_order(monkeypatch, order, wide, expected):
     """The wide kernel (8 elements per lane) for the orders of 4-element lane groups (0, 10), the 4-element
-    kernel otherwise or with ``WIDE`` off; the vector flags follow the lane width (16 / 8 bytes in bf16)."""
+    kernel otherwise or with ``wide=False`` (Tuning(qk_wide=False)); the vector flags follow the lane width."""
     monkeypatch.setattr(qkr, "_fns", {})
-    monkeypatch.setattr(qkr, "WIDE", wide)
     monkeypatch.setattr(qkr, "probe_variance_order", lambda dev: qkr.VarianceOrder(order, 1, "forced by the test"))
     built, rec = [], _Recorder()
     monkeypatch.setattr(qkr.rt, "function", lambda cu, expr, dev: built.append(expr) or expr)
@@ -266,8 +265,8 @@ def test_launch_picks_the_wide_form_where_it_implements_the_order(monkeypatch, o
     fused = torch.randn(1, 6, 2 * 3 * DH + 8, generator=gen).bfloat16()
     x = fused[..., 4: 4 + 3 * DH].unflatten(-1, (-1, DH))  # 8-byte aligned rows, not 16-byte aligned
     w, f = torch.randn(DH, generator=gen).bfloat16(), _freqs(6, gen)
-    qkr.launch([x], [w], [f], [1e-6])
-    qkr.launch([x], [w], [f], [1e-6])
+    qkr.launch([x], [w], [f], [1e-6], wide=wide)
+    qkr.launch([x], [w], [f], [1e-6], wide=wide)
     assert built == [expected]  # compiled once, cached
     flags = rec.calls[0][1][13]
     assert flags & 1 == (0 if "wide" in expected else 1)

@@ -48,8 +48,8 @@ def test_replicated_attention_runs_and_is_exact_in_every_cache_mode(dtype, calls
     ref = run(model, plain)
     calls["diffusers"] = 0
     with installed(model, "cpu") as decisions:
-        assert all(d.attn for d in decisions), [d.reasons for d in decisions]
-        assert all(not d.qk.kernel and "the fused kernels cannot run here" in d.qk.why_not for d in decisions)
+        assert all(d.own_attention for d in decisions), [d.qk_reasons for d in decisions]
+        assert all(not d.qk_fused and "the fused kernels cannot run here" in d.qk_reasons for d in decisions)
         out_kv = run_kv(model, prefill, decode)
         out = run(model, plain)
     assert_bit_identical(out_kv[0], ref_kv[0], "kv extract")
@@ -67,7 +67,7 @@ def test_flex_processor_runs_as_its_module(calls, seed):
         out = run(model, inputs)
     assert_bit_identical(out, ref, "flex")
     assert calls["ours"] == 0
-    assert all(not d.attn and any("QwenImage21FlexAttnProcessor" in r for r in d.reasons) for d in decisions)
+    assert all(not d.own_attention and any("QwenImage21FlexAttnProcessor" in r for r in d.qk_reasons) for d in decisions)
 
 
 def test_changes_after_deciding_run_diffusers_attention(calls, seed):

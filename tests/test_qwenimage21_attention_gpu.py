@@ -46,7 +46,7 @@ def test_qk_kernel_in_the_patched_attention_is_exact(dtype, qk_launches):
     ref_kv = run_kv(model, prefill, decode)
     poison_allocator(1 << 26)
     with installed(model, DEV) as decisions:
-        assert all(d.attn and d.qk.kernel for d in decisions), [d.reasons for d in decisions]
+        assert all(d.own_attention and d.qk_fused for d in decisions), [d.qk_reasons for d in decisions]
         outs = {k: run(model, v) for k, v in cases.items()}
         out_kv = run_kv(model, prefill, decode)
     for k in cases:
@@ -54,7 +54,7 @@ def test_qk_kernel_in_the_patched_attention_is_exact(dtype, qk_launches):
     same(out_kv[0], ref_kv[0], f"{dtype} kv extract")
     same(out_kv[1], ref_kv[1], f"{dtype} kv cached")
     assert fallback_counts(decisions, allowed=()) == {}
-    min_rows = decisions[0].qk.min_rows
+    min_rows = decisions[0].qk_min_rows
     assert qk_launches and all(r >= min_rows for r in qk_launches)
     assert len(qk_launches) == 4 * len(model.transformer_blocks)  # every call had enough rows
 
@@ -69,4 +69,4 @@ def test_full_width_block_attention_exact():
     with installed(model, DEV) as decisions:
         out = run(model, inputs)
     same(out, ref, "hidden 4096")
-    assert decisions[0].qk.kernel and fallback_counts(decisions, allowed=()) == {}
+    assert decisions[0].qk_fused and fallback_counts(decisions, allowed=()) == {}

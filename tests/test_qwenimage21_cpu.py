@@ -21,6 +21,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 
 import qwen_absorb.ops as ops
 from qwen_absorb import qwenimage21
+from qwen_absorb.plan import BlockPlan, decide
 
 from .ops_helpers import assert_bit_identical
 from .qwenimage21_helpers import fallback_counts, installed, model_inputs, run, run_kv, tiny_model
@@ -237,10 +238,10 @@ def test_runner_equals_unpatched(models, dtype, case, seed):
     with installed(model, "cpu") as decisions:
         out = run(model, inputs)
     assert_bit_identical(out, ref, f"{case} {dtype}")
-    assert all(d.fused == ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual") for d in decisions)
-    assert all(not d.kernels and any("cpu" in r for r in d.reasons) for d in decisions)
+    assert all(_fused(d) == ("norm1", "attn_residual", "norm2", "swiglu", "ffn_residual") for d in decisions)
+    assert all(not d.kernels and any("cpu" in r for r in d.kernel_reasons) for d in decisions)
     assert fallback_counts(decisions) == {}
-    assert all(d.counts.snapshot() for d in decisions)  # every block ran the fused path
+    assert all(d.rt.counter for d in decisions)  # every block ran the fused path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -251,7 +252,7 @@ def test_runner_without_causal_condition(dtype, seed):
     ref = run(model, inputs)
     with installed(model, "cpu") as decisions:
         assert_bit_identical(run(model, inputs), ref, "causal_condition=False")
-    assert fallback_counts(decisions) == {} and all(d.counts.snapshot() for d in decisions)
+    assert fallback_counts(decisions) == {} and all(d.rt.counter for d in decisions)
 
 
 @pytest.mark.parametrize("dtype,flex", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
@@ -308,22 +309,25 @@ def test_decide_names_what_it_cannot_fuse(models, seed):
     with installed(model, "cpu") as (d0, d1):
         out = run(model, inputs)
     assert_bit_identical(out, ref, "partially fused")
-    assert not d0.norm1 and d0.norm2 and d0.swiglu
-    assert any("img_norm1" in r and "affine" in r for r in d0.reasons)
-    assert d1.norm1 and not d1.norm2 and not d1.swiglu
-    assert any("img_mlp has a hook" in r for r in d1.reasons) and any("img_norm2 has a hook" in r for r in d1.reasons)
-    assert d1.fused == ("norm1", "attn_residual", "ffn_residual")
+    assert _fused(d0) == ("attn_residual", "norm2", "swiglu", "ffn_residual")
+    assert any("img_norm1" in r and "affine" in r for r in d0.site("img", "norm1").reasons)
+    assert _fused(d1) == ("norm1", "attn_residual", "ffn_residual")
+    assert any("img_mlp has a hook" in r for r in d1.site("img", "swiglu").reasons)
+    assert any("img_norm2" in r and "hook" in r for r in d1.site("img", "norm2").reasons)
     assert fallback_counts([d0, d1]) == {}
 
-    other = qwenimage21.decide(torch.nn.Linear(2, 2), "cpu")
-    assert not other.enabled and other.fused == () and "not a QwenImage21TransformerBlock" in other.reasons[0]
+    del blocks[0]._modules["attn"]  # no attention: the block runs diffusers' forward (which then fails)
+    other = BlockPlan(index=0)
+    decide(other, blocks[0], torch.device("cpu"))
+    assert other.reasons and _fused(other) == () and "no attn module" in other.reasons[0]
 
 
 def test_runner_per_call_arguments_diffusers_would_broadcast(models, seed):
     """Arguments the fused ops do not take run diffusers' forward (same result, same errors)."""
     model = models[torch.float32]
     block = model.transformer_blocks[0]
-    d = qwenimage21.decide(block, "cpu")
+    d = BlockPlan(index=0)
+    decide(d, block, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     D = block.img_norm1.normalized_shape[0]
     x = torch.randn(2, 5, D, generator=gen)
@@ -336,18 +340,21 @@ def test_runner_per_call_arguments_diffusers_would_broadcast(models, seed):
         assert torch.equal(qwenimage21.patched_forward(block, d, x, mod1), block(x, mod1))
         with pytest.raises(RuntimeError):  # a non-bool mask: diffusers' torch.where raises, and so do we
             qwenimage21.patched_forward(block, d, x, mod, None, None, mask.long())
-    assert any("broadcast" in k for k in d.counts.snapshot())
+    assert any("broadcast" in k for k in d.rt.counter)
 
 
-def test_decision_is_plain_data(models):
-    """A Decision pickles and deep-copies (a patched model must), its counts with it."""
+def test_plan_is_plain_data(models):
+    """A 2.1 block's plan pickles and deep-copies (a patched model must), its counts with it."""
     import copy
     import pickle
 
     block = models[torch.bfloat16].transformer_blocks[0]
-    d = qwenimage21.decide(block, "cpu")
-    d.counts.add("example")
+    d = BlockPlan(index=0)
+    decide(d, block, torch.device("cpu"))
+    d.rt.counter["example"] += 1
     for c in (copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
-        assert c == d and c.counts.snapshot() == {"example": 1}
-    with pytest.raises(Exception):
-        d.norm1 = False  # frozen
+        assert _fused(c) == _fused(d) and c.rt.counter == {"example": 1} and c.qk_reasons == d.qk_reasons
+
+
+def _fused(plan) -> tuple:
+    return tuple(s.site for s in plan.sites if s.fused)

@@ -102,19 +102,32 @@ def test_fidelity_against_fp32_compared_with_fake_quant(cond):
     assert _rel(real, fake) < 0.05
 
 
-def test_codes_handed_over_equal_the_reference_quantization(monkeypatch):
-    """With a (no-op) pre-hook on every linear, each linear is called as a module: the codes it multiplies are
-    handed over by norm1 (to_q/k/v), norm2 (gate_layer/proj) and SwiGLU (out), bit-identical to the reference
-    quantizer of the tensor the linear received; only to_out.0 quantizes its input itself. Unhooked, the
-    runner calls the GEMMs straight from the same codes: the same output, bit for bit."""
+def _spy_quantize(monkeypatch) -> list:
+    """The ``(block, path)`` of every real-FP8 linear that quantizes its input itself."""
+    quantized, real_quantize = [], F8.Fp8LinearForward.quantize
+
+    def quantize(self, x):
+        quantized.append((self.index, self.path))
+        return real_quantize(self, x)
+
+    monkeypatch.setattr(F8.Fp8LinearForward, "quantize", quantize)
+    return quantized
+
+
+def test_codes_passed_to_the_gemms_equal_the_reference_quantization(monkeypatch):
+    """Unhooked, the runner calls every GEMM but to_out.0's with the codes norm1 (to_q/k/v), norm2 (gate_layer/proj)
+    and SwiGLU (out) emitted. With a (no-op) pre-hook on every linear each is called as a module and quantizes what
+    it received, bit-identical to the reference quantizer of that tensor: the same output, bit for bit."""
     model, inp, _ = _models(3)
     qwen_absorb.patch(model, **REAL)
+    quantized = _spy_quantize(monkeypatch)
     plain = run(model, inp)
+    assert sorted(p for _, p in quantized) == ["attn.to_out.0"] * LAYERS
+    monkeypatch.undo()
 
     seen, used, quantized = spy_fp8_linears(model, monkeypatch)
     hooked = run(model, inp)
-    assert len(used) == N_LINEARS
-    assert sorted(quantized) == ["attn.to_out.0"] * LAYERS
+    assert len(used) == N_LINEARS and len(quantized) == N_LINEARS
     for key, codes in used:
         lin = model.transformer_blocks[key[0]].get_submodule(key[1])
         want = ops.quantize_fp8_reference(seen[key], lin.input_quantizer._amax)
@@ -123,26 +136,18 @@ def test_codes_handed_over_equal_the_reference_quantization(monkeypatch):
 
 
 def test_a_pre_hook_that_replaces_or_modifies_the_input_gets_its_own_codes(monkeypatch):
-    """Handed-over codes serve only the very tensor they were made from, unmodified: a pre-hook returning another
-    tensor (to_k), or modifying the input in place (to_q of block 1, so to_k/to_v see it too), makes the linear
-    quantize what it really receives."""
+    """A pre-hook returning another tensor (to_k), or modifying the input in place (to_q of block 1): the emitted
+    codes are not used for that block's q/k/v (the hook runs in the linear's call), each quantizes what it receives."""
     model, inp, _ = _models(12)
     qwen_absorb.patch(model, **REAL)
     plain = run(model, inp)
-    quantized = []
-    real_quantize = F8.Fp8LinearForward.quantize
-
-    def quantize(self, x):
-        quantized.append((self.index, self.path))
-        return real_quantize(self, x)
-
-    monkeypatch.setattr(F8.Fp8LinearForward, "quantize", quantize)
+    quantized = _spy_quantize(monkeypatch)
     b0, b1 = model.transformer_blocks
     h0 = b0.attn.to_k.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
-    h1 = b1.attn.to_q.register_forward_pre_hook(lambda m, args: args[0].add_(0))  # same values, new version
+    h1 = b1.attn.to_q.register_forward_pre_hook(lambda m, args: args[0].add_(0))  # same values, in place
     doubled = run(model, inp)
-    assert sorted(quantized) == [(0, "attn.to_k"), (0, "attn.to_out.0"),
-                                 (1, "attn.to_k"), (1, "attn.to_out.0"), (1, "attn.to_q"), (1, "attn.to_v")]
+    assert sorted(quantized) == [(i, p) for i in (0, 1) for p in ("attn.to_k", "attn.to_out.0", "attn.to_q",
+                                                                     "attn.to_v")]
     assert not torch.equal(doubled, plain)
     h0.remove()
     quantized.clear()

@@ -92,13 +92,13 @@ def test_codes_handed_over_bit_identical(monkeypatch):
     model, inp, _ = _models(2)
     qwen_absorb.patch(model, fp8_gemm=True, cuda_graph=False)
     poison(64 << 20)
-    direct = run(model, inp)  # unhooked: the runner's GEMMs read the codes straight from the kernels
+    direct = run(model, inp)  # unhooked: the runner's GEMMs read the codes the fused kernels emitted
 
     seen, used, quantized = spy_fp8_linears(model, monkeypatch)
     poison(64 << 20)
     hooked = run(model, inp)
     assert len(used) == N_LINEARS
-    assert sorted(quantized) == ["attn.to_out.0"] * LAYERS  # every other linear got its codes handed over
+    assert len(quantized) == N_LINEARS  # hooked: each linear quantizes what it receives (the kernel)
     for key, codes in used:
         lin = model.transformer_blocks[key[0]].get_submodule(key[1])
         want = ops.quantize_fp8_reference(seen[key], lin.input_quantizer._amax)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb.block import Patched21Forward
+from qwen_absorb.qwenimage21 import Patched21Forward
 
 from .qwenimage21_helpers import model_inputs, run, run_kv, tiny_model
 

@@ -27,21 +27,84 @@ def _counts(text: str, title: str) -> list[int]:
     return out
 
 
+def _says_fused(text: str) -> list[str]:
+    """Lines that claim something is fused ("not fused" is no claim)."""
+    return [line for line in text.splitlines() if re.search(r"(?<!not )\bfused\b", line)]
+
+
+def _site_counts(text: str) -> tuple[int, dict[str, int]]:
+    """The sites line: ``N sites on X`` or ``N sites: a on X, b on Y``, as (N, {what: count})."""
+    line = next(x.strip() for x in text.splitlines() if re.match(r"\s+\d+ sites[ :]", x))
+    total = int(line.split()[0])
+    runners = "on fused CUDA kernels|on torch references|as diffusers' ops"
+    if line.startswith(f"{total} sites:"):
+        parts = re.findall(rf"(\d+) ({runners})", line)
+    else:  # one runner for all of them
+        parts = [(total, re.match(rf"{total} sites ({runners})", line).group(1))]
+    return total, {what: int(n) for n, what in parts}
+
+
+def test_bf16_cpu_report_says_what_ran(seed):
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    report = qwen_absorb.patch(model)
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed + 1))
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed + 2))
+    text = str(report)
+    s = report.summary
+    total, parts = _site_counts(text)
+    assert total == s["sites"] == 12 and parts == {"on torch references": 12}, text
+    assert sum(parts.values()) == total
+    assert "12 sites on torch references (no CUDA kernels on cpu" in text
+    assert _says_fused(text) == [], text  # references ran: nothing reads "fused"
+    assert "defer" not in text and "biases" not in text, text  # deferral cannot apply to a bf16 model
+    assert "real FP8" not in text and "ModelOpt" not in text
+    assert text.count("kernels need CUDA") == 1, text  # the reason once; the rest points to it
+    # the block calls that ran the references: one grouped line with the count of calls
+    lines = [line for line in text.splitlines() if "ran the torch references" in line]
+    assert len(lines) == 1 and int(lines[0].split()[0]) == sum(report.runtime_fallbacks.values()) == 4, text
+
+
+def test_fp8_report_with_the_h200_decisions_on_cpu(seed):
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    T.fp8_quantize(model, [T.transformer_inputs(model, seed=seed + 1)])
+    report = qwen_absorb.patch(model, fp8_gemm=True, capabilities={"cpu"})
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed + 2))
+    text = str(report)
+    s = report.summary
+    total, parts = _site_counts(text)
+    assert total == s["sites"] == sum(parts.values()) == 12 and parts == {"on torch references": 12}, text
+    assert _says_fused(text) == [], text
+    assert s["fp8_gemm_linears"] == s["modelopt_linears"] == 28
+    assert "real FP8 GEMMs: 28 of 28 ModelOpt linears in the blocks" in text
+    assert "a test of the logic, not a speed path" in text  # a CPU _scaled_mm is not the GPU's path
+    # deferral applies to ModelOpt projections: its section is there, and deferred + kept add up
+    assert "biases deferred into the op that follows their projection: " in text
+    kept = s["biases_deferrable_sites"] - s["biases_deferred"]
+    assert sum(_counts(text, "biases kept in the GEMM")) == kept if kept else "biases kept" not in text
+    assert text.count("kernels need CUDA") == 1, text
+    # the same model under fp8_gemm="auto" on the CPU: no real FP8, the 28 counted once, the override named
+    auto = str(qwen_absorb.patch(model))
+    assert "real FP8 GEMMs: 0 of 28 ModelOpt linears" in auto
+    assert sum(_counts(auto, "ModelOpt linears not run as real FP8 GEMMs")) == 28, auto
+    assert "real FP8 GEMMs need CUDA (fp8_gemm=True with capabilities={'cpu'} runs them here" in auto
+    assert auto.count("kernels need CUDA") == 1 and _says_fused(auto) == [], auto
+
+
 def test_cpu_report_says_what_runs_and_counts_add_up(seed):
     model = T.tiny_transformer(seed=seed)
     report = qwen_absorb.patch(model, defer_bias=True, capabilities={"cpu"})
     text = str(report)
     s = report.summary
     assert s["sites_on_references"] == s["sites_fused"] == 12 and s["sites_on_kernels"] == 0
-    assert "fused sites 12/12 (12 on torch references)" in text
-    assert "CUDA kernels not used here: tensors are on cpu" in text
+    assert "12 sites on torch references (no CUDA kernels on cpu: tensors are on cpu" in text
+    assert "biases deferred into the op that follows" in text  # defer_bias=True: deferral can apply
     assert "{" not in text and "site(s)" not in text  # no raw dicts, no hedged plurals
-    # auto on the CPU: every deferrable site is counted exactly once among the reasons
+    # auto on an unquantized model: deferral cannot apply, so no section; the decisions stay in to_dict()
     auto = qwen_absorb.patch(model)
     t2 = str(auto)
-    kept = auto.summary["biases_deferrable_sites"] - auto.summary["biases_deferred"]
-    assert sum(_counts(t2, "biases kept in the GEMM")) == kept == 8, t2
-    assert "validated on GPUs only (sm_90)" in t2 and "'(9, 0)'" not in t2
+    assert auto.summary["biases_deferred"] == 0 and "biases" not in t2, t2
+    reasons = [r for b in auto.to_dict()["blocks"] for x in b["sites"] for r in x["defer_reasons"]]
+    assert any("validated on GPUs only (sm_90)" in r for r in reasons) and "'(9, 0)'" not in str(reasons)
 
 
 def test_header_is_current_when_printed(seed):
@@ -59,8 +122,8 @@ def test_mocked_gpu_decisions_read_as_kernels(seed, monkeypatch):
     model = T.tiny_transformer(seed=seed)
     report = qwen_absorb.patch(model)
     text = str(report)
-    assert report.summary["sites_on_kernels"] == 12 and "(12 on CUDA kernels)" in text
-    assert "not used here" not in text
+    assert report.summary["sites_on_kernels"] == 12 and "12 sites on fused CUDA kernels" in text
+    assert "no CUDA kernels" not in text and "biases" not in text
     qwen_absorb.unpatch(model)
 
 

@@ -50,6 +50,7 @@ def test_unknown_kernel_is_refused():
         sass_report.source_of("no_such_kernel<QaBF16, 0, 6>")
 
 
+@pytest.mark.slow  # an nvcc compile
 @pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cuobjdump")), reason="needs nvcc and cuobjdump")
 def test_a_real_instance_compiles_and_counts():
     sass, log = sass_report.compile_instance("bias_gate_residual_kernel<QaBF16, 8, 3>", shutil.which("nvcc"),

@@ -70,10 +70,9 @@ def test_qk_norm_rope_wide_form_is_the_narrow_forms_bits(order, dtype, monkeypat
             want.append(qkr.rope_reference(((x.float() * torch.rsqrt(var + 1e-6)).to(dtype) * w), f))
         for wide in (False, True):
             for rpw in (2, 4, 8):
-                monkeypatch.setattr(qkr, "WIDE", wide)
                 monkeypatch.setattr(qkr, "ROWS_PER_WARP", rpw)
                 poison_allocator(sum(x.numel() for x in xs) * 4)
-                got = qkr.launch(xs, ws, fs, eps)
+                got = qkr.launch(xs, ws, fs, eps, wide=wide)
                 for i, (g, w_) in enumerate(zip(got, want)):
                     assert_bit_identical(g, w_, f"order {order} {dtype} {jobs} wide={wide} rpw={rpw} job {i}")
 

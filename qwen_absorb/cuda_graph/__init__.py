@@ -39,7 +39,8 @@ metadata); :class:`BlockGraphs` removes, invalidates and describes them as one.
 The package, bottom up (imports only point down): ``settings`` (the tunables), ``signature`` (arguments
 frozen into keys, the refusals they raise), ``fingerprint`` (what graphs baked in, the verdict, torch's
 registration hooks), ``capture`` (static buffers, host constants, RoPE tables kept, the capture itself),
-``shared`` (what a group of runners shares), ``runner`` (:class:`GraphedCall`, :func:`install`), ``blocks``
+``shared`` (what a group of runners shares), ``runner`` (:class:`GraphedCall`), ``attach`` (:func:`install`),
+``first_use`` (:class:`FirstUse`: graphs decided at a model's first call on a GPU), ``blocks``
 (:class:`BlockGraphs`, :func:`install_blocks`). Hook chains are read through :mod:`qwen_absorb.hooks`.
 """
 
@@ -47,7 +48,8 @@ from __future__ import annotations
 
 from .blocks import BlockGraphs, install_blocks
 from .attach import install
+from .first_use import FirstUse
 from .runner import GraphedCall
 from .shared import Shared
 
-__all__ = ["BlockGraphs", "GraphedCall", "Shared", "install", "install_blocks"]
+__all__ = ["BlockGraphs", "FirstUse", "GraphedCall", "Shared", "install", "install_blocks"]

@@ -19,7 +19,7 @@ log = logging.getLogger("qwen_absorb")
 
 def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
             host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
-            shared: Shared | None = None) -> GraphedCall:
+            shared: Shared | None = None, warn_first: bool = False) -> GraphedCall:
     """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
     pipeline holding one) and return its :class:`GraphedCall`.
 
@@ -37,6 +37,11 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
         from, with other runners called one after another on one stream (the blocks of one model, see
         :func:`.blocks.install_blocks`); default: its own, as for a whole transformer.
 
+    warn_first: a refusal of the first call is logged as a warning (:mod:`.first_use`).
+
+    The runner goes where the transformer's own forward is called from: its instance ``forward``, or, under
+    accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``), that hook's ``_old_forward``, so the hook
+    has moved the model to its device before the runner looks at it (:func:`.fingerprint.model_offload_around`).
     Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
     """
     if max_graphs < 1:
@@ -50,12 +55,25 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     if shared is not None and not isinstance(shared, Shared):
         raise TypeError(f"shared must be a qwen_absorb.cuda_graph.Shared, got {type(shared).__name__}")
     t = hooks.resolve_transformer(transformer, (nn.Module,))
-    current = t.__dict__.get("forward")
-    if isinstance(current, GraphedCall) and not current._removed:
-        log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
-        return current
+    for current in (t.__dict__.get("forward"), t.__dict__.get("_old_forward")):
+        if isinstance(current, GraphedCall) and not current._removed:
+            log.debug("CUDA-graph mode already installed on %s", type(t).__name__)
+            return current
     runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after, shared)
-    object.__setattr__(t, "forward", runner)
+    runner.warn_first = bool(warn_first)
+    if shared is None and under_model_offload(t):
+        inner = t.__dict__["_old_forward"]
+        runner._inner, runner._prev, runner._prev_present = inner, inner, True
+        object.__setattr__(t, "_old_forward", runner)
+    else:
+        object.__setattr__(t, "forward", runner)
     log.log(logging.INFO if shared is None else logging.DEBUG, "CUDA-graph mode installed on %s (max %d graphs%s)",
             type(t).__name__, max_graphs, f", capture after {capture_after} eager calls" if capture_after else "")
     return runner
+
+
+def under_model_offload(t: nn.Module) -> bool:
+    """accelerate's ``CpuOffload`` hook wraps ``t``'s forward (its ``_old_forward`` holds what it calls)."""
+    h = t.__dict__.get("_hf_hook")
+    return ("_old_forward" in t.__dict__ and type(h).__name__ == "CpuOffload"
+            and type(h).__module__.startswith("accelerate."))

@@ -128,11 +128,22 @@ def registry_reason(module: nn.Module) -> tuple[str, str] | None:
     return hooks.hook_category(name, hook), f"diffusers hook {name!r} ({type(hook).__name__})"
 
 
-def root_reason(t: nn.Module, cache_steps: bool = True) -> tuple[str, str] | None:
+def model_offload_around(t: nn.Module, runner: Any) -> bool:
+    """Whether ``runner`` sits inside accelerate's ``CpuOffload`` hook on ``t`` (``enable_model_cpu_offload()``):
+    that hook moves the whole model to its execution device before the forward it wraps runs and moves nothing
+    during the call, so the runner sees a resident model (what the hook did is then the scan's business)."""
+    d = t.__dict__
+    h = d.get("_hf_hook")
+    return (runner is not None and d.get("_old_forward") is runner and type(h).__name__ == "CpuOffload"
+            and type(h).__module__.startswith("accelerate."))
+
+
+def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None) -> tuple[str, str] | None:
     """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
     ``cache_steps``: a TaylorSeer cache is left to the walk (whole-model runners replay its steps, see
-    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here."""
-    if hooks.offload_hooked(t):
+    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here. ``runner``: the whole-model runner asking;
+    inside a model-offload hook (:func:`model_offload_around`) that hook is no refusal."""
+    if hooks.offload_hooked(t) and not model_offload_around(t, runner):
         return "offloading hook", "offload hook on the transformer"
     r = registry_reason(t)
     if r is not None:
@@ -196,7 +207,7 @@ class Scan:
         "host_count", "owners", "gens", "cache_hooks",
     )
 
-    def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
         self.refusal: str | None = None
         self.detail = ""
         self.sticky = False  # a refusal that weight moves cannot lift (hooks, calibration), see the runner
@@ -276,7 +287,7 @@ class Scan:
                         refuse(r[0], f"{r[1]} on {label}")
                     else:
                         self.cache_hooks.append(h)
-            if hooks.offload_hooked(m):
+            if hooks.offload_hooked(m) and not (root and model_offload_around(m, runner)):
                 refuse("offloading hook", f"offload hook on {label}")
             proc = d.get("processor")
             pd = getattr(proc, "__dict__", None) if proc is not None and not isinstance(proc, nn.Module) else None
@@ -375,9 +386,9 @@ class Scan:
         2520 of the 3866 tensors of a 60-block ModelOpt model), and the identity of forwards, processors and
         plans (the replaced objects are held by this scan, and qwen_absorb's own objects move their
         ``generation`` when they drop what they hold). On the H200's host this check took 2.3 ms before every
-        replay with everything in it (benchmarks/results/graph_idle_h200.md), 1152 us with the identities and
+        replay with everything in it (benchmarks/results/graphs/graph_idle_h200.md), 1152 us with the identities and
         378 us without them (graph_idle_h200_c2e4f7e.md, graph_idle_h200_e321c57.md); the split's host cost on
-        the CPU: benchmarks/results/scan_cost.md."""
+        the CPU: benchmarks/results/graphs/scan_cost.md."""
         if list(map(_generation, self.owners)) != self.gens:
             return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):

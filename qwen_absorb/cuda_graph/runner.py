@@ -22,6 +22,7 @@ its lock, memory pools, side streams and static input buffers from it, and its p
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import inspect
 import logging
@@ -39,7 +40,7 @@ from . import settings
 from .capture import Graph, capture, map_tensors
 from .fingerprint import Scan, root_reason, unwatch, watch
 from .shared import Shared
-from .signature import Call, Refusal, positional_names
+from .signature import Call, Refusal, patch_tuning, positional_names
 
 log = logging.getLogger("qwen_absorb")
 
@@ -47,7 +48,7 @@ log = logging.getLogger("qwen_absorb")
 _MISS = object()  # _fast_replay: no replay served
 
 
-def _dead() -> None:
+def _dead() -> None:  # a removed runner's forward, once its model is gone
     return None
 
 
@@ -57,10 +58,8 @@ def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[
     if inspect.ismethod(fn) and fn.__self__ is owner:
         return weakref.WeakMethod(fn)
     if held_elsewhere:
-        try:
+        with contextlib.suppress(TypeError):  # not weak-referenceable: held
             return weakref.ref(fn)
-        except TypeError:  # not weak-referenceable: held
-            pass
     return lambda: fn
 
 
@@ -79,7 +78,7 @@ class GraphedCall:
         "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev", "_prev_present", "_positional",
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
-        "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
+        "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations", "warn_first",
         "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared", "_cache",
     )
 
@@ -129,6 +128,7 @@ class GraphedCall:
         self._launch_us = 0.0  # host time of the launches (copies + replay calls)
         self.discarded_replays = 0
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
+        self.warn_first = False  # a refusal of the next call is a warning (set by .first_use), once
         if t is not None:
             watch(self)
             if sh is not None:
@@ -156,7 +156,7 @@ class GraphedCall:
         t = self._transformer
         if t.training:
             return self._eager("module in training mode", "", args, kwargs)
-        root = root_reason(t)
+        root = root_reason(t, runner=self)
         if root is None and self._shared is not None:
             root = self._shared.parent_reason()  # e.g. an offloading hook on the transformer around a block
         if root is not None:
@@ -166,6 +166,7 @@ class GraphedCall:
             call = Call(args, kwargs, self._positional)
         except Refusal as r:
             return self._eager(r.reason, r.detail, args, kwargs)
+        call.key = (call.key, patch_tuning(t))  # the patch's measurement switches: which kernels a graph bakes in
         steps = self._cache_steps(call)
         if isinstance(steps, str):
             return self._eager(steps, "", args, kwargs)
@@ -221,6 +222,7 @@ class GraphedCall:
             return out
         if call.key in self._failed:
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
+        self.warn_first = False  # graphs can take this call: decided
         if self.capture_after and self._count_new(call.key):
             return self._inner(*args, **kwargs)
         return self._capture(call, steps)
@@ -276,7 +278,12 @@ class GraphedCall:
         self.fallbacks[settings.PREFIX + reason] += 1
         self.refusals[reason] += 1
         self.eager_calls += 1
-        if reason not in self._logged:
+        if self.warn_first:
+            self.warn_first = False
+            self._logged.add(reason)
+            log.warning("CUDA graphs cannot be used for this %s (%s%s); its calls run eager, counted in the patch "
+                        "report's graph_fallbacks", self._name, reason, f": {detail}" if detail else "")
+        elif reason not in self._logged:
             self._logged.add(reason)
             log.info("CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
         return self._inner(*args, **kwargs)
@@ -295,7 +302,7 @@ class GraphedCall:
             return []
 
     def _new_scan(self) -> Scan:
-        return Scan(self._transformer, self._host())
+        return Scan(self._transformer, self._host(), self)
 
     def _current_scan(self) -> Scan:
         """The snapshot graphs are valid for; rebuilt (and graphs dropped) when the model changed."""
@@ -341,6 +348,7 @@ class GraphedCall:
     def _served(self, entry: Graph, call: Call) -> Any:
         """The launched replay of ``entry`` answers the call: bookkeeping, and clones of its outputs."""
         self._graphs.move_to_end(call.key)
+        self.warn_first = False
         entry.replays += 1
         self.replays += 1
         self._unreplayed = 0
@@ -533,7 +541,7 @@ class GraphedCall:
             "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
             "overlapped_check_us_per_replay": round(self._check_us / self._host_n, 1) if self._host_n else None,
             # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay; on the H200 it overlaps
-            # the GPU work it starts, benchmarks/results/graph_cuts.md)
+            # the GPU work it starts, benchmarks/results/graphs/graph_cuts.md)
             "launch_us_per_replay": round(self._launch_us / self._host_n, 1) if self._host_n else None,
             "discarded_replays": self.discarded_replays,
             "outputs": "clone",

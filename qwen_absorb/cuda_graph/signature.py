@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plan import PLAN_ATTR
 from . import settings
 
 try:  # diffusers' attention backend switch (set_attention_backend / attention_backend(...))
@@ -145,6 +146,16 @@ def global_flags() -> tuple:
         torch.are_deterministic_algorithms_enabled(), os.environ.get("QWEN_ABSORB_FORCE_REFERENCE"),
         str(attention_backend()),
     )
+
+
+def patch_tuning(t: nn.Module) -> Any:
+    """The :class:`qwen_absorb.Tuning` of the patch on ``t`` (a transformer, or a block), or None: part of every
+    call's key (it picks kernels a graph bakes in)."""
+    for b in getattr(t, "transformer_blocks", None) or (t,):
+        plan = b.__dict__.get(PLAN_ATTR)
+        if plan is not None:
+            return getattr(getattr(plan, "options", None), "tuning", None)
+    return None
 
 
 def describe_arg(x: Any) -> str:

@@ -6,6 +6,7 @@ its reference, which is the diffusers eager expression itself.
 - :func:`bias_residual_layer_norm_scale_shift`   r + gate * (x + bias), then LayerNorm(Q(.)) * (1 + scale) + shift
 - :func:`bias_gate_residual`                     r + gate * (x + bias)
 - :func:`quantize_fp8`, :func:`quantize_fp8_split`  FP8 e4m3 codes of an activation (optionally GELU'd)
+- :func:`quantize_nvfp4`                         ModelOpt's dynamic NVFP4 fake quantization of an activation
 - ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output.
 - :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
 - ``lora_add``                                   a LoRA branch added to its linear's output (tensor cores), fused
@@ -51,6 +52,7 @@ from .layer_norm_scale_shift import (
     layer_norm_scale_shift_reference,
 )
 from .quantize_fp8 import quantize_fp8, quantize_fp8_split
+from .quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_not_supported_reasons, quantize_nvfp4_reference
 from .qk_norm_rope import (
     qk_norm_rope,
     qk_norm_rope_multi,
@@ -83,7 +85,7 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
     mods = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "bias_gate_residual", "quantize_fp8",
             "qk_norm_rope", "layer_norm_scale", "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual", "swiglu",
-            "taylor_seer", "lora_add", "lora_fold")
+            "taylor_seer", "lora_add", "lora_fold", "quantize_nvfp4")
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 
@@ -118,6 +120,9 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_reference",
     "quantize_fp8_split",
+    "quantize_nvfp4",
+    "quantize_nvfp4_not_supported_reasons",
+    "quantize_nvfp4_reference",
     "swiglu",
     "swiglu_fp8",
     "swiglu_fp8_reference",

@@ -3,7 +3,7 @@
 Two lanes per device, each one stream:
 
 - ``"branch"``: work of a few kernels that reads what a GEMM reads and is needed only after it: the next block's
-  image modulation beside the image FFN, and, where ``projection.LORA_PRODUCTS_ASIDE`` asks for it (off by
+  image modulation beside the image FFN, and, where ``Tuning.lora_products_aside`` asks for it (off by
   default, measured below), a LoRA branch's ``lora_A`` product (``x @ A.T``) beside the FP8 GEMM of its base
   layer (the GEMM is compute-bound, the rank-64 product memory- or latency-bound): :func:`aside` forks the lane from the caller's stream and runs the work there, :func:`settle` makes
   the caller's stream wait before the result is read.
@@ -14,10 +14,10 @@ Two lanes per device, each one stream:
 Same kernels, same inputs, so the same bits as on one stream. Work inside a lane never forks another lane (it
 runs in line there).
 
-Measured (``benchmarks/results/fp8_lora_50e4b96.md``, 60 layers, H200): the FP8 call 81.9 ms against 84.6 on one stream,
+Measured (``benchmarks/results/archive/fp8_lora/fp8_lora_50e4b96.md``, 60 layers, H200): the FP8 call 81.9 ms against 84.6 on one stream,
 with a rank-64 LoRA 94.9 against 100.2 ms; the branch lane alone gains nothing (a product beside a GEMM that fills
 every SM slows it by about what it hides), beside the text lane 0.26-0.44 ms. With net[2]'s product folded into
-the GELU kernel the LoRA call is faster with the products in line (``projection.LORA_PRODUCTS_ASIDE``, off:
+the GELU kernel the LoRA call is faster with the products in line (``Tuning.lora_products_aside``, off:
 94.5 against 96.8 ms, ``fp8_lora.md``); the next block's image modulation stays on the branch lane.
 
 Only while a CUDA graph is captured (and in the eager warm-up before it, which sets each lane's cuBLAS workspace
@@ -42,10 +42,7 @@ from typing import Any
 import torch
 
 _local = threading.local()
-NAMES = ("branch", "txt")
-# Which lanes may run (a switch for measurements: a lane switched off runs its work in line). Read when a capture
-# is made: graphs captured before keep what they captured.
-ENABLED = dict.fromkeys(NAMES, True)
+NAMES = ("branch", "txt")  # which of them a patched model uses: its Tuning.lanes, asked by the callers
 
 
 class Lane:
@@ -132,8 +129,7 @@ def lane_for(device: torch.device | None, name: str) -> Lane | None:
     """The lane ``name`` of ``device`` where lanes are active and the caller is not itself on a lane (else None:
     run in line)."""
     st = _state()
-    if st.depth == 0 or device is None or device.type != "cuda" or not ENABLED.get(name) \
-            or torch.compiler.is_compiling():
+    if st.depth == 0 or device is None or device.type != "cuda" or torch.compiler.is_compiling():
         return None
     cur = torch.cuda.current_stream(device)
     for (dev, _), other in st.lanes.items():
@@ -252,4 +248,4 @@ def forks(name: str | None = None) -> int:
     return sum(lane.forks for (_, n), lane in _state().lanes.items() if name is None or n == name)
 
 
-__all__ = ["ENABLED", "NAMES", "Lane", "Region", "active", "aside", "forks", "lane_for", "pending", "region", "settle"]
+__all__ = ["NAMES", "Lane", "Region", "active", "aside", "forks", "lane_for", "pending", "region", "settle"]

@@ -17,7 +17,7 @@ tests/test_lora_add_gpu.py). Two forms:
 Two kernels compute the same sums bit for bit (the same mma sequence per element): ``lora_add_tiles.cu`` (the
 default where rows are 16-byte aligned and widths and ranks multiples of 8: cp.async ring of tiles, a balanced run
 of tiles per block, ~3 TB/s) and ``lora_add.cu`` (any layout, ~1.8 TB/s). Which branches the FP8 path hands to
-them: ``projection.LORA_*_KERNEL`` (``benchmarks/results/probe_lora_add.md``, ``fp8_lora_tiles_h200.md``,
+them: ``projection.LORA_*_KERNEL`` (``benchmarks/results/fp8_lora/probe_lora_add.md``, ``archive/fp8_lora/fp8_lora_tiles_h200.md``,
 ``benchmarks/NOTES.md``).
 
 Where :func:`reasons` refuses, callers run the torch expressions (``addmm_``, then the quantization op).
@@ -89,8 +89,8 @@ def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles
 
 
 # lora_add_tiles.cu: the same sums laid out for the copy rate (cp.async ring of y / t tiles, lora_B staged once
-# per column range, a balanced run of tiles per block). False: every launch takes lora_add_kernel (measurements).
-TILES = True
+# per column range, a balanced run of tiles per block). tiles=False (Tuning(lora_add_tiles=False)): every launch
+# takes lora_add_kernel (measurements).
 TILES_CU = "lora_add_tiles.cu"
 TILE_COLS = 128  # QA_LT_BN
 _TILE_Y_PITCH = TILE_COLS + 32  # QA_LT_YP
@@ -100,7 +100,7 @@ TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = TILE_DEFAULTS.values()
 
 def configure_tiles(rows: int | None = None, stages: int | None = None, min_blocks: int | None = None) -> None:
     """Recompile the tiled kernel with another geometry (rows per tile 32 or 64, ring stages, blocks per SM the
-    registers must allow): a switch for measurements (benchmarks/probe_lora_add.py); no arguments: the defaults.
+    registers must allow): a switch for measurements (benchmarks/probe_lora_add.py at commit 69357ce); no arguments: the defaults.
     Resets every op's compile-time defines (:func:`qwen_absorb.ops._runtime.set_defines`)."""
     global TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS
     d = TILE_DEFAULTS
@@ -124,8 +124,6 @@ def tile_smem_bytes(ks: int) -> int:
 def tile_reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
     """Why the tiled kernel cannot take a problem :func:`reasons` accepts (lora_add_kernel then runs it)."""
     r = []
-    if not TILES:
-        r.append("lora_add.TILES is off")
     if y.shape[1] % 8 or t.shape[1] % 8:
         r.append(f"width {y.shape[1]} / rank {t.shape[1]} not multiples of 8 (16-byte pieces)")
     if not (rt.aligned(y, 16, y.stride(0)) and rt.aligned(t, 16, t.stride(0)) and rt.aligned(b, 16, b.stride(0))):
@@ -194,11 +192,11 @@ def _tile_fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
 
 
 def _launch_tiles(act: int, chunk: Sequence[Problem], ks: int, codes: int = 0, act_out: int = 0,
-                  amax: int = 0) -> bool:
-    """The tiled kernel over ``chunk`` (<= MAX_PROBLEMS problems); False (nothing launched) where a problem does
-    not suit it or a block does not fit the device's shared memory."""
+                  amax: int = 0, tiles: bool = True) -> bool:
+    """The tiled kernel over ``chunk`` (<= MAX_PROBLEMS problems); False (nothing launched) where ``tiles`` is off,
+    a problem does not suit it or a block does not fit the device's shared memory."""
     y0 = chunk[0][0]
-    if any(tile_reasons(y, t, b) for y, t, b, _ in chunk):
+    if not tiles or any(tile_reasons(y, t, b) for y, t, b, _ in chunk):
         return False
     slots = tile_slots(y0.device, ks)
     if not slots:
@@ -215,15 +213,15 @@ def _launch_tiles(act: int, chunk: Sequence[Problem], ks: int, codes: int = 0, a
     return True
 
 
-def add_(problems: Sequence[Problem]) -> None:
+def add_(problems: Sequence[Problem], tiles: bool = True) -> None:
     """Kernel: ``y += alpha * t @ B.T`` in place for each ``(y, t, B, alpha)`` (distinct, non-overlapping ``y``),
-    up to :data:`MAX_PROBLEMS` per launch."""
+    up to :data:`MAX_PROBLEMS` per launch (``tiles``: the tiled kernel where the layout allows)."""
     for i in range(0, len(problems), MAX_PROBLEMS):
         chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
         if not chunk:
             continue
         ks = max(ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
-        if _launch_tiles(0, chunk, ks):
+        if _launch_tiles(0, chunk, ks, tiles=tiles):
             continue
         fields, total = [], 0
         for y, t, b, alpha in chunk:
@@ -236,7 +234,7 @@ def add_(problems: Sequence[Problem]) -> None:
 
 
 def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
-                 act_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 act_out: bool = False, tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel: ``(codes, g or None)`` with ``g = GELU_tanh(y + alpha * t @ B.T)`` (each rounded to y's dtype) and
     ``codes`` its e4m3 codes under ``amax`` (fp32, one element); ``y`` [M, N] contiguous is only read."""
     if not y.is_contiguous():
@@ -246,7 +244,7 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
     if y.numel():
         ks = ksteps(t.shape[1])
         a = amax.float().reshape(1)
-        if not _launch_tiles(1, [(y, t, b, alpha)], ks, codes.data_ptr(), rt.ptr(g), a.data_ptr()):
+        if not _launch_tiles(1, [(y, t, b, alpha)], ks, codes.data_ptr(), rt.ptr(g), a.data_ptr(), tiles):
             f, tiles = _fields(y, t, b, alpha, 0, ks)
             _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, 0, 0, codes.data_ptr(),
                                                 rt.ptr(g), a.data_ptr())

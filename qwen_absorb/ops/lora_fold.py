@@ -20,7 +20,6 @@ from . import _runtime as rt
 from . import lora_add
 
 CU = "lora_gelu_fold.cu"
-ENABLED = True  # False: net[2]'s branch reads g as before (a switch for measurements)
 _THREADS = 512
 _BM = _BN = 128
 _PITCH = _BN + 32  # QA_LF_YP, QA_LF_AP
@@ -59,8 +58,6 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, a2: torch.Tensor)
     r = lora_add.reasons(y, t, b) + lora_add.tile_reasons(y, t, b)  # net[0]'s branch as the tiled kernel adds it
     if r:
         return r
-    if not ENABLED:
-        r.append("lora_fold.ENABLED is off")
     if not y.is_contiguous():
         r.append("y not contiguous")
     if y.shape[1] % _BN or not y.shape[1]:

@@ -30,7 +30,7 @@ count on its order holds); anything else runs the reference.
 Two forms of the kernel compute the same bits: one row per warp with 4 elements per lane (every order), and
 the wide form, a row per half-warp with 8 elements per lane (16-byte loads), for the orders whose lanes sum
 groups of 4 (``WIDE_ORDERS``; PyTorch 2.11's among them): 8-10% faster on the H200
-(benchmarks/results/bench_stream_kernels.md).
+(benchmarks/results/ops/bench_stream_kernels.md).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ CU = "qk_norm_rope.cu"
 WARPS = 4  # QA_QKR_WARPS: warps per block
 ROWS_PER_WARP = 4  # the kernel's RPW: consecutive rows a warp loads before reducing the first
 # The wide form (qk_norm_rope_wide_kernel: 8 elements per lane, a row per half-warp, 16-byte loads) where it
-# implements the probed order (groups of 4 elements: orders 0 and 10); off: the 4-element form everywhere.
-WIDE = True
+# implements the probed order (groups of 4 elements: orders 0 and 10); launch(wide=False): the 4-element form.
 WIDE_ORDERS = (0, 10)
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
@@ -223,7 +222,7 @@ _PAD_JOB = (0,) * 11  # an unused job: pointers, strides, L, H, rows; then block
 
 def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
-    eps: Sequence[float], into: Sequence[torch.Tensor] | None = None,
+    eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True,
 ) -> list[torch.Tensor]:
     """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to
     four tensors in ONE launch; returns the outputs (new contiguous [B, L, H, 128] tensors, or ``into``:
@@ -241,15 +240,15 @@ def launch(
     x0 = xs[0]
     dev = x0.get_device()
     rpw = ROWS_PER_WARP
-    key = (x0.dtype, dev, rpw, WIDE)
+    key = (x0.dtype, dev, rpw, wide)
     entry = _fns.get(key)
     if entry is None:
         order = probe_variance_order(dev).order  # cached: the caller's checks probed it
         if order is None:
             raise RuntimeError("qk_norm_rope.launch: PyTorch's variance order on this device is not the kernel's")
-        wide = WIDE and order in WIDE_ORDERS and rpw % 2 == 0
-        fn = rt.function(CU, _expression(rt.TRAITS[x0.dtype], order, rpw, wide), dev)
-        entry = _fns[key] = (rt.Launcher(fn, WARPS * 32, LAYOUT, dev), 8 if wide else 4)
+        form = wide and order in WIDE_ORDERS and rpw % 2 == 0
+        fn = rt.function(CU, _expression(rt.TRAITS[x0.dtype], order, rpw, form), dev)
+        entry = _fns[key] = (rt.Launcher(fn, WARPS * 32, LAYOUT, dev), 8 if form else 4)
     launcher, per_lane = entry
     esize = x0.element_size()
     a = per_lane * esize  # one lane's elements: the vector loads' alignment

@@ -19,7 +19,7 @@ from .fp8 import quantize_fp8_reference
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
-UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store (1: fastest on the H200, results/bench_stream_kernels.md)
+UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store (1: fastest on the H200, results/ops/bench_stream_kernels.md)
 MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
 
 # SwigluParams in the .cu: a, b, out, out_fp8, out_amax (pointers); n (int64); vec (int32)

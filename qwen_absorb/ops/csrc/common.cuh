@@ -13,7 +13,7 @@ typedef long long qa_i64;
 // QA_LN_PACKED 1 (default): the eager-rounded bf16/fp16 adds and multiplies of the residual and
 // modulation math run on packed pairs (see qa_gated_residual below); 0: one fp32 op + rounding per
 // element. Both are bit-identical (H200: all GPU op tests pass either way); packed is faster
-// (benchmarks/results/fusion.md).
+// (benchmarks/results/ops/fusion.md).
 #ifndef QA_LN_PACKED
 #define QA_LN_PACKED 1
 #endif

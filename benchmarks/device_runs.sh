@@ -1,0 +1,68 @@
+# The final device calls of issues 38-40, one function per call (each well under the 10-minute limit; $OUT gets
+# at most 5 files: env.txt, a log, a JSON, its .md, and the part file where there is one). Run from the repo root
+# on the device machine, carrying the wheels (and, for one_owner, the before tree):
+#
+#   run(command="bash benchmarks/device_runs.sh gpu_tests",   carry=[".whl"])                       # ~5 min
+#   run(command="bash benchmarks/device_runs.sh one_owner",   carry=[".whl", ".devrun/before"])     # ~5 min
+#   run(command="bash benchmarks/device_runs.sh journey_offload", carry=[".whl"])   # journey_offload.py's own time
+#   run(command="bash benchmarks/device_runs.sh journey",     carry=[".whl"])                       # ~4 min
+#   run(command="bash benchmarks/device_runs.sh journey_nvfp4", carry=[".whl"])                     # ~6 min
+#   run(command="bash benchmarks/device_runs.sh pipeline",    carry=[".whl"])                       # ~7 min, or:
+#   run(command="bash benchmarks/device_runs.sh pipeline_1",  carry=[".whl"])                       # ~3 min
+#   run(command="bash benchmarks/device_runs.sh pipeline_2",  carry=[".whl"])                       # ~5 min
+#
+# The before tree: `git worktree add .devrun/before 69357ce` (an ignored path) before the one_owner call.
+# Between calls, copy what comes back into benchmarks/results/ (top level: one_owner_h200.*, journey_h200.*,
+# journey_offload_h200.*, pipeline_h200.*, gpu_tests_h200.log): journey merges the offload keys from
+# benchmarks/results/journey_offload_h200.json, journey_nvfp4 and pipeline_2 extend the first part's file there.
+# Every script keeps going past a failed step (the error is in its JSON) and writes after every step, so a call
+# cut by its time limit still returns what it measured.
+
+set -o pipefail
+source benchmarks/device_env.sh  # wheels into /tmp/site, PYTHONPATH, $OUT/env.txt
+R=benchmarks/results
+
+gpu_tests() {
+  local src
+  src=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import harness_io as h; print(h.sources_sha256())")
+  { echo "# python3 -m pytest -q -m gpu tests: $(date -u +%FT%TZ), qwen_absorb sources $src"
+    cat "$OUT/env.txt"
+    timeout 560 python3 -m pytest -q -m gpu tests -p no:cacheprovider; } 2>&1 | tee "$OUT/gpu_tests_h200.log"
+}
+
+one_owner() {
+  test -f .devrun/before/qwen_absorb/__init__.py || {
+    echo "no .devrun/before: git worktree add .devrun/before 69357ce, and carry it"; return 2; }
+  python3 benchmarks/one_owner.py --before-root .devrun/before --out "$OUT" --worker-timeout-s 270 2>&1 |
+    tee "$OUT/one_owner.log"
+}
+
+journey_offload() {
+  python3 benchmarks/journey_offload.py --out "$OUT" 2>&1 | tee "$OUT/journey_offload.log"
+}
+
+journey() {  # FP8 memory and speed, the resident pipeline
+  python3 benchmarks/journey.py --out "$OUT" --sections fp8,pipeline --budget-s 500 \
+    --offload-json "$R/journey_offload_h200.json" 2>&1 | tee "$OUT/journey.log"
+}
+
+journey_nvfp4() {  # NVFP4: quantize, export, load, emulate; merged into the first part's file
+  python3 benchmarks/journey.py --out "$OUT" --sections nvfp4 --budget-s 500 --merge-json "$R/journey_h200.json" \
+    --offload-json "$R/journey_offload_h200.json" 2>&1 | tee "$OUT/journey_nvfp4.log"
+}
+
+pipeline() {  # every case in one call (~7 min); where it runs out of its budget, use pipeline_1 + pipeline_2
+  python3 benchmarks/pipeline_e2e.py --out "$OUT" --budget-s 520 2>&1 | tee "$OUT/pipeline.log"
+}
+
+pipeline_1() {  # the few-step cases, the VAE and the text encoder
+  python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step,8step --sections vae,te --budget-s 520 2>&1 |
+    tee "$OUT/pipeline_1.log"
+}
+
+pipeline_2() {  # the 50-step true-CFG cases and the cache, merged into the first part's file
+  python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 50step --sections none --budget-s 520 \
+    --merge-json "$R/pipeline_h200.json" 2>&1 | tee "$OUT/pipeline_2.log"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

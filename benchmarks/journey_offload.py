@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Issue 39's offload keys: a patched FP8 pipeline resident, under ``enable_model_cpu_offload()`` and under group
+offloading, 8 steps with true CFG at 1024^2.
+
+One process, one GPU: the 60-layer random full-size transformer in bf16, ModelOpt ``FP8_DEFAULT_CFG`` in place
+(calibrated on two random calls), the full VAE (``pipeline_parts.build_vae``), no text encoder: the prompt and
+negative prompt embeddings (128 and 32 tokens) are given, on the GPU (under accelerate's model offload they must
+be: the hook moves a call's inputs only when it moves the model, see .devrun/readme_offload.md). The transformer is
+patched once with the defaults (``qwen_absorb.patch(pipe)``: originals on the host, graphs decided at the first
+call on the GPU) and stays patched through the three modes, in this order:
+
+- ``resident``: the pipeline on the GPU; a warm-up run, then ``--runs`` timed runs: ``resident_8step_s`` (median);
+- ``offload_model``: ``pipe.enable_model_cpu_offload()``; a warm-up run, then timed runs: ``offload_model_8step_s``,
+  ``offload_model_peak_gib`` (``max_memory_allocated`` over the timed runs), ``offload_model_graph_replays`` (graph
+  replays during the timed runs: the runner sits inside accelerate's hook, so it replays);
+- ``offload_group``: hooks removed, ``transformer.enable_group_offload(block_level, 1 block per group,
+  use_stream=True)``, the VAE on the GPU; one timed run (no warm-up: each run streams every weight 16 times):
+  ``offload_group_8step_s``, its peak and graph refusals (expected: "offloading hook").
+
+A run: ``pipe(prompt_embeds=..., true_cfg_scale=4.0, height=1024, width=1024, num_inference_steps=8,
+output_type="pt")``, synchronized, wall seconds. Writes ``<out>/journey_offload_h200.json`` + ``.md`` (``journey.py``
+merges its keys).
+
+    python benchmarks/journey_offload.py --out $OUT          # H200: about 3 min (+55 s ModelOpt's first build)
+    python benchmarks/journey_offload.py --tiny              # CPU smoke run (offload modes with a CPU device)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402
+import pipeline_parts as P  # noqa: E402
+
+import torch  # noqa: E402
+
+import qwen_absorb  # noqa: E402
+
+SECTIONS = ("resident", "offload_model", "offload_group")
+KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
+        "resident_8step_s")
+
+
+class OffloadJourney(H.Bench):
+    def __init__(self, a: argparse.Namespace) -> None:
+        super().__init__(a)
+        cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
+        self.R = H.Results(a.out, "journey_offload_tiny" if a.tiny else "journey_offload_h200", {
+            **H.head("benchmarks/journey_offload.py (issue 39)", self.env, cfg), **dict.fromkeys(KEYS),
+            "details": {}}, markdown)
+        self.steps = H.Steps([self.R], a.budget_s)
+        self.pipe: Any = None
+        self.report: Any = None
+
+    # ------------------------------------------------------------------ building
+
+    def build(self) -> None:
+        a = self.a
+        H.load_modelopt()
+        model = H.build_transformer(a.tiny, a.num_layers, self.dev, torch.bfloat16, a.seed)
+        calib = [H.inputs(model, a.side, a.text_tokens, self.dev, torch.bfloat16, a.seed + 10 + i) for i in range(2)]
+        self.R.put("details.fp8_quantize_s", H.fp8_quantize(model, calib))
+        del calib
+        self.pipe = self._pipeline(model)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.report = qwen_absorb.patch(self.pipe)
+        self.R.put("details.patch_gib", H.memory_gib(self.dev))
+        dim = model.config.joint_attention_dim
+        self.call_kw = {**H.prompt_kwargs(dim, self.dev, torch.bfloat16, a.seed, a.text_tokens, max(4, a.text_tokens // 4)),
+                        "height": a.size, "width": a.size, "num_inference_steps": a.pipeline_steps, "output_type": "pt"}
+
+    def _pipeline(self, model: torch.nn.Module) -> Any:
+        """``QwenImagePipeline`` with Qwen-Image's scheduler config and the VAE, no text encoder (embeddings given)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline  # noqa: PLC0415
+
+        return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**P.SCHEDULER),
+                                 vae=P.build_vae(self.a.tiny, self.dev), text_encoder=None, tokenizer=None,
+                                 transformer=model)
+
+    # ------------------------------------------------------------------ measuring
+
+    def run_once(self) -> float:
+        H.sync(self.dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.pipe(**self.call_kw, generator=torch.Generator().manual_seed(self.a.seed))
+        H.sync(self.dev)
+        return time.perf_counter() - t0
+
+    def graph(self) -> dict[str, Any]:
+        return dict(self.report.cuda_graph or {})
+
+    def timed(self, name: str, runs: int, warmup: int) -> dict[str, Any]:
+        for _ in range(warmup):
+            self.run_once()
+        gc.collect()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        before = self.graph()
+        walls = [self.run_once() for _ in range(runs)]
+        after = self.graph()
+        peak = torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.cuda else None
+        d = {"runs_s": [round(w, 3) for w in walls], "median_s": round(statistics.median(walls), 3),
+             "peak_gib": peak and round(peak, 3),
+             "graph_replays": after.get("replays", 0) - before.get("replays", 0),
+             "graph_captures": after.get("captures", 0) - before.get("captures", 0),
+             "graph_fallbacks": dict(self.report.graph_fallbacks), "rebuilds": dict(self.report.rebuilds),
+             "runtime_fallbacks": dict(self.report.runtime_fallbacks)}
+        self.R.put(f"details.{name}", H.json_safe(d))
+        H.log(f"{name}: {d['median_s']} s median of {runs}, peak {d['peak_gib']} GiB, "
+              f"{d['graph_replays']} replays, fallbacks {d['graph_fallbacks']}")
+        return d
+
+    def resident(self) -> None:
+        d = self.timed("resident", self.a.runs, 1)
+        self.R.put("resident_8step_s", d["median_s"])
+
+    def offload_model(self) -> None:
+        self.pipe.enable_model_cpu_offload(device=self.dev) if not self.a.tiny else self._tiny_model_offload()
+        gc.collect()
+        self.R.put("details.offload_model_idle_gib", H.memory_gib(self.dev))  # between runs: nothing on the GPU
+        d = self.timed("offload_model", self.a.runs, 1)
+        self.R.put("offload_model_8step_s", d["median_s"])
+        self.R.put("offload_model_graph_replays", d["graph_replays"])
+        self.R.put("offload_model_peak_gib", d["peak_gib"], H.NEEDS_CUDA)
+
+    def _tiny_model_offload(self) -> None:
+        self.pipe.enable_model_cpu_offload(device="cpu")
+        for h in self.pipe._all_hooks:
+            h.hook.execution_device = self.dev
+
+    def offload_group(self) -> None:
+        self.pipe.remove_all_hooks()
+        self.pipe.vae.to(self.dev)
+        t = self.pipe.transformer
+        t.enable_group_offload(onload_device=self.dev, offload_device=torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1, use_stream=self.cuda)
+        d = self.timed("offload_group", 1, 0)
+        self.R.put("offload_group_8step_s", d["median_s"])
+
+    def run(self) -> int:
+        s, R = self.steps, self.R
+        if not s("build", self.build, [(R, k) for k in KEYS]):
+            return 1
+        fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]), "offload_group": [KEYS[3]]}
+        for sec in self.a.sections:
+            s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
+        R.put("details.report", str(self.report)[:3000])
+        R.write()
+        return 1 if R.d["errors"] else 0
+
+
+def markdown(d: dict[str, Any]) -> str:
+    det = d.get("details", {})
+    rows = [[name, (det.get(name) or {}).get("median_s"), (det.get(name) or {}).get("peak_gib"),
+             (det.get(name) or {}).get("graph_replays"), (det.get(name) or {}).get("graph_fallbacks")]
+            for name in SECTIONS]
+    lines = H.md_head("Offloaded pipelines keep graphs (issue 39 C)", d) + [
+        "", "Patched FP8 (ModelOpt FP8_DEFAULT_CFG, defaults) 60-layer random transformer, full VAE, prompt "
+        "embeddings given, 1024^2, 8 steps, true CFG 4.0; seconds: one synchronized pipeline run.", "",
+        *H.md_table(["key", "value"], [[k, d.get(k)] for k in KEYS]), "",
+        *H.md_table(["mode", "median s", "peak GiB", "graph replays", "graph refusals"], rows)]
+    return H.md_document(lines, d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = H.parser(__doc__, SECTIONS, budget_s=220.0)
+    defaults = {"num_layers": (60, 2), "side": (64, 4), "text_tokens": (128, 8), "size": (1024, 64),
+                "pipeline_steps": (8, 3), "runs": (3, 1)}
+    for k, (full, tiny) in defaults.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
+    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "journey")
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v[1] if a.tiny else v[0])
+    return OffloadJourney(a).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

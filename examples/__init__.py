@@ -1,0 +1,1 @@
+"""The examples, installed as ``qwen_absorb_examples`` (console script ``qwen-absorb-compare``: compare_outputs)."""

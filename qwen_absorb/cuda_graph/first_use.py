@@ -1,0 +1,130 @@
+"""Graphs decided at the transformer's first call on a GPU, not where it sat when it was patched.
+
+A model patched on the CPU is usually moved next (``.to("cuda")``) or run under an offload hook
+(``enable_model_cpu_offload()`` keeps it on the CPU between calls). :class:`FirstUse` sits where the runner
+would (:func:`.attach.install`) and passes calls on other devices straight to the forward it wraps, uncounted
+(graphs are not decided yet); at the first call whose inputs are on a graph device it takes itself out and
+installs the :class:`~.runner.GraphedCall`, which answers that call. A refusal there (e.g. group offloading,
+which streams weights during the call) is logged once as a warning and counted, as every later one, in the
+``fallbacks`` counter (the patch report's ``graph_fallbacks``). It also stands for the runner it made:
+``describe()``, ``invalidate()`` and ``remove()`` go to it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import hooks
+from . import settings
+from .attach import under_model_offload, install
+from .runner import GraphedCall
+
+log = logging.getLogger("qwen_absorb")
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of the call's image input (``hidden_states``), else of its first tensor argument."""
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    if isinstance(x, torch.Tensor):
+        return x.device
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+class FirstUse:
+    """In the transformer's forward slot until its first call on a graph device (see the module doc)."""
+
+    __qwen_absorb_graph__ = False  # not a per-block runner: qwen_absorb.patch's _strip leaves it
+    __slots__ = ("__weakref__", "_transformer", "_inner", "_prev_present", "_slot", "_options", "runner",
+                 "_removed")
+
+    def __init__(self, transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
+                 host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> None:
+        t = hooks.resolve_transformer(transformer, (nn.Module,))
+        self._transformer = t
+        self._options = dict(fallbacks=fallbacks, max_graphs=max_graphs, host_tensors=host_tensors,
+                             capture_after=capture_after)
+        self.runner: GraphedCall | None = None
+        self._removed = False
+        d = t.__dict__
+        self._slot = "_old_forward" if under_model_offload(t) else "forward"
+        self._prev_present = self._slot in d
+        self._inner = d[self._slot] if self._prev_present else type(t).forward.__get__(t)
+        object.__setattr__(t, self._slot, self)
+        log.info("CUDA graphs for %s: decided at its first call on a GPU", type(t).__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        r = self.runner
+        if r is not None:  # something wrapped us before we were replaced: the runner answers
+            return r(*args, **kwargs)
+        if self._removed:
+            return self._inner(*args, **kwargs)
+        dev = _device_of(args, kwargs)
+        if dev is None or dev.type not in settings.GRAPH_DEVICE_TYPES or torch.compiler.is_compiling():
+            return self._inner(*args, **kwargs)
+        self._take_out()
+        self.runner = install(self._transformer, **self._options, warn_first=True)
+        log.info("CUDA graphs for %s decided at its first call on %s", type(self._transformer).__name__, dev)
+        return self.runner(*args, **kwargs)
+
+    def _take_out(self) -> None:
+        """Put the wrapped forward back in the slot that holds this object (wherever a hook put it since)."""
+        t = self._transformer
+        for where, get, set_ in hooks.forward_slots(t):
+            if get() is self:
+                if where == "forward" and not (self._prev_present and self._slot == "forward"):
+                    del t.__dict__["forward"]
+                else:
+                    set_(self._inner)
+                return
+        log.warning("the CUDA-graph decision of %s was not found in its forward chain; it stays as a "
+                    "pass-through", type(t).__name__)
+
+    # ------------------------------------------------------------------ what the patch state asks
+
+    def remove(self) -> None:
+        if self.runner is not None:
+            self.runner.remove()
+        elif not self._removed:
+            self._take_out()
+        self._removed = True
+
+    def invalidate(self, reason: str = "invalidate() called") -> None:
+        if self.runner is not None:
+            self.runner.invalidate(reason)
+
+    def describe(self) -> dict[str, Any]:
+        if self.runner is not None:
+            return self.runner.describe()
+        return {"installed": not self._removed, "decided": False,
+                "mode": "decided at the first call on a GPU (none yet)", "graphs": 0, "captures": 0,
+                "replays": 0, "eager_calls": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        t = self._transformer
+        cls_forward = getattr(self._inner, "__func__", None) is type(t).forward and getattr(
+            self._inner, "__self__", None) is t
+        opts = dict(self._options, host_tensors=None)  # a closure over this model: neither copied nor saved
+        return {"t": t, "inner": None if cls_forward else self._inner, "prev_present": self._prev_present,
+                "slot": self._slot, "options": opts, "runner": self.runner, "removed": self._removed}
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        t = st["t"]
+        self._transformer, self._slot, self._prev_present = t, st["slot"], st["prev_present"]
+        self._inner = st["inner"] if st["inner"] is not None else type(t).forward.__get__(t)
+        self._options, self.runner, self._removed = st["options"], st["runner"], st["removed"]
+
+    def __repr__(self) -> str:
+        state = "decided" if self.runner is not None else "waiting for a call on a GPU"
+        return f"<qwen_absorb CUDA graphs of {type(self._transformer).__name__}: {state}>"
+
+
+__all__ = ["FirstUse"]

@@ -1,0 +1,435 @@
+"""ModelOpt's Hugging Face exports of a Qwen-Image transformer, loaded back into diffusers: FP8 and NVFP4.
+
+:func:`load_hf_export` reads the unified checkpoint that ``modelopt.torch.export.export_hf_checkpoint``
+writes (``config.json`` with a ``quantization_config``, or a ``hf_quant_config.json`` beside it, and
+safetensors), per linear:
+
+- **FP8** (``quant_algo`` FP8): ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448,
+  optional ``input_scale``; SGLang's ModelOpt FP8 transformer exports are this same layout;
+- **NVFP4** (``quant_algo`` NVFP4, the layout of NVIDIA's ``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8
+  [out, in / 2] holding two e2m1 codes a byte (even column in the low nibble), ``weight_scale``
+  float8_e4m3fn [out, in / 16] (one scale per 16 inputs), fp32 ``weight_scale_2`` = amax / (6 * 448),
+  ``input_scale`` = input amax / (6 * 448); linears without scales (e.g. blocks 0, 1, 58, 59) in bf16.
+- a mixed export (``MIXED_PRECISION``) is read linear by linear the same way.
+
+The padded or cuBLAS-swizzled NVFP4 layouts of ModelOpt's single-file (ComfyUI) post-processing are
+refused with a reason: their scales are not one per 16 inputs in row order.
+
+Why a loader: diffusers 0.42.1 reads ``quant_method: modelopt`` with ``NVIDIAModelOptConfig``, which
+raises ``TypeError`` with nvidia-modelopt >= 0.44 (ModelOpt issue #2001, diffusers PR #14536 unreleased),
+and has no place for the scales. ModelOpt is imported through :func:`import_modelopt` (see why there).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("qwen_absorb")
+
+__all__ = ["E2M1_MAX", "FP8_MAX", "NVFP4_BLOCK", "empty_transformer", "export_code_mismatches",
+           "import_modelopt", "load_hf_export", "quantized_linear_names", "unpack_e2m1"]
+
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+# e2m1 code -> value (bit 3 the sign; ModelOpt's table decodes code 8, "-0", as +0)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def import_modelopt(name: str = "modelopt.torch.quantization"):
+    """Import a ModelOpt module (default ``modelopt.torch.quantization``) and return it.
+
+    The first import of ModelOpt runs in a short-lived thread, whose call stack holds nothing of the
+    caller's: ModelOpt's import chain (``modelopt.torch.opt`` -> ``pulp``) leaves an exception stored on
+    a class (PuLP's ``COPT_DLL.err``), and that exception's traceback keeps every frame of the importing
+    stack alive, with its local variables, for the life of the process. Imported from a function holding
+    a model, the model could never be freed. Later calls find the module in ``sys.modules``.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # re-raised in the caller's thread, without the thread's frames
+            error.append(e)
+
+    t = threading.Thread(target=target, name="qwen_absorb-import-modelopt", daemon=True)
+    t.start()
+    t.join()
+    if error:
+        e = error.pop()
+        raise type(e)(*e.args) if isinstance(e, ImportError) else e
+    return sys.modules[name]
+
+
+def quantized_linear_names(transformer: nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose ModelOpt weight quantizer is enabled."""
+    out = []
+    for name, m in transformer.named_modules():
+        q = getattr(m, "weight_quantizer", None)
+        if isinstance(m, nn.Linear) and q is not None and getattr(q, "is_enabled", False):
+            out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------------- export code prediction
+
+
+def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
+    """Elements of ``weight`` whose e4m3 code under ModelOpt's FP8 fake quantization differs from the code
+    its Hugging Face export writes. Fake quantization (``tensor_quant._fp8_eager``, the CUDA extension's
+    ``fake_e4m3fy``) multiplies, ``e4m3(clamp(w * (448 / amax)))``, with an amax <= 2^-24 taken as 1; the
+    export divides, ``e4m3(w / (amax / 448))``, by the raw amax (both in float32). The two differ by a
+    float32 ulp now and then (0.11% of the codes of the 60-layer random recipe model), and everywhere
+    for a linear whose amax is 0 (an all-zero weight): the export writes ``0 / 0``, NaN codes."""
+    a = amax.detach().to(torch.float32).reshape(())
+    x = weight.detach().to(torch.float32)
+    safe = torch.where(a <= 1.0 / (1 << 24), torch.ones_like(a), a)
+    fake = (x * (448.0 / safe)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    exported = (x / (a / 448.0)).to(torch.float8_e4m3fn)
+    return int((fake.view(torch.uint8) != exported.view(torch.uint8)).sum())
+
+
+def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
+    """``(differing, total)`` FP8 weight codes of ``transformer``'s per-tensor FP8 linears between
+    ModelOpt's fake quantization and its Hugging Face export (:func:`_code_mismatches`). Where
+    ``differing > 0``, a model loaded from the export computes with the checkpoint's codes, not all of
+    which the exported model computed with. Call it before exporting (the export converts in place)."""
+    differing = total = 0
+    modules = dict(transformer.named_modules())
+    with torch.no_grad():
+        for name in quantized_linear_names(transformer):
+            lin = modules[name]
+            q = lin.weight_quantizer
+            amax = getattr(q, "amax", None)
+            if amax is None or amax.numel() != 1 or q.block_sizes is not None or q.num_bits != (4, 3):
+                continue
+            differing += _code_mismatches(lin.weight, amax)
+            total += lin.weight.numel()
+    return differing, total
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def _find_folder(export_dir: str | Path) -> Path:
+    folder = Path(export_dir)
+    if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"  # a whole pipeline folder: its transformer
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{export_dir}: no config.json (a ModelOpt Hugging Face export of a transformer)")
+    return folder
+
+
+def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        files = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(folder / f), device=str(device)))
+    return state
+
+
+def read_quant_algo(folder: Path) -> str | None:
+    """The export's ``quant_algo`` (``FP8``, ``NVFP4``, ``MIXED_PRECISION``), from ``config.json``'s
+    ``quantization_config`` or ``hf_quant_config.json``'s ``quantization``; None if neither says."""
+    cfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    algo = cfg.get("quant_algo")
+    side = folder / "hf_quant_config.json"
+    if algo is None and side.is_file():
+        algo = (json.loads(side.read_text()).get("quantization") or {}).get("quant_algo")
+    return algo
+
+
+def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, maxbound: float = FP8_MAX,
+                     cuda_first: bool = False) -> torch.Tensor:
+    """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale``, in ``dtype`` if one is.
+
+    ModelOpt's export stores ``amax / maxbound`` rounded to float32 (448 for FP8, 6 * 448 for NVFP4), not
+    the amax. ``scale * maxbound`` misses that by a float32 ulp now and then; a neighbour meets it.
+    ModelOpt calibrates a bf16 model's amaxes as bf16 values, so a candidate that ``dtype`` represents
+    exactly is the calibrated amax, returned in ``dtype``; otherwise the first float32 candidate. Either
+    way the scale ModelOpt derives from it (``amax.float() / maxbound``) is the checkpoint's. With
+    ``cuda_first`` (NVFP4) that derivation is first taken as torch does it on CUDA, where ModelOpt's NVFP4
+    fake quantization runs: a product with the float32 reciprocal of ``maxbound``."""
+    s = scale.detach().to(torch.float32).reshape(())
+    guess = s * maxbound
+    candidates = [guess]
+    up, down = guess, guess
+    for _ in range(3):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.zeros_like(down))
+        candidates += [up, down]
+    inv = float(torch.tensor(1.0 / maxbound, dtype=torch.float32))
+    ways = [lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()]  # the ways ModelOpt divides
+    if cuda_first:
+        ways.insert(0, lambda c: c * inv)
+    for divide in ways:
+        exact = [c for c in candidates if torch.equal(divide(c), s)]
+        if exact:
+            narrow = [c for c in exact if torch.equal(c.to(dtype).to(torch.float32), c)]
+            return narrow[0].to(dtype) if narrow else exact[0]
+    return guess
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values of packed e2m1 codes [..., n / 2] -> [..., n] (even element in the low nibble)."""
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
+    p = packed.view(torch.uint8)
+    codes = torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
+    return table[codes.long()]
+
+
+def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes with "-0" (8) written as +0 (0): both decode to 0, and a dequantized weight cannot tell
+    them apart (ModelOpt's export writes 8 for a negative weight that rounds to zero)."""
+    p = packed.view(torch.uint8)
+    lo, hi = p & 0x0F, p >> 4
+    lo = torch.where(lo == 8, torch.zeros_like(lo), lo)
+    hi = torch.where(hi == 8, torch.zeros_like(hi), hi)
+    return lo | (hi << 4)
+
+
+# --------------------------------------------------------------------------------- the linears
+
+
+class _Entry:
+    """One quantized linear of the export: its format, stored tensors, and the model's weight shape."""
+
+    __slots__ = ("name", "fmt", "weight", "scale", "scale_2", "input_scale")
+
+    def __init__(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        self.name = name
+        self.weight = state.pop(f"{name}.weight", None)
+        self.scale = state.pop(f"{name}.weight_scale")
+        self.scale_2 = state.pop(f"{name}.weight_scale_2", None)
+        self.input_scale = state.pop(f"{name}.input_scale", None)
+        self.fmt = "nvfp4" if self.scale_2 is not None else "fp8"
+
+    def problems(self, shape: torch.Size | None) -> list[str]:
+        """Why this entry cannot be the weight of a linear of ``shape`` (empty: it can)."""
+        n = self.name
+        if shape is None:
+            return [f"{n}: the export quantizes it, the model built from config.json has no such linear"]
+        if self.weight is None:
+            return [f"{n}: weight_scale without a weight"]
+        if self.input_scale is not None and self.input_scale.numel() != 1:
+            return [f"{n}: input_scale has {self.input_scale.numel()} values (per-tensor expected)"]
+        if self.fmt == "fp8":
+            if self.weight.dtype != torch.float8_e4m3fn:
+                return [f"{n}: FP8 weight of dtype {self.weight.dtype} (float8_e4m3fn expected)"]
+            if self.scale.numel() != 1:
+                return [f"{n}: a per-channel FP8 weight_scale of {self.scale.numel()} values is not supported "
+                        "(per-tensor FP8 only)"]
+            if tuple(self.weight.shape) != tuple(shape):
+                return [f"{n}: weight {tuple(self.weight.shape)}, the model's linear is {tuple(shape)}"]
+            return []
+        out_f, in_f = shape
+        if self.weight.dtype != torch.uint8 or self.scale.dtype != torch.float8_e4m3fn or self.scale_2.numel() != 1:
+            return [f"{n}: NVFP4 tensors of dtypes {self.weight.dtype} / {self.scale.dtype} / "
+                    f"{self.scale_2.numel()} scale_2 values (uint8 / float8_e4m3fn / 1 expected)"]
+        if in_f % NVFP4_BLOCK:
+            return [f"{n}: in_features {in_f} is not a multiple of {NVFP4_BLOCK}"]
+        want_w, want_s = (out_f, in_f // 2), (out_f, in_f // NVFP4_BLOCK)
+        if tuple(self.weight.shape) != want_w or tuple(self.scale.shape) != want_s:
+            return [f"{n}: NVFP4 weight {tuple(self.weight.shape)} / weight_scale {tuple(self.scale.shape)}, "
+                    f"the model's linear {tuple(shape)} needs {want_w} / {want_s} (a padded or swizzled "
+                    "single-file layout is not supported)"]
+        return []
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the checkpoint stores: codes times their scales (ModelOpt's order)."""
+        if self.fmt == "fp8":
+            return self.weight.to(torch.float32) * self.scale.to(torch.float32)
+        vals = unpack_e2m1(self.weight)
+        out_f, in_f = vals.shape
+        block = self.scale.to(torch.float32) * self.scale_2.to(torch.float32).reshape(())
+        return (vals.view(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK) * block.unsqueeze(-1)).view(out_f, in_f)
+
+    def reproduces_codes(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` (the loaded parameter) quantizes back to the checkpoint's bytes."""
+        w = weight.detach().to(torch.float32)
+        if self.fmt == "fp8":
+            return _same_bytes((w / self.scale.to(torch.float32)).to(self.weight.dtype), self.weight)
+        nvfp4 = import_modelopt("modelopt.torch.quantization.qtensor.nvfp4_tensor").NVFP4QTensor
+        s2 = self.scale_2.to(torch.float32).reshape(())
+        # codes under the checkpoint's block scales, then the block scales recomputed from the weight
+        # (blocks with a nonzero code only: an all-zero block's stored scale is not recoverable)
+        qt, _, _ = nvfp4.quantize(w.clone(), NVFP4_BLOCK, weights_scaling_factor=self.scale,
+                                  weights_scaling_factor_2=s2)
+        if not torch.equal(_canonical_codes(qt._quantized_data), _canonical_codes(self.weight)):
+            return False
+        scale, _ = nvfp4.get_weights_scaling_factor(w, NVFP4_BLOCK, s2)
+        live = (_canonical_codes(self.weight) != 0).view(w.shape[0], -1, NVFP4_BLOCK // 2).any(-1)
+        return torch.equal(scale.view(torch.uint8)[live], self.scale.view(torch.uint8)[live])
+
+
+def _same_bytes(weight: torch.Tensor, codes: torch.Tensor) -> bool:
+    data = getattr(weight, "data", weight)
+    return data.dtype == codes.dtype and data.shape == codes.shape and torch.equal(
+        data.view(torch.uint8), codes.view(torch.uint8))
+
+
+def _quant_cfg(entries: list[_Entry]) -> dict[str, Any]:
+    """A ModelOpt config enabling exactly the export's quantizers, each with its format's default cfg
+    (``FP8_DEFAULT_CFG`` / ``NVFP4_DEFAULT_CFG``); everything else off."""
+    mtq = import_modelopt()
+
+    def defaults(base: dict) -> dict[str, dict]:
+        out = {}
+        for e in base["quant_cfg"]:
+            pat = e.get("quantizer_name")
+            if pat in ("*weight_quantizer", "*input_quantizer") and "cfg" in e:
+                out[pat[1:]] = copy.deepcopy(e["cfg"])
+        return out
+
+    per_fmt = {"fp8": defaults(mtq.FP8_DEFAULT_CFG), "nvfp4": defaults(mtq.NVFP4_DEFAULT_CFG)}
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["quant_cfg"] = [{"quantizer_name": "*", "enable": False}]
+    for e in entries:
+        for q in ("weight_quantizer", "input_quantizer"):
+            cfg["quant_cfg"].append({"quantizer_name": f"{e.name}.{q}", "cfg": per_fmt[e.fmt][q], "enable": True})
+    return cfg
+
+
+def load_hf_export(
+    export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    compress: bool = False,
+) -> nn.Module:
+    """Load ModelOpt's Hugging Face export of a Qwen-Image transformer (FP8, NVFP4 or both, see the
+    module docstring) into a diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for
+    ``qwen_absorb.patch``. ``export_dir`` may also be a pipeline folder with a ``transformer/`` inside.
+
+    1. build the transformer from ``config.json`` (without its ``quantization_config``) and check that
+       every stored tensor has a place of the right shape in it (else ``ValueError`` "does not match");
+    2. load the unquantized tensors as they are, and each quantized weight as its codes times its scales
+       (NVFP4: e2m1 value x e4m3 block scale x ``weight_scale_2``, in float32, then ``dtype``);
+    3. ``mtq.quantize`` without calibration, enabling exactly the export's linears, with ModelOpt's
+       FP8 / NVFP4 (dynamic per-16 block, e4m3 scales) default quantizers, and amaxes such that ModelOpt
+       derives exactly the stored ``weight_scale`` (FP8) / ``weight_scale_2`` (NVFP4) / ``input_scale``;
+    4. check that every quantized linear quantizes back to the checkpoint's codes (NVFP4: its e2m1 codes,
+       "-0" read as 0, and the e4m3 block scales of its nonzero blocks);
+    5. with ``compress`` (FP8 only), ``mtq.compress``: float8 storage, ModelOpt's own FP8 GEMM.
+
+    ``dtype`` defaults to the dtype of the export's unquantized weights.
+    """
+    from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
+
+    mtq = import_modelopt()
+    folder = _find_folder(export_dir)
+    algo = read_quant_algo(folder)
+    if algo not in (None, "FP8", "NVFP4", "MIXED_PRECISION"):
+        raise ValueError(f"{folder}: quant_algo {algo!r} is not supported (FP8, NVFP4 or a mix of them)")
+    config = dict(QwenImageTransformer2DModel.load_config(str(folder)))
+    device = torch.device(device)
+    state = _read_safetensors(folder, device)
+    names = sorted(k[: -len(".weight_scale")] for k in state if k.endswith(".weight_scale"))
+    entries = [_Entry(n, state) for n in names]
+    if dtype is None:
+        dtype = next((t.dtype for k, t in state.items() if t.is_floating_point() and t.dtype.itemsize > 1
+                      and k.endswith(".weight")), torch.float32)
+    try:
+        model = empty_transformer(config, dtype, device)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{folder}: config.json does not describe a QwenImageTransformer2DModel: {e}") from e
+    _check_matches(folder, model, entries, state)
+    if compress and any(e.fmt == "nvfp4" for e in entries):
+        raise ValueError("compress=True supports FP8 exports only (ModelOpt's NVFP4 compressed forward "
+                         "dequantizes on every call and is not its fake quantization)")
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for e in entries:  # one dequantized copy at a time
+            params[f"{e.name}.weight"].copy_(e.dequantized())
+        model.load_state_dict(state, strict=False)
+    del state
+    mtq.quantize(model, _quant_cfg(entries), forward_loop=None)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for e in entries:
+            lin = modules[e.name]
+            if e.fmt == "fp8":
+                lin.weight_quantizer.amax = _amax_from_scale(e.scale, dtype)
+                bound = FP8_MAX
+            else:
+                bound = E2M1_MAX * FP8_MAX
+                lin.weight_quantizer.amax = _amax_from_scale(e.scale_2, dtype, bound, cuda_first=True)
+            if e.input_scale is not None:
+                lin.input_quantizer.amax = _amax_from_scale(e.input_scale, dtype, bound, cuda_first=e.fmt == "nvfp4")
+            else:  # a weight-only export
+                lin.input_quantizer.disable()
+        wrong = [e.name for e in entries if not e.reproduces_codes(params[f"{e.name}.weight"])]
+    if compress and not wrong:
+        mtq.compress(model)
+        wrong = [e.name for e in entries if not _same_bytes(modules[e.name]._parameters["weight"], e.weight)]
+    if wrong:
+        raise ValueError(f"{folder}: {len(wrong)} quantized linears do not reproduce the checkpoint's codes "
+                         f"(first: {wrong[0]})")
+    counts = {f: sum(e.fmt == f for e in entries) for f in ("fp8", "nvfp4")}
+    logger.info("loaded ModelOpt export %s: %d FP8 and %d NVFP4 linears", folder, counts["fp8"], counts["nvfp4"])
+    return model.eval()
+
+
+def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state: dict[str, torch.Tensor]) -> None:
+    """Raise the loader's "does not match" error, naming the first problems, unless every stored tensor
+    has a place of its shape in ``model`` and every model tensor is stored."""
+    own = model.state_dict()
+    problems: list[str] = []
+    for e in entries:
+        w = own.get(f"{e.name}.weight")
+        problems += e.problems(None if w is None else w.shape)
+    quantized = {f"{e.name}.weight" for e in entries}
+    for k, t in state.items():
+        if k not in own:
+            problems.append(f"{k}: not in the model built from config.json")
+        elif tuple(own[k].shape) != tuple(t.shape):
+            problems.append(f"{k}: stored {tuple(t.shape)}, the model's is {tuple(own[k].shape)}")
+    missing = sorted(k for k in own if k not in state and k not in quantized)
+    problems += [f"{k}: missing from the export" for k in missing]
+    if problems:
+        raise ValueError(f"{folder}: the export does not match the transformer built from its config.json "
+                         f"({len(problems)} problems; first: {'; '.join(problems[:4])})")
+
+
+def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """A ``QwenImageTransformer2DModel`` of ``config`` (e.g. ``model.config``) in ``dtype`` on ``device``
+    with uninitialised weights, built in no time: the model to restore or load a checkpoint into.
+    The rope module is rebuilt for real (its frequency tables are plain attributes made in ``__init__``)."""
+    from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
+
+    config = {k: v for k, v in dict(config).items() if not k.startswith("_") and k != "quantization_config"}
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(config)
+    # nn.Module's cast (meta: nothing is computed); diffusers' ModelMixin.to would log that modules
+    # "should be kept in float32", which this class has none of
+    nn.Module.to(model, dtype=dtype)
+    model.to_empty(device=device)
+    if not config.get("use_layer3d_rope", False):
+        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
+    else:
+        from diffusers.models.transformers.transformer_qwenimage import QwenEmbedLayer3DRope  # noqa: PLC0415
+
+        model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]),
+                                               scale_rope=True)
+    return model.eval()

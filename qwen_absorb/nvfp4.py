@@ -1,0 +1,248 @@
+"""An NVFP4 linear on Hopper at bf16 speed: ModelOpt's NVFP4 fake quantization without its per-call cost.
+
+A ModelOpt W4A4 NVFP4 linear (``NVFP4_DEFAULT_CFG``: dynamic per-16 e4m3 block scales for its weight and
+its input, per-tensor second-level scales from the calibrated amaxes) computes, on CUDA,
+``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)`` where ``fq`` is ModelOpt's Triton NVFP4 fake
+quantization (:mod:`qwen_absorb.ops.quantize_nvfp4` gives its arithmetic). :class:`Nvfp4Linear` computes
+the same bits:
+
+- ``fq(W)`` is made once and remade when its sources change (the identity, pointer and version of the
+  weight and of the weight amax: :meth:`Nvfp4Linear.weight_key`; in a patched model the plan's watch
+  covers both and a change decides the block again, with new runners). Where ``fq(W)`` equals ``W`` bit for bit (a
+  weight loaded from an NVFP4 export: its values are already e2m1 x e4m3 x scale_2 and the fake
+  quantization is idempotent on them, checked here once per weight, not assumed), the linear's own
+  weight is used and no copy is held: the model holds the memory of its bf16 weights, nothing more.
+- ``fq(x)`` is the :func:`~qwen_absorb.ops.quantize_nvfp4` kernel, then one bf16 GEMM.
+
+In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`, the ``plan.nvfp4``
+row) and ``projection.run_module`` calls them where the block would call the module; a projection they run
+keeps its bias in the GEMM (no deferral), as a real FP8 GEMM does. :func:`nvfp4_linear_reasons` says why a
+linear cannot run so (empty: it can). On Blackwell
+(capability >= 10.0) real NVFP4 GEMMs would be faster still; they are not used (not testable here),
+so the same fake-quantized bf16 path runs there too.
+
+:func:`modelopt_fake_quant_on_cpu` lets ModelOpt's own NVFP4 quantizers run on CPU with the reference in
+place of their CUDA kernel (ModelOpt has no CPU path): for tests and CPU checks of a loaded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import quant
+from .hf_export import import_modelopt
+from .ops.quantize_nvfp4 import launch as launch_nvfp4
+from .ops.quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_reference
+
+logger = logging.getLogger("qwen_absorb")
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_CAPABILITY = (8, 9)  # where ModelOpt's NVFP4 fake quantization is the Triton kernel reproduced here
+
+__all__ = ["Nvfp4Linear", "block_runners", "modelopt_fake_quant_on_cpu", "nvfp4_linear_reasons", "nvfp4_linear_names"]
+
+
+def _quantizer_reasons(q, what: str) -> list[str]:
+    if quant.quantizer_format(q) != quant.NVFP4:
+        return [f"{what} is not an enabled NVFP4 quantizer ({quant.quantizer_format(q)})"]
+    r = []
+    blocks = getattr(q, "block_sizes", None) or {}
+    if blocks.get("type", "static") != "dynamic":
+        r.append(f"{what}: static block scales (only ModelOpt's dynamic NVFP4 is emulated)")
+    if blocks.get("four_over_six", False):
+        r.append(f"{what}: four-over-six scale selection")
+    for attr, why in (("pre_quant_scale", "pre_quant_scale is set"), ("backend", "custom backend")):
+        if getattr(q, attr, None) is not None:
+            r.append(f"{what}: {why}")
+    if getattr(q, "rotate_is_enabled", False):
+        r.append(f"{what}: rotation enabled")
+    if getattr(q, "_if_calib", False) or not getattr(q, "_if_quant", True) or not getattr(q, "_fake_quant", True):
+        r.append(f"{what}: calibrating, switched off, or real quantization")
+    amax = getattr(q, "_amax", None)
+    if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or amax.device.type == "meta":
+        r.append(f"{what}: no single calibrated amax")
+    return r
+
+
+def nvfp4_linear_reasons(lin: nn.Module) -> list[str]:
+    """Why ``lin`` is not a ModelOpt W4A4 NVFP4 linear that :class:`Nvfp4Linear` reproduces (empty: it is)."""
+    if not isinstance(lin, nn.Linear):
+        return [f"{type(lin).__name__} is not an nn.Linear"]
+    r = _quantizer_reasons(getattr(lin, "weight_quantizer", None), "weight quantizer")
+    r += _quantizer_reasons(getattr(lin, "input_quantizer", None), "input quantizer")
+    out_q = getattr(lin, "output_quantizer", None)
+    if quant.quantizer_enabled(out_q):
+        r.append("output quantizer enabled")
+    w = lin._parameters.get("weight")
+    if w is None or type(w.data) is not torch.Tensor:
+        r.append("weight is not a plain tensor (tensor parallelism, offloading, compressed storage)")
+    elif w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        r.append(f"weight dtype {w.dtype} (compressed storage)")
+    if _hooked(lin):
+        r.append("a hook sits on it (it runs as its module)")
+    return r
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_hf_hook", None) is not None)
+
+
+def nvfp4_linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not nvfp4_linear_reasons(m)]
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor
+        version = object()  # equal to nothing: rebuild
+    return (id(t), t.data_ptr(), version, t.dtype)
+
+
+def _launchable(x: torch.Tensor) -> bool:
+    """What a call alone can change about the kernel's eligibility (the plan decided the rest)."""
+    return (type(x) is torch.Tensor and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def _fake_quant(t: torch.Tensor, amax: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    return quantize_nvfp4(t, amax) if use_kernel else quantize_nvfp4_reference(t, amax)
+
+
+class Nvfp4Linear:
+    """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached.
+
+    ``use_kernel``: the CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA);
+    False: the torch reference (CPU, or a forced reference)."""
+
+    __slots__ = ("lin", "use_kernel", "_key", "_weight", "shares_weight", "_amax_key", "_amax32")
+
+    def __init__(self, lin: nn.Linear, use_kernel: bool) -> None:
+        reasons = nvfp4_linear_reasons(lin)
+        if reasons:
+            raise ValueError("not a ModelOpt W4A4 NVFP4 linear: " + "; ".join(reasons))
+        self.lin, self.use_kernel = lin, use_kernel
+        self._amax_key: tuple | None = None
+        self._amax32: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._weight: torch.Tensor | None = None
+        self.shares_weight = False
+
+    def weight_key(self) -> tuple:
+        """What ``fq(W)`` depends on: the weight's and the weight amax's identity, pointer and version (no
+        value is read: no device sync per call). A version-less (inference-mode) tensor cannot show an
+        in-place edit, so its copy is remade at every call rather than trusted."""
+        return (*_tensor_key(self.lin.weight), *_tensor_key(self.lin.weight_quantizer._amax))
+
+    def weight(self) -> torch.Tensor:
+        """``fq(W)``: the linear's own weight where that is exact, else a cached fake-quantized copy."""
+        key = self.weight_key()
+        if key != self._key or self._weight is None:
+            with torch.no_grad():
+                w = self.lin.weight.detach()
+                fq = _fake_quant(w, self.lin.weight_quantizer._amax, self.use_kernel)
+                self.shares_weight = torch.equal(fq.view(torch.int16 if fq.element_size() == 2 else torch.int32),
+                                                 w.view(torch.int16 if w.element_size() == 2 else torch.int32))
+                self._weight = w if self.shares_weight else fq
+            self._key = key
+        return self._weight
+
+    def input_amax32(self) -> torch.Tensor:
+        """The input amax as the one-element fp32 tensor the kernel reads (remade when the amax changes)."""
+        amax = self.lin.input_quantizer._amax
+        key = _tensor_key(amax)
+        if key != self._amax_key or self._amax32 is None:
+            self._amax32 = amax.detach().float().reshape(1)
+            self._amax_key = key
+        return self._amax32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and _launchable(x):
+            xq = launch_nvfp4(x, self.input_amax32())  # the checked-once launch: the plan decided the kernel
+        else:
+            xq = _fake_quant(x, self.lin.input_quantizer._amax, self.use_kernel)
+        return F.linear(xq, self.weight(), self.lin.bias)
+
+    def extra_bytes(self) -> int:
+        """Device memory this runner holds beyond the model's own weight (0 where it shares it)."""
+        return 0 if self._weight is None or self.shares_weight else self._weight.numel() * self._weight.element_size()
+
+
+class _Chain:
+    """Callables applied in order (a container's forward with its NVFP4 linears as runners): picklable."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, *steps) -> None:
+        self.steps = steps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for f in self.steps:
+            x = f(x)
+        return x
+
+
+def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, object]:
+    """The NVFP4 runners of a block, keyed by the module a patched block calls (``projection.run_module``):
+    each NVFP4 linear at ``paths`` (those not run as real FP8 GEMMs), plus the containers the block calls
+    whole when none of their linears is FP8: ``img_mod`` / ``txt_mod`` (SiLU, Linear) and the FeedForwards
+    (GELU: proj then its gelu, as diffusers' GELU.forward; Dropout; Linear). Containers with hooks or other
+    layouts keep running as modules. On a GPU below sm_89 there are none: ModelOpt's fake quantization
+    runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
+    linears: dict[nn.Module, Nvfp4Linear] = {}
+    for p in paths:
+        try:
+            m = block.get_submodule(p)
+        except AttributeError:
+            continue
+        dev = m.weight.device if isinstance(getattr(m, "weight", None), torch.Tensor) else None
+        if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < MIN_CAPABILITY:
+            return {}
+        if not nvfp4_linear_reasons(m):
+            linears[m] = Nvfp4Linear(m, use_kernel)
+            if use_kernel:  # on the GPU made now, never inside a graph capture; on CPU at first use
+                linears[m].weight()
+    if not linears:
+        return {}
+    out: dict[nn.Module, object] = dict(linears)
+    for name in ("img_mod", "txt_mod"):
+        seq = block._modules.get(name)
+        if (isinstance(seq, nn.Sequential) and len(seq) == 2 and type(seq[0]) is nn.SiLU and seq[1] in linears
+                and not _hooked(seq) and not _hooked(seq[0])):
+            out[seq] = _Chain(seq[0], linears[seq[1]])
+    for name in ("img_mlp", "txt_mlp"):
+        mlp = block._modules.get(name)
+        net = getattr(mlp, "net", None)
+        if mlp is None or net is None or len(net) != 3 or any(_hooked(m) for m in (mlp, *net)):
+            continue
+        proj = getattr(net[0], "proj", None)
+        if not (proj in linears or net[2] in linears) or _hooked(proj) or not hasattr(net[0], "gelu"):
+            continue
+        out[mlp] = _Chain(linears.get(proj, proj), net[0].gelu, net[1], linears.get(net[2], net[2]))
+    return out
+
+
+@contextlib.contextmanager
+def modelopt_fake_quant_on_cpu() -> Iterator[None]:
+    """ModelOpt's dynamic NVFP4 fake quantization with :func:`quantize_nvfp4_reference` as its kernel, for
+    the duration: ModelOpt's quantizers (their amaxes, their reshapes, their order) run on CPU, where
+    ModelOpt itself has no NVFP4 path. Other formats are untouched."""
+    tq = import_modelopt("modelopt.torch.quantization.tensor_quant")
+    original = tq.dynamic_block_quantize_op
+
+    def op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
+        if (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == (4, 2, 8, 4) and amax is not None:
+            return quantize_nvfp4_reference(inputs, amax)
+        return original(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+
+    tq.dynamic_block_quantize_op = op
+    try:
+        yield
+    finally:
+        tq.dynamic_block_quantize_op = original

@@ -1,0 +1,170 @@
+"""quantize_nvfp4: ModelOpt's dynamic NVFP4 fake quantization of an activation (W4A4's input quantizer).
+
+- :func:`quantize_nvfp4` ``(x, amax)``: ``x`` [..., D] fake-quantized as ModelOpt's NVFP4 input quantizer
+  does it on CUDA (``NVFP4_DEFAULT_CFG``'s ``*input_quantizer``: e2m1 values, dynamic e4m3 scales per 16
+  elements of a row, the calibrated per-tensor ``amax`` as the second-level scale ``amax / (6 * 448)``),
+  same dtype and shape. The kernel is csrc/quantize_nvfp4.cu (whose header gives the arithmetic).
+- :func:`quantize_nvfp4_reference`: the torch expression of that arithmetic, runnable on any device.
+
+Which ModelOpt path is the target: for a CUDA input ModelOpt 0.47 runs the Triton kernel
+``fp4_fake_quant_block`` (kernels/quantization/gemm/fp4_kernel_hopper.py; sm_89+, Triton installed); its
+fp32 divisions compile to PTX ``div.full.f32`` (Triton's lowering of ``/``), which is not correctly
+rounded. The CUDA kernel issues the same instruction and is bit-identical to it. The reference divides
+with IEEE rounding: it equals the Triton kernel except where a quotient lies within 2 ulp of a rounding
+boundary (an e4m3 step of the block scale, or an e2m1 threshold), a few elements per million. ModelOpt
+has no CPU path for NVFP4 fake quantization (its CUDA-extension fallback asserts a CUDA amax).
+
+NaN / inf policy (ModelOpt's, kept): a block's max skips NaN; inf saturates the block scale to 448 * gs;
+a NaN element becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (a negative element that
+rounds to zero too: Triton negates as ``0 - v``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
+
+CU = "quantize_nvfp4.cu"
+THREADS = 256  # QA_NVFP4_THREADS
+BLOCK = 16
+GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
+# torch on CUDA divides a tensor by a Python scalar as a product with the scalar's float32 reciprocal
+# (BinaryDivTrueKernel.cu); on CPU it divides. ModelOpt's second-level scale is the CUDA one.
+INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
+# QuantizeNvfp4Params in the .cu: x, y, amax (pointers); rows, stride_row (int64); D, nblk (int32)
+LAYOUT = "3P2qii"
+
+# e2m1 rounding of |x| / scale (ModelOpt's fp4_round_magnitude): (bound, inclusive, value below it)
+_E2M1_STEPS = ((0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5),
+               (2.5, True, 2.0), (3.5, False, 3.0), (5.0, True, 4.0))
+
+
+def _e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    out = torch.full_like(a, 6.0)  # above 5, and NaN (every comparison false)
+    for bound, inclusive, value in reversed(_E2M1_STEPS):
+        below = a <= bound if inclusive else a < bound
+        out = torch.where(below, torch.full_like(a, value), out)
+    return out
+
+
+def quantize_nvfp4_reference(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 dynamic fake quantization of ``x`` [..., D] under the per-tensor ``amax`` (the
+    arithmetic of its CUDA Triton kernel, with IEEE divisions; see the module docstring). The
+    second-level scale is ``amax * fl32(1 / 2688)``: what ``amax.float() / (6.0 * 448.0)`` gives on CUDA."""
+    shape, dtype, D = x.shape, x.dtype, x.shape[-1]
+    if x.numel() == 0:
+        return x.clone()
+    xf = x.reshape(-1, D).to(torch.float32)
+    pad = (-D) % BLOCK
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    blocks = xf.view(xf.shape[0], -1, BLOCK)
+    # ModelOpt's ``amax.float() / (6.0 * 448.0)``, as torch computes it on CUDA: times the float reciprocal
+    gs = amax.detach().to(device=x.device, dtype=torch.float32).reshape(()) * INV_GLOBAL_DIVISOR
+    gs = torch.where(gs > 0, gs, torch.full_like(gs, 1e-12))
+    mag = blocks.abs()
+    nan = mag.isnan()
+    bmax = torch.where(nan, torch.zeros_like(mag), mag).amax(-1, keepdim=True)  # max.f32 skips NaN ...
+    bmax = torch.where(nan.all(-1, keepdim=True), torch.full_like(bmax, float("nan")), bmax)  # ... all-NaN: NaN
+    t = torch.fmin(bmax / (6.0 * gs), torch.full_like(bmax, 448.0))  # fmin: a NaN quotient gives 448
+    s = t.to(torch.float8_e4m3fn).to(torch.float32) * gs
+    s = torch.where(s >= 1e-5, s, torch.ones_like(s))
+    r = _e2m1_magnitude(mag / s) * s
+    y = torch.where(blocks >= 0, r, 0.0 - r).view(xf.shape)  # Triton's -r is 0 - r: never -0
+    return y[:, :D].to(dtype).reshape(shape)
+
+
+_fns: dict[tuple, object] = rt.register_cache({})
+
+
+def launch(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride (a 2-D view of it)
+    on a usable CUDA device; ``amax`` a one-element fp32 tensor there. Returns a contiguous tensor."""
+    if type(x) is not torch.Tensor:
+        raise TypeError(f"qwen_absorb kernels take plain tensors; got {type(x).__name__}")
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D) if x.dim() != 2 else x
+    rows = x2.shape[0]
+    y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
+    if rows * D == 0:
+        return y.view(x.shape)
+    esize = x.element_size()
+    stride = x2.stride(0)
+    vec = 16 // esize
+    if (x2.data_ptr() | stride * esize | D * esize) % 16:
+        vec = 1
+    dev = x.get_device()
+    key = (x.dtype, vec, dev)
+    launcher = _fns.get(key)
+    if launcher is None:
+        fn = rt.function(CU, f"quantize_nvfp4_kernel<{rt.TRAITS[x.dtype]}, {vec}>", dev)
+        launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
+    nblk = (D + BLOCK - 1) // BLOCK
+    launcher((rows * nblk + THREADS - 1) // THREADS, x2.data_ptr(), y.data_ptr(), amax.data_ptr(),
+             rows, stride, D, nblk)
+    return y.view(x.shape)
+
+
+def all_kernel_expressions() -> list[tuple[str, str]]:
+    return [(CU, f"quantize_nvfp4_kernel<{t}, {v}>") for dtype, t in rt.TRAITS.items()
+            for v in (1, 16 // torch.empty(0, dtype=dtype).element_size())]
+
+
+def _check_x(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or is_dtensor(x):
+        raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+
+
+def quantize_nvfp4_not_supported_reasons(x: torch.Tensor, amax: torch.Tensor, force_reference: bool = False
+                                         ) -> list[str]:
+    """Why :func:`quantize_nvfp4` would run its reference rather than its kernel (empty: the kernel)."""
+    reasons = common_reasons([x], force_reference)
+    if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        reasons.append(f"x has stride {x.stride(-1)} in its last dimension (the kernel needs 1)")
+    elif x.dim() > 2 and not _rows_uniform(x):
+        reasons.append("x's rows are not one stride apart (the kernel reads [rows, D] with one row stride)")
+    return reasons
+
+
+def _rows_uniform(x: torch.Tensor) -> bool:
+    try:
+        x.view(-1, x.shape[-1])
+        return True
+    except RuntimeError:
+        return False
+
+
+def _amax1(a: torch.Tensor) -> torch.Tensor:
+    return a.detach().float().reshape(1)
+
+
+def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
+    """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under
+    the per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype."""
+    _check_x(x)
+    check_amax("amax", amax, x)
+    return dispatch(
+        quantize_nvfp4_not_supported_reasons(x, amax, force_reference),
+        lambda: quantize_nvfp4_reference(x, amax),
+        lambda: torch.ops.qwen_absorb.quantize_nvfp4(x, amax),
+        lambda: launch(x, _amax1(amax)),
+    )
+
+
+@torch.library.custom_op("qwen_absorb::quantize_nvfp4", mutates_args=())
+def _custom_op(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    if kernel_usable_now(x) and x.stride(-1) == 1 and _rows_uniform(x):
+        return launch(x, _amax1(amax))
+    return quantize_nvfp4_reference(x, amax)
+
+
+@_custom_op.register_fake
+def _(x, amax):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,0 +1,123 @@
+"""CUDA graphs of one function, one per input key: static inputs copied in, outputs cloned out.
+
+Used by the pipeline rooms (:mod:`qwen_absorb.vae`, :mod:`qwen_absorb.text_encoder`), whose functions take a few
+tensors of a fixed layout and return a tensor or a tuple of tensors. The owner keys the calls (shapes, dtypes,
+devices: whatever a replay could not survive), drops the graphs when what they read changes (:meth:`clear`), and
+runs eager where :meth:`__call__` answers None. The transformer has its own runner (:mod:`qwen_absorb.cuda_graph`),
+which also checks hooks, RoPE caches and host constants; these functions have none of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("qwen_absorb")
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(v, fn) for v in x)
+    return x
+
+
+def _static_like(x: torch.Tensor) -> torch.Tensor:
+    """A buffer of ``x``'s shape, strides and dtype on its device (the graph reads these strides)."""
+    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+
+
+class _Graph:
+    __slots__ = ("graph", "statics", "out", "aid")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, statics: list[torch.Tensor], out: Any, aid: Any) -> None:
+        self.graph, self.statics, self.out, self.aid = graph, statics, out, aid  # aid: what the graph reads, kept
+
+
+class ShapeGraphs:
+    """``fn(*tensors)`` captured per key at the ``capture_after + 1``-th call of that key, at most ``limit``
+    graphs (least recently used dropped first), all in one memory pool (calls are serialized by a lock and
+    every output is cloned before the lock is released, so no graph's memory is read after its replay)."""
+
+    def __init__(self, fn: Callable[..., Any], capture_after: int = 1, limit: int = 4,
+                 aid: Callable[[], Any] | None = None) -> None:
+        """``aid``: made per capture; its ``warmup()`` and ``capture()`` context managers surround the two runs
+        (e.g. host decisions taken in the warm-up and replayed under capture), and it is kept with the graph."""
+        self.fn, self.capture_after, self.limit, self.aid = fn, int(capture_after), int(limit), aid
+        self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self.seen: Counter = Counter()
+        self.refused: dict[Hashable, str] = {}
+        self.counts: Counter = Counter()  # captures, replays
+        self.lock = threading.Lock()
+        self.pool: Any = None
+
+    def clear(self) -> None:
+        """Drop every graph (what they read moved or changed); the next calls count again."""
+        with self.lock:
+            self.graphs.clear()
+            self.seen.clear()
+            self.refused.clear()
+            self.pool = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"graphs": len(self.graphs), "captures": self.counts["captures"], "replays": self.counts["replays"],
+                "refused": dict((str(k), v) for k, v in self.refused.items())}
+
+    def __call__(self, key: Hashable, args: tuple[torch.Tensor, ...]) -> Any:
+        """The outputs of ``fn(*args)`` from a replay (cloned), or None: the caller runs eager."""
+        with self.lock:
+            g = self.graphs.get(key)
+            if g is None:
+                if key in self.refused:
+                    return None
+                self.seen[key] += 1
+                if self.seen[key] <= self.capture_after:
+                    return None
+                g = self._capture(key, args)
+                if g is None:
+                    return None
+            else:
+                self.graphs.move_to_end(key)
+                for s, a in zip(g.statics, args):
+                    s.copy_(a)
+            g.graph.replay()
+            self.counts["replays"] += 1
+            return _map(g.out, torch.clone)
+
+    def _capture(self, key: Hashable, args: tuple[torch.Tensor, ...]) -> _Graph | None:
+        statics = [_static_like(a) for a in args]
+        for s, a in zip(statics, args):
+            s.copy_(a)
+        side = torch.cuda.Stream(device=args[0].device)
+        side.wait_stream(torch.cuda.current_stream(args[0].device))
+        aid = self.aid() if self.aid is not None else None
+        try:
+            with torch.cuda.stream(side), (aid.warmup() if aid is not None else contextlib.nullcontext()):
+                self.fn(*statics)  # warm-up outside the graph: lazy inits, library handles, workspaces
+            torch.cuda.current_stream(args[0].device).wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), \
+                    (aid.capture() if aid is not None else contextlib.nullcontext()):
+                out = self.fn(*statics)
+        except Exception as e:  # noqa: BLE001  (a capture that fails leaves the call to the eager path)
+            self.refused[key] = f"capture failed: {type(e).__name__}: {e}"[:300]
+            log.warning("CUDA graph of %s not kept: %s", key, self.refused[key])
+            return None
+        g = _Graph(graph, statics, out, aid)
+        self.graphs[key] = g
+        self.counts["captures"] += 1
+        while len(self.graphs) > self.limit:
+            self.graphs.popitem(last=False)
+        return g
+
+
+__all__ = ["ShapeGraphs"]

@@ -1,0 +1,357 @@
+"""Qwen-Image's prompt encoding off the host: a cache of prompt embeddings and CUDA graphs of the text encoder.
+
+:class:`PromptEncoder` is installed as the pipeline's instance ``_get_qwen_prompt_embeds`` (what
+``QwenImagePipeline.encode_prompt`` calls for a prompt without given embeddings). It computes what diffusers'
+method computes (diffusers 0.42.1: the template, the tokenizer, the encoder's last hidden state, the masked rows
+without the first ``drop_idx``, zero padding, the mask), bit for bit, with three changes of where the work runs:
+
+- the tokens are keyed on the host before they move: a call whose exact inputs were encoded before (token ids,
+  mask, template, drop index, dtype, device, and the encoder's weights by identity, version and address) returns
+  clones of the kept embeddings without running the encoder; true CFG's empty negative prompt is encoded once;
+- on CUDA the encoder's forward replays a graph per (token shape, exact mask) (:class:`ShapeGraphs`, captured at
+  the second call of a shape: the 7B encoder is host-bound, 1,232 kernels for 7.4 ms of GPU work at 110 tokens);
+  a capture that fails (a host sync in the encoder's mask or position code) leaves that key eager, with the reason
+  in the report;
+- the masked rows are gathered with the lengths read from the host mask (diffusers' ``tolist()`` on the device
+  mask is a sync); the values are the same rows.
+
+A :class:`~qwen_absorb.watch.Watch` of the encoder's parameters and module slots, asked at every call, empties the
+cache and drops the graphs when a weight is replaced, loaded in place or given new ``.data``. Encoders with hooks
+(offloading) run eager, uncached graphs aside: the cache still applies (the watch sees moved weights as a change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import logging
+import sys
+import textwrap
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .shape_graphs import ShapeGraphs
+from .watch import Watch
+
+log = logging.getLogger("qwen_absorb")
+
+GRAPHS_AUTO = ("the encoder's CUDA graphs are opt-in (text_encoder.patch(pipe, cuda_graph=True)): on the H200 they "
+               "took 25.9 -> 10.2 ms at 116 tokens, but transformers builds the attention mask another way under "
+               "capture (an explicit mask instead of SDPA's causal flag: not bit-identical); the fix, the warm-up's "
+               "masks replayed under capture (MaskConstants), awaits its GPU test (tests/test_text_encoder_gpu.py)")
+CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations; cache keyed on the exact inputs)"
+
+
+@dataclass
+class TextEncoderReport:
+    """The ``text_encoder`` section of a patch report (plain data)."""
+
+    on: bool
+    reasons: list[str]
+    contract: str = CONTRACT
+    cuda_graph: str | bool = "auto"
+    cache_size: int = 8
+    graphs_off: str | None = None  # why the encoder runs eager on CUDA although graphs could be asked for
+    cache_hits: int = 0
+    cache_misses: int = 0
+    encoder_changes: int = 0
+    graph_refusals: Counter = field(default_factory=Counter)  # encoder calls run eager on CUDA, by reason
+    graphs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["graph_refusals"] = dict(self.graph_refusals)
+        return d
+
+    def line(self) -> str:
+        if not self.on:
+            return "prompt encoding: diffusers' (" + "; ".join(self.reasons) + ")"
+        g = self.graphs
+        s = (f"prompt encoding: cache {self.cache_hits} hits / {self.cache_misses} misses"
+             + (f", CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else ""))
+        if self.graphs_off and self.cuda_graph == "auto":
+            s += "; encoder graphs opt-in (cuda_graph=True)"
+        if self.graph_refusals:
+            s += "; eager encoder: " + "; ".join(f"{n} x {r}" for r, n in self.graph_refusals.most_common(3))
+        return s
+
+
+def _static_reasons(pipe: Any) -> list[str]:
+    te = getattr(pipe, "text_encoder", None)
+    reasons = []
+    if not isinstance(te, nn.Module):
+        reasons.append("the pipeline has no text encoder")
+    if getattr(pipe, "tokenizer", None) is None:
+        reasons.append("the pipeline has no tokenizer")
+    for attr in ("prompt_template_encode", "prompt_template_encode_start_idx", "tokenizer_max_length"):
+        if not hasattr(pipe, attr):
+            reasons.append(f"the pipeline has no {attr} (not a QwenImagePipeline-like prompt encoding)")
+    method = getattr(type(pipe), "_get_qwen_prompt_embeds", None)
+    if not callable(method):
+        reasons.append("the pipeline has no _get_qwen_prompt_embeds")
+    elif _source_key(method) not in REPLICATED:
+        reasons.append(f"{type(pipe).__name__}._get_qwen_prompt_embeds is not the one PromptEncoder replicates "
+                       "(QwenImagePipeline's text-only encoding of diffusers 0.42.1)")
+    return reasons
+
+
+# sha256 (first 16 hex digits) of the dedented source of the _get_qwen_prompt_embeds PromptEncoder computes: diffusers
+# 0.42.1's QwenImagePipeline (and its copies in the Img2Img, Inpaint and ControlNet pipelines). Edit pipelines
+# (an image in the prompt), Layered (its own template handling) and other versions' methods are left alone.
+REPLICATED = frozenset({"a4173bdc2ad8840d"})
+
+
+def _source_key(method: Any) -> str | None:
+    try:
+        src = textwrap.dedent(inspect.getsource(method))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def _watch(te: nn.Module) -> Watch:
+    mods = list(te.modules())
+    tensors = [(m, "_parameters", n) for m in mods for n in m._parameters]
+    tensors += [(m, "_buffers", n) for m in mods for n in m._buffers]
+    entries = [(m, "_modules", n) for m in mods for n in m._modules]
+    entries += [(m, "__dict__", "forward") for m in mods]
+    return Watch(entries=entries, tensors=tensors, typed=mods)
+
+
+def _hook_watch(te: nn.Module) -> Watch:
+    """The hook dicts by length (a hook added or removed: :func:`_foreign_hooks` says whether it matters)."""
+    return Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in ("_forward_hooks", "_forward_pre_hooks")])
+
+
+def _foreign_hooks(te: nn.Module) -> tuple:
+    """The hooks that may change what the encoder returns: all but transformers' output recording."""
+    return tuple((id(m), id(fn)) for m in te.modules()
+                 for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+                 if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS)
+
+
+def _hooked(te: nn.Module) -> str | None:
+    """Why a replay of the encoder would skip something its call runs (None: nothing)."""
+    if hasattr(te, "_hf_hook") or "forward" in te.__dict__:
+        return "the text encoder's forward is wrapped (offloading or another hook)"
+    for m in te.modules():
+        if "forward" in m.__dict__:
+            return f"{type(m).__name__}'s forward is replaced"
+        for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()):
+            if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS:
+                return f"{type(m).__name__} carries hooks"
+    return None
+
+
+# hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
+# decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
+_CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
+
+
+class MaskConstants:
+    """transformers' mask builders (``create_causal_mask`` ...) answered under capture with what they returned in
+    the warm-up. Under CUDA stream capture transformers never skips the causal mask (``is_tracing`` sees the
+    capture), so a captured encoder would attend with an explicit mask where the eager one passes SDPA its causal
+    flag: other kernels, other bits. The builders' answers depend on the mask and shapes only, which key the graph,
+    so the warm-up's answers are the eager call's; the tensors among them are kept with the graph (it reads them).
+    Active only for the capturing thread; a count that differs between the two runs fails the capture (eager)."""
+
+    NAMES = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+    def __init__(self, encoder: nn.Module) -> None:
+        mods = {type(m).__module__ for m in encoder.modules()}
+        self.modules = [sys.modules[n] for n in sorted(mods) if n in sys.modules
+                        and any(callable(sys.modules[n].__dict__.get(f)) for f in self.NAMES)]
+        self.recorded: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def _swap(self, make: Any) -> Any:
+        owner = threading.get_ident()
+        saved = []
+        for mod in self.modules:
+            for name in self.NAMES:
+                real = mod.__dict__.get(name)
+                if callable(real):
+                    saved.append((mod, name, real))
+                    mod.__dict__[name] = make(name, real, owner)
+        try:
+            yield
+        finally:
+            for mod, name, real in saved:
+                mod.__dict__[name] = real
+
+    def warmup(self) -> Any:
+        def make(name: str, real: Any, owner: int) -> Any:
+            def record(*a: Any, **k: Any) -> Any:
+                out = real(*a, **k)
+                if threading.get_ident() == owner:
+                    self.recorded.append((name, out))
+                return out
+            return record
+        return self._swap(make)
+
+    def capture(self) -> Any:
+        answers = iter(list(self.recorded))
+
+        def make(name: str, real: Any, owner: int) -> Any:
+            def replay(*a: Any, **k: Any) -> Any:
+                if threading.get_ident() != owner:
+                    return real(*a, **k)
+                got, out = next(answers, (None, None))
+                if got != name:
+                    raise RuntimeError(f"{name} called out of the warm-up's order under capture")
+                return out
+            return replay
+        return self._swap(make)
+
+
+def _key_of(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+class PromptEncoder:
+    """The pipeline's instance ``_get_qwen_prompt_embeds`` (see the module docstring)."""
+
+    __qwen_absorb_text_encoder__ = True
+
+    def __init__(self, pipe: Any, report: TextEncoderReport, cuda_graph: str | bool, had_instance: Any) -> None:
+        self.pipe, self.report, self.mode, self.had_instance = pipe, report, cuda_graph, had_instance
+        self.encoder = pipe.text_encoder
+        self._watch_encoder()
+        self.cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0, aid=lambda: MaskConstants(self.encoder))
+        off = GRAPHS_AUTO if cuda_graph == "auto" else "cuda_graph=False"
+        report.graphs_off = None if cuda_graph is True else off
+
+    def _last_hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        return out.hidden_states[-1]
+
+    def _watch_encoder(self) -> None:
+        te = self.encoder
+        self.watch, self.hook_watch, self.hooks = _watch(te), _hook_watch(te), _foreign_hooks(te)
+        self.hooked = _hooked(te)  # why a replay would skip something (None: nothing)
+
+    def _check_encoder(self) -> None:
+        changed = self.pipe.text_encoder is not self.encoder or self.watch.changed()
+        if not changed and self.hook_watch.changed():
+            self.hook_watch.take()
+            changed = _foreign_hooks(self.encoder) != self.hooks  # transformers' own recording hooks: no change
+        if changed:
+            self.report.encoder_changes += 1
+            self.encoder = self.pipe.text_encoder
+            self._watch_encoder()
+            self.cache.clear()
+            self.graphs.clear()
+
+    def __call__(self, prompt: str | list[str] = None, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        pipe = self.pipe
+        self._check_encoder()
+        te = self.encoder
+        device = device or pipe._execution_device
+        dtype = dtype or te.dtype
+        prompt = [prompt] if isinstance(prompt, str) else prompt
+        template, drop_idx = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+        txt = [template.format(e) for e in prompt]
+        tok = pipe.tokenizer(txt, max_length=pipe.tokenizer_max_length + drop_idx, padding=True, truncation=True,
+                             return_tensors="pt")
+        ids, mask = tok.input_ids, tok.attention_mask
+        if ids.device.type != "cpu" or mask.device.type != "cpu":
+            raise ValueError("the tokenizer returned tensors off the host; the prompt cache keys host tokens")
+        key = (template, drop_idx, _key_of(ids), _key_of(mask), str(torch.device(device)), dtype, te.training,
+               getattr(getattr(te, "config", None), "_attn_implementation", None))
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cache.move_to_end(key)
+            self.report.cache_hits += 1
+            return hit[0].clone(), hit[1].clone()
+        self.report.cache_misses += 1
+        embeds, out_mask = self._encode(ids, mask, device, dtype, drop_idx)
+        if self.report.cache_size > 0:
+            self.cache[key] = (embeds.clone(), out_mask.clone())
+            while len(self.cache) > self.report.cache_size:
+                self.cache.popitem(last=False)
+        return embeds, out_mask
+
+    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, device: Any, dtype: torch.dtype,
+                drop_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids_d, mask_d = ids.to(device), mask.to(device)
+        hidden = None
+        if ids_d.device.type == "cuda" and self.mode is True:
+            why = self.hooked or (None if torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
+                                            else "autograd")
+            if why is None:
+                hidden = self.graphs((tuple(ids.shape), _key_of(mask), ids_d.device), (ids_d, mask_d))
+                self.report.graphs = self.graphs.describe()
+            else:
+                self.report.graph_refusals[why] += 1
+        if hidden is None:
+            hidden = self._last_hidden(ids_d, mask_d)
+        # diffusers' _extract_masked_hidden, the rows chosen by the host mask (the same rows, no device sync)
+        bool_mask = mask.bool()
+        rows = [bool_mask[b].nonzero().flatten() for b in range(mask.shape[0])]
+        split = [hidden[b].index_select(0, r.to(hidden.device))[drop_idx:] for b, r in enumerate(rows)]
+        max_len = max(e.size(0) for e in split)
+        embeds = torch.stack([torch.cat([u, u.new_zeros(max_len - u.size(0), u.size(1))]) for u in split])
+        out_mask = torch.zeros(len(split), max_len, dtype=torch.long)
+        for b, u in enumerate(split):
+            out_mask[b, : u.size(0)] = 1
+        return embeds.to(dtype=dtype, device=device), out_mask.to(hidden.device)
+
+
+# ------------------------------------------------------------------------------------------------ patch / unpatch
+
+
+def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) -> TextEncoderReport:
+    """Install :class:`PromptEncoder` as ``pipe._get_qwen_prompt_embeds``; returns the ``text_encoder`` report
+    section (``on`` False, with reasons, where the pipeline has no Qwen prompt encoding: nothing installed).
+    ``cuda_graph``: ``True`` replays the encoder from a graph per (token shape, exact mask), captured at first sight;
+    ``"auto"`` (default) and ``False`` leave it eager (:data:`GRAPHS_AUTO` says why "auto" does); the prompt cache
+    (``cache_size`` entries, 0: none) is on in every mode."""
+    if cuda_graph not in ("auto", True, False):
+        raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
+    if not isinstance(cache_size, int) or cache_size < 0:
+        raise ValueError(f"cache_size must be an int >= 0, not {cache_size!r}")
+    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
+    if isinstance(cur, PromptEncoder):
+        if cur.mode == cuda_graph and cur.report.cache_size == cache_size:
+            return cur.report
+        unpatch(pipe)
+        cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
+    reasons = _static_reasons(pipe)
+    report = TextEncoderReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cache_size=cache_size)
+    if reasons:
+        log.info("prompt encoding left to diffusers: %s", "; ".join(reasons))
+        return report
+    pipe.__dict__["_get_qwen_prompt_embeds"] = PromptEncoder(pipe, report, cuda_graph, cur)
+    return report
+
+
+def unpatch(pipe: Any) -> None:
+    """Restore diffusers' ``_get_qwen_prompt_embeds`` and release the cache and graphs; a no-op if not patched."""
+    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
+    if not isinstance(cur, PromptEncoder):
+        return
+    cur.cache.clear()
+    cur.graphs.clear()
+    if cur.had_instance is not None:
+        pipe.__dict__["_get_qwen_prompt_embeds"] = cur.had_instance
+    else:
+        del pipe.__dict__["_get_qwen_prompt_embeds"]
+    cur.report.on = False
+    cur.report.reasons = ["unpatched"]
+
+
+def report_of(pipe: Any) -> TextEncoderReport | None:
+    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
+    return cur.report if isinstance(cur, PromptEncoder) else None
+
+
+__all__ = ["CONTRACT", "PromptEncoder", "TextEncoderReport", "patch", "report_of", "unpatch"]

@@ -1,0 +1,508 @@
+"""The Qwen-Image VAE's decode on a fast path (``AutoencoderKLQwenImage``).
+
+Qwen-Image decodes one frame: diffusers runs the video decoder on ``z[:, :, 0:1]`` with every causal 3-D
+convolution padded by two zero frames in front (its feature cache is empty on the first chunk, and the
+``upsample3d`` resamplers skip their time convolution there). With one frame and zero causal padding, only the
+last temporal slice of each 3x3x3 kernel meets data, so each convolution computes a 2-D convolution with that
+slice, at a third of the work. :class:`FastDecode` runs exactly that network in 2-D, in channels-last layout
+(weights and activations, so cuDNN runs no NCHW<->NHWC conversion kernels), and on CUDA replays it from a graph
+per input shape (:class:`qwen_absorb.shape_graphs.ShapeGraphs`, outputs cloned).
+
+Contract (measured, ``benchmarks/results/pipeline/rooms_h200.md``: 66.9 -> 23.1 ms at 1024^2 on the H200, error
+ratio <= 1.0015): the 2-D convolutions take other cuDNN kernels than the 3-D ones, so sums are ordered differently
+and the result is not bit-identical; the patch is gated by :func:`fidelity`: its error against an fp32 decode must
+stay within ``GATE`` x the unpatched bf16 decode's. Each RMS norm + SiLU chain runs as one kernel
+(:mod:`qwen_absorb.ops.rms_norm_silu`: eager's rounding points, its own order of the fp32 sum of squares); every
+other operation (nearest-exact upsampling, attention, residual adds, the clamp) is the same torch operation on the
+same values; the one dropped is the RMS norm's ``+ 0.0`` bias (it can only change the sign of a zero). The
+diffusers code replicated is pinned by a hash of its sources (:data:`REPLICATED`).
+
+Installed as the VAE's instance ``_decode`` (``decode``'s ``apply_forward_hook``, slicing and accelerate hooks
+keep working); calls it cannot take (several frames, tiling, autograd, other dtypes or devices, a decoder whose
+modules carry hooks or were replaced) run diffusers' ``_decode``, counted by reason in the report. A
+:class:`~qwen_absorb.watch.Watch` of every decoder parameter, module slot, hook dict and norm attribute sees
+changes (weights loaded in place, ``.data`` replaced, modules swapped): the 2-D weights are made again and the
+graphs dropped before the next call computes. :func:`unpatch` restores the attribute; parameters and
+``state_dict`` are never touched (the 2-D weights are separate copies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import sys
+import textwrap
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import rms_norm_silu as norm_op
+from .shape_graphs import ShapeGraphs
+from .watch import Watch
+
+log = logging.getLogger("qwen_absorb")
+
+STATE_ATTR = "_qwen_absorb_vae"
+GATE = 1.05  # patched error vs fp32 <= GATE x unpatched error vs fp32 (issue 40)
+CONTRACT = ("fidelity-gated: 2-D channels-last convolutions reorder sums; error vs an fp32 decode <= "
+            f"{GATE}x the unpatched decode's (vae.fidelity)")
+_KNOWN = {"QwenImageDecoder3d", "QwenImageCausalConv3d", "QwenImageRMS_norm", "QwenImageMidBlock",
+          "QwenImageResidualBlock", "QwenImageAttentionBlock", "QwenImageUpBlock", "QwenImageResample",
+          "QwenImageUpsample", "ModuleList", "Sequential", "Identity", "Dropout", "Conv2d", "SiLU"}
+_NORM_ATTRS = ("scale", "bias", "channel_first")
+
+
+@dataclass
+class VaeReport:
+    """The ``vae`` section of a patch report (plain data)."""
+
+    on: bool
+    reasons: list[str]
+    contract: str = CONTRACT
+    cuda_graph: str | bool = "auto"
+    cpu: bool = False  # the 2-D path on the CPU too (off by default: measured and gated on CUDA only)
+    postprocess: bool = False  # the pipeline's PIL conversion on the device (FastPostprocess)
+    fuse_norm: bool = True  # asked: the norm + SiLU chains as one kernel each (ops.rms_norm_silu)
+    norm_silu_kernel: bool = False  # they run as that kernel (known after the first 2-D call)
+    norm_silu_reasons: list[str] = field(default_factory=list)
+    fast_calls: int = 0
+    fallbacks: Counter = field(default_factory=Counter)  # calls run by diffusers' _decode, by reason
+    rebuilds: int = 0
+    graphs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fallbacks"] = dict(self.fallbacks)
+        return d
+
+    def line(self) -> str:
+        if not self.on:
+            return "VAE decode: diffusers' (" + "; ".join(self.reasons) + ")"
+        g = self.graphs
+        fused = ", norm + SiLU as one kernel" if self.norm_silu_kernel else ""
+        where = " on CUDA" + (" and the CPU" if self.cpu else "")
+        parts = [f"VAE decode: 2-D channels-last path{where}{fused} ({self.fast_calls} calls",
+                 f"CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else "no CUDA graphs"]
+        s = ", ".join(parts) + ")"
+        if self.postprocess:
+            s += "; PIL conversion on the device"
+        if self.fallbacks:
+            s += "; diffusers' decode: " + "; ".join(f"{n} x {r}" for r, n in self.fallbacks.most_common(3))
+        return s
+
+
+# ------------------------------------------------------------------------------------------------ eligibility
+
+
+# sha256 (first 16 hex digits) of the dedented sources of the diffusers methods the 2-D path computes (diffusers
+# 0.42.1): another version's decoder is left to diffusers until it is checked again (_code_key says which)
+REPLICATED = frozenset({"7f9c2b764c273595"})
+_REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), ("QwenImageDecoder3d", "forward"),
+                       ("QwenImageMidBlock", "forward"), ("QwenImageUpBlock", "forward"),
+                       ("QwenImageResidualBlock", "forward"), ("QwenImageAttentionBlock", "forward"),
+                       ("QwenImageResample", "forward"), ("QwenImageRMS_norm", "forward"),
+                       ("QwenImageCausalConv3d", "forward"), ("QwenImageUpsample", "forward"))
+_code_keys: dict[str, str | None] = {}
+
+
+def _code_key(vae: nn.Module) -> str | None:
+    """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS` (None: a source not readable)."""
+    name = type(vae).__module__
+    if name not in _code_keys:
+        mod = sys.modules.get(name)
+        try:
+            text = "".join(textwrap.dedent(inspect.getsource(getattr(getattr(mod, c), m)))
+                           for c, m in _REPLICATED_METHODS)
+            _code_keys[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        except (AttributeError, OSError, TypeError):
+            _code_keys[name] = None
+    return _code_keys[name]
+
+
+def _static_reasons(vae: nn.Module) -> list[str]:
+    """Why the decoder cannot run the 2-D path at all (empty: it can)."""
+    if type(vae).__name__ != "AutoencoderKLQwenImage":
+        return [f"{type(vae).__name__} is not AutoencoderKLQwenImage"]
+    if _code_key(vae) not in REPLICATED:
+        return ["this diffusers' Qwen-Image VAE code is not the one the 2-D path replicates (diffusers 0.42.1)"]
+    dec = getattr(vae, "decoder", None)
+    if dec is None or type(dec).__name__ != "QwenImageDecoder3d":
+        return ["the VAE has no QwenImageDecoder3d"]
+    reasons = []
+    for name, m in [("post_quant_conv", vae.post_quant_conv), *(("decoder." + n, m) for n, m in dec.named_modules())]:
+        cls = type(m).__name__
+        if cls not in _KNOWN:
+            reasons.append(f"{name or 'decoder'}: {cls} is not a module the 2-D path knows")
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            reasons.append(f"{name or 'decoder'}: carries hooks or a replaced forward")
+        if cls == "QwenImageCausalConv3d":
+            kt = m.kernel_size[0]
+            if m.stride[0] != 1 or m.dilation != (1, 1, 1) or m.groups != 1 or kt != m._padding[4] + 1 or m._padding[5]:
+                reasons.append(f"{name}: not a causal convolution whose last time slice alone meets one frame")
+        if cls == "QwenImageResample" and m.mode not in ("upsample2d", "upsample3d", "none"):
+            reasons.append(f"{name}: resample mode {m.mode!r}")
+        if cls == "QwenImageRMS_norm" and not m.channel_first:
+            reasons.append(f"{name}: a channel-last RMS norm")
+        if cls == "Dropout" and m.p and m.training:
+            reasons.append(f"{name}: dropout active")
+    for m in (dec, *dec.mid_block.resnets, *(r for u in dec.up_blocks for r in u.resnets)):
+        if type(getattr(m, "nonlinearity", None)).__name__ != "SiLU":
+            reasons.append(f"{type(m).__name__}: non-linearity is not SiLU")
+            break
+    return reasons
+
+
+def _modules(vae: nn.Module) -> list[nn.Module]:
+    return [vae, vae.post_quant_conv, *vae.decoder.modules()]
+
+
+def _watch(vae: nn.Module) -> Watch:
+    mods = _modules(vae)
+    tensors = [(m, "_parameters", n) for m in mods[1:] for n in m._parameters]
+    entries = [(m, "_modules", n) for m in mods for n in m._modules]
+    entries += [(m, "__dict__", "forward") for m in mods[1:]]
+    entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "QwenImageRMS_norm" for a in _NORM_ATTRS]
+    entries += [(m, "__dict__", "mode") for m in mods if type(m).__name__ == "QwenImageResample"]
+    entries += [(m, "__dict__", "training") for m in mods if type(m).__name__ == "Dropout"]
+    sized = [(m, "__dict__", h) for m in mods[1:] for h in ("_forward_hooks", "_forward_pre_hooks")]
+    return Watch(entries=entries, tensors=tensors, sized=sized, typed=mods)
+
+
+# ------------------------------------------------------------------------------------------------ the 2-D network
+
+
+class Weights2d:
+    """Each convolution's 2-D weight (the last time slice, channels-last copy), bias and padding."""
+
+    def __init__(self, vae: nn.Module, fuse: bool = True) -> None:
+        self.fused_reasons: list[str] = []  # why the norm + SiLU chains run as torch ops (empty: one kernel each)
+        self.conv: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], tuple[int, int]]] = {}
+        self.gamma: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for m in _modules(vae)[1:]:
+                cls = type(m).__name__
+                if cls == "QwenImageCausalConv3d":
+                    w = m.weight.detach()[:, :, -1].contiguous(memory_format=torch.channels_last)
+                    pad = (m._padding[2], m._padding[0])
+                    self.conv[id(m)] = (w, _detached(m.bias), tuple(m.stride[1:]), pad)
+                elif cls == "Conv2d":
+                    w = m.weight.detach().contiguous(memory_format=torch.channels_last)
+                    self.conv[id(m)] = (w, _detached(m.bias), tuple(m.stride), tuple(m.padding))
+                elif cls == "QwenImageRMS_norm":
+                    self.gamma[id(m)] = m.gamma.detach().reshape(-1, 1, 1)  # a view: (C,1,1[,1]) -> (C,1,1)
+                    if isinstance(m.bias, torch.Tensor):
+                        self.fused_reasons.append("an RMS norm with a bias tensor")
+        self.fused_reasons += [] if fuse else ["fuse_norm=False"]
+        if not self.fused_reasons:
+            self._try_kernel(vae)
+
+    def _try_kernel(self, vae: nn.Module) -> None:
+        """The fused norm + SiLU kernel where it can run (compiled here, outside any graph capture)."""
+        norm = vae.decoder.norm_out
+        w = norm.gamma
+        probe = torch.randn(1, w.numel(), 2, 2, device=w.device).to(w.dtype)
+        probe = probe.contiguous(memory_format=torch.channels_last)
+        gamma = self.gamma[id(norm)].reshape(-1)
+        why = norm_op.not_supported_reasons(probe, gamma)
+        if not why:
+            try:
+                norm_op.launch(probe, gamma, norm.scale)
+            except Exception as e:  # noqa: BLE001  (a kernel that does not compile leaves the torch ops)
+                why = [f"the kernel failed: {type(e).__name__}: {e}"[:200]]
+        self.fused_reasons += why
+
+    def norm_silu(self, x: torch.Tensor, m: nn.Module, silu: bool = True) -> torch.Tensor:
+        gamma = self.gamma[id(m)]
+        if not self.fused_reasons and x.shape[1] % 2 == 0 and x.shape[1] <= norm_op.MAX_C \
+                and x.is_contiguous(memory_format=torch.channels_last):
+            return norm_op.launch(x, gamma.reshape(-1), m.scale, silu)
+        y = self.norm(x, m)
+        return F.silu(y) if silu else y
+
+    def conv2d(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        w, b, stride, pad = self.conv[id(m)]
+        return F.conv2d(x, w, b, stride, pad)
+
+    def norm(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        # diffusers' QwenImageRMS_norm: normalize in fp32, round to x's dtype, then * scale * gamma (+ 0.0 dropped)
+        y = F.normalize(x.float(), dim=1).to(x.dtype) * m.scale * self.gamma[id(m)]
+        if isinstance(m.bias, torch.Tensor):
+            y = y + m.bias.detach().reshape(-1, 1, 1)
+        return y
+
+    def resblock(self, x: torch.Tensor, blk: nn.Module) -> torch.Tensor:
+        h = x if isinstance(blk.conv_shortcut, nn.Identity) else self.conv2d(x, blk.conv_shortcut)
+        x = self.conv2d(self.norm_silu(x, blk.norm1), blk.conv1)
+        x = self.conv2d(self.norm_silu(x, blk.norm2), blk.conv2)
+        return x + h
+
+    def attention(self, x: torch.Tensor, blk: nn.Module) -> torch.Tensor:
+        bt, c, h, w = x.shape
+        qkv = self.conv2d(self.norm_silu(x, blk.norm, silu=False), blk.to_qkv)
+        # channels-last (bt, 3c, h, w) is (bt, h*w, 3c) in memory: diffusers' permuted copy, as a view
+        qkv = qkv.permute(0, 2, 3, 1).reshape(bt, 1, h * w, 3 * c)
+        q, k, v = qkv.chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        y = y.squeeze(1).permute(0, 2, 1).reshape(bt, c, h, w)  # channels-last view
+        return self.conv2d(y, blk.proj) + x
+
+    def resample(self, x: torch.Tensor, r: nn.Module) -> torch.Tensor:
+        if r.mode == "none":
+            return x
+        up, conv = r.resample[0], r.resample[1]
+        # nearest-exact copies values: diffusers' fp32 round trip gives the same bits
+        x = F.interpolate(x, up.size, up.scale_factor, up.mode, up.align_corners,
+                          recompute_scale_factor=up.recompute_scale_factor)
+        return self.conv2d(x, conv)
+
+    def decode(self, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+        """``z`` [B, C, H, W] channels-last -> the clamped image [B, 3, 1, H', W'] (contiguous)."""
+        dec = vae.decoder
+        x = self.conv2d(self.conv2d(z, vae.post_quant_conv), dec.conv_in)
+        x = self.resblock(x, dec.mid_block.resnets[0])
+        for attn, res in zip(dec.mid_block.attentions, dec.mid_block.resnets[1:]):
+            if attn is not None:
+                x = self.attention(x, attn)
+            x = self.resblock(x, res)
+        for up in dec.up_blocks:
+            for res in up.resnets:
+                x = self.resblock(x, res)
+            if up.upsamplers is not None:
+                x = self.resample(x, up.upsamplers[0])
+        x = self.conv2d(self.norm_silu(x, dec.norm_out), dec.conv_out)
+        out = torch.empty((x.shape[0], x.shape[1], 1, x.shape[2], x.shape[3]), dtype=x.dtype, device=x.device)
+        torch.clamp(x, -1.0, 1.0, out=out[:, :, 0])
+        return out
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+# ------------------------------------------------------------------------------------------------ the installed _decode
+
+
+class FastDecode:
+    """The VAE's instance ``_decode``: the 2-D path where it applies, diffusers' ``_decode`` elsewhere."""
+
+    __qwen_absorb_vae__ = True
+
+    def __init__(self, vae: nn.Module, report: VaeReport, cuda_graph: str | bool, had_instance: Any) -> None:
+        self.vae, self.report, self.mode = vae, report, cuda_graph
+        self.original = type(vae)._decode.__get__(vae)
+        self.output_class = _decoder_output_class(vae)
+        self.had_instance = had_instance  # an instance _decode found at install (put back by unpatch)
+        self.watch = _watch(vae)
+        self.weights: Weights2d | None = None
+        self.graphs = ShapeGraphs(self._run, capture_after=0 if cuda_graph is True else 1)
+
+    def _run(self, z: torch.Tensor) -> torch.Tensor:
+        return self.weights.decode(self.vae, z)
+
+    def _why_not(self, z: Any) -> str | None:
+        vae = self.vae
+        if not isinstance(z, torch.Tensor) or z.dim() != 5:
+            return "input is not a 5-D latent tensor"
+        if z.shape[2] != 1:
+            return "several frames (video): the causal time path"
+        ratio = vae.spatial_compression_ratio
+        if vae.use_tiling and (z.shape[-1] > vae.tile_sample_min_width // ratio
+                               or z.shape[-2] > vae.tile_sample_min_height // ratio):
+            return "tiled decode"
+        w = vae.post_quant_conv.weight
+        if z.dtype != w.dtype or z.device != w.device:
+            return "latents' dtype or device differ from the VAE's"
+        if torch.is_grad_enabled() and (z.requires_grad or w.requires_grad):
+            return "autograd"
+        if z.device.type != "cuda" and not self.report.cpu:
+            return f"on {z.device.type}: the 2-D path is gated on CUDA (vae.patch(cpu=True) runs it here)"
+        return None
+
+    def __call__(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+        if self.watch.changed():
+            self._rebuild()
+        why = self.report.reasons[0] if self.report.reasons else self._why_not(z)
+        if why is not None:
+            self.report.fallbacks[why] += 1
+            return self.original(z, return_dict=return_dict)
+        if self.weights is None:
+            self.weights = Weights2d(self.vae, self.report.fuse_norm)
+            self.report.norm_silu_kernel = not self.weights.fused_reasons
+            self.report.norm_silu_reasons = list(self.weights.fused_reasons)
+        z2 = z[:, :, 0].contiguous(memory_format=torch.channels_last)
+        out = None
+        if z.device.type == "cuda" and self.mode is not False:
+            out = self.graphs((tuple(z2.shape), z2.dtype, z2.device), (z2,))
+        if out is None:
+            with torch.no_grad():
+                out = self._run(z2)
+        self.report.fast_calls += 1
+        self.report.graphs = self.graphs.describe()
+        if not return_dict:
+            return (out,)
+        return self.output_class(sample=out)
+
+    def _rebuild(self) -> None:
+        """Something the 2-D path reads changed: decide again, drop the 2-D weights and graphs."""
+        self.report.rebuilds += 1
+        self.weights = None
+        self.graphs.clear()
+        self.report.reasons = _static_reasons(self.vae)
+        self.report.on = not self.report.reasons
+        self.watch.take()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the VAE (deepcopy / pickle) carries the patch without graphs or 2-D weights: made again
+        d = dict(self.__dict__)
+        d["weights"] = None
+        d["graphs"] = None
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.graphs = ShapeGraphs(self._run, capture_after=0 if self.mode is True else 1)
+        self.original = type(self.vae)._decode.__get__(self.vae)
+
+
+def _decoder_output_class(vae: nn.Module) -> type:
+    """diffusers' ``DecoderOutput``, as the VAE's own module names it (no diffusers import here)."""
+    return getattr(sys.modules[type(vae).__module__], "DecoderOutput")
+
+
+# ------------------------------------------------------------------------------------------------ patch / unpatch
+
+
+def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False, fuse_norm: bool = True) -> VaeReport:
+    """Install :class:`FastDecode` as ``vae._decode``; returns the ``vae`` report section (``on`` False, with
+    reasons, where the VAE is not one the 2-D path knows: nothing is installed then). Patching again returns
+    the current section. ``cpu``: take the 2-D path on the CPU too (tests; its gate is measured on CUDA).
+    ``fuse_norm``: each RMS norm + SiLU chain as one kernel (:mod:`qwen_absorb.ops.rms_norm_silu`) where it runs."""
+    if cuda_graph not in ("auto", True, False):
+        raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
+    cur = vae.__dict__.get("_decode")
+    if isinstance(cur, FastDecode):
+        if cur.mode == cuda_graph and cur.report.cpu == cpu and cur.report.fuse_norm == fuse_norm:
+            return cur.report
+        unpatch(vae)
+        cur = vae.__dict__.get("_decode")
+    reasons = _static_reasons(vae)
+    report = VaeReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cpu=bool(cpu), fuse_norm=bool(fuse_norm))
+    if reasons:
+        log.info("VAE decode left to diffusers: %s", "; ".join(reasons))
+        return report
+    object.__setattr__(vae, "_decode", FastDecode(vae, report, cuda_graph, cur))
+    return report
+
+
+def unpatch(vae: nn.Module) -> None:
+    """Restore diffusers' ``_decode`` (an instance ``_decode`` found at patch time comes back); a no-op if not
+    patched."""
+    cur = vae.__dict__.get("_decode")
+    if not isinstance(cur, FastDecode):
+        return
+    cur.graphs.clear()
+    cur.weights = None
+    if cur.had_instance is not None:
+        object.__setattr__(vae, "_decode", cur.had_instance)
+    else:
+        del vae.__dict__["_decode"]
+    cur.report.on = False
+    cur.report.reasons = ["unpatched"]
+
+
+def report_of(vae: nn.Module) -> VaeReport | None:
+    cur = vae.__dict__.get("_decode")
+    return cur.report if isinstance(cur, FastDecode) else None
+
+
+def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
+    """The gate, measured: mean absolute error of the patched and the unpatched decode of ``z`` against an fp32
+    decode by a fresh unpatched twin, and their ratio (the patch holds where ``ratio <= GATE``)."""
+    with torch.no_grad():
+        twin = type(vae).from_config(vae.config).to(z.device).eval()
+        twin.load_state_dict({k: v.float() for k, v in vae.state_dict().items()})
+        ref = twin._decode(z.float()).sample.double()
+        del twin
+        fast = vae._decode(z).sample.double()
+        eager = type(vae)._decode(vae, z).sample.double()
+    err_fast = (fast - ref).abs().mean().item()
+    err_eager = (eager - ref).abs().mean().item()
+    return {"err_patched": err_fast, "err_unpatched": err_eager,
+            "ratio": err_fast / err_eager if err_eager else (1.0 if err_fast == 0 else float("inf")),
+            "bit_identical": bool(torch.equal(fast, eager)),
+            "max_abs_patched_vs_unpatched": (fast - eager).abs().max().item()}
+
+
+# ------------------------------------------------------------------------------------------------ the image conversion
+
+
+class FastPostprocess:
+    """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image: diffusers
+    denormalizes on the device, then copies the image to the host and, there, converts it to fp32, multiplies by
+    255, rounds and casts to uint8 (tens of milliseconds of host work at 1024^2, the GPU idle: issue 40 item 5,
+    ``.devrun/pipeline_host.md``). Here the same fp32 product, round-half-even and cast run on the device and
+    only the uint8 pixels travel: the same bytes (IEEE fp32 multiply, numpy's ``round`` and torch's both round
+    half to even; values in [0, 255] cast exactly). Other output types, host images, grayscale and images with
+    non-finite values (numpy's and torch's uint8 casts of NaN differ) run diffusers' method."""
+
+    __qwen_absorb_postprocess__ = True
+
+    def __init__(self, processor: Any, had_instance: Any) -> None:
+        self.processor, self.had_instance = processor, had_instance
+        self.original = type(processor).postprocess.__get__(processor)
+        self.calls = Counter()
+
+    def __call__(self, image: torch.Tensor, output_type: str = "pil", do_denormalize: list[bool] | None = None) -> Any:
+        if (output_type != "pil" or not isinstance(image, torch.Tensor) or image.device.type != "cuda"
+                or image.dim() != 4 or image.shape[1] != 3):
+            self.calls["diffusers"] += 1
+            return self.original(image, output_type=output_type, do_denormalize=do_denormalize)
+        images = self.pil_images(image, do_denormalize)
+        if images is None:
+            self.calls["diffusers"] += 1
+            return self.original(image, output_type=output_type, do_denormalize=do_denormalize)
+        self.calls["device"] += 1
+        return images
+
+    def pil_images(self, image: torch.Tensor, do_denormalize: list[bool] | None) -> list[PIL.Image.Image] | None:
+        """The conversion where ``image`` lies (None: a non-finite value, left to diffusers)."""
+        x = self.processor._denormalize_conditionally(image, do_denormalize).float()
+        pixels = (x * 255).round_()
+        finite = torch.isfinite(pixels).all()
+        pixels = pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()  # the one sync: the copy
+        if not bool(finite):  # read after the copy: no further wait
+            return None
+        return [PIL.Image.fromarray(p) for p in np.asarray(pixels.numpy())]
+
+
+def patch_postprocess(pipe: Any) -> bool:
+    """Install :class:`FastPostprocess` on ``pipe.image_processor`` (True when installed or already there)."""
+    proc = getattr(pipe, "image_processor", None)
+    if proc is None or not callable(getattr(type(proc), "postprocess", None)) \
+            or not hasattr(proc, "_denormalize_conditionally"):
+        return False
+    cur = proc.__dict__.get("postprocess")
+    if not isinstance(cur, FastPostprocess):
+        proc.__dict__["postprocess"] = FastPostprocess(proc, cur)
+    return True
+
+
+def unpatch_postprocess(pipe: Any) -> None:
+    proc = getattr(pipe, "image_processor", None)
+    cur = None if proc is None else proc.__dict__.get("postprocess")
+    if isinstance(cur, FastPostprocess):
+        if cur.had_instance is not None:
+            proc.__dict__["postprocess"] = cur.had_instance
+        else:
+            del proc.__dict__["postprocess"]
+
+
+__all__ = ["CONTRACT", "GATE", "FastDecode", "FastPostprocess", "VaeReport", "fidelity", "patch", "patch_postprocess",
+           "report_of", "unpatch", "unpatch_postprocess"]

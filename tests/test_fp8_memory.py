@@ -1,0 +1,233 @@
+"""FP8 at FP8 memory by default (issue 39 A): the original weights of real-FP8 linears live on the host.
+
+The GPU side is faked: ``host_originals.ACCELERATOR_TYPES`` gets "cpu" (so the CPU runs the real-FP8 path with
+``capabilities={"cpu"}`` as if it were a GPU, the host being the same memory) and "meta" (so ``.to("meta")`` is a
+move to a GPU whose placement can be checked). Every action that needs the originals is compared against a twin
+patched with ``offload_original_weights=False`` (today's behaviour: both copies where the model is).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import host_originals as H
+from qwen_absorb import testing as T
+from qwen_absorb.plan import PLAN_ATTR
+from qwen_absorb.sites import resolve, unwrap_peft
+
+pytest.importorskip("modelopt.torch.quantization")
+
+REAL = {"fp8_gemm": True, "capabilities": {"cpu"}, "cuda_graph": False}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(H, "ACCELERATOR_TYPES", ("cpu", "meta"))
+
+
+def _fp8(seed, compress=False):
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    T.fp8_quantize(model, [kw, T.transformer_inputs(model, seed=seed + 2)], compress=compress)
+    return model, T.transformer_inputs(model, seed=seed + 3)
+
+
+def _real_fp8_bases(model):
+    out = []
+    for block in model.transformer_blocks:
+        plan = block.__dict__[PLAN_ATTR]
+        out += [unwrap_peft(resolve(block, p))[0] for p, lp in plan.linears.items() if lp.fp8_gemm]
+    return out
+
+
+def _host_kept(model):
+    return [h.module for b in model.transformer_blocks for h in b.__dict__.get(H.HOST_ATTR, [])]
+
+
+def _intercepted(model):
+    return [m for m in model.modules() if "_apply" in m.__dict__]
+
+
+def _sd_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        x, y = sa[k], sb[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y), k
+
+
+def test_originals_kept_on_host_for_real_fp8_linears_only(fake_gpu, seed):
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, offload_original_weights=False)
+    out, want = T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    assert torch.equal(out, want)
+    bases = _real_fp8_bases(model)
+    assert len(bases) == 14 * len(model.transformer_blocks)
+    assert {id(m) for m in _host_kept(model)} == {id(m) for m in bases}
+    assert {id(m) for m in _intercepted(model)} == {id(m) for m in bases}  # nothing else changed
+    assert {id(w) for w in H.host_weights(model)} == {id(m._parameters["weight"]) for m in bases}
+    for block in model.transformer_blocks:
+        assert all(lp.offloaded == lp.fp8_gemm for lp in block.__dict__[PLAN_ATTR].linears.values())
+    assert not _intercepted(twin) and not H.host_weights(twin)  # False: today's behaviour
+    # the report says so per linear
+    lin = [x for b in qwen_absorb.patch_report(model).to_dict()["blocks"] for x in b["linears"].values()]
+    assert sum(bool(x.get("original_weight_offloaded")) for x in lin) == len(bases)
+
+
+def test_model_moved_to_a_gpu_keeps_originals_on_host(fake_gpu, seed):
+    """``.to(<gpu>)`` (what accelerate's model offload does before every call) moves everything but the kept
+    originals; the FP8 codes built for the old device are released; ``unpatch`` puts them where the model is."""
+    model, kw = _fp8(seed)
+    qwen_absorb.patch(model, **REAL)
+    T.run_transformer(model, kw)
+    kept = {id(m._parameters["weight"]) for m in _host_kept(model)}
+    names = [n for n, _ in model.named_parameters()]
+    model.to("meta")
+    for name, p in model.named_parameters():
+        assert p.device.type == ("cpu" if id(p) in kept else "meta"), name
+    assert all(b.device.type == "meta" for b in model.buffers())
+    for block in model.transformer_blocks:
+        plan = block.__dict__[PLAN_ATTR]
+        assert plan.rt.device is None and all(lp.weight is None for lp in plan.linears.values())
+    qwen_absorb.unpatch(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert not _intercepted(model)
+
+
+def test_unpatch_restores_the_exact_model(fake_gpu, seed):
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    want = T.run_transformer(twin, kw)
+    qwen_absorb.patch(model, **REAL)
+    T.run_transformer(model, kw)
+    _sd_equal(model, twin)  # state_dict while patched: the same values (on the host)
+    qwen_absorb.unpatch(model)
+    _sd_equal(model, twin)
+    assert not _intercepted(model) and all(H.HOST_ATTR not in b.__dict__ for b in model.transformer_blocks)
+    assert torch.equal(T.run_transformer(model, kw), want)
+
+
+def test_compressed_model_is_not_duplicated(fake_gpu, seed):
+    """``mtq.compress``: the FP8 codes the GEMMs read are the module's own storage; nothing is kept twice and
+    nothing moves."""
+    model, kw = _fp8(seed, compress=True)
+    twin, _ = _fp8(seed, compress=True)  # ModelOpt's compressed weights cannot be deep-copied
+    qwen_absorb.patch(model, **REAL)
+    out = T.run_transformer(model, kw)
+    bases = _real_fp8_bases(model)
+    assert bases and not _host_kept(model) and not _intercepted(model)
+    for block in model.transformer_blocks:
+        for p, lp in block.__dict__[PLAN_ATTR].linears.items():
+            if lp.fp8_gemm:
+                w = unwrap_peft(resolve(block, p))[0]._parameters["weight"]
+                assert lp.weight.reused_storage
+                assert lp.weight.codes.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    qwen_absorb.patch(twin, **REAL, offload_original_weights=False)
+    assert torch.equal(out, T.run_transformer(twin, kw))
+    qwen_absorb.unpatch(model)
+    _sd_equal(model, twin)
+
+
+def _lora(model, seed):
+    from peft import LoraConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "net.2"],
+                                     init_lora_weights=False), adapter_name="a")
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.to(torch.bfloat16)
+
+
+def _grad_call(m, kw):
+    with torch.enable_grad():
+        return m(**kw)[0].detach()
+
+
+def _scale_amax(m):
+    with torch.no_grad():
+        q = m.transformer_blocks[0].attn.to_q
+        q.input_quantizer._amax.mul_(1.25)
+        m.transformer_blocks[1].img_mlp.net[2].weight_quantizer._amax.mul_(0.75)
+
+
+def _new_weights(m):
+    sd = m.state_dict()
+    k = "transformer_blocks.0.attn.add_k_proj.weight"
+    sd[k] = sd[k] * 0.5
+    m.load_state_dict(sd)
+
+
+def _inplace_weight(m):
+    with torch.no_grad():
+        m.transformer_blocks[1].attn.to_v.weight.mul_(1.5)
+
+
+ACTIONS = {
+    "grad_fallback": None,  # diffusers' forward on the originals
+    "amax_change": _scale_amax,
+    "dtype_move": lambda m: m.to(torch.float32),
+    "dtype_round_trip": lambda m: m.to(torch.float32).to(torch.bfloat16),
+    "load_state_dict": _new_weights,
+    "weight_in_place": _inplace_weight,
+    "lora_then_fuse": lambda m: (_lora(m, 5), m.fuse_lora()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_actions_that_need_the_originals_match_today(fake_gpu, action, seed):
+    """Each action on a model patched with the default against the same action on a twin patched with
+    ``offload_original_weights=False``; both also against the unpatched model where the action is defined."""
+    model, kw = _fp8(seed)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, offload_original_weights=False)
+    assert _host_kept(model)
+    T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    if action == "grad_fallback":
+        out, want, ref = _grad_call(model, kw), _grad_call(twin, kw), _grad_call(plain, kw)
+        assert torch.equal(out, ref)
+        rep = qwen_absorb.patch_report(model)
+        assert any("grad enabled" in r for r in rep.runtime_fallbacks)
+    else:
+        for m in (model, twin):
+            ACTIONS[action](m)
+        kw2 = {k: (v.to(next(model.parameters()).dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                   else v) for k, v in kw.items()}
+        out, want = T.run_transformer(model, kw2), T.run_transformer(twin, kw2)
+    assert torch.equal(out, want), action
+    _sd_equal(model, twin)
+    qwen_absorb.unpatch(model)
+    qwen_absorb.unpatch(twin)
+    _sd_equal(model, twin)
+    assert not _intercepted(model)
+
+
+def test_lora_linears_keep_their_originals_where_the_model_is(fake_gpu, seed):
+    """PEFT merges into the base weight on its device and puts new adapters there: a LoRA linear's weight is
+    not kept on the host (loaded after patching: put back at the next decision, adapters with it)."""
+    model, kw = _fp8(seed)
+    qwen_absorb.patch(model, **REAL)
+    T.run_transformer(model, kw)
+    n_before = len(_host_kept(model))
+    _lora(model, 6)
+    T.run_transformer(model, kw)
+    lora_bases = [m.base_layer for m in model.modules() if hasattr(m, "lora_A")]
+    assert lora_bases and not {id(m) for m in lora_bases} & {id(m) for m in _host_kept(model)}
+    assert len(_host_kept(model)) == n_before - len(lora_bases)
+
+
+def test_offload_original_weights_is_checked(seed):
+    model, _ = _fp8(seed)
+    with pytest.raises(ValueError, match="offload_original_weights"):
+        qwen_absorb.patch(model, offload_original_weights="yes")

@@ -1,0 +1,174 @@
+"""diffusers' offload modes and layerwise casting with a patched transformer, on the CPU (issue 39 C).
+
+Each pipeline runs patched against an unpatched twin in the same mode (accelerate's and diffusers' hooks take
+the CPU as their execution device), for a bf16 transformer and a ModelOpt FP8 one (real FP8 GEMMs on the CPU:
+``capabilities={"cpu"}``). With the CUDA-graph fakes (tests/cuda_graph_fakes.py) the CPU is a graph device:
+model offload replays graphs, group offloading (weights streamed during the call) is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import cuda_graph as CG
+from qwen_absorb import testing as T
+
+from . import cuda_graph_fakes
+
+pytest.importorskip("accelerate")
+
+CPU = torch.device("cpu")
+MODES = ("model", "group_block", "group_leaf", "layerwise")
+
+
+def _transformer(kind, seed):
+    model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed)
+    if kind.startswith("fp8"):
+        pytest.importorskip("modelopt.torch.quantization")
+        T.fp8_quantize(model, [T.transformer_inputs(model, seed=seed + 1 + i) for i in range(2)])
+    return model
+
+
+def _pipe(transformer, seed):
+    return T.tiny_pipeline(dtype=torch.bfloat16, seed=seed, transformer=transformer)
+
+
+def _model_offload(pipe, enable=True):
+    """``enable_model_cpu_offload`` (which the pipeline enables anew after every run: ``enable=False`` only
+    fixes the new hooks' device)."""
+    if enable:
+        pipe.enable_model_cpu_offload(device="cpu")
+    for h in pipe._all_hooks:  # diffusers says "cpu:0", which the hook's "already there" check never matches
+        h.hook.execution_device = CPU  # (a GPU's "cuda:0" does): as on a GPU, the model moves once per run
+
+
+def _offload(pipe, mode):
+    if mode == "model":
+        _model_offload(pipe)
+    elif mode.startswith("group"):
+        kind = "block_level" if mode == "group_block" else "leaf_level"
+        extra = {"num_blocks_per_group": 1} if kind == "block_level" else {}
+        pipe.transformer.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type=kind, **extra)
+    else:
+        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+
+
+def _run(pipe, seed, steps=3, arm=False):
+    emb, mask = T.tiny_prompt_embeds(seed=seed, dtype=torch.bfloat16, masked_tail=0)
+    neg, nmask = T.tiny_prompt_embeds(seq_len=5, seed=seed + 1, dtype=torch.bfloat16, masked_tail=0)
+
+    def step_end(p, i, t, kwargs):  # a fake graph captured in this step replays from the next one
+        r = _runner(p.transformer)
+        if arm and r is not None:
+            cuda_graph_fakes.arm(r)
+        return kwargs
+
+    with torch.no_grad():
+        return pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
+                    negative_prompt_embeds_mask=nmask, true_cfg_scale=4.0, height=32, width=32,
+                    num_inference_steps=steps, output_type="pt", callback_on_step_end=step_end,
+                    generator=torch.Generator().manual_seed(seed)).images
+
+
+def _runner(t):
+    for slot in ("forward", "_old_forward"):
+        f = t.__dict__.get(slot)
+        if isinstance(f, CG.GraphedCall):
+            return f
+    return None
+
+
+def _patch(pipe, kind):
+    # fp8: real FP8 GEMMs (never bit-identical to ModelOpt's fake quantization); fp8_module: the linears run as
+    # ModelOpt's modules, everything else fused: bit-identical to the unpatched model
+    kw = {"fp8": {"fp8_gemm": True, "capabilities": {"cpu"}}, "fp8_module": {"fp8_gemm": False}}.get(kind, {})
+    return qwen_absorb.patch(pipe, **kw)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16", "fp8_module", "fp8"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("patch_first", [False, True])
+def test_offload_mode_matches_the_unpatched_pipeline(kind, mode, patch_first, seed):
+    t = _transformer(kind, seed)
+    pipe, twin = _pipe(t, seed), _pipe(copy.deepcopy(t), seed)
+    _offload(twin, mode)
+    try:
+        want = _run(twin, seed)
+    except Exception as e:  # a mode diffusers + ModelOpt cannot run unpatched: the patched pipeline fails alike
+        if patch_first:
+            _patch(pipe, kind)
+            _offload(pipe, mode)
+        else:
+            _offload(pipe, mode)
+            _patch(pipe, kind)
+        with pytest.raises(type(e)):
+            _run(pipe, seed)
+        pytest.skip(f"{mode} fails unpatched too: {type(e).__name__}: {str(e)[:120]}")
+    if patch_first:
+        report = _patch(pipe, kind)
+        _offload(pipe, mode)
+    else:
+        _offload(pipe, mode)
+        report = _patch(pipe, kind)
+    out = _run(pipe, seed)
+    if kind == "fp8":  # real FP8 against fake quantization: close; against the resident patched pipeline: equal
+        assert _rel(out, want) < 0.03, _rel(out, want)
+        if mode == "model":
+            resident = _pipe(copy.deepcopy(t), seed)
+            _patch(resident, kind)
+            assert torch.equal(out, _run(resident, seed))
+    else:
+        assert torch.equal(out, want), (mode, kind, (out.float() - want.float()).abs().max())
+    assert not any("deciding anew failed" in r for r in report.runtime_fallbacks), report.runtime_fallbacks
+    qwen_absorb.unpatch(pipe)
+    assert torch.equal(_run(pipe, seed), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_model_offload_replays_graphs(monkeypatch, kind, seed):
+    """Against the same pipeline patched, eager, with model offload."""
+    t = _transformer(kind, seed)
+    pipe, twin = _pipe(t, seed), _pipe(copy.deepcopy(t), seed)
+    _model_offload(twin)
+    qwen_absorb.patch(twin, cuda_graph=False, **({"fp8_gemm": True, "capabilities": {"cpu"}} if kind == "fp8" else {}))
+    want = _run(twin, seed, steps=4)
+    _model_offload(pipe)
+    report = _patch(pipe, kind)
+    cuda_graph_fakes.install(monkeypatch)
+    out = _run(pipe, seed, steps=4, arm=True)
+    assert torch.equal(out, want)
+    g = report.cuda_graph
+    # true CFG: two signatures (text lengths 7 and 5), each eager once, captured once, then replayed
+    assert g["captures"] == 2 and g["replays"] == 4, (g, report.graph_fallbacks)
+    assert isinstance(pipe.transformer.__dict__["_old_forward"], CG.GraphedCall)  # inside accelerate's hook
+    _model_offload(pipe, enable=False)
+    out2 = _run(pipe, seed, steps=4, arm=True)  # the next run: diffusers put new hooks around the runner
+    assert torch.equal(out2, want)
+    assert report.cuda_graph["replays"] > 4, (report.cuda_graph["invalidations"], report.graph_fallbacks)
+
+
+@pytest.mark.parametrize("mode", ["group_block", "group_leaf", "layerwise"])
+def test_modes_that_stream_or_recast_weights_refuse_graphs_with_a_reason(monkeypatch, mode, seed, caplog):
+    t = _transformer("bf16", seed)
+    pipe = _pipe(t, seed)
+    _offload(pipe, mode)
+    report = _patch(pipe, "bf16")
+    cuda_graph_fakes.install(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="qwen_absorb"):
+        _run(pipe, seed, arm=True)
+    assert report.cuda_graph["replays"] == 0 and report.cuda_graph["captures"] == 0
+    want = "offloading hook" if mode.startswith("group") else "layerwise casting hook"
+    assert sum(n for r, n in report.graph_fallbacks.items() if want in r) == 6, report.graph_fallbacks
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "CUDA graphs cannot be used" in r.getMessage()]
+    assert len(warned) == 1 and want in warned[0].getMessage()

@@ -1,0 +1,31 @@
+"""GPU: the prompt encoding's CUDA graphs (qwen_absorb.text_encoder) against diffusers' eager encoding, bit for bit,
+on a reduced-depth Qwen2.5-VL-7B text model (full width, 2 layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_absorb import text_encoder as te_room
+from tests.test_text_encoder_patch import WordTokenizer, tiny_text_pipeline
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+@torch.no_grad()
+def test_graphs_bit_identical_to_eager(seed):
+    pipe = tiny_text_pipeline(device="cuda", dtype=torch.bfloat16, hidden=3584, heads=28, kv_heads=4,
+                              inter=18944, layers=2, seed=seed)
+    prompts = ["a red fox on a rock , misty forest", " ", ["a cat", "two dogs and a much longer prompt here"]]
+    refs = [pipe.encode_prompt(p, device=torch.device("cuda")) for p in prompts]
+    rep = te_room.patch(pipe, cuda_graph=True, cache_size=0)  # graphs are opt-in ("auto" leaves the encoder eager)
+    for _ in range(2):
+        for p, r in zip(prompts, refs):
+            got = pipe.encode_prompt(p, device=torch.device("cuda"))
+            assert torch.equal(got[0], r[0])
+            assert (got[1] is None and r[1] is None) or torch.equal(got[1], r[1])
+    assert rep.graphs.get("replays", 0) >= 3, rep.to_dict()
+    te_room.unpatch(pipe)
+    assert "_get_qwen_prompt_embeds" not in pipe.__dict__

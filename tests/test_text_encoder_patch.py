@@ -1,0 +1,210 @@
+"""CPU: the prompt encoding room (qwen_absorb.text_encoder): bit-identical embeddings, the prompt cache (hit, miss,
+a changed prompt, a changed encoder weight in place / via load_state_dict / via .data), unpatch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import testing
+from qwen_absorb import text_encoder as te_room
+
+
+class _Batch(dict):
+    __getattr__ = dict.__getitem__
+
+    def to(self, device):
+        return _Batch({k: v.to(device) for k, v in self.items()})
+
+
+class WordTokenizer:
+    """Words to ids (deterministic, below ``vocab``), right padding like Qwen2's tokenizer; counts its calls."""
+
+    def __init__(self, vocab: int = 500) -> None:
+        self.vocab, self.calls = vocab, 0
+
+    def __call__(self, txt, max_length, padding, truncation, return_tensors):
+        self.calls += 1
+        seqs = [[sum(map(ord, w)) * 31 % (self.vocab - 1) + 1 for w in re.findall(r"\w+|[^\w\s]", t)][:max_length]
+                for t in txt]
+        n = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        return _Batch(input_ids=ids, attention_mask=mask)
+
+
+def tiny_text_pipeline(device="cpu", dtype=torch.float32, hidden=32, heads=2, kv_heads=1, inter=64, layers=2,
+                       seed=0, vocab=None):
+    """A tiny QwenImagePipeline (qwen_absorb.testing) with a Qwen2.5-VL text encoder and a word tokenizer."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = vocab or (152064 if hidden > 1000 else 512)
+    head_dim = hidden // heads
+    sect = [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]
+    sect[0] += head_dim // 2 - sum(sect)
+    text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=inter, vocab_size=vocab, rope_theta=1e6,
+                rope_scaling={"type": "mrope", "mrope_section": sect}, tie_word_embeddings=False)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                  fullatt_block_indexes=[0])
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab - 4,
+                           video_token_id=vocab - 3, vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
+                           bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        te = Qwen2_5_VLForConditionalGeneration(cfg)
+    te = te.to(device, dtype).eval()
+    pipe = testing.tiny_pipeline()
+    pipe.register_modules(text_encoder=te, tokenizer=WordTokenizer(min(vocab, 151000)))
+    return pipe
+
+
+@pytest.fixture
+def pipe(seed):
+    return tiny_text_pipeline(seed=seed % 1000)
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and ((a[1] is None and b[1] is None) or torch.equal(a[1], b[1]))
+
+
+@torch.no_grad()
+def test_bit_identical_and_cache_hit_miss_changed_prompt(pipe):
+    prompts = ["a red fox on a mossy rock", " ", ["a cat", "two dogs and a much longer prompt"]]
+    refs = [pipe.encode_prompt(p, device="cpu") for p in prompts]
+    rep = te_room.patch(pipe)
+    assert rep.on and not rep.reasons
+    calls = []
+    real = pipe.text_encoder.forward
+    pipe.text_encoder.forward = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        for p, r in zip(prompts, refs):
+            assert _same(pipe.encode_prompt(p, device="cpu"), r)
+        assert rep.cache_misses == 3 and rep.cache_hits == 0 and len(calls) == 3
+        got = pipe.encode_prompt(prompts[0], device="cpu")
+        assert _same(got, refs[0]) and rep.cache_hits == 1 and len(calls) == 3  # a hit: no encoder call
+        got[0].fill_(float("nan"))  # a caller writing into the returned tensor does not poison the cache
+        assert _same(pipe.encode_prompt(prompts[0], device="cpu"), refs[0])
+        other = pipe.encode_prompt("a red fox on a mossy stone", device="cpu")  # a changed prompt: a miss
+        assert rep.cache_misses == 4 and len(calls) == 4
+        assert not torch.equal(other[0], refs[0][0][:, : other[0].shape[1]])
+    finally:
+        del pipe.text_encoder.forward
+
+
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
+@torch.no_grad()
+def test_changed_encoder_weight_misses(pipe, how):
+    te_room.patch(pipe)
+    first = pipe.encode_prompt("a red fox", device="cpu")
+    w = pipe.text_encoder.model.language_model.layers[0].mlp.down_proj.weight
+    new = torch.randn_like(w)
+    if how == "in_place":
+        w.copy_(new)
+    elif how == "load_state_dict":
+        name = next(n for n, p in pipe.text_encoder.named_parameters() if p is w)
+        pipe.text_encoder.load_state_dict({name: new}, strict=False)
+    else:
+        w.data = new
+    rep = te_room.report_of(pipe)
+    got = pipe.encode_prompt("a red fox", device="cpu")
+    assert rep.encoder_changes == 1 and rep.cache_misses == 2
+    te_room.unpatch(pipe)
+    ref = pipe.encode_prompt("a red fox", device="cpu")
+    assert _same(got, ref) and not torch.equal(got[0], first[0])
+
+
+@torch.no_grad()
+def test_patch_of_pipeline_and_unpatch_restore(pipe):
+    ref = pipe.encode_prompt("a cat on a mat", device="cpu")
+    sd = {k: v.clone() for k, v in pipe.text_encoder.state_dict().items()}
+    report = qwen_absorb.patch(pipe)
+    assert report.parts["text_encoder"].on and "text_encoder" in report.to_dict()
+    assert "prompt encoding: cache" in str(report)
+    assert _same(pipe.encode_prompt("a cat on a mat", device="cpu"), ref)
+    qwen_absorb.unpatch(pipe)
+    assert "_get_qwen_prompt_embeds" not in pipe.__dict__
+    assert all(torch.equal(v, sd[k]) for k, v in pipe.text_encoder.state_dict().items())
+    assert _same(pipe.encode_prompt("a cat on a mat", device="cpu"), ref)
+    off = qwen_absorb.patch(pipe, text_encoder=False)
+    assert "text_encoder" not in off.parts and "_get_qwen_prompt_embeds" not in pipe.__dict__
+    qwen_absorb.unpatch(pipe)
+
+
+def test_refusals_and_bad_arguments():
+    pipe = testing.tiny_pipeline()  # no text encoder, no tokenizer
+    rep = te_room.patch(pipe)
+    assert not rep.on and any("no text encoder" in r for r in rep.reasons)
+    assert "_get_qwen_prompt_embeds" not in pipe.__dict__
+    with pytest.raises(ValueError):
+        te_room.patch(pipe, cache_size=-1)
+    with pytest.raises(ValueError):
+        te_room.patch(pipe, cuda_graph="yes")
+    with pytest.raises(ValueError):
+        qwen_absorb.patch(pipe, vae="no")
+
+
+@torch.no_grad()
+def test_mask_constants_replay_the_warmup_masks(pipe, monkeypatch):
+    """What a capture of the encoder sees of transformers' mask builders: the warm-up's answers, in order."""
+    te = pipe.text_encoder
+    aid = te_room.MaskConstants(te)
+    assert aid.modules, "no module of the encoder builds masks by a name MaskConstants knows"
+    ids = torch.randint(1, 400, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # padding: the builder returns a tensor
+    with aid.warmup():
+        ref = te(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    assert aid.recorded and aid.recorded[0][0] == "create_causal_mask"
+    calls = []
+    mod = aid.modules[0]
+    real = mod.create_causal_mask
+    monkeypatch.setattr(mod, "create_causal_mask", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    aid.modules = [mod]
+    with aid.capture():
+        got = te(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    assert torch.equal(got, ref) and not calls  # answered from the warm-up, the builder not run
+    assert mod.create_causal_mask is not real and calls == []  # the monkeypatched one is back in place
+    with aid.capture(), pytest.raises(RuntimeError):  # one more builder call than recorded: the capture fails
+        te(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        te(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+
+
+def test_graphs_are_opt_in(pipe):
+    rep = te_room.patch(pipe)
+    assert rep.graphs_off == te_room.GRAPHS_AUTO and "opt-in" in rep.line()
+    te_room.unpatch(pipe)
+    assert te_room.patch(pipe, cuda_graph=True).graphs_off is None
+
+
+@torch.no_grad()
+def test_hooks_first_call_and_foreign_hook(seed):
+    pipe = tiny_text_pipeline(seed=seed % 1000)  # never called: transformers adds its recording hooks at call 1
+    rep = te_room.patch(pipe)
+    a = pipe.encode_prompt(" ", device="cpu")
+    b = pipe.encode_prompt(" ", device="cpu")
+    assert rep.cache_misses == 1 and rep.cache_hits == 1 and rep.encoder_changes == 0 and _same(a, b)
+    layer = pipe.text_encoder.model.language_model.layers[0]
+    h = layer.register_forward_hook(lambda m, i, o: (o[0] * 2,) + tuple(o[1:]) if isinstance(o, tuple) else o * 2)
+    c = pipe.encode_prompt(" ", device="cpu")  # a hook that changes the output: a miss, the hook's result
+    assert rep.encoder_changes == 1 and rep.cache_misses == 2 and not torch.equal(c[0], a[0])
+    h.remove()
+    te_room.unpatch(pipe)
+    assert _same(pipe.encode_prompt(" ", device="cpu"), a)
+
+
+def test_only_the_replicated_encoding_is_taken_over(pipe):
+    import diffusers
+
+    edit = diffusers.QwenImageEditPipeline.__new__(diffusers.QwenImageEditPipeline)
+    edit.__dict__.update(pipe.__dict__)  # a text encoder and a tokenizer, but the Edit pipeline's own method
+    rep = te_room.patch(edit)
+    assert not rep.on and any("replicates" in r for r in rep.reasons)
+    assert "_get_qwen_prompt_embeds" not in edit.__dict__
+    assert te_room.patch(pipe).on

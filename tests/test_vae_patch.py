@@ -1,0 +1,139 @@
+"""CPU: the VAE decode room (qwen_absorb.vae) on a tiny AutoencoderKLQwenImage: the 2-D path against diffusers'
+decode (fp32 close, bf16 within the fidelity gate), fallbacks, a changed weight, unpatch exactness, the report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qwen_absorb
+from qwen_absorb import testing
+from qwen_absorb import vae as vae_room
+
+
+def _z(seed: int, b: int = 1, t: int = 1, h: int = 12, w: int = 8, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(b, 4, t, h, w, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@torch.no_grad()
+def test_fp32_matches_diffusers_and_unpatch_is_exact(seed):
+    vae = testing.tiny_vae(seed=seed % 1000)
+    z = _z(seed, b=2)
+    ref = vae.decode(z).sample
+    sd = {k: v.clone() for k, v in vae.state_dict().items()}
+    rep = vae_room.patch(vae, cpu=True)
+    out = vae.decode(z).sample
+    assert rep.on and rep.fast_calls == 1 and not rep.fallbacks
+    assert out.shape == ref.shape and out.is_contiguous() and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(out, torch.zeros_like(out))
+    tup = vae.decode(z, return_dict=False)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], out)
+    vae_room.unpatch(vae)
+    assert "_decode" not in vae.__dict__ and not rep.on
+    assert all(torch.equal(v, sd[k]) for k, v in vae.state_dict().items())
+    assert torch.equal(vae.decode(z).sample, ref)
+
+
+@torch.no_grad()
+def test_bf16_within_the_fidelity_gate(seed):
+    vae = testing.tiny_vae(seed=seed % 1000, dtype=torch.bfloat16)
+    vae_room.patch(vae, cpu=True)
+    gate = vae_room.fidelity(vae, _z(seed, h=16, w=16, dtype=torch.bfloat16))
+    assert gate["err_unpatched"] > 0 and gate["ratio"] <= vae_room.GATE, gate
+    assert vae._decode.report.fast_calls == 1  # fidelity() measured the 2-D path, not a fallback
+
+
+@torch.no_grad()
+def test_fallbacks_run_diffusers_decode(seed):
+    vae = testing.tiny_vae(seed=seed % 1000)
+    rep = vae_room.patch(vae)  # default: the 2-D path on CUDA only
+    z = _z(seed)
+    assert torch.equal(vae.decode(z).sample, type(vae)._decode(vae, z).sample)
+    assert rep.fast_calls == 0 and any("gated on CUDA" in r for r in rep.fallbacks)
+    vae_room.patch(vae, cpu=True)
+    rep = vae_room.report_of(vae)
+    video = _z(seed, t=3)
+    assert torch.equal(vae.decode(video).sample, type(vae)._decode(vae, video).sample)
+    assert rep.fallbacks["several frames (video): the causal time path"] == 1
+    with torch.enable_grad():
+        vae.decode(z)
+    assert rep.fallbacks["autograd"] == 1 and rep.fast_calls == 0
+    vae.register_forward_hook(lambda *a: None)  # on the VAE itself: decode does not run forward, still fast
+    vae.decoder.conv_in.register_forward_hook(lambda *a: None)  # on a decoder module: refused
+    assert torch.equal(vae.decode(z).sample, type(vae)._decode(vae, z).sample)
+    assert rep.rebuilds == 1 and not rep.on and any("hooks" in r for r in rep.reasons)
+    vae_room.unpatch(vae)
+
+
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
+@torch.no_grad()
+def test_changed_weight_is_seen(seed, how):
+    vae = testing.tiny_vae(seed=seed % 1000)
+    z = _z(seed)
+    rep = vae_room.patch(vae, cpu=True)
+    vae.decode(z)
+    w = vae.decoder.up_blocks[0].resnets[0].conv1.weight
+    new = torch.randn_like(w)
+    if how == "in_place":
+        w.copy_(new)
+    elif how == "load_state_dict":
+        vae.load_state_dict({"decoder.up_blocks.0.resnets.0.conv1.weight": new}, strict=False)
+    else:
+        w.data = new
+    out = vae.decode(z).sample
+    assert rep.rebuilds == 1 and rep.on
+    torch.testing.assert_close(out, type(vae)._decode(vae, z).sample, rtol=1e-4, atol=1e-5)
+
+
+def test_refusals_copy_and_pipeline_patch(seed):
+    wrong = testing.tiny_qwenimage21_vae()
+    rep = vae_room.patch(wrong)
+    assert not rep.on and "_decode" not in wrong.__dict__
+    with pytest.raises(ValueError):
+        vae_room.patch(testing.tiny_vae(), cuda_graph="sometimes")
+    vae = testing.tiny_vae(seed=seed % 1000)
+    vae_room.patch(vae, cpu=True)
+    twin = copy.deepcopy(vae)
+    z = _z(seed)
+    with torch.no_grad():
+        torch.testing.assert_close(twin.decode(z).sample, vae.decode(z).sample, rtol=0, atol=0)
+    assert vae_room.report_of(twin) is not vae_room.report_of(vae)
+    pipe = testing.tiny_pipeline()
+    report = qwen_absorb.patch(pipe)
+    assert report.parts["vae"].on and "VAE decode" in str(report) and "vae" in report.to_dict()
+    qwen_absorb.unpatch(pipe)
+    assert "_decode" not in pipe.vae.__dict__
+    qwen_absorb.patch(pipe, vae=False)
+    assert "_decode" not in pipe.vae.__dict__
+    qwen_absorb.unpatch(pipe)
+
+
+def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
+    import numpy as np
+
+    pipe = testing.tiny_pipeline()
+    assert vae_room.patch_postprocess(pipe)
+    fast = pipe.image_processor.postprocess
+    g = torch.Generator().manual_seed(seed)
+    img = (torch.rand(2, 3, 40, 24, generator=g) * 2.4 - 1.2).to(torch.bfloat16)  # past both clamps too
+    img[0, 0, 0, :6] = torch.tensor([-1.0, 1.0, 0.0, 1 / 255, -0.5, 0.5])
+    ref = type(pipe.image_processor).postprocess(pipe.image_processor, img, output_type="pil")
+    got = fast.pil_images(img, None)  # the device path's conversion, run here on the host tensor
+    assert len(got) == 2 and all(a.mode == b.mode and a.size == b.size for a, b in zip(got, ref))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, ref))
+    img[1, 2, 3, 4] = float("nan")
+    assert fast.pil_images(img, None) is None
+    out = pipe.image_processor.postprocess(img[:1], output_type="pil")  # a host image: diffusers' method
+    assert fast.calls["diffusers"] == 1 and np.array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+    vae_room.unpatch_postprocess(pipe)
+    assert "postprocess" not in pipe.image_processor.__dict__
+
+
+def test_other_diffusers_code_is_left_alone(monkeypatch):
+    vae = testing.tiny_vae()
+    monkeypatch.setattr(vae_room, "REPLICATED", frozenset({"0" * 16}))  # as if diffusers' VAE code had changed
+    rep = vae_room.patch(vae)
+    assert not rep.on and "replicates" in rep.reasons[0] and "_decode" not in vae.__dict__
