@@ -73,7 +73,8 @@ class OffloadJourney(H.Bench):
         self.report = qwen_absorb.patch(self.pipe)
         self.R.put("details.patch_gib", H.memory_gib(self.dev))
         dim = model.config.joint_attention_dim
-        self.call_kw = {**H.prompt_kwargs(dim, self.dev, torch.bfloat16, a.seed, a.text_tokens, max(4, a.text_tokens // 4)),
+        prompts = H.prompt_kwargs(dim, self.dev, torch.bfloat16, a.seed, a.text_tokens, max(4, a.text_tokens // 4))
+        self.call_kw = {**prompts,
                         "height": a.size, "width": a.size, "num_inference_steps": a.pipeline_steps, "output_type": "pt"}
 
     def _pipeline(self, model: torch.nn.Module) -> Any:

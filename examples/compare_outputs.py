@@ -184,11 +184,23 @@ class Unsupported(Exception):
     pass
 
 
+def _said_by_the_report(record: logging.LogRecord) -> bool:
+    """The printed report says why the kernels cannot run: the patch-time warning would say it twice."""
+    return "fused CUDA kernels cannot run" not in record.getMessage()
+
+
 def main(argv=None) -> int:
+    log = logging.getLogger("qwen_absorb")
+    log.addFilter(_said_by_the_report)
+    try:
+        return _main(argv)
+    finally:  # main() also runs inside other programs (the tests): leave the library's logger as it was
+        log.removeFilter(_said_by_the_report)
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    # the printed report says why the kernels cannot run; its warning at patch time would say it twice
-    logging.getLogger("qwen_absorb").addFilter(lambda r: "fused CUDA kernels cannot run" not in r.getMessage())
     device, dtype = args.device, args.dtype
     size = "model" if args.model else args.size
     h0, w0, s0 = DEFAULTS[size]

@@ -317,6 +317,8 @@ def main(argv=None) -> int:
     rc = 0
     if rank == 0:
         base = rows.get("single unpatched")
+        if device.type != "cuda":  # gloo on CPU: a test of the wiring, not of speed
+            say(f"\n{device.type} wall-clock, not a speed measurement (median of {a.iters} after {a.warmup} warm-up):")
         say(f"\n{'run':<22}{'median ms':>12}{'vs 1 GPU':>10}")
         for k, v in rows.items():
             v = float(slow[k]) if k in slow else v

@@ -11,6 +11,7 @@ import threading
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import hooks, lora, parallel, quant, taylorseer
@@ -102,6 +103,38 @@ _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containe
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
+def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
+    """The block's tensors that only its derived state is made from: the original weight and the quantizers'
+    amax / scale of each linear running as an FP8 GEMM, which then reads the plan's own codes and scales, not
+    these (``_build_fp8``). A tensor that a derived one aliases (ModelOpt's compressed weight, reused as the
+    codes) is read directly, so it is not one of them. A CUDA graph of the block never reads these: a change to
+    one makes its result stale, never its memory unsafe (qwen_absorb.cuda_graph.fingerprint checks them after
+    launching a replay instead of before)."""
+    derived, sources = set(), []
+    for p, lp in plan.linears.items():
+        w = lp.weight
+        if not lp.fp8_gemm or w is None:
+            continue
+        derived.update(map(_storage_ptr, (w.codes, w.scale, w.input_amax, lp.input_scale, lp.bias)))
+        base = unwrap_peft(resolve(block, p))[0]
+        if base is None:
+            continue
+        wq = getattr(base, "weight_quantizer", None)
+        sources += [base._parameters.get("weight"), quant.input_amax(base), getattr(wq, "_amax", None),
+                    getattr(wq, "_scale", None)]
+    return [t for t in sources if (ptr := _storage_ptr(t)) is not None and ptr not in derived]
+
+
+def _storage_ptr(t: Any) -> int | None:
+    """Where ``t``'s storage starts; None for a non-tensor or a tensor without one (e.g. a DTensor)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - tensor subclasses without storage
+        return None
+
+
 _BLOCK_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BLOCK_LOCKS_GUARD = threading.Lock()
 
@@ -164,5 +197,5 @@ def watch(block: nn.Module) -> Watch:
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
 
 
-__all__ = ["attention_cache", "block_lock", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
+__all__ = ["attention_cache", "block_lock", "derived_only_sources", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
            "watch"]

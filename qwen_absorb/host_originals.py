@@ -28,7 +28,6 @@ GPU). Linears under an offloading or casting hook are left to the hook.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,10 +35,9 @@ import torch
 from torch import nn
 
 from . import hooks, quant
+from .parallel import is_dtensor
 from .plan import PLAN_ATTR, BlockPlan, refresh
 from .sites import LINEAR_TABLE, resolve, unwrap_peft
-
-log = logging.getLogger("qwen_absorb")
 
 HOST = torch.device("cpu")
 # Device types whose memory the originals are kept out of; the CPU tests add "cpu" to exercise the logic.
@@ -119,14 +117,14 @@ def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bo
         return False
     lp = plan.linears.get(path)
     dev = plan.rt.device
-    if lp is None or dev is None or unwrap_peft(resolve(block, path))[1]:
-        return False  # LoRA: PEFT merges into the base weight on its device and puts new adapters there
+    m = resolve(block, path)
+    base, wrappers = unwrap_peft(m)
+    w = base._parameters.get("weight") if base is not None else None
+    if lp is None or dev is None or wrappers or w is None or is_dtensor(w):
+        return False  # LoRA: PEFT merges into the base weight on its device; a DTensor: its mesh owns it
     if dev.type in ACCELERATOR_TYPES:
         return bool(lp.fp8_gemm and lp.weight is not None and not lp.weight.reused_storage)
     # not on an accelerator yet: keep a weight that is on the host there if it would run as an FP8 GEMM
-    m = resolve(block, path)
-    base = unwrap_peft(m)[0]
-    w = base._parameters.get("weight") if base is not None else None
     return (plan.options.fp8_gemm is not False and w is not None and w.device == HOST
             and type(w).__name__ != "QTensorWrapper" and not quant.fp8_gemm_reasons(m))
 
@@ -193,7 +191,8 @@ def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
 
 class AfterDecide:
     """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once the block is installed:
-    ``plan.patched``), then the report's record. A plain object holding the block, so a copy of the model rebinds it."""
+    ``plan.patched``), then the report's record. A plain object holding the block, so that a copy of the
+    model rebinds it."""
 
     __slots__ = ("record", "block")
 
@@ -263,5 +262,5 @@ def host_weights(transformer: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["ACCELERATOR_TYPES", "AfterDecide", "HOST", "HOST_ATTR", "HostWeight", "host_weights", "onloaded", "place", "restore",
-           "wanted"]
+__all__ = ["ACCELERATOR_TYPES", "AfterDecide", "HOST", "HOST_ATTR", "HostWeight", "host_weights", "onloaded", "place",
+           "restore", "wanted"]

@@ -39,6 +39,8 @@ from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, 
                     resolve, swiglu21_refusals, unwrap_peft)
 from .watch import Watch, tensor_key
 
+derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_graph.fingerprint reads it here)
+
 PLAN_ATTR = "_qwen_absorb_plan"
 QK_NORMS = dep.QK_NORMS
 # The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
@@ -495,38 +497,6 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
         sp = plan.site_plan(s.key)
         if sp.fp8_out:
             sp.fp8_amax = plan.linears[s.feeds[0]].weight.input_amax
-
-
-def derived_only_sources(plan: BlockPlan, block: nn.Module) -> list[torch.Tensor]:
-    """The block's tensors that only its derived state is made from: the original weight and the quantizers'
-    amax / scale of each linear running as an FP8 GEMM, which then reads the plan's own codes and scales, not
-    these (``_build_fp8``). A tensor that a derived one aliases (ModelOpt's compressed weight, reused as the
-    codes) is read directly, so it is not one of them. A CUDA graph of the block never reads these: a change to
-    one makes its result stale, never its memory unsafe (qwen_absorb.cuda_graph.fingerprint checks them after
-    launching a replay instead of before)."""
-    derived, sources = set(), []
-    for p, lp in plan.linears.items():
-        w = lp.weight
-        if not lp.fp8_gemm or w is None:
-            continue
-        derived.update(map(_storage_ptr, (w.codes, w.scale, w.input_amax, lp.input_scale, lp.bias)))
-        base = unwrap_peft(resolve(block, p))[0]
-        if base is None:
-            continue
-        wq = getattr(base, "weight_quantizer", None)
-        sources += [base._parameters.get("weight"), quant.input_amax(base), getattr(wq, "_amax", None),
-                    getattr(wq, "_scale", None)]
-    return [t for t in sources if (ptr := _storage_ptr(t)) is not None and ptr not in derived]
-
-
-def _storage_ptr(t: Any) -> int | None:
-    """Where ``t``'s storage starts; None for a non-tensor or a tensor without one (e.g. a DTensor)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - tensor subclasses without storage
-        return None
 
 
 def _decide_tp(block: nn.Module) -> dict[str, list[str]]:

@@ -44,6 +44,7 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_key(tmp_path):
     p = _smoke(tmp_path)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"

@@ -62,6 +62,7 @@ def test_one_owner_tiny_times_both_trees(tmp_path):
     assert "| fp8_lora |" in (tmp_path / "one_owner_tiny.md").read_text()
 
 
+@pytest.mark.slow
 def test_one_owner_records_a_root_without_the_package_and_a_killed_worker(tmp_path):
     """A before root without its own qwen_absorb/ is not timed as if it were that tree (the editable install would
     answer the import); a worker past --worker-timeout-s is killed and says so. Both keep the run going."""
@@ -113,6 +114,7 @@ def test_pipeline_e2e_tiny_runs_every_case(tmp_path):
     assert d2["e2e_8step_lora_fused_fp8_s"] == d["e2e_8step_lora_fused_fp8_s"] and len(d2["parts"]) == 2
 
 
+@pytest.mark.slow
 def test_local_tokenizer_and_pipeline_encode_a_prompt():
     sys.path.insert(0, str(BENCH))
     import pipeline_parts as P

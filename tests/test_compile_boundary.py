@@ -52,6 +52,7 @@ def _model(seed: int, quantized: bool = False):
     return model, inp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_patched_blocks_are_the_eager_patched_blocks(seed, backend, op_calls):
     from torch._dynamo.utils import counters
@@ -70,6 +71,7 @@ def test_compiled_patched_blocks_are_the_eager_patched_blocks(seed, backend, op_
     assert len(op_calls) == 2 * LAYERS and set(map(id, op_calls)) == set(map(id, model.transformer_blocks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"capabilities": {"cpu"}}, REAL])
 def test_modelopt_model_compiles_fullgraph(seed, kwargs):
     """ModelOpt's modules cannot be traced (the traced path calls them behind graph breaks); inside the op
@@ -142,6 +144,7 @@ def test_traced_modes_do_not_use_the_op(seed, mode, op_calls):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_joint_attention_kwargs_are_traced(seed, op_calls):
     """The LoRA ``scale`` is taken by the transformer (the blocks get {}: the op carries the call); other
     attention kwargs reach the blocks, and what the op cannot carry is traced instead of dropped."""

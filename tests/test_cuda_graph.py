@@ -54,6 +54,7 @@ def _key(kwargs, positional=()):
 # ------------------------------------------------------------------------------------------ eager on CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 @pytest.mark.parametrize("patched", [False, True])
 @pytest.mark.parametrize("return_dict", [False, True])
@@ -161,6 +162,7 @@ def test_install_arguments_and_pipeline_target(seed):
 # ------------------------------------------------------------------------------------------ refusals
 
 
+@pytest.mark.slow
 def test_refusal_reasons_counted_per_call(seed):
     from diffusers import FirstBlockCacheConfig
 
@@ -377,6 +379,7 @@ def _call_unchanged(model, kw, scan):
     return scan.changed()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 @pytest.mark.parametrize("patched", [False, True])
@@ -1113,6 +1116,7 @@ def test_lora_state_is_fingerprinted_on_its_own(seed):
     assert scan.changed() == "LoRA adapter state changed"
 
 
+@pytest.mark.slow
 def test_lora_lifecycle_recaptures_with_fake_graphs(fake_cuda, seed):
     """The PEFT lifecycle on a graphed model: every step that changes what runs drops the graphs and the next
     call captures anew; outputs are an ungraphed twin's that took the same steps."""
@@ -1221,6 +1225,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
     assert runner.describe()["discarded_replays"] == len(stale_steps)
 
 
+@pytest.mark.slow
 def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed):
     """A real-FP8 model (the CPU's ``torch._scaled_mm``): its graph reads the plans' FP8 codes and scales, not the
     original weights or amaxes they are made from (``plan.derived_only_sources``). Such a source moved: the replay

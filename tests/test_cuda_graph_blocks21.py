@@ -79,6 +79,7 @@ def _seed(s):
 # ---------------------------------------------------------------------------- replays == unpatched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replays_are_bit_identical_to_unpatched(fake_cuda, dtype, case, seed):
@@ -134,6 +135,7 @@ def test_auto_on_a_gpu_model_installs_no_block_graphs(fake_cuda, monkeypatch, se
     qwen_absorb.unpatch(model)
 
 
+@pytest.mark.slow
 def test_cuda_graph_false_and_auto_on_cpu_install_nothing(fake_cuda, seed):
     model, twin = _pair(_seed(seed))
     inp = model_inputs(model, seed=seed)
@@ -150,6 +152,7 @@ def test_cuda_graph_false_and_auto_on_cpu_install_nothing(fake_cuda, seed):
 # ---------------------------------------------------------------------------- what the runners share
 
 
+@pytest.mark.slow
 def test_one_pool_one_lock_one_static_per_argument_position(fake_cuda, seed):
     model, twin = _pair(_seed(seed))
     qwen_absorb.patch(model, cuda_graph=True)
@@ -187,6 +190,7 @@ def test_one_pool_one_lock_one_static_per_argument_position(fake_cuda, seed):
     assert d["static_input_bytes"] == sum(s.untyped_storage().nbytes() for s in unique.values())
 
 
+@pytest.mark.slow
 def test_statics_of_one_call_never_alias(fake_cuda):
     """Tensors of equal metadata at two positions of one call (the same tensor twice, too) get two buffers;
     the next call of that shape gets the same two again."""
@@ -203,6 +207,7 @@ def test_statics_of_one_call_never_alias(fake_cuda):
     assert sh.describe()["static_inputs"] == 0  # held by the graphs only
 
 
+@pytest.mark.slow
 def test_inference_mode_and_no_grad_calls_keep_their_own_statics(fake_cuda, seed):
     """Graphs captured under torch.inference_mode() read inference tensors; a no_grad call of the same shapes
     (another signature: the mode is keyed) must not be handed those buffers (no copy outside inference mode may
@@ -289,6 +294,7 @@ def test_pool_handle_kept_while_a_block_holds_graphs(fake_cuda, seed):
 # ---------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.slow
 def test_kv_cache_flex_grad_training_and_thread_refusals_are_counted_and_exact(fake_cuda, seed):
     model, twin = _pair(_seed(seed))
     report = qwen_absorb.patch(model, cuda_graph=True)
@@ -310,6 +316,7 @@ def test_kv_cache_flex_grad_training_and_thread_refusals_are_counted_and_exact(f
     assert torch.equal(_call(model, inp), run(twin, inp)) and report.cuda_graph["captures"] == 3
 
 
+@pytest.mark.slow
 def test_flex_block_mask_is_refused(fake_cuda, seed):
     model, twin = _pair(_seed(seed), layers=2, flex=True)
     report = qwen_absorb.patch(model, cuda_graph=True)
@@ -320,6 +327,7 @@ def test_flex_block_mask_is_refused(fake_cuda, seed):
     assert report.runtime_fallbacks[PREFIX + "unsupported argument type"] == 4
 
 
+@pytest.mark.slow
 def test_hooks_on_the_block_its_submodules_and_the_transformer(fake_cuda, seed):
     """A torch hook on the block itself runs outside its graph (replays go on, the hook sees and may edit the
     output); one on a submodule runs inside (that block runs eager); a diffusers hook on the block, or an
@@ -360,6 +368,7 @@ def test_hooks_on_the_block_its_submodules_and_the_transformer(fake_cuda, seed):
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
 
 
+@pytest.mark.slow
 def test_a_cache_enabled_on_the_transformer_refuses_the_blocks(fake_cuda, seed):
     """diffusers' enable_cache (TaylorSeer hooks every attn): the transformer's cache config refuses every block
     call (and drops the graphs), bit-identical to the unpatched model with the same cache; graphs come back after
@@ -390,6 +399,7 @@ def test_a_cache_enabled_on_the_transformer_refuses_the_blocks(fake_cuda, seed):
 # ---------------------------------------------------------------------------- the fingerprint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["load_state_dict", "load_state_dict(assign=True)", "processor", "param.data"])
 def test_a_change_drops_the_graphs_and_stays_exact(fake_cuda, change, seed):
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor

@@ -104,6 +104,7 @@ def test_compare_outputs_qwenimage21_tiny(tmp_path):
     assert w >= 3 * 64 and h > 64
 
 
+@pytest.mark.slow
 def test_compare_outputs_qwenimage21_modelopt_fp8(tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
     mod = _load_compare_module()
@@ -251,6 +252,7 @@ def test_compare_outputs_exits_nonzero_on_exception(tmp_path, monkeypatch):
 # exit status; the rest call main() in-process (an interpreter start costs seconds on a 2-core runner).
 
 
+@pytest.mark.slow
 def test_compare_outputs_bad_argument_exits_2(tmp_path):
     out = tmp_path / "out"
     p = _run("compare_outputs.py", "--steps", "0", "--out", str(out))
@@ -435,6 +437,7 @@ def _recording_patch(seen: dict, real_patch):
     return patch
 
 
+@pytest.mark.slow
 def test_compare_outputs_patch_switches_passed_only_when_set(tmp_path, monkeypatch):
     mod = _load_compare_module()
     default, switched = {}, {}
@@ -511,6 +514,7 @@ def test_benchmark_tiny_smoke(tmp_path):
 TINY_ONE = ["--tiny", "--quant", "none", "--resolutions", "64", "--warmup", "0", "--iters", "1"]
 
 
+@pytest.mark.slow
 def test_benchmark_bad_argument_exits_2(tmp_path):
     p = _run("benchmark.py", "--tiny", "--iters", "0", "--out-dir", str(tmp_path / "out"))  # the old name works
     assert p.returncode == 2, _explain(p)

@@ -77,7 +77,8 @@ def test_refused_at_first_gpu_call_warns_once_with_the_reason(monkeypatch, seed,
     with caplog.at_level(logging.INFO, logger="qwen_absorb"):
         for k in (kw, kw2, kw):
             T.run_transformer(model, k)
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "CUDA graphs cannot be used" in r.getMessage()]
+    warned = [r for r in caplog.records
+              if r.levelno == logging.WARNING and "CUDA graphs cannot be used" in r.getMessage()]
     assert len(warned) == 1 and "forward hook on a submodule" in warned[0].getMessage()
     assert report.graph_fallbacks == collections.Counter({"cuda_graph: forward hook on a submodule": 3})
     assert report.cuda_graph["replays"] == 0

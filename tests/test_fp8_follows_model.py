@@ -79,6 +79,7 @@ def _same_after(action, seed, patch_kwargs=REAL, check_real=True):
 # ---------------------------------------------------------------------------- stale state
 
 
+@pytest.mark.slow
 def test_load_state_dict_of_another_checkpoint(seed):
     other, _ = _fp8(seed + 7)
     sd = other.state_dict()
@@ -87,6 +88,7 @@ def test_load_state_dict_of_another_checkpoint(seed):
     assert report.rebuilds and not report.runtime_fallbacks.get(HOOK_FALLBACK)
 
 
+@pytest.mark.slow
 def test_load_state_dict_assign(seed):
     other, _ = _fp8(seed + 7)
     sd = {k: v.clone() for k, v in other.state_dict().items()}
@@ -106,6 +108,7 @@ def _cast(inp, dtype):
     return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inp.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("move", ["half", "float"])
 def test_dtype_move_after_patching(seed, move):
     model, inp = _fp8(seed)
@@ -167,6 +170,7 @@ def test_patch_again_after_a_change_is_current(seed):
 # ---------------------------------------------------------------------------- LoRA
 
 
+@pytest.mark.slow
 def test_lora_runs_on_the_fp8_path(seed):
     import modelopt.torch.quantization as mtq
 
@@ -191,6 +195,7 @@ def test_lora_runs_on_the_fp8_path(seed):
     assert not any("original diffusers forward" in r for r in report.runtime_fallbacks), report.runtime_fallbacks
 
 
+@pytest.mark.slow
 def test_lora_scale_and_adapter_weights_are_read_per_call(seed):
     model, inp = _fp8(seed)
     _add_lora(model, seed, "a")
@@ -211,6 +216,7 @@ def test_lora_scale_and_adapter_weights_are_read_per_call(seed):
     assert _rel(outs[1.0], outs[0.3]) > 1e-3
 
 
+@pytest.mark.slow
 def test_fused_lora_is_rebuilt_from_the_merged_weight(seed):
     model, inp = _fp8(seed)
     _add_lora(model, seed)
@@ -229,6 +235,7 @@ def test_fused_lora_is_rebuilt_from_the_merged_weight(seed):
     assert torch.equal(T.run_transformer(model, inp), T.run_transformer(twin, inp))
 
 
+@pytest.mark.slow
 def test_lora_lifecycle_through_the_pipeline(seed):
     pipe = T.tiny_pipeline(seed=seed, dtype=torch.bfloat16)
     inp = T.transformer_inputs(pipe.transformer, seed=seed + 1)
@@ -305,6 +312,7 @@ def test_unsupported_lora_kinds_say_why(seed):
 DEFERRED = {"defer_bias": True, "fp8_gemm": False, "capabilities": {"cpu"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,kwargs", [("img_norm1", REAL), ("attn.to_q", REAL), ("img_mlp.net.2", REAL),
                                           ("attn.to_out.0", DEFERRED), ("img_mlp.net.2", DEFERRED)])
 def test_user_hooks_run_and_see_unpatched_values(seed, where, kwargs):
@@ -498,6 +506,7 @@ def _mm_counts(model, inp) -> collections.Counter:
     return counts
 
 
+@pytest.mark.slow
 def test_shared_lora_a_products_are_the_separate_ones(seed, monkeypatch):
     """q/k/v of a stream take their lora_A products from one GEMM over the concatenated A weights: bit for bit
     the per-linear GEMMs (CPU), 10 fewer matmuls per block with two adapters, and the live weights after
@@ -605,6 +614,7 @@ def test_fp8_linear_into_a_view_is_fp8_linear(seed, shared):
     assert _rel(want, base) > 1e-3  # the branch is there
 
 
+@pytest.mark.slow
 def test_layers_without_active_branches_hand_over_nothing(seed):
     """A LoRA layer whose adapters are disabled or merged has no branch to feed: no producer hands its activation
     over (the GELU output for net[2] included) and nothing is computed for it; enabling or unmerging decides again

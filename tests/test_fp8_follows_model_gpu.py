@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import projection
 from qwen_absorb import testing as T
 from qwen_absorb.ops import _runtime, lora_add, lora_fold
 

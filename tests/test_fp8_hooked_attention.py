@@ -74,6 +74,7 @@ def _gated_objects(model):
             for f in p.rt.attn_fwds.values()]
 
 
+@pytest.mark.slow
 def test_hooked_attention_bit_identical_and_real_fp8(seed, monkeypatch):
     model, inp = _fp8(seed)
     report = qwen_absorb.patch(model, **REAL)
@@ -103,6 +104,7 @@ def test_hooked_attention_bit_identical_and_real_fp8(seed, monkeypatch):
     assert all(f.weight is None for f in _gated_objects(model))
 
 
+@pytest.mark.slow
 def test_hooks_on_attention_and_linears_apply(seed, monkeypatch):
     model, inp = _fp8(seed)
     twin = copy.deepcopy(model)
@@ -187,6 +189,7 @@ def _cached(model, steps, spy=None):
     return outs, counts
 
 
+@pytest.mark.slow
 def test_taylorseer_cache(seed, monkeypatch):
     """A TaylorSeer hook alone on ``attn`` is run by the block around its own attention (qwen_absorb.taylorseer):
     no gated forward, every attention linear a real FP8 GEMM on compute steps, none on predict steps."""

@@ -32,6 +32,7 @@ def _refusals(report, needle: str) -> int:
     return sum(n for r, n in report.runtime_fallbacks.items() if needle in r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 def test_taken_on_the_transformer_loop_and_bit_identical(dtype, zero_cond_t):

@@ -102,6 +102,7 @@ def test_mto_save_restore_is_bit_identical(saved, tmp_path):
     assert torch.equal(T.run_transformer(model, inputs), y)  # saving changed nothing
 
 
+@pytest.mark.slow
 def test_hf_export_loads_back_bit_identical_and_patches(saved, tmp_path):
     import qwen_absorb
     from safetensors.torch import load_file
@@ -163,6 +164,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")  # as `python examples/quantize
 """
 
 
+@pytest.mark.slow
 def test_model_freed_after_first_modelopt_import_and_example_exits_0(tmp_path):
     """One fresh interpreter (an interpreter start costs seconds on a 2-core runner) does two things:
 

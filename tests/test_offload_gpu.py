@@ -161,13 +161,12 @@ def test_offload_modes_on_a_pipeline(mode, kind):
     out2 = _run(pipe)  # the second run: graphs (model offload) are captured by now and replay
     print(f"{mode} {kind}: rel {_rel(out, want):.5f}, graphs {report.cuda_graph}, "
           f"fallbacks {dict(report.graph_fallbacks)}")
-    if kind == "fp8":
+    if kind == "fp8":  # against fake quantization in the same mode: close
         assert _rel(out, want) < 0.05
-        resident = _pipe(copy.deepcopy(t)).to(DEV)
-        qwen_absorb.patch(resident, cuda_graph=False)
-        ref = _run(resident)
-        assert _rel(out, ref) < 0.02  # the same FP8 GEMMs (leaf offloading: some run as ModelOpt's modules)
-        if mode in ("model", "group_block"):
+        if mode in ("model", "group_block"):  # the same FP8 GEMMs as resident (leaf offloading: ModelOpt's modules)
+            resident = _pipe(copy.deepcopy(t)).to(DEV)
+            qwen_absorb.patch(resident, cuda_graph=False)
+            ref = _run(resident)
             assert torch.equal(out, ref) and torch.equal(out2, ref)
     else:
         assert torch.equal(out, want) and torch.equal(out2, want)

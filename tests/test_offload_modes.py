@@ -170,5 +170,6 @@ def test_modes_that_stream_or_recast_weights_refuse_graphs_with_a_reason(monkeyp
     assert report.cuda_graph["replays"] == 0 and report.cuda_graph["captures"] == 0
     want = "offloading hook" if mode.startswith("group") else "layerwise casting hook"
     assert sum(n for r, n in report.graph_fallbacks.items() if want in r) == 6, report.graph_fallbacks
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "CUDA graphs cannot be used" in r.getMessage()]
+    warned = [r for r in caplog.records
+              if r.levelno == logging.WARNING and "CUDA graphs cannot be used" in r.getMessage()]
     assert len(warned) == 1 and want in warned[0].getMessage()

@@ -48,7 +48,7 @@ def _gloo_reason() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_gloo_reason() is not None, reason=str(_gloo_reason()))
+pytestmark = [pytest.mark.skipif(_gloo_reason() is not None, reason=str(_gloo_reason())), pytest.mark.slow]
 
 TP_AAC_REASON = (
     "issue 12: under diffusers 0.42.1 TP the row-wise projections (attn.to_out.0, attn.to_add_out, "

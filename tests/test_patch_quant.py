@@ -81,6 +81,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,dtype,zero_cond_t", CASES)
 def test_quantized_patch_exact_then_deferred(kind, dtype, zero_cond_t, seed):
     model = _quantized(kind, dtype, zero_cond_t, seed)

@@ -57,6 +57,7 @@ def test_tiny_pipeline_has_no_text_encoder_or_processor(seed):
         pipe(prompt="a fox", num_inference_steps=1, height=SIDE, width=SIDE, output_type="latent")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_kv_cache", [True, False])
 @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])

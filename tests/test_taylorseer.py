@@ -117,6 +117,7 @@ def test_plan_runs_a_taylorseer_hook_itself(seed):
     assert not any(p.attn_cache for p in _plans(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [
     dict(cache_interval=2, disable_cache_before_step=1),
     dict(cache_interval=3, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32),
@@ -142,6 +143,7 @@ def test_eager_block_run_matches_the_hooked_module(seed, monkeypatch, cfg):
     assert not all(torch.equal(a, b) for a, b in zip(got, got[2:]))  # fresh inputs: a stale output would show
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_order,fdtype", [(1, torch.bfloat16), (2, torch.float32)])
 def test_graph_steps_match_diffusers_own_path(seed, max_order, fdtype):
     model = _fp8(seed)
@@ -171,6 +173,7 @@ def test_graph_steps_match_diffusers_own_path(seed, max_order, fdtype):
                        for b in model.transformer_blocks]  # the same factors across pipeline calls
 
 
+@pytest.mark.slow
 def test_graph_steps_adopt_factors_of_eager_calls(seed):
     """Calls the runner left eager (diffusers' own update made new tensors) are copied into the kept factors
     before a step reads them."""
@@ -316,6 +319,7 @@ def _graph_loop(model, steps, neg, runs=2):
     return outs
 
 
+@pytest.mark.slow
 def test_graph_runner_replays_cache_steps(fake_cuda, monkeypatch, seed):
     """Graph mode with the cache (CPU stand-ins for graphs, steps on diffusers' expressions): every call of a
     second pipeline run replays, predict and compute steps alike, and every output equals the same cache run
@@ -347,6 +351,7 @@ def test_graph_runner_replays_cache_steps(fake_cuda, monkeypatch, seed):
     assert all(taylorseer._record(h, n) is None for h in hooks for n in ("cond", "uncond"))
 
 
+@pytest.mark.slow
 def test_graph_runner_refusals_under_caches(fake_cuda, monkeypatch, seed):
     """Without the step kernels (the CPU) a TaylorSeer cache runs eager, with the reason; a cache the blocks do
     not run (FirstBlockCache: decides on the host from tensor values) is refused as before; both exact."""
@@ -372,6 +377,7 @@ def test_graph_runner_refusals_under_caches(fake_cuda, monkeypatch, seed):
     assert report.cuda_graph["replays"] == 0
 
 
+@pytest.mark.slow
 def test_a_raising_call_leaves_the_states_as_diffusers_does(fake_cuda, monkeypatch, seed):
     """A forward that raises inside a block (a user's KeyboardInterrupt, an OOM) in graph mode: the runner decided
     every hook's step (advancing its counter) before the call, so it must leave each state as diffusers' own hooks

@@ -104,6 +104,7 @@ def test_lora_on_modulation_unloaded_after_a_call(seed):
     assert report.summary["fp8_gemm_linears"] == 14 * LAYERS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call_between", [True, False], ids=["call-between", "no-call-between"])
 def test_modulation_lora_lifecycle(seed, call_between):
     model, inp = _fp8(seed)

@@ -46,6 +46,7 @@ def test_bf16_within_the_fidelity_gate(seed):
     assert vae._decode.report.fast_calls == 1  # fidelity() measured the 2-D path, not a fallback
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_fallbacks_run_diffusers_decode(seed):
     vae = testing.tiny_vae(seed=seed % 1000)

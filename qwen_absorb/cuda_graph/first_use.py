@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +27,7 @@ from .attach import under_model_offload, install
 from .runner import GraphedCall
 
 log = logging.getLogger("qwen_absorb")
+_DECIDING = threading.Lock()  # two threads' first calls on a GPU: one installs the runner, both use it
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
@@ -70,9 +72,11 @@ class FirstUse:
         dev = _device_of(args, kwargs)
         if dev is None or dev.type not in settings.GRAPH_DEVICE_TYPES or torch.compiler.is_compiling():
             return self._inner(*args, **kwargs)
-        self._take_out()
-        self.runner = install(self._transformer, **self._options, warn_first=True)
-        log.info("CUDA graphs for %s decided at its first call on %s", type(self._transformer).__name__, dev)
+        with _DECIDING:
+            if self.runner is None:
+                self._take_out()
+                self.runner = install(self._transformer, **self._options, warn_first=True)
+                log.info("CUDA graphs for %s decided at its first call on %s", type(self._transformer).__name__, dev)
         return self.runner(*args, **kwargs)
 
     def _take_out(self) -> None:
