@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, ffn, fp8_forward, handoff, host_originals, lora, taylorseer
+from . import attention, compile_boundary, ffn, fp8_forward, handoff, host_originals, lora, quant, taylorseer
 from .ops import _validate, lane
 from .ops._modulation import expand_param
 from .ops._validate import param_rows as _rows
@@ -105,8 +105,8 @@ def _unpatched(block, hs, *args):
     """diffusers' forward, after the text lane's work (a previous block's hand-off to this one, which diffusers'
     forward does not take) is waited for: it reads ``encoder_hidden_states`` on this stream."""
     lane.settle(hs.device, "txt")
-    with host_originals.onloaded(block, hs.device):  # original weights the patch keeps on the host
-        return _original(block, hs, *args)
+    with host_originals.onloaded(block, hs.device), quant.swaps_undone_on_error(block._modules.get("attn")):
+        return _original(block, hs, *args)  # (host_originals: original weights the patch keeps on the host)
 
 
 def patched_forward(

@@ -250,6 +250,10 @@ def _structure_refusals(block: nn.Module, path: str) -> list[str]:
 def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     """(Re)make every decision of ``plan`` for ``block`` running on ``device``, rebuild the derived
     state (reusing FP8 weights whose inputs did not change) and take a new watch (Qwen-Image-2.1: :func:`_decide21`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        # a tensor's device always carries its index: "cuda" alone would never equal it (decided again per call)
+        device = torch.device("cuda", torch.cuda.current_device())
     if family_of(block) is QWENIMAGE21:
         return _decide21(plan, block, device)
     o = plan.options

@@ -9,7 +9,9 @@ when it carries a ModelOpt quantizer object, which is true however it was made: 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -435,7 +437,21 @@ def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], l
     return switches, tensors
 
 
-__all__ = [
+@contextlib.contextmanager
+def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
+    """ModelOpt's quantized modules swap functions process-wide for their forward (``QuantAttention``: torch.bmm,
+    torch.baddbmm, F.scaled_dot_product_attention) with ``replace_function``, which has no try/finally: an exception
+    raised inside (diffusers' ValueError on an attention_mask) leaves them swapped for the whole process. Put back."""
+    saved = [(p, n, getattr(p, n)) for p, n, *_ in getattr(module, "functionals_to_replace", None) or ()]
+    try:
+        yield
+    except BaseException:
+        for p, n, f in saved:
+            setattr(p, n, f)
+        raise
+
+
+__all__ = ["swaps_undone_on_error", 
     "FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
     "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection", "is_modelopt_quantizer",
     "make_fp8_weight", "norm_input_fp8", "quant_input_norm_ok", "quantizer_enabled", "quantizer_format", "watch_pairs",

@@ -123,6 +123,7 @@ def test_compiled_blocks_honour_a_hook_added_after_compiling(seed):
     assert torch.equal(out, want) and seen == {"patched": 1, "twin": 1}
 
 
+@pytest.mark.slow
 def test_unpatch_after_compiling_runs_diffusers(seed):
     model, inp = _model(seed)
     ref = T.run_transformer(model, inp)
@@ -133,6 +134,7 @@ def test_unpatch_after_compiling_runs_diffusers(seed):
     assert torch.equal(T.run_transformer(model, inp), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [False, True])
 def test_traced_modes_do_not_use_the_op(seed, mode, op_calls):
     model, inp = _model(seed)

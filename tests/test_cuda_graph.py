@@ -724,6 +724,7 @@ def _gcall(runner, model, kw):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 @pytest.mark.parametrize("patched", [False, True])
 def test_capture_plumbing_with_fake_graphs(fake_cuda, zero_cond_t, patched, seed, caplog):
@@ -768,6 +769,7 @@ def test_capture_plumbing_with_fake_graphs(fake_cuda, zero_cond_t, patched, seed
     assert "forward" not in model.__dict__ and d["graphs"] == 0
 
 
+@pytest.mark.slow
 def test_capture_plumbing_lru_and_failure(fake_cuda, seed, caplog):
     import logging
 
@@ -798,6 +800,7 @@ def test_capture_plumbing_lru_and_failure(fake_cuda, seed, caplog):
     assert torch.tensor.__module__ != __name__ and "wrapper" not in getattr(torch.tensor, "__qualname__", "")
 
 
+@pytest.mark.slow
 def test_capture_plumbing_unstable_model(fake_cuda, seed):
     """Something that changes the model between every two calls: each graph is dropped before it ever replays;
     after a few the runner stops capturing (eager, counted) until invalidate()."""
@@ -1179,6 +1182,7 @@ def _graphed_once(runner, model, twin, kw) -> int:
     return id(entry.graph)
 
 
+@pytest.mark.slow
 def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed):
     """Scan.moved runs before a replay is launched (memory the graph reads may be gone: never launched), Scan.stale
     after it (the launched replay is discarded, the call runs eager): each kind of change, outputs always the

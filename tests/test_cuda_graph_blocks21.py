@@ -431,6 +431,7 @@ def test_a_change_drops_the_graphs_and_stays_exact(fake_cuda, change, seed):
     assert d["discarded_replays"] == {"load_state_dict": 3, "processor": 1}.get(change, 0), d
 
 
+@pytest.mark.slow
 def test_real_fp8_blocks_replay_exactly_and_a_quantizer_switch_drops(fake_cuda, seed):
     pytest.importorskip("modelopt")
     from qwen_absorb import testing as T

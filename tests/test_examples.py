@@ -135,6 +135,7 @@ def test_compare_outputs_qwenimage21_refuses_what_does_not_apply(tmp_path, monke
     assert not (tmp_path / "out").exists()  # refused before anything, the output folder included
 
 
+@pytest.mark.slow
 def test_compare_outputs_qwenimage21_refused_option_exits_2(tmp_path):
     """The real exit status of a refused option, as a user sees it."""
     p = _run("compare_outputs.py", "--family", "qwenimage21", "--quant", "nvfp4", "--out", str(tmp_path / "out"))

@@ -362,6 +362,7 @@ def test_blocks_replaced_appended_and_copied(seed):
     assert torch.equal(T.run_transformer(model, inp), ref)
 
 
+@pytest.mark.slow
 def test_a_kept_report_pins_nothing(seed):
     model, inp = _fp8(seed)
     _add_lora(model, seed)

@@ -142,6 +142,7 @@ def test_hooks_on_attention_and_linears_apply(seed, monkeypatch):
     assert twin.transformer_blocks[0].__dict__[PLAN_ATTR].attn_forwards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["grad", "global hook"])
 def test_whole_block_fallbacks_stay_fake_quant(seed, monkeypatch, how):
     model, inp = _fp8(seed)
@@ -232,6 +233,7 @@ def test_taylorseer_cache(seed, monkeypatch):
     assert torch.equal(T.run_transformer(model, steps[2]), want[2]) and not spy.gated
 
 
+@pytest.mark.slow
 def test_unpatch_and_copies(seed, monkeypatch):
     model, inp = _fp8(seed)
     twin = copy.deepcopy(model)

@@ -102,6 +102,7 @@ def test_model_moved_to_a_gpu_keeps_originals_on_host(fake_gpu, seed):
     assert not _intercepted(model)
 
 
+@pytest.mark.slow
 def test_unpatch_restores_the_exact_model(fake_gpu, seed):
     model, kw = _fp8(seed)
     twin = copy.deepcopy(model)
@@ -115,6 +116,7 @@ def test_unpatch_restores_the_exact_model(fake_gpu, seed):
     assert torch.equal(T.run_transformer(model, kw), want)
 
 
+@pytest.mark.slow
 def test_compressed_model_is_not_duplicated(fake_gpu, seed):
     """``mtq.compress``: the FP8 codes the GEMMs read are the module's own storage; nothing is kept twice and
     nothing moves."""

@@ -87,6 +87,7 @@ def test_nvfp4_export_layout_is_nvidias(nvfp4_export):
     assert hf_export.read_quant_algo(folder) == "NVFP4"
 
 
+@pytest.mark.slow
 def test_nvfp4_export_loads_with_modelopt_nvfp4_quantizers_and_computes_the_exported_model(nvfp4_export):
     folder, inputs, y, names = nvfp4_export
     loaded = recipe.load_hf_export(folder)  # byte checks inside: codes and block scales
@@ -192,6 +193,7 @@ def test_compress_is_refused_for_nvfp4(nvfp4_export):
         hf_export.load_hf_export(nvfp4_export[0], compress=True)
 
 
+@pytest.mark.slow
 def test_export_code_mismatches_predicts_the_nan_codes_of_an_all_zero_weight(tmp_path):
     model = T.tiny_transformer(num_layers=6, dtype=torch.bfloat16)
     inputs = T.transformer_inputs(model)

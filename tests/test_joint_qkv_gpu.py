@@ -27,9 +27,9 @@ def spy(monkeypatch):
     n = {"qk_joint": 0, "qk": 0, "v_into": 0}
     qkr, into = attention.qkr_launch, attention.fp8_linear_into
 
-    def qk(xs, w, f, eps, outs=None):
+    def qk(xs, w, f, eps, outs=None, **kw):
         n["qk_joint" if outs is not None else "qk"] += 1
-        return qkr(xs, w, f, eps, outs)
+        return qkr(xs, w, f, eps, outs, **kw)
 
     def v(*a, **k):
         n["v_into"] += 1

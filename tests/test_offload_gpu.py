@@ -170,11 +170,9 @@ def test_offload_modes_on_a_pipeline(mode, kind):
             assert torch.equal(out, ref) and torch.equal(out2, ref)
     else:
         assert torch.equal(out, want) and torch.equal(out2, want)
-    if mode == "model":
-        assert report.cuda_graph["replays"] > 0, (report.cuda_graph, report.graph_fallbacks)
-        assert isinstance(pipe.transformer.__dict__.get("_old_forward"), CG.GraphedCall)
-    else:
-        assert report.cuda_graph["replays"] == 0 and report.graph_fallbacks
+    # every offload mode refuses graphs with its reason (model offload too: replays inside accelerate's hook
+    # were not eager's output here in round 25)
+    assert report.cuda_graph["replays"] == 0 and report.graph_fallbacks
     qwen_absorb.unpatch(pipe)
 
 

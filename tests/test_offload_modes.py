@@ -3,7 +3,7 @@
 Each pipeline runs patched against an unpatched twin in the same mode (accelerate's and diffusers' hooks take
 the CPU as their execution device), for a bf16 transformer and a ModelOpt FP8 one (real FP8 GEMMs on the CPU:
 ``capabilities={"cpu"}``). With the CUDA-graph fakes (tests/cuda_graph_fakes.py) the CPU is a graph device:
-model offload replays graphs, group offloading (weights streamed during the call) is refused with its reason.
+model offload, group offloading (weights streamed during the call) is refused with its reason.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ def test_offload_mode_matches_the_unpatched_pipeline(kind, mode, patch_first, se
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_model_offload_replays_graphs(monkeypatch, kind, seed):
-    """Against the same pipeline patched, eager, with model offload."""
+def test_model_offload_refuses_graphs_and_runs_the_blocks_fused(monkeypatch, kind, seed):
+    """Against the same pipeline patched, eager, with model offload. Graphs inside accelerate's whole-model
+    hook gave outputs other than eager's on the H200 (round 25), so that mode is refused with its reason."""
     t = _transformer(kind, seed)
     pipe, twin = _pipe(t, seed), _pipe(copy.deepcopy(t), seed)
     _model_offload(twin)
@@ -149,13 +150,10 @@ def test_model_offload_replays_graphs(monkeypatch, kind, seed):
     out = _run(pipe, seed, steps=4, arm=True)
     assert torch.equal(out, want)
     g = report.cuda_graph
-    # true CFG: two signatures (text lengths 7 and 5), each eager once, captured once, then replayed
-    assert g["captures"] == 2 and g["replays"] == 4, (g, report.graph_fallbacks)
-    assert isinstance(pipe.transformer.__dict__["_old_forward"], CG.GraphedCall)  # inside accelerate's hook
+    assert g["captures"] == 0 and g["replays"] == 0, (g, report.graph_fallbacks)
+    assert sum(n for r, n in report.graph_fallbacks.items() if "offloading hook" in r) == 8, report.graph_fallbacks
     _model_offload(pipe, enable=False)
-    out2 = _run(pipe, seed, steps=4, arm=True)  # the next run: diffusers put new hooks around the runner
-    assert torch.equal(out2, want)
-    assert report.cuda_graph["replays"] > 4, (report.cuda_graph["invalidations"], report.graph_fallbacks)
+    assert torch.equal(_run(pipe, seed, steps=4, arm=True), want)  # the next run: new hooks around the runner
 
 
 @pytest.mark.parametrize("mode", ["group_block", "group_leaf", "layerwise"])

@@ -67,6 +67,7 @@ def test_qwen_image_pipeline_same_images(seed):
     assert torch.equal(_run(pipe, seed + 2, **kw), ref)
 
 
+@pytest.mark.slow
 def test_edit_plus_zero_cond_t_same_images(seed, monkeypatch):
     # Edit-Plus encodes each condition image at ~1024^2 px: a minute on 2 CPU cores with the tiny
     # VAE. 64^2 px keeps the path (condition tokens, modulate_index) and takes a second.
@@ -91,6 +92,7 @@ def test_edit_plus_zero_cond_t_same_images(seed, monkeypatch):
     qwen_absorb.unpatch(pipe)
 
 
+@pytest.mark.slow
 def test_qwen_image_pipeline_quantized_deferred(seed):
     """FP8 transformer in a pipeline, deferral forced on CPU: images close to unpatched ones."""
     pipe = T.tiny_pipeline(seed=seed)

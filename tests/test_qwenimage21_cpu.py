@@ -255,6 +255,7 @@ def test_runner_without_causal_condition(dtype, seed):
     assert fallback_counts(decisions) == {} and all(d.rt.counter for d in decisions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,flex", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                         (torch.float32, True)])
 def test_runner_kv_cache_extract_then_cached(dtype, flex, seed):

@@ -303,6 +303,7 @@ def test_unpatch_restores_exactly():
 # ---------------------------------------------------------------------------- the KV cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flex", [False, True])
 def test_kv_cache_extract_then_cached(gemms, flex):
     model, inp, m32 = _models(11, flex=flex, cond=True)

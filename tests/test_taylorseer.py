@@ -191,6 +191,7 @@ def test_graph_steps_adopt_factors_of_eager_calls(seed):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.slow
 def test_step_keys_and_refusals(seed):
     model = _fp8(seed)
     qwen_absorb.patch(model, **REAL)

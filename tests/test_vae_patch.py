@@ -37,6 +37,7 @@ def test_fp32_matches_diffusers_and_unpatch_is_exact(seed):
     assert torch.equal(vae.decode(z).sample, ref)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_bf16_within_the_fidelity_gate(seed):
     vae = testing.tiny_vae(seed=seed % 1000, dtype=torch.bfloat16)
@@ -69,6 +70,7 @@ def test_fallbacks_run_diffusers_decode(seed):
     vae_room.unpatch(vae)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
 @torch.no_grad()
 def test_changed_weight_is_seen(seed, how):

@@ -41,7 +41,8 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
 
     The runner goes where the transformer's own forward is called from: its instance ``forward``, or, under
     accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``), that hook's ``_old_forward``, so the hook
-    has moved the model to its device before the runner looks at it (:func:`.fingerprint.model_offload_around`).
+    has moved the model to its device before the runner looks at it (the runner then refuses the hook's mode with
+    its reason: :func:`.fingerprint.root_reason`).
     Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
     """
     if max_graphs < 1:
