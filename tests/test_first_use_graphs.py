@@ -53,6 +53,7 @@ def test_patched_on_cpu_decides_at_first_gpu_call(monkeypatch, seed):
     assert isinstance(pending, CG.FirstUse) and pending.runner is None
     assert all(torch.equal(o, want) for o in _calls(model, kw, 3))
     assert not report.graph_fallbacks and report.cuda_graph["decided"] is False  # CPU calls: not counted
+    assert "CUDA graphs (cuda_graph='auto'): decided at the first call on a GPU" in str(report)
     assert model.__dict__["forward"] is pending
     cuda_graph_fakes.install(monkeypatch)  # the model now "sits on a GPU"
     outs = _calls(model, kw, 4)  # eager (first sight), capture, replays

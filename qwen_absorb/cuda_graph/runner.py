@@ -43,8 +43,6 @@ from .shared import Shared
 from .signature import Call, Refusal, patch_tuning, positional_names
 
 log = logging.getLogger("qwen_absorb")
-
-
 _MISS = object()  # _fast_replay: no replay served
 
 
