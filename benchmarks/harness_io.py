@@ -260,7 +260,7 @@ class Steps:
             fn()
         except Exception as e:  # noqa: BLE001 - recorded; the next step runs
             ok, self.failed = False, self.failed + 1
-            msg, tb = f"{type(e).__name__}: {e}", traceback.format_exc(limit=8)
+            msg, tb = f"{type(e).__name__}: {e}", traceback.format_exc(limit=-10)  # the innermost frames: where it raised
             log(f"ERROR in step {name}: {msg}\n{tb}")
             for d in self.docs:
                 d.d["errors"].append({"step": name, "error": msg, "traceback": tb})

@@ -1,15 +1,8 @@
 """qwen_absorb: fused CUDA kernels for diffusers' Qwen-Image transformer blocks.
 
-``qwen_absorb.patch(pipe)`` makes every ``QwenImageTransformerBlock`` (and Qwen-Image-2.1's
-``QwenImage21TransformerBlock``) run the fused ops of :mod:`qwen_absorb.ops`, ModelOpt FP8 linears (LoRA
-adapters included) as real FP8 GEMMs, and CUDA graphs on GPU models, and returns a :class:`PatchReport`;
-``qwen_absorb.unpatch(pipe)`` undoes it.
-
-Layering (imports only point down; ARCHITECTURE.md has the table): face ``patch``, ``report``,
-``cuda_graph``; orchestration ``block``; runners ``attention``, ``ffn``, ``handoff``, ``projection``,
-``qwenimage21``, ``fp8_forward``; decisions ``plan``, ``dependencies``, ``gating``, ``watch``; adapters, one foreign library each: ``quant`` and
-``modelopt_recipe`` (ModelOpt), ``lora`` (PEFT), ``parallel`` (torch.distributed), ``hooks`` (hook chains),
-``sites`` (diffusers' block layout and names); kernels ``ops`` (tensors only).
+``qwen_absorb.patch(pipe)`` runs every Qwen-Image (and Qwen-Image-2.1) block on the fused ops of
+:mod:`qwen_absorb.ops`, ModelOpt FP8 linears (LoRA included) as real FP8 GEMMs and GPU models from CUDA graphs,
+and returns a :class:`PatchReport`; ``qwen_absorb.unpatch(pipe)`` undoes it. ARCHITECTURE.md has the layering.
 """
 
 from . import ops

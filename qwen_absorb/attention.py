@@ -25,12 +25,11 @@ import torch
 from torch import nn
 
 from . import lora
+from . import site_runners as R
 from .ops import lane
-from .ops.fp8 import quantize_fp8_reference
 from .ops.qk_norm_rope import launch as qkr_launch
-from .ops.quantize_fp8 import launch as qf8_launch
-from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, run_module, tp_linear,
-                         tp_shard_for, wait, writes_into)
+from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, nvfp4_linear, run_module,
+                         tp_linear, tp_shard_for, wait, writes_into)
 from .sites import attention_functions
 
 
@@ -44,6 +43,8 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
     m = _module(attn, path)
     if lp.fp8_gemm:
         return fp8_linear(x, lp, plan, None, act, m, branches, defer)
+    if lp.nvfp4 is not None and not compiling:  # x: the NVFP4 fake quantization its producer emitted
+        return nvfp4_linear(x, lp)
     if not compiling:
         shard = tp_shard_for(plan, path, m, x)
         if shard is not None:
@@ -79,10 +80,11 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
 
 
 def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
-        use_kernels: bool, compiling: bool, txt_lane: bool = False):
+        mode: int, compiling: bool, txt_lane: bool = False):
     """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the
     e4m3 codes where norm1 emitted them for FP8 q/k/v (with the modulated tensor beside them where a
-    LoRA branch reads it, else None), or ``(modulated tensor, None)``.
+    LoRA branch reads it, else None), or ``(modulated tensor, None)``. ``mode``: the plan's (references under
+    ``torch.compile``) for the q/k kernel and the output quantization.
 
     ``txt_lane``: the text stream's q/k/v and output projection run on :mod:`qwen_absorb.ops.lane`'s ``"txt"``
     lane (the caller decided it may: a CUDA-graph capture on kernels): q/k/v forked from the caller's stream
@@ -103,7 +105,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     # B = 1 on kernels: q/k (the qk kernel) and v (FP8 GEMMs) are written straight into the joint
     # [text, image] tensors the attention reads, instead of concatenated after (three copies per block)
     # Tuning(joint_outputs=False): q/k/v concatenated after the fact (diffusers' order; the GPU tests compare both)
-    joint = (plan.options.tuning.joint_outputs and use_kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
+    kernels = mode == R.KERNEL
+    joint = (plan.options.tuning.joint_outputs and kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
              and plan.qk_fused and image_rotary_emb is not None)
     jv = None
     if joint and all(writes_into(plan.linears[p]) for p in (QKV_IMG[2], QKV_TXT[2])):
@@ -138,7 +141,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
     joint_q = joint_k = None
-    if plan.qk_fused and use_kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
+    if plan.qk_fused and kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         img_freqs, txt_freqs = image_rotary_emb
         outs = None
         if joint:
@@ -164,12 +167,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     out = out.to(joint_q.dtype)  # [B, S, H, D]
     img_lp, txt_lp = plan.linears["attn.to_out.0"], plan.linears["attn.to_add_out"]
     if img_lp.fp8_gemm and txt_lp.fp8_gemm:
-        if use_kernels:
-            txt_codes, img_codes, _ = qf8_launch(out, seq_txt, txt_lp.weight.input_amax, img_lp.weight.input_amax)
-        else:
-            flat = out.flatten(2, 3)
-            txt_codes = quantize_fp8_reference(flat[:, :seq_txt], txt_lp.weight.input_amax)
-            img_codes = quantize_fp8_reference(flat[:, seq_txt:], img_lp.weight.input_amax)
+        txt_codes, img_codes = R.quantize_fp8_split(mode, out, seq_txt, txt_lp.weight.input_amax,
+                                                    img_lp.weight.input_amax)
         flat = out.flatten(2, 3)
         with lane.region(dev, "txt", reads=(out, txt_codes), on=txt_lane):  # forked: it reads the quantized output
             txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
@@ -177,8 +176,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     else:
         flat = out.flatten(2, 3)
         with lane.region(dev, "txt", reads=(out,), on=txt_lane):
-            txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], use_kernels, compiling, works)
-        img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], use_kernels, compiling, works)
+            txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], mode, compiling, works)
+        img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], mode, compiling, works)
     wait(works)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)  # dropout, as diffusers
@@ -224,12 +223,11 @@ def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
     return img_q, img_k, txt_q, txt_k
 
 
-def _out_projection(attn, plan, path, x, use_kernels, compiling, works):
+def _out_projection(attn, plan, path, x, mode, compiling, works):
     lp = plan.linears[path]
+    if lp.nvfp4 is not None and not compiling:
+        return nvfp4_linear(R.quantize_nvfp4(mode, x.contiguous(), lp.nvfp4.input_amax32()), lp)
     if not lp.fp8_gemm:
         return _linear(attn, plan, path, x.contiguous(), None, compiling, works)
-    if use_kernels:
-        codes = qf8_launch(x, 0, None, lp.weight.input_amax)[1]
-    else:
-        codes = quantize_fp8_reference(x, lp.weight.input_amax)
+    codes = R.quantize_fp8(mode, x, lp.weight.input_amax)[0]
     return fp8_linear(codes, lp, plan, works, x, _module(attn, path))

@@ -1,18 +1,11 @@
-"""The attention of a patched Qwen-Image-2.1 block, with its q/k RMSNorm + RoPE as one kernel launch.
+"""The attention of a patched Qwen-Image-2.1 block, its q/k RMSNorm + RoPE as one kernel launch.
 
-diffusers' default processor, ``QwenImage21AttnProcessor`` (``_qwenimage21_prepare_qkv`` then the
-segment prefill or the decode), step for step: q/k/v called as the block's linears (their hooks, LoRA
-refusals and real-FP8 forwards run, so norm1's handed e4m3 codes are taken as before), the prefix KV
-cache stored or read exactly where diffusers does, one ``dispatch_attention_fn`` call per prefix
-segment and one for the target rows, ``to_out``. The only change: ``norm_q`` / ``norm_k`` and both
-``apply_rotary_emb_qwen`` calls (about 22 eager kernels through fp32 temporaries per block) are one
-``qk_norm_rope`` launch over q and k, bit-identical to the chain where the device's fp32 variance
-order is the kernel's (:func:`qwen_absorb.ops.qk_norm_rope.probe_variance_order`); elsewhere, and on
-the torch references, the chain runs through the norm modules themselves.
-
-The block runs this only where :func:`reasons` found nothing at decision time and :func:`call_ok`
-finds nothing for the call (the processor, norms and attention module unchanged and unhooked);
-otherwise it calls ``block.attn(...)`` as diffusers does. The flex processor always runs as itself.
+diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v called as the block's linears, so their hooks and
+real-FP8 forwards run; the prefix KV cache stored or read where diffusers does; one ``dispatch_attention_fn`` per
+prefix segment and one for the target rows; ``to_out``), except ``norm_q`` / ``norm_k`` and both RoPE calls
+(~22 eager kernels per block) as one ``qk_norm_rope`` launch, bit-identical where the device's fp32 variance
+order is the kernel's (``probe_variance_order``). Used only where :func:`reasons` and, per call, :func:`call_ok`
+find nothing; else ``block.attn(...)`` runs as in diffusers (the flex processor always).
 """
 
 from __future__ import annotations
@@ -32,8 +25,8 @@ LINEARS = ("to_q", "to_k", "to_v")
 
 
 class QkPlan(NamedTuple):
-    """What :func:`reasons` decided: the kernel may run (``kernel``), with the norms' eps and the row count
-    from which PyTorch's variance order is the kernel's; ``why_not``: readable reasons it may not."""
+    """What :func:`reasons` decided: the kernel may run, the norms' eps, the row count from which PyTorch's
+    variance order is the kernel's, and why not."""
 
     kernel: bool
     eps: tuple[float, float]
@@ -99,8 +92,8 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
 
 
 def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
-    """Per-call conditions of the q/k kernel: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)``
-    is then the identity), complex64 rope of q's length on its device, enough rows for the probed order."""
+    """Per call: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)`` is then the identity), complex64
+    rope of q's length on its device, enough rows for the probed order."""
     w = attn.norm_q.weight
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
         return False
@@ -115,9 +108,8 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
         rotary_emb: torch.Tensor | None, layer_cache: Any, kv_cache_mode: str | None,
         cache_write_slice: slice | None, segments: list | None, key_valid: torch.Tensor | None,
         qkv: Any = None, codes: torch.Tensor | None = None) -> torch.Tensor:
-    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit; returns the attention output. ``plan``:
-    the block's (``qk_fused``, ``qk_eps``, ``qk_min_rows``). ``qkv`` / ``codes``: the real-FP8 forwards of to_q, to_k
-    and to_v, run as their GEMMs from ``codes`` (the e4m3 codes of ``hidden_states``), else the linears are called."""
+    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit. ``qkv`` / ``codes``: to_q/k/v's
+    real-FP8 forwards run as GEMMs from the e4m3 codes of ``hidden_states``; else the linears are called."""
     dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
     if codes is not None:
         query, key, value = (f.gemm(codes) for f in qkv)

@@ -30,20 +30,12 @@ import torch
 from torch import nn
 
 from . import attention, compile_boundary, ffn, fp8_forward, handoff, host_originals, lora, quant, taylorseer
+from . import site_runners as R
 from .ops import _validate, lane
 from .ops._modulation import expand_param
-from .ops._validate import param_rows as _rows
-from .ops.bias_gate_residual import bias_gate_residual_reference
-from .ops.bias_gate_residual import launch as bgr_launch
-from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
-from .ops.bias_residual_layer_norm_scale_shift import launch as brln_launch
-from .ops.fp8 import quantize_fp8_reference
-from .ops.layer_norm_scale_shift import launch as lnss_launch
-from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
-from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import is_dtensor, local_view
 from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide
-from .projection import fp8_linear, run_module, wait
+from .projection import fp8_linear, nvfp4_linear, run_module, wait
 from .sites import resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
@@ -215,13 +207,23 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """What every site of one block call shares."""
+    """What every site of one block call shares: the plan's modes, and what only the call sees (compiling)."""
 
     plan: BlockPlan
     block: nn.Module
-    use_kernels: bool  # launch the kernels (else the ops' references)
-    use_fused: bool  # run the fused ops at all (traced by torch.compile: only with kernels_under_compile=True)
+    mode: int  # the launches between sites: the plan's mode (torch.compile traces the references)
+    traced: bool  # under torch.compile the fused sites trace their references (kernels_under_compile=True), else eager
     compiling: bool
+
+    def site_mode(self, sp: SitePlan) -> int | None:
+        """What ``sp.run`` is called with in this call (None: the site's eager expression)."""
+        if not self.compiling:
+            return sp.mode
+        return R.REFERENCE if self.traced and sp.mode is not None else None
+
+    def q4(self, sp: SitePlan) -> torch.Tensor | None:
+        """The amax of the site's NVFP4 emission in this call (None: none; under compile its consumers are modules)."""
+        return sp.nvfp4_amax if not self.compiling else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,8 +339,7 @@ def _shadowing(plan: BlockPlan) -> contextlib.AbstractContextManager:
 
 def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                    temb, image_rotary_emb, joint_attention_kwargs, modulate_index):
-    c = _Call(plan, self, plan.kernels and not compiling, not compiling or plan.options.kernels_under_compile is True,
-              compiling)
+    c = _Call(plan, self, R.REFERENCE if compiling else plan.mode, plan.options.kernels_under_compile is True, compiling)
     given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, modulate_index)
     tl = _text_lane(c, plan, self, hidden_states)
     if given is None or not tl:  # what the text lane made (the previous block's hand-off) is read here
@@ -366,12 +367,12 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
             if plan.attn_cache and not compiling:  # diffusers' TaylorSeer hook, run around our attention
                 img_attn, txt_attn = taylorseer.run(self.attn, lambda: attention.run(
-                    self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.use_kernels,
+                    self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.mode,
                     compiling))
             elif (plan.own_attention and not plan.attn_cache) or (
                     not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
-                                                   image_rotary_emb, c.use_kernels, compiling, tl)
+                                                   image_rotary_emb, c.mode, compiling, tl)
             else:  # as its module; hooked (plan.attn_forwards): its linears' gated forwards run real FP8
                 gate = plan.attn_forwards and not compiling
                 with _gated_forwards(plan, self) if gate else contextlib.nullcontext():
@@ -391,10 +392,10 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         c, self, site("img", "attn_residual"), self.img_norm2, hidden_states, img_attn, deferred.bias(0, img_attn),
         i1.gate, i2, "img.attn_residual")
 
-    nxt = handoff.target(plan, self, hidden_states) if c.use_fused and not compiling else None
+    nxt = handoff.target(plan, self, hidden_states) if not compiling else None
     if nxt is not None:
         nb, np_, frame, code = nxt
-        nc = _Call(np_, nb, c.use_kernels, c.use_fused, compiling)
+        nc = _Call(np_, nb, np_.mode, c.traced, compiling)
         # the next block's image modulation (a GEMV over its 3072 x 18432 weight) beside this block's image FFN
         # (ops.lane's branch lane where a capture runs; in line before the FFN otherwise)
         n_img_mod = (lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
@@ -404,8 +405,8 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         with deferred:
             works: list = []  # row-wise all-reduces in flight (tensor parallelism)
             with _txt_stretch(tl, hidden_states, txt_reads):
-                txt_ffn = ffn.run(plan, self, "txt_mlp", txt_ffn_in, works, compiling, c.use_kernels)
-            img_ffn = ffn.run(plan, self, "img_mlp", img_ffn_in, works, compiling, c.use_kernels)
+                txt_ffn = ffn.run(plan, self, "txt_mlp", txt_ffn_in, works, compiling, c.mode)
+            img_ffn = ffn.run(plan, self, "img_mlp", img_ffn_in, works, compiling, c.mode)
             wait(works)
     if nxt is not None:
         with _txt_stretch(tl, hidden_states, txt_reads):
@@ -459,7 +460,7 @@ def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> 
     """Whether this call runs its text stream on :mod:`qwen_absorb.ops.lane`'s text lane: lanes are active (a
     CUDA-graph capture), the block runs its own attention on kernels (no TaylorSeer hook around it) and no
     tensor-parallel linear (whose all-reduces the lane would reorder)."""
-    if c.compiling or not (c.use_kernels and plan.own_attention and not plan.attn_cache) \
+    if c.compiling or not (c.mode == R.KERNEL and plan.own_attention and not plan.attn_cache) \
             or "txt" not in plan.options.tuning.lanes:
         return False
     if lane.lane_for(h.device, "txt") is None:
@@ -476,50 +477,45 @@ def _txt_stretch(on: bool, h: torch.Tensor, reads: tuple) -> contextlib.Abstract
 def _modulation(c: _Call, plan: BlockPlan, block: nn.Module, name: str, temb: torch.Tensor) -> torch.Tensor:
     """``img_mod`` / ``txt_mod`` (SiLU, Linear): a real FP8 GEMV from SiLU+quantize where planned."""
     lp = plan.linears[f"{name}.1"]
+    if lp.nvfp4 is not None and not c.compiling:  # SiLU + NVFP4 fake quantization in one launch
+        mod = block._modules[name]
+        return nvfp4_linear(R.quantize_nvfp4(c.mode, temb, lp.nvfp4.input_amax32(), "silu", mod[0]), lp)
     if not lp.fp8_gemm:
         return run_module(plan, c.compiling, block._modules[name], temb)
-    x = temb.unsqueeze(0)  # [1, rows, D]: the quantize op's [B, S, D] layout
-    act = None
-    if c.use_kernels:
-        _, codes, act = qf8_launch(x, 0, None, lp.weight.input_amax, "silu", act_out=lp.lora)
-    else:
-        act = torch.nn.functional.silu(x)
-        codes = quantize_fp8_reference(act, lp.weight.input_amax)
+    # temb as [1, rows, D]: the quantize op's [B, S, D] layout
+    codes, act = R.quantize_fp8(c.mode, temb.unsqueeze(0), lp.weight.input_amax, "silu", lp.lora)
     return fp8_linear(codes, lp, plan, None, act, block._modules[name][1])[0]
 
 
-def _emit(sp: SitePlan, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A producer's hand-over to its consumers: ``(codes, activation or None)`` where it emits FP8,
-    else ``(activation, None)`` (the reference path: codes from the activation, as the kernels write)."""
-    if not sp.fp8_out:
-        return out, None
-    return quantize_fp8_reference(out, sp.fp8_amax), (out if sp.act_out else None)
+def _hand(c: _Call, sp: SitePlan, out: torch.Tensor | None, second: torch.Tensor | None) -> tuple:
+    """A producer's hand-over to its consumers: ``(codes or NVFP4 fake quantization, activation or None)`` where it
+    emits (the activation where their LoRA branches read it), else ``(activation, None)``."""
+    return (second, out if sp.act_out else None) if sp.fp8_out or c.q4(sp) is not None else (out, None)
+
+
+def _emit(c: _Call, sp: SitePlan, out: torch.Tensor) -> tuple:
+    """:func:`_hand` of a site's eager expression: FP8 codes by the reference (exact), NVFP4 by the call's mode (on
+    CUDA only the kernel rounds as ModelOpt)."""
+    if c.q4(sp) is not None:
+        return _hand(c, sp, out, R.quantize_nvfp4(c.mode, out.contiguous(), sp.nvfp4_amax))
+    return _hand(c, sp, out, R.quantize_fp8(R.REFERENCE, out, sp.fp8_amax)[0] if sp.fp8_out else None)
 
 
 def _norm1(c: _Call, sp: SitePlan, norm: nn.Module, h: torch.Tensor, m: _Mod):
     """norm1 + modulation. Returns the attention input ``(input, activation or None)``."""
-    plan = c.plan
-    eps = plan.norms[f"{sp.stream}_norm1"].eps
-    if sp.fused and c.use_fused:
+    plan, mode = c.plan, c.site_mode(sp)
+    if mode is not None:
         why = _params_reason(h, (m.shift, m.scale), m.index)
         if why is None:
             x, nq = h, sp.norm_quant if sp.norm_quantizer is not None else None
-            if sp.norm_quantizer is not None and (nq is None or not c.use_kernels):
+            if sp.norm_quantizer is not None and (nq is None or mode != R.KERNEL):
                 # what QuantLayerNorm feeds its LayerNorm, by ModelOpt itself
                 x, nq = run_module(plan, c.compiling, norm.input_quantizer, h), None
-            if c.use_kernels:
-                amax, mode = (nq.amax_fp32(h.device), nq.mode_for(h.device)) if nq is not None else (None, 0)
-                out, codes = lnss_launch(x.contiguous(), _rows(m.shift), _rows(m.scale), eps, _contig(m.index),
-                                         out=not sp.fp8_out or sp.act_out, fp8_amax=sp.fp8_amax, amax=amax,
-                                         quant_mode=mode)
-                return (codes, out) if sp.fp8_out else (out, None)
-            return _emit(sp, layer_norm_scale_shift_reference(x, shift=m.shift, scale=m.scale, eps=eps, index=m.index))
+            eps = plan.norms[f"{sp.stream}_norm1"].eps
+            return _hand(c, sp, *sp.run(mode, x, m.shift, m.scale, eps, m.index, sp.fp8_amax, sp.act_out, nq,
+                                        c.q4(sp)))
         plan.count(f"{sp.stream}.norm1: {why}")
-    return _emit(sp, c.block._modulate(norm(h), m.half, m.index)[0])
-
-
-def _contig(t):
-    return t.contiguous() if t is not None else None
+    return _emit(c, sp, c.block._modulate(norm(h), m.half, m.index)[0])
 
 
 def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h: torch.Tensor, y, bias, gate,
@@ -529,8 +525,8 @@ def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h:
     next block's, ``counting`` the plan that counts). Returns (new residual, the consumer's input
     ``(input, activation or None)``)."""
     eps = c.plan.norms[sp.stream + ("_norm1" if sp.site == "norm1" else "_norm2")].eps
-    counting = counting or c.plan
-    if sp.fused and c.use_fused:
+    counting, mode = counting or c.plan, c.site_mode(sp)
+    if mode is not None:
         why = _params_reason(h, (gate, m.shift, m.scale), m.index)
         if why is None and type(y) is not torch.Tensor:
             y, why = _local(y)
@@ -538,48 +534,34 @@ def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h:
             why = f"attention output is {y.dtype}, residual {h.dtype}"
         if why is None:
             if sp.norm_quantizer != "applied-before-op":
-                nq = sp.norm_quant
-                if c.use_kernels:
-                    amax, mode = (nq.amax_fp32(h.device), nq.mode_for(h.device)) if nq is not None else (None, 0)
-                    new_h, out, codes = brln_launch(
-                        h.contiguous(), y.contiguous(), bias, _rows(gate), _rows(m.shift), _rows(m.scale), eps,
-                        _contig(m.index), amax, mode, out=not sp.fp8_out or sp.act_out, fp8_amax=sp.fp8_amax)
-                    return new_h, ((codes, out) if sp.fp8_out else (out, None))
-                new_h, out = bias_residual_layer_norm_scale_shift_reference(
-                    h, y, bias=bias, gate=gate, shift=m.shift, scale=m.scale, eps=eps, index=m.index,
-                    norm_input_quant=nq)
-                return new_h, _emit(sp, out)
+                # the hand-off (sp: the next block's norm1) runs the residual + norm op of the attention residual's row
+                run = R.bias_residual_layer_norm_scale_shift if sp.site == "norm1" else sp.run
+                new_h, out, second = run(mode, h, y, bias, gate, m.shift, m.scale, eps, m.index, sp.fp8_amax,
+                                            sp.act_out, sp.norm_quant, c.q4(sp))
+                return new_h, _hand(c, sp, out, second)
             # A quantizer the op cannot reproduce (e.g. NVFP4 dynamic): applied exactly between
             # the residual op and the norm op, by ModelOpt itself.
-            new_h = _ffn_residual_op(c, h, y, bias, gate, m.index)
+            new_h = R.bias_gate_residual(mode, h, y, bias, gate, m.index)
             x = run_module(c.plan, c.compiling, norm.input_quantizer, new_h)
-            if c.use_kernels:
-                out = lnss_launch(x.contiguous(), _rows(m.shift), _rows(m.scale), eps, _contig(m.index))[0]
-            else:
-                out = layer_norm_scale_shift_reference(x, shift=m.shift, scale=m.scale, eps=eps, index=m.index)
-            return new_h, (out, None)
+            return new_h, _hand(c, sp, *R.layer_norm_scale_shift(mode, x, m.shift, m.scale, eps, m.index,
+                                                                 nvfp4_amax=c.q4(sp)))
         counting.count(f"{where}: {why}")
     if bias is not None:
         y = y + bias
     new_h = h + expand_param(gate, m.index) * y
-    return new_h, _emit(sp, block._modulate(norm(new_h), m.half, m.index)[0])
-
-
-def _ffn_residual_op(c: _Call, h, y, bias, gate, index):
-    if c.use_kernels:
-        return bgr_launch(h.contiguous(), y.contiguous(), bias, _rows(gate), _contig(index))
-    return bias_gate_residual_reference(h, y, bias=bias, gate=gate, index=index)
+    return new_h, _emit(c, sp, block._modulate(norm(new_h), m.half, m.index)[0])
 
 
 def _ffn_residual(c: _Call, sp: SitePlan, h, y, bias, gate, index):
-    if sp.fused and c.use_fused:
+    mode = c.site_mode(sp)
+    if mode is not None:
         why = _params_reason(h, (gate,), index)
         if why is None and type(y) is not torch.Tensor:
             y, why = _local(y)
         if why is None and y.dtype != h.dtype:
             why = f"FFN output is {y.dtype}, residual {h.dtype}"
         if why is None:
-            return _ffn_residual_op(c, h, y, bias, gate, index)
+            return sp.run(mode, h, y, bias, gate, index)
         c.plan.count(f"{sp.stream}.ffn_residual: {why}")
     if bias is not None:
         y = y + bias

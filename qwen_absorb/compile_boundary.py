@@ -1,24 +1,16 @@
 """A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
 
-Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the elementwise
-chains its own way (slower than the fused kernels on the H200, ``benchmarks/results/archive/speed/speed_h200_eb5cc70.md``: FP8
-103.1 ms compiled against 89.1 ms), without eager's intermediate roundings (which flips FP8 codes), and the
-per-call checks of the plan (weights, quantizers, LoRA state, hooks) are not traced at all. So by default
-(``kernels_under_compile="auto"``) the traced forward is one call of ``qwen_absorb::qwen_image_block``:
-at run time that op runs the block's eager patched forward, checks included, exactly as without compile.
-Nothing is left for Inductor to fuse inside a patched block, and ``fullgraph=True`` works (no graph break,
-also for ModelOpt modules, which Dynamo cannot trace).
+Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains its own way
+(slower: FP8 103.1 ms compiled against 89.1 ms on the H200,
+``benchmarks/results/archive/speed/speed_h200_eb5cc70.md``), without eager's intermediate roundings (which flips
+FP8 codes), and the plan's per-call checks are not traced. So by default the traced forward is one call of
+``qwen_absorb::qwen_image_block``, which runs the eager patched forward, checks included; ``fullgraph=True``
+works (ModelOpt modules too).
 
-Finding the block: an op cannot take a module, and anything block-specific Dynamo reads as a Python value
-(an index, an id) would specialise the graph, so ``compile_repeated_blocks()`` would compile one graph per
-block and soon hit the recompile limit. The op takes the block's ``attn.norm_q.weight`` instead: a
-parameter, lifted as a graph input like every other, so one graph serves all blocks. At run time the op
-finds the patched block whose parameter has that storage (a dict, checked against the live parameter on
-every hit; rebuilt from the patched blocks on a miss).
-
-What the op cannot carry is traced as before (``joint_attention_kwargs`` with entries, tensors of mixed
-dtypes, a block without ``attn.norm_q``). The eager patched forward is registered by
-:mod:`qwen_absorb.block` (:func:`register_forward`): this module sits below it.
+The op takes the block's ``attn.norm_q.weight``, a graph input like every parameter, not a Python value Dynamo
+would specialise on (``compile_repeated_blocks()`` would compile one graph per block): one graph serves all
+blocks, and the op finds the block by that parameter's storage. Calls it cannot carry are traced as before. The
+eager forward is registered by :mod:`qwen_absorb.block` (:func:`register_forward`): this module sits below it.
 """
 
 from __future__ import annotations
@@ -62,8 +54,7 @@ def handle(block: nn.Module) -> Any:
 def call(block: nn.Module, hidden_states: Any, encoder_hidden_states: Any, encoder_hidden_states_mask: Any,
          temb: Any, image_rotary_emb: Any, joint_attention_kwargs: Any,
          modulate_index: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Under ``torch.compile``: the block's outputs from the op, or None where the op cannot carry the call
-    (the caller traces the forward then)."""
+    """Under ``torch.compile``: the block's outputs from the op, or None where it cannot carry the call (traced)."""
     if joint_attention_kwargs:
         return None
     h = handle(block)
@@ -89,8 +80,7 @@ def call(block: nn.Module, hidden_states: Any, encoder_hidden_states: Any, encod
 
 
 def _find(h: torch.Tensor) -> nn.Module:
-    """The tracked block holding ``h``; a patched one where an unpatched copy shares it (its forward then
-    runs diffusers' own, as an unpatched block under a foreign wrapper does)."""
+    """The tracked block holding ``h``; a patched one where an unpatched copy shares it."""
     ptr = h.data_ptr()
     ref = _by_ptr.get(ptr)
     b = ref() if ref is not None else None

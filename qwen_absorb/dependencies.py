@@ -1,8 +1,6 @@
-"""What a block's decisions depend on: the modules whose user hooks change what may be fused, the modules
-the fused path skips (checked per call), and the :class:`~qwen_absorb.watch.Watch` of everything the
-decisions and derived state were made from. A decisions-floor helper of :mod:`qwen_absorb.plan`: it reads
-the adapters (:mod:`qwen_absorb.quant`, :mod:`qwen_absorb.lora`, :mod:`qwen_absorb.hooks`,
-:mod:`qwen_absorb.parallel`, :mod:`qwen_absorb.sites`) and never the plan module itself.
+"""What a block's decisions depend on: modules whose user hooks change what may be fused, modules the fused path
+skips (checked per call), and the :class:`~qwen_absorb.watch.Watch` of everything decisions and derived state were
+made from. A helper of :mod:`qwen_absorb.plan` on the decisions floor: it reads the adapters, never the plan.
 """
 
 from __future__ import annotations
@@ -27,16 +25,15 @@ def tp_style_hooks(x: nn.Module) -> int:
                and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None)
 
 
+def _layers(block: nn.Module, path: str) -> list[tuple[nn.Module, int]]:
+    """The module at ``path``, its PEFT wrappers and base, each with its count of TP style hooks."""
+    base, wrappers = unwrap_peft(resolve(block, path))
+    return [(x, tp_style_hooks(x)) for x in (*wrappers, base) if x is not None]
+
+
 def hooked(block: nn.Module, *paths: str) -> str | None:
     """The first of ``paths`` (or a PEFT wrapper / base of it) carrying a user's forward hook, else None."""
-    for p in paths:
-        base, wrappers = unwrap_peft(resolve(block, p))
-        for x in (*wrappers, base):
-            if x is not None:
-                n = tp_style_hooks(x)
-                if hooks.user_hooked(x.__dict__, n, n):
-                    return p
-    return None
+    return next((p for p in paths if any(hooks.user_hooked(x.__dict__, n, n) for x, n in _layers(block, p))), None)
 
 
 def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
@@ -44,8 +41,6 @@ def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
     the hook runs and sees what it sees unpatched."""
     h = hooked(block, *paths)
     return [f"a forward hook on {h}: {what}"] if h is not None else []
-
-
 
 
 def attention_cache(block: nn.Module) -> bool:
@@ -61,10 +56,9 @@ def attention_hook_refusal(block: nn.Module) -> list[str]:
 
 
 def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
-    """The modules whose hooks the fused path would skip or show other values: fused norms, linears
-    run as FP8 GEMMs (and their PEFT wrappers), projections whose bias is deferred and the containers
-    that return their output, the attention when the block runs it itself, FFNs and modulations
-    computed around their modules."""
+    """The modules whose hooks the fused path would skip or show other values to: fused norms, FP8-GEMM linears
+    (and wrappers), deferred-bias projections and the containers returning their output, the attention the block
+    runs itself, FFNs and modulations computed around their modules."""
     paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
     for proj in plan.deferred_paths():
         paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
@@ -82,34 +76,21 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
             paths.append("attn")
         if plan.qk_fused:
             paths += [f"attn.{n}" for n in QK_NORMS]
-    out: dict[int, tuple[dict, int, int]] = {}
-    for p in paths:
-        m = resolve(block, p)
-        base, wrappers = unwrap_peft(m)
-        for x in (*wrappers, base):
-            if x is not None:
-                n = tp_style_hooks(x)
-                out[id(x.__dict__)] = (x.__dict__, n, n)  # torch's TP style: one of each
-    return tuple(out.values())
+    # torch's TP style hooks: one of each
+    return tuple({id(x.__dict__): (x.__dict__, n, n) for p in paths for x, n in _layers(block, p)}.values())
 
 
 _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
                   "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
 _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
-
-
-# What of a module's hooks decides whether the fused path may skip it (see :func:`_hooked`): its forward slot,
-# and how many forward (pre-)hooks it holds
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
 
 
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
-    """The block's tensors that only its derived state is made from: the original weight and the quantizers'
-    amax / scale of each linear running as an FP8 GEMM, which then reads the plan's own codes and scales, not
-    these (``_build_fp8``). A tensor that a derived one aliases (ModelOpt's compressed weight, reused as the
-    codes) is read directly, so it is not one of them. A CUDA graph of the block never reads these: a change to
-    one makes its result stale, never its memory unsafe (qwen_absorb.cuda_graph.fingerprint checks them after
-    launching a replay instead of before)."""
+    """The block's tensors only its derived state is made from: each FP8-GEMM linear's original weight and amax /
+    scale (the GEMM reads the plan's own codes and scales), not those a derived tensor aliases (a compressed
+    weight reused as the codes). A graph never reads them: a change makes its result stale, never its memory
+    unsafe (``cuda_graph.fingerprint`` checks them after launching a replay)."""
     derived, sources = set(), []
     for p, lp in plan.linears.items():
         w = lp.weight
@@ -197,5 +178,5 @@ def watch(block: nn.Module) -> Watch:
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
 
 
-__all__ = ["attention_cache", "block_lock", "derived_only_sources", "attention_hook_refusal", "bypassed", "hook_refusal", "hooked", "tp_style_hooks",
-           "watch"]
+__all__ = ["attention_cache", "attention_hook_refusal", "block_lock", "bypassed", "derived_only_sources",
+           "hook_refusal", "hooked", "tp_style_hooks", "watch"]

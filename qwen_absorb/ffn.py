@@ -8,11 +8,10 @@ import torch
 from torch import nn
 
 from . import hooks
-from .ops.fp8 import quantize_fp8_reference
-from .ops.quantize_fp8 import launch as qf8_launch
+from . import site_runners as R
 from .parallel import is_dtensor
 from .plan import BlockPlan
-from .projection import fp8_linear, fp8_linear_gelu_fp8, run_module, tp_linear, tp_shard_for
+from .projection import fp8_linear, fp8_linear_gelu_fp8, nvfp4_linear, run_module, tp_linear, tp_shard_for
 
 
 def _tp_ffn(plan, mlp_name, mlp, x, works):
@@ -39,14 +38,15 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
 
 
 def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: list, compiling: bool,
-        use_kernels: bool) -> torch.Tensor:
+        mode: int) -> torch.Tensor:
     """The FeedForward ``mlp_name`` of ``block`` (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8
     where planned, on its local shards under tensor parallelism. ``x_in``: ``(input, activation or None)``, what
-    the producing site handed over; ``use_kernels``: launch the kernels (else the ops' references)."""
+    the producing site handed over; ``mode``: how the GELU quantization for net[2] runs (the plan's, or references)."""
     x, act = x_in
     mlp = block._modules[mlp_name]
     up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
-    if not up.fp8_gemm and not down.fp8_gemm:
+    q4 = not compiling and (up.nvfp4 is not None or down.nvfp4 is not None)  # NVFP4 rows (eager only)
+    if not up.fp8_gemm and not down.fp8_gemm and not q4:
         y = None if compiling else _tp_ffn(plan, mlp_name, mlp, x, works)
         return y if y is not None else run_module(plan, compiling, mlp, x)
     net = mlp.net
@@ -55,16 +55,15 @@ def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: li
     if fused is not None:
         codes, g, branches = fused
         return fp8_linear(codes, down, plan, works, g, net[2], branches)
-    h = fp8_linear(x, up, plan, None, act, net[0].proj) if up.fp8_gemm else run_module(plan, compiling, net[0].proj, x)
+    if up.fp8_gemm:
+        h = fp8_linear(x, up, plan, None, act, net[0].proj)
+    else:  # x: the NVFP4 fake quantization attn_residual emitted, where planned
+        h = nvfp4_linear(x, up) if up.nvfp4 is not None and q4 else run_module(plan, compiling, net[0].proj, x)
+    if down.nvfp4 is not None and q4:  # GELU + NVFP4 fake quantization in one launch
+        return nvfp4_linear(R.quantize_nvfp4(mode, h, down.nvfp4.input_amax32(), "gelu_tanh", net[0].gelu), down)
     if not down.fp8_gemm:
         return run_module(plan, compiling, net[2], net[1](net[0].gelu(h)))
-    g = None
-    if use_kernels:
-        _, codes, g = qf8_launch(h, 0, None, down.weight.input_amax, "gelu_tanh",
-                                 act_out=down.lora and down.lora_active)
-    else:
-        g = net[0].gelu(h)
-        codes = quantize_fp8_reference(g, down.weight.input_amax)
+    codes, g = R.quantize_fp8(mode, h, down.weight.input_amax, "gelu_tanh", down.lora and down.lora_active, net[0].gelu)
     return fp8_linear(codes, down, plan, works, g, net[2])
 
 

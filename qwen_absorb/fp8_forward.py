@@ -1,25 +1,15 @@
-"""Real FP8 GEMMs for ModelOpt FP8 linears called by code that is not the block's own, in each linear's forward slot.
+"""Real FP8 GEMMs for ModelOpt FP8 linears called by code other than the block's own, in each linear's forward slot.
 
-Qwen-Image-2.1's attention linears are called by diffusers' processors (segment and flex, with the prefix KV
-cache), and a Qwen-Image attention that a hook sits on (a diffusers cache) calls its linears as modules too.
-:func:`install` puts an :class:`Fp8LinearForward` in such a linear's instance ``forward`` (``module.__dict__``),
-which is what ``nn.Module.__call__`` runs: torch hooks on the linear still run around it, and whoever calls the
-linear gets a real FP8 GEMM where ModelOpt would have fake-quantized. The forward quantizes its input itself
-(:func:`qwen_absorb.ops.quantize_fp8`); a runner that calls no hook in between may instead take its
-:meth:`~Fp8LinearForward.gemm` straight from the codes its fused op emitted (:meth:`~Fp8LinearForward.direct`):
-codes pass only as arguments, never beside a tensor. The GEMM is :func:`qwen_absorb.projection.fp8_linear`,
-the one of both block families; the eligibility is ``quant.fp8_linear_refusals``, the one check.
-
-Its :class:`~qwen_absorb.plan.LinearPlan` (decision, FP8 weight, scale, epilogue bias) is rebuilt whenever a
-:class:`~qwen_absorb.watch.Watch` of its sources reports a change (checked at every call; host metadata only).
-A linear wrapped or replaced since patching (a PEFT adapter added), or converted by ModelOpt so that this forward
-now sits in ModelOpt's ``_forward_pre_dm`` slot (``mtq.compress``), runs as ModelOpt runs it and is reported so.
-
-*Gated* forwards (``install(..., paths=ATTN_LINEARS, gated=True)``, a hooked Qwen-Image attention) run ModelOpt's
-forward unchanged except while the block itself calls ``block.attn(...)`` with the gate opened (:class:`opened`,
-per object and per thread), so whole-block fallbacks compute exactly what the unpatched model computes.
-
-Floor: a runner (how one linear runs); it reads ModelOpt only through :mod:`qwen_absorb.quant`.
+Qwen-Image-2.1's attention linears are called by diffusers' processors, and a hooked Qwen-Image attention (a
+diffusers cache) calls its linears as modules too. :func:`install` puts an :class:`Fp8LinearForward` in such a
+linear's instance ``forward``, which ``nn.Module.__call__`` runs: torch hooks still run around it. It quantizes
+its input itself; a runner that calls no hook in between may take its :meth:`~Fp8LinearForward.gemm` straight from
+the codes its fused op emitted (codes pass only as arguments). The GEMM is ``projection.fp8_linear`` and the
+eligibility ``quant.fp8_linear_refusals``, the ones of both families. Its :class:`~qwen_absorb.plan.LinearPlan` is
+rebuilt whenever its :class:`~qwen_absorb.watch.Watch` reports a change. A linear wrapped or replaced since, or
+converted so that this forward sits in ModelOpt's ``_forward_pre_dm`` (``mtq.compress``), runs as ModelOpt runs
+it. *Gated* forwards (a hooked Qwen-Image attention) run ModelOpt's forward except while the block itself calls
+``block.attn(...)`` :class:`opened` (per object and thread), so whole-block fallbacks compute as unpatched.
 """
 
 from __future__ import annotations
@@ -90,12 +80,9 @@ def _device_of(linear: nn.Module) -> torch.device:
 class Fp8LinearForward:
     """The instance ``forward`` of one ModelOpt FP8 linear: its :class:`LinearPlan` (``lp``) and how it runs.
 
-    A plain object holding the linear (``copy.deepcopy`` rebinds it to the copy, which decides anew at its first
-    call). ``slot`` is the parent's ``_modules`` dict and key the linear was installed under. ``gated``: runs the
-    real FP8 GEMM only while :class:`opened` in this thread (``gate`` holds that thread's id). ``on_state(index,
-    path, fp8, reasons, reused_storage, input_amax, fast_accum)`` tells the report after every decision;
-    ``counter`` / ``rebuilds`` are the report's counters. ``fast_accum`` is read by ``projection.fp8_linear``.
-    """
+    A plain object holding the linear (a deep copy rebinds it to the copy, which decides anew at its first call).
+    ``slot``: the parent's ``_modules`` dict and key it was installed under. ``gated``: the real FP8 GEMM only
+    while :class:`opened` in this thread (``gate``: its id). ``on_state`` tells the report every decision."""
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "lp",
                  "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "__weakref__")
@@ -106,8 +93,7 @@ class Fp8LinearForward:
         self.linear, self.slot, self.path, self.index, self.options = linear, slot, path, index, options
         self.counter, self.rebuilds, self.on_state = counter, rebuilds, on_state
         self.gated, self.gate = gated, 0
-        # bumped whenever the derived tensors are dropped or replaced: a CUDA graph that read them must not be
-        # replayed after (the graph runner compares it before every launch, see cuda_graph.fingerprint)
+        # bumped whenever the derived tensors are dropped or replaced: a graph that read them must not replay after
         self.generation = 0
         self._clear()
 
@@ -125,14 +111,13 @@ class Fp8LinearForward:
 
     # -- deciding
     def ready(self, device: torch.device) -> bool:
-        """Whether the real FP8 GEMM runs for inputs on ``device`` now, its derived state rebuilt first
-        if any of its sources changed (host metadata only: no device sync unless something changed)."""
+        """Whether the real FP8 GEMM runs for inputs on ``device`` now, its derived state rebuilt first if a source
+        changed (host metadata only: no sync unless something changed)."""
         w = self.watch
         if w is None or w.changed():
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                # building an FP8 weight syncs (and would allocate from the graph's pool): not inside a
-                # CUDA-graph capture. The module runs (ModelOpt's forward, what the graph records); the
-                # next eager call decides.
+                # building an FP8 weight syncs (and would allocate from the graph's pool): the module runs (what
+                # the graph records); the next eager call decides
                 self.lp, self.watch = LinearPlan(self.path), None
                 self.generation += 1
                 return False
@@ -186,9 +171,8 @@ class Fp8LinearForward:
     # -- running
     def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         lin = self.linear
-        # ModelOpt converted the linear since (mtq.compress) and kept this forward as the one from before its
-        # conversion: its class forward quantized the input and calls this for the GEMM, so ModelOpt's own GEMM
-        # is what runs where this one does not (calling the module again would recurse)
+        # kept by a ModelOpt conversion since (mtq.compress) as the forward from before: its class forward quantized
+        # the input and calls this for the GEMM, so ModelOpt's own GEMM runs where ours does not (no recursion)
         module = quant.modelopt_inner_forward if lin.__dict__.get("_forward_pre_dm") is self else _class_forward
         compiling = torch.compiler.is_compiling()
         if self.gated and (compiling or self.gate != threading.get_ident()):
@@ -226,8 +210,8 @@ class Fp8LinearForward:
         return fp8_linear(codes, self.lp, self)
 
     def direct(self) -> bool:
-        """Whether a runner may call :meth:`gemm` instead of the linear: nothing else would run around the
-        forward (no torch / diffusers / accelerate hook, not moved; the block runner checks global hooks)."""
+        """Whether a runner may call :meth:`gemm` instead of the linear: no hook would run around the forward, not
+        moved (the block runner checks global hooks)."""
         lin = self.linear
         d = lin.__dict__
         return (d.get("forward") is self and not hooks.has_hooks(lin) and self.slot[0].get(self.slot[1]) is lin
@@ -248,19 +232,11 @@ class Fp8LinearForward:
         return f"<qwen_absorb real-FP8 forward of block {self.index} {self.path}>"
 
 
-# ---------------------------------------------------------------------------- the patch floor's calls
-
-
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
-            on_state: OnState | None, paths: Sequence[str] = LINEARS,
-            gated: bool = False) -> dict[str, tuple[bool, list[str]]]:
-    """Put an :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may
-    become a real FP8 GEMM (the device is decided per call: a model patched on the CPU and moved to CUDA
-    gets them there). Returns ``{path: (installed, reasons)}`` for the ModelOpt linears; linears refused
-    here (PEFT-wrapped, forward already replaced, ``fp8_gemm=False``; gated: a DTensor weight) are reported
-    through ``on_state`` with the reason. ``gated``: installed closed (see :class:`opened`), the FP8 weight
-    built at the first opened call; the report hears ``refusals`` for the weight's device meanwhile."""
-    out: dict[str, tuple[bool, list[str]]] = {}
+            on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False) -> None:
+    """An :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may become a real
+    FP8 GEMM (the device decided per call), refusals told through ``on_state``. ``gated``: installed closed, the
+    FP8 weight built at the first opened call."""
     for path in paths:
         m = resolve(block, path)
         base, wrappers = unwrap_peft(m)
@@ -276,7 +252,6 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
         elif gated and is_dtensor(m._parameters.get("weight")):
             why = ["tensor parallelism (DTensor weight): the module runs it"]
         if why:
-            out[path] = (False, why)
             if on_state is not None:
                 on_state(index, path, False, why, False, 0.0, False)
             continue
@@ -289,32 +264,24 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
             r = refusals(m, _device_of(m), options)
             if on_state is not None:
                 on_state(index, path, not r, list(r), False, 0.0, False)
-            out[path] = (True, r)
             continue
         fwd.ready(_device_of(m))  # decide now, so the report says what runs
-        out[path] = (True, list(fwd.lp.fp8_reasons))
-    return out
 
 
-def remove(block: nn.Module) -> int:
-    """Take every :class:`Fp8LinearForward` out of ``block``'s modules (wherever they are now: a linear
-    wrapped by PEFT since still holds one; ModelOpt's ``_forward_pre_dm`` slot, where a conversion since kept
-    one); their FP8 weights go with them. Returns how many."""
-    n = 0
+def remove(block: nn.Module) -> None:
+    """Take every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (a PEFT-wrapped
+    linear, ModelOpt's ``_forward_pre_dm`` slot), with their FP8 weights."""
     for m in block.modules():
         for slot in ("forward", "_forward_pre_dm"):
             f = m.__dict__.get(slot)
             if type(f) is Fp8LinearForward:
                 del m.__dict__[slot]
                 f._clear()
-                n += 1
-    return n
 
 
 class opened:  # noqa: N801  (a context manager, named for the with statement)
-    """``with opened(fwds):`` the gated forwards ``fwds`` run real FP8 GEMMs for calls from this thread
-    (another thread calling the same linears meanwhile gets ModelOpt's forward); closed again after,
-    whatever happens (nesting restores the outer state)."""
+    """``with opened(fwds):`` the gated forwards run real FP8 GEMMs for this thread's calls (other threads get
+    ModelOpt's forward); closed after, whatever happens (nesting restores the outer state)."""
 
     __slots__ = ("fwds", "prev")
 
@@ -333,14 +300,13 @@ class opened:  # noqa: N801  (a context manager, named for the with statement)
 
 
 def gated(block: nn.Module, paths: Sequence[str] = ATTN_LINEARS) -> list[Fp8LinearForward]:
-    """The gated forwards installed on ``block``'s linears ``paths`` now (a linear replaced or PEFT-wrapped
-    since is not found: it runs as its module)."""
+    """The gated forwards on ``block``'s linears ``paths`` now (one replaced or wrapped since runs as its module)."""
     return [f for p in paths if (f := of(resolve(block, p))) is not None and f.gated]
 
 
 def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | None:
-    """The real-FP8 forward installed on ``module``, if any; ``converted``: also one that a ModelOpt conversion
-    since keeps as the forward from before it (``_forward_pre_dm``, called from ModelOpt's own forward)."""
+    """The real-FP8 forward installed on ``module``, if any; ``converted``: also one a ModelOpt conversion since
+    keeps as ``_forward_pre_dm``."""
     d = module.__dict__ if module is not None else {}
     f = d.get("forward")
     if type(f) is not Fp8LinearForward and converted:
@@ -349,9 +315,8 @@ def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | 
 
 
 def group(parent: nn.Module, names: Sequence[str], device: torch.device) -> list[Fp8LinearForward] | None:
-    """The real-FP8 forwards of ``parent``'s linears ``names`` when every one runs a real FP8 GEMM on
-    ``device`` now under one input amax and may be called as its GEMM (:meth:`Fp8LinearForward.direct`),
-    so one emission serves all; else None."""
+    """The real-FP8 forwards of ``parent``'s linears ``names`` when all run a real FP8 GEMM on ``device`` now under
+    one input amax and may be called as their GEMM (one emission serves all); else None."""
     mods = parent.__dict__.get("_modules") or {}
     out = []
     for n in names:

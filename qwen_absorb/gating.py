@@ -1,17 +1,10 @@
-"""When an output-projection bias may be deferred into the fused op that follows: gating as data.
+"""Policy as data: when a bias may be deferred, where real FP8 GEMMs and fast accumulation run, the tuning record.
 
-Every decision is a function returning a list of human-readable reasons; an empty list means yes.
-
-Deferral moves a bf16 rounding point (the bias leaves the GEMM epilogue and is added in fp32 inside
-the fused op), so ``defer_bias="auto"`` only defers on device capabilities where this project's
-fidelity benchmark (``benchmarks/fidelity.py``: patched error <= 1.05x unpatched error) has passed.
-Those live in :data:`VALIDATED_DEFER_CAPABILITIES`, each with the GPU and date of the passing run.
-
-Capabilities are keyed like :func:`capability_key`: ``(major, minor)`` for a CUDA device, the
-device type string (``"cpu"``) otherwise. Passing ``capabilities=`` to :func:`qwen_absorb.patch`
-replaces the validated set for that call, e.g. ``capabilities={(9, 0)}`` to force the decision on
-a GPU before validation, or ``capabilities={"cpu"}`` (see :data:`CPU`) so CPU tests can exercise
-deferral: a non-CUDA key in the set also accepts the ops' torch references as "the fused path".
+Every decision is a function returning human-readable reasons (empty: yes). Deferral moves a bf16 rounding point
+(the bias leaves the GEMM epilogue and is added in fp32 inside the fused op), so ``"auto"`` defers only on
+capabilities where ``benchmarks/fidelity.py`` (patched error <= 1.05x unpatched) passed. Capabilities are keyed
+``(major, minor)`` for CUDA, else the device type: ``capabilities={"cpu"}`` lets CPU tests exercise deferral, a
+non-CUDA key also accepting the ops' torch references as "the fused path".
 """
 
 from __future__ import annotations
@@ -20,14 +13,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 
 import torch
-
 from torch import nn
 
 from .parallel import tp_defer_refusals
-from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, NVFP4, ProjectionInfo
+from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, ProjectionInfo
 
-# (major, minor) -> "GPU name, date of the passing fidelity run". It started empty; an entry is
-# added only from a committed passing run of benchmarks/fidelity.py on that capability.
+# (major, minor) -> GPU and date of the passing fidelity run; an entry only from a committed passing run.
 VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {
     # 60 blocks, 4096 image tokens, ModelOpt FP8: deferred-bias error 0.9969x (forward) and
     # 0.9996x (4-step latents) of the unpatched FP8 error: benchmarks/results/transformer/fidelity.md
@@ -55,10 +46,9 @@ LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 
 @dataclass(frozen=True)
 class Tuning:
-    """The measurement switches: which of two exact ways runs (the same numbers; only the speed differs).
-    ``patch(..., tuning=Tuning(...))``; stored in the plan, part of the CUDA-graph key, shown in the report
-    when not the default. Each default is the faster way measured on the H200 (``benchmarks/NOTES.md``,
-    "Tuning defaults")."""
+    """The measurement switches: which of two exact ways runs (same numbers, other speed). Stored in the plan,
+    part of the CUDA-graph key, shown in the report when not the default; each default is the faster way on
+    the H200 (``benchmarks/NOTES.md``, "Tuning defaults")."""
 
     qk_fusion: bool = True  # the four q/k RMSNorm + RoPE chains as one qk_norm_rope launch (where bit-exact)
     qk_wide: bool = True  # qk_norm_rope's wide-lane kernel (16-byte vectors) where the layout allows
@@ -71,6 +61,10 @@ class Tuning:
     lora_add_tiles: bool = True  # ops.lora_add's tiled kernel where the layout allows (else its row kernel)
     lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
     lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
+    # graphs inside accelerate's CpuOffload hook (enable_model_cpu_offload(): captured once per run, replayed by the
+    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). Off by default: the H200 GPU suite
+    # of round 26 died of an illegal memory access in the offload tests with it on, cause not found yet
+    model_offload_graphs: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,7 +90,10 @@ def check_tuning(tuning: object) -> Tuning:
     if not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a qwen_absorb.Tuning, got {type(tuning).__name__}")
     return tuning
-DEFERRABLE_FORMATS = (FP8_E4M3, NVFP4)
+
+
+# NVFP4 is not: its contract is ModelOpt's fake quantization bit for bit, and a deferred bias rounds differently
+DEFERRABLE_FORMATS = (FP8_E4M3,)
 
 CapabilityKey = tuple[int, int] | str
 
@@ -110,15 +107,13 @@ def capability_key(device: torch.device) -> CapabilityKey:
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hip")
-FP8_MODES = ("auto", True, False)
 
 
 def normalize_capabilities(
     capabilities: Collection[CapabilityKey] | None, validated: dict | None = None,
 ) -> frozenset[CapabilityKey]:
-    """The capability set in force: ``capabilities`` if given, else the validated set (deferral's
-    unless another is named). Raises ValueError for anything that is not ``(major, minor)`` or a
-    device type name."""
+    """``capabilities`` if given, else the validated set (deferral's unless another is named); ValueError for
+    anything but ``(major, minor)`` or a device type name."""
     if capabilities is None:
         return frozenset(VALIDATED_DEFER_CAPABILITIES if validated is None else validated)
     if isinstance(capabilities, (str, tuple)) and (isinstance(capabilities, str) or _is_cap_tuple(capabilities)):
@@ -143,9 +138,14 @@ def _is_cap_tuple(c: object) -> bool:
                                                         for v in c)
 
 
-def hard_refusals(info: ProjectionInfo, consumer_fused: bool) -> list[str]:
-    """Why deferring this projection's bias would be wrong or impossible (even if forced)."""
-    r = []
+def defer_refusals(
+    info: ProjectionInfo, *, mode: str | bool, consumer_fused: bool, device: torch.device,
+    capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
+) -> list[str]:
+    """Why this projection's bias is not deferred under ``defer_bias=mode`` (empty: it is)."""
+    if mode is False:
+        return ["defer_bias=False"]
+    r = []  # first why deferring would be wrong or impossible (even if forced), then what "auto" adds
     if not info.bias_holder_ok:
         r.append(f"{info.name} keeps no bias parameter")
     elif not info.has_bias:
@@ -156,18 +156,13 @@ def hard_refusals(info: ProjectionInfo, consumer_fused: bool) -> list[str]:
         r.append(f"{info.name} has a PEFT adapter with lora_bias")
     if not consumer_fused:
         r.append("the site consuming the output is not fused")
-    return r
-
-
-def auto_refusals(
-    info: ProjectionInfo, device: torch.device, capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
-) -> list[str]:
-    """The extra conditions of ``defer_bias="auto"``."""
-    r = []
+    if mode != "auto":
+        return r
     if not info.modelopt:
         r.append(f"{info.name} is not ModelOpt-quantized (the bias stays in the GEMM)")
     elif info.weight_format not in DEFERRABLE_FORMATS:
-        r.append(f"{info.name} is {info.weight_format or 'not weight-quantized'}; deferral is for FP8/NVFP4")
+        r.append(f"{info.name} is {info.weight_format or 'not weight-quantized'}; deferral is for FP8 "
+                 "(an NVFP4 bias stays in its GEMM: bit for bit ModelOpt)")
     key = capability_key(device)
     cpu_like_override = isinstance(key, str) and key in capabilities
     if kernel_reasons and not cpu_like_override:
@@ -200,19 +195,6 @@ def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
     return why
 
 
-def defer_refusals(
-    info: ProjectionInfo, *, mode: str | bool, consumer_fused: bool, device: torch.device,
-    capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
-) -> list[str]:
-    """Why this projection's bias is not deferred under ``defer_bias=mode`` (empty: it is)."""
-    if mode is False:
-        return ["defer_bias=False"]
-    r = hard_refusals(info, consumer_fused)
-    if mode == "auto":
-        r += auto_refusals(info, device, capabilities, kernel_reasons)
-    return r
-
-
 def check_tristate(name: str, mode: object) -> str | bool:
     """``mode`` if it is ``"auto"``, ``True`` or ``False`` (not 1, 0 or "yes"), else a ValueError naming ``name``."""
     if mode is not True and mode is not False and mode != "auto":
@@ -224,18 +206,6 @@ def check_mode(mode: object) -> str | bool:
     return check_tristate("defer_bias", mode)
 
 
-def check_fast_accum_mode(mode: object) -> str | bool:
-    return check_tristate("use_fast_accum", mode)
-
-
-def check_graph_mode(mode: object) -> str | bool:
-    return check_tristate("cuda_graph", mode)
-
-
-def check_fp8_mode(mode: object) -> str | bool:
-    return check_tristate("fp8_gemm", mode)
-
-
 def fast_accum(mode: str | bool, device: torch.device) -> bool:
     """Whether the FP8 GEMMs on ``device`` use fast accumulation: ``"auto"`` on validated GPUs."""
     if mode != "auto":
@@ -245,10 +215,9 @@ def fast_accum(mode: str | bool, device: torch.device) -> bool:
 
 def fp8_device_refusals(device: torch.device, mode: str | bool,
                         fp8_capabilities: Collection[CapabilityKey]) -> list[str]:
-    """Why a real FP8 GEMM may not run on ``device`` under ``fp8_gemm=mode`` (empty: it may): the rule of
-    :func:`qwen_absorb.plan._decide_linear`, for runners that decide per linear (Qwen-Image-2.1).
-    ``fp8_gemm=True`` with the device type in ``fp8_capabilities`` (``capabilities={"cpu"}``) runs the path
-    on the CPU (``torch._scaled_mm`` has a CPU implementation): for tests of the logic, not for speed."""
+    """Why a real FP8 GEMM may not run on ``device`` under ``fp8_gemm=mode`` (empty: it may). ``fp8_gemm=True``
+    with the device type in ``fp8_capabilities`` runs it off CUDA (``torch._scaled_mm`` has a CPU
+    implementation): a test of the logic, not a speed path."""
     if mode is False:
         return ["fp8_gemm=False"]
     if device.type != "cuda":

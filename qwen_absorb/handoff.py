@@ -98,7 +98,7 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
             r.append(f"{stream}.norm1 is not fused")
         elif sp.norm_quantizer == "applied-before-op":
             r.append(f"{stream}.norm1's input quantizer runs as a ModelOpt module before the op")
-    if plan.modelopt and not all(plan.linears[f"{m}.1"].fp8_gemm for m in ("img_mod", "txt_mod")):
+    if plan.modelopt and not all(plan.linears[f"{m}.1"].quant for m in ("img_mod", "txt_mod")):
         r.append("the modulation linears run as ModelOpt modules (called by this block only)")
     p0 = next(block.parameters(), None)
     if p0 is not None and p0.dtype == torch.float16:

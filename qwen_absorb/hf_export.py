@@ -1,23 +1,17 @@
 """ModelOpt's Hugging Face exports of a Qwen-Image transformer, loaded back into diffusers: FP8 and NVFP4.
 
-:func:`load_hf_export` reads the unified checkpoint that ``modelopt.torch.export.export_hf_checkpoint``
-writes (``config.json`` with a ``quantization_config``, or a ``hf_quant_config.json`` beside it, and
-safetensors), per linear:
+:func:`load_hf_export` reads what ``export_hf_checkpoint`` writes (``config.json`` with a
+``quantization_config`` or a ``hf_quant_config.json`` beside it, and safetensors), per linear:
+- **FP8**: ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``
+  (SGLang's ModelOpt FP8 exports are this layout);
+- **NVFP4** (NVIDIA's ``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8 [out, in / 2] holding two e2m1 codes a byte
+  (even column in the low nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32 ``weight_scale_2`` =
+  amax / (6 * 448), ``input_scale`` = input amax / (6 * 448); linears without scales in bf16;
+- ``MIXED_PRECISION``: linear by linear. The padded or swizzled NVFP4 layouts of the single-file (ComfyUI)
+  post-processing are refused with a reason.
 
-- **FP8** (``quant_algo`` FP8): ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448,
-  optional ``input_scale``; SGLang's ModelOpt FP8 transformer exports are this same layout;
-- **NVFP4** (``quant_algo`` NVFP4, the layout of NVIDIA's ``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8
-  [out, in / 2] holding two e2m1 codes a byte (even column in the low nibble), ``weight_scale``
-  float8_e4m3fn [out, in / 16] (one scale per 16 inputs), fp32 ``weight_scale_2`` = amax / (6 * 448),
-  ``input_scale`` = input amax / (6 * 448); linears without scales (e.g. blocks 0, 1, 58, 59) in bf16.
-- a mixed export (``MIXED_PRECISION``) is read linear by linear the same way.
-
-The padded or cuBLAS-swizzled NVFP4 layouts of ModelOpt's single-file (ComfyUI) post-processing are
-refused with a reason: their scales are not one per 16 inputs in row order.
-
-Why a loader: diffusers 0.42.1 reads ``quant_method: modelopt`` with ``NVIDIAModelOptConfig``, which
-raises ``TypeError`` with nvidia-modelopt >= 0.44 (ModelOpt issue #2001, diffusers PR #14536 unreleased),
-and has no place for the scales. ModelOpt is imported through :func:`import_modelopt` (see why there).
+Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises ``TypeError`` with nvidia-modelopt >= 0.44
+(ModelOpt issue #2001, diffusers PR #14536 unreleased) and has no place for the scales.
 """
 
 from __future__ import annotations
@@ -47,14 +41,10 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def import_modelopt(name: str = "modelopt.torch.quantization"):
-    """Import a ModelOpt module (default ``modelopt.torch.quantization``) and return it.
-
-    The first import of ModelOpt runs in a short-lived thread, whose call stack holds nothing of the
-    caller's: ModelOpt's import chain (``modelopt.torch.opt`` -> ``pulp``) leaves an exception stored on
-    a class (PuLP's ``COPT_DLL.err``), and that exception's traceback keeps every frame of the importing
-    stack alive, with its local variables, for the life of the process. Imported from a function holding
-    a model, the model could never be freed. Later calls find the module in ``sys.modules``.
-    """
+    """Import a ModelOpt module and return it. The first import runs in a short-lived thread: ModelOpt's import
+    chain (``modelopt.torch.opt`` -> ``pulp``) stores an exception on a class (PuLP's ``COPT_DLL.err``) whose
+    traceback keeps every frame of the importing stack, locals included, alive for the life of the process:
+    imported from a function holding a model, the model could never be freed."""
     if name in sys.modules:
         return sys.modules[name]
     error: list[BaseException] = []
@@ -84,16 +74,12 @@ def quantized_linear_names(transformer: nn.Module) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------- export code prediction
-
 
 def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
-    """Elements of ``weight`` whose e4m3 code under ModelOpt's FP8 fake quantization differs from the code
-    its Hugging Face export writes. Fake quantization (``tensor_quant._fp8_eager``, the CUDA extension's
-    ``fake_e4m3fy``) multiplies, ``e4m3(clamp(w * (448 / amax)))``, with an amax <= 2^-24 taken as 1; the
-    export divides, ``e4m3(w / (amax / 448))``, by the raw amax (both in float32). The two differ by a
-    float32 ulp now and then (0.11% of the codes of the 60-layer random recipe model), and everywhere
-    for a linear whose amax is 0 (an all-zero weight): the export writes ``0 / 0``, NaN codes."""
+    """Elements of ``weight`` whose e4m3 code under ModelOpt's fake quantization differs from its export's. Fake
+    quantization multiplies, ``e4m3(clamp(w * (448 / amax)))``, an amax <= 2^-24 taken as 1; the export divides,
+    ``e4m3(w / (amax / 448))``, by the raw amax (both float32): a float32 ulp apart now and then (0.11% of the
+    60-layer random recipe model's codes), and everywhere for an amax of 0 (the export writes NaN codes)."""
     a = amax.detach().to(torch.float32).reshape(())
     x = weight.detach().to(torch.float32)
     safe = torch.where(a <= 1.0 / (1 << 24), torch.ones_like(a), a)
@@ -103,10 +89,8 @@ def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
 
 
 def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
-    """``(differing, total)`` FP8 weight codes of ``transformer``'s per-tensor FP8 linears between
-    ModelOpt's fake quantization and its Hugging Face export (:func:`_code_mismatches`). Where
-    ``differing > 0``, a model loaded from the export computes with the checkpoint's codes, not all of
-    which the exported model computed with. Call it before exporting (the export converts in place)."""
+    """``(differing, total)`` FP8 weight codes of the per-tensor FP8 linears between fake quantization and the
+    export (:func:`_code_mismatches`). Call it before exporting (the export converts in place)."""
     differing = total = 0
     modules = dict(transformer.named_modules())
     with torch.no_grad():
@@ -120,8 +104,6 @@ def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
             total += lin.weight.numel()
     return differing, total
 
-
-# ------------------------------------------------------------------------------------- reading
 
 
 def _find_folder(export_dir: str | Path) -> Path:
@@ -162,15 +144,11 @@ def read_quant_algo(folder: Path) -> str | None:
 
 def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, maxbound: float = FP8_MAX,
                      cuda_first: bool = False) -> torch.Tensor:
-    """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale``, in ``dtype`` if one is.
-
-    ModelOpt's export stores ``amax / maxbound`` rounded to float32 (448 for FP8, 6 * 448 for NVFP4), not
-    the amax. ``scale * maxbound`` misses that by a float32 ulp now and then; a neighbour meets it.
-    ModelOpt calibrates a bf16 model's amaxes as bf16 values, so a candidate that ``dtype`` represents
-    exactly is the calibrated amax, returned in ``dtype``; otherwise the first float32 candidate. Either
-    way the scale ModelOpt derives from it (``amax.float() / maxbound``) is the checkpoint's. With
-    ``cuda_first`` (NVFP4) that derivation is first taken as torch does it on CUDA, where ModelOpt's NVFP4
-    fake quantization runs: a product with the float32 reciprocal of ``maxbound``."""
+    """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale`` (the export stores that, not
+    the amax; ``scale * maxbound`` misses by an ulp now and then, a neighbour meets it). A bf16 model's amaxes are
+    bf16 values, so a candidate ``dtype`` represents exactly is returned in ``dtype``, else the first float32
+    one. ``cuda_first`` (NVFP4): the division first taken as on CUDA, where ModelOpt's NVFP4 fake quantization
+    runs: a product with the float32 reciprocal of ``maxbound``."""
     s = scale.detach().to(torch.float32).reshape(())
     guess = s * maxbound
     candidates = [guess]
@@ -208,8 +186,6 @@ def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
     hi = torch.where(hi == 8, torch.zeros_like(hi), hi)
     return lo | (hi << 4)
 
-
-# --------------------------------------------------------------------------------- the linears
 
 
 class _Entry:
@@ -315,22 +291,18 @@ def load_hf_export(
     export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
     compress: bool = False,
 ) -> nn.Module:
-    """Load ModelOpt's Hugging Face export of a Qwen-Image transformer (FP8, NVFP4 or both, see the
-    module docstring) into a diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for
-    ``qwen_absorb.patch``. ``export_dir`` may also be a pipeline folder with a ``transformer/`` inside.
+    """Load ModelOpt's Hugging Face export (FP8, NVFP4 or both; ``export_dir`` may be a pipeline folder) into a
+    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``:
 
-    1. build the transformer from ``config.json`` (without its ``quantization_config``) and check that
-       every stored tensor has a place of the right shape in it (else ``ValueError`` "does not match");
-    2. load the unquantized tensors as they are, and each quantized weight as its codes times its scales
-       (NVFP4: e2m1 value x e4m3 block scale x ``weight_scale_2``, in float32, then ``dtype``);
-    3. ``mtq.quantize`` without calibration, enabling exactly the export's linears, with ModelOpt's
-       FP8 / NVFP4 (dynamic per-16 block, e4m3 scales) default quantizers, and amaxes such that ModelOpt
-       derives exactly the stored ``weight_scale`` (FP8) / ``weight_scale_2`` (NVFP4) / ``input_scale``;
-    4. check that every quantized linear quantizes back to the checkpoint's codes (NVFP4: its e2m1 codes,
-       "-0" read as 0, and the e4m3 block scales of its nonzero blocks);
+    1. build the transformer from ``config.json`` and check every stored tensor has a place of its shape
+       (else ``ValueError`` "does not match");
+    2. load the other tensors as they are and each quantized weight as codes times scales (float32, then
+       ``dtype``, default the export's unquantized weights' dtype);
+    3. ``mtq.quantize`` without calibration, enabling exactly the export's linears with ModelOpt's default
+       FP8 / NVFP4 quantizers, amaxes from which ModelOpt derives exactly the stored scales;
+    4. check every quantized linear quantizes back to the checkpoint's codes (NVFP4: e2m1 codes, "-0" read as 0,
+       and the block scales of its nonzero blocks);
     5. with ``compress`` (FP8 only), ``mtq.compress``: float8 storage, ModelOpt's own FP8 GEMM.
-
-    ``dtype`` defaults to the dtype of the export's unquantized weights.
     """
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
@@ -390,8 +362,7 @@ def load_hf_export(
 
 
 def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state: dict[str, torch.Tensor]) -> None:
-    """Raise the loader's "does not match" error, naming the first problems, unless every stored tensor
-    has a place of its shape in ``model`` and every model tensor is stored."""
+    """The loader's "does not match" error, naming the first problems, unless stored and model tensors pair up."""
     own = model.state_dict()
     problems: list[str] = []
     for e in entries:
@@ -411,9 +382,8 @@ def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state:
 
 
 def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """A ``QwenImageTransformer2DModel`` of ``config`` (e.g. ``model.config``) in ``dtype`` on ``device``
-    with uninitialised weights, built in no time: the model to restore or load a checkpoint into.
-    The rope module is rebuilt for real (its frequency tables are plain attributes made in ``__init__``)."""
+    """A ``QwenImageTransformer2DModel`` of ``config`` with uninitialised weights, built in no time, to load into;
+    the rope module is rebuilt for real (its frequency tables are plain attributes made in ``__init__``)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
 
@@ -421,8 +391,7 @@ def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | 
     device = torch.device(device)
     with torch.device("meta"):
         model = QwenImageTransformer2DModel.from_config(config)
-    # nn.Module's cast (meta: nothing is computed); diffusers' ModelMixin.to would log that modules
-    # "should be kept in float32", which this class has none of
+    # nn.Module's cast: diffusers' ModelMixin.to would log modules "should be kept in float32" (it has none)
     nn.Module.to(model, dtype=dtype)
     model.to_empty(device=device)
     if not config.get("use_layer3d_rope", False):
@@ -430,6 +399,5 @@ def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | 
     else:
         from diffusers.models.transformers.transformer_qwenimage import QwenEmbedLayer3DRope  # noqa: PLC0415
 
-        model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]),
-                                               scale_rope=True)
+        model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
     return model.eval()

@@ -1,12 +1,8 @@
 """The one reader of forward slots and hook chains: torch's, diffusers' ``HookRegistry`` and accelerate's.
 
-diffusers hooks (caches, context parallelism, group offloading, layerwise casting) and accelerate hooks wrap
-``module.forward`` by keeping the then-current bound forward and assigning an instance attribute. Patching
-must put its forward where the *original* forward is kept, and every per-call check must ask the same
-question the same way. Everything else in qwen_absorb asks this module.
-
-An adapter floor: it knows torch and the attribute names diffusers and accelerate use, nothing of
-qwen_absorb above it.
+diffusers hooks (caches, parallelism, offloading, layerwise casting) and accelerate hooks wrap ``module.forward``
+by keeping the then-current bound forward and assigning an instance attribute: patching must put its forward
+where the *original* one is kept, and every per-call check asks here. It knows nothing of qwen_absorb above it.
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_h
 
 
 def forward_slots(module: nn.Module) -> Iterator[Slot]:
-    """Every place a forward of ``module`` may be held: (description, get, set), outermost first.
-
-    The instance ``forward`` (empty: the class forward runs), each diffusers hook's
-    ``fn_ref.original_forward`` / ``fn_ref.forward``, and accelerate's ``_old_forward``.
-    """
+    """Every place a forward of ``module`` may be held, outermost first, as (description, get, set): the instance
+    ``forward`` (empty: the class forward), each diffusers hook's ``fn_ref.original_forward`` / ``.forward``, and
+    accelerate's ``_old_forward``."""
     d = module.__dict__
     yield "forward", (lambda: d.get("forward")), (lambda f: object.__setattr__(module, "forward", f))
     reg = d.get("_diffusers_hook")
@@ -54,8 +48,7 @@ def registry_hooks(module: nn.Module) -> dict[str, Any]:
 
 
 def torch_hook_dicts(module: nn.Module) -> list[dict]:
-    """The dicts torch keeps ``module``'s forward hooks and pre-hooks in (their lengths are a cheap
-    per-call check that hooks were added or removed)."""
+    """The dicts of ``module``'s forward hooks and pre-hooks (their lengths: a cheap per-call check)."""
     d = module.__dict__
     return [hd for hd in (d.get("_forward_hooks"), d.get("_forward_pre_hooks")) if isinstance(hd, dict)]
 
@@ -70,22 +63,20 @@ def global_hook_count() -> int:
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs any hook around its forward: torch hooks, diffusers registry hooks
-    or an accelerate hook (a patched block's own forward slot is not a hook)."""
+    """Whether calling ``module`` runs a torch, diffusers registry or accelerate hook around its forward."""
     d = module.__dict__
     return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or registry_hooks(module)
                 or d.get("_hf_hook") is not None)
 
 
 def ours(fn: Any) -> bool:
-    """Whether a forward slot holds one of qwen_absorb's own forwards (a patched block's, a real-FP8
-    linear's: their classes say ``__qwen_absorb__ = True``), which no hook library put there."""
+    """Whether a forward slot holds one of qwen_absorb's own forwards (classes saying ``__qwen_absorb__ = True``)."""
     return getattr(type(fn), "__qwen_absorb__", False) is True
 
 
 def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs anything besides its class forward (or qwen_absorb's own forward
-    object): :func:`has_hooks`, or a forward replaced on the instance (how every hook library wraps a module)."""
+    """Whether calling ``module`` runs anything besides its class forward (or ours): :func:`has_hooks`, or a
+    forward replaced on the instance (how every hook library wraps a module)."""
     d = module.__dict__
     return has_hooks(module) or ("forward" in d and not ours(d["forward"]))
 
@@ -95,11 +86,9 @@ _TRANSPARENT = ("offloading hook", "layerwise casting hook")
 
 
 def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
-    """Whether a module (given by its ``__dict__``, for per-call speed) has a hook that may read or edit
-    its inputs or outputs: more torch forward (pre-)hooks than the ``allowed`` ones (tensor parallelism's
-    style hooks, recognised by the caller), a diffusers hook other than offloading / casting, or an
-    instance ``forward`` that no known weight-moving hook (accelerate's, diffusers') explains and that is
-    not qwen_absorb's own (:func:`ours`)."""
+    """Whether a module (its ``__dict__``, for per-call speed) has a hook that may read or edit its inputs or
+    outputs: more torch (pre-)hooks than ``allowed`` (TP style hooks, recognised by the caller), a diffusers hook
+    other than offloading / casting, or an instance ``forward`` no weight-moving hook explains and not ours."""
     pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
     if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
         return True
@@ -113,8 +102,7 @@ def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
 
 
 def offload_hooked(module: nn.Module) -> bool:
-    """An offload hook onloads this module's parameters only inside its own forward: diffusers group
-    offloading or an accelerate hook on the module."""
+    """An offload hook (diffusers group offloading, accelerate) onloads the parameters only inside the forward."""
     if module.__dict__.get("_hf_hook") is not None:
         return True
     return any("offload" in str(name) for name in registry_hooks(module))
@@ -135,8 +123,8 @@ def hook_category(name: str, hook: Any) -> str:
 
 
 def execution_device(transformer: nn.Module, blocks: list[nn.Module]) -> torch.device | None:
-    """The device an offloading hook runs the model on (accelerate's ``execution_device``, diffusers
-    group offloading's ``onload_device``), or None when no such hook says."""
+    """The device an offloading hook runs the model on (accelerate's ``execution_device``, group offloading's
+    ``onload_device``), or None."""
     hook = transformer.__dict__.get("_hf_hook")  # accelerate / enable_model_cpu_offload
     dev = getattr(hook, "execution_device", None)
     if dev is not None:
@@ -150,8 +138,7 @@ def execution_device(transformer: nn.Module, blocks: list[nn.Module]) -> torch.d
 
 
 def as_device(spec: Any) -> torch.device:
-    """``spec`` as a ``torch.device``: a device, a string, or an int, which accelerate (``execution_device``)
-    and ``torch.tensor(..., device=0)`` mean as a CUDA index."""
+    """``spec`` as a ``torch.device``; an int is a CUDA index (accelerate's ``execution_device``)."""
     return torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec)
 
 
@@ -161,8 +148,8 @@ def unwrap_compiled(obj: Any) -> Any:
 
 
 def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
-    """The transformer of a pipeline (``target.transformer``), or ``target`` itself, when it is an
-    instance of one of ``classes``; ``torch.compile`` wrappers of either are looked through."""
+    """``target`` or its ``.transformer``, whichever is one of ``classes`` (``torch.compile`` wrappers looked
+    through)."""
     target = unwrap_compiled(target)
     if isinstance(target, classes):
         return target
@@ -176,8 +163,6 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
     )
 
 
-__all__ = [
-    "WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks", "global_hook_count",
-    "hook_category", "hooked", "offload_hooked", "ours", "user_hooked", "registry_hooks", "resolve_transformer",
-    "torch_hook_dicts", "unwrap_compiled",
-]
+__all__ = ["WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks",
+           "global_hook_count", "hook_category", "hooked", "offload_hooked", "ours", "user_hooked", "registry_hooks",
+           "resolve_transformer", "torch_hook_dicts", "unwrap_compiled"]

@@ -1,27 +1,13 @@
 """PEFT LoRA layers as the real-FP8 path sees them: the one reader of PEFT's per-layer state.
 
-PEFT's ``lora.Linear.forward`` (peft 0.21) computes, for an unmerged, enabled layer,
-
-    result = base_layer(x)
-    for each active adapter a that has a lora_A:
-        x = x cast to lora_A[a].weight.dtype
-        result = result + lora_B[a](lora_A[a](dropout[a](x))) * scaling[a]
-    result = result.to(the base result's dtype)
-
-and just ``base_layer(x)`` when the adapters are merged (``fuse_lora``) or disabled. diffusers'
-``set_adapters`` writes ``scaling`` and the ``scale`` of ``attention_kwargs`` multiplies it for the
-duration of one call, so ``scaling`` is read at every call, never cached.
-
-On the real-FP8 path the base layer is the FP8 GEMM and :func:`add_branches` adds the branches to
-its output. Where the adapter weights, the input and the output share one dtype and dropout is the
-identity (inference), each branch is ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``: the
-same sum, with the B product and the scaled add accumulated in fp32 (PEFT rounds three times: the B
-output, the product with ``scaling`` and the sum; the expression rounds once, and cuBLAS's kernel at
-rank >= 32 differs from that single rounding in ~25% of the elements, tests/test_lora_add_gpu.py).
-Anything else runs PEFT's expression op for op.
-
-What PEFT layer kinds are not reproduced (DoRA and other variants, ``lora_bias``, non-Linear
-adapters, nested wrappers) is said by :func:`unsupported_reasons`; such a linear runs as PEFT runs it.
+PEFT's ``lora.Linear.forward`` (peft 0.21) computes, for an unmerged, enabled layer, ``base_layer(x)`` plus, per
+active adapter, ``lora_B(lora_A(dropout(x cast to lora_A's dtype))) * scaling``, cast to the base output's dtype
+(only ``base_layer(x)`` when merged or disabled). ``scaling`` (``set_adapters``, times ``attention_kwargs``'
+``scale`` for one call) is read at every call, never cached. On the real-FP8 path the base is the FP8 GEMM and
+:func:`add_branches` adds the branches: with one dtype and identity dropout as ``y.addmm_(lora_A(x),
+lora_B.weight.T, alpha=scaling)``, the same sum accumulated in fp32 (PEFT rounds three times; cuBLAS at rank
+>= 32 differs from one rounding in ~25% of elements, tests/test_lora_add_gpu.py); else PEFT's expression op for
+op. What is not reproduced (DoRA, ``lora_bias``, non-Linear adapters, nesting): :func:`unsupported_reasons`.
 """
 
 from __future__ import annotations
@@ -77,8 +63,7 @@ def unsupported_reasons(layer: nn.Module) -> list[str]:
 
 
 def state(layer: nn.Module) -> tuple:
-    """What of a LoRA layer decides what runs, besides ``scaling`` (read per call): merged adapters,
-    the disable switch, the active adapters and the adapter set. A change means: decide again."""
+    """What of a LoRA layer decides what runs, besides ``scaling`` (read per call): a change means decide again."""
     d = layer.__dict__
     active = d.get("_active_adapter")
     return (tuple(d.get("merged_adapters") or ()), bool(d.get("_disable_adapters")),
@@ -87,8 +72,7 @@ def state(layer: nn.Module) -> tuple:
 
 
 def call_refusal(layer: nn.Module) -> str | None:
-    """Why this call cannot take the FP8 path (None: it can): PEFT's forward on a disabled, merged
-    layer unmerges the weights first, a side effect only PEFT's own forward performs."""
+    """Why this call cannot take the FP8 path: PEFT's forward unmerges a disabled, merged layer first."""
     d = layer.__dict__
     if d.get("_disable_adapters") and d.get("merged_adapters"):
         return "a PEFT layer with merged adapters was disabled (PEFT unmerges inside its forward)"
@@ -112,29 +96,21 @@ def _identity_dropout(m: nn.Module) -> bool:
 
 
 def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """A branch whose ``lora_A`` product the fast paths may compute from an input of ``dtype`` on ``device``:
-    dropout is the identity and both adapter weights have that dtype and device (no cast, no copy)."""
+    """Dropout is the identity and both adapter weights have ``dtype`` and ``device`` (no cast, no copy)."""
     wa, wb = a.weight, b.weight
     return _identity_dropout(drop) and wa.dtype == dtype == wb.dtype and wa.device == device == wb.device
 
 
 def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
                           out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
-    """The active branches of several LoRA layers that read one input ``x`` (q/k/v of a stream), with all
-    their ``lora_A`` products from one GEMM over the concatenated A weights ``[sum of ranks, K]``: per layer
-    ``[(x @ A.T, lora_B.weight, scaling)]``, the first a column slice of the one product; None where this
-    does not apply (fewer than two branches, dropout that is not the identity, a dtype or device that the
-    fast path of :func:`add_branches` would not take): each layer then adds its own branches.
+    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for several LoRA layers reading one input (a stream's
+    q/k/v), all ``lora_A`` products from one GEMM over the concatenated A weights (``x`` read once); None where
+    that does not apply (fewer than two branches, or what :func:`add_branches`' fast path would not take).
 
-    ``x`` is read once instead of once per branch. The product is the same per element as separate
-    ``lora_A`` GEMMs (each output column is its own dot product over K, rounded once to the activation
-    dtype); which GEMM kernel a library picks may depend on the width, so on a GPU the last bit of a
-    column's value may differ from the separate GEMM's (on the CPU they are identical,
-    tests/test_fp8_follows_model.py). The A weights are concatenated at every call (a copy of ``sum of
-    ranks x K`` elements, one small kernel), never cached: PEFT's hotswap (``load_lora_weights(...,
-    hotswap=True)``) writes them through ``.data``, which no version counter sees, and the branches must
-    read them as they are now (a CUDA graph replays the concatenation too). ``scaling`` is read at every
-    call, as PEFT reads it."""
+    Each output column is its own dot product over K, rounded once, but a GPU library may pick another kernel
+    for the width: the last bit may differ from separate GEMMs' (identical on the CPU). The A weights are
+    concatenated at every call, never cached: PEFT's hotswap writes them through ``.data``, which no version
+    counter sees (a CUDA graph replays the concatenation too)."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
     if len(flat) < 2:
@@ -159,10 +135,8 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
 
 def foldable_branch(layer: nn.Module, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-    """``(lora_A weight, lora_B weight, scaling)`` of a layer whose one active branch a producing kernel may
-    compute the ``lora_A`` product of, from the input it makes in ``dtype`` on ``device``
-    (:mod:`qwen_absorb.ops.lora_fold`); None where PEFT's branches are anything else (several or none active,
-    dropout that is not the identity, adapter weights of another dtype or device)."""
+    """``(lora_A weight, lora_B weight, scaling)`` of a layer whose one active, plain branch a producing kernel
+    may compute the ``lora_A`` product of (:mod:`qwen_absorb.ops.lora_fold`); else None."""
     branches = active_branches(layer)
     if len(branches) != 1:
         return None
@@ -173,8 +147,8 @@ def foldable_branch(layer: nn.Module, dtype: torch.dtype,
 
 
 def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
-    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of branches whose A products were computed
-    (:func:`products`, :func:`shared_input_branches`): one fp32-accumulated ``addmm_`` each, in place."""
+    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of computed A products: one fp32-accumulated ``addmm_`` each, in
+    place."""
     y2 = y.view(-1, y.shape[-1])
     for t, wb, s in branches:
         y2.addmm_(t, wb.t(), alpha=s)
@@ -185,9 +159,8 @@ Products = list[tuple[torch.Tensor, torch.Tensor, Any]]  # [(x @ A.T, lora_B.wei
 
 
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:
-    """``[(x @ A.T, lora_B.weight, scaling)]`` of the layer's active branches, for an output of ``out_dtype``
-    (empty: none is active); None where PEFT's own expression must run instead (dropout that is not the
-    identity, adapter weights of another dtype or device than ``x`` and the output)."""
+    """``[(x @ A.T, lora_B.weight, scaling)]`` of the active branches for an output of ``out_dtype`` (empty: none
+    active); None where PEFT's own expression must run (a branch that is not plain for ``x``)."""
     branches = active_branches(layer)
     if not branches:
         return []
@@ -198,8 +171,8 @@ def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Produ
 
 
 def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y`` (the base layer's output for input ``x``) plus every active adapter's branch: in place through
-    :func:`products` where it applies (``y`` contiguous), else PEFT's expression op for op (a new tensor)."""
+    """``y`` (the base output for ``x``) plus every active branch: in place through :func:`products` where it
+    applies (``y`` contiguous), else PEFT's expression op for op (a new tensor)."""
     prods = products(layer, x, y.dtype) if y.is_contiguous() else None
     if prods is not None:
         return add_products(y, prods) if prods else y
@@ -213,5 +186,5 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
     return y.to(out_dtype)
 
 
-__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "foldable_branch", "has_lora_bias", "is_lora_layer",
-           "products", "shared_input_branches", "state", "unsupported_reasons"]
+__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "foldable_branch", "has_lora_bias",
+           "is_lora_layer", "products", "shared_input_branches", "state", "unsupported_reasons"]

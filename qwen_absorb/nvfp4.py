@@ -14,9 +14,10 @@ the same bits:
   weight is used and no copy is held: the model holds the memory of its bf16 weights, nothing more.
 - ``fq(x)`` is the :func:`~qwen_absorb.ops.quantize_nvfp4` kernel, then one bf16 GEMM.
 
-In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`, the ``plan.nvfp4``
-row) and ``projection.run_module`` calls them where the block would call the module; a projection they run
-keeps its bias in the GEMM (no deferral), as a real FP8 GEMM does. :func:`nvfp4_linear_reasons` says why a
+In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`, ``plan.nvfp4``), then
+NVFP4 rows (:func:`decide_rows`): the fused op producing a linear's input emits ``fq(x)`` (``projection.nvfp4_linear``
+reads it); a linear no producer can feed keeps its runner, which ``projection.run_module`` calls in the module's
+place. Either keeps its bias in the GEMM (no deferral), as a real FP8 GEMM does. :func:`nvfp4_linear_reasons` says why a
 linear cannot run so (empty: it can). On Blackwell
 (capability >= 10.0) real NVFP4 GEMMs would be faster still; they are not used (not testable here),
 so the same fake-quantized bf16 path runs there too.
@@ -38,14 +39,16 @@ from torch import nn
 from . import quant
 from .hf_export import import_modelopt
 from .ops.quantize_nvfp4 import launch as launch_nvfp4
-from .ops.quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_reference
+from .ops.quantize_nvfp4 import emit_reasons, quantize_nvfp4, quantize_nvfp4_reference
+from .sites import LINEAR_TABLE, SITE_TABLE, resolve
 
 logger = logging.getLogger("qwen_absorb")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # where ModelOpt's NVFP4 fake quantization is the Triton kernel reproduced here
 
-__all__ = ["Nvfp4Linear", "block_runners", "modelopt_fake_quant_on_cpu", "nvfp4_linear_reasons", "nvfp4_linear_names"]
+__all__ = ["Nvfp4Linear", "block_runners", "decide_rows", "modelopt_fake_quant_on_cpu", "nvfp4_linear_reasons",
+           "nvfp4_linear_names"]
 
 
 def _quantizer_reasons(q, what: str) -> list[str]:
@@ -174,27 +177,10 @@ class Nvfp4Linear:
         return 0 if self._weight is None or self.shares_weight else self._weight.numel() * self._weight.element_size()
 
 
-class _Chain:
-    """Callables applied in order (a container's forward with its NVFP4 linears as runners): picklable."""
-
-    __slots__ = ("steps",)
-
-    def __init__(self, *steps) -> None:
-        self.steps = steps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        for f in self.steps:
-            x = f(x)
-        return x
-
-
 def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, object]:
-    """The NVFP4 runners of a block, keyed by the module a patched block calls (``projection.run_module``):
-    each NVFP4 linear at ``paths`` (those not run as real FP8 GEMMs), plus the containers the block calls
-    whole when none of their linears is FP8: ``img_mod`` / ``txt_mod`` (SiLU, Linear) and the FeedForwards
-    (GELU: proj then its gelu, as diffusers' GELU.forward; Dropout; Linear). Containers with hooks or other
-    layouts keep running as modules. On a GPU below sm_89 there are none: ModelOpt's fake quantization
-    runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
+    """The NVFP4 runners of a block, keyed by the linear a patched block calls (``projection.run_module``): each
+    NVFP4 linear at ``paths`` (those not run as real FP8 GEMMs). On a GPU below sm_89 there are none: ModelOpt's
+    fake quantization runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
     linears: dict[nn.Module, Nvfp4Linear] = {}
     for p in paths:
         try:
@@ -208,24 +194,58 @@ def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, 
             linears[m] = Nvfp4Linear(m, use_kernel)
             if use_kernel:  # on the GPU made now, never inside a graph capture; on CPU at first use
                 linears[m].weight()
-    if not linears:
-        return {}
-    out: dict[nn.Module, object] = dict(linears)
-    for name in ("img_mod", "txt_mod"):
-        seq = block._modules.get(name)
-        if (isinstance(seq, nn.Sequential) and len(seq) == 2 and type(seq[0]) is nn.SiLU and seq[1] in linears
-                and not _hooked(seq) and not _hooked(seq[0])):
-            out[seq] = _Chain(seq[0], linears[seq[1]])
-    for name in ("img_mlp", "txt_mlp"):
-        mlp = block._modules.get(name)
-        net = getattr(mlp, "net", None)
-        if mlp is None or net is None or len(net) != 3 or any(_hooked(m) for m in (mlp, *net)):
-            continue
-        proj = getattr(net[0], "proj", None)
-        if not (proj in linears or net[2] in linears) or _hooked(proj) or not hasattr(net[0], "gelu"):
-            continue
-        out[mlp] = _Chain(linears.get(proj, proj), net[0].gelu, net[1], linears.get(net[2], net[2]))
-    return out
+    return linears
+
+
+def _row_ok(block: nn.Module, path: str, context_reasons) -> bool:
+    """Whether the block may compute around the linear as diffusers would (``context_reasons`` empty) with no hook
+    on the containers it skips: the modulation's Sequential and SiLU, the FeedForward, its GELU and Dropout."""
+    top = path.split(".")[0]
+    skipped = (top, f"{top}.0") if top.endswith("_mod") else (top, f"{top}.net.0", f"{top}.net.1") if \
+        top.endswith("_mlp") else ()
+    return not context_reasons(block, path) and not any(m is None or _hooked(m) for m in map(
+        lambda q: resolve(block, q), skipped))
+
+
+def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
+    """Where every consumer of site ``s`` is an NVFP4 linear under one input amax, its op emits their input's NVFP4
+    fake quantization (``sp.nvfp4_amax``) and their GEMMs read it (``LinearPlan.nvfp4``); else, where some are, they
+    keep quantizing their inputs themselves (the reason joins their plans)."""
+    runners = [plan.nvfp4.get(resolve(block, p)) for p in s.feeds]
+    ok = [isinstance(r, Nvfp4Linear) and _row_ok(block, p, context_reasons) for r, p in zip(runners, s.feeds)]
+    if not any(ok):
+        return
+    why = None
+    if not all(ok):
+        why = f"not all of {', '.join(s.feeds)} are NVFP4 linears in diffusers' context, unhooked"
+    elif not sp.fused:
+        why = f"{s.key} is not fused"
+    elif emit_reasons(runners[0].lin.in_features):
+        why = emit_reasons(runners[0].lin.in_features)[0]
+    elif any(not torch.equal(r.input_amax32(), runners[0].input_amax32()) for r in runners[1:]):
+        why = "different input amax: one emission cannot serve all"
+    if why is not None:
+        for p in s.feeds:
+            plan.linears[p].fp8_reasons.append(f"NVFP4 input not emitted by {s.key} ({why}): the linear quantizes it")
+        return
+    sp.nvfp4_amax = runners[0].input_amax32()
+    for p, r in zip(s.feeds, runners):
+        plan.linears[p].nvfp4 = r
+
+
+def decide_rows(plan, block: nn.Module, context_reasons) -> None:
+    """NVFP4 as rows (after ``plan.decide`` made the runners and the FP8 emissions): the sites whose consumers are
+    all NVFP4 linears emit their input (:func:`_site_row`); net[2] (GELU of net[0]), img_mod.1 / txt_mod.1 (SiLU of
+    temb) and the output projections (the attention output) read ``ops.quantize_nvfp4`` of their input with its
+    activation, where the context is exactly diffusers' (:func:`_row_ok`). The others keep their runners, called
+    where the block calls the linear (their containers, where the block would skip them, run as modules)."""
+    for s in SITE_TABLE.values():
+        if s.feeds and not any(plan.linears[p].fp8_gemm for p in s.feeds):
+            _site_row(plan, block, s, plan.site_plan(s.key), context_reasons)
+    for p, lp in plan.linears.items():
+        src, r = LINEAR_TABLE[p].input_from, plan.nvfp4.get(resolve(block, p))
+        if isinstance(r, Nvfp4Linear) and src in ("gelu", "temb", "attention") and _row_ok(block, p, context_reasons):
+            lp.nvfp4 = r
 
 
 @contextlib.contextmanager

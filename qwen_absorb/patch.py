@@ -1,19 +1,12 @@
-"""``patch`` / ``unpatch``: run every QwenImageTransformerBlock through the fused ops.
+"""``patch`` / ``unpatch``: run every Qwen-Image (and Qwen-Image-2.1) transformer block through the fused ops.
 
-Installation is hook-aware (:mod:`qwen_absorb.hooks` reads the chains). diffusers hooks
-(``HookRegistry``: caches, context parallel, group offloading) and accelerate hooks wrap
-``module.forward`` by keeping the then-current bound forward and assigning an instance attribute; a
-later ``block.forward = ...`` would silently replace the whole chain. So the patched forward goes where
-the *original* bound forward is kept: the instance ``forward`` when there is no hook, else the innermost
-slot of the chain. Hooks added after patching wrap the patched forward as they would the original. The
-block class, the forward signature and the ``(encoder_hidden_states, hidden_states)`` return order
-never change, so diffusers' block registry, ``compile_repeated_blocks`` and signature-mapping hooks
-keep working.
-
-All blocks are planned first, then installed; an exception (or Ctrl-C) while installing undoes the
-blocks already installed, so a model is never left half patched. ``patch()`` again and ``unpatch()``
-act on the blocks the model has at that moment: a block replaced, appended, removed, or a patched
-block's copy added, is seen.
+The patched forward goes where the *original* bound forward is kept (the instance ``forward``, else the innermost
+slot of the hook chain, :mod:`qwen_absorb.hooks`): diffusers and accelerate hooks keep the then-current forward
+and assign an instance attribute, so a plain ``block.forward = ...`` would replace the whole chain; hooks added
+later wrap the patched forward as they would the original. Block class, signature and return order never change
+(diffusers' block registry, ``compile_repeated_blocks`` and signature-mapping hooks keep working). All blocks are
+planned, then installed; an exception (or Ctrl-C) while installing undoes what was installed. ``patch()`` again
+and ``unpatch()`` act on the blocks the model has at that moment.
 """
 
 from __future__ import annotations
@@ -75,18 +68,9 @@ class _PatchState:
         self.report.bind(self)  # a copy of the model reports on its own patch
 
 
-# ---------------------------------------------------------------------------- target resolution
-
-
 def resolve_transformer(target: Any) -> nn.Module:
-    """The ``QwenImageTransformer2DModel`` (or ``QwenImage21Transformer2DModel``) of a pipeline, or
-    ``target`` itself (``torch.compile`` wrappers of either are looked through)."""
+    """The Qwen-Image (or 2.1) transformer of a pipeline, or ``target`` itself (``torch.compile`` looked through)."""
     return hooks.resolve_transformer(target, model_classes())
-
-
-def _is_21(transformer: nn.Module) -> bool:
-    c21 = classes21()
-    return c21 is not None and isinstance(transformer, c21[0])
 
 
 def _decision_device(transformer: nn.Module) -> torch.device:
@@ -102,20 +86,14 @@ def _decision_device(transformer: nn.Module) -> torch.device:
     return first if first is not None and first.type != "meta" else torch.device("cpu")
 
 
-# ---------------------------------------------------------------------------- hook-aware slots
-
-
-def _is_class_forward(fn: Any, block: nn.Module) -> bool:
-    return getattr(fn, "__func__", None) is type(block).forward and getattr(fn, "__self__", None) is block
-
-
 def _install(block: nn.Module, fwd: PatchedForward) -> tuple[str, bool] | None:
     """Put ``fwd`` where the original forward is held; returns (where, an instance forward existed)."""
     if "forward" not in block.__dict__:  # no hook, no instance forward: the class forward runs
         object.__setattr__(block, "forward", fwd)
         return "forward", False
     for where, get, set_ in hooks.forward_slots(block):
-        if _is_class_forward(get(), block):
+        fn = get()
+        if getattr(fn, "__func__", None) is type(block).forward and getattr(fn, "__self__", None) is block:
             set_(fwd)
             return where, True
     return None
@@ -134,9 +112,7 @@ def _remove_forward(block: nn.Module, fwd: Any, had_instance_forward: bool) -> b
 
 
 def _strip(block: nn.Module) -> None:
-    """Remove any patch a block carries without being this patch's (a deep copy of a patched block
-    added to the model, a block of an earlier patch): its plan, its per-block CUDA-graph runner and its
-    patched forward."""
+    """Remove a patch the block carries that is not this one's (a copied patched block, an earlier patch)."""
     block.__dict__.pop(PLAN_ATTR, None)
     host_originals.restore(block)  # weights an earlier patch (or the copied block's) kept on the host
     fp8_forward.remove(block)  # a Qwen-Image-2.1 block's real-FP8 linears
@@ -150,33 +126,34 @@ def _strip(block: nn.Module) -> None:
             _remove_forward(block, fn, had_instance_forward=where != "forward")
 
 
-# ---------------------------------------------------------------------------- deciding
-
-
 def _offload_originals(state: _PatchState) -> None:
-    """The original weights of real-FP8 linears where ``offload_original_weights`` wants them
-    (:mod:`qwen_absorb.host_originals`; every later decision of a block places them again)."""
+    """Original weights of real-FP8 linears where ``offload_original_weights`` wants them (every later decision
+    of a block places them again)."""
     for rec in state.records:
         host_originals.place(rec.block.__dict__[PLAN_ATTR], rec.block)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # the moved originals' memory back to the driver
 
 
-# ---------------------------------------------------------------------------- patch
-
-
 def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
              offload_original_weights, use_fast_accum, cross_block=True, tuning=None) -> Options:
+    tri = gating.check_tristate
     return Options(
-        defer_bias=gating.check_mode(defer_bias), fp8_gemm=gating.check_fp8_mode(fp8_gemm),
+        defer_bias=gating.check_mode(defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
         force_reference=bool(force_reference),
-        kernels_under_compile=gating.check_tristate("kernels_under_compile", kernels_under_compile),
-        offload_original_weights=gating.check_tristate("offload_original_weights", offload_original_weights),
-        use_fast_accum=gating.check_fast_accum_mode(use_fast_accum),
-        cross_block=bool(cross_block), tuning=gating.check_tuning(tuning),
-    )
+        kernels_under_compile=tri("kernels_under_compile", kernels_under_compile),
+        offload_original_weights=tri("offload_original_weights", offload_original_weights),
+        use_fast_accum=tri("use_fast_accum", use_fast_accum), cross_block=bool(cross_block),
+        tuning=gating.check_tuning(tuning))
+
+
+def _new_report(transformer: nn.Module, options: Options, cuda_graph: str | bool, **kw: Any) -> PatchReport:
+    return PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
+                       capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
+                       force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
+                       tuning=options.tuning.describe(), **kw)
 
 
 def patch(
@@ -187,60 +164,45 @@ def patch(
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
-    target: a diffusers Qwen-Image pipeline (any class whose ``.transformer`` is a
-        ``QwenImageTransformer2DModel``) or the transformer itself; any device, before or after
-        offloading, caches, context parallelism, LoRA or ``compile_repeated_blocks()``.
-    defer_bias: ``"auto"`` defers an output-projection bias into the following fused op exactly when
-        the projection is ModelOpt FP8/NVFP4 without an enabled output quantizer, the CUDA kernels are
-        available and the device capability is validated (:mod:`qwen_absorb.gating`); ``True`` defers
-        wherever it is not wrong; ``False`` never.
-    fp8_gemm: run ModelOpt FP8 (e4m3, per-tensor, static) linears, PEFT LoRA layers around them
-        included, as real FP8 ``torch._scaled_mm`` fed by FP8-emitting fused kernels: ``"auto"`` on
-        validated capabilities (:data:`qwen_absorb.gating.VALIDATED_FP8_CAPABILITIES`), ``True``
-        wherever possible (sm_89+), ``False`` never. Every linear that does not qualify runs as its
-        module, with the reason in the report.
-    cuda_graph: capture the transformer call once per input signature and replay it
-        (:mod:`qwen_absorb.cuda_graph`); refused per call, with a reason, where replay would be wrong.
-        ``"auto"`` (default): decided at the model's first call on a GPU (at once for a model on one, or
-        under an offload hook that runs it on one; a model patched on the CPU and moved with ``.to()``, or
-        under ``enable_model_cpu_offload()``, at its first call there): a signature is captured when it is
-        seen the second time (one-off calls never pay a capture), and calls the graphs cannot take run
-        eager, counted in ``report.graph_fallbacks`` (a refusal at that first call is logged as a warning,
-        once: e.g. group offloading, which streams weights); ``True``: capture at first sight, refusals
-        counted in ``report.runtime_fallbacks``; ``False``: never.
-    offload_original_weights: where the original weights of real-FP8 linears live
-        (:mod:`qwen_absorb.host_originals`). ``"auto"`` (default) / ``True``: in host memory while their
-        FP8 codes run on a GPU (the same ``Parameter`` objects, values intact: ``state_dict`` gives them on
-        the CPU); ``.to()`` moves the rest of the model and leaves them there; a fallback to diffusers'
-        forward brings them to the GPU for that call; :func:`unpatch` puts them back on the model's device.
-        ``False``: they stay on the GPU beside the FP8 codes (about 1.5x the bf16 model's memory).
-    capabilities: replaces the validated capability sets for this call, e.g. ``{(9, 0)}``, or
-        ``{"cpu"}`` to exercise deferral on the CPU with the ops' references.
-    force_reference: make the fused ops run their torch references (debugging).
-    kernels_under_compile: what ``torch.compile`` sees of a patched Qwen-Image block: ``"auto"``
-        (default) one opaque op that runs the eager patched forward, checks included
-        (:mod:`qwen_absorb.compile_boundary`; calls it cannot carry are traced as with ``False``);
-        ``True`` the forward traced with the fused kernels as custom ops; ``False`` traced with the
-        ops' torch references, which Inductor fuses its own way. Qwen-Image-2.1 blocks are traced.
-    use_fast_accum: ``torch._scaled_mm``'s fast accumulation for the FP8 GEMMs: ``"auto"`` (default) on
-        GPUs where it passed the fidelity gate (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`),
-        ``True`` / ``False`` everywhere.
-    cross_block: let each block's FFN residual op also compute the next block's norm1 (one kernel
-        instead of two at every block boundary, :mod:`qwen_absorb.handoff`).
-    tuning: a :class:`qwen_absorb.Tuning`, the measurement switches (which of two exact ways runs; None: the
-        measured defaults); part of the CUDA-graph key, shown in the report when not the default.
+    target: a diffusers Qwen-Image pipeline (whose ``.transformer`` is a ``QwenImageTransformer2DModel``) or the
+        transformer itself; any device, before or after offloading, caches, parallelism, LoRA or
+        ``compile_repeated_blocks()``.
+    defer_bias: ``"auto"`` defers an output-projection bias into the following fused op exactly when the
+        projection is ModelOpt FP8/NVFP4 without an enabled output quantizer, the kernels are available and the
+        capability is validated (:mod:`qwen_absorb.gating`); ``True`` wherever it is not wrong; ``False`` never.
+    fp8_gemm: run ModelOpt FP8 (e4m3, per-tensor, static) linears, PEFT LoRA layers around them included, as
+        real FP8 ``torch._scaled_mm`` fed by FP8-emitting fused kernels: ``"auto"`` on validated capabilities,
+        ``True`` wherever possible (sm_89+), ``False`` never; every other linear runs as its module (reason in
+        the report).
+    cuda_graph: capture the transformer call per input signature and replay it (:mod:`qwen_absorb.cuda_graph`),
+        refused per call where replay would be wrong. ``"auto"``: decided at the model's first call on a GPU
+        (a model patched on the CPU and moved, or under an offload hook, decides there); a signature is captured
+        when seen the second time; eager calls are counted in ``report.graph_fallbacks`` (the first call's
+        refusal, e.g. group offloading, is logged once). ``True``: capture at first sight, refusals in
+        ``report.runtime_fallbacks``. ``False``: never.
+    offload_original_weights: ``"auto"`` / ``True``: the original weights of real-FP8 linears stay in host
+        memory while their codes run on a GPU (same ``Parameter`` objects, values intact; ``.to()`` leaves them
+        there, a fallback call brings them over, :func:`unpatch` puts them back); ``False``: they stay on the
+        GPU beside the codes (about 1.5x the bf16 model's memory).
+    capabilities: replaces the validated capability sets, e.g. ``{(9, 0)}``, or ``{"cpu"}`` to exercise the
+        decisions on the CPU with the ops' references.
+    force_reference: the fused ops run their torch references (debugging).
+    kernels_under_compile: what ``torch.compile`` sees of a patched Qwen-Image block: ``"auto"`` one opaque op
+        running the eager patched forward, checks included (:mod:`qwen_absorb.compile_boundary`); ``True`` the
+        forward traced with the kernels as custom ops; ``False`` traced with the references.
+    use_fast_accum: ``torch._scaled_mm``'s fast accumulation: ``"auto"`` on GPUs that passed the fidelity gate
+        (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`), ``True`` / ``False`` everywhere.
+    cross_block: each block's FFN residual op also computes the next block's norm1 (:mod:`qwen_absorb.handoff`).
+    tuning: a :class:`qwen_absorb.Tuning` of measurement switches (None: the measured defaults).
+    vae / text_encoder: for a pipeline, also its VAE decode (:mod:`qwen_absorb.vae`) and prompt encoding
+        (:mod:`qwen_absorb.text_encoder`), in ``report.parts``.
 
-    vae / text_encoder: where ``target`` is a pipeline, also put its VAE decode (:mod:`qwen_absorb.vae`) and its
-        prompt encoding (:mod:`qwen_absorb.text_encoder`) on their fast paths (``cuda_graph`` applies to them
-        too); their sections are ``report.parts`` (``to_dict()["vae"]`` / ``["text_encoder"]``).
-
-    Patching again with the same arguments returns the current report; with other arguments, or
-    after the blocks themselves changed (replaced, added, removed), it unpatches and patches anew.
-    Changes inside a block (weights, quantizers, LoRA adapters, dtype, device) are seen at the next
-    call of that block, which decides again.
+    Patching again with the same arguments returns the current report; with other arguments, or after blocks
+    were replaced, added or removed, it patches anew. Changes inside a block (weights, quantizers, LoRA, dtype,
+    device) are seen at that block's next call, which decides again.
     """
     transformer = resolve_transformer(target)
-    cuda_graph = gating.check_graph_mode(cuda_graph)
+    cuda_graph = gating.check_tristate("cuda_graph", cuda_graph)
     options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
                        offload_original_weights, use_fast_accum, cross_block, tuning)
     state = transformer.__dict__.get(_STATE_ATTR)
@@ -253,15 +215,10 @@ def patch(
         log.info("patching again (%s)", stale or "other arguments")
         unpatch(transformer)
     blocks = list(getattr(transformer, "transformer_blocks", []))
-    if _is_21(transformer):
+    if classes21() is not None and isinstance(transformer, classes21()[0]):
         return _rooms(target, transformer, _patch21(transformer, blocks, options, cuda_graph), cuda_graph, vae,
                       text_encoder)
-    report = PatchReport(
-        transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
-        capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
-        force_reference=options.force_reference, offload_original_weights=options.offload_original_weights,
-        cuda_graph_mode=cuda_graph, tuning=options.tuning.describe(),
-    )
+    report = _new_report(transformer, options, cuda_graph, offload_original_weights=options.offload_original_weights)
     device = _decision_device(transformer)
     block_cls = classes()[1]
     announced: set = set()
@@ -310,9 +267,7 @@ def patch(
     for plan in plans:
         report.record(plan)  # after installing: patched, install slot, links
     object.__setattr__(transformer, _STATE_ATTR, state)
-    # whether the kernels run is said at the first call on a device (qwen_absorb.block), where the
-    # model really runs: a pipeline patched on the CPU is usually moved to CUDA next
-    log.info("%s", report)
+    log.info("%s", report)  # whether kernels run is said at the first call on a device (qwen_absorb.block)
     return _rooms(target, transformer, report, cuda_graph, vae, text_encoder)
 
 
@@ -341,8 +296,7 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph:
 
 
 def _catch_up(state: _PatchState) -> None:
-    """``patch()`` again on a model that changed inside its blocks (a LoRA loaded or fused, weights
-    loaded, quantizers switched): the blocks decide now, so the report returned is current."""
+    """``patch()`` again on a model changed inside its blocks: they decide now, so the report is current."""
     for rec in state.records:
         plan = rec.block.__dict__.get(PLAN_ATTR)
         if plan is not None and plan.rt.device is not None and (plan.rt.watch.changed()
@@ -351,36 +305,24 @@ def _catch_up(state: _PatchState) -> None:
 
 
 def _cuda_graph() -> Any:
-    """:mod:`qwen_absorb.cuda_graph`, imported when graph mode is installed."""
     from . import cuda_graph  # noqa: PLC0415  (the one lazy import: graph mode is optional and large)
 
     return cuda_graph
 
 
 GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
-                  "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 116.2 vs 115.4 ms) "
-                  "and hold one output per block; cuda_graph=True installs them")
+                  "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 "
+                  "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
 
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
-    """Qwen-Image-2.1: every ``QwenImage21TransformerBlock`` runs :func:`qwenimage21.patched_forward`
-    (same install, report and unpatch; no bias deferral, no hand-off yet), and its ModelOpt FP8 linears
-    real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`, per ``fp8_gemm`` /
-    ``capabilities`` / ``use_fast_accum`` as for Qwen-Image).
-    CUDA graphs per block: diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host
-    before its blocks (``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a whole call
-    cannot be captured (on the H200 every capture failed, ``profile_qwenimage21_h200.log``). With
-    ``cuda_graph=True`` each patched block gets a :class:`qwen_absorb.cuda_graph.GraphedCall` around its
-    patched forward, all sharing one memory pool, lock and set of static inputs
-    (:func:`qwen_absorb.cuda_graph.install_blocks`), captured at first sight: a block call of a signature
-    seen before replays that block's graph. Calls a graph cannot take (the prefix KV cache, a flex
-    ``BlockMask``, grad, hooks) run the block eager, counted per block call in ``report.runtime_fallbacks``;
-    ``report.cuda_graph["mode"]`` is ``"per block"``. ``"auto"`` installs none (``GRAPHS_21_AUTO``): measured,
-    the patched 2.1 call is no longer host-bound and the graphs were no faster."""
-    report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
-                         capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
-                         force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
-                         tuning=options.tuning.describe())
+    """Qwen-Image-2.1: the same install, report and unpatch (no bias deferral or hand-off); its ModelOpt FP8
+    linears run real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`). Its model forward
+    syncs with the host before the blocks (``tolist()`` / ``nonzero()`` on the token masks: every whole-call
+    capture failed on the H200), so ``cuda_graph=True`` graphs each block (:func:`cuda_graph.install_blocks`,
+    one shared pool, captured at first sight; refusals per block call in ``report.runtime_fallbacks``);
+    ``"auto"`` installs none (:data:`GRAPHS_21_AUTO`)."""
+    report = _new_report(transformer, options, cuda_graph)
     device = _decision_device(transformer)
     block_cls = classes21()[1]
     state = _PatchState(report, options, cuda_graph, blocks, [])
@@ -425,7 +367,7 @@ def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> Non
         fp8_forward.remove(block)
         plan.attn_forwards = False
         for s in plan.sites:
-            s.fused, s.bias_deferred, s.runner = False, False, "eager"
+            s.fused, s.bias_deferred, s.runner, s.mode = False, False, "eager", None
             s.reasons = ["block not patched"]
             if s.projection:
                 s.defer_reasons = ["block not patched"]
@@ -456,9 +398,6 @@ def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------- unpatch
-
-
 def _undo(state: _PatchState) -> None:
     if state.graph is not None:
         state.graph.remove()
@@ -473,7 +412,7 @@ def _undo(state: _PatchState) -> None:
                 if base is not None:
                     base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
             rec.block.__dict__.pop(PLAN_ATTR, None)
-        fp8_forward.remove(rec.block)  # the real-FP8 linears' forwards and, with them, their FP8 weights
+        fp8_forward.remove(rec.block)  # with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
                         "original forward)", type(rec.block).__name__)
@@ -481,14 +420,9 @@ def _undo(state: _PatchState) -> None:
 
 
 def unpatch(target: Any) -> None:
-    """Undo :func:`patch`: the original forwards (in the same hook slots) and biases, on the blocks the
-    model has now (a copied or appended patched block included).
-
-    Module structure, parameters and ``state_dict`` are exactly those of the unpatched model (they
-    never changed; offloaded originals come back to their device); outputs are bit-identical to a
-    never-patched model. What the patch made (plans, FP8 weights, graphs) is released: a report the
-    caller keeps holds none of it. A no-op if not patched.
-    """
+    """Undo :func:`patch` on the blocks the model has now: the original forwards (in the same hook slots),
+    biases and weight places; outputs bit-identical to a never-patched model. What the patch made (plans, FP8
+    weights, graphs) is released: a kept report holds none of it. A no-op if not patched."""
     transformer = resolve_transformer(target)
     if target is not transformer and hasattr(target, "transformer"):  # a pipeline: its VAE and prompt rooms too
         if isinstance(getattr(target, "vae", None), nn.Module):

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import dependencies as dep
 from . import attention21, gating, hooks, lora, nvfp4, ops, parallel, quant
+from . import site_runners as R
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
 from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, family_of,
@@ -75,6 +76,8 @@ class SitePlan:
     fused: bool = True
     reasons: list[str] = field(default_factory=list)  # why not fused
     runner: str = "eager"  # "kernel", "reference" (the op's torch reference) or "eager" (diffusers' ops)
+    mode: int | None = None  # site_runners.KERNEL / REFERENCE (None: eager), what ``run`` is called with
+    run: Any = None  # the site's op in qwen_absorb.site_runners, looked up once from Site.op
     projection: str | None = None  # the projection whose bias this site can take
     bias_deferred: bool = False
     defer_reasons: list[str] = field(default_factory=list)  # why the bias stays in the GEMM
@@ -84,10 +87,15 @@ class SitePlan:
     # derived state
     norm_quant: Any = None  # ops.Fp8PerTensorQuant reproduced inside the op
     fp8_amax: torch.Tensor | None = None  # the consumers' input amax (fp32, one element)
+    nvfp4_amax: torch.Tensor | None = None  # set: it emits its NVFP4 consumers' fake-quantized input, under this amax
 
     @property
     def key(self) -> str:
         return f"{self.stream}.{self.site}"
+
+    @property
+    def emit(self) -> str | None:  # what its consumers read: "fp8" codes, "nvfp4" (fake-quantized) or None (its output)
+        return "fp8" if self.fp8_out else "nvfp4" if self.nvfp4_amax is not None else None
 
 
 @dataclass
@@ -109,6 +117,12 @@ class LinearPlan:
     bias: torch.Tensor | None = None  # what the GEMM epilogue adds (the Parameter, or its TP share)
     tp: Any = None  # parallel.TpShard of a tensor-parallel linear run on its local shard
     cache_key: tuple = ()  # what ``weight`` was built from (reused when unchanged)
+    # an NVFP4 linear fed by its producer's NVFP4 emission: its nvfp4.Nvfp4Linear, owner of the fake-quantized weight
+    nvfp4: Any = None
+
+    @property
+    def quant(self) -> str | None:  # its GEMM: "fp8" (real FP8), "nvfp4" (its producer's emission) or None (its module)
+        return "fp8" if self.fp8_gemm else "nvfp4" if self.nvfp4 is not None else None
 
 
 @dataclass
@@ -191,6 +205,10 @@ class BlockPlan:
         stream, name = key.split(".")
         return self.site(stream, name)
 
+    @property
+    def mode(self) -> int:  # how the fused ops and the quantizations between them launch: kernels, else references
+        return R.KERNEL if self.kernels else R.REFERENCE
+
     def deferred(self, key: str) -> str | None:
         """The projection whose bias the site ``key`` adds (None: its GEMM adds it)."""
         for s in self.sites:
@@ -226,11 +244,8 @@ def _identity_dropout(m: nn.Module) -> bool:
 
 
 def _processor_reasons(block: nn.Module) -> list[str]:
-    proc = getattr(block.attn, "processor", None)
-    want = classes()[2]
-    if type(proc) is not want:
-        return [f"attention processor {type(proc).__name__} is not {want.__name__} (diffusers')"]
-    return []
+    proc, want = getattr(block.attn, "processor", None), classes()[2]
+    return [] if type(proc) is want else [f"attention processor {type(proc).__name__} is not {want.__name__} (diffusers')"]
 
 
 def _structure_refusals(block: nn.Module, path: str) -> list[str]:
@@ -280,6 +295,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
                   if plan.kernels or device.type != "cuda" else {})  # on CUDA, only the kernel rounds as ModelOpt
     plan.sites = [_decide_site(plan, block, s, device) for s in SITE_TABLE.values()]
     _decide_fp8_inputs(plan, block)
+    nvfp4.decide_rows(plan, block, _fp8_context_reasons)
     _build_fp8(plan, block, old)
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = any(plan.linears[p].fp8_gemm or (resolve(block, p) in plan.nvfp4 and not _fp8_context_reasons(
@@ -376,12 +392,10 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
     if path.startswith("attn."):
         r = _processor_reasons(block) + dep.attention_hook_refusal(block)
         return r or _attention_reasons(block)
-
     if path.endswith("_mod.1"):
         mod = resolve(block, path.split(".")[0])
-        if mod is None or len(mod) != 2 or type(mod[0]) is not nn.SiLU:
-            return [f"{path.split('.')[0]} is not (SiLU, Linear)"]
-        return []
+        ok = mod is not None and len(mod) == 2 and type(mod[0]) is nn.SiLU
+        return [] if ok else [f"{path.split('.')[0]} is not (SiLU, Linear)"]
     net = resolve(block, path.split(".")[0] + ".net")
     if net is None or len(net) != 3 or not _identity_dropout(net[1]) or getattr(net[0], "approximate", None) != "tanh":
         return ["the FeedForward is not GELU(tanh) -> Dropout(0) -> Linear"]
@@ -391,14 +405,9 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
 def _attention_reasons(block: nn.Module) -> list[str]:
     """Why diffusers' processor of ``block.attn`` does not compute exactly the attention the fused path
     reproduces (hooks aside): another processor, an enabled ModelOpt attention quantizer."""
-    r = _processor_reasons(block)
-    if r:
-        return r
-    for q in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
-              "bmm2_output_quantizer"):
-        if quant.quantizer_enabled(getattr(block.attn, q, None)):
-            return [f"ModelOpt attention quantizer {q} is enabled"]
-    return []
+    qs = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer", "bmm2_output_quantizer")
+    on = [q for q in qs if quant.quantizer_enabled(getattr(block.attn, q, None))]
+    return _processor_reasons(block) or [f"ModelOpt attention quantizer {q} is enabled" for q in on[:1]]
 
 
 def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.device) -> SitePlan:
@@ -416,7 +425,8 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
     elif s.op == "swiglu":
         sp.reasons = swiglu21_refusals(block)
     sp.fused = not sp.reasons
-    sp.runner = ("kernel" if plan.kernels else "reference") if sp.fused else "eager"
+    sp.mode = plan.mode if sp.fused else None
+    sp.runner, sp.run = R.MODE_NAMES[sp.mode], getattr(R, s.op)
     if s.takes_bias_of is not None:
         sp.projection = s.takes_bias_of
         info = plan.projections.get(s.takes_bias_of)

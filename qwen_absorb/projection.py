@@ -68,6 +68,14 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
     return module(*args)
 
 
+def nvfp4_linear(fq: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
+    """An NVFP4 linear from its input's NVFP4 fake quantization (its producer's emission): ModelOpt's
+    ``F.linear(fq(x), fq(W), bias)``, ``fq(W)`` made once by the linear's runner (remade when its sources change),
+    the bias in the GEMM."""
+    r = lp.nvfp4
+    return torch.nn.functional.linear(fq, r.weight(), r.lin.bias)
+
+
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
                x: torch.Tensor | None = None, module: nn.Module | None = None,
                branches: list | None = None, defer: list | None = None) -> torch.Tensor:

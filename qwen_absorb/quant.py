@@ -1,15 +1,14 @@
-"""Per-layer detection of ModelOpt quantization in a Qwen-Image block.
+"""ModelOpt, per layer: quantizer formats, the one FP8 eligibility check, FP8 weights, what a plan watches.
 
-Detection is per module, never per model: configs exclude layers, AutoQuantize mixes formats, and
-diffusers' ``NVIDIAModelOptConfig`` / ``hf_quantizer`` cannot be relied on (it raises with
-modelopt >= 0.44), so nothing here reads model-level flags. A module counts as ModelOpt-quantized
-when it carries a ModelOpt quantizer object, which is true however it was made: ``mtq.quantize``
-(fake quant), ``mtq.compress`` (real-quant ``QTensorWrapper`` weights) or a restored checkpoint.
+Detection is per module, never per model (configs exclude layers, AutoQuantize mixes formats, and diffusers'
+``NVIDIAModelOptConfig`` raises with modelopt >= 0.44): a module is ModelOpt-quantized when it carries a ModelOpt
+quantizer, however it was made (``mtq.quantize``, ``mtq.compress``, a restored checkpoint).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,12 +24,11 @@ from .sites import unwrap_peft
 
 
 def _quant_input_forward() -> Any:
-    """ModelOpt's ``QuantInputBase.forward``, looked up among the modules already imported: a model
-    can only hold ModelOpt modules once ModelOpt is imported, and importing it here, deep inside a
-    call that holds the user's model, is the trap described in :mod:`qwen_absorb.testing`."""
+    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (a model holds ModelOpt modules only then;
+    importing it in a call holding the model would keep the model alive: ``hf_export.import_modelopt``)."""
     mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
-    base = getattr(mod, "QuantInputBase", None)
-    return getattr(base, "forward", None)
+    return getattr(getattr(mod, "QuantInputBase", None), "forward", None)
+
 
 FP8_E4M3 = "FP8_E4M3"
 NVFP4 = "NVFP4"
@@ -41,21 +39,16 @@ OTHER = "other"
 
 
 def is_modelopt_object(obj: Any) -> bool:
-    """Whether ``obj`` is an instance of a ModelOpt class: a quantizer, or a module ModelOpt put in place of a
-    diffusers one (its quantized attention, linears, norms)."""
+    """``obj`` is an instance of a ModelOpt class: a quantizer, or a module ModelOpt put in place of a diffusers one."""
     return obj is not None and type(obj).__module__.startswith("modelopt.")
 
 
-def is_modelopt_quantizer(q: Any) -> bool:
-    return is_modelopt_object(q)
+is_modelopt_quantizer = is_modelopt_object
 
 
 def _first_quantizer(q: Any) -> Any:
-    # A SequentialQuantizer (e.g. W4A8) is an nn.Sequential of TensorQuantizers; the first one
-    # sees the tensor first and names the storage format.
-    if isinstance(q, nn.Sequential) and len(q) > 0:
-        return q[0]
-    return q
+    # a SequentialQuantizer (e.g. W4A8): the first one sees the tensor first and names the storage format
+    return q[0] if isinstance(q, nn.Sequential) and len(q) > 0 else q
 
 
 def quantizer_enabled(q: Any) -> bool:
@@ -89,6 +82,17 @@ def quantizer_format(q: Any) -> str | None:
     return OTHER
 
 
+# (attribute, its value refuses, why) of fp8_quantizer_reasons, in the order it says them
+_FP8_REFUSED = (("axis", lambda v: v is not None, "not per-tensor (axis is set)"),
+                ("block_sizes", bool, "block quantization"),
+                ("pre_quant_scale", lambda v: v is not None, "pre_quant_scale is set"),
+                ("_if_calib", bool, "calibration is running"),
+                ("_if_quant", lambda v: v is not None and not v, "quantization is switched off"),
+                ("backend", lambda v: v is not None, "custom backend"),
+                ("_use_constant_amax", bool, "constant amax"),
+                ("rotate_is_enabled", bool, "rotation enabled"))
+
+
 def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
     """Why a ModelOpt quantizer is not an FP8 e4m3 per-tensor static fake quantizer (empty: it is)."""
     r = []
@@ -101,22 +105,7 @@ def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
         r.append("quantizer is disabled")
     if getattr(quantizer, "num_bits", None) != (4, 3):
         r.append(f"num_bits {getattr(quantizer, 'num_bits', None)} is not FP8 e4m3 (4, 3)")
-    if getattr(quantizer, "axis", None) is not None:
-        r.append("not per-tensor (axis is set)")
-    if getattr(quantizer, "block_sizes", None):
-        r.append("block quantization")
-    if getattr(quantizer, "pre_quant_scale", None) is not None:
-        r.append("pre_quant_scale is set")
-    if getattr(quantizer, "_if_calib", False):
-        r.append("calibration is running")
-    if not getattr(quantizer, "_if_quant", True):
-        r.append("quantization is switched off")
-    if getattr(quantizer, "backend", None) is not None:
-        r.append("custom backend")
-    if getattr(quantizer, "_use_constant_amax", False):
-        r.append("constant amax")
-    if getattr(quantizer, "rotate_is_enabled", False):
-        r.append("rotation enabled")
+    r += [why for attr, bad, why in _FP8_REFUSED if bad(getattr(quantizer, attr, None))]
     if getattr(quantizer, "_bias_calibrator", None) is not None or getattr(quantizer, "bias", None) is not None:
         r.append("quantizer has a bias")
     amax = getattr(quantizer, "_amax", None)
@@ -129,24 +118,19 @@ def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
     return r
 
 
-_ext_available: dict[str, bool] = {}
-
-
+@functools.lru_cache(maxsize=1)
 def _cuda_ext_available() -> bool:
     """Whether ModelOpt uses its CUDA extension for CUDA inputs (it builds it once, on first use)."""
-    if "fp8" not in _ext_available:
-        ext = sys.modules.get("modelopt.torch.quantization.extensions")  # imported with mtq
-        try:
-            _ext_available["fp8"] = ext is not None and ext.get_cuda_ext_fp8(raise_if_failed=False) is not None
-        except Exception:
-            _ext_available["fp8"] = False
-    return _ext_available["fp8"]
+    ext = sys.modules.get("modelopt.torch.quantization.extensions")  # imported with mtq
+    try:
+        return ext is not None and ext.get_cuda_ext_fp8(raise_if_failed=False) is not None
+    except Exception:
+        return False
 
 
 def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[Fp8PerTensorQuant | None, list[str]]:
-    """The norm-input fake quantizer as the ops' :class:`Fp8PerTensorQuant` for inputs on ``device``
-    (default: where its amax lies), holding the quantizer's own ``_amax`` tensor (an in-place
-    recalibration is seen) and the formula ModelOpt uses there; else ``(None, reasons)``."""
+    """The norm-input fake quantizer as an :class:`Fp8PerTensorQuant` for inputs on ``device`` (default: its
+    amax's), holding its own ``_amax`` (an in-place recalibration is seen) and ModelOpt's formula there."""
     r = fp8_quantizer_reasons(quantizer)
     if not getattr(quantizer, "fake_quant", False):
         r.append("not fake quantization")
@@ -158,10 +142,8 @@ def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[
 
 
 def quant_input_norm_ok(norm: nn.Module) -> bool:
-    """Cheap enough for every call: a ModelOpt-converted LayerNorm still computes
-    ``LayerNorm(input_quantizer(x))`` (``QuantInputBase.forward``, its output quantizer not enabled, no
-    forward replaced before conversion), so a runner may apply ``norm.input_quantizer`` itself and then
-    compute the LayerNorm in a fused op (Qwen-Image-2.1's norm1 / norm2)."""
+    """Per call: a ModelOpt LayerNorm still computes ``LayerNorm(input_quantizer(x))`` (no enabled output
+    quantizer, no forward replaced before conversion), so a runner may quantize and fuse the norm itself."""
     d = norm.__dict__
     mods = d.get("_modules") or {}
     return (type(norm).forward is _quant_input_forward() and "_forward_pre_dm" not in d
@@ -195,11 +177,10 @@ class ProjectionInfo:
 def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:
     base, wrappers = unwrap_peft(module)
     info = ProjectionInfo(name=name, cls=type(module).__name__, peft_wrapped=bool(wrappers))
-    # a biased adapter's output already holds its own bias; deferring only the base bias stays correct,
-    # but deferral refuses such (rare, untested) adapters
+    # a biased adapter: deferring only the base bias would stay correct, but deferral refuses such (rare) adapters
     info.lora_bias = any(has_lora_bias(w) for w in wrappers)
-    # The quantizers may sit on the base layer (LoRA added after quantization) or on a ModelOpt-
-    # converted PEFT wrapper (LoRA present at quantize time): take the outermost that has them.
+    # the quantizers sit on the base layer (LoRA added after quantization) or on a ModelOpt-converted PEFT
+    # wrapper (LoRA present at quantize time): the outermost that has them
     qmod = next((m for m in [*wrappers, base] if is_modelopt_quantizer(getattr(m, "weight_quantizer", None))), None)
     params = getattr(base, "_parameters", {})
     info.bias_holder_ok = "bias" in params
@@ -235,9 +216,7 @@ class NormInfo:
     input_quantizer_enabled: bool = False
     input_format: str | None = None
     output_quantizer_enabled: bool = False
-    # Why the FP8 path of bias_residual_layer_norm_scale_shift cannot reproduce the input quantizer
-    # (empty: it can). Irrelevant when the input quantizer is disabled.
-    fp8_kernel_reasons: list[str] = field(default_factory=list)
+    fp8_kernel_reasons: list[str] = field(default_factory=list)  # why the FP8 kernels can't reproduce input_q
     unsupported: list[str] = field(default_factory=list)  # why the site cannot be fused at all
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,23 +245,18 @@ def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
     if info.input_quantizer_enabled:
         info.fp8_kernel_reasons = fp8_quantizer_reasons(iq)
     if info.modelopt and type(norm).forward is not _quant_input_forward():
-        # Something other than QuantInputBase.forward (LN(Q(x)) then Q_out) would run.
         info.unsupported.append(f"{name}: unknown ModelOpt forward {type(norm).forward.__qualname__}")
     if info.modelopt and "_forward_pre_dm" in norm.__dict__:
         info.unsupported.append(f"{name}: its forward was replaced before ModelOpt converted it")
     return info
 
 
-# ---------------------------------------------------------------------------- real FP8 GEMMs
-
 FP8_GEMM_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm with e4m3 needs Ada or newer
 
 
 def fp8_gemm_reasons(module: nn.Module) -> list[str]:
-    """Why a linear cannot run as a real FP8 ``torch._scaled_mm`` exactly where ModelOpt fake-quantizes
-    it (empty: it can). Device-independent part; the caller adds the device's. A PEFT wrapper is
-    looked through (its branches are :mod:`qwen_absorb.lora`'s); one that ModelOpt converted itself
-    (LoRA present at quantize time) runs as ModelOpt runs it."""
+    """Why a linear cannot run as a real FP8 ``torch._scaled_mm`` exactly where ModelOpt fake-quantizes it
+    (device-independent part). A PEFT wrapper is looked through, unless ModelOpt converted it itself."""
     base, wrappers = unwrap_peft(module)
     if any(is_modelopt_quantizer(getattr(w, "weight_quantizer", None)) for w in wrappers):
         return ["a PEFT layer quantized by ModelOpt as a whole: runs as ModelOpt runs it"]
@@ -318,10 +292,8 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
 
 
 def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[str]:
-    """The one FP8 eligibility check of a ModelOpt linear, for both block families: why ``module`` (a PEFT
-    wrapper looked through) cannot run as a real FP8 GEMM on a device that refuses for ``device_reasons``
-    (``qwen_absorb.gating.fp8_device_refusals``); empty: it can. Tensor parallelism and offloading hooks are
-    the caller's (Qwen-Image runs local shards)."""
+    """The one FP8 eligibility check of a ModelOpt linear, for both families, on a device refusing for
+    ``device_reasons`` (``gating.fp8_device_refusals``). Tensor parallelism and offload hooks are the caller's."""
     r = fp8_gemm_reasons(module)
     if r == ["not ModelOpt-quantized"]:
         return r
@@ -339,9 +311,9 @@ def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[st
 
 
 def modelopt_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """What ModelOpt's ``QuantInputBase.forward`` runs between its quantizers when the forward it kept from
-    before a conversion (``_forward_pre_dm``, e.g. ``mtq.compress`` after patching) is not one of the class's:
-    ``super().forward``. A forward of ours kept there calls this, never the module again (no recursion)."""
+    """What ModelOpt's ``QuantInputBase.forward`` runs between its quantizers (``super().forward``): a forward of
+    ours that a conversion kept as ``_forward_pre_dm`` (``mtq.compress`` after patching) calls this, never the
+    module again (no recursion)."""
     qf = _quant_input_forward()
     for cls in type(module).__mro__:
         if cls.__dict__.get("forward") is qf:
@@ -368,24 +340,20 @@ class Fp8Weight:
 
 
 def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
-    """Build (once, at decision time) the FP8 weight of a linear that passed :func:`fp8_gemm_reasons`.
-
-    Fake quant: codes = e4m3(W * 448 / amax_w), the codes inside ModelOpt's own fake quantization
-    of W (CUDA-extension formula). ``mtq.compress``ed: ModelOpt's stored codes and its ``_scale``.
-    """
+    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons`, built once per decision: fake quant,
+    e4m3(W * 448 / amax_w) (the codes inside ModelOpt's fake quantization, CUDA-extension formula);
+    ``mtq.compress``ed, ModelOpt's stored codes and ``_scale``."""
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
-    # A copy: the emitting kernels and the GEMM's dequantization scale must agree. Any change of the
-    # amax (identity or version) is seen by the block's watch (quant.watch_pairs), which decides anew.
+    # a copy: the emitting kernels and the GEMM's scale must agree (the watch sees the amax change: decided anew)
     input_amax = iq._amax.detach().float().reshape(1).to(device).clone()
     if type(w).__name__ == "QTensorWrapper":
         codes = w.as_subclass(torch.Tensor).detach()
         scale = wq._scale.detach().float().reshape(1)
         return Fp8Weight(codes.to(device), scale.to(device), input_amax, True, w.metadata["dtype"])
     if is_dtensor(w):
-        # tensor parallelism: this rank's shard. ModelOpt calibrates a DTensor weight's amax over the
-        # whole tensor (a plain tensor, equal on every rank), so the codes are the shard of the codes.
+        # this rank's shard; the amax was calibrated over the whole tensor, so these are the shard of the codes
         w = w.to_local().contiguous()
     with torch.no_grad():
         codes = quantize_fp8_reference(w.detach().to(device), wq._amax)
@@ -407,18 +375,14 @@ def calibrating(module: nn.Module) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------- what a plan watches
-
 _QUANTIZERS = ("input_quantizer", "weight_quantizer", "output_quantizer")
-# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are
-# singletons, so identity is equality for them); the amax buffers by identity and version.
+# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are singletons)
 _SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", "_axis", "_block_sizes")
 
 
 def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
-    """What of a ModelOpt-quantized module (a linear or a norm) the derived state depends on, as
-    :class:`qwen_absorb.watch.Watch` entries ``(owner, dict, key)``: ``(switches, tensors)``, the
-    quantizers' switches (compared by identity) and their amax / scale buffers (identity + version)."""
+    """``(switches, tensors)``: the :class:`~qwen_absorb.watch.Watch` entries of a ModelOpt module's quantizer
+    switches (by identity) and amax / scale buffers (identity and version)."""
     switches: list[tuple[Any, str, str]] = []
     tensors: list[tuple[Any, str, str]] = []
     if module is None:
@@ -439,9 +403,9 @@ def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], l
 
 @contextlib.contextmanager
 def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
-    """ModelOpt's quantized modules swap functions process-wide for their forward (``QuantAttention``: torch.bmm,
-    torch.baddbmm, F.scaled_dot_product_attention) with ``replace_function``, which has no try/finally: an exception
-    raised inside (diffusers' ValueError on an attention_mask) leaves them swapped for the whole process. Put back."""
+    """ModelOpt's ``QuantAttention`` swaps torch.bmm, torch.baddbmm and F.scaled_dot_product_attention
+    process-wide with ``replace_function``, which has no try/finally: an exception inside (diffusers' ValueError
+    on an attention_mask) would leave them swapped for the process. Put back."""
     saved = [(p, n, getattr(p, n)) for p, n, *_ in getattr(module, "functionals_to_replace", None) or ()]
     try:
         yield
@@ -451,8 +415,7 @@ def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
         raise
 
 
-__all__ = ["swaps_undone_on_error", 
-    "FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
-    "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection", "is_modelopt_quantizer",
-    "make_fp8_weight", "norm_input_fp8", "quant_input_norm_ok", "quantizer_enabled", "quantizer_format", "watch_pairs",
-]
+__all__ = ["FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
+           "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection",
+           "is_modelopt_quantizer", "make_fp8_weight", "norm_input_fp8", "quant_input_norm_ok", "quantizer_enabled",
+           "quantizer_format", "swaps_undone_on_error", "watch_pairs"]

@@ -10,24 +10,15 @@ diffusers' block (one stream, modulation shared by all blocks and sliced per blo
     y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
     h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
-The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`, decided by :func:`qwen_absorb.plan.decide` into a
-:class:`~qwen_absorb.plan.BlockPlan` like a Qwen-Image block's. The attention's linears (LoRA, ModelOpt, hooks) and
-the FFN's are called as modules wherever a hook or wrapper would run around them; what the fused ops bypass is
-only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s own forward, fused only where those are plain and unhooked. A
-ModelOpt ``QuantLayerNorm`` counts as plain: on kernels an FP8 per-tensor static input quantizer runs inside the
-fused op (``Fp8PerTensorQuant``, ModelOpt's formula bit for bit, read per call); any other quantizer is called as
-the module and the rest fused.
-
-Real FP8 (:mod:`qwen_absorb.fp8_forward` in each ModelOpt FP8 linear's forward slot): where a site's consumers are
-real-FP8 GEMMs under one input amax that nothing would run around (:func:`qwen_absorb.fp8_forward.group`), its
-fused op also writes the e4m3 codes of its output (norm1 -> to_q/to_k/to_v when the block runs the attention,
-norm2 -> gate_layer/proj, SwiGLU -> out) and the runner calls their GEMMs with those codes as arguments; every
-other call of a linear quantizes what it receives itself. Under ``torch.compile`` the linears are ModelOpt's.
-
-Per call, whatever the plan cannot vouch for (grad, a global hook, an argument diffusers would broadcast or
-promote, a module changed or hooked since) runs diffusers' forward or that site's eager expression, counted in
-the report's ``runtime_fallbacks``. Kernels run only on CUDA with CuPy; elsewhere the ops' torch references run,
-which are the diffusers expressions themselves (bit-identical).
+The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`, decided by :func:`qwen_absorb.plan.decide` (each
+site's runner, :mod:`qwen_absorb.site_runners`, and its mode); only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s
+own forward are bypassed, fused only where plain and unhooked (a ModelOpt ``QuantLayerNorm`` counts as plain: an FP8
+per-tensor input quantizer runs inside the kernel, any other as its module). Real FP8 (:mod:`qwen_absorb.fp8_forward`
+in each ModelOpt FP8 linear's forward slot): where a site's consumers are real-FP8 GEMMs under one input amax that
+nothing would run around (:func:`qwen_absorb.fp8_forward.group`), its op also writes the e4m3 codes of its output and
+the runner calls their GEMMs with them; under ``torch.compile`` the linears are ModelOpt's. Per call, whatever the plan
+cannot vouch for (grad, a global hook, an argument diffusers would broadcast, a module changed or hooked since) runs
+diffusers' forward or that site's eager expression, counted in the report's ``runtime_fallbacks``.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ import torch
 from torch import nn
 
 from . import attention21, fp8_forward, hooks, quant
-from . import runners21 as R
+from . import site_runners as R
 from .block import PatchedForward
 from .ops import _validate
 from .ops._target_rows import select_rows
@@ -122,15 +113,10 @@ def patched_forward(
         if not compiling:
             _count(plan, why)
         return _original(block, *args)
-    if compiling:
-        mode = R.COMPILED
-    elif plan.kernels and hidden_states.device == plan.rt.device:
-        mode = R.KERNEL
-    else:
+    mode = R.COMPILED if compiling else plan.mode  # the sites' planned mode (each site's run, by its row)
+    if mode == R.KERNEL and hidden_states.device != plan.rt.device:
         mode = R.REFERENCE
-        if plan.kernels:
-            _count(plan, f"activations on {hidden_states.device}, kernels decided for {plan.rt.device}: "
-                         "torch references")
+        _count(plan, f"activations on {hidden_states.device}, kernels decided for {plan.rt.device}: torch references")
     x, mask = hidden_states, target_token_mask
     if mode == R.KERNEL:
         x = x.contiguous()
@@ -139,7 +125,7 @@ def patched_forward(
     mod1, mod2 = modulation.chunk(2, dim=-1)
     scale1, gate1 = mod1.chunk(2, dim=-1)
     scale2, gate2 = mod2.chunk(2, dim=-1)
-    site_norm1, _, site_norm2, site_swiglu, _ = plan.sites
+    site_norm1, site_res1, site_norm2, site_swiglu, site_res2 = plan.sites
     eps1, eps2 = plan.norms["img_norm1"].eps, plan.norms["img_norm2"].eps
 
     # Real FP8 GEMMs (qwen_absorb.fp8_forward) run eagerly; under torch.compile the linears are ModelOpt's.
@@ -158,8 +144,8 @@ def patched_forward(
     codes1 = None
     if norm1:
         nq1 = _fused_quant(block.img_norm1, mode, dev)
-        img_modulated, codes1 = R.layer_norm_scale(mode, x if nq1 is not None else _norm_input(block.img_norm1, x, mode),
-                                                  scale1, eps1, mask, qkv, nq=nq1)
+        img_modulated, codes1 = site_norm1.run(mode, x if nq1 is not None else _norm_input(block.img_norm1, x, mode),
+                                               scale1, eps1, mask, _amax(qkv), nq=nq1)
     else:
         img_modulated = block.img_norm1(hidden_states) * (1 + select_rows(scale1, target_token_mask))
     if own_attn:
@@ -185,14 +171,14 @@ def patched_forward(
     if norm2:
         nq2 = _fused_quant(block.img_norm2, amode, dev)
         if nq2 is None and "input_quantizer" in block.img_norm2._modules:  # LayerNorm(Q(h)), Q between two ops
-            h = R.residual(amode, x, attn_output, gate1, mask, False)
+            h = site_res1.run(amode, x, attn_output, gate1, mask, False)
             img_modulated2, codes2 = R.layer_norm_scale(amode, _norm_input(block.img_norm2, h, amode), scale2,
-                                                       eps2, mask, ab, ab is None)
+                                                       eps2, mask, _amax(ab), ab is None)
         else:
-            h, img_modulated2, codes2 = R.residual_norm(amode, x, attn_output, gate1, scale2, eps2, mask,
-                                                       ab, ab is None, nq=nq2)
+            h, img_modulated2, codes2 = site_norm2.run(amode, x, attn_output, gate1, scale2, eps2, mask,
+                                                       _amax(ab), ab is None, nq=nq2)
     else:
-        h = R.residual(amode, x, attn_output, gate1, mask, False)
+        h = site_res1.run(amode, x, attn_output, gate1, mask, False)
         img_modulated2 = block.img_norm2(h) * (1 + select_rows(scale2, target_token_mask))
 
     # FFN: SwiGLU through the FFN's own linears (or their FP8 GEMMs), then h + tanh(gate2) * y (and the fp16 clip)
@@ -205,12 +191,12 @@ def patched_forward(
     if swiglu:
         smode = mode if _pair_ok(a, b) else R.REFERENCE
         o = fp8_forward.group(mlp, ("out",), dev) if fp8 else None
-        s, codes3 = R.swiglu(smode, a, b, o, o is None)
+        s, codes3 = site_swiglu.run(smode, a, b, _amax(o), o is None)
         y = o[0].gemm(codes3) if o is not None else mlp.out(s)
     fmode = mode if _like(y, h) else R.REFERENCE
     if fmode != mode and not compiling:
         _count(plan, "FFN output is not a plain tensor shaped like hidden_states: eager expression")
-    out = R.residual(fmode, h, y, gate2, mask, True)
+    out = site_res2.run(fmode, h, y, gate2, mask, True)
     if mode == R.REFERENCE and not compiling and not plan.kernels:
         _count(plan, "fused ops ran their torch references")
     return out
@@ -260,6 +246,11 @@ def _swiglu_ok(mlp: nn.Module, plan: BlockPlan, compiling: bool) -> bool:
     if not ok and not compiling:
         _count(plan, "img_mlp changed or hooked since patching: img_mlp(x)")
     return ok
+
+
+def _amax(fwds) -> torch.Tensor | None:
+    """The input amax of a site's real-FP8 consumers (they share it), or None: the site emits no codes."""
+    return fwds[0].weight.input_amax if fwds is not None else None
 
 
 def _like(t: Any, ref: torch.Tensor) -> bool:

@@ -1,10 +1,9 @@
 """``PatchReport``: what a patch decided and what runs, as plain data.
 
-A report holds no module, tensor or CUDA graph: every decision a block makes (at patch time and
-whenever it decides again) is recorded into it as plain data, its counters keep counting while the
-model runs, and the dtype and the CUDA-graph description are read through a weak reference to the
-patch state while the patch is active (then kept as last seen). Keeping a report therefore never keeps
-a model, its FP8 weights or its graphs alive. ``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
+It holds no module, tensor or graph (keeping a report never keeps a model or its FP8 weights alive): every
+decision is copied in as plain data, counters keep counting while the model runs, and dtype and graph
+description are read through a weak reference to the patch state while it is active (then kept as last seen).
+``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
 """
 
 from __future__ import annotations
@@ -17,11 +16,7 @@ from typing import Any
 
 from .plan import BlockPlan, LinearPlan, SitePlan
 from .quant import NormInfo, ProjectionInfo
-from .sites import SITE_TABLE, SITES, STREAMS  # noqa: F401  (SITES, STREAMS: re-exported)
-
-# The projection whose bias each site can consume (read off the site table).
-SITE_PROJECTION = {(s.stream, s.name): s.takes_bias_of for s in SITE_TABLE.values() if s.takes_bias_of}
-RUNNER_WORDS = {"kernel": "CUDA kernels", "reference": "torch references", "eager": "diffusers' ops"}
+from .sites import SITES, STREAMS  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -131,7 +126,7 @@ class BlockReport:
 
 @dataclass
 class PatchReport:
-    """The result of :func:`qwen_absorb.patch`: plain data (see the module docstring)."""
+    """The result of :func:`qwen_absorb.patch` (see the module docstring)."""
 
     transformer_class: str
     defer_bias: str | bool
@@ -163,8 +158,7 @@ class PatchReport:
 
     def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
                        input_amax: float, fast_accum: bool = False) -> None:
-        """Copy the decision of a Qwen-Image attention linear's gated real-FP8 forward in (at install, then
-        after every decision it makes when its hooked attention runs)."""
+        """A Qwen-Image attention linear's gated real-FP8 forward decided (at install, then at each decision)."""
         self._fwd.setdefault(index, {})[path] = bool(fp8)
 
     def bind(self, state: Any) -> None:
@@ -209,8 +203,7 @@ class PatchReport:
         return self._seen["graph"]
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copy (pickle, deepcopy) holds the decisions as of now; the patch state that copies with the
-        # model binds its own report again (qwen_absorb.patch)
+        # a copy holds the decisions as of now; a patch state copied with the model binds its own report again
         self._live()
         d = dict(self.__dict__)
         d["_state"] = None
@@ -254,16 +247,12 @@ class PatchReport:
         linears = [lp for b in patched for lp in b.linears.values()]
         d = self._decided(blocks)
         return {
-            "blocks": len(blocks),
-            "blocks_patched": len(patched),
-            "sites": len(sites),
-            "sites_fused": sum(s.fused for s in sites),
-            "sites_on_kernels": runners["kernel"],
-            "sites_on_references": runners["reference"],
+            "blocks": len(blocks), "blocks_patched": len(patched),
+            "sites": len(sites), "sites_fused": sum(s.fused for s in sites),
+            "sites_on_kernels": runners["kernel"], "sites_on_references": runners["reference"],
             "biases_deferrable_sites": sum(s.projection is not None for s in sites),
             "biases_deferred": sum(s.bias_deferred for s in sites),
-            "quantized_projections": dict(formats),
-            "compressed_projections": compressed,
+            "quantized_projections": dict(formats), "compressed_projections": compressed,
             "quantized_norms": sum(n.input_quantizer_enabled for b in blocks for n in b.norms.values()),
             "fp8_gemm_linears": sum(lp.fp8_gemm for lp in linears),
             "fp8_gemm_lora_linears": sum(lp.fp8_gemm and lp.lora for lp in linears),
@@ -276,8 +265,7 @@ class PatchReport:
             "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in blocks),
             "cross_block_links": sum(b.handoff for b in blocks),
             "cross_block_handoffs_taken": sum(b.handoffs_used for b in blocks),
-            "runtime_fallbacks": sum(self.runtime_fallbacks.values()),
-            "rebuilds": sum(self.rebuilds.values()),
+            "runtime_fallbacks": sum(self.runtime_fallbacks.values()), "rebuilds": sum(self.rebuilds.values()),
             "kernels_available": d is not None and not d.kernel_reasons,
         }
 
@@ -297,8 +285,7 @@ class PatchReport:
             "force_reference": self.force_reference, "active": self.active, "tuning": self.tuning,
             "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
             "rebuilds": dict(self.rebuilds), "cuda_graph_mode": self.cuda_graph_mode, "cuda_graph": self.cuda_graph,
-            "cuda_graph_refused": self.cuda_graph_refused,
-            "graph_fallbacks": dict(self.graph_fallbacks),
+            "cuda_graph_refused": self.cuda_graph_refused, "graph_fallbacks": dict(self.graph_fallbacks),
             "blocks": [b.to_dict() for b in blocks],
             **{name: part.to_dict() for name, part in self.parts.items()},
         }
@@ -330,8 +317,7 @@ class PatchReport:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
                          f"quantized block norms: {s['quantized_norms']}")
-        # Bias deferral can only apply to ModelOpt-quantized projections (or when forced with defer_bias=True):
-        # a bf16 model gets no deferral section at all.
+        # deferral applies to ModelOpt-quantized projections (or defer_bias=True): a bf16 model gets no section
         deferral_applies = s["biases_deferrable_sites"] and (
             s["biases_deferred"] or self.defer_bias is True or s["quantized_projections"])
         if deferral_applies:
@@ -375,9 +361,8 @@ class PatchReport:
         return "\n".join(lines)
 
     def _fp8_line(self, s: dict[str, Any], blocks: list[BlockReport], device: str) -> str:
-        """The real-FP8 count. It covers the linears inside the transformer blocks (what the patch runs);
-        a quantizer's own count of the whole model also has the linears outside them (img_in, txt_in,
-        proj_out, the time embedding), which run as ModelOpt runs them."""
+        """The real-FP8 count of the linears inside the blocks; a quantizer's own count of the whole model also
+        has those outside them (img_in, txt_in, proj_out, the time embedding), which ModelOpt runs."""
         n = s["fp8_gemm_linears"]
         lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
         fast = " with fast accumulation" if n and any(b.fast_accum for b in blocks if b.patched) else ""
@@ -415,8 +400,7 @@ def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
 
 
 class _Plain:
-    """Says the kernels' unavailability once: reasons that repeat it (deferral refused because the fused path
-    is unavailable, a block call that ran the references) point to the sites line instead."""
+    """Says the kernels' unavailability once: reasons repeating it point to the sites line instead."""
 
     def __init__(self, device: str, kernel_why: str):
         self.device, self.why = device, kernel_why
@@ -438,8 +422,7 @@ class _Plain:
 
 
 def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: int = 0) -> list[str]:
-    """One line per distinct set of reasons, with how many items share it and their blocks: every item
-    is counted once, so the counts add up to the items."""
+    """One line per distinct set of reasons, with how many items share it (counts add up) and their blocks."""
     if not items:
         return []
     by: dict[str, list[int]] = {}

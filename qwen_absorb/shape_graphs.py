@@ -1,10 +1,8 @@
-"""CUDA graphs of one function, one per input key: static inputs copied in, outputs cloned out.
+"""CUDA graphs of one function per input key (static inputs copied in, outputs cloned out), for the pipeline rooms.
 
-Used by the pipeline rooms (:mod:`qwen_absorb.vae`, :mod:`qwen_absorb.text_encoder`), whose functions take a few
-tensors of a fixed layout and return a tensor or a tuple of tensors. The owner keys the calls (shapes, dtypes,
-devices: whatever a replay could not survive), drops the graphs when what they read changes (:meth:`clear`), and
-runs eager where :meth:`__call__` answers None. The transformer has its own runner (:mod:`qwen_absorb.cuda_graph`),
-which also checks hooks, RoPE caches and host constants; these functions have none of those.
+The owner keys the calls (whatever a replay could not survive), drops the graphs when what they read changes
+(:meth:`ShapeGraphs.clear`), and runs eager where a call answers None. The transformer has its own runner
+(:mod:`qwen_absorb.cuda_graph`), which also checks hooks, RoPE caches and host constants.
 """
 
 from __future__ import annotations
@@ -42,14 +40,13 @@ class _Graph:
 
 
 class ShapeGraphs:
-    """``fn(*tensors)`` captured per key at the ``capture_after + 1``-th call of that key, at most ``limit``
-    graphs (least recently used dropped first), all in one memory pool (calls are serialized by a lock and
-    every output is cloned before the lock is released, so no graph's memory is read after its replay)."""
+    """``fn(*tensors)`` captured per key at the key's ``capture_after + 1``-th call, at most ``limit`` graphs (least
+    recently used dropped), one memory pool (calls serialized by a lock, outputs cloned before it is released).
+    ``aid``: made per capture; its ``warmup()`` and ``capture()`` context managers surround the two runs (host
+    decisions taken in the warm-up and replayed under capture), kept with the graph."""
 
     def __init__(self, fn: Callable[..., Any], capture_after: int = 1, limit: int = 4,
                  aid: Callable[[], Any] | None = None) -> None:
-        """``aid``: made per capture; its ``warmup()`` and ``capture()`` context managers surround the two runs
-        (e.g. host decisions taken in the warm-up and replayed under capture), and it is kept with the graph."""
         self.fn, self.capture_after, self.limit, self.aid = fn, int(capture_after), int(limit), aid
         self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self.seen: Counter = Counter()

@@ -1,14 +1,9 @@
-"""The layout of a QwenImageTransformerBlock as qwen_absorb sees it: one declarative table.
+"""Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears.
 
-An adapter floor: the only module that names diffusers' Qwen-Image classes (:func:`classes`) and
-looks through PEFT wrappers (:func:`unwrap_peft`).
-
-Per stream (``img``, ``txt``) a block has three fused sites and six linears. Everything that
-patching decides (what is fused, which bias is deferred into which op, which linear runs as a real
-FP8 GEMM fed by which producer) is built from these two tables (:mod:`qwen_absorb.plan`); nothing
-else names modules of the block. Paths are attribute paths from the block (``"attn.to_out.0"``),
-resolved at call time (:func:`resolve`), so a copied block or a replaced linear is never confused
-with the one seen at patch time.
+An adapter floor: the only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers.
+Everything patching decides (what is fused, which bias goes into which op, which linear runs as a real FP8 GEMM
+fed by which producer) is built from these tables; paths (``"attn.to_out.0"``) are resolved at call time
+(:func:`resolve`), so a copied block or a replaced linear is never confused with the one seen at patch time.
 """
 
 from __future__ import annotations
@@ -84,9 +79,8 @@ NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
 ATTN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
                 "attn.to_out.0", "attn.to_add_out")
 
-# Qwen-Image-2.1 (``QwenImage21TransformerBlock``): one stream; norm1's op replaces img_norm1, norm2's op the
-# attention residual and img_norm2 together (the attention residual alone where norm2 is not fused), the SwiGLU
-# op img_mlp's own forward. No bias is deferred; the FP8 emission feeds the linears named.
+# Qwen-Image-2.1: one stream; norm2's op is the attention residual and img_norm2 together (the residual alone where
+# norm2 is not fused), swiglu img_mlp's forward. No bias is deferred; the FP8 emission feeds the linears named.
 _QKV21 = ("attn.to_q", "attn.to_k", "attn.to_v")
 _AB21 = ("img_mlp.gate_layer", "img_mlp.proj")
 SITE21_TABLE: dict[str, Site] = {s.key: s for s in (
@@ -135,7 +129,7 @@ def family_of(block: nn.Module) -> Family | None:
 @functools.lru_cache(maxsize=1)
 def classes() -> tuple[type, type, type]:
     """diffusers' ``(QwenImageTransformer2DModel, QwenImageTransformerBlock, QwenDoubleStreamAttnProcessor2_0)``,
-    imported once (diffusers' import is slow, and importing qwen_absorb must not need it)."""
+    imported once, lazily (a slow import qwen_absorb's own must not need)."""
     from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415  (lazy: a heavy import)
         QwenDoubleStreamAttnProcessor2_0,
         QwenImageTransformer2DModel,
@@ -147,8 +141,7 @@ def classes() -> tuple[type, type, type]:
 
 @functools.lru_cache(maxsize=1)
 def classes21() -> tuple[type, type] | None:
-    """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``, or None where this
-    diffusers has no Qwen-Image-2.1."""
+    """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``, or None without them."""
     try:
         from diffusers.models.transformers.transformer_qwenimage21 import (  # noqa: PLC0415
             QwenImage21Transformer2DModel,
@@ -167,9 +160,8 @@ def model_classes() -> tuple[type, ...]:
 
 @functools.lru_cache(maxsize=1)
 def attention21_functions() -> tuple | None:
-    """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen, QwenImage21Attention,
-    QwenImage21AttnProcessor, RMSNorm)`` as Qwen-Image-2.1's processor uses them, or None where this
-    diffusers has no Qwen-Image-2.1."""
+    """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen, QwenImage21Attention, QwenImage21AttnProcessor,
+    RMSNorm)`` as Qwen-Image-2.1's processor uses them, or None without Qwen-Image-2.1."""
     try:
         from diffusers.models.normalization import RMSNorm  # noqa: PLC0415
         from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415
@@ -188,8 +180,8 @@ def attention_functions() -> tuple:
 
 
 def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Module]]:
-    """``(innermost base layer, [wrappers outermost first])``; PEFT LoRA layers keep the original
-    linear as ``.base_layer`` (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
+    """``(innermost base layer, [wrappers outermost first])``: PEFT keeps the original as ``.base_layer``
+    (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
     wrappers = []
     while module is not None and isinstance(getattr(module, "base_layer", None), nn.Module):
         wrappers.append(module)
@@ -197,13 +189,8 @@ def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Mod
     return module, wrappers
 
 
-def site(stream: str, name: str) -> Site:
-    return SITE_TABLE[f"{stream}.{name}"]
-
-
 def resolve(block: nn.Module, path: str) -> nn.Module | None:
-    """The module at ``path`` under ``block`` right now (None if absent). Walks ``_modules``
-    directly: cheap enough for every call, and it sees replacements made after patching."""
+    """The module at ``path`` under ``block`` now (None if absent): ``_modules`` walked directly, cheap per call."""
     m: nn.Module | None = block
     for part in path.split("."):
         mods = m.__dict__.get("_modules") if m is not None else None

@@ -1,23 +1,15 @@
-"""diffusers' TaylorSeer cache (``transformer.enable_cache(TaylorSeerCacheConfig(...))``): the one reader of its
-hooks and states.
+"""diffusers' TaylorSeer cache (``enable_cache(TaylorSeerCacheConfig(...))``): the one reader of its hooks and states.
 
-TaylorSeer hooks every block's ``attn``: on a compute step the attention runs and its outputs update Taylor
-factors (divided differences over the steps between updates); on the other steps the hook returns the factors'
-extrapolation instead of running the attention. The step is decided on the host from a counter, so a call's
-work is known before it runs, which is what lets graph mode compose with it:
-
-- **In a patched block** the attention is the block's own fused one (:func:`supported_hook` says when): the
-  block calls :func:`run` instead of the hooked module, which runs diffusers' own decision, update and
-  prediction around that attention (bit for bit what the hook would do around diffusers' attention).
-- **In CUDA-graph mode** the runner decides every hook's step before the call (:class:`GraphSteps`, the hook's
-  own ``_measure_should_compute``) and keys its graphs by the kinds of step. Inside the call, :func:`run`
-  executes each step on factors kept in place per (hook, cache context) (:class:`_Record`), with
-  :mod:`qwen_absorb.ops.taylor_seer` reading the step sizes from device memory, so that one graph serves every
-  offset. The states' Python side (step counters, the factor dicts, pointing at the kept factors) is applied
-  after each call, replayed or not.
-
-Only the active mode on a hook that is its module's only hook is run this way (the inactive "skip" mode and
-anything else stay diffusers' hooked module, which graph mode refuses).
+TaylorSeer hooks every block's ``attn``: a compute step runs the attention and updates Taylor factors (divided
+differences over the steps between updates); other steps return their extrapolation. The step is decided on the
+host from a counter, so a call's work is known before it runs:
+- in a patched block (:func:`supported_hook`), :func:`run` wraps the block's own attention in diffusers' own
+  decision, update and prediction (bit for bit what the hook does around diffusers' attention);
+- in CUDA-graph mode the runner decides every step before the call (:class:`GraphSteps`) and keys its graphs by
+  the kinds of step; :func:`run` executes each step on factors kept in place per (hook, cache context) with
+  :mod:`qwen_absorb.ops.taylor_seer` reading the step sizes from device memory (one graph for every offset), and
+  the states' Python side is applied after each call, replayed or not.
+Anything else (the inactive mode, other hooks) stays diffusers' hooked module, which graph mode refuses.
 """
 
 from __future__ import annotations
@@ -61,8 +53,8 @@ def _registry_forward(fwd: Any) -> bool:
 
 def supported_hook(module: nn.Module) -> Any | None:
     """The TaylorSeer hook of ``module`` when a patched block may run it around its own attention: the module's
-    only hook (no torch or accelerate hook, nothing wrapped around the registry's forward), in the active
-    (caching) mode, with at most ``ops.taylor_seer.MAX_ORDER`` orders and factors in bf16 / fp16 / fp32."""
+    only hook (nothing wrapped around the registry's forward), active mode, at most ``ts_ops.MAX_ORDER`` orders,
+    factors in bf16 / fp16 / fp32."""
     d = module.__dict__
     if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
         return None
@@ -88,12 +80,9 @@ def graph_reasons(device: torch.device) -> list[str]:
     return kernel_runtime_reasons(device)
 
 
-# ---------------------------------------------------------------------------------------------- the kept factors
-
-
 class _Record:
-    """The factors of one (hook, cache context), kept in place: ``bufs[i][k]`` is order k of output i. A new
-    record (new ``serial``) whenever their shapes or dtypes change; graphs read and write one serial's tensors."""
+    """The factors of one (hook, cache context), kept in place: ``bufs[i][k]`` is order k of output i; a new
+    record (``serial``) when shapes or dtypes change. Graphs read and write one serial's tensors."""
 
     __slots__ = ("serial", "bufs", "dtypes")
 
@@ -131,9 +120,6 @@ def _new_record(hook: Any, name: str, like: list[torch.Tensor], dtype: torch.dty
 def release(hook: Any) -> None:
     """Forget the kept factors of ``hook`` (graphs holding them keep theirs until dropped)."""
     _records.pop(hook, None)
-
-
-# ---------------------------------------------------------------------------------------------- one step
 
 
 class Step:
@@ -176,7 +162,7 @@ class Step:
 
     def _adopt(self) -> _Record | None:
         """The kept factors this step reads, holding what the state holds (copied in where diffusers' own update
-        ran last: eager calls, another patch)."""
+        ran last)."""
         st = self.state
         need = self.n if self.compute else max(self.n, 0)
         rec = _record(self.hook, self.name)
@@ -243,8 +229,8 @@ class Step:
 
 
 class GraphSteps:
-    """A runner's TaylorSeer steps: decides every hook's step before a call, keys it, and owns the device
-    coefficients the kernels read (one row of ``MAX_ORDER`` floats per hook, copied from a pinned ring)."""
+    """A runner's TaylorSeer steps: each hook's step decided before a call, and the device coefficients the
+    kernels read (a row of ``MAX_ORDER`` floats per hook, copied from a pinned ring)."""
 
     RING = 4
 
@@ -338,10 +324,9 @@ class Steps:
             s.entered = s.ran = True
 
     def abandon(self) -> None:
-        """The call raised: leave each state as diffusers' own hooks would have. A step the blocks finished is
-        applied; one they entered and did not finish keeps its advanced counter and its factors, as a hooked
-        module whose forward raised; one never reached gets its counter back (``begin`` advanced it ahead of
-        the blocks, diffusers' hook had not run yet)."""
+        """The call raised: each state as diffusers' hooks would leave it. A finished step is applied; an entered
+        one keeps its advanced counter and factors (a hooked forward that raised); one never reached gets its
+        counter back (``begin`` advanced it ahead of the blocks)."""
         for s in self.steps:
             if s.ran:
                 s.apply()
@@ -354,9 +339,6 @@ def replayed() -> None:
     steps = getattr(_local, "steps", None)
     if steps is not None:
         steps.replayed()
-
-
-# ---------------------------------------------------------------------------------------------- in the block
 
 
 def run(module: nn.Module, compute: Callable[[], Any]) -> Any:

@@ -1,23 +1,17 @@
 """Qwen-Image's prompt encoding off the host: a cache of prompt embeddings and CUDA graphs of the text encoder.
 
-:class:`PromptEncoder` is installed as the pipeline's instance ``_get_qwen_prompt_embeds`` (what
-``QwenImagePipeline.encode_prompt`` calls for a prompt without given embeddings). It computes what diffusers'
-method computes (diffusers 0.42.1: the template, the tokenizer, the encoder's last hidden state, the masked rows
-without the first ``drop_idx``, zero padding, the mask), bit for bit, with three changes of where the work runs:
-
-- the tokens are keyed on the host before they move: a call whose exact inputs were encoded before (token ids,
-  mask, template, drop index, dtype, device, and the encoder's weights by identity, version and address) returns
-  clones of the kept embeddings without running the encoder; true CFG's empty negative prompt is encoded once;
-- on CUDA the encoder's forward replays a graph per (token shape, exact mask) (:class:`ShapeGraphs`, captured at
-  the second call of a shape: the 7B encoder is host-bound, 1,232 kernels for 7.4 ms of GPU work at 110 tokens);
-  a capture that fails (a host sync in the encoder's mask or position code) leaves that key eager, with the reason
-  in the report;
-- the masked rows are gathered with the lengths read from the host mask (diffusers' ``tolist()`` on the device
-  mask is a sync); the values are the same rows.
-
-A :class:`~qwen_absorb.watch.Watch` of the encoder's parameters and module slots, asked at every call, empties the
-cache and drops the graphs when a weight is replaced, loaded in place or given new ``.data``. Encoders with hooks
-(offloading) run eager, uncached graphs aside: the cache still applies (the watch sees moved weights as a change).
+:class:`PromptEncoder`, the pipeline's instance ``_get_qwen_prompt_embeds``, computes what diffusers 0.42.1's
+method computes, bit for bit, with three changes of where the work runs:
+- the tokens are keyed on the host: exact inputs encoded before (ids, mask, template, drop index, dtype,
+  device; the encoder's weights by the watch) return clones of the kept embeddings (true CFG's empty negative
+  prompt is encoded once);
+- on CUDA, opt-in, the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound
+  (1,232 kernels for 7.4 ms of GPU work at 110 tokens); a capture that fails leaves that key eager;
+- the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask
+  syncs); the same rows.
+A :class:`~qwen_absorb.watch.Watch` of the encoder, asked at every call, empties the cache and drops the
+graphs when a weight is replaced, loaded in place or given new ``.data``. Hooked encoders (offloading) run
+eager; the cache still applies.
 """
 
 from __future__ import annotations
@@ -101,13 +95,12 @@ def _static_reasons(pipe: Any) -> list[str]:
     return reasons
 
 
-# sha256 (first 16 hex digits) of the dedented source of the _get_qwen_prompt_embeds PromptEncoder computes: diffusers
-# 0.42.1's QwenImagePipeline (and its copies in the Img2Img, Inpaint and ControlNet pipelines). Edit pipelines
-# (an image in the prompt), Layered (its own template handling) and other versions' methods are left alone.
+# sha256 (16 hex digits) of the dedented source of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds
+# (copied in Img2Img, Inpaint, ControlNet). Edit and Layered pipelines and other versions' are left alone.
 REPLICATED = frozenset({"a4173bdc2ad8840d"})
 
 
-def _source_key(method: Any) -> str | None:
+def _source_key(method: Any) -> str | None:  # the hash REPLICATED holds
     try:
         src = textwrap.dedent(inspect.getsource(method))
     except (OSError, TypeError):
@@ -129,11 +122,19 @@ def _hook_watch(te: nn.Module) -> Watch:
     return Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in ("_forward_hooks", "_forward_pre_hooks")])
 
 
+# hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
+# decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
+_CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
+
+
+def _foreign(m: nn.Module) -> list:
+    """``m``'s hooks that may change what the encoder returns: all but transformers' output recording."""
+    return [fn for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+            if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS]
+
+
 def _foreign_hooks(te: nn.Module) -> tuple:
-    """The hooks that may change what the encoder returns: all but transformers' output recording."""
-    return tuple((id(m), id(fn)) for m in te.modules()
-                 for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
-                 if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS)
+    return tuple((id(m), id(fn)) for m in te.modules() for fn in _foreign(m))
 
 
 def _hooked(te: nn.Module) -> str | None:
@@ -143,24 +144,17 @@ def _hooked(te: nn.Module) -> str | None:
     for m in te.modules():
         if "forward" in m.__dict__:
             return f"{type(m).__name__}'s forward is replaced"
-        for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()):
-            if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS:
-                return f"{type(m).__name__} carries hooks"
+        if _foreign(m):
+            return f"{type(m).__name__} carries hooks"
     return None
 
 
-# hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
-# decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
-_CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
-
-
 class MaskConstants:
-    """transformers' mask builders (``create_causal_mask`` ...) answered under capture with what they returned in
-    the warm-up. Under CUDA stream capture transformers never skips the causal mask (``is_tracing`` sees the
-    capture), so a captured encoder would attend with an explicit mask where the eager one passes SDPA its causal
-    flag: other kernels, other bits. The builders' answers depend on the mask and shapes only, which key the graph,
-    so the warm-up's answers are the eager call's; the tensors among them are kept with the graph (it reads them).
-    Active only for the capturing thread; a count that differs between the two runs fails the capture (eager)."""
+    """transformers' mask builders answered under capture with their warm-up answers. Under stream capture
+    transformers never skips the causal mask (``is_tracing`` sees the capture), so a captured encoder would
+    attend with an explicit mask where eager passes SDPA its causal flag: other kernels, other bits. The answers
+    depend only on the mask and shapes, which key the graph; their tensors are kept with the graph. Only for the
+    capturing thread; a call out of the warm-up's order fails the capture (eager)."""
 
     NAMES = ("create_causal_mask", "create_sliding_window_causal_mask")
 
@@ -306,15 +300,11 @@ class PromptEncoder:
         return embeds.to(dtype=dtype, device=device), out_mask.to(hidden.device)
 
 
-# ------------------------------------------------------------------------------------------------ patch / unpatch
-
-
 def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) -> TextEncoderReport:
     """Install :class:`PromptEncoder` as ``pipe._get_qwen_prompt_embeds``; returns the ``text_encoder`` report
-    section (``on`` False, with reasons, where the pipeline has no Qwen prompt encoding: nothing installed).
-    ``cuda_graph``: ``True`` replays the encoder from a graph per (token shape, exact mask), captured at first sight;
-    ``"auto"`` (default) and ``False`` leave it eager (:data:`GRAPHS_AUTO` says why "auto" does); the prompt cache
-    (``cache_size`` entries, 0: none) is on in every mode."""
+    section (``on`` False with reasons, nothing installed, without a Qwen prompt encoding). ``cuda_graph=True``
+    replays the encoder per (token shape, exact mask), captured at first sight; ``"auto"`` and ``False`` leave
+    it eager (:data:`GRAPHS_AUTO`). The prompt cache (``cache_size`` entries, 0: none) is on in every mode."""
     if cuda_graph not in ("auto", True, False):
         raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
     if not isinstance(cache_size, int) or cache_size < 0:

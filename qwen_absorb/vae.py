@@ -1,29 +1,22 @@
-"""The Qwen-Image VAE's decode on a fast path (``AutoencoderKLQwenImage``).
+"""The Qwen-Image VAE's decode (``AutoencoderKLQwenImage``) as the 2-D network it computes for one frame.
 
-Qwen-Image decodes one frame: diffusers runs the video decoder on ``z[:, :, 0:1]`` with every causal 3-D
-convolution padded by two zero frames in front (its feature cache is empty on the first chunk, and the
-``upsample3d`` resamplers skip their time convolution there). With one frame and zero causal padding, only the
-last temporal slice of each 3x3x3 kernel meets data, so each convolution computes a 2-D convolution with that
-slice, at a third of the work. :class:`FastDecode` runs exactly that network in 2-D, in channels-last layout
-(weights and activations, so cuDNN runs no NCHW<->NHWC conversion kernels), and on CUDA replays it from a graph
-per input shape (:class:`qwen_absorb.shape_graphs.ShapeGraphs`, outputs cloned).
+diffusers decodes ``z[:, :, 0:1]`` with every causal 3-D convolution padded by two zero frames in front (its
+feature cache is empty on the first chunk; ``upsample3d`` skips its time convolution there), so only the last
+temporal slice of each 3x3x3 kernel meets data: a 2-D convolution at a third of the work. :class:`FastDecode`
+runs that network in 2-D, channels-last (no NCHW<->NHWC conversion kernels), on CUDA replayed from a graph per
+shape (:class:`~qwen_absorb.shape_graphs.ShapeGraphs`).
 
-Contract (measured, ``benchmarks/results/pipeline/rooms_h200.md``: 66.9 -> 23.1 ms at 1024^2 on the H200, error
-ratio <= 1.0015): the 2-D convolutions take other cuDNN kernels than the 3-D ones, so sums are ordered differently
-and the result is not bit-identical; the patch is gated by :func:`fidelity`: its error against an fp32 decode must
-stay within ``GATE`` x the unpatched bf16 decode's. Each RMS norm + SiLU chain runs as one kernel
-(:mod:`qwen_absorb.ops.rms_norm_silu`: eager's rounding points, its own order of the fp32 sum of squares); every
-other operation (nearest-exact upsampling, attention, residual adds, the clamp) is the same torch operation on the
-same values; the one dropped is the RMS norm's ``+ 0.0`` bias (it can only change the sign of a zero). The
-diffusers code replicated is pinned by a hash of its sources (:data:`REPLICATED`).
+Contract (``benchmarks/results/pipeline/rooms_h200.md``: 66.9 -> 23.1 ms at 1024^2 on the H200, error ratio
+<= 1.0015): the 2-D convolutions take other cuDNN kernels, so sums are reordered, not bit-identical; gated by
+:func:`fidelity` (error vs an fp32 decode <= ``GATE`` x the unpatched decode's). Each RMS norm + SiLU runs as
+one kernel (eager's rounding points, its own fp32 sum order); every other op is the same torch op on the same
+values, except the RMS norm's dropped ``+ 0.0`` bias (it can only flip a zero's sign). The replicated diffusers
+code is pinned by a hash (:data:`REPLICATED`).
 
-Installed as the VAE's instance ``_decode`` (``decode``'s ``apply_forward_hook``, slicing and accelerate hooks
-keep working); calls it cannot take (several frames, tiling, autograd, other dtypes or devices, a decoder whose
-modules carry hooks or were replaced) run diffusers' ``_decode``, counted by reason in the report. A
-:class:`~qwen_absorb.watch.Watch` of every decoder parameter, module slot, hook dict and norm attribute sees
-changes (weights loaded in place, ``.data`` replaced, modules swapped): the 2-D weights are made again and the
-graphs dropped before the next call computes. :func:`unpatch` restores the attribute; parameters and
-``state_dict`` are never touched (the 2-D weights are separate copies).
+Installed as the VAE's instance ``_decode`` (``decode``'s hooks, slicing and accelerate keep working); calls it
+cannot take run diffusers' ``_decode``, counted by reason. A :class:`~qwen_absorb.watch.Watch` of the decoder
+sees weights loaded in place, ``.data`` replaced or modules swapped: 2-D weights remade, graphs dropped.
+Parameters and ``state_dict`` are never touched (the 2-D weights are copies).
 """
 
 from __future__ import annotations
@@ -49,7 +42,6 @@ from .watch import Watch
 
 log = logging.getLogger("qwen_absorb")
 
-STATE_ATTR = "_qwen_absorb_vae"
 GATE = 1.05  # patched error vs fp32 <= GATE x unpatched error vs fp32 (issue 40)
 CONTRACT = ("fidelity-gated: 2-D channels-last convolutions reorder sums; error vs an fp32 decode <= "
             f"{GATE}x the unpatched decode's (vae.fidelity)")
@@ -98,11 +90,8 @@ class VaeReport:
         return s
 
 
-# ------------------------------------------------------------------------------------------------ eligibility
-
-
-# sha256 (first 16 hex digits) of the dedented sources of the diffusers methods the 2-D path computes (diffusers
-# 0.42.1): another version's decoder is left to diffusers until it is checked again (_code_key says which)
+# sha256 (first 16 hex digits) of the dedented sources of the diffusers 0.42.1 methods the 2-D path computes:
+# another version's decoder is left to diffusers until it is checked again
 REPLICATED = frozenset({"7f9c2b764c273595"})
 _REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), ("QwenImageDecoder3d", "forward"),
                        ("QwenImageMidBlock", "forward"), ("QwenImageUpBlock", "forward"),
@@ -173,9 +162,6 @@ def _watch(vae: nn.Module) -> Watch:
     entries += [(m, "__dict__", "training") for m in mods if type(m).__name__ == "Dropout"]
     sized = [(m, "__dict__", h) for m in mods[1:] for h in ("_forward_hooks", "_forward_pre_hooks")]
     return Watch(entries=entries, tensors=tensors, sized=sized, typed=mods)
-
-
-# ------------------------------------------------------------------------------------------------ the 2-D network
 
 
 class Weights2d:
@@ -286,9 +272,6 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-# ------------------------------------------------------------------------------------------------ the installed _decode
-
-
 class FastDecode:
     """The VAE's instance ``_decode``: the 2-D path where it applies, diffusers' ``_decode`` elsewhere."""
 
@@ -350,7 +333,6 @@ class FastDecode:
         return self.output_class(sample=out)
 
     def _rebuild(self) -> None:
-        """Something the 2-D path reads changed: decide again, drop the 2-D weights and graphs."""
         self.report.rebuilds += 1
         self.weights = None
         self.graphs.clear()
@@ -376,14 +358,10 @@ def _decoder_output_class(vae: nn.Module) -> type:
     return getattr(sys.modules[type(vae).__module__], "DecoderOutput")
 
 
-# ------------------------------------------------------------------------------------------------ patch / unpatch
-
-
 def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False, fuse_norm: bool = True) -> VaeReport:
-    """Install :class:`FastDecode` as ``vae._decode``; returns the ``vae`` report section (``on`` False, with
-    reasons, where the VAE is not one the 2-D path knows: nothing is installed then). Patching again returns
-    the current section. ``cpu``: take the 2-D path on the CPU too (tests; its gate is measured on CUDA).
-    ``fuse_norm``: each RMS norm + SiLU chain as one kernel (:mod:`qwen_absorb.ops.rms_norm_silu`) where it runs."""
+    """Install :class:`FastDecode` as ``vae._decode``; returns the ``vae`` report section (``on`` False with
+    reasons, nothing installed, for a VAE the 2-D path does not know). ``cpu``: the 2-D path on the CPU too
+    (tests; the gate is measured on CUDA). ``fuse_norm``: each RMS norm + SiLU as one kernel where it runs."""
     if cuda_graph not in ("auto", True, False):
         raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
     cur = vae.__dict__.get("_decode")
@@ -402,8 +380,7 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
 
 
 def unpatch(vae: nn.Module) -> None:
-    """Restore diffusers' ``_decode`` (an instance ``_decode`` found at patch time comes back); a no-op if not
-    patched."""
+    """Restore diffusers' ``_decode`` (or the instance one found at patch time); a no-op if not patched."""
     cur = vae.__dict__.get("_decode")
     if not isinstance(cur, FastDecode):
         return
@@ -423,8 +400,8 @@ def report_of(vae: nn.Module) -> VaeReport | None:
 
 
 def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
-    """The gate, measured: mean absolute error of the patched and the unpatched decode of ``z`` against an fp32
-    decode by a fresh unpatched twin, and their ratio (the patch holds where ``ratio <= GATE``)."""
+    """The gate, measured: mean absolute errors of the patched and unpatched decodes of ``z`` against an fp32
+    decode by a fresh twin, and their ratio (the patch holds where ``ratio <= GATE``)."""
     with torch.no_grad():
         twin = type(vae).from_config(vae.config).to(z.device).eval()
         twin.load_state_dict({k: v.float() for k, v in vae.state_dict().items()})
@@ -440,17 +417,12 @@ def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
             "max_abs_patched_vs_unpatched": (fast - eager).abs().max().item()}
 
 
-# ------------------------------------------------------------------------------------------------ the image conversion
-
-
 class FastPostprocess:
-    """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image: diffusers
-    denormalizes on the device, then copies the image to the host and, there, converts it to fp32, multiplies by
-    255, rounds and casts to uint8 (tens of milliseconds of host work at 1024^2, the GPU idle: issue 40 item 5,
-    ``.devrun/pipeline_host.md``). Here the same fp32 product, round-half-even and cast run on the device and
-    only the uint8 pixels travel: the same bytes (IEEE fp32 multiply, numpy's ``round`` and torch's both round
-    half to even; values in [0, 255] cast exactly). Other output types, host images, grayscale and images with
-    non-finite values (numpy's and torch's uint8 casts of NaN differ) run diffusers' method."""
+    """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image. diffusers copies
+    the image to the host and there multiplies by 255, rounds and casts (tens of ms of host work at 1024^2, the
+    GPU idle: issue 40 item 5); here the same fp32 product, round-half-even and cast run on the device and only
+    uint8 pixels travel: the same bytes. Other output types, host images, grayscale and non-finite values
+    (numpy's and torch's uint8 casts of NaN differ) run diffusers' method."""
 
     __qwen_absorb_postprocess__ = True
 

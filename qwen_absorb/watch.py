@@ -1,27 +1,13 @@
 """What a block's decisions depend on, compared on every call without a device sync.
 
-A :class:`Watch` holds ``(dict, key)`` pairs read with ``dict.get`` (C-level ``map`` loops, no Python per
-item): module structure (``_modules`` entries), parameters, quantizer switches, amax buffers, and a few
-objects whose state only a function can read (PEFT layers, :func:`qwen_absorb.lora.state`). It compares
-
-- the identity of every watched value (a module, parameter or buffer replaced; a bool switch flipped:
-  ``True``/``False``/``None`` are singletons),
-- the ``_version`` and ``data_ptr`` of every watched tensor (modified in place, ``param.data = ...``); for an
-  inference tensor, which has no version counter, a content fingerprint instead (:func:`content_fingerprint`),
-- the length of every sized value (a hook added to or removed from a module's hook dict),
-- the class of every typed object (a module converted in place, as ``mtq.quantize`` does),
-- the state tuples of the stateful objects.
-
-All but the last are C-level ``map`` loops: a block's watch holds ~700 values, and an eager call asks 60
-of them (one per block) before it computes.
-
-Entries are ``(owner, holder, key)``: ``owner.__dict__`` (``holder == "__dict__"``) or one of the
-module dicts in it (``"_parameters"``, ``"_modules"``, ``"_buffers"``), so a copy (``deepcopy``,
-pickle) of a watch is rebuilt on the copy's own objects and takes the copy's values as decided for
-(a faithful copy of the model is in the state its copied plan was made for).
-
-A change means the derived state (FP8 weights, scales, bias modes, producers' emission) may be stale: the
-block decides again before the call computes. Host metadata only: nothing here touches device memory.
+A :class:`Watch` holds ``(owner, holder, key)`` entries, ``owner.__dict__`` (``"__dict__"``) or a module dict in
+it (``"_parameters"``, ``"_modules"``, ``"_buffers"``), so a copy (``deepcopy``, pickle) is rebuilt on the copy's
+own objects. It compares: ``entries`` by identity (a module, parameter or buffer replaced; a bool switch
+flipped: singletons); ``tensors`` also by ``_version`` and ``data_ptr`` (in place, ``param.data = ...``; an
+inference tensor by :func:`content_fingerprint`); ``sized`` (present now) by length (a hook added or removed);
+``typed`` by class (a module converted in place, as ``mtq.quantize`` does); ``stateful`` ``(object, fn)`` by
+``fn(object)`` (PEFT layers). All but the last in C-level ``map`` loops: a block's watch holds ~700 values, asked
+by each of 60 blocks per eager call. A change means the derived state may be stale: the block decides again.
 """
 
 from __future__ import annotations
@@ -39,8 +25,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def tensor_version(t: Any) -> int:
-    """``t._version``, or -1 for an inference tensor (which has no version counter: asked first, because
-    the exception torch raises costs tens of microseconds, per call)."""
+    """``t._version``, or -1 for an inference tensor (asked first: torch's exception costs tens of microseconds)."""
     if t.is_inference():
         return -1
     try:
@@ -56,11 +41,10 @@ _SAMPLE = 4096
 
 
 def content_fingerprint(t: Any) -> tuple[int, ...] | None:
-    """A cheap fingerprint of ``t``'s values, for where versions cannot be trusted: an inference tensor has no
-    version counter, and writes through ``.data`` (PEFT's merges, ``fuse_lora``) bump none. Over the bit patterns:
-    their integer sum and xor (``torch.hash_tensor``: together they see any change short of an exact compensation)
-    and a position-weighted sum of ~4k strided samples (a permutation); one read of ``t``, no temporary of its
-    size, one device sync. None where there are no values to read (meta, a tensor subclass)."""
+    """A cheap fingerprint of ``t``'s values where versions cannot be trusted (inference tensors; writes through
+    ``.data``: PEFT's merges, ``fuse_lora``): over the bit patterns, integer sum and xor (``torch.hash_tensor``:
+    together they see any change short of an exact compensation) and a position-weighted sum of ~4k strided
+    samples (a permutation). One read, no temporary of its size, one sync; None for meta or subclasses."""
     try:
         x = t.detach()
         if x.device.type == "meta" or type(x) is not torch.Tensor or x.element_size() not in _BITS:
@@ -91,9 +75,6 @@ class Watch:
     def __init__(self, entries: Iterable[Entry] = (), tensors: Iterable[Entry] = (),
                  stateful: Iterable[tuple[Any, Callable[[Any], Any]]] = (), sized: Iterable[Entry] = (),
                  typed: Iterable[Any] = ()) -> None:
-        """``entries``: values compared by identity; ``tensors``: tensors compared by identity, version and
-        address; ``sized``: values (present now, with a length) compared by identity and length; ``typed``:
-        objects whose class is compared; ``stateful``: ``(object, fn)`` pairs whose ``fn(object)`` is compared."""
         entries, tensors, self.stateful = list(entries), list(tensors), list(stateful)
         self.typed = list(typed)
         self.sentries = [e for e in sized if _dict(e).get(e[2]) is not None]
@@ -120,8 +101,8 @@ class Watch:
     @classmethod
     def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list, sentries: list[Entry] = (),
                   typed: list = ()) -> Watch:
-        """A copy: its owners are still being rebuilt (deepcopy / unpickling), so it resolves them at
-        its first use, taking the copy's values then."""
+        """A copy: its owners are still being rebuilt (deepcopy / unpickling): resolved, with the copy's values, at
+        its first use."""
         w = cls.__new__(cls)
         w.entries, w.tentries, w.stateful, w.pending = entries, tentries, stateful, True
         w.sentries, w.typed = list(sentries), list(typed)
@@ -135,8 +116,8 @@ class Watch:
         self.tids = list(map(id, cur))
         self.vers = [_version(t) for t in cur]
         self.ptrs = list(map(_data_ptr, cur))
-        # inference tensors (no version counter: an in-place load under inference_mode bumps nothing) are
-        # compared by content too: one fingerprint each per check, paid only by models that hold such tensors
+        # inference tensors (an in-place load under inference_mode bumps nothing) by content too: a fingerprint
+        # each per check, paid only by models holding such tensors
         self.vless = [t for t, v in zip(cur, self.vers) if v < 0]
         self.fps = list(map(content_fingerprint, self.vless))
         self.lens = list(map(len, map(dict.get, self.sdicts, self.skeys)))
@@ -154,12 +135,16 @@ class Watch:
         cur = list(map(dict.get, self.tdicts, self.tkeys))
         if list(map(id, cur)) != self.tids:
             return True
-        try:
-            if list(map(_version_of, cur)) != self.vers:
-                return True
-        except Exception:  # an inference tensor among them: one at a time
+        if self.vless:  # read as take() read them: a Parameter given inference data still reads a _version
             if [_version(t) for t in cur] != self.vers:
                 return True
+        else:
+            try:
+                if list(map(_version_of, cur)) != self.vers:
+                    return True
+            except Exception:  # an inference tensor made since: one at a time
+                if [_version(t) for t in cur] != self.vers:
+                    return True
         if list(map(_data_ptr, cur)) != self.ptrs:
             return True
         if self.vless and not _capturing(self.vless) and list(map(content_fingerprint, self.vless)) != self.fps:

@@ -96,9 +96,8 @@ def _op_spy(calls: list):
     """
     import torch  # noqa: PLC0415
 
-    import qwen_absorb.block as block_mod  # noqa: PLC0415
-    import qwen_absorb.ffn as ffn_mod  # noqa: PLC0415
     import qwen_absorb.ops as ops_mod  # noqa: PLC0415
+    import qwen_absorb.site_runners as runners_mod  # noqa: PLC0415
 
     saved = []
 
@@ -118,7 +117,7 @@ def _op_spy(calls: list):
         return spy
 
     targets = [(ops_mod, n) for n in OPS if callable(ops_mod.__dict__.get(n))]
-    for where in (block_mod, ffn_mod):  # the op launchers as the block and its FeedForward runner import them
+    for where in (runners_mod,):  # the op launchers as the site runners import them
         for n, fn in list(where.__dict__.items()):
             mod = getattr(fn, "__module__", "") or ""
             if callable(fn) and not isinstance(fn, type) and mod.startswith("qwen_absorb.ops"):

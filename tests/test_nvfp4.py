@@ -146,9 +146,10 @@ def test_patched_nvfp4_model_is_bit_identical_to_modelopt_and_follows_weight_cha
     qwen_absorb.patch(model, capabilities={"cpu"})
     try:
         plan = getattr(model.transformer_blocks[1], "_qwen_absorb_plan")
-        # every NVFP4 linear of the block has a runner; the containers the block calls whole too
+        # every NVFP4 linear of the block has a runner, and reads its input from the op that produces it (NVFP4 rows)
         assert {n for n, m in model.transformer_blocks[1].named_modules() if m in plan.nvfp4} >= {
-            "attn.to_q", "attn.to_out.0", "attn.to_add_out", "img_mod", "txt_mod", "img_mlp", "txt_mlp"}
+            "attn.to_q", "attn.to_out.0", "attn.to_add_out", "img_mod.1", "txt_mod.1", "img_mlp.net.2"}
+        assert all(lp.quant == "nvfp4" for lp in plan.linears.values())
         # their projections keep their biases in the GEMM (deferral would round differently from ModelOpt)
         block1 = model.transformer_blocks[1]
         runs = [sp for sp in plan.sites if sp.projection and block1.get_submodule(sp.projection) in plan.nvfp4]

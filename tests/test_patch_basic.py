@@ -55,12 +55,12 @@ def test_patched_equals_unpatched_bitwise(dtype, zero_cond_t, seed):
 def test_patch_changes_the_forward_and_the_ops_are_called(seed, monkeypatch):
     """Guard against a patch that silently does nothing: the fused ops must actually run.
 
-    On CPU the patched block runs each op's torch reference through the block's checked-once
-    path (qwen_absorb.block), so that is where the calls are counted."""
+    On CPU the patched block runs each op's torch reference through its site runner
+    (qwen_absorb.site_runners), so that is where the calls are counted."""
     model = T.tiny_transformer(seed=seed)
     inputs = T.transformer_inputs(model, seed=seed)
     calls = []
-    import qwen_absorb.block as blk
+    import qwen_absorb.site_runners as blk
 
     for name in ("layer_norm_scale_shift_reference", "bias_residual_layer_norm_scale_shift_reference",
                  "bias_gate_residual_reference"):

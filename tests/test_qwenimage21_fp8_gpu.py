@@ -23,7 +23,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import fp8_forward as F8
-from qwen_absorb import gating, ops, runners21
+from qwen_absorb import gating, ops, site_runners
 from qwen_absorb import testing as T
 
 from .ops_helpers import poison_allocator as poison
@@ -123,13 +123,13 @@ def test_norm_input_quantizers_run_inside_the_kernels(monkeypatch):
     want = run(model, inp)
     launched = []
     for name in ("ln_scale_launch", "tgrln_launch"):
-        fn = getattr(runners21, name)
+        fn = getattr(site_runners, name)
 
         def spy(*a, _fn=fn, _name=name, **k):
             launched.append((_name, k.get("norm_input_quant") is not None))
             return _fn(*a, **k)
 
-        monkeypatch.setattr(runners21, name, spy)
+        monkeypatch.setattr(site_runners, name, spy)
     qwen_absorb.patch(model, fp8_gemm=False, cuda_graph=False)
     poison(64 << 20)
     assert torch.equal(run(model, inp), want)

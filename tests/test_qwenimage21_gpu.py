@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qwen_absorb.ops as ops
-from qwen_absorb import runners21
+from qwen_absorb import site_runners
 
 from .ops_helpers import (
     bits,
@@ -298,13 +298,13 @@ def launches(monkeypatch):
     """Counts the runner's kernel launches per op (proves the kernels, not the references, ran)."""
     counts = {}
     for name in ("ln_scale_launch", "tgrln_launch", "tgr_launch", "swiglu_launch"):
-        fn = getattr(runners21, name)
+        fn = getattr(site_runners, name)
 
         def wrapped(*a, _fn=fn, _name=name, **k):
             counts[_name] = counts.get(_name, 0) + 1
             return _fn(*a, **k)
 
-        monkeypatch.setattr(runners21, name, wrapped)
+        monkeypatch.setattr(site_runners, name, wrapped)
     return counts
 
 

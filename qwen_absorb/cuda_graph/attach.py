@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import hooks
+from .fingerprint import under_model_offload
 from .runner import GraphedCall
 from .shared import Shared
 
@@ -20,30 +21,21 @@ log = logging.getLogger("qwen_absorb")
 def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
             host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
             shared: Shared | None = None, warn_first: bool = False) -> GraphedCall:
-    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel``, patched or not, or a
-    pipeline holding one) and return its :class:`GraphedCall`.
+    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel`` or a pipeline holding one) and
+    return its :class:`GraphedCall`.
 
-    fallbacks: a ``Counter`` to count refused calls in, by reason (``"cuda_graph: grad enabled"``, ...);
-        ``qwen_absorb.patch`` passes its report's ``runtime_fallbacks``.
-    max_graphs: graphs kept at most (one per input signature; least recently used dropped first).
-    host_tensors: a callable returning the tensors allowed to live off the GPU (registered parameters or
-        buffers, e.g. original weights offloaded to host memory while their FP8 copies run on the GPU); read
-        at every scan of the model. They are left out of the "model not on CUDA" check and still fingerprinted
-        (a change to them drops the graphs). The forward must not read them, or the capture fails.
-    capture_after: eager calls a signature must have had before it is captured (0: capture on first sight;
-        1: on the second call, so that a one-off call never pays a capture); counted in
-        ``describe()["new_signature_calls"]``.
-    shared: a :class:`~.shared.Shared` the runner takes its lock, pools, side streams and static input buffers
-        from, with other runners called one after another on one stream (the blocks of one model, see
-        :func:`.blocks.install_blocks`); default: its own, as for a whole transformer.
-
-    warn_first: a refusal of the first call is logged as a warning (:mod:`.first_use`).
+    fallbacks: the ``Counter`` refused calls are counted in, by reason (``"cuda_graph: grad enabled"``, ...).
+    max_graphs: graphs kept at most (one per signature; least recently used dropped first).
+    host_tensors: a callable returning the tensors allowed off the GPU (originals kept on the host), read at
+        every scan: fingerprinted, left out of the device check; the forward must not read them.
+    capture_after: eager calls a signature must have had before it is captured (1: a one-off call never pays
+        a capture). shared: a :class:`~.shared.Shared` (:func:`.blocks.install_blocks`). warn_first: a refusal
+        of the first call is logged as a warning (:mod:`.first_use`).
 
     The runner goes where the transformer's own forward is called from: its instance ``forward``, or, under
-    accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``), that hook's ``_old_forward``, so the hook
-    has moved the model to its device before the runner looks at it (the runner then refuses the hook's mode with
-    its reason: :func:`.fingerprint.root_reason`).
-    Installing twice returns the runner already installed. ``GraphedCall.remove()`` undoes it exactly.
+    accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``), that hook's ``_old_forward``, so that the
+    hook has moved the model to its device before the runner looks at it
+    (:func:`.fingerprint.model_offload_around`). Installing twice returns the runner already installed.
     """
     if max_graphs < 1:
         raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
@@ -71,10 +63,3 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     log.log(logging.INFO if shared is None else logging.DEBUG, "CUDA-graph mode installed on %s (max %d graphs%s)",
             type(t).__name__, max_graphs, f", capture after {capture_after} eager calls" if capture_after else "")
     return runner
-
-
-def under_model_offload(t: nn.Module) -> bool:
-    """accelerate's ``CpuOffload`` hook wraps ``t``'s forward (its ``_old_forward`` holds what it calls)."""
-    h = t.__dict__.get("_hf_hook")
-    return ("_old_forward" in t.__dict__ and type(h).__name__ == "CpuOffload"
-            and type(h).__module__.startswith("accelerate."))

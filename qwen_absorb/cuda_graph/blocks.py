@@ -1,17 +1,10 @@
-"""CUDA graphs per block: one :class:`~.runner.GraphedCall` on each block of a model whose whole call cannot be
-captured, all of them sharing one :class:`~.shared.Shared`.
+"""CUDA graphs per block: one :class:`~.runner.GraphedCall` on each block, all sharing one :class:`~.shared.Shared`.
 
-diffusers' ``QwenImage21Transformer2DModel.forward`` synchronises with the host before its block loop
-(``tolist()`` / ``nonzero()`` / ``int(...)`` on the token masks), so a graph of the whole call can never be
-captured. Its blocks can: :func:`install_blocks` puts a runner in each block's ``forward`` (wrapping whatever
-forward is there, e.g. ``qwen_absorb.patch``'s), and every block call with a signature seen before replays a graph
-of that block. Per call, each runner does what a whole-call runner does (refuse, drop, replay, capture; see
-:mod:`qwen_absorb.cuda_graph`), with its own fingerprint of its own block, and refuses as well when the parent
-(the transformer) carries an offloading or cache hook. Refusals are counted per block call.
-
-What the runners share, and why that is safe, is :mod:`.shared`'s business. :class:`BlockGraphs` is the group: it
-removes, invalidates and describes its runners as one (``describe()`` has the keys of a whole-call runner's,
-summed over the blocks, plus ``mode: "per block"``, ``blocks``, ``shared`` and ``per_block``).
+diffusers' ``QwenImage21Transformer2DModel.forward`` syncs with the host before its block loop (``tolist()`` /
+``nonzero()`` on the token masks), so its whole call can never be captured; its blocks can. Each runner keeps its
+own fingerprint of its block and refuses too when the parent carries an offloading or cache hook; refusals are
+counted per block call. :class:`BlockGraphs` removes, invalidates and describes the group as one (a whole-call
+runner's keys summed over the blocks, plus ``mode``, ``blocks``, ``shared`` and ``per_block``).
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ _MERGED = ("refusals", "invalidations", "capture_failures")
 
 
 class BlockGraphs:
-    """The per-block CUDA-graph runners of one model and what they share. Create with :func:`install_blocks`.
-
-    After :meth:`remove` it holds only plain counters (the last description) and nothing of the model."""
+    """The per-block runners of one model and what they share (:func:`install_blocks`). After :meth:`remove` it
+    holds only the last description, nothing of the model."""
 
     __slots__ = ("runners", "indices", "shared", "max_graphs", "capture_after", "_parent", "_last", "__weakref__")
 
@@ -55,13 +47,11 @@ class BlockGraphs:
         return self._last is None
 
     def invalidate(self, reason: str = "invalidate() called") -> None:
-        """Drop every block's graphs (see :meth:`GraphedCall.invalidate`)."""
         for r in self.runners:
             r.invalidate(reason)
 
     def remove(self) -> None:
-        """Remove every runner (each block's previous forward back in place), then what they shared: graphs,
-        pools, streams and static buffers are released; the model is no longer referenced."""
+        """Remove every runner (each block's previous forward back in place), then what they shared."""
         if self._last is not None:
             return
         try:
@@ -75,20 +65,14 @@ class BlockGraphs:
         log.info("CUDA graphs per block removed from %d blocks", len(self.indices))
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able status, summed over the blocks (block calls, not model calls), with the keys of
-        :meth:`GraphedCall.describe`; ``per_block`` has each block's counts."""
+        """:meth:`GraphedCall.describe`'s keys summed over the blocks (block calls), and each block's counts."""
         if self._last is not None:
             return dict(self._last)
         ds = [r.describe() for r in self.runners]
         out: dict[str, Any] = {"mode": MODE, "installed": True, "blocks": len(ds), "max_graphs": self.max_graphs,
                                "capture_after": self.capture_after}
-        for k in _SUMMED:
-            out[k] = sum(d[k] for d in ds)
-        for k in _MERGED:
-            c: collections.Counter = collections.Counter()
-            for d in ds:
-                c.update(d[k])
-            out[k] = dict(c)
+        out.update({k: sum(d[k] for d in ds) for k in _SUMMED})
+        out.update({k: dict(sum((collections.Counter(d[k]) for d in ds), collections.Counter())) for k in _MERGED})
         out["signatures"] = list(dict.fromkeys(s for d in ds for s in d["signatures"]))
         out["unstable"] = any(d["unstable"] for d in ds)
         out["unstable_blocks"] = [i for i, d in zip(self.indices, ds) if d["unstable"]]
@@ -126,18 +110,10 @@ class BlockGraphs:
 def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counter, parent: nn.Module | None = None,
                    max_graphs: int = 8, capture_after: int = 0,
                    indices: Sequence[int] | None = None) -> BlockGraphs:
-    """Put a :class:`GraphedCall` on each of ``blocks`` (see the module doc), all sharing one :class:`Shared`,
-    and return the group.
-
-    fallbacks: the ``Counter`` refused block calls are counted in (by reason, as :func:`install`'s).
-    parent: the module around the blocks (the transformer): its offloading / cache hooks refuse the blocks'
-        calls too.
-    max_graphs, capture_after: per block, as :func:`install`'s.
-    indices: the blocks' indices in the model (for ``describe()["per_block"]``; default 0, 1, ...).
-
-    A block that already carries a runner of its own (not of this group) keeps it and is left out. An exception
-    while installing removes the runners already installed.
-    """
+    """Put a :class:`GraphedCall` on each of ``blocks``, all sharing one :class:`Shared`, and return the group.
+    ``parent``: the module around the blocks, whose hooks refuse the blocks' calls too; ``indices``: the blocks'
+    indices in the model (default 0, 1, ...); the rest as :func:`install`'s. A block that already carries a runner
+    of its own keeps it and is left out; an exception removes the runners already installed."""
     shared = Shared(parent)
     runners: list[GraphedCall] = []
     kept: list[int] = []

@@ -1,20 +1,15 @@
-"""The capture of one signature: static buffers, the warm-up, host constants, RoPE tables kept, the graph.
-
-:func:`capture` copies a call's tensors into static buffers (same shapes, strides, dtypes and address modulo
-``settings.ALIGN``), runs one eager warm-up on a side stream (its output answers the call) and captures the
-wrapped forward into the runner's memory pool. Both run with :mod:`qwen_absorb.ops.lane` active (LoRA ``lora_A``
-products beside their GEMMs; the warm-up sets the lane's stream up outside the graph).
-``torch.tensor(host data, device=cuda)`` cannot be captured (:class:`HostConstants` answers it from the warm-up's
-values), and diffusers' RoPE caches may evict a table a graph reads (:class:`KeepRope` holds each one per graph).
-"""
+"""The capture of one signature (:func:`capture`): static buffers, the warm-up on a side stream (its output
+answers the call), host constants (:class:`HostConstants`), RoPE tables kept (:class:`KeepRope`), the graph.
+Both run with :mod:`qwen_absorb.ops.lane` active (the warm-up sets the lane's stream up outside the graph)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,16 +56,11 @@ def freeze_data(x: Any) -> Any:
 class HostConstants:
     """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable.
 
-    Such a call is a pageable host-to-device copy followed by a synchronisation, which a capture refuses.
-    diffusers' Qwen-Image forward makes it for values fixed by the signature (``modulate_index`` from
-    ``img_shapes`` for ``zero_cond_t`` models, the text length next to a mask). In ``"record"`` mode (the
-    warm-up) the real function runs and a copy of its device result is kept under an exact key (the data, the
-    dtype, the device, the other keywords); in ``"replay"`` mode (the capture) the same call is answered by a
-    device-to-device clone of that copy, which the graph records like any kernel. A call without a recorded
-    twin runs the real function (and fails the capture if it copies from the host: the signature then runs
-    eager). The functions are swapped on the ``torch`` module itself for the duration of the warm-up and of
-    the capture only: swapping a module's ``torch`` global instead would break torch.compile's guards on it.
-    Calls from elsewhere in that window behave exactly as the real ones (a twin is the same value).
+    Such a call (diffusers' ``modulate_index`` of ``zero_cond_t`` models, the text length next to a mask) is a
+    pageable copy and a sync, which a capture refuses. ``"record"`` (the warm-up) keeps a copy of each result
+    under an exact key; ``"replay"`` (the capture) answers the same call with a device clone of it. The
+    functions are swapped on the ``torch`` module itself, for the warm-up and the capture only (swapping a
+    module's ``torch`` global would break torch.compile's guards on it).
     """
 
     _lock = threading.RLock()
@@ -88,15 +78,9 @@ class HostConstants:
     def _key(self, fname: str, data: Any, args: tuple, kwargs: dict) -> tuple | None:
         if isinstance(data, torch.Tensor) and data.device.type != "cpu":
             return None  # no host copy involved
-        if fname == "as_tensor":
-            names = ("dtype", "device")
-            kw = dict(zip(names, args))
-            if len(args) > len(names):
-                return None
-        elif args:
+        if len(args) > (2 if fname == "as_tensor" else 0):  # as_tensor(data, dtype, device); tensor's are keywords
             return None
-        else:
-            kw = {}
+        kw = dict(zip(("dtype", "device"), args))
         kw.update(kwargs)
         if kw.get("device") is None:
             return None
@@ -141,52 +125,30 @@ class HostConstants:
         wrapper.__wrapped__ = real  # type: ignore[attr-defined]
         return wrapper
 
-    def active(self, mode: str) -> "_Swap":
-        return _Swap(self, mode)
-
-
-class _Swap:
-    """Context manager: ``torch.tensor`` / ``torch.as_tensor`` go through a :class:`HostConstants`."""
-
-    def __init__(self, consts: HostConstants, mode: str) -> None:
-        self.consts, self.mode = consts, mode
-        self.saved: dict[str, Any] = {}
-
-    def __enter__(self) -> HostConstants:
+    @contextlib.contextmanager
+    def active(self, mode: str) -> Iterator["HostConstants"]:
+        """``torch.tensor`` / ``torch.as_tensor`` go through this object for the ``with`` block."""
         if not HostConstants._lock.acquire(timeout=60):
             raise RuntimeError("another CUDA-graph capture holds torch.tensor")
+        saved: dict[str, Any] = {}
         try:
             for name in ("tensor", "as_tensor"):
-                real = getattr(torch, name)
-                self.saved[name] = real
-                setattr(torch, name, self.consts._wrap(name, real))
-            self.consts.mode = self.mode
-            if self.mode == "replay":
-                self.consts.used.clear()
-        except BaseException:
-            self._restore()
-            raise
-        return self.consts
-
-    def _restore(self) -> None:
-        try:
-            for name, real in self.saved.items():
-                setattr(torch, name, real)
-            self.consts.mode = None
+                saved[name] = real = getattr(torch, name)
+                setattr(torch, name, self._wrap(name, real))
+            self.mode = mode
+            if mode == "replay":
+                self.used.clear()
+            yield self
         finally:
+            for name, real in saved.items():
+                setattr(torch, name, real)
+            self.mode = None
             HostConstants._lock.release()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._restore()
 
 
 class KeepRope:
-    """During a capture, keep every tensor diffusers' RoPE module hands out from its caches.
-
-    ``QwenEmbedRope._compute_video_freqs`` is an LRU cache (128 entries, shared by all instances): a graph
-    reads the cached tensor, and an eviction would free memory the graph still reads. Holding a reference
-    per graph keeps it valid. Instance attributes shadow the cached methods for the capture only.
-    """
+    """During a capture, keep every tensor diffusers' RoPE caches hand out (an LRU eviction would free memory
+    the graph reads): instance attributes shadow the cached methods for the capture only."""
 
     def __init__(self, transformer: nn.Module, keep: list[torch.Tensor]) -> None:
         self.pe = getattr(transformer, "pos_embed", None)
@@ -220,8 +182,7 @@ class KeepRope:
 # ---------------------------------------------------------------------------------------------- buffers, outputs
 
 
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``x`` with every tensor in it replaced by ``fn(tensor)``, containers keeping their types."""
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:  # containers keep their types
     if isinstance(x, torch.Tensor):
         return fn(x)
     if type(x) is tuple or type(x) is list:
@@ -255,9 +216,7 @@ def static_like(x: torch.Tensor) -> torch.Tensor:
     return base.as_strided(x.shape, x.stride(), off)
 
 
-class Graph:
-    """One captured signature."""
-
+class Graph:  # one captured signature
     __slots__ = ("graph", "statics", "out", "keep", "desc", "replays", "capture_ms")
 
     def __init__(self, graph: Any, statics: list[torch.Tensor], out: Any, keep: list[torch.Tensor], desc: str,
@@ -270,9 +229,7 @@ class Graph:
 # ---------------------------------------------------------------------------------------------- the capture
 
 
-class Captured:
-    """What :func:`capture` produced: the warm-up's output (the call's answer), and the graph or the error."""
-
+class Captured:  # the warm-up's output (the call's answer), and the graph or the error
     __slots__ = ("warm", "graph", "error", "host_constants")
 
     def __init__(self, warm: Any, graph: Graph | None, error: BaseException | None, host_constants: int) -> None:
@@ -285,8 +242,9 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
 
     ``streams`` / ``pools``: the runner's side streams and graph memory pools by device (created here when
     missing). ``statics``: the static buffers to capture from, one per tensor of ``call`` (a group's shared
-    ones, :mod:`.shared`); made here with :func:`static_like` when None. An exception of the warm-up propagates (the eager call would raise it too); one of the capture
-    is returned in ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile.
+    ones, :mod:`.shared`); made here with :func:`static_like` when None. An exception of the warm-up propagates
+    (the eager call would raise it too); one of the capture is returned in ``Captured.error``. The caller keeps
+    ``inner`` from re-entering the runner meanwhile.
     """
     dev = call.device
     with torch.cuda.device(dev):

@@ -2,33 +2,14 @@
 
 A :class:`Scan` walks the transformer once and records what a replay depends on: every parameter and buffer
 (``data_ptr`` and ``_version``), tensors and qwen_absorb state held as module attributes, the instance
-attributes where forwards, hooks, processors, ModelOpt and PEFT switches live, the lengths of module dicts
-and torch hook dicts, and the state of PEFT LoRA layers (merged adapters, scaling, enabled, active).
-``changed()`` compares all of it per call with C-level ``map``s over lists prepared here (a Python loop per
-item would cost more than the launches a replay saves: a 60-block FP8 model has ~20,000 quantizer switches).
-
-How attributes are compared, per call:
-
-- plain values (``bool``, ``int``, ``float``, ``str``, ``None`` and tuples of them: ModelOpt's quantizer
-  switches, PEFT's disable flag) by value, all of one module dict read by one ``itemgetter`` (one C call per
-  dict instead of one per key); a key deleted, or a value that cannot be compared, counts as a change. A
-  value replaced by an equal one (``False`` by ``0``) is no change: the switches are read for their value;
-- every other attribute (forwards, hooks, processors, tensors, qwen_absorb's plans) by identity;
-- PEFT layers: merged adapters, scaling, disable flag and active adapters of all layers by value, against
-  copies (PEFT mutates the lists and dicts in place).
-
-``moved()`` is the half a replay must not be launched past (the addresses of the tensors the graph reads, and the
-``generation`` of what holds derived tensors: plan runtimes, FP8 forwards), ``stale()`` the half checked while
-the GPU runs it (everything else: identities of forwards, processors and plans, whose replaced objects this
-scan holds alive, and the tensors that only the plans' derived state is made from: ``plan.derived_only_sources``).
-
-The same walk gives the verdict: a refusal (hooks, calibration, a model off the graph device) or the device
-graphs run on.
-
-torch's global registration hooks (:func:`watch`) see modules, parameters and buffers assigned anywhere; an
-assignment inside a watched transformer drops its runner's snapshot at once.
-
-Reads hook chains only through :mod:`qwen_absorb.hooks`.
+attributes where forwards, hooks, processors, ModelOpt and PEFT switches live (plain values by value, one
+``itemgetter`` per dict; everything else by identity), the lengths of module and hook dicts, and PEFT LoRA
+state (merged adapters, scaling, enabled, active; against copies, as PEFT mutates them in place). It is compared
+per call with C-level ``map``s: a Python loop per item would cost more than the launches a replay saves (a
+60-block FP8 model has ~20,000 quantizer switches). ``moved()`` is the half a replay must not be launched past,
+``stale()`` the half checked while the GPU runs it. The same walk gives the verdict: a refusal, or the device.
+torch's global registration hooks (:func:`watch`) drop a runner's snapshot when a module, parameter or buffer
+is assigned inside its transformer.
 """
 
 from __future__ import annotations
@@ -47,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import hooks, taylorseer
 from ..plan import PLAN_ATTR, derived_only_sources
 from . import settings
+from .signature import patch_tuning
 
 # Instance attributes whose identity decides what a call runs: hook chains and compiled wrappers (from
 # qwen_absorb.hooks), processors, ModelOpt quantizer switches, PEFT switches. Compared wherever present.
@@ -70,8 +52,7 @@ _peft_get = itemgetter(*_PEFT_KEYS)
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
-    """Whether every tensor still starts where it did (torch's C++ comparison where it has one)."""
+def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:  # one C++ loop
     if _ptrs_equal is not None:
         return _ptrs_equal(tensors, ptrs, indices)
     return list(map(_data_ptr, tensors)) == ptrs
@@ -86,12 +67,7 @@ _hooks_registered = False
 
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
-    """torch's global registration hook: a module, parameter or buffer was (re)assigned somewhere.
-
-    Every watched runner is told (``module_assigned``); one whose transformer holds ``module`` drops its
-    snapshot at once (so it holds no replaced weights) and its graphs at the next call. Never raises,
-    returns None (keeps ``value``).
-    """
+    """torch's global registration hook: every watched runner is told (``module_assigned``); never raises."""
     try:
         mid = id(module)
         for runner in list(_LIVE):
@@ -100,8 +76,7 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         pass
 
 
-def watch(runner: Any) -> None:
-    """Tell ``runner.module_assigned(module_id, what)`` about every module / parameter / buffer assignment."""
+def watch(runner: Any) -> None:  # runner.module_assigned(module_id, what) hears of every assignment
     global _hooks_registered
     with _hooks_lock:
         if not _hooks_registered:
@@ -125,18 +100,45 @@ def registry_reason(module: nn.Module) -> tuple[str, str] | None:
     if not reg:
         return None
     name, hook = next(iter(reg.items()))
-    return hooks.hook_category(name, hook), f"diffusers hook {name!r} ({type(hook).__name__})"
+    cat = hooks.hook_category(name, hook)
+    why = _HOOK_WHY.get(cat)
+    return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
+
+
+# why a graph cannot replay under these hooks (said in the report's detail)
+_HOOK_WHY = {"offloading hook": "weights move during the call",
+             "layerwise casting hook": "weights are cast anew inside every call"}
+
+
+def under_model_offload(t: nn.Module) -> bool:
+    """accelerate's ``CpuOffload`` hook wraps ``t``'s forward (its ``_old_forward`` holds what it calls)."""
+    h = t.__dict__.get("_hf_hook")
+    return ("_old_forward" in t.__dict__ and type(h).__name__ == "CpuOffload"
+            and type(h).__module__.startswith("accelerate."))
+
+
+def model_offload_around(t: nn.Module, runner: Any) -> bool:
+    """Whether ``runner`` sits inside accelerate's ``CpuOffload`` hook on ``t`` (``enable_model_cpu_offload()``):
+    the hook moves the whole model to its execution device before the forward it wraps runs and moves nothing
+    during the call, so the runner sees a resident model. A move between calls changes the weights' addresses,
+    which :meth:`Scan.moved` checks before every replay (the graphs are dropped, the next call captures anew)."""
+    if runner is None or t.__dict__.get("_old_forward") is not runner or not under_model_offload(t):
+        return False
+    tuning = patch_tuning(t)  # opt-in (Tuning.model_offload_graphs says why)
+    return bool(getattr(tuning, "model_offload_graphs", False))
 
 
 def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None) -> tuple[str, str] | None:
     """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
     ``cache_steps``: a TaylorSeer cache is left to the walk (whole-model runners replay its steps, see
-    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here. Every offload hook refuses, accelerate's
-    whole-model ``CpuOffload`` (``enable_model_cpu_offload()``) included: replays inside it were not the eager
-    output on the H200 (round 25, tests/test_offload_gpu.py: rel 1.4e-3, a capture on every call), so that mode
-    runs the patched blocks eager until it is understood. ``runner`` is kept for the callers' signature."""
-    if hooks.offload_hooked(t):
-        return "offloading hook", "offload hook on the transformer"
+    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here. ``runner``: the whole-model runner asking;
+    inside a model-offload hook (:func:`model_offload_around`, with ``Tuning(model_offload_graphs=True)``) that hook
+    is no refusal. Every other offload hook streams weights during the call: refused."""
+    if hooks.offload_hooked(t) and not model_offload_around(t, runner):
+        if under_model_offload(t):
+            return ("model offload hook (graphs there are opt-in: Tuning(model_offload_graphs=True))",
+                    "enable_model_cpu_offload(): see qwen_absorb.Tuning.model_offload_graphs")
+        return "offloading hook", "offload hook on the transformer: weights move during the call"
     r = registry_reason(t)
     if r is not None:
         return r
@@ -153,18 +155,14 @@ def _is_lora_layer(d: dict) -> bool:
     return isinstance(d.get("merged_adapters"), list) and isinstance(d.get("scaling"), dict)
 
 
-def _plain(v: Any) -> bool:
-    """A value compared by value: a plain scalar, or a tuple of them (``_num_bits = (4, 3)``)."""
+def _plain(v: Any) -> bool:  # compared by value: a plain scalar, or a tuple of them (``_num_bits = (4, 3)``)
     tv = type(v)
     return tv in _PLAIN or (tv is tuple and all(type(x) in _PLAIN for x in v))
 
 
 def lora_state(dicts: list[dict]) -> list[tuple]:
-    """What of PEFT tuner layers changes what runs without a registration: merged adapters (``fuse_lora``
-    writes ``base_layer.weight.data`` in place, which no ``_version`` sees), scaling (``set_adapters``, a
-    deleted adapter), ``disable_adapters`` and the active adapters, one tuple per layer ``__dict__`` of the
-    live objects (one C-level map): compared against :func:`lora_snapshot` (list, dict and tuple equality,
-    no copies per call)."""
+    """PEFT state that changes what runs without a registration (``fuse_lora`` writes ``.data``, which no
+    ``_version`` sees; ``set_adapters``; ``disable_adapters``), one tuple per layer, one C-level map."""
     return list(map(_peft_get, dicts))
 
 
@@ -184,11 +182,8 @@ def _getter(keys: tuple[str, ...]) -> itemgetter:
 
 
 class Scan:
-    """What the graphs of a runner baked in, and the verdict (refusal or not) for that state.
-
-    ``host``: tensors allowed to live off the graph device (e.g. original weights offloaded to host memory
-    while FP8 copies run on the GPU): left out of the device verdict, fingerprinted like every other tensor.
-    """
+    """What the graphs of a runner baked in, and the verdict. ``host``: tensors allowed off the graph device
+    (originals kept on the host), left out of the device verdict, fingerprinted like the others."""
 
     __slots__ = (
         "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watch_dicts",
@@ -203,22 +198,13 @@ class Scan:
         self.refusal: str | None = None
         self.detail = ""
         self.sticky = False  # a refusal that weight moves cannot lift (hooks, calibration), see the runner
-        self.modules: list[nn.Module] = []
-        self.len_dicts: list[dict] = []
-        self.hook_dicts: list[dict] = []
-        self.watch_dicts: list[dict] = []
-        self.watch_keys: list[str] = []
-        self.tensors: list[torch.Tensor] = []
-        self.names: list[str] = []
-        self.vtensors: list[torch.Tensor] = []
-        self.vnames: list[str] = []
-        self.peft: list[nn.Module] = []
-        self.peft_dicts: list[dict] = []
+        self.modules, self.len_dicts, self.hook_dicts, self.watch_dicts, self.watch_keys = [], [], [], [], []
+        self.tensors, self.names, self.vtensors, self.vnames = [], [], [], []
+        self.peft, self.peft_dicts, self.peft_names = [], [], []
         # what holds derived tensors a graph reads: the plans' runtimes and the FP8 forwards. Their
         # ``generation`` moves whenever those tensors are dropped or replaced (a decision, a rebuild)
         self.owners: list[Any] = []
         sources: set[int] = set()  # ids of tensors only the plans' derived state is made from (see moved())
-        self.peft_names: list[str] = []
         # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
         self.cache_hooks: list[Any] = []
         cache_ok: set[int] = set()  # the attention modules of blocks whose plan runs their cache
@@ -279,8 +265,8 @@ class Scan:
                         refuse(r[0], f"{r[1]} on {label}")
                     else:
                         self.cache_hooks.append(h)
-            if hooks.offload_hooked(m):
-                refuse("offloading hook", f"offload hook on {label}")
+            if hooks.offload_hooked(m) and not (root and model_offload_around(m, runner)):
+                refuse("offloading hook", f"offload hook on {label}: weights move during the call")
             proc = d.get("processor")
             pd = getattr(proc, "__dict__", None) if proc is not None and not isinstance(proc, nn.Module) else None
             if isinstance(pd, dict):
@@ -368,19 +354,12 @@ class Scan:
         return self.moved() or self.stale()
 
     def moved(self) -> str | None:
-        """The part of :meth:`changed` a replay must not run past: memory the graph reads may be gone (a
-        parameter or buffer moved or replaced, a block decided anew or an FP8 forward rebuilt its derived
-        tensors). The runner asks it before launching a replay.
-
-        Two kinds of change are left to :meth:`stale` (after the launch), because the memory a graph reads
-        survives them: the tensors that only a plan's derived state is made from
-        (``plan.derived_only_sources``: the original weights and quantizer amaxes of the FP8-GEMM linears,
-        2520 of the 3866 tensors of a 60-block ModelOpt model), and the identity of forwards, processors and
-        plans (the replaced objects are held by this scan, and qwen_absorb's own objects move their
-        ``generation`` when they drop what they hold). On the H200's host this check took 2.3 ms before every
-        replay with everything in it (benchmarks/results/graphs/graph_idle_h200.md), 1152 us with the identities and
-        378 us without them (graph_idle_h200_c2e4f7e.md, graph_idle_h200_e321c57.md); the split's host cost on
-        the CPU: benchmarks/results/graphs/scan_cost.md."""
+        """What a replay must not run past: memory the graph reads may be gone (a parameter or buffer moved or
+        replaced, a block decided anew, an FP8 forward rebuilt). Left to :meth:`stale`, as the memory a graph
+        reads survives them: the tensors only derived state is made from (``plan.derived_only_sources``, 2520 of
+        the 3866 tensors of a 60-block ModelOpt model) and the identities of forwards, processors and plans (the
+        scan holds the replaced objects). On the H200's host: 2.3 ms with everything, 378 us split
+        (benchmarks/results/graphs/graph_idle_h200*.md, scan_cost.md)."""
         if list(map(_generation, self.owners)) != self.gens:
             return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):
@@ -388,9 +367,7 @@ class Scan:
         return None
 
     def stale(self) -> str | None:
-        """The rest of :meth:`changed`: what makes a replay's result wrong, not unsafe (module attributes
-        added, hooks, switch values, in-place writes, PEFT state). The runner asks it while the replay it
-        just launched runs, and discards that replay's output when it answers."""
+        """The rest of :meth:`changed`: what makes a replay's result wrong, not unsafe (asked while it runs)."""
         if list(map(len, self.len_dicts)) != self.lens:
             return "module structure or attributes changed"
         if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
@@ -431,17 +408,15 @@ class Scan:
                 return f"attribute {k!r} of a {type(d.get(k)).__name__ if k in d else 'module (removed)'}"
         for d, ks, vals in zip(self.plain_dicts, self.plain_keys, self.plain_vals):
             for k, v in zip(ks, vals if len(ks) > 1 else (vals,)):
-                if k not in d:
-                    return f"attribute {k!r} (removed)"
-                try:
-                    if d[k] != v:
-                        return f"attribute {k!r}: {v!r} -> {d[k]!r}"
-                except Exception:  # noqa: BLE001
-                    return f"attribute {k!r}: {v!r} -> a {type(d[k]).__name__}"
-        for d, n, snap in zip(self.peft_dicts, self.peft_names, self.peft_state):
-            try:
-                if _peft_get(d) != snap:
-                    return n
-            except Exception:  # noqa: BLE001
-                return n
-        return ""
+                if k not in d or not _equal(d[k], v):
+                    return f"attribute {k!r}: {v!r} -> {d[k]!r}" if k in d else f"attribute {k!r} (removed)"
+        return next((n for d, n, snap in zip(self.peft_dicts, self.peft_names, self.peft_state)
+                     if not _equal(d, snap, _peft_get)), "")
+
+
+def _equal(a: Any, b: Any, get: Any = None) -> bool:
+    """``a == b`` (of ``get(a)`` when given); False where the comparison raises (a deleted or odd value)."""
+    try:
+        return bool((get(a) if get is not None else a) == b)
+    except Exception:  # noqa: BLE001
+        return False

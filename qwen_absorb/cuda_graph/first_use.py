@@ -1,13 +1,10 @@
 """Graphs decided at the transformer's first call on a GPU, not where it sat when it was patched.
 
-A model patched on the CPU is usually moved next (``.to("cuda")``) or run under an offload hook
-(``enable_model_cpu_offload()`` keeps it on the CPU between calls). :class:`FirstUse` sits where the runner
-would (:func:`.attach.install`) and passes calls on other devices straight to the forward it wraps, uncounted
-(graphs are not decided yet); at the first call whose inputs are on a graph device it takes itself out and
-installs the :class:`~.runner.GraphedCall`, which answers that call. A refusal there (e.g. group offloading,
-which streams weights during the call) is logged once as a warning and counted, as every later one, in the
-``fallbacks`` counter (the patch report's ``graph_fallbacks``). It also stands for the runner it made:
-``describe()``, ``invalidate()`` and ``remove()`` go to it.
+A model patched on the CPU is usually moved next (``.to("cuda")``) or run under an offload hook.
+:class:`FirstUse` sits where the runner would (:func:`.attach.install`), passes calls on other devices straight
+through, uncounted, and at the first call on a graph device installs the :class:`~.runner.GraphedCall`, which
+answers that call. A refusal there (group offloading, layerwise casting) is logged once as a warning and
+counted in ``fallbacks``. ``describe()``, ``invalidate()`` and ``remove()`` go to the runner it made.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from torch import nn
 
 from .. import hooks
 from . import settings
-from .attach import under_model_offload, install
+from .attach import install
+from .fingerprint import under_model_offload
 from .runner import GraphedCall
 
 log = logging.getLogger("qwen_absorb")
@@ -33,12 +31,9 @@ _DECIDING = threading.Lock()  # two threads' first calls on a GPU: one installs 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
     """The device of the call's image input (``hidden_states``), else of its first tensor argument."""
     x = kwargs.get("hidden_states", args[0] if args else None)
-    if isinstance(x, torch.Tensor):
-        return x.device
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return None
+    if not isinstance(x, torch.Tensor):
+        x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return x.device if x is not None else None
 
 
 class FirstUse:
@@ -92,8 +87,6 @@ class FirstUse:
         log.warning("the CUDA-graph decision of %s was not found in its forward chain; it stays as a "
                     "pass-through", type(t).__name__)
 
-    # ------------------------------------------------------------------ what the patch state asks
-
     def remove(self) -> None:
         if self.runner is not None:
             self.runner.remove()
@@ -114,8 +107,7 @@ class FirstUse:
 
     def __getstate__(self) -> dict[str, Any]:
         t = self._transformer
-        cls_forward = getattr(self._inner, "__func__", None) is type(t).forward and getattr(
-            self._inner, "__self__", None) is t
+        cls_forward = getattr(self._inner, "__func__", None) is type(t).forward and self._inner.__self__ is t
         opts = dict(self._options, host_tensors=None)  # a closure over this model: neither copied nor saved
         return {"t": t, "inner": None if cls_forward else self._inner, "prev_present": self._prev_present,
                 "slot": self._slot, "options": opts, "runner": self.runner, "removed": self._removed}

@@ -1,22 +1,12 @@
-"""The runner: :class:`GraphedCall` sits on the transformer as its ``forward`` and decides per call whether to
-refuse (eager, counted), replay, or capture; :func:`install` puts it there.
+"""The runner: :class:`GraphedCall` sits where the transformer's forward is called from and decides per call
+whether to refuse (eager, counted), replay, or capture.
 
-Per call, in order: the O(1) refusals (grad, training, hooks on the transformer), the arguments read into a
-:class:`~.signature.Call`, the fingerprint (:mod:`.fingerprint`; graphs dropped when it changed), the graph of
-the signature replayed, or a new signature captured (:mod:`.capture`), after ``capture_after`` eager calls.
-
-The fingerprint is asked in two parts around a replay. Before launching it: whatever could leave the graph
-reading memory that is gone (``Scan.moved``: tensors moved or replaced, blocks decided anew, FP8 forwards
-rebuilt; cheap). After launching it, while the GPU runs it: everything else (``Scan.stale``: forwards,
-processors and plans replaced, switch values, in-place writes, hooks, PEFT state; most of the host time on a
-60-block model). When that finds a
-change, the replay's output is discarded (never returned, counted in ``discarded_replays``), the graphs are
-dropped (after the replay finished) and the call runs eager, as it would have had the change been seen first.
-No call returns a result computed from stale state; the host checks overlap the GPU instead of preceding it.
-
-A runner given ``shared=`` (a :class:`~.shared.Shared`: the per-block runners of one Qwen-Image-2.1 model) takes
-its lock, memory pools, side streams and static input buffers from it, and its parent's refusals (see
-:mod:`.shared`); without one (the default) it owns them all, as a runner on a whole transformer does.
+The fingerprint is asked in two parts around a replay: ``Scan.moved`` before launching it (whatever could
+leave the graph reading memory that is gone: tensors moved or replaced, blocks decided anew, FP8 forwards
+rebuilt), ``Scan.stale`` while the GPU runs it (forwards, processors, switches, in-place writes, hooks, PEFT
+state). A change found after the launch discards the replay's output (counted in ``discarded_replays``), drops
+the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the runner takes its lock, pools, side
+streams and static inputs from the group, and its parent's refusals.
 """
 
 from __future__ import annotations
@@ -36,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import hooks, taylorseer
+from ..plan import BlockRuntime
 from . import settings
 from .capture import Graph, capture, map_tensors
 from .fingerprint import Scan, root_reason, unwatch, watch
@@ -61,8 +52,7 @@ def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[
     return lambda: fn
 
 
-def _capturing() -> bool:
-    """The current stream is being captured (the caller's own ``torch.cuda.graph``): run straight through."""
+def _capturing() -> bool:  # the caller's own torch.cuda.graph captures the current stream: run straight through
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
@@ -78,17 +68,14 @@ class GraphedCall:
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations", "warn_first",
         "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared", "_cache",
+        "_gens",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
                  host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
                  shared: Shared | None = None) -> None:
-        self._transformer = transformer
-        self._shared = shared
-        self._name = type(transformer).__name__
-        self.fallbacks = fallbacks
-        self.max_graphs = int(max_graphs)
-        self.capture_after = int(capture_after)
+        self._transformer, self._shared, self._name = transformer, shared, type(transformer).__name__
+        self.fallbacks, self.max_graphs, self.capture_after = fallbacks, int(max_graphs), int(capture_after)
         self._host_tensors = host_tensors
         d = transformer.__dict__
         self._prev_present = "forward" in d
@@ -109,30 +96,24 @@ class GraphedCall:
         self._dirty: str | None = None
         self._failed: dict[Any, str] = {}
         self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
-        self._removed = False
-        self._busy = False
+        self._removed = self._busy = self._unstable = False
         # one caller at a time in the static buffers (of the group, when shared); others run eager
         self._lock = sh.lock if sh is not None else threading.Lock()
-        self._unstable = False
-        self._unreplayed = 0
         self._logged: set[str] = sh.logged if sh is not None else set()
         self.captures = self.replays = self.eager_calls = self.new_signature_calls = self.evictions = 0
-        self.refusals: collections.Counter = collections.Counter()
-        self.invalidations: collections.Counter = collections.Counter()
+        self._unreplayed = self.discarded_replays = self._host_n = 0
+        self.refusals, self.invalidations = collections.Counter(), collections.Counter()
         self.capture_failures: collections.Counter = collections.Counter()
-        self._host_us = 0.0  # host time of a replayed call up to the replay's launch
-        self._host_n = 0
-        self._check_us = 0.0  # host time of the checks after the launch (overlapping the GPU)
-        self._launch_us = 0.0  # host time of the launches (copies + replay calls)
-        self.discarded_replays = 0
+        # host time of replayed calls: up to the launch, of the checks after it (overlapping the GPU), of the launches
+        self._host_us = self._check_us = self._launch_us = 0.0
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
+        self._gens: list[tuple[Any, int]] | None = None  # the owners' generations as the capture began
         self.warn_first = False  # a refusal of the next call is a warning (set by .first_use), once
         if t is not None:
             watch(self)
             if sh is not None:
                 sh.join(self)
 
-    # ------------------------------------------------------------------ the call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
@@ -251,8 +232,7 @@ class GraphedCall:
         self._host_n += 1
         return out
 
-    def _wrapped(self) -> Callable[..., Any]:
-        """The forward this runner wraps (after :meth:`remove`, held weakly)."""
+    def _wrapped(self) -> Callable[..., Any]:  # the forward this runner wraps (after remove(), held weakly)
         fn = self._inner if self._inner is not None else self._weak_inner()
         if fn is None:
             raise RuntimeError(f"qwen_absorb: this CUDA-graph runner of a {self._name} was removed, and the "
@@ -262,10 +242,9 @@ class GraphedCall:
     def _count_new(self, key: Any) -> bool:
         """True when the signature has had fewer than ``capture_after`` eager calls: this one runs eager too."""
         seen = self._seen
-        n = seen.get(key, 0)
-        if n >= self.capture_after:
+        if seen.get(key, 0) >= self.capture_after:
             return False
-        seen[key] = n + 1
+        seen[key] = seen.get(key, 0) + 1
         seen.move_to_end(key)
         while len(seen) > settings.MAX_COUNTED_SIGNATURES:
             seen.popitem(last=False)
@@ -286,21 +265,14 @@ class GraphedCall:
             log.info("CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
         return self._inner(*args, **kwargs)
 
-    def _host(self) -> list[torch.Tensor]:
-        """The tensors allowed off the graph device (``host_tensors``), read anew for every scan."""
-        if self._host_tensors is None:
-            return []
+    def _host(self) -> list[torch.Tensor]:  # the tensors allowed off the graph device, read anew for every scan
         try:
-            return list(self._host_tensors())
+            return list(self._host_tensors()) if self._host_tensors is not None else []
         except Exception as e:  # noqa: BLE001 - a failing callable must not fail the call: none allowed
             if "host_tensors" not in self._logged:
                 self._logged.add("host_tensors")
-                log.warning("host_tensors() raised %s: %s; no tensor may live off the GPU",
-                            type(e).__name__, e)
+                log.warning("host_tensors() raised %s: %s; no tensor may live off the GPU", type(e).__name__, e)
             return []
-
-    def _new_scan(self) -> Scan:
-        return Scan(self._transformer, self._host(), self)
 
     def _current_scan(self) -> Scan:
         """The snapshot graphs are valid for; rebuilt (and graphs dropped) when the model changed."""
@@ -321,7 +293,7 @@ class GraphedCall:
         self._dirty = None
         if self._graphs:
             self._drop(reason)
-        self._scan = scan = self._new_scan()
+        self._scan = scan = Scan(self._transformer, self._host(), self)
         return scan
 
     def module_assigned(self, module_id: int, what: str) -> None:
@@ -361,10 +333,12 @@ class GraphedCall:
             if sh is not None:
                 sh.order(call.device)
                 statics = sh.statics(call.tensors)
-            got = capture(self._inner, self._transformer, call, desc, self._streams, self._pools, statics)
+            got = capture(self._staged(call.key), self._transformer, call, desc, self._streams, self._pools, statics)
             del statics
         finally:
             self._busy = False
+        if got.error is None and got.graph is not None:
+            got.error = self._after_capture(call.key)
         if got.error is not None:
             self._capture_failed(call, desc, got.error)
             return got.warm
@@ -376,18 +350,52 @@ class GraphedCall:
         self.captures += 1
         log.log(self._level("captured " + desc), "captured CUDA graph %d/%d in %.0f ms: %s (%d host constants)",
                 len(self._graphs), self.max_graphs, got.graph.capture_ms, desc, got.host_constants)
-        # Lazy state set by the warm-up or the capture itself (plans decided on first run, caches) is part
-        # of what this graph saw: take the snapshot now. If it moved, older graphs may be stale: drop them.
-        scan = self._scan
-        what = scan.changed() if scan is not None else (self._dirty or "changed during capture")
-        if what is not None:
-            for k in [k for k in self._graphs if k != call.key]:
-                self._evict(k, count=False)
-            self._scan = new = self._new_scan()
-            self._dirty = None
-            if new.refusal is not None:
-                self._drop(f"refused after capture: {new.refusal}")
+        if self._scan.refusal is not None:
+            self._drop(f"refused after capture: {self._scan.refusal}")
         return got.warm
+
+    def _staged(self, key: Any) -> Callable[..., Any]:
+        """The wrapped forward for :func:`.capture.capture`: the warm-up, then :meth:`_warmed`, then the capture."""
+        self._gens, inner, calls = None, self._inner, []
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(None)
+            out = inner(*args, **kwargs)
+            if len(calls) == 1:  # the warm-up ran
+                self._warmed(key)
+            return out
+
+        return run
+
+    def _warmed(self, key: Any) -> None:
+        """Lazy state the warm-up set (plans decided at a first call on this device, after a move; caches) is
+        what the capture sees: the snapshot is taken now; if it moved, older graphs may be stale (dropped)."""
+        scan = self._scan
+        if (scan.changed() if scan is not None else "changed during the warm-up") is not None:
+            for k in [k for k in self._graphs if k != key]:
+                self._evict(k, count=False)
+            self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
+        self._gens = [(o, o.generation) for o in self._scan.owners]
+
+    def _after_capture(self, key: Any) -> BaseException | None:
+        """Derived tensors rebuilt or weights moved inside the capture (a block deciding anew records its rebuild,
+        never run): the graph is not kept, and such a block decides again at its next eager call. Anything else
+        the capture changed is what the graph saw: a new snapshot, older graphs dropped."""
+        gens, self._gens, scan = self._gens, None, self._scan
+        if gens is not None:  # (None: the warm-up raised or never returned here)
+            rebuilt = [o for o, g in gens if o.generation != g]
+            moved = "derived tensors rebuilt" if rebuilt else scan.moved() if scan is not None else None
+            if moved is not None:
+                for o in rebuilt:  # (an FP8 forward that met the capture dropped its decision itself)
+                    if isinstance(o, BlockRuntime):
+                        o.device = None  # decided for no device: the next call decides (block._call_check)
+                self._scan, self._dirty = None, "the model changed during a capture"
+                return RuntimeError(f"the model changed during the capture ({moved})")
+        if (scan.stale() if gens is not None else scan.changed()) if scan is not None else True:
+            for k in [k for k in self._graphs if k != key]:
+                self._evict(k, count=False)
+            self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
+        return None
 
     def _capture_failed(self, call: Call, desc: str, e: BaseException) -> None:
         self._failed[call.key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -396,18 +404,13 @@ class GraphedCall:
         self.fallbacks[settings.PREFIX + reason] += 1
         self.refusals[reason] += 1
         self.eager_calls += 1
-        try:
+        with contextlib.suppress(Exception):
             torch.cuda.synchronize(call.device)  # the failed capture's device, whichever is current
-        except Exception:  # noqa: BLE001
-            pass
-        if "capture failed" not in self._logged:
-            self._logged.add("capture failed")
-            log.warning("CUDA graph capture failed for %s (%s); this signature runs eager from now on",
-                        desc, self._failed[call.key])
-        else:
-            log.debug("CUDA graph capture failed for %s (%s)", desc, self._failed[call.key])
+        first = "capture failed" not in self._logged
+        self._logged.add("capture failed")
+        log.log(logging.WARNING if first else logging.DEBUG, "CUDA graph capture failed for %s (%s)%s", desc,
+                self._failed[call.key], "; this signature runs eager from now on" if first else "")
 
-    # ------------------------------------------------------------------ graph bookkeeping
 
     def _insert(self, key: Any, entry: Graph) -> None:
         while len(self._graphs) >= self.max_graphs:
@@ -423,8 +426,7 @@ class GraphedCall:
     def _evict(self, key: Any, count: bool) -> None:
         self._sync()
         del self._graphs[key]
-        if count:
-            self.evictions += 1
+        self.evictions += int(count)
 
     def _drop(self, reason: str, count: bool = True, track: bool = True) -> None:
         """Drop every graph (and the pools: memory goes back to the allocator).
@@ -463,16 +465,12 @@ class GraphedCall:
         self._logged.add(what)
         return logging.INFO
 
-    # ------------------------------------------------------------------ public API
 
     def invalidate(self, reason: str = "invalidate() called") -> None:
         """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
         self._drop(reason, count=False, track=False)
         self.invalidations[reason] += 1
-        self._unstable = False
-        self._unreplayed = 0
-        self._scan = None
-        self._dirty = reason
+        self._unstable, self._unreplayed, self._scan, self._dirty = False, 0, None, reason
 
     def remove(self) -> None:
         """Put the previous forward back exactly where this runner sits, and drop everything: graphs, static
@@ -480,8 +478,7 @@ class GraphedCall:
         if self._removed:
             return
         t = self._transformer
-        d = t.__dict__
-        restored = False
+        d, restored = t.__dict__, False
         if d.get("forward") is self:
             if self._prev_present:
                 object.__setattr__(t, "forward", self._prev)
@@ -504,14 +501,11 @@ class GraphedCall:
             self._shared.forget_pools()
             self._pools, self._streams, self._logged = {}, {}, set(self._logged)
             self._shared = None
-        self._pools.clear()
-        self._failed.clear()
-        self._seen.clear()
-        self._streams.clear()
+        for x in (self._pools, self._failed, self._seen, self._streams):
+            x.clear()
         for h in self._scan.cache_hooks if self._scan is not None else ():
             taylorseer.release(h)  # the TaylorSeer factors kept for graphs (the states keep what they hold)
-        self._cache = None
-        self._scan = None
+        self._cache = self._scan = None
         self._removed = True
         unwatch(self)
         self._weak_inner = _weak_forward(self._inner, t, held_elsewhere=restored)
@@ -519,30 +513,21 @@ class GraphedCall:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able status: graphs held, captures, replays, refusals, invalidations, limits."""
+        n = self._host_n
+        g = self._graphs.values()
         return {
-            "installed": not self._removed,
-            "max_graphs": self.max_graphs,
-            "capture_after": self.capture_after,
-            "graphs": len(self._graphs),
-            "signatures": [g.desc for g in self._graphs.values()],
-            "captures": self.captures,
-            "replays": self.replays,
-            "eager_calls": self.eager_calls,
-            "new_signature_calls": self.new_signature_calls,
-            "evictions": self.evictions,
-            "refusals": dict(self.refusals),
-            "invalidations": dict(self.invalidations),
-            "capture_failures": dict(self.capture_failures),
-            "failed_signatures": len(self._failed),
-            "unstable": self._unstable,
-            "capture_ms": [round(g.capture_ms, 1) for g in self._graphs.values()],
-            "host_us_per_replay": round(self._host_us / self._host_n, 1) if self._host_n else None,
-            "overlapped_check_us_per_replay": round(self._check_us / self._host_n, 1) if self._host_n else None,
+            "installed": not self._removed, "max_graphs": self.max_graphs, "capture_after": self.capture_after,
+            "graphs": len(self._graphs), "signatures": [e.desc for e in g], "captures": self.captures,
+            "replays": self.replays, "eager_calls": self.eager_calls, "new_signature_calls": self.new_signature_calls,
+            "evictions": self.evictions, "refusals": dict(self.refusals), "invalidations": dict(self.invalidations),
+            "capture_failures": dict(self.capture_failures), "failed_signatures": len(self._failed),
+            "unstable": self._unstable, "capture_ms": [round(e.capture_ms, 1) for e in g],
+            "host_us_per_replay": round(self._host_us / n, 1) if n else None,
+            "overlapped_check_us_per_replay": round(self._check_us / n, 1) if n else None,
             # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay; on the H200 it overlaps
             # the GPU work it starts, benchmarks/results/graphs/graph_cuts.md)
-            "launch_us_per_replay": round(self._launch_us / self._host_n, 1) if self._host_n else None,
-            "discarded_replays": self.discarded_replays,
-            "outputs": "clone",
+            "launch_us_per_replay": round(self._launch_us / n, 1) if n else None,
+            "discarded_replays": self.discarded_replays, "outputs": "clone",
         }
 
     @property
@@ -556,7 +541,6 @@ class GraphedCall:
         return (f"<qwen_absorb GraphedCall on {self._name}: {len(self._graphs)}/{self.max_graphs} graphs, "
                 f"{self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
 
-    # ------------------------------------------------------------------ copy / pickle
 
     def __deepcopy__(self, memo: dict) -> "GraphedCall":
         new = GraphedCall.__new__(GraphedCall)
@@ -578,16 +562,11 @@ class GraphedCall:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        t = state["transformer"]
-        self._transformer = t
+        t = self._transformer = state["transformer"]
         self._name = state.get("name") or type(t).__name__
-        self.fallbacks = state["fallbacks"]
-        self.max_graphs = state["max_graphs"]
-        self.capture_after = state.get("capture_after", 0)
-        self._host_tensors = None
-        self._prev_present = state["prev_present"]
-        self._prev = state["prev"]
-        inner = state["inner"]
+        self.fallbacks, self.max_graphs = state["fallbacks"], state["max_graphs"]
+        self.capture_after, self._host_tensors = state.get("capture_after", 0), None
+        self._prev_present, self._prev, inner = state["prev_present"], state["prev"], state["inner"]
         self._inner = inner if inner is not None or t is None else type(t).forward.__get__(t)
         self._weak_inner = _dead
         self._shared = None if state["removed"] else state.get("shared")

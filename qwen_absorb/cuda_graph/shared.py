@@ -2,33 +2,20 @@
 the static input buffers, and the stream the buffers were last used on.
 
 The runners of one group (the per-block runners of a Qwen-Image-2.1 transformer, :mod:`.blocks`) are called one
-after another on one stream, never inside each other: the transformers' block loop. Their graphs can then share
-what a graph only needs while it runs:
+after another on one stream, never inside each other, so their graphs can share what a graph needs only while
+it runs:
 
-- **the memory pool**: a graph's transients are free once its replay has finished, so the next graph may reuse
-  them; its *output* stays allocated (held by the graph) and is cloned right after the replay, before anything
-  else runs on the stream. So one pool serves every graph of the group, in any replay order. A pool handle is
-  reused only while some runner of the group holds a graph (then the allocator's pool is alive); once a drop
-  leaves the group without graphs the handle is forgotten, as a private runner forgets its own, and the next
-  capture starts a new pool (reusing a handle whose graphs are all gone is refused by the allocator);
-- **the static inputs**: the graph of each block reads its inputs from static buffers, and every replay first
-  copies the call's tensors into them. One buffer serves each (argument position, tensor metadata) pair for the
-  whole group: position ``i`` of the call's tensors with shape, strides, dtype, device and alignment class
-  ``m``, made in inference mode or not (an inference tensor takes no copy outside it). Two tensors of one call
-  have different positions, so they never share a buffer; graphs of different blocks (or signatures) do, which
-  is safe because the copies and replays run in stream order, one graph at a time. The buffers are held by the
-  graphs reading them (the table holds them weakly): memory is one set of inputs plus one output per graph, not
-  one set of inputs per block;
-- **the lock**: one caller at a time in the shared buffers. A second thread finds it taken and runs eager
-  (counted: "another thread is using the CUDA-graph runner");
-- **the stream order**: a replay or capture on another stream than the previous one first makes its stream wait
-  for that one (:meth:`Shared.order`), so replays from two streams never overlap in the shared memory.
+- **the pool**: a graph's transients are free once its replay finished, and its output is cloned right after
+  it. A handle is reused only while some runner of the group holds a graph (the allocator refuses a handle whose
+  graphs are all gone): then it is forgotten and the next capture starts a new pool;
+- **the static inputs**: one buffer per (argument position, tensor metadata, inference mode) for the whole
+  group, held by the graphs reading it (the table holds it weakly); safe because copies and replays run in
+  stream order, one graph at a time;
+- **the lock**: one caller at a time; a second thread runs eager (counted);
+- **the stream order**: a replay on another stream than the previous one waits for it first (:meth:`Shared.order`).
 
-``parent`` (a module, e.g. the transformer around the blocks): its O(1) refusals (offloading hooks, diffusers
-hooks, an enabled cache: :func:`.fingerprint.root_reason`) refuse the group's calls too, as they would refuse
-a runner on the parent itself.
-
-Copies and pickles of a :class:`Shared` are fresh and empty (graphs, pools, buffers are never copied or saved).
+``parent`` (the transformer around the blocks): its O(1) refusals (:func:`.fingerprint.root_reason`) refuse the
+group's calls too. Copies and pickles of a :class:`Shared` are fresh and empty.
 """
 
 from __future__ import annotations
@@ -60,8 +47,6 @@ class Shared:
         self._last: dict[torch.device, Any] = {}  # the stream the buffers were last used on, by device
         self._parent = weakref.ref(parent) if parent is not None else None
 
-    # ------------------------------------------------------------------ membership
-
     def join(self, runner: Any) -> None:
         self._members.add(runner)
 
@@ -69,13 +54,9 @@ class Shared:
         self._members.discard(runner)
 
     def graphs(self) -> int:
-        """Graphs the group's runners hold now."""
         return sum(len(r._graphs) for r in list(self._members))
 
-    # ------------------------------------------------------------------ per call
-
-    def parent_reason(self) -> tuple[str, str] | None:
-        """The parent's O(1) refusal (an offloading or cache hook on the transformer), or None."""
+    def parent_reason(self) -> tuple[str, str] | None:  # the parent's O(1) refusal (an offloading or cache hook)
         p = self._parent() if self._parent is not None else None
         if p is None:
             return None
@@ -92,9 +73,8 @@ class Shared:
         self._last[device] = cur
 
     def statics(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The static buffers for a call's ``tensors``: the group's buffer for each (position, metadata) pair,
-        made (:func:`.capture.static_like`) where there is none alive. Buffers made under inference mode are
-        inference tensors, which no copy outside it may write: they are kept apart."""
+        """The group's static buffers for a call's ``tensors`` (made where none is alive). Buffers made under
+        inference mode are inference tensors, which no copy outside it may write: they are kept apart."""
         out = []
         inference = torch.is_inference_mode_enabled()
         for i, x in enumerate(tensors):
@@ -111,14 +91,10 @@ class Shared:
         if not self.graphs():
             self.pools.clear()
 
-    # ------------------------------------------------------------------ lifetime
-
     def clear(self) -> None:
         """Drop everything shared (the group's runners are removed first: their graphs hold the buffers)."""
-        self.pools.clear()
-        self.streams.clear()
-        self._statics.clear()
-        self._last.clear()
+        for x in (self.pools, self.streams, self._statics, self._last):
+            x.clear()
         self._members = weakref.WeakSet()
 
     def describe(self) -> dict[str, Any]:

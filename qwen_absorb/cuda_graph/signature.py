@@ -1,10 +1,6 @@
-"""What a call is, for a graph: its arguments frozen into a hashable key, and the refusals found on the way.
-
-A graph is keyed by the frozen structure of the arguments (every non-tensor value exactly, with its type),
-the metadata of every tensor (shape, strides, dtype, device, address alignment) and the process-wide
-switches that change which kernels a call picks. :class:`Call` reads one call's arguments once;
-:func:`thaw` rebuilds the arguments from a frozen structure and static tensors.
-"""
+"""What a call is, for a graph: the frozen structure of its arguments (every non-tensor value exactly, with its
+type), the metadata of every tensor (shape, strides, dtype, device, address alignment) and the process-wide
+switches that change which kernels a call picks, as one hashable key; and the refusals found on the way."""
 
 from __future__ import annotations
 
@@ -34,18 +30,14 @@ TENSOR_SLOTS = frozenset({
 ATOMS = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-class Refusal(Exception):
-    """Raised while reading the arguments: the call must run eager, for ``reason``."""
-
+class Refusal(Exception):  # raised while reading the arguments: the call runs eager, for ``reason``
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.detail = detail
 
 
-class _TensorSlot:
-    """Placeholder for a tensor in a frozen argument structure."""
-
+class _TensorSlot:  # a tensor's place in a frozen argument structure
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -108,8 +100,7 @@ def thaw(spec: Any, it: Iterator[torch.Tensor]) -> Any:
     return spec[1]
 
 
-def thaw_call(spec: Any, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a call's frozen ``spec`` (as :attr:`Call.spec` holds it) with ``tensors``."""
+def thaw_call(spec: Any, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:  # (args, kwargs) of Call.spec
     it = iter(tensors)
     args = thaw(spec[0], it)
     return args, {k: thaw(v, it) for k, v in spec[1]}
@@ -183,9 +174,7 @@ def signature(args: tuple, kwargs: dict, positional: tuple[str, ...]) -> tuple[A
     return spec, tensors, (spec, tuple(map(tensor_meta, tensors)), global_flags())
 
 
-class Call:
-    """One call's arguments, read once: tensors, their frozen structure, the signature key, the device."""
-
+class Call:  # one call's arguments, read once: tensors, their frozen structure, the key, the device
     __slots__ = ("args", "kwargs", "tensors", "spec", "key", "device")
 
     def __init__(self, args: tuple, kwargs: dict, positional: tuple[str, ...]) -> None:

@@ -7,7 +7,9 @@ its reference, which is the diffusers eager expression itself.
 - :func:`bias_gate_residual`                     r + gate * (x + bias)
 - :func:`quantize_fp8`, :func:`quantize_fp8_split`  FP8 e4m3 codes of an activation (optionally GELU'd)
 - :func:`quantize_nvfp4`                         ModelOpt's dynamic NVFP4 fake quantization of an activation
-- ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output.
+- ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output; their launchers (and
+  those of the 2.1 LayerNorm ops and ``swiglu``) take ``nvfp4_amax`` instead to emit the NVFP4 fake-quantized
+  output (``quantize_nvfp4``'s arithmetic, csrc/nvfp4.cuh) for NVFP4 linears; not through the custom ops.
 - :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
 - ``lora_add``                                   a LoRA branch added to its linear's output (tensor cores), fused
                                                  into net[0]'s GELU + e4m3 quantization, or alone

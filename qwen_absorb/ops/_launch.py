@@ -29,15 +29,19 @@ def require_plain(*ts: torch.Tensor) -> None:
 
 
 def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: bool = False, out: bool = True,
-            codes: bool = False) -> tuple[torch.Tensor | None, ...]:
+            codes: bool = False, nvfp4: bool = False) -> tuple[torch.Tensor | None, ...]:
     """A launch's outputs, once the tensors its kernel ``reads`` are known plain (:func:`require_plain`):
-    ``(new_residual, out, codes)`` with ``new_residual``, else ``(out, codes)``; each like x, None where
-    not asked for (new_residual always is when asked)."""
+    ``(new_residual, out, second)`` with ``new_residual``, else ``(out, second)``; each like x, None where
+    not asked for (new_residual always is when asked). ``second``: e4m3 codes (``codes``) or NVFP4
+    fake-quantized values in x's dtype (``nvfp4``)."""
     for t in reads:
         if type(t) is not torch.Tensor:
             require_plain(*reads)  # raises, naming them
     o = torch.empty_like(x) if out else None
-    f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if codes else None
+    if nvfp4:
+        f8 = torch.empty_like(x)
+    else:
+        f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if codes else None
     return (torch.empty_like(x), o, f8) if new_residual else (o, f8)
 
 
@@ -68,32 +72,42 @@ def fake_codes(x: torch.Tensor, fp8_amax: torch.Tensor | None) -> torch.Tensor:
 class Kernels:
     """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``.
 
-    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`.
+    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`; with
+    ``nvfp4=True`` a kernel that emits NVFP4 values as its second output has a fourth template argument,
+    ``name<traits, A, NV, 1>`` (its NVFP4 instance), requested by ``ln(..., nvfp4=True)``.
     Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1 where D does not
     divide), ``threads`` per row, NV from ``nv_choices``.
     """
 
-    __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "_cache")
+    __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "nvfp4", "_cache")
 
-    def __init__(self, cu: str, name: str, layout: str, threads: int = 0, nv_choices: tuple[int, ...] = NV_CHOICES):
+    def __init__(self, cu: str, name: str, layout: str, threads: int = 0, nv_choices: tuple[int, ...] = NV_CHOICES,
+                 nvfp4: bool = False):
         self.cu, self.name, self.layout = cu, name, layout
-        self.threads, self.nv_choices = threads, nv_choices
+        self.threads, self.nv_choices, self.nvfp4 = threads, nv_choices, nvfp4
         self._cache: dict[tuple, tuple[rt.Launcher, int]] = rt.register_cache({})
 
-    def _compile(self, key: tuple, x: torch.Tensor, a: int, nv: int, threads: int, nbytes: int):
+    def _expression(self, traits: str, a: int, nv: int, nvfp4: bool) -> str:
+        # the plain instance keeps the three-argument name (the template's default NVFP4 = 0)
+        return f"{self.name}<{traits}, {a}, {nv}, 1>" if nvfp4 else f"{self.name}<{traits}, {a}, {nv}>"
+
+    def _compile(self, key: tuple, x: torch.Tensor, a: int, nv: int, threads: int, nbytes: int, nvfp4: bool = False):
         dev = key[-1]
-        fn = rt.function(self.cu, f"{self.name}<{rt.TRAITS[x.dtype]}, {a}, {nv}>", dev)
+        fn = rt.function(self.cu, self._expression(rt.TRAITS[x.dtype], a, nv, nvfp4), dev)
         hit = self._cache[key] = (rt.Launcher(fn, threads, self.layout, dev), nbytes)
         return hit
 
-    def ln(self, x: torch.Tensor, D: int, vectorized: bool) -> tuple[rt.Launcher, int]:
+    def ln(self, x: torch.Tensor, D: int, vectorized: bool, nvfp4: bool = False) -> tuple[rt.Launcher, int]:
         """(launcher, bytes of one slot) of the LayerNorm kernel for x's rows of D elements; ``vectorized``:
-        whether eager PyTorch takes its vectorized LayerNorm path for this input."""
-        key = (x.dtype, D, vectorized, x.get_device())
+        whether eager PyTorch takes its vectorized LayerNorm path for this input; ``nvfp4``: the instance
+        whose second output is NVFP4 values (else e4m3 codes or none)."""
+        key = (x.dtype, D, vectorized, nvfp4, x.get_device())
         hit = self._cache.get(key)
         if hit is None:
+            if nvfp4 and not self.nvfp4:
+                raise ValueError(f"{self.name} has no NVFP4 instance")
             mode, threads, ch, nv = layout(D, vectorized)
-            hit = self._compile(key, x, mode, nv, threads, ch * x.element_size())
+            hit = self._compile(key, x, mode, nv, threads, ch * x.element_size(), nvfp4)
         return hit
 
     def vec(self, x: torch.Tensor, D: int) -> tuple[rt.Launcher, int]:
@@ -112,5 +126,6 @@ class Kernels:
         out = []
         for dtype, t in rt.TRAITS.items():
             widths = LN_MODES if not self.threads else (1, 16 // torch.empty(0, dtype=dtype).element_size())
-            out += [(self.cu, f"{self.name}<{t}, {a}, {nv}>") for a in widths for nv in (*self.nv_choices, 0)]
+            out += [(self.cu, self._expression(t, a, nv, q)) for q in (False, True)[:1 + self.nvfp4]
+                    for a in widths for nv in (*self.nv_choices, 0)]
         return out

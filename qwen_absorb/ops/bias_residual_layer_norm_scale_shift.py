@@ -22,14 +22,15 @@ from ._modulation import expand_param, layer_norm
 from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
 from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quantize_fp8_reference
+from .quantize_nvfp4 import check_emit
 
 _FORMULA = {1: "cuda_ext", 2: "eager"}
 
 # BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale,
-# new_residual, out, out_fp8, index, amax, out_amax (pointers); gate_rs, shift_rs, scale_rs, B, L
+# new_residual, out, out2, index, amax, out2_amax (pointers); gate_rs, shift_rs, scale_rs, B, L
 # (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
 KERNELS = Kernels("bias_residual_layer_norm_scale_shift.cu", "bias_residual_layer_norm_scale_shift_kernel",
-                  "12P5qifiii")
+                  "12P5qifiii", nvfp4=True)
 
 
 # ---------------------------------------------------------------------------- references
@@ -54,20 +55,26 @@ def bias_residual_layer_norm_scale_shift_reference(
 def launch(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
-    *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+    *, out: bool = True, fp8_amax: torch.Tensor | None = None, nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, e4m3 codes of modulated or None)``.
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)``.
 
     residual, x: contiguous [B, L, D] on a usable CUDA device; gate/shift/scale rows with unit last
     stride; amax (norm-input quantizer, quant_mode 1/2) and fp8_amax fp32 one-element on the device.
+    ``second``: the e4m3 codes of modulated under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one
+    element, exclusive with fp8_amax, D % 16 == 0: checked here) modulated's NVFP4 fake quantization in
+    x's dtype, bit for bit ``quantize_nvfp4.launch(modulated, nvfp4_amax)``.
     """
-    h, o, f8 = outs = outputs(x, (x, residual), new_residual=True, out=out, codes=fp8_amax is not None)
+    q4 = nvfp4_amax is not None
+    if q4:
+        check_emit(x, fp8_amax, nvfp4_amax)
+    h, o, f8 = outs = outputs(x, (x, residual), new_residual=True, out=out, codes=fp8_amax is not None, nvfp4=q4)
     if x.numel() == 0:
         return outs
     B, L, D = x.shape
     esize = x.element_size()
     # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-    launcher, a = KERNELS.ln(x, D, True)
+    launcher, a = KERNELS.ln(x, D, True, q4)
     grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
     bp = ptr(bias)
@@ -75,7 +82,8 @@ def launch(
         ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
         | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
     )
-    launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(fp8_amax),
+    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(amax2),
              grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)
     return h, o, f8
 

@@ -25,10 +25,11 @@ from ._modulation import layer_norm
 from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
 from ._validate import check_activation, check_eps, check_fp8_amax
 from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
+from .quantize_nvfp4 import check_emit
 
-# LayerNormScaleParams in the .cu: x, out, out_fp8, scale, mask, out_amax, amax (pointers);
+# LayerNormScaleParams in the .cu: x, out, out2, scale, mask, out2_amax, amax (pointers);
 # scale_rs, B, L (int64); D (int32), eps (float), quant_mode, vec_flags (int32)
-KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "7P3qifii")
+KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "7P3qifii", nvfp4=True)
 
 
 # ---------------------------------------------------------------------------- references
@@ -56,15 +57,22 @@ def layer_norm_scale_fp8_reference(
 def launch(
     x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
+    nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, e4m3 codes or None)``; arguments already validated.
+    """Checked-once entry: ``(out or None, second or None)``; arguments already validated. ``second``:
+    the e4m3 codes of out under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
+    fp8_amax, D % 16 == 0: checked here) out's NVFP4 fake quantization in x's dtype, bit for bit
+    ``quantize_nvfp4.launch(out, nvfp4_amax)``.
 
     x: contiguous [B, L, D] on a usable CUDA device; scale [B (+1), D] rows with unit last stride;
     target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
     norm_input_quant: a QuantLayerNorm's input fake quantizer, applied to x inside the kernel
     (``LayerNorm(Q(x))``, bit for bit ``Q``'s own output: :meth:`Fp8PerTensorQuant.reference`).
     """
-    o, f8 = outs = outputs(x, (x, scale), out=out, codes=fp8_amax is not None)
+    q4 = nvfp4_amax is not None
+    if q4:
+        check_emit(x, fp8_amax, nvfp4_amax)
+    o, f8 = outs = outputs(x, (x, scale), out=out, codes=fp8_amax is not None, nvfp4=q4)
     if x.numel() == 0:
         return outs
     B, L, D = x.shape
@@ -73,12 +81,13 @@ def launch(
     # fresh (aligned) output
     xp = x.data_ptr()
     nq = norm_input_quant
-    launcher, a = KERNELS.ln(x, D, nq is not None or xp % (4 * esize) == 0)
+    launcher, a = KERNELS.ln(x, D, nq is not None or xp % (4 * esize) == 0, q4)
     crs = row_stride(scale)
     cp = scale.data_ptr()
     flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
     amax, mode = (nq.amax_fp32(x.device), nq.mode_for(x.device)) if nq is not None else (None, 0)
-    launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(fp8_amax), ptr(amax), crs, B, L, D, eps,
+    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(amax2), ptr(amax), crs, B, L, D, eps,
              mode, flags)
     return o, f8
 

@@ -20,11 +20,12 @@ from ._modulation import expand_param, layer_norm
 from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param
 from ._validate import param_rows as _as_rows
 from .fp8 import quantize_fp8_reference
+from .quantize_nvfp4 import check_emit
 
-# LayerNormScaleShiftParams in the .cu: x, out, out_fp8, shift, scale, index, out_amax, amax
+# LayerNormScaleShiftParams in the .cu: x, out, out2, shift, scale, index, out2_amax, amax
 # (pointers); shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind, quant_mode,
 # vec_flags (int32)
-KERNELS = Kernels("layer_norm_scale_shift.cu", "layer_norm_scale_shift_kernel", "8P4qifiii")
+KERNELS = Kernels("layer_norm_scale_shift.cu", "layer_norm_scale_shift_kernel", "8P4qifiii", nvfp4=True)
 
 
 # ---------------------------------------------------------------------------- references
@@ -53,15 +54,21 @@ def layer_norm_scale_shift_fp8_reference(
 def launch(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-    quant_mode: int = 0,
+    quant_mode: int = 0, nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, e4m3 codes or None)``; arguments already validated.
+    """Checked-once entry: ``(out or None, second or None)``; arguments already validated.
 
     x: contiguous [B, L, D] on a usable CUDA device; shift/scale rows with unit last stride;
     index contiguous; fp8_amax fp32 with one element on x's device; amax/quant_mode: the norm-input
     fake quantizer (:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`'s amax and mode), or 0.
+    ``second``: the e4m3 codes of ``out`` under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element,
+    exclusive with fp8_amax, D % 16 == 0: checked here) ``out``'s NVFP4 fake quantization in x's dtype,
+    bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``.
     """
-    o, f8 = outs = outputs(x, (x,), out=out, codes=fp8_amax is not None)
+    q4 = nvfp4_amax is not None
+    if q4:
+        check_emit(x, fp8_amax, nvfp4_amax)
+    o, f8 = outs = outputs(x, (x,), out=out, codes=fp8_amax is not None, nvfp4=q4)
     if x.numel() == 0:
         return outs
     B, L, D = x.shape
@@ -69,11 +76,12 @@ def launch(
     # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the
     # fresh, aligned output of the norm's input quantizer
     xp = x.data_ptr()
-    launcher, a = KERNELS.ln(x, D, quant_mode != 0 or xp % (4 * esize) == 0)
+    launcher, a = KERNELS.ln(x, D, quant_mode != 0 or xp % (4 * esize) == 0, q4)
     srs, crs = shift.stride(0), scale.stride(0)
     sp, cp = shift.data_ptr(), scale.data_ptr()
     flags = (xp % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
-    launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(fp8_amax), ptr(amax), srs, crs, B, L, D, eps,
+    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(amax2), ptr(amax), srs, crs, B, L, D, eps,
              index_kind(index), quant_mode, flags)
     return o, f8
 

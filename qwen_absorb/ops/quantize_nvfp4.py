@@ -1,10 +1,15 @@
 """quantize_nvfp4: ModelOpt's dynamic NVFP4 fake quantization of an activation (W4A4's input quantizer).
 
-- :func:`quantize_nvfp4` ``(x, amax)``: ``x`` [..., D] fake-quantized as ModelOpt's NVFP4 input quantizer
+- :func:`quantize_nvfp4` ``(x, amax, activation=None)``: ``x`` (or its GELU-tanh / SiLU, rounded to x's
+  dtype as torch's eager op leaves it) [..., D] fake-quantized as ModelOpt's NVFP4 input quantizer
   does it on CUDA (``NVFP4_DEFAULT_CFG``'s ``*input_quantizer``: e2m1 values, dynamic e4m3 scales per 16
   elements of a row, the calibrated per-tensor ``amax`` as the second-level scale ``amax / (6 * 448)``),
   same dtype and shape. The kernel is csrc/quantize_nvfp4.cu (whose header gives the arithmetic).
 - :func:`quantize_nvfp4_reference`: the torch expression of that arithmetic, runnable on any device.
+- The same arithmetic is emitted as a second output by the kernels that produce a linear's input
+  (``nvfp4_amax`` of the LayerNorm launchers and of ``swiglu.launch``; csrc/nvfp4.cuh is the one copy
+  of its device code): :func:`emit_reasons` says when they can (D % 16 == 0), :func:`check_emit`
+  checks such a launch.
 
 Which ModelOpt path is the target: for a CUDA input ModelOpt 0.47 runs the Triton kernel
 ``fp4_fake_quant_block`` (kernels/quantization/gemm/fp4_kernel_hopper.py; sm_89+, Triton installed); its
@@ -26,6 +31,7 @@ import torch
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
+from .quantize_fp8 import activation_reference
 
 CU = "quantize_nvfp4.cu"
 THREADS = 256  # QA_NVFP4_THREADS
@@ -34,6 +40,8 @@ GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
 # torch on CUDA divides a tensor by a Python scalar as a product with the scalar's float32 reciprocal
 # (BinaryDivTrueKernel.cu); on CPU it divides. ModelOpt's second-level scale is the CUDA one.
 INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
+# the kernel's ACT: the activation computed (and rounded to x's dtype) before the quantization
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 # QuantizeNvfp4Params in the .cu: x, y, amax (pointers); rows, stride_row (int64); D, nblk (int32)
 LAYOUT = "3P2qii"
 
@@ -80,11 +88,16 @@ def quantize_nvfp4_reference(x: torch.Tensor, amax: torch.Tensor) -> torch.Tenso
 _fns: dict[tuple, object] = rt.register_cache({})
 
 
-def launch(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch.Tensor:
     """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride (a 2-D view of it)
-    on a usable CUDA device; ``amax`` a one-element fp32 tensor there. Returns a contiguous tensor."""
+    on a usable CUDA device; ``amax`` a one-element fp32 tensor there. Returns a contiguous tensor:
+    the fake quantization of ``act(x)`` (``act`` None, ``"gelu_tanh"`` or ``"silu"``: torch's
+    ``F.gelu(x, approximate="tanh")`` / ``F.silu(x)`` in x's dtype, then quantized)."""
     if type(x) is not torch.Tensor:
         raise TypeError(f"qwen_absorb kernels take plain tensors; got {type(x).__name__}")
+    a = ACTIVATIONS.get(act)
+    if a is None:
+        raise ValueError(f"act must be one of {list(ACTIVATIONS)}, got {act!r}")
     D = x.shape[-1]
     x2 = x.reshape(-1, D) if x.dim() != 2 else x
     rows = x2.shape[0]
@@ -97,10 +110,10 @@ def launch(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     if (x2.data_ptr() | stride * esize | D * esize) % 16:
         vec = 1
     dev = x.get_device()
-    key = (x.dtype, vec, dev)
+    key = (x.dtype, vec, a, dev)
     launcher = _fns.get(key)
     if launcher is None:
-        fn = rt.function(CU, f"quantize_nvfp4_kernel<{rt.TRAITS[x.dtype]}, {vec}>", dev)
+        fn = rt.function(CU, _expression(rt.TRAITS[x.dtype], vec, a), dev)
         launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
     nblk = (D + BLOCK - 1) // BLOCK
     launcher((rows * nblk + THREADS - 1) // THREADS, x2.data_ptr(), y.data_ptr(), amax.data_ptr(),
@@ -108,9 +121,38 @@ def launch(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return y.view(x.shape)
 
 
+def _expression(traits: str, vec: int, act: int) -> str:
+    # act 0 keeps the two-argument name (the template's default), as before the activations
+    return f"quantize_nvfp4_kernel<{traits}, {vec}>" if act == 0 else f"quantize_nvfp4_kernel<{traits}, {vec}, {act}>"
+
+
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, f"quantize_nvfp4_kernel<{t}, {v}>") for dtype, t in rt.TRAITS.items()
-            for v in (1, 16 // torch.empty(0, dtype=dtype).element_size())]
+    return [(CU, _expression(t, v, a)) for dtype, t in rt.TRAITS.items()
+            for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()) for a in ACTIVATIONS.values()]
+
+
+def emit_reasons(D: int) -> list[str]:
+    """Why a kernel cannot emit the NVFP4 input of a linear as its second output (``nvfp4_amax`` of the
+    LayerNorm and SwiGLU launchers) for rows of ``D`` elements (empty: it can). The fused kernels hold a
+    16-element block in adjacent lanes of one slot layout, so a block must not straddle two rows."""
+    return [] if D % BLOCK == 0 else [f"D = {D} is not a multiple of {BLOCK} (NVFP4 blocks of a fused output)"]
+
+
+def check_emit(x: torch.Tensor, fp8_amax: torch.Tensor | None, nvfp4_amax: torch.Tensor) -> None:
+    """The checks of a launcher asked for an NVFP4 second output (``nvfp4_amax`` given): raises with the
+    reason. Only that path pays for them (the launchers are checked-once entries otherwise)."""
+    if fp8_amax is not None:
+        raise ValueError("fp8_amax and nvfp4_amax are exclusive: a kernel emits e4m3 codes or NVFP4 values, "
+                         "not both")
+    why = emit_reasons(x.shape[-1])
+    if why:
+        raise ValueError(f"nvfp4_amax: {why[0]}; quantize the output with quantize_nvfp4 instead")
+    if not isinstance(nvfp4_amax, torch.Tensor) or nvfp4_amax.dtype != torch.float32 or nvfp4_amax.numel() != 1:
+        raise TypeError("nvfp4_amax must be a one-element float32 tensor (the kernels read one fp32 value)")
+    if nvfp4_amax.device != x.device:
+        raise ValueError(f"nvfp4_amax is on {nvfp4_amax.device} but x is on {x.device}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; NVFP4 emission supports bfloat16, float16, float32")
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -145,16 +187,22 @@ def _amax1(a: torch.Tensor) -> torch.Tensor:
     return a.detach().float().reshape(1)
 
 
-def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
+def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None,
+                   force_reference: bool = False) -> torch.Tensor:
     """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under
-    the per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype."""
+    the per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype. With
+    ``activation`` (``"gelu_tanh"`` or ``"silu"``) the input is that activation of x in x's dtype, as
+    ``F.gelu(x, approximate="tanh")`` / ``F.silu(x)`` leave it (the kernel computes it in the same launch)."""
     _check_x(x)
     check_amax("amax", amax, x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     return dispatch(
         quantize_nvfp4_not_supported_reasons(x, amax, force_reference),
-        lambda: quantize_nvfp4_reference(x, amax),
-        lambda: torch.ops.qwen_absorb.quantize_nvfp4(x, amax),
-        lambda: launch(x, _amax1(amax)),
+        lambda: quantize_nvfp4_reference(activation_reference(x, activation), amax),
+        # the custom op quantizes only; under compile the activation stays a traced torch op
+        lambda: torch.ops.qwen_absorb.quantize_nvfp4(activation_reference(x, activation), amax),
+        lambda: launch(x, _amax1(amax), activation),
     )
 
 

@@ -16,13 +16,14 @@ from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._validate import SUPPORTED_DTYPES, check_amax, check_same, check_tensor
 from .fp8 import quantize_fp8_reference
+from .quantize_nvfp4 import check_emit
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
 UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store (1: fastest on the H200, results/ops/bench_stream_kernels.md)
 MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
 
-# SwigluParams in the .cu: a, b, out, out_fp8, out_amax (pointers); n (int64); vec (int32)
+# SwigluParams in the .cu: a, b, out, out2, out2_amax (pointers); n (int64); vec (int32)
 LAYOUT = "5Pqi"
 
 
@@ -42,13 +43,25 @@ _fns: dict[tuple, object] = rt.register_cache({})
 
 def launch(
     a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+    nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, e4m3 codes or None)``; a, b contiguous, same shape, dtype
-    and device (a usable CUDA device); fp8_amax fp32 with one element on that device."""
+    """Checked-once entry: ``(out or None, second or None)``; a, b contiguous, same shape, dtype
+    and device (a usable CUDA device); fp8_amax fp32 with one element on that device. ``second``: the
+    e4m3 codes of out under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
+    fp8_amax, a's last dimension a multiple of 16: checked here) out's NVFP4 fake quantization in a's
+    dtype, bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
         raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (a, b)))
+    q4 = nvfp4_amax is not None
+    if q4:
+        if a.dim() < 1:
+            raise ValueError("nvfp4_amax: a needs rows (at least one dimension)")
+        check_emit(a, fp8_amax, nvfp4_amax)
     o = torch.empty_like(a, memory_format=torch.contiguous_format) if out else None
-    f8 = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device) if fp8_amax is not None else None
+    if q4:
+        f8 = torch.empty_like(a, memory_format=torch.contiguous_format)
+    else:
+        f8 = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device) if fp8_amax is not None else None
     n = a.numel()
     if n == 0:
         return o, f8
@@ -56,26 +69,30 @@ def launch(
     vec = 16 // esize
     dev = a.get_device()
     unroll = UNROLL
-    key = (a.dtype, dev, unroll)
+    key = (a.dtype, dev, unroll, q4)
     launcher = _fns.get(key)
     if launcher is None:
-        fn = rt.function(CU, _expression(rt.TRAITS[a.dtype], vec, unroll), dev)
+        fn = rt.function(CU, _expression(rt.TRAITS[a.dtype], vec, unroll, q4), dev)
         launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
     ap, bp = a.data_ptr(), b.data_ptr()
     op = o.data_ptr() if o is not None else 0
     fp = f8.data_ptr() if f8 is not None else 0
-    vectorized = (ap | bp | op) % 16 == 0 and fp % vec == 0
+    # codes need VEC-byte alignment for their vector stores, NVFP4 values 16 bytes like out
+    vectorized = (ap | bp | op) % 16 == 0 and fp % (16 if q4 else vec) == 0
     grid = (n + THREADS * vec * unroll - 1) // (THREADS * vec * unroll)
-    launcher(grid, ap, bp, op, fp, fp8_amax.data_ptr() if fp8_amax is not None else 0, n, int(vectorized))
+    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    launcher(grid, ap, bp, op, fp, amax2.data_ptr() if amax2 is not None else 0, n, int(vectorized))
     return o, f8
 
 
-def _expression(traits: str, vec: int, unroll: int) -> str:
-    return f"swiglu_kernel<{traits}, {vec}, {unroll}>"
+def _expression(traits: str, vec: int, unroll: int, nvfp4: bool = False) -> str:
+    # the plain instance keeps the three-argument name (the template's default NVFP4 = 0)
+    return f"swiglu_kernel<{traits}, {vec}, {unroll}, 1>" if nvfp4 else f"swiglu_kernel<{traits}, {vec}, {unroll}>"
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, _expression(t, 16 // torch.empty(0, dtype=d).element_size(), UNROLL)) for d, t in rt.TRAITS.items()]
+    return [(CU, _expression(t, 16 // torch.empty(0, dtype=d).element_size(), UNROLL, q4))
+            for d, t in rt.TRAITS.items() for q4 in (False, True)]
 
 
 def _validate(a, b, fp8_amax=None) -> None:

@@ -25,11 +25,13 @@ from ._modulation import layer_norm
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
 from ._validate import check_eps, check_fp8_amax, check_residual
 from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
+from .quantize_nvfp4 import check_emit
 
 # TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out,
-# out_fp8, mask, out_amax, amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
+# out2, mask, out2_amax, amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
 # clip, quant_mode, vec_flags (int32)
-KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "10P4qifiii")
+KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "10P4qifiii",
+                   nvfp4=True)
 
 
 # ---------------------------------------------------------------------------- references
@@ -51,28 +53,37 @@ def launch(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
     target_token_mask: torch.Tensor | None, clip_fp16: bool = False,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
+    nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, e4m3 codes of modulated or None)``.
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)``. ``second``: the e4m3
+    codes of modulated under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
+    fp8_amax, D % 16 == 0: checked here) modulated's NVFP4 fake quantization in x's dtype, bit for bit
+    ``quantize_nvfp4.launch(modulated, nvfp4_amax)``.
 
     residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale [B (+1), D] rows with unit
     last stride; target_token_mask contiguous bool [L] or None; fp8_amax fp32 one-element on the device.
     norm_input_quant: a QuantLayerNorm's input fake quantizer: ``modulated = LayerNorm(Q(new_residual))
     * (1 + scale)``, ``Q`` bit for bit :meth:`Fp8PerTensorQuant.reference` (new_residual not quantized).
     """
-    h, o, f8 = outs = outputs(x, (residual, x, gate, scale), new_residual=True, out=out, codes=fp8_amax is not None)
+    q4 = nvfp4_amax is not None
+    if q4:
+        check_emit(x, fp8_amax, nvfp4_amax)
+    h, o, f8 = outs = outputs(x, (residual, x, gate, scale), new_residual=True, out=out, codes=fp8_amax is not None,
+                              nvfp4=q4)
     if x.numel() == 0:
         return outs
     B, L, D = x.shape
     esize = x.element_size()
     # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-    launcher, a = KERNELS.ln(x, D, True)
+    launcher, a = KERNELS.ln(x, D, True, q4)
     grs, crs = row_stride(gate), row_stride(scale)
     xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
     flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
     nq = norm_input_quant
     amax, mode = (nq.amax_fp32(x.device), nq.mode_for(x.device)) if nq is not None else (None, 0)
-    launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(fp8_amax), ptr(amax),
+    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    launcher(B * L, rp, xp, gp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(target_token_mask), ptr(amax2), ptr(amax),
              grs, crs, B, L, D, eps, clip, mode, flags)
     return h, o, f8
 

@@ -3,7 +3,7 @@
 //   modulated    = LayerNorm(Q(new_residual)) * (1 + scale) + shift
 // Q is identity (quant_mode 0) or ModelOpt's FP8 per-tensor fake quantization (1, 2); the residual
 // written out is never quantized. Layout and variants as in layer_norm_scale_shift.cu; `out` and
-// `out_fp8` as there (out_fp8: the FP8 input of net[0].proj when it runs as a real FP8 GEMM).
+// `out2` as there (out2: the FP8 codes or, NVFP4 = 1, the NVFP4 fake-quantized input of net[0].proj).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
@@ -19,10 +19,10 @@ struct BiasResidualLayerNormScaleShiftParams {
   const void* scale;
   void* new_residual;
   void* out;
-  unsigned char* out_fp8;
+  void* out2;  // second output (or null): e4m3 codes, or NVFP4 values in T (NVFP4 instances)
   const void* index;
   const float* amax;      // norm-input quantizer (quant_mode != 0)
-  const float* out_amax;  // consumer input quantizer (out_fp8 != null)
+  const float* out2_amax;  // the second output's per-tensor amax (FP8 codes or NVFP4)
   qa_i64 gate_rs, shift_rs, scale_rs, B, L;
   int D;
   float eps;
@@ -31,7 +31,7 @@ struct BiasResidualLayerNormScaleShiftParams {
   int vec_flags;  // 1: activations, 2: shift, 4: scale, 8: gate rows, 16: bias vector-aligned
 };
 
-template <class T, int MODE, int NV>
+template <class T, int MODE, int NV, int NVFP4 = 0>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShiftParams p) {
   constexpr int CH = QaLn<MODE>::CH;
@@ -48,8 +48,8 @@ bias_residual_layer_norm_scale_shift_kernel(const BiasResidualLayerNormScaleShif
       // The LayerNorm input is Q(new_residual): new_residual computed and written once; the streaming
       // variant re-reads the slots this thread wrote itself (program order makes them visible).
       const QaLnInput<T, CH> reread(p.new_residual, off, vf, p.amax, p.quant_mode);
-      const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs, p.shift,
-                                         prow * p.shift_rs);
+      const QaLnEmit<T, MODE, true, NVFP4 != 0> emit(p.out, p.out2, p.out2_amax, off, vf, p.scale, prow * p.scale_rs,
+                                                       p.shift, prow * p.shift_rs);
       auto produce = [&](int rel, float (&t)[CH]) {
         qa_widen<T, CH>(res.step(rel), t);
         qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);

@@ -6,8 +6,9 @@
 // input, its Welford order), driven by qa_ln_row (ln_row.cuh). NV > 0: x read once and kept in
 // registers; NV == 0: streaming variant for very wide rows (x read twice). The scale row of each
 // token is chosen by target_token_mask (scale_gate.cuh).
-// Outputs: `out` in the tensor dtype (skipped when null) and/or `out_fp8`, the e4m3 codes of that
-// same rounded value under the consumer linears' input quantizer (amax at `out_amax`).
+// Outputs: `out` in the tensor dtype (skipped when null) and/or `out2` from that same rounded value under
+// the consumer linears' input quantizer (amax at `out2_amax`): its e4m3 codes, or (NVFP4 = 1) its NVFP4
+// fake quantization in the tensor dtype (QaLnEmit, ln_row.cuh).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
@@ -17,10 +18,10 @@
 struct LayerNormScaleParams {
   const void* x;
   void* out;
-  unsigned char* out_fp8;
+  void* out2;  // second output (or null): e4m3 codes, or NVFP4 values in T (NVFP4 instances)
   const void* scale;
   const unsigned char* mask;  // target_token_mask [L] or null
-  const float* out_amax;
+  const float* out2_amax;  // the second output's per-tensor amax (FP8 codes or NVFP4)
   const float* amax;  // norm-input quantizer (quant_mode != 0)
   qa_i64 scale_rs, B, L;
   int D;
@@ -29,7 +30,7 @@ struct LayerNormScaleParams {
   int vec_flags;  // 1: x/out rows vector-aligned, 4: scale rows
 };
 
-template <class T, int MODE, int NV>
+template <class T, int MODE, int NV, int NVFP4 = 0>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 layer_norm_scale_kernel(const LayerNormScaleParams p) {
   const qa_i64 row = blockIdx.x;
@@ -39,7 +40,7 @@ layer_norm_scale_kernel(const LayerNormScaleParams p) {
     constexpr bool FAST = decltype(fast)::value;
     const int vf = FAST ? (1 | 4) : p.vec_flags;
     const QaLnInput<T, QaLn<MODE>::CH> load(p.x, off, vf, p.amax, p.quant_mode);
-    const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, soff);
+    const QaLnEmit<T, MODE, false, NVFP4 != 0> emit(p.out, p.out2, p.out2_amax, off, vf, p.scale, soff);
     qa_ln_row<MODE, NV, FAST>(p.D, p.eps, load, load, emit);
   });
 }

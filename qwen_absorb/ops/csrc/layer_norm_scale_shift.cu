@@ -6,9 +6,10 @@
 // read mostly hits L2).
 // Q: the identity, or ModelOpt's FP8 per-tensor fake quantization of the norm's input (quant_mode
 // 1/2 with amax at `amax`, QuantLayerNorm's input quantizer), applied as x is loaded.
-// Outputs: `out` in the tensor dtype (skipped when null) and/or `out_fp8`, the e4m3 codes of that
-// same rounded value under the consumer linears' input quantizer (amax at `out_amax`): the FP8
-// input of to_q/to_k/to_v when they run as real FP8 GEMMs.
+// Outputs: `out` in the tensor dtype (skipped when null) and/or `out2`, computed from that same rounded
+// value under the consumer linears' input quantizer (amax at `out2_amax`): its e4m3 codes, the FP8 input of
+// to_q/to_k/to_v when they run as real FP8 GEMMs; or (NVFP4 = 1) its NVFP4 fake quantization in the tensor
+// dtype, their input when they run as NVFP4 fake-quant linears (QaLnEmit, ln_row.cuh).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
@@ -17,11 +18,11 @@
 struct LayerNormScaleShiftParams {
   const void* x;
   void* out;
-  unsigned char* out_fp8;
+  void* out2;  // second output (or null): e4m3 codes, or NVFP4 values in T (NVFP4 instances)
   const void* shift;
   const void* scale;
   const void* index;
-  const float* out_amax;
+  const float* out2_amax;  // the second output's per-tensor amax (FP8 codes or NVFP4)
   const float* amax;
   qa_i64 shift_rs, scale_rs, B, L;
   int D;
@@ -31,7 +32,7 @@ struct LayerNormScaleShiftParams {
   int vec_flags;  // 1: x/out rows vector-aligned, 2: shift rows, 4: scale rows
 };
 
-template <class T, int MODE, int NV>
+template <class T, int MODE, int NV, int NVFP4 = 0>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
   const qa_i64 row = blockIdx.x;
@@ -41,8 +42,8 @@ layer_norm_scale_shift_kernel(const LayerNormScaleShiftParams p) {
     constexpr bool FAST = decltype(fast)::value;
     const int vf = FAST ? (1 | 2 | 4) : p.vec_flags;
     const QaLnInput<T, QaLn<MODE>::CH> load(p.x, off, vf, p.amax, p.quant_mode);
-    const QaLnEmit<T, MODE, true> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs, p.shift,
-                                       prow * p.shift_rs);
+    const QaLnEmit<T, MODE, true, NVFP4 != 0> emit(p.out, p.out2, p.out2_amax, off, vf, p.scale, prow * p.scale_rs,
+                                                     p.shift, prow * p.shift_rs);
     qa_ln_row<MODE, NV, FAST>(p.D, p.eps, load, load, emit);
   });
 }

@@ -21,6 +21,7 @@
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
+#include "nvfp4.cuh"
 
 // The reduction's shared memory: one array per kernel, however many variants of the row code the
 // kernel holds (a __shared__ declared in each template instance would be one array each).
@@ -132,31 +133,43 @@ struct QaLnInput {
 
 // The emit step of every LayerNorm kernel (qa_ln_row's `emit`): slot rel's modulated output
 // LayerNorm(v) * (1 + scale) [+ shift] (qa_modulated, diffusers' roundings), written to `out` in the
-// tensor dtype (skipped when null) and/or to `out_fp8` as the e4m3 codes of the same rounded values
-// under the per-tensor amax at `out_amax` (the FP8 input of the consumer linears when they run as
-// real FP8 GEMMs). Output rows at element offset `off`; the scale (and shift) row at its offset.
+// tensor dtype (skipped when null) and to the second output `out2` (skipped when null), computed from the
+// same rounded values with the amax at `out2_amax`:
+//   NVFP4 false: the e4m3 codes under that per-tensor amax (the FP8 input of the consumer linears when they
+//                run as real FP8 GEMMs; bytes);
+//   NVFP4 true:  ModelOpt's NVFP4 fake quantization in the tensor dtype (nvfp4.cuh; the consumer linears'
+//                input when they run as NVFP4 fake-quant linears), bit for bit quantize_nvfp4 of `out`. A
+//                16-element block is 4 adjacent lanes' slots in MODE 0 and 16 adjacent lanes' in MODE 1;
+//                the host requires D % 16 == 0, so a lane group is always emitted together.
+// Output rows at element offset `off`; the scale (and shift) row at its offset.
 // vec_flags (checked on the host): 1 activation rows vector-aligned, 2 the shift row, 4 the scale row.
-template <class T, int MODE, bool SHIFT>
+template <class T, int MODE, bool SHIFT, bool NVFP4 = false>
 struct QaLnEmit {
   typedef typename T::storage S;
   static constexpr int CH_ = QaLn<MODE>::CH;
   S* out;
-  unsigned char* f8;
+  unsigned char* f8;  // !NVFP4: the e4m3 codes
+  S* q;               // NVFP4: the fake-quantized values
   const S* sc;
   const S* sh;
   bool vx, vsc, vsh;
-  float f8scale = 1.f;
+  float qscale = 1.f;  // !NVFP4: 448 / amax; NVFP4: the second-level scale
 
-  __device__ __forceinline__ QaLnEmit(void* out_base, unsigned char* f8_base, const float* out_amax, qa_i64 off,
+  __device__ __forceinline__ QaLnEmit(void* out_base, void* out2_base, const float* out2_amax, qa_i64 off,
                                       int vec_flags, const void* scale, qa_i64 scale_off,
                                       const void* shift = nullptr, qa_i64 shift_off = 0)
       : out(out_base ? reinterpret_cast<S*>(out_base) + off + threadIdx.x * CH_ : nullptr),
-        f8(f8_base ? f8_base + off + threadIdx.x * CH_ : nullptr),
+        f8(!NVFP4 && out2_base ? reinterpret_cast<unsigned char*>(out2_base) + off + threadIdx.x * CH_ : nullptr),
+        q(NVFP4 && out2_base ? reinterpret_cast<S*>(out2_base) + off + threadIdx.x * CH_ : nullptr),
         sc(reinterpret_cast<const S*>(scale) + scale_off + threadIdx.x * CH_),
         sh(SHIFT ? reinterpret_cast<const S*>(shift) + shift_off + threadIdx.x * CH_ : nullptr), vx(vec_flags & 1),
         vsc(vec_flags & 4), vsh(vec_flags & 2) {
-    float f8inv = 1.f;
-    if (f8) qa_fp8_scales(out_amax, 1, f8scale, f8inv);
+    if constexpr (NVFP4) {
+      qscale = qa_nvfp4_global_scale(out2_amax);
+    } else {
+      float f8inv = 1.f;
+      if (f8) qa_fp8_scales(out2_amax, 1, qscale, f8inv);
+    }
   }
 
   template <int CH>
@@ -167,6 +180,10 @@ struct QaLnEmit {
     if constexpr (SHIFT) shv = qa_load_raw<T, CH>(sh + e, vsh);
     const QaVec<S, CH> o = qa_modulated<T, MODE, CH, SHIFT>(v, mean, rstd, scv, shv);
     if (out) qa_store_raw<T, CH>(out + e, vx, o);
-    if (f8) qa_store_fp8<T, CH>(f8 + e, vx, o, f8scale);
+    if constexpr (NVFP4) {
+      qa_store_nvfp4<T, CH>(q + e, vx, o, qscale);  // every lane of a block's group reaches this together
+    } else {
+      if (f8) qa_store_fp8<T, CH>(f8 + e, vx, o, qscale);
+    }
   }
 };

@@ -17,12 +17,16 @@
 //   y     = x >= 0 ? q * s : 0 - q * s        (Triton's unary minus is a subtraction from 0: a negative x that
 //                                              rounds to 0 gives +0; NaN -> -6 s; -0 -> +0), rounded to T
 //
-// One thread per block of 16: the block's max never leaves the thread.
+// One thread per block of 16: the block's max never leaves the thread. The arithmetic is nvfp4.cuh's, shared
+// with the kernels that emit NVFP4 values as a second output.
+// ACT (the input of the linear, computed first and rounded to T as torch's eager op leaves it; activation.cuh,
+// the formulas quantize_fp8.cu uses): 0 x itself, 1 F.gelu(x, approximate="tanh"), 2 F.silu(x).
 #include "common.cuh"
 #include "fp8.cuh"
+#include "activation.cuh"
+#include "nvfp4.cuh"
 
 #define QA_NVFP4_THREADS 256
-#define QA_NVFP4_BLOCK 16
 
 struct QuantizeNvfp4Params {
   const void* x;
@@ -34,50 +38,12 @@ struct QuantizeNvfp4Params {
   int nblk;  // ceil(D / 16)
 };
 
-// Variants (NVRTC defines, for the bit-exactness probes): QA_NVFP4_GS 0: amax * (1 / 2688), 1: amax / 2688;
-// QA_NVFP4_DIV 0: div.full.f32 (Triton's lowering of an fp32 '/'), 1: IEEE, 2: a * rcp(b), 3: div.approx.
-#ifndef QA_NVFP4_GS
-#define QA_NVFP4_GS 0
-#endif
-#ifndef QA_NVFP4_DIV
-#define QA_NVFP4_DIV 0
-#endif
-#ifndef QA_NVFP4_CVT  // 0: fp32 -> e4m3 directly (round to nearest even), 1: through fp16 (two roundings)
-#define QA_NVFP4_CVT 0
-#endif
-
-__device__ __forceinline__ float qa_nvfp4_e4m3(float t) {
-#if QA_NVFP4_CVT == 1
-  unsigned short h;
-  float r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(t));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-  return qa_e4m3_rne_satfinite(r);
-#else
-  return qa_e4m3_rne_satfinite(t);
-#endif
+template <int ACT>
+__device__ __forceinline__ float qa_nvfp4_act(float v) {
+  return ACT == 1 ? qa_gelu_tanh(v) : ACT == 2 ? qa_silu(v) : v;
 }
 
-__device__ __forceinline__ float qa_div_full(float a, float b) {
-#if QA_NVFP4_DIV == 0
-  float r;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#elif QA_NVFP4_DIV == 1
-  return __fdiv_rn(a, b);
-#elif QA_NVFP4_DIV == 2
-  return __fmul_rn(a, __frcp_rn(b));
-#else
-  return __fdividef(a, b);
-#endif
-}
-
-__device__ __forceinline__ float qa_e2m1_magnitude(float a) {
-  return a <= 0.25f ? 0.f : a < 0.75f ? 0.5f : a <= 1.25f ? 1.f : a < 1.75f ? 1.5f
-       : a <= 2.5f ? 2.f : a < 3.5f ? 3.f : a <= 5.f ? 4.f : 6.f;
-}
-
-template <class T, int VEC>
+template <class T, int VEC, int ACT = 0>
 __global__ void __launch_bounds__(QA_NVFP4_THREADS) quantize_nvfp4_kernel(const QuantizeNvfp4Params p) {
   typedef typename T::storage S;
   const qa_i64 i = (qa_i64)blockIdx.x * QA_NVFP4_THREADS + threadIdx.x;
@@ -99,24 +65,13 @@ __global__ void __launch_bounds__(QA_NVFP4_THREADS) quantize_nvfp4_kernel(const 
 #pragma unroll
     for (int k = 0; k < QA_NVFP4_BLOCK; ++k) v[k] = c0 + k < p.D ? T::load(xr[k]) : 0.f;
   }
-#if QA_NVFP4_GS == 0
-  float gs = __fmul_rn(*p.amax, 1.0f / 2688.0f);
-#else
-  float gs = __fdiv_rn(*p.amax, 2688.f);
-#endif
-  gs = gs > 0.f ? gs : 1e-12f;
-  float bmax = fabsf(v[0]);
+  if constexpr (ACT != 0) {
+    // the activation as eager computes it in fp32, rounded to T (the tensor the linear would read); the
+    // zero padding of a partial block stays 0 (both activations map 0 to 0 anyway)
 #pragma unroll
-  for (int k = 1; k < QA_NVFP4_BLOCK; ++k) bmax = fmaxf(bmax, fabsf(v[k]));
-  const float t = fminf(qa_div_full(bmax, __fmul_rn(6.f, gs)), 448.f);
-  float s = __fmul_rn(qa_nvfp4_e4m3(t), gs);
-  s = s >= 1e-5f ? s : 1.f;
-  QaVec<S, QA_NVFP4_BLOCK> o;
-#pragma unroll
-  for (int k = 0; k < QA_NVFP4_BLOCK; ++k) {
-    const float r = __fmul_rn(qa_e2m1_magnitude(qa_div_full(fabsf(v[k]), s)), s);
-    o.v[k] = T::store(v[k] >= 0.f ? r : __fsub_rn(0.f, r));  // Triton's -r is 0 - r: +0, not -0
+    for (int k = 0; k < QA_NVFP4_BLOCK; ++k) v[k] = qa_round<T>(qa_nvfp4_act<ACT>(v[k]));
   }
+  const QaVec<S, QA_NVFP4_BLOCK> o = qa_nvfp4_quantize<T, QA_NVFP4_BLOCK>(v, qa_nvfp4_global_scale(p.amax));
   if (VEC > 1 && full) {
 #pragma unroll
     for (int k = 0; k < QA_NVFP4_BLOCK; k += VEC) {

@@ -6,7 +6,8 @@
 // C: the identity, or (clip != 0, float16) the block's final clip(-65504, 65504), so that the op
 // also serves the FFN residual followed by the next block's norm1. Layout and variants as in
 // layer_norm_scale.cu (qa_ln_row, ln_row.cuh); eager's norm2 sees a fresh tensor, so the caller
-// picks the vectorized mode when D % 4 == 0. `out` and `out_fp8` as there.
+// picks the vectorized mode when D % 4 == 0. `out` and `out2` (e4m3 codes, or NVFP4 values
+// when NVFP4 = 1) as there.
 #include "common.cuh"
 #include "fp8.cuh"
 #include "layer_norm.cuh"
@@ -21,9 +22,9 @@ struct TanhGateResidualLayerNormScaleParams {
   const void* scale;
   void* new_residual;
   void* out;
-  unsigned char* out_fp8;
+  void* out2;  // second output (or null): e4m3 codes, or NVFP4 values in T (NVFP4 instances)
   const unsigned char* mask;  // target_token_mask [L] or null
-  const float* out_amax;
+  const float* out2_amax;  // the second output's per-tensor amax (FP8 codes or NVFP4)
   const float* amax;  // norm-input quantizer (quant_mode != 0)
   qa_i64 gate_rs, scale_rs, B, L;
   int D;
@@ -33,7 +34,7 @@ struct TanhGateResidualLayerNormScaleParams {
   int vec_flags;  // 1: activations, 4: scale rows, 8: gate rows vector-aligned
 };
 
-template <class T, int MODE, int NV>
+template <class T, int MODE, int NV, int NVFP4 = 0>
 __global__ void __launch_bounds__(QaLn<MODE>::THREADS, qa_ln_min_blocks<MODE, NV>())
 tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleParams p) {
   constexpr int CH = QaLn<MODE>::CH;
@@ -52,7 +53,7 @@ tanh_gate_residual_layer_norm_scale_kernel(const TanhGateResidualLayerNormScaleP
       qa_widen<T, CH>(res.step(rel), t);
       qa_fp8_fake_quant_n<T, CH>(t, reread.quant_mode, reread.qscale, reread.qinv);
     };
-    const QaLnEmit<T, MODE, false> emit(p.out, p.out_fp8, p.out_amax, off, vf, p.scale, prow * p.scale_rs);
+    const QaLnEmit<T, MODE, false, NVFP4 != 0> emit(p.out, p.out2, p.out2_amax, off, vf, p.scale, prow * p.scale_rs);
     qa_ln_row<MODE, NV, FAST>(p.D, p.eps, produce, reread, emit);
   });
 }

@@ -1,0 +1,163 @@
+"""The fused ops of both block families' sites, each run one of three ways: ``KERNEL`` (the checked-once launch),
+``COMPILED`` (its custom op under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (its torch reference, the
+diffusers expression bit for bit). One function per op, named as ``sites.Site.op``: ``plan.decide`` looks a site's
+runner up by that name once and stores it with the mode (``SitePlan.run``, ``SitePlan.mode``). Given its consumers'
+input amax (``fp8_amax``) an op also returns the e4m3 codes of its output; :func:`_codes` is the references' one
+emission. Only the ops are imported here (the kernels' floor), so the decisions may name this module."""
+
+from __future__ import annotations
+
+import torch
+
+from .ops._validate import param_rows as _rows
+from .ops.bias_gate_residual import bias_gate_residual_reference
+from .ops.bias_gate_residual import launch as bgr_launch
+from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
+from .ops.bias_residual_layer_norm_scale_shift import launch as brln_launch
+from .ops.fp8 import quantize_fp8_reference
+from .ops.layer_norm_scale import launch as ln_scale_launch
+from .ops.layer_norm_scale import layer_norm_scale_reference
+from .ops.layer_norm_scale_shift import launch as lnss_launch
+from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
+from .ops.quantize_fp8 import activation_reference
+from .ops.quantize_fp8 import launch as qf8_launch
+from .ops.quantize_nvfp4 import launch as q4_launch
+from .ops.quantize_nvfp4 import quantize_nvfp4_reference
+from .ops.swiglu import launch as swiglu_launch
+from .ops.swiglu import swiglu_reference
+from .ops.tanh_gate_residual import launch as tgr_launch
+from .ops.tanh_gate_residual import tanh_gate_residual_reference
+from .ops.tanh_gate_residual_layer_norm_scale import launch as tgrln_launch
+from .ops.tanh_gate_residual_layer_norm_scale import tanh_gate_residual_layer_norm_scale_reference
+
+KERNEL, COMPILED, REFERENCE = 0, 1, 2
+MODE_NAMES = {KERNEL: "kernel", COMPILED: "compiled", REFERENCE: "reference", None: "eager"}
+
+
+def _codes(out: torch.Tensor, amax: torch.Tensor | None, nvfp4_amax: torch.Tensor | None = None):
+    """The references' emission beside ``out``, as the kernels write it: e4m3 codes under ``amax``, or ``out``'s
+    NVFP4 fake quantization under ``nvfp4_amax`` (None: none asked)."""
+    if nvfp4_amax is not None:
+        return quantize_nvfp4_reference(out, nvfp4_amax)
+    return quantize_fp8_reference(out, amax) if amax is not None else None
+
+
+def _c(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+def _quant_args(nq, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """A norm-input ``Fp8PerTensorQuant`` as the kernels' ``(amax, mode)`` (none: ``(None, 0)``)."""
+    return (nq.amax_fp32(device), nq.mode_for(device)) if nq is not None else (None, 0)
+
+
+# ---------------------------------------------------------------------------- Qwen-Image
+
+
+def layer_norm_scale_shift(mode, x, shift, scale, eps, index, fp8_amax=None, want_out=True, nq=None, nvfp4_amax=None):
+    """norm1 + shift/scale modulation: ``(out or None, second or None)``, ``second`` the e4m3 codes under
+    ``fp8_amax`` or the NVFP4 fake quantization under ``nvfp4_amax``; ``nq`` (kernels only): the norm-input fake
+    quantizer, applied in the kernel (the reference's caller applies it as its module)."""
+    if mode == KERNEL:
+        amax, qm = _quant_args(nq, x.device)
+        return lnss_launch(x.contiguous(), _rows(shift), _rows(scale), eps, _c(index),
+                           out=want_out or (fp8_amax is None and nvfp4_amax is None), fp8_amax=fp8_amax, amax=amax,
+                           quant_mode=qm, nvfp4_amax=nvfp4_amax)
+    out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
+    return out, _codes(out, fp8_amax, nvfp4_amax)
+
+
+def bias_residual_layer_norm_scale_shift(mode, h, y, bias, gate, shift, scale, eps, index, fp8_amax=None,
+                                         want_out=True, nq=None, nvfp4_amax=None):
+    """``h + gate * (y + bias)``, then norm + modulation: ``(new residual, out or None, second or None)``."""
+    if mode == KERNEL:
+        amax, qm = _quant_args(nq, h.device)
+        return brln_launch(h.contiguous(), y.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
+                           _c(index), amax, qm, out=want_out or (fp8_amax is None and nvfp4_amax is None),
+                           fp8_amax=fp8_amax, nvfp4_amax=nvfp4_amax)
+    new_h, out = bias_residual_layer_norm_scale_shift_reference(h, y, bias=bias, gate=gate, shift=shift, scale=scale,
+                                                                eps=eps, index=index, norm_input_quant=nq)
+    return new_h, out, _codes(out, fp8_amax, nvfp4_amax)
+
+
+def bias_gate_residual(mode, h, y, bias, gate, index):
+    """``h + gate * (y + bias)``."""
+    if mode == KERNEL:
+        return bgr_launch(h.contiguous(), y.contiguous(), bias, _rows(gate), _c(index))
+    return bias_gate_residual_reference(h, y, bias=bias, gate=gate, index=index)
+
+
+def quantize_fp8(mode, x, amax, act=None, act_out=False, eager_act=None):
+    """``(codes of act(x), act(x) or None)`` for a real-FP8 GEMM; ``act`` None, ``"silu"`` or ``"gelu_tanh"``,
+    ``eager_act`` the module method the reference calls for it (diffusers' own ``GELU.gelu``)."""
+    if mode == KERNEL:
+        _, codes, a = qf8_launch(x, 0, None, amax, act, act_out=act_out)
+        return codes, a
+    a = eager_act(x) if eager_act is not None else activation_reference(x, act)
+    return quantize_fp8_reference(a, amax), a
+
+
+def quantize_nvfp4(mode, x, amax, act=None, eager_act=None):
+    """The NVFP4 fake quantization of ``act(x)`` for an NVFP4 linear (``amax``: its input amax, fp32 one element);
+    ``act``, ``eager_act`` as for :func:`quantize_fp8`."""
+    if mode == KERNEL:
+        return q4_launch(x, amax, act)
+    return quantize_nvfp4_reference(eager_act(x) if eager_act is not None else activation_reference(x, act), amax)
+
+
+def quantize_fp8_split(mode, x, split, amax_a, amax_b):
+    """The codes of ``x[:, :split]`` and ``x[:, split:]`` ([B, S, H, D] -> [B, n, H * D]) under two amaxes."""
+    if mode == KERNEL:
+        return qf8_launch(x, split, amax_a, amax_b)[:2]
+    flat = x.flatten(2, 3)
+    return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
+
+
+# ---------------------------------------------------------------------------- Qwen-Image-2.1
+
+
+def layer_norm_scale(mode, x, scale, eps, mask, fp8_amax=None, want_out=True, nq=None):
+    """``(out or None, codes or None)``; ``nq`` (kernels only): the norm-input fake quantizer, applied in the kernel."""
+    if mode == KERNEL:
+        return ln_scale_launch(x, scale, eps, mask, out=want_out or fp8_amax is None, fp8_amax=fp8_amax,
+                               norm_input_quant=nq)
+    if mode == COMPILED:
+        return torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, mask, None)[0], None
+    out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=mask)
+    return out, _codes(out, fp8_amax)
+
+
+def tanh_gate_residual_layer_norm_scale(mode, h, y, gate, scale, eps, mask, fp8_amax=None, want_out=True, nq=None):
+    """``(new residual, modulated or None, codes or None)``; ``nq`` as for :func:`layer_norm_scale`."""
+    if mode == KERNEL:
+        return tgrln_launch(h.contiguous(), y.contiguous(), gate, scale, eps, mask, False,
+                            out=want_out or fp8_amax is None, fp8_amax=fp8_amax, norm_input_quant=nq)
+    if mode == COMPILED:
+        out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
+        return out[0], out[1], None
+    nh, m = tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps,
+                                                          target_token_mask=mask)
+    return nh, m, _codes(m, fp8_amax)
+
+
+def tanh_gate_residual(mode, h, y, gate, mask, clip_fp16):
+    if mode == KERNEL:
+        return tgr_launch(h.contiguous(), y.contiguous(), gate, mask, clip_fp16)
+    if mode == COMPILED:
+        return torch.ops.qwen_absorb.tanh_gate_residual(h, y, gate, mask, clip_fp16)
+    return tanh_gate_residual_reference(h, y, gate=gate, target_token_mask=mask, clip_fp16=clip_fp16)
+
+
+def swiglu(mode, a, b, fp8_amax=None, want_out=True):
+    """``(out or None, codes or None)``."""
+    if mode == KERNEL:
+        return swiglu_launch(a.contiguous(), b.contiguous(), out=want_out or fp8_amax is None, fp8_amax=fp8_amax)
+    if mode == COMPILED:
+        return torch.ops.qwen_absorb.swiglu(a, b, None)[0], None
+    out = swiglu_reference(a, b)
+    return out, _codes(out, fp8_amax)
+
+
+__all__ = ["COMPILED", "KERNEL", "MODE_NAMES", "REFERENCE", "bias_gate_residual",
+           "bias_residual_layer_norm_scale_shift", "layer_norm_scale", "layer_norm_scale_shift", "quantize_fp8",
+           "quantize_fp8_split", "quantize_nvfp4", "swiglu", "tanh_gate_residual", "tanh_gate_residual_layer_norm_scale"]
