@@ -14,6 +14,7 @@ import torch
 from qwen_absorb.cuda_graph import capture as C
 from qwen_absorb.cuda_graph import settings
 from qwen_absorb.cuda_graph import signature as S
+from qwen_absorb.cuda_graph.runner import GraphedCall
 
 
 class FakeStream:
@@ -92,3 +93,33 @@ def arm(runner) -> None:
                 dst.copy_(src)
 
         entry.graph.fn = fn
+
+
+def runner_of(t) -> GraphedCall | None:
+    """The graph runner on a transformer: in its forward slot, or inside accelerate's hook (``_old_forward``)."""
+    for slot in ("forward", "_old_forward"):
+        f = t.__dict__.get(slot)
+        if isinstance(f, GraphedCall):
+            return f
+    return None
+
+
+def run_tiny_pipeline(pipe, seed, steps, arm_graphs=False, inference=True):
+    """One 32^2 true-CFG run of a tiny Qwen-Image pipeline on given prompt embeddings (``output_type="pt"``); with
+    ``arm_graphs`` a fake graph captured in a step replays from the next one."""
+    from qwen_absorb import testing as T  # noqa: PLC0415
+
+    emb, mask = T.tiny_prompt_embeds(seed=seed, dtype=torch.bfloat16, masked_tail=0)
+    neg, nmask = T.tiny_prompt_embeds(seq_len=5, seed=seed + 1, dtype=torch.bfloat16, masked_tail=0)
+
+    def step_end(p, i, t, kwargs):
+        r = runner_of(p.transformer)
+        if arm_graphs and r is not None:
+            arm(r)
+        return kwargs
+
+    with torch.inference_mode() if inference else torch.no_grad():
+        return pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
+                    negative_prompt_embeds_mask=nmask, true_cfg_scale=4.0, height=32, width=32,
+                    num_inference_steps=steps, output_type="pt", callback_on_step_end=step_end,
+                    generator=torch.Generator().manual_seed(seed)).images

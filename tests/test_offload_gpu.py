@@ -20,6 +20,8 @@ from qwen_absorb import host_originals as HO
 from qwen_absorb import testing as T
 from qwen_absorb.ops import _runtime
 
+from . import cuda_graph_fakes
+
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:
     pytest.skip("needs CUDA and CuPy", allow_module_level=True)
@@ -47,12 +49,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _runner(t):
-    for slot in ("forward", "_old_forward"):
-        f = t.__dict__.get(slot)
-        if isinstance(f, CG.GraphedCall):
-            return f
-    return None
+_runner = cuda_graph_fakes.runner_of
 
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")

@@ -60,28 +60,10 @@ def _offload(pipe, mode):
 
 
 def _run(pipe, seed, steps=3, arm=False):
-    emb, mask = T.tiny_prompt_embeds(seed=seed, dtype=torch.bfloat16, masked_tail=0)
-    neg, nmask = T.tiny_prompt_embeds(seq_len=5, seed=seed + 1, dtype=torch.bfloat16, masked_tail=0)
-
-    def step_end(p, i, t, kwargs):  # a fake graph captured in this step replays from the next one
-        r = _runner(p.transformer)
-        if arm and r is not None:
-            cuda_graph_fakes.arm(r)
-        return kwargs
-
-    with torch.no_grad():
-        return pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
-                    negative_prompt_embeds_mask=nmask, true_cfg_scale=4.0, height=32, width=32,
-                    num_inference_steps=steps, output_type="pt", callback_on_step_end=step_end,
-                    generator=torch.Generator().manual_seed(seed)).images
+    return cuda_graph_fakes.run_tiny_pipeline(pipe, seed, steps, arm, inference=False)
 
 
-def _runner(t):
-    for slot in ("forward", "_old_forward"):
-        f = t.__dict__.get(slot)
-        if isinstance(f, CG.GraphedCall):
-            return f
-    return None
+_runner = cuda_graph_fakes.runner_of
 
 
 def _patch(pipe, kind, **more):
