@@ -104,4 +104,52 @@ final_d() {  # round 26's last call: the GPU tests the crashed suite did not rea
   tail -3 "$OUT/gpu_tests_offload_h200.log" "$OUT/gpu_tests_rest_h200.log" "$OUT/nvfp4/journey_nvfp4.log"
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|final_a|final_b|final_c|final_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+offload_diag() {  # round 27: each offload GPU test in its own process, GC off (the round-26 crash came from a
+  # destructor run by the GC while pytest formatted a failure), CUDA_LAUNCH_BLOCKING=1
+  local d="$OUT/offload_diag" t0=$SECONDS i=0 id rc
+  mkdir -p "$d"
+  which compute-sanitizer > "$d/sanitizer.txt" 2>&1
+  for id in $(python3 -m pytest --collect-only -q -m gpu tests/test_offload_gpu.py tests/test_offload_graphs_gpu.py \
+              -p no:cacheprovider 2>/dev/null | grep '::'); do
+    i=$((i + 1))
+    [ $((SECONDS - t0)) -gt "${1:-230}" ] && { echo "$id: not run (time)" >> "$d/summary.txt"; continue; }
+    CUDA_LAUNCH_BLOCKING=1 timeout 90 python3 -c "import gc, sys, pytest; gc.disable(); \
+      sys.exit(pytest.main(['-q', '-s', '-x', '--tb=long', '-rA', '-p', 'no:cacheprovider', sys.argv[1]]))" "$id" \
+      > "$d/$(printf %02d $i).log" 2>&1
+    rc=$?
+    echo "$(printf %02d $i) rc=$rc $((SECONDS - t0))s $id $(grep -m1 -oE '(Error|assert)[^\n]{0,160}' "$d/$(printf %02d $i).log" | head -1)" >> "$d/summary.txt"
+  done
+  cat "$d/summary.txt"
+}
+
+final_e() {  # round 27, first call: the offload diagnosis, then the few-step pipeline cases with the time left
+  local t0=$SECONDS
+  offload_diag 200
+  mkdir -p "$OUT/pipeline"
+  timeout $((585 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT/pipeline" --cases 4step,8step \
+    --sections vae,te --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline/pipeline_1.log" 2>&1
+  tail -5 "$OUT/pipeline/pipeline_1.log"
+}
+
+final_f() {  # round 27's final call 1: the whole GPU suite on the final tree (pytest-xdist, 6 processes on the one
+  # GPU: ~9 min of tests in ~3), then the few-step pipeline with the time left. $OUT: env, 2 logs, JSON, md
+  local t0=$SECONDS rc
+  { echo "# python3 -m pytest -q -m gpu tests: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short -rfE -n 6 --dist load; rc=$?
+    echo "# exit code $rc"; } > "$OUT/gpu_tests_h200.log" 2>&1
+  tail -4 "$OUT/gpu_tests_h200.log"
+  timeout $((585 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step,8step \
+    --sections vae,te --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline_1.log" 2>&1
+  grep -E "median|done in" "$OUT/pipeline_1.log" | tail -12
+}
+
+final_g() {  # round 27's final call 2: issue 38's side-by-side run, then the caches under graphs (issue 40)
+  local t0=$SECONDS
+  timeout 330 bash -c "$(declare -f one_owner); one_owner" > /dev/null
+  tail -25 "$OUT/one_owner_h200.md"
+  timeout $((585 - (SECONDS - t0))) python3 benchmarks/caches.py --out "$OUT" --budget-s $((570 - (SECONDS - t0))) \
+    > "$OUT/caches.log" 2>&1
+  tail -25 "$OUT/caches_h200.md"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|offload_diag|final_e|final_f|final_g|final_a|final_b|final_c|final_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -7,16 +7,20 @@ Every script in ``benchmarks/`` imports this module (``import harness as H``; th
 - :func:`time_calls` / :func:`measure` wall (perf_counter) and CUDA-event times of single calls, medians after a
   warm-up; :func:`profile_call` one call under ``torch.profiler``: GPU busy = the sum of its kernels' durations,
   their count, the NCCL part and the kernel table by name; :func:`memory_gib` (after gc);
-- model helpers over ``qwen_absorb.testing``: :func:`build_transformer`, :func:`inputs`, :func:`fp8_quantize`,
-  :func:`flow_match_denoise` (the step runner), :func:`tiny_vae`, :func:`prompt_kwargs`, :func:`rel_err`.
+- model helpers over ``tests/builders.py`` (:func:`builders`): :func:`build_transformer`, :func:`inputs`,
+  :func:`fp8_quantize`, :func:`flow_match_denoise` (the step runner), :func:`tiny_vae`, :func:`prompt_kwargs`,
+  :func:`rel_err`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib.util
 import io
 import os
+import sys
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -224,10 +228,21 @@ def memory_gib(device: torch.device) -> float | None:
 # ------------------------------------------------------------------------------------------ models and inputs
 
 
+@functools.cache
+def builders() -> Any:
+    """This checkout's ``tests/builders.py`` (random models and inputs), loaded from its file: one_owner.py's worker
+    puts an older tree's root first on ``sys.path``, where ``import tests.builders`` would find that tree's folder."""
+    spec = importlib.util.spec_from_file_location("qwen_absorb_bench_builders", ROOT / "tests" / "builders.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_transformer(tiny: bool, num_layers: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                       seed: int = 0) -> torch.nn.Module:
-    """``qwen_absorb.testing``'s tiny (CPU) or full-size random transformer, eval mode, on ``device``."""
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    """``tests/builders.py``'s tiny (CPU) or full-size random transformer, eval mode, on ``device``."""
+    T = builders()
 
     if tiny:
         return T.tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
@@ -237,7 +252,7 @@ def build_transformer(tiny: bool, num_layers: int, device: torch.device, dtype: 
 def inputs(model: torch.nn.Module, side: int, text: int, device: torch.device, dtype: torch.dtype,
            seed: int = 0, timestep: float = 0.5) -> dict[str, Any]:
     """Transformer kwargs: ``side`` x ``side`` image tokens (1024^2 = 64 x 64), ``text`` tokens, B = 1, no mask."""
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    T = builders()
 
     return T.transformer_inputs(model, batch_size=1, height=side, width=side, text_len=text, masked_tail=0,
                                 seed=seed, timestep=timestep, device=device, dtype=dtype)
@@ -267,7 +282,7 @@ def load_modelopt() -> Any:
 
 def fp8_quantize(model: torch.nn.Module, calib: dict[str, Any] | list[dict[str, Any]]) -> float:
     """ModelOpt ``FP8_DEFAULT_CFG`` (fake quant), calibrated on ``calib``, in place; returns the seconds."""
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    T = builders()
 
     load_modelopt()
     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def timed_patched(model: torch.nn.Module, kw: dict[str, Any], a: argparse.Namesp
 
 def worker(a: argparse.Namespace) -> dict[str, Any]:
     import qwen_absorb  # noqa: PLC0415
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    T = H.builders()  # this tree's builders, whichever tree's package runs
 
     dev, out = a.device, {"cases": {}, "errors": {}}
     out["qwen_absorb_file"] = qwen_absorb.__file__

@@ -2,8 +2,8 @@
 """Issue 21's device benchmark: Qwen-Image-2.1, bf16 patched vs unpatched at 1024^2 and 2048^2, ModelOpt FP8 at 1024^2.
 
 ONE process, one H200: the 32-layer random full-size ``QwenImage21Transformer2DModel`` (diffusers' default config,
-~7.1 B parameters, bf16; ``qwen_absorb.testing.random_qwenimage21_transformer``), text-to-image inputs as
-QwenImage21Pipeline passes them (``qwen_absorb.testing.qwenimage21_inputs``): 128 text tokens, no condition image,
+~7.1 B parameters, bf16; ``tests/builders.py``'s ``random_qwenimage21_transformer``), text-to-image inputs as
+QwenImage21Pipeline passes them (``qwenimage21_inputs`` there): 128 text tokens, no condition image,
 no KV cache, no padding (mask None), B = 1; the target image is 64 x 64 = 4096 latent tokens at 1024^2 and
 128 x 128 = 16384 at 2048^2 (16x VAE, latents unpatched). "patched" = ``qwen_absorb.patch(model)`` with the library
 defaults. Steps, in order (keys of ``<out>/qwenimage21_h200.json``):
@@ -47,7 +47,8 @@ import harness as H  # noqa: E402
 import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
-from qwen_absorb import testing as T  # noqa: E402
+
+T = H.builders()
 
 SIZES = ("1024", "2048")
 TIMED = ("bf16_eager_1024_ms", "bf16_patched_1024_ms", "bf16_eager_2048_ms", "bf16_patched_2048_ms",
@@ -242,7 +243,7 @@ class Bench(H.Bench):
                                       dtype=torch.bfloat16) for i, t in enumerate((0.9, 0.5)[: a.calib])]
         s = H.fp8_quantize(self.model, calib)
         self.R.put("details.fp8_quantization", {
-            "how": "mtq.FP8_DEFAULT_CFG (qwen_absorb.testing.fp8_quantize), in place after the bf16 cases, "
+            "how": "mtq.FP8_DEFAULT_CFG (tests/builders.py fp8_quantize), in place after the bf16 cases, "
                    f"calibrated on {len(calib)} random 1024^2 inputs (seeds other than the timing input's)", "s": s})
         self.R.put("fp8_quantized_block_linears", quantized_linears(self.model))
         self.memory("fp8_quantize")

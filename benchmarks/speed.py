@@ -188,7 +188,7 @@ class Speed(H.Bench):
 
     def fp8_quantize(self) -> None:
         self.q = copy.deepcopy(self.model)
-        self.R.put("fp8_quantization", {"how": "mtq.FP8_DEFAULT_CFG (qwen_absorb.testing.fp8_quantize) on a copy, "
+        self.R.put("fp8_quantization", {"how": "mtq.FP8_DEFAULT_CFG (tests/builders.py fp8_quantize) on a copy, "
                                                "calibrated on the timing input", "s": H.fp8_quantize(self.q, self.kw)})
 
     def fp8(self, key: str) -> None:

@@ -305,7 +305,7 @@ class Suite(H.Bench):
         qwen_absorb.unpatch(self.model)
         s = H.fp8_quantize(self.model, self.calib)
         for d in self.docs:
-            d.d["fp8_quantization"] = {"config": "mtq.FP8_DEFAULT_CFG (qwen_absorb.testing.fp8_quantize)",
+            d.d["fp8_quantization"] = {"config": "mtq.FP8_DEFAULT_CFG (tests/builders.py fp8_quantize)",
                                        "calibration_forwards": len(self.calib), "seconds": s, "in_place": True}
         self.mem_put("fp8_fake", "ModelOpt FP8 fake-quant model")
 

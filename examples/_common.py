@@ -1,7 +1,7 @@
 """Shared helpers for the qwen_absorb examples (compare_outputs.py, benchmark.py).
 
-Nothing here is public API. The helpers prefer ``qwen_absorb.testing`` and keep a small private fallback
-only where the examples need something it does not offer.
+Nothing here is public API. The random models come from the clone's ``tests/builders.py`` (:func:`builders`)
+and a small private fallback covers only what it does not offer.
 """
 
 from __future__ import annotations
@@ -288,13 +288,13 @@ def _param_count(num_layers: int, family: str = "qwenimage") -> int:
         if family == "qwenimage21":  # diffusers' default config is the full-size 2.1 geometry
             model = QwenImage21Transformer2DModel(num_layers=num_layers)
         else:
-            model = QwenImageTransformer2DModel(**{**_testing().FULL_SIZE_CONFIG, "num_layers": num_layers})
+            model = QwenImageTransformer2DModel(**{**builders().FULL_SIZE_CONFIG, "num_layers": num_layers})
     return sum(p.numel() for p in model.parameters())
 
 
 def full_size_params(num_layers: int, family: str = "qwenimage") -> tuple[int, int]:
     """(parameters outside the blocks, parameters per block) of the full-size transformer: Qwen-Image
-    (``qwen_absorb.testing.FULL_SIZE_CONFIG``) about 40.5 M + 340 M per block, 20.4 B for 60 blocks;
+    (``tests/builders.py``'s ``FULL_SIZE_CONFIG``) about 40.5 M + 340 M per block, 20.4 B for 60 blocks;
     Qwen-Image-2.1 about 7.1 B for 32 blocks. Built on meta: no memory, well under a second."""
     outside = _param_count(0, family)
     return outside, _param_count(1, family) - outside
@@ -444,8 +444,16 @@ def git_commit() -> str | None:
 # Models
 
 
-def _testing():
-    return importlib.import_module("qwen_absorb.testing")
+def builders():
+    """The clone's tests/builders.py. It is not part of the installed package (nor of the wheel's
+    qwen_absorb_examples), so the random models need a clone: its root goes on sys.path, since
+    ``python examples/x.py`` puts only examples/ there."""
+    if not (REPO_ROOT / "tests" / "builders.py").is_file():
+        raise RuntimeError("the random models are built by tests/builders.py of a qwen_absorb clone, "
+                           f"not found under {REPO_ROOT}; run the example from a clone, or pass --model")
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.append(str(REPO_ROOT))
+    return importlib.import_module("tests.builders")
 
 
 def tiny_vae(z_dim: int, scale_factor: int = 4, dtype=torch.float32, device="cpu"):
@@ -462,19 +470,19 @@ def tiny_vae(z_dim: int, scale_factor: int = 4, dtype=torch.float32, device="cpu
         base_dim=4 * 6, z_dim=z_dim, dim_mult=dim_mult, num_res_blocks=1, temperal_downsample=down,
         latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     )
-    return _testing()._in_dtype(vae, dtype).to(device).eval()  # no diffusers "keep in float32" warning
+    return builders()._in_dtype(vae, dtype).to(device).eval()  # no diffusers "keep in float32" warning
 
 
 def tiny_pipeline(dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """The embedded tiny random QwenImagePipeline (no text encoder) from qwen_absorb.testing."""
-    t = _testing()
+    """The embedded tiny random QwenImagePipeline (no text encoder) from tests/builders.py."""
+    t = builders()
     pipe = t.tiny_pipeline(dtype=dtype, seed=seed)
     return pipe.to(device)
 
 
 def tiny_prompt_kwargs(pipe, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
     """Precomputed prompt embeddings (and negative ones, so true CFG runs) for a pipeline without text encoder."""
-    t = _testing()
+    t = builders()
     dim = pipe.transformer.config.joint_attention_dim
     pe, mask = t.tiny_prompt_embeds(seq_len=7, dim=dim, masked_tail=2, seed=seed + 1, dtype=dtype, device=device)
     npe, nmask = t.tiny_prompt_embeds(seq_len=3, dim=dim, masked_tail=0, seed=seed + 2, dtype=dtype, device=device)
@@ -520,22 +528,22 @@ def full_size_pipeline(dtype: torch.dtype, device: torch.device, num_layers: int
 
 
 def full_size_transformer(num_layers: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    t = _testing()
+    t = builders()
     return t.full_size_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed).eval()
 
 
 def tiny_transformer(dtype: torch.dtype, device: torch.device, seed: int = 0, num_layers: int = 2):
-    return _testing().tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
+    return builders().tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
 
 
 def qwenimage21_pipeline(size: str, dtype: torch.dtype, device: torch.device, num_layers: int, seed: int = 0,
                          cfg: float = 4.0):
     """A random QwenImage21Pipeline (no text encoder, no processor) and its call / calibration arguments:
-    ``(pipe, call_kwargs, calib_kwargs(i))``. ``size`` "tiny": qwen_absorb.testing's 2-block 2.1 transformer;
+    ``(pipe, call_kwargs, calib_kwargs(i))``. ``size`` "tiny": tests/builders.py's 2-block 2.1 transformer;
     "full": the real 2.1 geometry (4096 = 32 x 128) with ``num_layers`` blocks; both with a tiny 16x VAE.
     Prompt embeddings are random, text only (the pipeline takes no precomputed condition-image embeddings);
     negative ones too, so ``cfg`` > 1 runs true CFG as for Qwen-Image."""
-    t = _testing()
+    t = builders()
     transformer = None
     if size == "full":
         transformer = t.random_qwenimage21_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed)

@@ -186,7 +186,7 @@ def build(a, device, dtype):
     """(model or pipeline, transformer, call) for this configuration; same weights on every rank."""
     import torch  # noqa: PLC0415
 
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    from tests import builders as T  # noqa: PLC0415 - the clone's root is on sys.path (top of this file)
 
     if a.size == "full":
         tr = T.full_size_transformer(num_layers=a.num_layers, dtype=dtype, device=device, seed=a.seed)

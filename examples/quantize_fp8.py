@@ -192,7 +192,7 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build(args):
     """(pipeline, transformer inputs for the comparisons, calibration calls)."""
-    T = C._testing()
+    T = C.builders()
     layers, side, text = args.num_layers, SIZES[args.size][1], SIZES[args.size][2]
     if args.size == "tiny":
         transformer = T.tiny_transformer(dtype=args.dtype, num_layers=layers, seed=args.seed).to(args.device)

@@ -1,22 +1,15 @@
 """The joint attention of a patched block: q/k RMSNorm + RoPE fused, linears as real FP8 GEMMs.
 
-It is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (joint mask, q/k/v, per-head
-RMSNorm, RoPE, ``[text, image]`` concatenation, ``dispatch_attention_fn`` with the processor's own
-backend and context-parallel config, split, output projections), except that
+It is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (``dispatch_attention_fn`` with the
+processor's own backend and context-parallel config), except that the four RMSNorm + RoPE chains (44 eager kernels
+in bf16) are one ``qk_norm_rope`` launch (``plan.qk_fused``); at batch 1 on kernels q/k and v (where nothing
+follows its GEMM) are written straight into the joint ``[text, image]`` tensors, with no concatenation copies
+(``Tuning.joint_outputs``, the same bits); and each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes
+(LoRA branches from the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split
+and quantized for ``to_add_out`` / ``to_out[0]`` in one launch.
 
-- the four RMSNorm + RoPE chains (44 eager kernels in bf16) are one ``qk_norm_rope`` launch where
-  the plan allows it (``plan.qk_fused``), and
-- at batch 1 on kernels, q/k (the qk kernel) and v (the FP8 GEMMs of to_v / add_v_proj, where
-  nothing follows them) are written straight into the joint ``[text, image]`` tensors the attention
-  reads: no concatenation copies (``Tuning.joint_outputs``), the same bits, and
-- each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes (plus its LoRA branches, from
-  the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split and
-  quantized for ``to_add_out`` / ``to_out[0]`` in one launch, straight from the [B, S, H, D] tensor the
-  attention returns.
-
-The block calls :func:`run` only when its plan owns the attention (``plan.own_attention``) and no hook
-sits on the attention module; the processor installed on ``block.attn`` stays diffusers' own, so
-``set_attention_backend``, ``enable_parallelism`` and a fallback to the original forward see it.
+The block calls :func:`run` only when its plan owns the attention and no hook sits on it; the processor on
+``block.attn`` stays diffusers' own, for ``set_attention_backend``, ``enable_parallelism`` and fallbacks.
 """
 
 from __future__ import annotations
@@ -30,15 +23,14 @@ from .ops import lane
 from .ops.qk_norm_rope import launch as qkr_launch
 from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, nvfp4_linear, run_module,
                          tp_linear, tp_shard_for, wait, writes_into)
-from .sites import attention_functions
+from .sites import IMG_QKV, TXT_QKV, attention_functions
 
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
             works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """One attention linear: real FP8 (``x`` the codes, ``act`` the unquantized input its LoRA branches
-    read, ``branches`` their lora_A products where computed for the whole stream), on its tensor-parallel
-    shards (a row-wise all-reduce is appended to ``works``), or the module as it is. ``defer``: see
-    :func:`qwen_absorb.projection.fp8_linear`."""
+    """One attention linear: real FP8 (``x`` the codes; ``act``, ``branches``, ``defer``: as for
+    :func:`qwen_absorb.projection.fp8_linear`), on its tensor-parallel shards (a row-wise all-reduce appended to
+    ``works``), or the module as it is."""
     lp = plan.linears[path]
     m = _module(attn, path)
     if lp.fp8_gemm:
@@ -53,10 +45,6 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
                 works.append(work)
             return y
     return run_module(plan, compiling, m, x)
-
-
-QKV_IMG = ("attn.to_q", "attn.to_k", "attn.to_v")
-QKV_TXT = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
 
 def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tensor | None) -> dict | None:
@@ -81,15 +69,11 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
 
 def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
         mode: int, compiling: bool, txt_lane: bool = False):
-    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the
-    e4m3 codes where norm1 emitted them for FP8 q/k/v (with the modulated tensor beside them where a
-    LoRA branch reads it, else None), or ``(modulated tensor, None)``. ``mode``: the plan's (references under
-    ``torch.compile``) for the q/k kernel and the output quantization.
-
-    ``txt_lane``: the text stream's q/k/v and output projection run on :mod:`qwen_absorb.ops.lane`'s ``"txt"``
-    lane (the caller decided it may: a CUDA-graph capture on kernels): q/k/v forked from the caller's stream
-    and settled before the q/k kernel reads them; the output projection forked after the attention output is
-    quantized, its result left on the lane for the block's text stream to continue there."""
+    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the e4m3 codes
+    norm1 emitted for FP8 q/k/v (with the modulated tensor where a LoRA branch reads it, else None), or
+    ``(modulated tensor, None)``. ``mode``: the plan's (references under ``torch.compile``). ``txt_lane``: the text
+    stream's q/k/v (settled before the q/k kernel) and output projection (forked after the output quantization, its
+    result left on the lane for the block's text stream) run on :mod:`qwen_absorb.ops.lane`'s ``"txt"`` lane."""
     dispatch_attention_fn, _ = attention_functions()
     (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
     proc = attn.processor
@@ -109,15 +93,15 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     joint = (plan.options.tuning.joint_outputs and kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
              and plan.qk_fused and image_rotary_emb is not None)
     jv = None
-    if joint and all(writes_into(plan.linears[p]) for p in (QKV_IMG[2], QKV_TXT[2])):
-        w_img, w_txt = plan.linears[QKV_IMG[2]].weight, plan.linears[QKV_TXT[2]].weight
+    if joint and all(writes_into(plan.linears[p]) for p in (IMG_QKV[2], TXT_QKV[2])):
+        w_img, w_txt = plan.linears[IMG_QKV[2]].weight, plan.linears[TXT_QKV[2]].weight
         if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
             jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=img_in.device)
     qkv = {}
     deferred: list = []  # the six q/k/v LoRA branch sums, added in one launch once every GEMM is written
     dev = img_in.device
-    streams = (("img", QKV_IMG, img_in, img_act, slice(seq_txt, None)),
-               ("txt", QKV_TXT, txt_in, txt_act, slice(0, seq_txt)))
+    streams = (("img", IMG_QKV, img_in, img_act, slice(seq_txt, None)),
+               ("txt", TXT_QKV, txt_in, txt_act, slice(0, seq_txt)))
     for name, paths, x, act, rows in streams[::-1] if txt_lane else streams:  # the lane's work first: it forks
         with lane.region(dev, "txt", reads=(x, act, jv), on=txt_lane and name == "txt") as r:
             pre = None if compiling else _shared_lora(attn, plan, paths, act)
@@ -185,10 +169,9 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
 
 
 def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
-    """Per-call conditions of the fused q/k path the plan cannot know: one dtype for q/k (the norms'
-    weight dtype, checked at plan time), complex64 rope tables of the activations' lengths on their
-    device (context parallelism shards both; a mismatch runs diffusers' chain, which raises as
-    diffusers would), unit stride inside a head, enough rows for the probed variance order."""
+    """Per-call conditions of the fused q/k path the plan cannot know: one q/k dtype, complex64 rope tables of the
+    activations' lengths on their device (a mismatch runs diffusers' chain, which raises as diffusers would),
+    unit stride inside a head, enough rows for the probed variance order."""
     f_img, f_txt = rope
     if not (type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor
             and type(f_img) is torch.Tensor and type(f_txt) is torch.Tensor):
@@ -206,21 +189,15 @@ def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
 def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
     """diffusers' own RMSNorm modules and apply_rotary_emb_qwen, as its processor calls them."""
     _, apply_rotary_emb_qwen = attention_functions()
-    if attn.norm_q is not None:
-        img_q = attn.norm_q(img_q)
-    if attn.norm_k is not None:
-        img_k = attn.norm_k(img_k)
-    if attn.norm_added_q is not None:
-        txt_q = attn.norm_added_q(txt_q)
-    if attn.norm_added_k is not None:
-        txt_k = attn.norm_added_k(txt_k)
+    qk = [img_q, img_k, txt_q, txt_k]
+    for i, name in enumerate(("norm_q", "norm_k", "norm_added_q", "norm_added_k")):
+        if (norm := getattr(attn, name)) is not None:
+            qk[i] = norm(qk[i])
     if image_rotary_emb is not None:
         img_freqs, txt_freqs = image_rotary_emb
-        img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-        img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-        txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-        txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
-    return img_q, img_k, txt_q, txt_k
+        freqs = (img_freqs, img_freqs, txt_freqs, txt_freqs)
+        qk = [apply_rotary_emb_qwen(x, f, use_real=False) for x, f in zip(qk, freqs)]
+    return tuple(qk)
 
 
 def _out_projection(attn, plan, path, x, mode, compiling, works):

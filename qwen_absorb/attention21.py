@@ -1,11 +1,9 @@
 """The attention of a patched Qwen-Image-2.1 block, its q/k RMSNorm + RoPE as one kernel launch.
 
 diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v called as the block's linears, so their hooks and
-real-FP8 forwards run; the prefix KV cache stored or read where diffusers does; one ``dispatch_attention_fn`` per
-prefix segment and one for the target rows; ``to_out``), except ``norm_q`` / ``norm_k`` and both RoPE calls
-(~22 eager kernels per block) as one ``qk_norm_rope`` launch, bit-identical where the device's fp32 variance
-order is the kernel's (``probe_variance_order``). Used only where :func:`reasons` and, per call, :func:`call_ok`
-find nothing; else ``block.attn(...)`` runs as in diffusers (the flex processor always).
+real-FP8 forwards run; the prefix KV cache as diffusers keeps it), except ``norm_q`` / ``norm_k`` and both RoPE calls
+(~22 eager kernels per block) as one ``qk_norm_rope`` launch, bit-identical where the device's fp32 variance order is
+the kernel's. Used only where :func:`reasons` and, per call, :func:`call_ok` find nothing; else ``block.attn(...)``.
 """
 
 from __future__ import annotations
@@ -112,15 +110,11 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
     real-FP8 forwards run as GEMMs from the e4m3 codes of ``hidden_states``; else the linears are called."""
     dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
     if codes is not None:
-        query, key, value = (f.gemm(codes) for f in qkv)
-    else:
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
+        projected = [f.gemm(codes) for f in qkv]
+    else:  # to_q, to_k, to_v in diffusers' order
+        projected = [getattr(attn, n)(hidden_states) for n in LINEARS]
     head_dim = attn.inner_dim // attn.heads
-    query = query.unflatten(-1, (-1, head_dim))
-    key = key.unflatten(-1, (-1, head_dim))
-    value = value.unflatten(-1, (-1, head_dim))
+    query, key, value = (t.unflatten(-1, (-1, head_dim)) for t in projected)
     if use_kernel and plan.qk_fused and rotary_emb is not None \
             and _kernel_ok(query, key, value, rotary_emb, attn, plan.qk_min_rows):
         query, key = qkr_launch((query, key), (attn.norm_q.weight, attn.norm_k.weight), (rotary_emb, rotary_emb),

@@ -1,21 +1,16 @@
 """The patched ``QwenImageTransformerBlock.forward``: the block's math, through the fused ops.
 
-The forward is one module-level function bound to the block by :class:`PatchedForward` (a small
-picklable, deep-copyable callable); everything it runs by is the block's own
-:class:`~qwen_absorb.plan.BlockPlan` (``block._qwen_absorb_plan``), and every module it calls is
-looked up on the block at call time. Per call it first asks the plan's watch whether anything the
-decisions depend on changed; if so it decides again (:func:`redecide`) before computing. Whatever the
-plan cannot vouch for in this call (grad enabled, a ModelOpt calibration running, a user hook on a
-module the fused path skips, a PEFT layer that must unmerge itself) runs diffusers' original forward,
-counted in the report.
+One module-level function bound to the block by :class:`PatchedForward` (picklable, deep-copyable), run by the
+block's own :class:`~qwen_absorb.plan.BlockPlan`; modules are looked up on the block at call time. Per call it
+asks the plan's watch first and decides again on a change (:func:`redecide`). What the plan cannot vouch for in
+this call (grad, a ModelOpt calibration, a user hook on a module the fused path skips, a PEFT layer that must
+unmerge) runs diffusers' original forward, counted in the report.
 
-Deferred biases of linears that still run as their modules (ModelOpt fake quant, NVFP4): the bias
-``Parameter`` never moves (so ``state_dict``, ``.to()`` and offload hooks see it); only while the
-block calls the attention / FFN does an instance-``__dict__`` entry ``bias = None`` shadow it for
-attribute lookup (``F.linear``, ModelOpt's GEMMs and PEFT read ``self.bias``). The shadowing runs
-under the plan's lock, so concurrent calls of one model from several threads are serialised there
-instead of dropping or doubling biases. A bias still on the meta device before its GEMM (accelerate
-leaf offload) is not shadowed for that call: its GEMM adds it, as unpatched.
+Deferred biases of linears run as their modules (ModelOpt fake quant, NVFP4): the bias ``Parameter`` never moves
+(``state_dict``, ``.to()`` and offload hooks see it); only while the block calls the attention / FFN does an
+instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``), under the
+plan's lock, so threads calling one model are serialised instead of dropping or doubling biases. A bias still on
+meta before its GEMM (accelerate leaf offload) is not shadowed: its GEMM adds it, as unpatched.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, ffn, fp8_forward, handoff, host_originals, lora, quant, taylorseer
+from . import attention, compile_boundary, ffn, fp8_forward, handoff, hooks, host_originals, lora, quant, taylorseer
 from . import site_runners as R
 from .ops import _validate, lane
 from .ops._modulation import expand_param
@@ -46,14 +41,13 @@ _SUPPORTED = _validate.SUPPORTED_DTYPES
 # an attention under this lock.
 _GLOBAL_SWAP_LOCK = threading.RLock()
 HOOK_FALLBACK = "a forward hook on a module the fused path skips or changes: original diffusers forward"
+# leaf-level group offloading / layerwise casting bring weights in (or cast them) only around their module's own call
+WEIGHT_HOOK_FALLBACK = "weights there exist on the device only inside their module's call: original diffusers forward"
 
 
 class PatchedForward:
-    """What :func:`qwen_absorb.patch` installs in a block's forward slot (or hook chain).
-
-    A plain object holding the block, so ``copy.deepcopy`` rebinds it to the copy and pickle
-    restores it (a bound method of a closure would keep pointing at the original's layers).
-    """
+    """What :func:`qwen_absorb.patch` installs in a block's forward slot: a plain object holding the block, so
+    ``copy.deepcopy`` rebinds it to the copy and pickle restores it (a closure would keep the original's layers)."""
 
     __slots__ = ("block", "__weakref__")
     __qwen_absorb__ = True
@@ -118,29 +112,19 @@ def patched_forward(
     compiling = torch.compiler.is_compiling()
     if plan is None:  # unpatched while a foreign wrapper still held us
         return _unpatched(self, *args)
-    if torch.is_grad_enabled():
-        # The kernels have no backward: training runs diffusers' forward, exactly the unpatched block.
-        plan.count("grad enabled: original diffusers forward")
-        if not compiling:
-            handoff.drop()
-        return _unpatched(self, *args)
-    if not compiling:
-        why = _call_check(plan, self, hidden_states)
-        if why is not None:
-            plan.count(why)
-            handoff.drop()
-            return _unpatched(self, *args)
-        if not plan.kernels:
-            plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
-            _announce(plan)
-    if joint_attention_kwargs and plan.own_attention:
+    why = None
+    if torch.is_grad_enabled():  # the kernels have no backward: training runs exactly the unpatched block
+        why = "grad enabled: original diffusers forward"
+    elif not compiling and (why := _call_check(plan, self, hidden_states)) is None and not plan.kernels:
+        plan.count("fused ops ran their torch references: " + "; ".join(plan.kernel_reasons))
+        _announce(plan)
+    if why is None and joint_attention_kwargs and plan.own_attention:
         # diffusers hands these to its processor (which raises on an attention_mask); the fused attention has none
-        plan.count(f"attention kwargs {sorted(joint_attention_kwargs)}: original diffusers forward")
-        if not compiling:
-            handoff.drop()
-        return _unpatched(self, *args)
-    if _validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states):
-        plan.count("DTensor activations: original diffusers forward")
+        why = f"attention kwargs {sorted(joint_attention_kwargs)}: original diffusers forward"
+    if why is None and (_validate.is_dtensor(hidden_states) or _validate.is_dtensor(encoder_hidden_states)):
+        why = "DTensor activations: original diffusers forward"
+    if why is not None:
+        plan.count(why)
         if not compiling:
             handoff.drop()
         return _unpatched(self, *args)
@@ -161,8 +145,7 @@ compile_boundary.register_forward(patched_forward)
 
 
 def _announce(plan: BlockPlan) -> None:
-    """One warning per patch and device where the model runs without its kernels: said at the first
-    call there (a patch made on the CPU for a model moved to CUDA next says nothing about the CPU)."""
+    """One warning per patch and device where the model runs without its kernels, at the first call there."""
     seen = plan.rt.announced
     if plan.device not in seen:
         seen.add(plan.device)
@@ -170,14 +153,21 @@ def _announce(plan: BlockPlan) -> None:
                     "(same numbers, no speed-up)", plan.device, "; ".join(plan.kernel_reasons))
 
 
+def _weight_hook(plan: BlockPlan) -> str | None:
+    wh = plan.weight_hook
+    if wh is not None and hooks.weight_moving(wh[1]) is not None:
+        return f"{wh[0]}: {wh[2]} inside the block: {WEIGHT_HOOK_FALLBACK}"
+    return None
+
+
 def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | None:
-    """Why this call cannot take the planned path (None: it can); decides anew first when the device
-    or anything the plan depends on changed (a record handed over from the previous block was made
-    with the old decisions: it is dropped)."""
+    """Why this call cannot take the planned path (None: it can); decides anew first when the device or anything the
+    plan depends on changed (dropping a hand-over made with the old decisions)."""
     rt = plan.rt
     if rt.stale is not None:
         return rt.stale
-    why = None
+    if (why := _weight_hook(plan)) is not None:  # asked first: such hooks swap weights (a watch change) every call
+        return why
     if x.device != rt.device:
         why = f"first call on {x.device}"
     elif not handoff.vouched(plan) and rt.watch.changed():
@@ -190,6 +180,8 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
             log.warning("block %d: %s", plan.index, rt.stale)
             return rt.stale
         handoff.drop()
+        if (why := _weight_hook(plan)) is not None:  # such a hook added since the last decision
+            return why
     if plan.calibrating:
         return "ModelOpt calibration running: original diffusers forward"
     if plan.hooked():
@@ -328,12 +320,6 @@ def _gated_forwards(plan: BlockPlan, block: nn.Module):
                 del f.linear.__dict__["forward"]
 
 
-def _shadowing(plan: BlockPlan) -> contextlib.AbstractContextManager:
-    # the shadowing decision and the shadowed GEMMs under the block's one lock (dependencies.block_lock): no other
-    # thread's call, unpatch() or patch() again sees a shadowed bias as missing or pops a shadow mid-GEMM
-    return plan.rt.lock
-
-
 # ---------------------------------------------------------------------------- the fused forward
 
 
@@ -347,12 +333,11 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     if given is not None:
         img_mod_params, txt_mod_params = given.img_mod, given.txt_mod
     else:
-        img_mod_params, txt_mod_params = _modulations(c, plan, self, temb)
+        img_mod_params = _modulation(c, plan, self, "img_mod", temb)
+        txt_mod_params = _txt_modulation(c, plan, self, temb)
     index = modulate_index
-    img_half1, img_half2 = img_mod_params.chunk(2, dim=-1)
-    txt_half1, txt_half2 = txt_mod_params.chunk(2, dim=-1)
-    i1, i2 = _Mod.of(img_half1, index), _Mod.of(img_half2, index)
-    t1, t2 = _Mod.of(txt_half1, None), _Mod.of(txt_half2, None)
+    i1, i2 = (_Mod.of(half, index) for half in img_mod_params.chunk(2, dim=-1))
+    t1, t2 = (_Mod.of(half, None) for half in txt_mod_params.chunk(2, dim=-1))
     site = plan.site
 
     if given is not None:
@@ -362,7 +347,9 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         txt_in = _norm1(c, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t1)
 
     swaps = plan.quant_attention and not plan.own_attention
-    with _shadowing(plan):
+    # the shadowing decision and the shadowed GEMMs under the block's one lock (dependencies.block_lock): no other
+    # thread's call, unpatch() or patch() again sees a shadowed bias as missing or pops a shadow mid-GEMM
+    with plan.rt.lock:
         deferred = _Deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
             if plan.attn_cache and not compiling:  # diffusers' TaylorSeer hook, run around our attention
@@ -400,7 +387,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         # (ops.lane's branch lane where a capture runs; in line before the FFN otherwise)
         n_img_mod = (lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
                      if "branch" in plan.options.tuning.lanes else _modulation(nc, np_, nb, "img_mod", temb))
-    with _shadowing(plan):
+    with plan.rt.lock:
         deferred = _Deferred(plan, self, ("img.ffn_residual", "txt.ffn_residual"))
         with deferred:
             works: list = []  # row-wise all-reduces in flight (tensor parallelism)
@@ -436,17 +423,17 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     return encoder_hidden_states, hidden_states
 
 
-def _local(y):
-    """A tensor subclass reaching a fused site (under tensor parallelism the row-wise projections
-    return an AsyncCollectiveTensor still being all-reduced): its complete local value, else why not.
-    A subclass's storage must never reach a raw kernel."""
-    local, why = local_view(y)
-    return (local, None) if why is None else (y, f"output is a {type(y).__name__}: {why}")
-
-
-def _modulations(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Tensor):
-    """(img_mod(temb), txt_mod(temb)) of a block."""
-    return _modulation(c, plan, block, "img_mod", temb), _txt_modulation(c, plan, block, temb)
+def _residual_reason(h: torch.Tensor, y, params: tuple, index: torch.Tensor | None, what: str) -> tuple:
+    """``(y, None)`` where the residual ops take ``h`` and ``y`` (a tensor subclass, e.g. the AsyncCollectiveTensor
+    a row-wise TP projection returns, as its complete local value: its storage must never reach a raw kernel),
+    else ``(y, why not)``."""
+    why = _params_reason(h, params, index)
+    if why is None and type(y) is not torch.Tensor:
+        local, why = local_view(y)
+        y, why = (local, None) if why is None else (y, f"output is a {type(y).__name__}: {why}")
+    if why is None and y.dtype != h.dtype:
+        why = f"{what} output is {y.dtype}, residual {h.dtype}"
+    return y, why
 
 
 def _txt_modulation(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Tensor) -> torch.Tensor:
@@ -457,9 +444,9 @@ def _txt_modulation(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Ten
 
 
 def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> bool:
-    """Whether this call runs its text stream on :mod:`qwen_absorb.ops.lane`'s text lane: lanes are active (a
-    CUDA-graph capture), the block runs its own attention on kernels (no TaylorSeer hook around it) and no
-    tensor-parallel linear (whose all-reduces the lane would reorder)."""
+    """Whether this call runs its text stream on the text lane (:mod:`qwen_absorb.ops.lane`): lanes active (a capture),
+    its own attention on kernels without a TaylorSeer hook, no tensor-parallel linear (the lane would reorder its
+    all-reduces)."""
     if c.compiling or not (c.mode == R.KERNEL and plan.own_attention and not plan.attn_cache) \
             or "txt" not in plan.options.tuning.lanes:
         return False
@@ -470,7 +457,7 @@ def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> 
 
 def _txt_stretch(on: bool, h: torch.Tensor, reads: tuple) -> contextlib.AbstractContextManager:
     """A stretch of the text stream on its lane where ``on``, continuing the lane's work (no wait for the image
-    stream's work issued since it forked), holding the caller's tensors it reads."""
+    stream's work since it forked), holding the caller's tensors it reads."""
     return lane.region(h.device, "txt", fork=False, reads=reads, on=on)
 
 
@@ -520,18 +507,13 @@ def _norm1(c: _Call, sp: SitePlan, norm: nn.Module, h: torch.Tensor, m: _Mod):
 
 def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h: torch.Tensor, y, bias, gate,
                    m: _Mod, where: str, counting: BlockPlan | None = None):
-    """``h + gate * (y + bias)``, then ``norm`` + modulation ``m`` of it: the attention residual + norm2
-    of a block, or the FFN residual + the next block's norm1 (cross-block: ``c`` and ``block`` are the
-    next block's, ``counting`` the plan that counts). Returns (new residual, the consumer's input
-    ``(input, activation or None)``)."""
+    """``h + gate * (y + bias)``, then ``norm`` + modulation ``m`` of it: the attention residual + norm2, or the FFN
+    residual + the next block's norm1 (``c``, ``block``: the next block's; ``counting``: the plan that counts).
+    Returns (new residual, the consumer's input ``(input, activation or None)``)."""
     eps = c.plan.norms[sp.stream + ("_norm1" if sp.site == "norm1" else "_norm2")].eps
     counting, mode = counting or c.plan, c.site_mode(sp)
     if mode is not None:
-        why = _params_reason(h, (gate, m.shift, m.scale), m.index)
-        if why is None and type(y) is not torch.Tensor:
-            y, why = _local(y)
-        if why is None and y.dtype != h.dtype:
-            why = f"attention output is {y.dtype}, residual {h.dtype}"
+        y, why = _residual_reason(h, y, (gate, m.shift, m.scale), m.index, "attention")
         if why is None:
             if sp.norm_quantizer != "applied-before-op":
                 # the hand-off (sp: the next block's norm1) runs the residual + norm op of the attention residual's row
@@ -555,11 +537,7 @@ def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h:
 def _ffn_residual(c: _Call, sp: SitePlan, h, y, bias, gate, index):
     mode = c.site_mode(sp)
     if mode is not None:
-        why = _params_reason(h, (gate,), index)
-        if why is None and type(y) is not torch.Tensor:
-            y, why = _local(y)
-        if why is None and y.dtype != h.dtype:
-            why = f"FFN output is {y.dtype}, residual {h.dtype}"
+        y, why = _residual_reason(h, y, (gate,), index, "FFN")
         if why is None:
             return sp.run(mode, h, y, bias, gate, index)
         c.plan.count(f"{sp.stream}.ffn_residual: {why}")
@@ -569,12 +547,11 @@ def _ffn_residual(c: _Call, sp: SitePlan, h, y, bias, gate, index):
 
 
 def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
-    """Run the attention through :func:`qwen_absorb.attention.run` in this call although the plan
-    does not own it: under tensor parallelism, where its linears then run on their local shards.
-    Only for diffusers' own processor, without extra kwargs."""
+    """Run the attention through :func:`qwen_absorb.attention.run` although the plan does not own it: under tensor
+    parallelism (its linears on their local shards), for diffusers' own processor without extra kwargs."""
     if joint_attention_kwargs or not is_dtensor(attn.to_q._parameters.get("weight")):
         return False
     return not plan.tp_reasons["attn"]
 
 
-__all__ = ["HOOK_FALLBACK", "PatchedForward", "patched_forward", "redecide"]
+__all__ = ["HOOK_FALLBACK", "WEIGHT_HOOK_FALLBACK", "PatchedForward", "patched_forward", "redecide"]

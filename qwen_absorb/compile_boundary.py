@@ -1,15 +1,11 @@
 """A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
 
 Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains its own way
-(slower: FP8 103.1 ms compiled against 89.1 ms on the H200,
-``benchmarks/results/archive/speed/speed_h200_eb5cc70.md``), without eager's intermediate roundings (which flips
-FP8 codes), and the plan's per-call checks are not traced. So by default the traced forward is one call of
-``qwen_absorb::qwen_image_block``, which runs the eager patched forward, checks included; ``fullgraph=True``
-works (ModelOpt modules too).
-
-The op takes the block's ``attn.norm_q.weight``, a graph input like every parameter, not a Python value Dynamo
-would specialise on (``compile_repeated_blocks()`` would compile one graph per block): one graph serves all
-blocks, and the op finds the block by that parameter's storage. Calls it cannot carry are traced as before. The
+(FP8 103.1 ms compiled against 89.1 ms eager on the H200, ``results/archive/speed/speed_h200_eb5cc70.md``), without
+eager's intermediate roundings (which flips FP8 codes), and the per-call checks are not traced. So by default the
+traced forward is one call of ``qwen_absorb::qwen_image_block``, running the eager patched forward, checks included
+(``fullgraph=True`` works). The op takes the block's ``attn.norm_q.weight`` (a graph input, not a Python value
+Dynamo would specialise on: one graph serves all blocks) and finds the block by that parameter's storage. The
 eager forward is registered by :mod:`qwen_absorb.block` (:func:`register_forward`): this module sits below it.
 """
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import hooks, lora, parallel, quant, taylorseer
-from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, resolve, unwrap_peft
+from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, containers, resolve, unwrap_peft
 from .watch import Watch
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -55,6 +55,18 @@ def attention_hook_refusal(block: nn.Module) -> list[str]:
     return [] if attention_cache(block) else hook_refusal(block, "the attention runs as its module", "attn")
 
 
+def weight_moving_hook(block: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """A module inside ``block`` (not the block) whose weights a hook brings to the device, or casts, only around
+    that module's own call (leaf-level group offloading, layerwise casting, accelerate's sequential offload):
+    ``(path, module, category)``, or None. The fused path reads such weights without calling their module (the
+    q/k RMSNorm weights, ModelOpt amax buffers, biases, LoRA factors): under leaf-level offloading they are host
+    memory there, and a kernel given their address faulted on the H200 (an illegal memory access)."""
+    for path, m in block.named_modules():
+        if path and (category := hooks.weight_moving(m)) is not None:
+            return path, m, category
+    return None
+
+
 def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
     """The modules whose hooks the fused path would skip or show other values to: fused norms, FP8-GEMM linears
     (and wrappers), deferred-bias projections and the containers returning their output, the attention the block
@@ -65,12 +77,7 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
         paths.append(proj)
     for p, lp in plan.linears.items():
         if lp.fp8_gemm:
-            paths.append(p)
-            top = p.split(".")[0]
-            if top.endswith("_mod"):
-                paths += [top, f"{top}.0"]
-            elif top.endswith("_mlp"):
-                paths += [top, f"{top}.net.0", f"{top}.net.1"]
+            paths += [p, *containers(p)]
     if plan.own_attention:
         if not plan.attn_cache:  # a TaylorSeer hook on attn runs inside the block (taylorseer.run)
             paths.append("attn")
@@ -179,4 +186,4 @@ def watch(block: nn.Module) -> Watch:
 
 
 __all__ = ["attention_cache", "attention_hook_refusal", "block_lock", "bypassed", "derived_only_sources",
-           "hook_refusal", "hooked", "tp_style_hooks", "watch"]
+           "hook_refusal", "hooked", "tp_style_hooks", "watch", "weight_moving_hook"]

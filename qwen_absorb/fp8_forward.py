@@ -1,15 +1,13 @@
 """Real FP8 GEMMs for ModelOpt FP8 linears called by code other than the block's own, in each linear's forward slot.
 
-Qwen-Image-2.1's attention linears are called by diffusers' processors, and a hooked Qwen-Image attention (a
-diffusers cache) calls its linears as modules too. :func:`install` puts an :class:`Fp8LinearForward` in such a
-linear's instance ``forward``, which ``nn.Module.__call__`` runs: torch hooks still run around it. It quantizes
-its input itself; a runner that calls no hook in between may take its :meth:`~Fp8LinearForward.gemm` straight from
-the codes its fused op emitted (codes pass only as arguments). The GEMM is ``projection.fp8_linear`` and the
-eligibility ``quant.fp8_linear_refusals``, the ones of both families. Its :class:`~qwen_absorb.plan.LinearPlan` is
-rebuilt whenever its :class:`~qwen_absorb.watch.Watch` reports a change. A linear wrapped or replaced since, or
-converted so that this forward sits in ModelOpt's ``_forward_pre_dm`` (``mtq.compress``), runs as ModelOpt runs
-it. *Gated* forwards (a hooked Qwen-Image attention) run ModelOpt's forward except while the block itself calls
-``block.attn(...)`` :class:`opened` (per object and thread), so whole-block fallbacks compute as unpatched.
+Qwen-Image-2.1's attention linears (and those of a hooked Qwen-Image attention) are called as modules by diffusers'
+processors. :func:`install` puts an :class:`Fp8LinearForward` in such a linear's instance ``forward`` (torch hooks
+still run around it): it quantizes its input itself, or a runner that calls no hook in between takes its
+:meth:`~Fp8LinearForward.gemm` straight from the codes its fused op emitted. The GEMM (``projection.fp8_linear``) and
+the eligibility (``quant.fp8_linear_refusals``) are both families'; its :class:`~qwen_absorb.plan.LinearPlan` is
+rebuilt when its :class:`~qwen_absorb.watch.Watch` reports a change. A linear wrapped, replaced or converted since
+(``mtq.compress`` keeps this forward as ``_forward_pre_dm``) runs as ModelOpt runs it. *Gated* forwards run
+ModelOpt's forward except while the block itself calls ``block.attn(...)`` :class:`opened` (per object and thread).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ INFERENCE_REFUSAL = ("its weight or amax is an inference tensor (made under torc
                      "it cannot be seen): runs as its module")
 WRAPPED_REFUSAL = "its forward is replaced on the instance (a hook library or user code): runs as its module"
 
-OnState = Callable[[int, str, bool, list, bool, float, bool], None]
+OnState = Callable[[int, str, bool, list], None]  # block index, path, real FP8, reasons
 
 
 def refusals(linear: nn.Module, device: torch.device, options: Options) -> list[str]:
@@ -65,7 +63,7 @@ def refusals(linear: nn.Module, device: torch.device, options: Options) -> list[
     return r
 
 
-def _class_forward(linear: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _class_forward(linear: nn.Module, *args: Any, **kwargs: Any) -> Any:  # the module's own forward, as unpatched
     return type(linear).forward(linear, *args, **kwargs)
 
 
@@ -155,10 +153,8 @@ class Fp8LinearForward:
         return (self.slot[2], "_modules", self.slot[1]) if len(self.slot) > 2 else (self.linear, "__dict__", "forward")
 
     def _tell(self) -> None:
-        lp = self.lp
         if self.on_state is not None:
-            self.on_state(self.index, self.path, lp.fp8_gemm, list(lp.fp8_reasons),
-                          bool(lp.weight is not None and lp.weight.reused_storage), self.amax_value, self.fast_accum)
+            self.on_state(self.index, self.path, self.lp.fp8_gemm, list(self.lp.fp8_reasons))
 
     def _displaced(self, why: str) -> None:
         """The linear runs as ModelOpt's from now on (``why``): its derived state goes, the report hears it."""
@@ -177,20 +173,17 @@ class Fp8LinearForward:
         compiling = torch.compiler.is_compiling()
         if self.gated and (compiling or self.gate != threading.get_ident()):
             return module(lin, input, *args, **kwargs)  # closed: exactly the module, nothing counted
-        why = None
-        if compiling:
-            pass  # ModelOpt's modules, as before patching (traced or not is torch.compile's business)
-        elif args or kwargs or type(input) is not torch.Tensor:
-            why = ARGS_FALLBACK
-        elif torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type):
-            why = GRAD_FALLBACK
-        elif self.slot[0].get(self.slot[1]) is not lin:
+        if compiling:  # ModelOpt's modules, as before patching (traced or not is torch.compile's business)
+            return module(lin, input, *args, **kwargs)
+        if args or kwargs or type(input) is not torch.Tensor:
+            self.counter[ARGS_FALLBACK] += 1
+            return module(lin, input, *args, **kwargs)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type):
+            self.counter[GRAD_FALLBACK] += 1
+            return module(lin, input)
+        if self.slot[0].get(self.slot[1]) is not lin:
             self._displaced(MOVED_FALLBACK)
             return module(lin, input)
-        if compiling or why is not None:
-            if why is not None:
-                self.counter[why] += 1
-            return module(lin, input, *args, **kwargs)
         if not self.ready(input.device) or input.dtype != self.lp.weight.out_dtype \
                 or input.shape[-1] != self.lp.weight.codes.shape[1]:
             # refused (the report says why), or an input ModelOpt's forward must judge (it raises as unpatched)
@@ -253,7 +246,7 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
             why = ["tensor parallelism (DTensor weight): the module runs it"]
         if why:
             if on_state is not None:
-                on_state(index, path, False, why, False, 0.0, False)
+                on_state(index, path, False, why)
             continue
         parent_path, _, name = path.rpartition(".")
         parent = resolve(block, parent_path)
@@ -263,7 +256,7 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
         if gated:  # no FP8 weight until it runs; what it would decide now, for the report
             r = refusals(m, _device_of(m), options)
             if on_state is not None:
-                on_state(index, path, not r, list(r), False, 0.0, False)
+                on_state(index, path, not r, list(r))
             continue
         fwd.ready(_device_of(m))  # decide now, so the report says what runs
 

@@ -1,25 +1,17 @@
 """Cross-block fusion: block i's FFN residual and block i+1's norm1 as one kernel.
 
-At every block boundary diffusers runs ``h = h + gate * ffn_out`` (block i) and then
-``modulate(LayerNorm(h), shift1, scale1)`` (block i+1): exactly the residual + norm pattern of the
-``bias_residual_layer_norm_scale_shift`` op, whose modulation depends only on ``temb``. So block i
-computes block i+1's modulation and norm1 output with its residual, and *hands them over*; block
-i+1 takes them instead of computing them. One launch and one round trip of the residual stream
-saved per stream and block.
+Block i's ``h = h + gate * ffn_out`` and block i+1's ``modulate(LayerNorm(h), shift1, scale1)`` are the
+residual + norm pattern of ``bias_residual_layer_norm_scale_shift``, whose modulation depends only on ``temb``:
+block i computes block i+1's modulation and norm1 output with its residual and *hands them over*. One launch
+and one round trip of the residual stream saved per stream and block.
 
-The hand-off is safe only if nothing touches ``hidden_states`` between the two blocks. Block i
-hands over only when
-
-- it and block i+1 have no forward hooks (torch's, global ones, diffusers' hook registry:
-  caches, offloading, context-parallel splits) that could run in between, and
-- it was called from the loop of the transformer's own ``forward`` (the frame is recorded);
-
-and block i+1 takes it only when it is called from that same frame with the very tensor objects
-block i returned (a ControlNet residual, ``h + sample``, is a new object) and the same ``temb`` and
-``modulate_index``. Anything else: block i+1 computes its norm1 itself, counted in the report. The
-handed-over values are computed by the same ops (or references) block i+1 would use, so taking them
-changes no bit. The record lives in thread-local storage and is dropped by the next patched block
-call in the thread, whichever block it is.
+Safe only if nothing touches ``hidden_states`` between the two blocks: block i hands over only when neither
+block has forward hooks (torch's, global, diffusers' registry: caches, offloading, context-parallel splits) and
+it was called from the loop of the transformer's own ``forward`` (the frame is recorded); block i+1 takes it
+only from that same frame, with the very tensor objects block i returned (a ControlNet residual is a new object)
+and the same ``temb`` and ``modulate_index``; else it computes its norm1 itself, counted in the report. The same
+ops (or references) compute the handed-over values, so taking them changes no bit. The record is thread-local
+and dropped by the next patched block call in the thread.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """ModelOpt's Hugging Face exports of a Qwen-Image transformer, loaded back into diffusers: FP8 and NVFP4.
 
-:func:`load_hf_export` reads what ``export_hf_checkpoint`` writes (``config.json`` with a
-``quantization_config`` or a ``hf_quant_config.json`` beside it, and safetensors), per linear:
-- **FP8**: ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``
-  (SGLang's ModelOpt FP8 exports are this layout);
-- **NVFP4** (NVIDIA's ``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8 [out, in / 2] holding two e2m1 codes a byte
-  (even column in the low nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32 ``weight_scale_2`` =
-  amax / (6 * 448), ``input_scale`` = input amax / (6 * 448); linears without scales in bf16;
-- ``MIXED_PRECISION``: linear by linear. The padded or swizzled NVFP4 layouts of the single-file (ComfyUI)
-  post-processing are refused with a reason.
+:func:`load_hf_export` reads what ``export_hf_checkpoint`` writes (``config.json`` with a ``quantization_config``
+or a ``hf_quant_config.json`` beside it, and safetensors), per linear: **FP8** (SGLang's layout): ``weight``
+float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``; **NVFP4**
+(``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8 [out, in / 2], two e2m1 codes a byte (even column in the low
+nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32 ``weight_scale_2`` = amax / (6 * 448), ``input_scale``
+= input amax / (6 * 448); ``MIXED_PRECISION``: linear by linear; linears without scales as stored (bf16).
+Padded or swizzled single-file (ComfyUI) NVFP4 layouts are refused with a reason.
 
 Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises ``TypeError`` with nvidia-modelopt >= 0.44
 (ModelOpt issue #2001, diffusers PR #14536 unreleased) and has no place for the scales.
@@ -74,7 +72,6 @@ def quantized_linear_names(transformer: nn.Module) -> list[str]:
     return out
 
 
-
 def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
     """Elements of ``weight`` whose e4m3 code under ModelOpt's fake quantization differs from its export's. Fake
     quantization multiplies, ``e4m3(clamp(w * (448 / amax)))``, an amax <= 2^-24 taken as 1; the export divides,
@@ -103,7 +100,6 @@ def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
             differing += _code_mismatches(lin.weight, amax)
             total += lin.weight.numel()
     return differing, total
-
 
 
 def _find_folder(export_dir: str | Path) -> Path:
@@ -185,7 +181,6 @@ def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
     lo = torch.where(lo == 8, torch.zeros_like(lo), lo)
     hi = torch.where(hi == 8, torch.zeros_like(hi), hi)
     return lo | (hi << 4)
-
 
 
 class _Entry:
@@ -292,18 +287,13 @@ def load_hf_export(
     compress: bool = False,
 ) -> nn.Module:
     """Load ModelOpt's Hugging Face export (FP8, NVFP4 or both; ``export_dir`` may be a pipeline folder) into a
-    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``:
-
-    1. build the transformer from ``config.json`` and check every stored tensor has a place of its shape
-       (else ``ValueError`` "does not match");
-    2. load the other tensors as they are and each quantized weight as codes times scales (float32, then
-       ``dtype``, default the export's unquantized weights' dtype);
-    3. ``mtq.quantize`` without calibration, enabling exactly the export's linears with ModelOpt's default
-       FP8 / NVFP4 quantizers, amaxes from which ModelOpt derives exactly the stored scales;
-    4. check every quantized linear quantizes back to the checkpoint's codes (NVFP4: e2m1 codes, "-0" read as 0,
-       and the block scales of its nonzero blocks);
-    5. with ``compress`` (FP8 only), ``mtq.compress``: float8 storage, ModelOpt's own FP8 GEMM.
-    """
+    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: build it
+    from ``config.json`` (every stored tensor must have a place of its shape, else ``ValueError`` "does not
+    match"); load each quantized weight as codes times scales (float32, then ``dtype``, default the unquantized
+    weights'); ``mtq.quantize`` without calibration, enabling exactly the export's linears with ModelOpt's default
+    quantizers and amaxes from which ModelOpt derives exactly the stored scales; check every quantized linear
+    quantizes back to the checkpoint's codes (NVFP4: "-0" read as 0, block scales of nonzero blocks); with
+    ``compress`` (FP8 only), ``mtq.compress``: float8 storage, ModelOpt's own FP8 GEMM."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
     mtq = import_modelopt()

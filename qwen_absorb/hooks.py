@@ -108,6 +108,14 @@ def offload_hooked(module: nn.Module) -> bool:
     return any("offload" in str(name) for name in registry_hooks(module))
 
 
+def weight_moving(module: nn.Module) -> str | None:
+    """The category of a hook on ``module`` that brings its weights in, or casts them, only around that module's own
+    call (diffusers' group offloading or layerwise casting, accelerate's hooks), or None."""
+    if module.__dict__.get("_hf_hook") is not None:
+        return "accelerate hook"
+    return next((c for n, h in registry_hooks(module).items() if (c := hook_category(n, h)) in _TRANSPARENT), None)
+
+
 def hook_category(name: str, hook: Any) -> str:
     """A readable category for a diffusers ``ModelHook`` (names differ between diffusers versions)."""
     text = f"{name} {type(hook).__module__} {type(hook).__name__}".lower()

@@ -1,13 +1,10 @@
 """PEFT LoRA layers as the real-FP8 path sees them: the one reader of PEFT's per-layer state.
 
-PEFT's ``lora.Linear.forward`` (peft 0.21) computes, for an unmerged, enabled layer, ``base_layer(x)`` plus, per
-active adapter, ``lora_B(lora_A(dropout(x cast to lora_A's dtype))) * scaling``, cast to the base output's dtype
-(only ``base_layer(x)`` when merged or disabled). ``scaling`` (``set_adapters``, times ``attention_kwargs``'
-``scale`` for one call) is read at every call, never cached. On the real-FP8 path the base is the FP8 GEMM and
-:func:`add_branches` adds the branches: with one dtype and identity dropout as ``y.addmm_(lora_A(x),
-lora_B.weight.T, alpha=scaling)``, the same sum accumulated in fp32 (PEFT rounds three times; cuBLAS at rank
->= 32 differs from one rounding in ~25% of elements, tests/test_lora_add_gpu.py); else PEFT's expression op for
-op. What is not reproduced (DoRA, ``lora_bias``, non-Linear adapters, nesting): :func:`unsupported_reasons`.
+PEFT's ``lora.Linear.forward`` (peft 0.21) computes, unmerged and enabled, ``base_layer(x)`` plus per active adapter
+``lora_B(lora_A(dropout(x cast to lora_A's dtype))) * scaling`` (``scaling`` read at every call, never cached). On
+the real-FP8 path the base is the FP8 GEMM and :func:`add_branches` adds the branches: with one dtype and identity
+dropout as ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``, the same sum accumulated in fp32 (PEFT rounds
+three times); else PEFT's expression op for op. Not reproduced (DoRA, ``lora_bias``, ...): :func:`unsupported_reasons`.
 """
 
 from __future__ import annotations
@@ -103,14 +100,11 @@ def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtyp
 
 def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
                           out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
-    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for several LoRA layers reading one input (a stream's
-    q/k/v), all ``lora_A`` products from one GEMM over the concatenated A weights (``x`` read once); None where
-    that does not apply (fewer than two branches, or what :func:`add_branches`' fast path would not take).
-
-    Each output column is its own dot product over K, rounded once, but a GPU library may pick another kernel
-    for the width: the last bit may differ from separate GEMMs' (identical on the CPU). The A weights are
-    concatenated at every call, never cached: PEFT's hotswap writes them through ``.data``, which no version
-    counter sees (a CUDA graph replays the concatenation too)."""
+    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for LoRA layers reading one input (a stream's q/k/v), all
+    ``lora_A`` products from one GEMM over the concatenated A weights; None for fewer than two branches or what
+    :func:`add_branches`' fast path would not take. A GPU library may pick another kernel for the width (the last
+    bit may differ from separate GEMMs'). The A weights are concatenated at every call, never cached: PEFT's
+    hotswap writes them through ``.data``, which no version counter sees."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
     if len(flat) < 2:

@@ -107,7 +107,6 @@ def fp8_recipe_config(
     return cfg
 
 
-
 def embeds_forward_loop(
     pipe: Any, prompt_embeds: Iterable[dict[str, Any]], num_inference_steps: int = 2, height: int | None = None,
     width: int | None = None, seed: int = 0,
@@ -177,12 +176,10 @@ def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
 
 
 def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
-    """``export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=...)``: ModelOpt's unified Hugging
-    Face checkpoint (float8 weights, float32 ``weight_scale`` / ``input_scale`` per quantized linear).
-
-    float32 is the dtype the quantized weights are converted in (``weight / scale``, then float8): in bf16 the
-    division rounds first, moving about 2% of the codes one step from ModelOpt's fake quantization's (tiny
-    model). The conversion is **in place**: afterwards ``transformer`` holds float8 weights its quantizers
+    """``export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=...)``: ModelOpt's unified Hugging Face
+    checkpoint (float8 weights, float32 ``weight_scale`` / ``input_scale`` per quantized linear). float32: in bf16
+    the conversion's ``weight / scale`` rounds first, moving about 2% of the codes one step from the fake
+    quantization's. The conversion is **in place**: afterwards ``transformer`` holds float8 weights its quantizers
     cannot run; compute what you need first and load the export back with :func:`load_hf_export`."""
     export = import_modelopt("modelopt.torch.export")
     export_dir = Path(export_dir)

@@ -1,29 +1,18 @@
 """An NVFP4 linear on Hopper at bf16 speed: ModelOpt's NVFP4 fake quantization without its per-call cost.
 
-A ModelOpt W4A4 NVFP4 linear (``NVFP4_DEFAULT_CFG``: dynamic per-16 e4m3 block scales for its weight and
-its input, per-tensor second-level scales from the calibrated amaxes) computes, on CUDA,
-``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)`` where ``fq`` is ModelOpt's Triton NVFP4 fake
-quantization (:mod:`qwen_absorb.ops.quantize_nvfp4` gives its arithmetic). :class:`Nvfp4Linear` computes
-the same bits:
+A ModelOpt W4A4 NVFP4 linear (``NVFP4_DEFAULT_CFG``) computes on CUDA ``F.linear(fq(x, input_amax), fq(W,
+weight_amax), bias)``, ``fq`` being ModelOpt's Triton NVFP4 fake quantization (arithmetic:
+:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the same bits: ``fq(W)`` made once and remade
+when its sources change (:meth:`Nvfp4Linear.weight_key`; in a patched model the plan's watch decides the block
+again). Where ``fq(W)`` equals ``W`` bit for bit (a weight loaded from an NVFP4 export; checked once per weight,
+not assumed) the linear's own weight is used and no copy is held. ``fq(x)`` is the
+:func:`~qwen_absorb.ops.quantize_nvfp4` kernel, then one bf16 GEMM.
 
-- ``fq(W)`` is made once and remade when its sources change (the identity, pointer and version of the
-  weight and of the weight amax: :meth:`Nvfp4Linear.weight_key`; in a patched model the plan's watch
-  covers both and a change decides the block again, with new runners). Where ``fq(W)`` equals ``W`` bit for bit (a
-  weight loaded from an NVFP4 export: its values are already e2m1 x e4m3 x scale_2 and the fake
-  quantization is idempotent on them, checked here once per weight, not assumed), the linear's own
-  weight is used and no copy is held: the model holds the memory of its bf16 weights, nothing more.
-- ``fq(x)`` is the :func:`~qwen_absorb.ops.quantize_nvfp4` kernel, then one bf16 GEMM.
-
-In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`, ``plan.nvfp4``), then
-NVFP4 rows (:func:`decide_rows`): the fused op producing a linear's input emits ``fq(x)`` (``projection.nvfp4_linear``
-reads it); a linear no producer can feed keeps its runner, which ``projection.run_module`` calls in the module's
-place. Either keeps its bias in the GEMM (no deferral), as a real FP8 GEMM does. :func:`nvfp4_linear_reasons` says why a
-linear cannot run so (empty: it can). On Blackwell
-(capability >= 10.0) real NVFP4 GEMMs would be faster still; they are not used (not testable here),
-so the same fake-quantized bf16 path runs there too.
-
-:func:`modelopt_fake_quant_on_cpu` lets ModelOpt's own NVFP4 quantizers run on CPU with the reference in
-place of their CUDA kernel (ModelOpt has no CPU path): for tests and CPU checks of a loaded model.
+In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`), then NVFP4 rows
+(:func:`decide_rows`): the fused op producing a linear's input emits ``fq(x)`` (``projection.nvfp4_linear``); a
+linear no producer can feed keeps its runner (``projection.run_module``). Either keeps its bias in the GEMM.
+Blackwell's real NVFP4 GEMMs are not used (not testable here): the same fake-quantized bf16 path runs there.
+:func:`modelopt_fake_quant_on_cpu` runs ModelOpt's own NVFP4 quantizers on CPU (it has no CPU path), for tests.
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ from . import quant
 from .hf_export import import_modelopt
 from .ops.quantize_nvfp4 import launch as launch_nvfp4
 from .ops.quantize_nvfp4 import emit_reasons, quantize_nvfp4, quantize_nvfp4_reference
-from .sites import LINEAR_TABLE, SITE_TABLE, resolve
+from .sites import LINEAR_TABLE, SITE_TABLE, containers, resolve
 
 logger = logging.getLogger("qwen_absorb")
 
@@ -119,10 +108,8 @@ def _fake_quant(t: torch.Tensor, amax: torch.Tensor, use_kernel: bool) -> torch.
 
 
 class Nvfp4Linear:
-    """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached.
-
-    ``use_kernel``: the CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA);
-    False: the torch reference (CPU, or a forced reference)."""
+    """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached; ``use_kernel``: the
+    CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA), else the torch reference."""
 
     __slots__ = ("lin", "use_kernel", "_key", "_weight", "shares_weight", "_amax_key", "_amax32")
 
@@ -138,9 +125,8 @@ class Nvfp4Linear:
         self.shares_weight = False
 
     def weight_key(self) -> tuple:
-        """What ``fq(W)`` depends on: the weight's and the weight amax's identity, pointer and version (no
-        value is read: no device sync per call). A version-less (inference-mode) tensor cannot show an
-        in-place edit, so its copy is remade at every call rather than trusted."""
+        """What ``fq(W)`` depends on: the weight's and its amax's identity, pointer and version (no device sync). A
+        version-less (inference-mode) tensor cannot show an in-place edit: its copy is remade at every call."""
         return (*_tensor_key(self.lin.weight), *_tensor_key(self.lin.weight_quantizer._amax))
 
     def weight(self) -> torch.Tensor:
@@ -200,11 +186,8 @@ def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, 
 def _row_ok(block: nn.Module, path: str, context_reasons) -> bool:
     """Whether the block may compute around the linear as diffusers would (``context_reasons`` empty) with no hook
     on the containers it skips: the modulation's Sequential and SiLU, the FeedForward, its GELU and Dropout."""
-    top = path.split(".")[0]
-    skipped = (top, f"{top}.0") if top.endswith("_mod") else (top, f"{top}.net.0", f"{top}.net.1") if \
-        top.endswith("_mlp") else ()
-    return not context_reasons(block, path) and not any(m is None or _hooked(m) for m in map(
-        lambda q: resolve(block, q), skipped))
+    return not context_reasons(block, path) and not any(
+        m is None or _hooked(m) for m in (resolve(block, q) for q in containers(path)))
 
 
 def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
@@ -234,11 +217,10 @@ def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
 
 
 def decide_rows(plan, block: nn.Module, context_reasons) -> None:
-    """NVFP4 as rows (after ``plan.decide`` made the runners and the FP8 emissions): the sites whose consumers are
-    all NVFP4 linears emit their input (:func:`_site_row`); net[2] (GELU of net[0]), img_mod.1 / txt_mod.1 (SiLU of
-    temb) and the output projections (the attention output) read ``ops.quantize_nvfp4`` of their input with its
-    activation, where the context is exactly diffusers' (:func:`_row_ok`). The others keep their runners, called
-    where the block calls the linear (their containers, where the block would skip them, run as modules)."""
+    """NVFP4 as rows (after ``plan.decide`` made the runners and the FP8 emissions): sites whose consumers are all
+    NVFP4 linears emit their input (:func:`_site_row`); net[2], img_mod.1 / txt_mod.1 and the output projections read
+    ``ops.quantize_nvfp4`` of their input with its activation, where the context is exactly diffusers'
+    (:func:`_row_ok`). The others keep their runners, called where the block calls the linear."""
     for s in SITE_TABLE.values():
         if s.feeds and not any(plan.linears[p].fp8_gemm for p in s.feeds):
             _site_row(plan, block, s, plan.site_plan(s.key), context_reasons)

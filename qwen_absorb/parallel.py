@@ -1,36 +1,27 @@
 """Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it.
 
-Observed by running it (2 processes, gloo, CPU, torch 2.13; ``tests/parallel_worker.py`` records it again on
-every CI run), not read off documentation.
+Observed by running it (2 processes, gloo, CPU, torch 2.13; ``tests/parallel_worker.py`` records it on every CI
+run), not read off documentation.
 
-**TP** (``enable_parallelism(config=TensorParallelConfig(tp_degree=N))``): torch's ``parallelize_module`` with
-the model's ``_tp_plan``, default layouts, ``use_local_output=True``: ``ColwiseParallel()`` for q/k/v (both
-streams) and ``net.0.proj``, ``RowwiseParallel()`` for ``to_out.0``, ``to_add_out`` and ``net.2``; nothing else.
-- The ``nn.Parameter`` objects are *replaced* (a plan made before sees new objects): column-wise weight and bias
-  ``Shard(0)``; row-wise weight ``Shard(1)``, bias ``Replicate()`` (the full bias on every rank).
-- The block receives plain tensors of the full shapes, identical on every rank. A column-wise linear returns a
-  plain local shard of the last dim (``heads/N`` heads). A row-wise ``F.linear`` on DTensors adds ``b / N``
-  **before** the all-reduce (unpatched TP already rounds differently from one GPU); its output hook
-  redistributes ``Partial -> Replicate`` asynchronously, so the attention and FFN outputs are
-  ``AsyncCollectiveTensor``s: wrapper subclasses whose collective may be in flight, ``data_ptr()`` 0,
-  ``.contiguous()`` the wrapper itself. A raw kernel handed one reads address 0 (issue 12's illegal memory
-  access); it is no DTensor, so a DTensor check alone misses it.
-- ModelOpt-quantized models cannot be parallelised (``distribute_module`` visits the quantizers:
-  ``'TensorQuantizer' object has no attribute 'weight'``). ``enable_parallelism`` then ``mtq.quantize`` works:
-  amaxes are calibrated over whole tensors, so a rank's FP8 codes are the shard of the one-GPU codes.
+**TP** (``TensorParallelConfig(tp_degree=N)``): ``parallelize_module`` with the model's ``_tp_plan``, default
+layouts, ``use_local_output=True``: ``ColwiseParallel()`` for q/k/v and ``net.0.proj``, ``RowwiseParallel()`` for
+``to_out.0``, ``to_add_out`` and ``net.2``. The Parameters are *replaced* (column-wise weight and bias ``Shard(0)``;
+row-wise weight ``Shard(1)``, bias ``Replicate()``). The block gets plain full tensors, identical on every rank; a
+column-wise linear returns a plain local shard; a row-wise ``F.linear`` on DTensors adds ``b / N`` **before** the
+all-reduce, and its output hook redistributes ``Partial -> Replicate`` asynchronously: the attention and FFN
+outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0, no DTensor: a raw kernel handed one reads address 0,
+issue 12). ModelOpt-quantized models cannot be parallelised (``distribute_module`` visits the quantizers);
+``enable_parallelism`` then ``mtq.quantize`` works (a rank's FP8 codes are the shard of the one-GPU codes).
 
-**CP** (``ContextParallelConfig(ulysses_degree=N)``): no parameter changes; inputs are split on dim 1 with
-``chunk(N, 1)[rank]``, a view that is non-contiguous for B > 1 (the kernels must keep calling
-``.contiguous()``); inside the block everything is a plain rank-local tensor; ``proj_out``'s output is
-all-gathered (the *model* output is an ``AsyncCollectiveTensor``). Every fused op is token-local. Measured on
-CPU: unpatched CP / TP vs one process max |diff| 2.4e-7..3.6e-7 (fp32); patched vs unpatched parallel
-bit-identical for both (B = 1 and 2, before or after ``enable_parallelism``); ``unpatch`` restores it.
+**CP** (``ContextParallelConfig(ulysses_degree=N)``): no parameter changes; inputs are split on dim 1 by
+``chunk(N, 1)[rank]`` (non-contiguous for B > 1); inside the block every tensor is plain and rank-local; the
+*model* output is an ``AsyncCollectiveTensor``. Every fused op is token-local. Measured on CPU: patched vs
+unpatched parallel bit-identical for both (B = 1 and 2, before or after ``enable_parallelism``).
 
 Under TP the patched block runs the twelve sharded linears on their local shards without DTensor
-(:func:`tp_shard`, ``projection.tp_linear``); beyond that every fused-op operand goes through
-:func:`local_view`, deferral is decided per call (:func:`tp_defer_refusals`: TP may come after patching), and no
-kernel gets a tensor failing :func:`is_plain_tensor`. These helpers never import ``torch.distributed.tensor``
-(no DTensor can exist unless it is loaded).
+(:func:`tp_shard`, ``projection.tp_linear``); every fused-op operand goes through :func:`local_view`, deferral is
+decided per call (:func:`tp_defer_refusals`), and no kernel gets a tensor failing :func:`is_plain_tensor`. Nothing
+here imports ``torch.distributed.tensor`` (no DTensor can exist unless it is loaded).
 """
 
 from __future__ import annotations
@@ -38,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -52,14 +44,14 @@ __all__ = ["TpShard", "allow_cpu_parallelism", "describe_tensor", "is_async_coll
            "is_plain_tensor", "kernel_arg_refusal", "local_view", "parallel_kind", "projection_tp_style",
            "tp_defer_refusals", "tp_shard", "tp_shard_reasons"]
 
-_DTENSOR_MODULE = "torch.distributed.tensor"
-_FUNCOL_MODULE = "torch.distributed._functional_collectives"
 
-
-def _loaded_class(module: str, name: str) -> type | None:
-    """``module.name`` if ``module`` is already imported, else None (never imports anything)."""
-    mod = sys.modules.get(module)
-    return getattr(mod, name, None) if mod is not None else None
+def _is_loaded_instance(t: Any, module: str, name: str) -> bool:
+    """``t`` is a ``module.name`` (a plain tensor returns after one type check). Never imports anything: without
+    ``module`` imported no such object can exist."""
+    if is_plain_tensor(t):
+        return False
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(t, cls)
 
 
 def is_plain_tensor(t: Any) -> bool:
@@ -70,19 +62,13 @@ def is_plain_tensor(t: Any) -> bool:
 
 
 def is_dtensor(t: Any) -> bool:
-    """``t`` is a DTensor (a DTensor parameter included); a plain tensor returns after one type check."""
-    if is_plain_tensor(t):
-        return False
-    cls = _loaded_class(_DTENSOR_MODULE, "DTensor")
-    return cls is not None and isinstance(t, cls)
+    """``t`` is a DTensor (a DTensor parameter included)."""
+    return _is_loaded_instance(t, "torch.distributed.tensor", "DTensor")
 
 
 def is_async_collective(t: Any) -> bool:
     """``t`` is an ``AsyncCollectiveTensor`` (a TP row-wise output): torch ops on it wait, raw kernels do not."""
-    if is_plain_tensor(t):
-        return False
-    cls = _loaded_class(_FUNCOL_MODULE, "AsyncCollectiveTensor")
-    return cls is not None and isinstance(t, cls)
+    return _is_loaded_instance(t, "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
 
 
 def _placements(t: Any) -> tuple:
@@ -100,11 +86,9 @@ def describe_tensor(t: Any) -> str:
 
 
 def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, str | None]:
-    """``(plain tensor, None)`` when the per-token math on it is complete on this rank, else ``(None, reason)``:
-    a plain tensor is itself; an ``AsyncCollectiveTensor`` is waited for (its inner tensor is the all-reduced
-    value); an all-``Replicate`` DTensor gives its local tensor. Refused: ``Shard(d)`` (the local tensor is a
-    slice; allowed where ``d`` is in ``shard_ok_dims``, a token dim every operand shares), ``Partial`` (a
-    pending reduction) and anything else."""
+    """``(plain tensor, None)`` when the per-token math on it is complete on this rank, else ``(None, reason)``: an
+    ``AsyncCollectiveTensor`` is waited for, an all-``Replicate`` DTensor gives its local tensor; ``Shard(d)`` is
+    refused unless ``d`` is in ``shard_ok_dims`` (a token dim every operand shares), as are ``Partial`` and others."""
     if is_plain_tensor(t):
         return t, None
     if not isinstance(t, torch.Tensor):
@@ -163,9 +147,8 @@ def projection_tp_style(linear: nn.Module) -> str | None:
 
 
 def _tp_output_hook(linear: nn.Module) -> tuple[tuple, bool] | None:
-    """``(output_layouts, use_local_output)`` of a torch ``ParallelStyle`` output hook: ``distribute_module``
-    registers a lambda around ``functools.partial(style._prepare_output_fn, layouts, use_local)`` (best effort:
-    None if torch's hooks change)."""
+    """``(output_layouts, use_local_output)`` of a torch ``ParallelStyle`` output hook (a lambda around
+    ``partial(style._prepare_output_fn, layouts, use_local)``; None if torch's hooks change)."""
     for hook in getattr(linear, "_forward_hooks", {}).values():
         obj = _hook_partial(hook, "_prepare_output_fn")
         if obj is not None and len(obj.args) >= 2:
@@ -174,20 +157,11 @@ def _tp_output_hook(linear: nn.Module) -> tuple[tuple, bool] | None:
     return None
 
 
-def _cell_filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:
-        return False
-    return True
-
-
 def tp_defer_refusals(linear: nn.Module) -> list[str]:
-    """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Column-wise: the
-    fused op would get a hidden-dim shard. Row-wise: allowed with a ``Replicate`` DTensor bias (taken through
-    :func:`local_view`) and an output hook reducing to ``Replicate``: the shadowed-bias GEMM is all-reduced,
-    then the fused op adds the full bias once (unpatched adds ``b / N`` per rank before the reduction: equal
-    up to rounding, as deferral is anyway)."""
+    """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Column-wise: the fused
+    op would get a hidden-dim shard. Row-wise: allowed with a ``Replicate`` bias and an output hook reducing to
+    ``Replicate``: the fused op adds the full bias once after the all-reduce (unpatched adds ``b / N`` per rank
+    before it: equal up to rounding, as deferral is anyway)."""
     m = unwrap_peft(linear)[0]
     style = projection_tp_style(m)
     b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
@@ -249,9 +223,6 @@ class TpShard:
                 and tuple(linear._forward_pre_hooks) == self.pre and tuple(linear._forward_hooks) == self.post
                 and "forward" not in linear.__dict__ and not global_forward_hooks())
 
-    def local_weight(self) -> torch.Tensor:
-        return self.weight.to_local()
-
     def local_bias(self, linear: nn.Module) -> torch.Tensor | None:
         """None while deferred (``bias = None`` in the instance dict), the local shard (column-wise), or
         ``b / N`` (row-wise, cached per value)."""
@@ -267,10 +238,11 @@ class TpShard:
 
 
 def _hook_partial(hook: Any, fn_name: str) -> functools.partial | None:
-    cells = getattr(hook, "__closure__", None) or ()
-    for obj in (hook, *(c.cell_contents for c in cells if _cell_filled(c))):
-        if isinstance(obj, functools.partial) and getattr(obj.func, "__name__", "") == fn_name:
-            return obj
+    for obj in (hook, *(getattr(hook, "__closure__", None) or ())):
+        with contextlib.suppress(ValueError):  # an empty closure cell has no contents
+            obj = obj.cell_contents if isinstance(obj, types.CellType) else obj
+            if isinstance(obj, functools.partial) and getattr(obj.func, "__name__", "") == fn_name:
+                return obj
     return None
 
 
@@ -362,11 +334,7 @@ def allow_cpu_parallelism() -> Iterator[None]:
 
     orig_count = torch.accelerator.device_count
     orig_devices = tpmod._SUPPORTED_TP_DEVICES
-
-    def device_count() -> int:
-        return orig_count() or 1
-
-    torch.accelerator.device_count = device_count
+    torch.accelerator.device_count = lambda: orig_count() or 1
     if "cpu" not in orig_devices:
         tpmod._SUPPORTED_TP_DEVICES = (*orig_devices, "cpu")
     try:

@@ -53,7 +53,6 @@ class _PatchState:
     plans: list[BlockPlan]
     records: list[_BlockRecord] = field(default_factory=list)
     graph: Any = None
-    offloaded: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
     active: bool = True
 
     def dtype(self) -> str:
@@ -164,26 +163,22 @@ def patch(
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
-    target: a diffusers Qwen-Image pipeline (whose ``.transformer`` is a ``QwenImageTransformer2DModel``) or the
-        transformer itself; any device, before or after offloading, caches, parallelism, LoRA or
-        ``compile_repeated_blocks()``.
+    target: a diffusers Qwen-Image (or 2.1) pipeline or its transformer; any device, before or after offloading,
+        caches, parallelism, LoRA or ``compile_repeated_blocks()``.
     defer_bias: ``"auto"`` defers an output-projection bias into the following fused op exactly when the
-        projection is ModelOpt FP8/NVFP4 without an enabled output quantizer, the kernels are available and the
+        projection is ModelOpt FP8 without an enabled output quantizer, the kernels are available and the
         capability is validated (:mod:`qwen_absorb.gating`); ``True`` wherever it is not wrong; ``False`` never.
     fp8_gemm: run ModelOpt FP8 (e4m3, per-tensor, static) linears, PEFT LoRA layers around them included, as
         real FP8 ``torch._scaled_mm`` fed by FP8-emitting fused kernels: ``"auto"`` on validated capabilities,
-        ``True`` wherever possible (sm_89+), ``False`` never; every other linear runs as its module (reason in
-        the report).
+        ``True`` wherever possible (sm_89+), ``False`` never; other linears run as their modules (reason in the
+        report).
     cuda_graph: capture the transformer call per input signature and replay it (:mod:`qwen_absorb.cuda_graph`),
-        refused per call where replay would be wrong. ``"auto"``: decided at the model's first call on a GPU
-        (a model patched on the CPU and moved, or under an offload hook, decides there); a signature is captured
-        when seen the second time; eager calls are counted in ``report.graph_fallbacks`` (the first call's
-        refusal, e.g. group offloading, is logged once). ``True``: capture at first sight, refusals in
-        ``report.runtime_fallbacks``. ``False``: never.
+        refused per call where replay would be wrong. ``"auto"``: decided at the first call on a GPU; a signature
+        is captured when seen the second time; eager calls are counted in ``report.graph_fallbacks``. ``True``:
+        capture at first sight, refusals in ``report.runtime_fallbacks``. ``False``: never.
     offload_original_weights: ``"auto"`` / ``True``: the original weights of real-FP8 linears stay in host
-        memory while their codes run on a GPU (same ``Parameter`` objects, values intact; ``.to()`` leaves them
-        there, a fallback call brings them over, :func:`unpatch` puts them back); ``False``: they stay on the
-        GPU beside the codes (about 1.5x the bf16 model's memory).
+        memory while their codes run on a GPU (same ``Parameter`` objects; a fallback call brings them over,
+        :func:`unpatch` puts them back); ``False``: they stay beside the codes (about 1.5x the bf16 memory).
     capabilities: replaces the validated capability sets, e.g. ``{(9, 0)}``, or ``{"cpu"}`` to exercise the
         decisions on the CPU with the ops' references.
     force_reference: the fused ops run their torch references (debugging).
@@ -287,7 +282,7 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph:
             vae_room.unpatch(pipe_vae)
             vae_room.unpatch_postprocess(target)
     if text_encoder:
-        # the encoder's graphs stay opt-in (text_encoder.GRAPHS_AUTO): cuda_graph=True here does not ask for them
+        # "auto" (a key's second call) even under cuda_graph=True: a prompt length seen once costs no capture
         te_graphs = False if cuda_graph is False else "auto"
         report.parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=te_graphs)
     else:
@@ -316,12 +311,10 @@ GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on
 
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
-    """Qwen-Image-2.1: the same install, report and unpatch (no bias deferral or hand-off); its ModelOpt FP8
-    linears run real FP8 GEMMs in their own forward slots (:mod:`qwen_absorb.fp8_forward`). Its model forward
-    syncs with the host before the blocks (``tolist()`` / ``nonzero()`` on the token masks: every whole-call
-    capture failed on the H200), so ``cuda_graph=True`` graphs each block (:func:`cuda_graph.install_blocks`,
-    one shared pool, captured at first sight; refusals per block call in ``report.runtime_fallbacks``);
-    ``"auto"`` installs none (:data:`GRAPHS_21_AUTO`)."""
+    """Qwen-Image-2.1: the same install, report and unpatch (no bias deferral or hand-off; real FP8 in the linears'
+    forward slots, :mod:`qwen_absorb.fp8_forward`). Its model forward syncs with the host before the blocks (token
+    masks: every whole-call capture failed on the H200), so ``cuda_graph=True`` graphs each block
+    (:func:`cuda_graph.install_blocks`, one pool, captured at first sight); ``"auto"`` none (:data:`GRAPHS_21_AUTO`)."""
     report = _new_report(transformer, options, cuda_graph)
     device = _decision_device(transformer)
     block_cls = classes21()[1]
@@ -403,7 +396,6 @@ def _undo(state: _PatchState) -> None:
         state.graph.remove()
     for block in state.blocks:
         host_originals.restore(block)  # on the device the model is on now
-    state.offloaded.clear()
     for rec in state.records:
         with block_lock(rec.block):  # a call in another thread finishes its shadowed GEMMs first
             plan = rec.block.__dict__.get(PLAN_ATTR)

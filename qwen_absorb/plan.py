@@ -1,24 +1,18 @@
 """Plans: what a patched block does, decided from the site table, stored once.
 
-A :class:`BlockPlan` is built per block at patch time from :mod:`qwen_absorb.sites` and the facts the
-adapters read (:mod:`qwen_absorb.quant` for ModelOpt, :mod:`qwen_absorb.lora` for PEFT,
-:mod:`qwen_absorb.parallel` for DTensor, :mod:`qwen_absorb.hooks` for hook chains), for the device the
-block runs on. It holds three kinds of things, kept apart:
+A :class:`BlockPlan` is built per block at patch time from :mod:`qwen_absorb.sites` and the facts the adapters read
+(:mod:`~qwen_absorb.quant` ModelOpt, :mod:`~qwen_absorb.lora` PEFT, :mod:`~qwen_absorb.parallel` DTensor,
+:mod:`~qwen_absorb.hooks` hook chains), for the block's device. It keeps apart **decisions** (its fields,
+:class:`SitePlan`, :class:`LinearPlan`: what runs where, with the reasons; the report copies them), **derived
+state** (FP8 weights and scales, norm quantizers' amax records: owned by the linear's / site's plan, never served
+stale) and **runtime** (:class:`BlockRuntime`: device, counters, lock, cross-block link, and the
+:class:`~qwen_absorb.watch.Watch` of everything the decisions depend on).
 
-- **decisions** (the plan's own fields, :class:`SitePlan`, :class:`LinearPlan`): what runs where, each
-  stored once, with the reasons; the report copies them (:mod:`qwen_absorb.report`);
-- **derived state** (FP8 weights and scales, the norm quantizers' amax records): built from the
-  decisions, owned by the linear's / site's plan, never served stale;
-- **runtime** (:class:`BlockRuntime`): the device decided for, the fallback counter, the lock, the
-  cross-block link, and the :class:`~qwen_absorb.watch.Watch` of everything the decisions depend on.
-
-At every call the block asks the watch (host metadata only). A change (a module replaced or
-converted, a parameter replaced or modified in place, a quantizer switched or recalibrated, an amax
-replaced, a LoRA adapter added, merged, enabled or disabled, a dtype or device move) makes the block
-decide again before it computes (``qwen_absorb.block.redecide``): no call uses stale state.
-
-The plan lives on the block (an instance attribute), never in a closure: a ``deepcopy`` or pickle of
-the model carries a copy, whose watch reports a change, so the copy decides anew for its own modules.
+At every call the block asks the watch (host metadata only); a change (a module replaced or converted, a
+parameter replaced or modified in place, a quantizer switched or recalibrated, a LoRA adapter added, merged,
+enabled or disabled, a dtype or device move) makes it decide again before it computes: no call uses stale state.
+The plan is an instance attribute of the block, never in a closure: a ``deepcopy`` or pickle of the model carries
+a copy, whose watch reports a change, so the copy decides anew for its own modules.
 """
 
 from __future__ import annotations
@@ -36,8 +30,8 @@ from . import attention21, gating, hooks, lora, nvfp4, ops, parallel, quant
 from . import site_runners as R
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
-from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, family_of,
-                    resolve, swiglu21_refusals, unwrap_peft)
+from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, containers,
+                    family_of, resolve, swiglu21_refusals, unwrap_peft)
 from .watch import Watch, tensor_key
 
 derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_graph.fingerprint reads it here)
@@ -107,9 +101,7 @@ class LinearPlan:
     fp8_gemm: bool = False
     fp8_reasons: list[str] = field(default_factory=list)
     lora: bool = False  # a PEFT LoRA layer whose branches are added after the FP8 GEMM
-    # it has active branches now (PEFT's adapter state is watched: merging, disabling or switching adapters
-    # decides again); False: its input activation need not be handed over, nothing forks for its branches
-    lora_active: bool = False
+    lora_active: bool = False  # it has active branches now (False: its input activation need not be handed over)
     offloaded: bool = False  # its original weight was moved to host memory
     # derived state
     weight: quant.Fp8Weight | None = None
@@ -117,8 +109,7 @@ class LinearPlan:
     bias: torch.Tensor | None = None  # what the GEMM epilogue adds (the Parameter, or its TP share)
     tp: Any = None  # parallel.TpShard of a tensor-parallel linear run on its local shard
     cache_key: tuple = ()  # what ``weight`` was built from (reused when unchanged)
-    # an NVFP4 linear fed by its producer's NVFP4 emission: its nvfp4.Nvfp4Linear, owner of the fake-quantized weight
-    nvfp4: Any = None
+    nvfp4: Any = None  # fed by its producer's NVFP4 emission: its nvfp4.Nvfp4Linear (owns the fake-quantized weight)
 
     @property
     def quant(self) -> str | None:  # its GEMM: "fp8" (real FP8), "nvfp4" (its producer's emission) or None (its module)
@@ -140,8 +131,7 @@ class BlockRuntime:
     announced: set = field(default_factory=set)  # devices told that the kernels cannot run (shared)
     on_decide: Any = None  # called with the plan after every decision (the report's record)
     generation: int = 0  # bumped by every decide(): derived tensors a CUDA graph read may be gone
-    # the gated real-FP8 forwards of the attention linears by path, in their slots only during a call (block.py)
-    attn_fwds: dict = field(default_factory=dict)
+    attn_fwds: dict = field(default_factory=dict)  # the attention linears' gated real-FP8 forwards, by path
     lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
 
     def __getstate__(self) -> dict[str, Any]:
@@ -170,18 +160,13 @@ class BlockPlan:
     projections: dict[str, ProjectionInfo] = field(default_factory=dict)  # the four output projections
     norms: dict[str, NormInfo] = field(default_factory=dict)
     own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
-    # the attention runs as its module only because a hook sits on it (a diffusers cache): while the block
-    # calls it, its ModelOpt linears' gated forwards (qwen_absorb.fp8_forward) run real FP8 GEMMs
-    attn_forwards: bool = False
-    # a diffusers TaylorSeer cache is the attention's only hook, and the block runs it around its own
-    # attention (qwen_absorb.taylorseer.run): diffusers' decision, update and prediction, or graph-mode steps
-    attn_cache: bool = False
+    attn_forwards: bool = False  # a hooked attention runs as its module, its linears' gated forwards real FP8
+    attn_cache: bool = False  # a TaylorSeer cache, the attention's only hook, runs around our attention (taylorseer)
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
     qk_reasons: list[str] = field(default_factory=list)
-    # tensor parallelism: per group ("attn", "img_mlp", "txt_mlp"), why its linears may not run on
-    # their local shards without DTensor ([]: they may, whenever TP is found at call time)
+    # per group ("attn", "img_mlp", "txt_mlp"), why its TP linears may not run on their local shards ([]: they may)
     tp_reasons: dict[str, list[str]] = field(default_factory=lambda: {"attn": [], "img_mlp": [], "txt_mlp": []})
     handoff_reasons: list[str] = field(default_factory=list)  # why this block hands no norm1 over
     handoff_in_reasons: list[str] = field(default_factory=list)  # why this block cannot take one
@@ -189,9 +174,9 @@ class BlockPlan:
     nvfp4: dict = field(default_factory=dict)  # module -> its NVFP4 runner (qwen_absorb.nvfp4): run_module calls it
     quant_attention: bool = False  # block.attn is ModelOpt's QuantAttention (a global function swap)
     calibrating: bool = False  # a ModelOpt quantizer of the block collects statistics now
-    # (__dict__, torch pre-hooks, hooks allowed) of the modules the fused path skips or changes: a hook
-    # beyond tensor parallelism's own style hooks sends the call to diffusers' forward
+    # (__dict__, pre-hooks, hooks allowed) of the modules the fused path skips or changes: another hook -> diffusers'
     bypassed: tuple[tuple[dict, int, int], ...] = ()
+    weight_hook: tuple | None = None  # (path, module, category): a hook moves/casts weights inside (diffusers' forward)
     rt: BlockRuntime = field(default_factory=BlockRuntime)
 
     # -- reading
@@ -202,8 +187,7 @@ class BlockPlan:
         raise KeyError((stream, name))
 
     def site_plan(self, key: str) -> SitePlan:
-        stream, name = key.split(".")
-        return self.site(stream, name)
+        return self.site(*key.split("."))
 
     @property
     def mode(self) -> int:  # how the fused ops and the quantizations between them launch: kernels, else references
@@ -269,9 +253,14 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         # a tensor's device always carries its index: "cuda" alone would never equal it (decided again per call)
         device = torch.device("cuda", torch.cuda.current_device())
+    o = plan.options
+    plan.rt.generation += 1
+    plan.rt.device, plan.device = device, str(device)
+    plan.kernel_reasons = _kernel_reasons(device, o)
+    plan.kernels = not plan.kernel_reasons
+    plan.weight_hook = dep.weight_moving_hook(block)
     if family_of(block) is QWENIMAGE21:
         return _decide21(plan, block, device)
-    o = plan.options
     for p in ATTN_LINEARS:  # gated forwards just installed by the patch: the plan holds them
         m = resolve(block, p)
         f = m.__dict__.get("forward") if m is not None else None
@@ -279,11 +268,6 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
             del m.__dict__["forward"]
             plan.rt.attn_fwds[p] = f
     old = {p: lp for p, lp in plan.linears.items() if lp.weight is not None}
-    plan.rt.generation += 1
-    plan.rt.device = device
-    plan.device = str(device)
-    plan.kernel_reasons = _kernel_reasons(device, o)
-    plan.kernels = not plan.kernel_reasons
     plan.fast_accum = gating.fast_accum(o.use_fast_accum, device)
     plan.norms = {n: quant.inspect_norm(n, getattr(block, n)) for n in NORMS}
     plan.projections = {}
@@ -319,7 +303,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
 
 def refresh(plan: BlockPlan, block: nn.Module) -> None:
     """Take the watch (and the FP8 weights' source keys) anew after the patch itself moved weights
-    (``offload_original_weights``): the decisions stand, the moved tensors are the ones decided for."""
+    (``offload_original_weights``): the decisions stand."""
     for p, lp in plan.linears.items():
         if lp.fp8_gemm:  # moved, not changed: the content fingerprint carries over (no read of the moved weight)
             lp.cache_key = _fp8_cache_key(block, p, plan.rt.device, lp.cache_key[2][4] if lp.cache_key else None)
@@ -366,20 +350,17 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
         if wrappers:
             r.append("tensor parallelism with a LoRA adapter")
     r += _fp8_context_reasons(block, path)
-    top = path.split(".")[0]
-    containers = (path,) + ((f"{top}", f"{top}.0") if top.endswith("_mod") else
-                            (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())
-    r += dep.hook_refusal(block, "the linear runs as its module", *containers)
+    r += dep.hook_refusal(block, "the linear runs as its module", path, *containers(path))
     if r:
-        lp.fp8_reasons, lp.tp, lp.lora, lp.lora_active = r, None, False, False
-        return lp
-    lp.fp8_gemm = True
+        _refuse(lp, *r)
+    else:
+        lp.fp8_gemm = True
     return lp
 
 
 def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
-    """The bias a real FP8 GEMM adds: the Parameter; under tensor parallelism what DTensor adds on
-    each rank (column-wise: the local shard; row-wise: ``b / N`` before the sum all-reduce)."""
+    """The bias a real FP8 GEMM adds: the Parameter, or under tensor parallelism what DTensor adds per rank
+    (column-wise the local shard, row-wise ``b / N`` before the sum all-reduce)."""
     if b is None or tp is None:
         return b
     local = b.to_local()
@@ -387,8 +368,8 @@ def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
 
 
 def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
-    """What around a linear the FP8 path reproduces: diffusers' processor without attention
-    quantizers, and the FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
+    """What around a linear the FP8 path reproduces: diffusers' processor without attention quantizers, and the
+    FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
     if path.startswith("attn."):
         r = _processor_reasons(block) + dep.attention_hook_refusal(block)
         return r or _attention_reasons(block)
@@ -403,8 +384,8 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
 
 
 def _attention_reasons(block: nn.Module) -> list[str]:
-    """Why diffusers' processor of ``block.attn`` does not compute exactly the attention the fused path
-    reproduces (hooks aside): another processor, an enabled ModelOpt attention quantizer."""
+    """Why ``block.attn`` does not compute the attention the fused path reproduces (hooks aside): another processor,
+    an enabled ModelOpt attention quantizer."""
     qs = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer", "bmm2_output_quantizer")
     on = [q for q in qs if quant.quantizer_enabled(getattr(block.attn, q, None))]
     return _processor_reasons(block) or [f"ModelOpt attention quantizer {q} is enabled" for q in on[:1]]
@@ -448,9 +429,8 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
 
 
 def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
-    """Which producer emits FP8 for which consumers (and the activation, for LoRA branches); a linear
-    whose producer cannot emit its codes exactly (unfused site, q/k/v with unequal input scales)
-    runs as its module instead."""
+    """Which producer emits FP8 for which consumers (and the activation, for LoRA branches); a linear whose producer
+    cannot emit its codes exactly (unfused site, unequal input scales) runs as its module instead."""
     for s in SITE_TABLE.values():
         if not s.feeds:
             continue
@@ -492,8 +472,8 @@ def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: t
 
 
 def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
-    """The FP8 weights, scales and epilogue biases of the linears that run as FP8 GEMMs: reused from
-    the previous decision when built from the same tensors at the same versions, else made anew."""
+    """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears: reused where built from the same
+    tensors at the same versions, else made anew."""
     for p, lp in plan.linears.items():
         if not lp.fp8_gemm:
             continue
@@ -514,9 +494,8 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
 
 
 def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
-    """Where a tensor-parallel model's linears may run on their local shards (qwen_absorb.projection.
-    tp_linear): the attention only as diffusers' own processor computes it (qwen_absorb.attention.run
-    reproduces it), a FeedForward only as diffusers' (GELU: proj + gelu, Dropout, Linear)."""
+    """Where a tensor-parallel model's linears may run on their local shards (``projection.tp_linear``): the
+    attention only as diffusers' own processor computes it, a FeedForward only as diffusers' (GELU, Dropout, Linear)."""
     r = {"attn": _fp8_context_reasons(block, "attn.to_q")}
     to_out = block.attn.to_out
     if len(to_out) > 2 or (len(to_out) == 2 and not isinstance(to_out[1], nn.Dropout)):
@@ -562,10 +541,6 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
 
 def _decide21(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     """A Qwen-Image-2.1 block from its rows; its linears' plans are their forward slots' (:func:`linear21_decided`)."""
-    plan.rt.generation += 1
-    plan.rt.device, plan.device = device, str(device)
-    plan.kernel_reasons = _kernel_reasons(device, plan.options)
-    plan.kernels = not plan.kernel_reasons
     attn = block._modules.get("attn")
     plan.reasons = [] if isinstance(attn, nn.Module) else ["block has no attn module: diffusers' forward"]
     plan.norms = {n: quant.inspect_norm(n, block._modules.get(n)) for n in QWENIMAGE21.norms}  # None: "not a LayerNorm"
@@ -590,9 +565,8 @@ def linear21_decided(plan: BlockPlan) -> None:
         plan.rt.on_decide(plan)
 
 
-def _refuse(lp: LinearPlan, why: str) -> None:
-    lp.fp8_gemm, lp.tp, lp.lora, lp.lora_active = False, None, False, False
-    lp.fp8_reasons = [why]
+def _refuse(lp: LinearPlan, *why: str) -> None:
+    lp.fp8_gemm, lp.tp, lp.lora, lp.lora_active, lp.fp8_reasons = False, None, False, False, list(why)
 
 
 __all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "content_changed", "decide",

@@ -1,15 +1,12 @@
-"""How one linear (or other submodule) of a patched block runs: as its module (:func:`run_module`,
-opaque to ``torch.compile`` for ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus the branches
-of its PEFT LoRA adapters (:func:`fp8_linear`), or, under tensor parallelism, on this rank's shards
-without DTensor (:func:`tp_linear`). The derived state it reads (FP8 weight, scales, epilogue bias)
-is the linear's :class:`~qwen_absorb.plan.LinearPlan`, rebuilt by the plan whenever its inputs change.
+"""How one linear (or other submodule) of a patched block runs: as its module (:func:`run_module`, opaque to
+``torch.compile`` for ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA branches
+(:func:`fp8_linear`), or under tensor parallelism on this rank's shards without DTensor (:func:`tp_linear`). Its
+derived state is the linear's :class:`~qwen_absorb.plan.LinearPlan`, rebuilt by the plan when its inputs change.
 
-``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)`` computes ``scale_a * scale_b * (a @ b)
-+ bias`` with fp32 accumulation; ``a`` is the row-major [M, K] e4m3 activation (codes emitted by
-the producing fused op), ``b`` the column-major [K, N] weight (our row-major [N, K] codes,
-transposed as a view), the scales are the per-tensor *dequantization* scales ``amax / 448`` as
-one-element fp32 device tensors (no host synchronisation). The bias rides in the GEMM epilogue
-when it has the output's dtype (bf16/fp16), else it is added after, as ModelOpt's own backend does.
+``torch._scaled_mm`` computes ``scale_a * scale_b * (a @ b) + bias`` with fp32 accumulation: ``a`` the [M, K] e4m3
+codes the producing fused op emitted, ``b`` our row-major [N, K] weight codes transposed as a view, the scales the
+per-tensor dequantization scales ``amax / 448`` as one-element fp32 device tensors (no host sync). The bias rides
+in the epilogue when it has the output's dtype (bf16/fp16), else it is added after, as ModelOpt's backend does.
 """
 
 from __future__ import annotations
@@ -25,35 +22,21 @@ from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
-# Tuning(tp_local=False) sends every tensor-parallel linear through DTensor, as unpatched (a switch for measurements).
-# Tuning.lora_*_kernel: where ops.lora_add adds LoRA branches instead of torch's addmm_ (H200, rank 64, the tiled kernel:
-# benchmarks/results/fp8_lora/probe_lora_add.md, archive/fp8_lora/fp8_lora_tiles_h200.md). Inside net[0]'s GELU + e4m3 quantization it
-# replaces addmm_ and the quantization kernel (120 against 158 us per block at 4096 x 12288): on by default. As a
-# plain add it loses to addmm_ where the GEMM's output is still in L2 (4096 x 3072: 18 against 12 us) and wins at
-# 4096 x 12288 (66 against 85 us); q, k and v of both streams in one launch win at the op (60 against 81 us), yet
-# neither moved the 60-layer call's wall time beyond the run-to-run noise (~2 ms; with the text stream on its
-# lane, q/k/v of the image stream grouped: 95.07 against 94.91 ms, fp8_lora_50e4b96.md): both off.
-# Tuning.lora_products_aside: whether the lora_A products run on ops.lane's branch lane beside their base GEMMs in a captured call. Off: with
-# net[2]'s product folded into the GELU kernel (ops.lora_fold) the LoRA call was slower with them aside in three runs
-# (fp8_lora.md: 96.81 against 94.52 ms in line; fp8_lora_fold_h200_first.md / _second.md: 97.09 / 96.68 against
-# 95.69 / 95.34 with no branch lane), while the next block's image modulation beside the FFN still gains in the plain
-# call (83.78 against 84.48 ms): a product beside a GEMM that fills every SM slows the GEMM by about what it hides.
+# The Tuning switches read here (tp_local, lora_*_kernel, lora_add_tiles, lora_fold, lora_products_aside) and the
+# H200 figures behind their defaults: benchmarks/NOTES.md, "Tuning defaults".
 
 
 def branch_products(plan: BlockPlan, fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
-    """``fn()`` (LoRA ``lora_A`` products of input ``x``): on :mod:`qwen_absorb.ops.lane`'s branch lane, beside the
-    base layer's FP8 GEMM, where ``Tuning.lora_products_aside`` asks for it and a capture runs (the same kernels and
-    inputs: the same bits; whoever reads them calls :func:`qwen_absorb.ops.lane.settle` first); else in line, as
-    where no branch is ``active`` (nothing to compute)."""
+    """``fn()`` (LoRA ``lora_A`` products of ``x``) on the branch lane beside the base GEMM where
+    ``Tuning.lora_products_aside`` asks and a capture runs (readers call ``ops.lane.settle`` first); else in line."""
     t = plan.options.tuning
     return lane.aside(fn, x) if active and t.lora_products_aside and "branch" in t.lanes else fn()
 
 
 @torch.compiler.disable
 def _opaque(module: nn.Module, *args: Any) -> Any:
-    """Run a module outside the compiled graph: ModelOpt's quantized modules (dynamic attributes,
-    global function swaps) cannot be traced by Dynamo in torch 2.11, so under ``torch.compile``
-    the patched block calls them eagerly (a graph break) instead of failing."""
+    """A module outside the compiled graph: Dynamo (torch 2.11) cannot trace ModelOpt's quantized modules (dynamic
+    attributes, global function swaps), so under ``torch.compile`` they run eagerly (a graph break)."""
     return module(*args)
 
 
@@ -69,9 +52,8 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
 
 
 def nvfp4_linear(fq: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
-    """An NVFP4 linear from its input's NVFP4 fake quantization (its producer's emission): ModelOpt's
-    ``F.linear(fq(x), fq(W), bias)``, ``fq(W)`` made once by the linear's runner (remade when its sources change),
-    the bias in the GEMM."""
+    """ModelOpt's NVFP4 ``F.linear(fq(x), fq(W), bias)`` from ``fq(x)`` (its producer's emission); ``fq(W)`` is
+    the linear's runner's."""
     r = lp.nvfp4
     return torch.nn.functional.linear(fq, r.weight(), r.lin.bias)
 
@@ -81,14 +63,12 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
                branches: list | None = None, defer: list | None = None) -> torch.Tensor:
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
 
-    A LoRA linear (``lp.lora``): ``module`` is the PEFT layer and ``x`` the unquantized input; its
-    active branches are added to the GEMM output as PEFT adds them (:func:`qwen_absorb.lora.products`),
-    or, where the caller computed their ``lora_A`` products together with those of the other linears
-    reading ``x`` (``branches``, :func:`qwen_absorb.lora.shared_input_branches`), from those. ``defer``: where
-    the branches are added in place (:func:`writes_into`), they are appended to it as ``(output, branches)``
-    for :func:`add_deferred` instead (q, k and v of a stream share one launch).
-    Tensor parallelism (``lp.tp``): the codes, weight and bias are this rank's shares; a row-wise
-    output is sum all-reduced, asynchronously when ``works`` collects the work (wait before use)."""
+    A LoRA linear (``lp.lora``, ``module`` the PEFT layer, ``x`` the unquantized input): its active branches are
+    added as PEFT adds them, or from ``branches``, the ``lora_A`` products the caller computed with those of the
+    other linears reading ``x`` (:func:`qwen_absorb.lora.shared_input_branches`). ``defer``: branches added in place
+    (:func:`writes_into`) are appended as ``(output, branches)`` for :func:`add_deferred` (one launch for q, k, v).
+    Tensor parallelism (``lp.tp``): this rank's shares; a row-wise output is sum all-reduced, asynchronously when
+    ``works`` collects the work (wait before use)."""
     w = lp.weight
     lead = codes.shape[:-1]
     if (lp.lora or branches is not None) and writes_into(lp) and codes.numel():
@@ -133,15 +113,10 @@ def writes_into(lp: LinearPlan) -> bool:
 def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor,
                     x: torch.Tensor | None = None, module: nn.Module | None = None,
                     branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """:func:`fp8_linear` for a linear with :func:`writes_into`, written into ``out`` (a contiguous
-    [M, N] view of the linear's output dtype, e.g. the image rows of a joint text + image tensor), without
-    the copy a later concatenation would make. ``x``, ``module``, ``branches``: as for :func:`fp8_linear`.
-
-    The LoRA branches (``branches``, or :func:`qwen_absorb.lora.products` of ``module``) are added after the
-    GEMM by :func:`add_products` (the sum accumulated in fp32), or handed to ``defer``.
-    Writing them first and letting the GEMM's epilogue add its product (cuBLASLt ``beta = 1``) was measured on
-    the H200 and gained nothing: the epilogue reads them back without overlapping its main loop
-    (``benchmarks/cublaslt_fp8.py`` at commit 69357ce)."""
+    """:func:`fp8_linear` of a :func:`writes_into` linear into ``out`` (a contiguous [M, N] view, e.g. the image rows
+    of a joint text + image tensor: no concatenation copy). The LoRA branches are added after the GEMM by
+    :func:`add_products`, or handed to ``defer``. Letting the GEMM's epilogue add onto them (cuBLASLt ``beta = 1``)
+    gained nothing on the H200: the epilogue reads them back without overlap (benchmarks/cublaslt_fp8.py, 69357ce)."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
@@ -169,10 +144,8 @@ def _kernel_branches(plan: BlockPlan, y: torch.Tensor, prods: lora.Products, swi
 
 
 def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None:
-    """``y`` ([M, N]) plus each branch ``scaling * (x @ A.T) @ B.T``, in place, one after the other: the
-    tensor-core kernel where it runs and ``Tuning.lora_add_kernel`` asks for it, else
-    :func:`qwen_absorb.lora.add_products` (``addmm_``): the same expression, fp32 accumulation (the kernel rounds
-    each sum once; cuBLAS, measured, not quite: ``benchmarks/NOTES.md``)."""
+    """``y`` ([M, N]) plus each branch ``scaling * (x @ A.T) @ B.T`` in place: the tensor-core kernel where it runs and
+    ``Tuning.lora_add_kernel`` asks, else ``addmm_`` (the kernel rounds each sum once; cuBLAS not quite: NOTES.md)."""
     lane.settle(y.device, "branch")
     if prods and _kernel_branches(plan, y, prods, plan.options.tuning.lora_add_kernel):
         for t, b, s in prods:
@@ -199,14 +172,11 @@ def add_deferred(plan: BlockPlan, deferred: list) -> None:
 def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, plan: BlockPlan, x: torch.Tensor,
                         module: nn.Module, down_module: nn.Module | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None, lora.Products | None] | None:
-    """net[0].proj (``lp``, PEFT layer ``module``) of a FeedForward with LoRA branches, with the last branch added
-    inside the GELU(tanh) + e4m3 quantization for a real-FP8 net[2] (``down``, module ``down_module``) where
-    ``Tuning.lora_gelu_kernel`` and the kernel allow: ``(codes, g, branches)``, the values of :func:`fp8_linear` then
-    :func:`qwen_absorb.ops.quantize_fp8` with ``gelu_tanh``. Where net[2] has active branches, either their
-    ``lora_A`` products came out of the same kernel (:mod:`qwen_absorb.ops.lora_fold`: ``branches`` for
-    :func:`fp8_linear`, ``g`` None) or the GELU output ``g`` is handed over for them (``branches`` None).
-    None where the switch is off, the kernels cannot run or the layout is not the GEMM-into-output one (nothing
-    computed yet): the caller runs the steps."""
+    """net[0].proj (``lp``, PEFT layer ``module``) with its last LoRA branch added inside the GELU(tanh) + e4m3
+    quantization for a real-FP8 net[2] (``down``, ``down_module``): ``(codes, g, branches)``, the values of
+    :func:`fp8_linear` then ``quantize_fp8(gelu_tanh)``. net[2]'s active branches get their ``lora_A`` products from
+    the same kernel (:mod:`qwen_absorb.ops.lora_fold`: ``branches``, ``g`` None) or the GELU output ``g``. None
+    (nothing computed yet: the caller runs the steps) where ``Tuning.lora_gelu_kernel`` or the kernels refuse."""
     tuning = plan.options.tuning
     if not (tuning.lora_gelu_kernel and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
             or torch.compiler.is_compiling():
@@ -259,23 +229,17 @@ def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpSha
 
 
 def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``linear(x)`` of a tensor-parallel linear, computed as DTensor computes it, minus DTensor.
-
-    Column-wise: ``F.linear(x, W_local, b_local)`` on the replicated input: this rank's slice of the
-    output's last dim, no communication. Row-wise: ``F.linear(x_local, W_local, b / N)`` and a sum
-    all-reduce over the mesh's group, started asynchronously (the caller waits on the returned work
-    before reading the output, so the next GEMM overlaps it, as with DTensor's ``async_op=True``).
-    Returns ``(output, work or None)``; the output has the full value once the work is waited.
-    """
-    y = torch.nn.functional.linear(x, shard.local_weight(), shard.local_bias(linear))
+    """``linear(x)`` of a tensor-parallel linear as DTensor computes it, minus DTensor: column-wise
+    ``F.linear(x, W_local, b_local)`` (this rank's slice, no communication); row-wise ``F.linear(x_local, W_local,
+    b / N)`` and an asynchronous sum all-reduce. Returns ``(output, work or None)``: wait on the work before use."""
+    y = torch.nn.functional.linear(x, shard.weight.to_local(), shard.local_bias(linear))
     if shard.style == "colwise":
         return y, None
     return y, torch.distributed.all_reduce(y, group=shard.group, async_op=True)
 
 
 def wait(works: list) -> None:
-    """Wait for the row-wise all-reduces started by :func:`tp_linear` (on CUDA: the current stream
-    waits, the host does not)."""
+    """Wait for the row-wise all-reduces :func:`tp_linear` started (on CUDA the stream waits, not the host)."""
     for w in works:
         w.wait()
     works.clear()

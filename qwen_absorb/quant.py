@@ -234,8 +234,7 @@ def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
         info.unsupported.append(f"{name} has an elementwise affine (the fused ops have none)")
     if len(norm.normalized_shape) != 1:
         info.unsupported.append(f"{name} normalises over {tuple(norm.normalized_shape)}, not the last dim")
-    iq = getattr(norm, "input_quantizer", None)
-    oq = getattr(norm, "output_quantizer", None)
+    iq, oq = getattr(norm, "input_quantizer", None), getattr(norm, "output_quantizer", None)
     info.modelopt = is_modelopt_quantizer(iq) or is_modelopt_quantizer(oq)
     info.input_quantizer_enabled = quantizer_enabled(iq)
     info.input_format = quantizer_format(iq)
@@ -368,11 +367,7 @@ def input_amax(module: nn.Module | None) -> torch.Tensor | None:
 
 def calibrating(module: nn.Module) -> bool:
     """Whether a ModelOpt quantizer of this module is collecting calibration statistics now."""
-    for name in ("input_quantizer", "weight_quantizer"):
-        q = getattr(module, name, None)
-        if q is not None and getattr(q, "_if_calib", False):
-            return True
-    return False
+    return any(getattr(getattr(module, n, None), "_if_calib", False) for n in ("input_quantizer", "weight_quantizer"))
 
 
 _QUANTIZERS = ("input_quantizer", "weight_quantizer", "output_quantizer")

@@ -10,15 +10,13 @@ diffusers' block (one stream, modulation shared by all blocks and sliced per blo
     y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
     h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
-The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`, decided by :func:`qwen_absorb.plan.decide` (each
-site's runner, :mod:`qwen_absorb.site_runners`, and its mode); only ``img_norm1``, ``img_norm2`` and ``img_mlp``'s
-own forward are bypassed, fused only where plain and unhooked (a ModelOpt ``QuantLayerNorm`` counts as plain: an FP8
-per-tensor input quantizer runs inside the kernel, any other as its module). Real FP8 (:mod:`qwen_absorb.fp8_forward`
-in each ModelOpt FP8 linear's forward slot): where a site's consumers are real-FP8 GEMMs under one input amax that
-nothing would run around (:func:`qwen_absorb.fp8_forward.group`), its op also writes the e4m3 codes of its output and
-the runner calls their GEMMs with them; under ``torch.compile`` the linears are ModelOpt's. Per call, whatever the plan
-cannot vouch for (grad, a global hook, an argument diffusers would broadcast, a module changed or hooked since) runs
-diffusers' forward or that site's eager expression, counted in the report's ``runtime_fallbacks``.
+The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`, decided by :func:`qwen_absorb.plan.decide`; only
+``img_norm1``, ``img_norm2`` and ``img_mlp``'s own forward are bypassed, where plain and unhooked (a ModelOpt
+``QuantLayerNorm`` with an FP8 per-tensor input quantizer counts as plain: it runs inside the kernel). Where a site's
+consumers are real-FP8 GEMMs (:mod:`qwen_absorb.fp8_forward`) under one input amax with nothing run around them
+(:func:`qwen_absorb.fp8_forward.group`), its op also writes the e4m3 codes the runner hands their GEMMs. Per call,
+what the plan cannot vouch for (grad, a global hook, an argument diffusers would broadcast, a module changed or
+hooked since) runs diffusers' forward or the site's eager expression, counted in ``runtime_fallbacks``.
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ class Patched21Forward(PatchedForward):
             log.info("Qwen-Image-2.1 block %d decided anew for %s", plan.index, hidden_states.device)
         return patched_forward(self.block, plan, hidden_states, *args, **kwargs)
 
-    def linear_decided(self, index: int, path: str, fp8: bool, reasons: list, *_: Any) -> None:
+    def linear_decided(self, index: int, path: str, fp8: bool, reasons: list) -> None:
         f = fp8_forward.of(resolve(self.block, path), converted=True)  # None: refused at install, or wrapped since
         self.plan.linears[path] = f.lp if f is not None else LinearPlan(path, fp8_reasons=list(reasons))
         linear21_decided(self.plan)
@@ -79,14 +77,6 @@ class Patched21Forward(PatchedForward):
 
 
 # ---------------------------------------------------------------------------- the forward
-
-
-def _original(block, *args):
-    return type(block).forward(block, *args)
-
-
-def _count(plan: BlockPlan, reason: str) -> None:
-    plan.rt.counter[reason] += 1
 
 
 def patched_forward(
@@ -107,16 +97,14 @@ def patched_forward(
     and the same output, bit for bit."""
     args = (hidden_states, modulation, rotary_emb, attention_mask, target_token_mask, layer_cache, kv_cache_mode,
             cache_write_slice, segments, key_valid)
-    compiling = torch.compiler.is_compiling()
     why = _call_reason(plan, hidden_states, modulation, target_token_mask)
     if why is not None:
-        if not compiling:
-            _count(plan, why)
-        return _original(block, *args)
-    mode = R.COMPILED if compiling else plan.mode  # the sites' planned mode (each site's run, by its row)
+        plan.count(why)  # (BlockPlan.count counts nothing while torch.compile traces)
+        return type(block).forward(block, *args)
+    mode = R.COMPILED if torch.compiler.is_compiling() else plan.mode  # the sites' planned mode (by their rows)
     if mode == R.KERNEL and hidden_states.device != plan.rt.device:
         mode = R.REFERENCE
-        _count(plan, f"activations on {hidden_states.device}, kernels decided for {plan.rt.device}: torch references")
+        plan.count(f"activations on {hidden_states.device}, kernels decided for {plan.rt.device}: torch references")
     x, mask = hidden_states, target_token_mask
     if mode == R.KERNEL:
         x = x.contiguous()
@@ -135,11 +123,11 @@ def patched_forward(
 
     # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v when the block runs the attention
     # and all three are real FP8 GEMMs it may call itself
-    norm1 = site_norm1.fused and _norm_ok(block, "img_norm1", eps1, plan, compiling)
+    norm1 = site_norm1.fused and _norm_ok(block, "img_norm1", eps1, plan)
     own_attn = plan.own_attention and mode != R.COMPILED and attention21.call_ok(attn, plan.qk_eps)
-    if plan.own_attention and not own_attn and not compiling:
-        _count(plan, "attn, its processor or its q/k norms changed or hooked since patching: "
-                     "the attention runs as its module")
+    if plan.own_attention and not own_attn:
+        plan.count("attn, its processor or its q/k norms changed or hooked since patching: the attention runs as "
+                   "its module")
     qkv = fp8_forward.group(attn, ("to_q", "to_k", "to_v"), dev) if fp8 and norm1 and own_attn else None
     codes1 = None
     if norm1:
@@ -159,11 +147,11 @@ def patched_forward(
 
     # h + tanh(gate1) * attn_output, then norm2 + (1 + scale2) (with the codes for gate_layer / proj)
     amode = mode if _like(attn_output, hidden_states) else R.REFERENCE
-    if amode != mode and not compiling:
-        _count(plan, "attention output is not a plain tensor shaped like hidden_states: eager expression")
+    if amode != mode:
+        plan.count("attention output is not a plain tensor shaped like hidden_states: eager expression")
     mlp = block.img_mlp
-    swiglu = site_swiglu.fused and _swiglu_ok(mlp, plan, compiling)
-    norm2 = site_norm2.fused and _norm_ok(block, "img_norm2", eps2, plan, compiling)
+    swiglu = site_swiglu.fused and _swiglu_ok(mlp, plan)
+    norm2 = site_norm2.fused and _norm_ok(block, "img_norm2", eps2, plan)
     # unhooked real-FP8 linears are run as their GEMMs straight from the codes: then the bf16 activation
     # they would have been called with is never written (norm2's output, SwiGLU's output: memory traffic)
     ab = fp8_forward.group(mlp, ("gate_layer", "proj"), dev) if fp8 and norm2 and swiglu else None
@@ -194,11 +182,11 @@ def patched_forward(
         s, codes3 = site_swiglu.run(smode, a, b, _amax(o), o is None)
         y = o[0].gemm(codes3) if o is not None else mlp.out(s)
     fmode = mode if _like(y, h) else R.REFERENCE
-    if fmode != mode and not compiling:
-        _count(plan, "FFN output is not a plain tensor shaped like hidden_states: eager expression")
+    if fmode != mode:
+        plan.count("FFN output is not a plain tensor shaped like hidden_states: eager expression")
     out = site_res2.run(fmode, h, y, gate2, mask, True)
-    if mode == R.REFERENCE and not compiling and not plan.kernels:
-        _count(plan, "fused ops ran their torch references")
+    if mode == R.REFERENCE and not plan.kernels:
+        plan.count("fused ops ran their torch references")
     return out
 
 
@@ -231,20 +219,20 @@ def _call_reason(plan: BlockPlan, x: Any, modulation: Any, mask: Any) -> str | N
     return None
 
 
-def _norm_ok(block: nn.Module, name: str, eps: float, plan: BlockPlan, compiling: bool) -> bool:
+def _norm_ok(block: nn.Module, name: str, eps: float, plan: BlockPlan) -> bool:
     m = block._modules.get(name)
     ok = ((type(m) is nn.LayerNorm or (isinstance(m, nn.LayerNorm) and quant.quant_input_norm_ok(m)))
           and m.weight is None and m.bias is None and m.eps == eps and not _hooked(m))
-    if not ok and not compiling:
-        _count(plan, f"{name} changed or hooked since patching: its eager expression")
+    if not ok:
+        plan.count(f"{name} changed or hooked since patching: its eager expression")
     return ok
 
 
-def _swiglu_ok(mlp: nn.Module, plan: BlockPlan, compiling: bool) -> bool:
+def _swiglu_ok(mlp: nn.Module, plan: BlockPlan) -> bool:
     ok = not _hooked(mlp) and type(mlp._modules.get("activation_fn")) is nn.SiLU \
         and not _hooked(mlp._modules["activation_fn"])
-    if not ok and not compiling:
-        _count(plan, "img_mlp changed or hooked since patching: img_mlp(x)")
+    if not ok:
+        plan.count("img_mlp changed or hooked since patching: img_mlp(x)")
     return ok
 
 

@@ -108,20 +108,18 @@ class BlockReport:
         raise KeyError((stream, name))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "patched": self.patched, "reasons": list(self.reasons), "install": self.install,
-            "device": self.device, "kernels": self.kernels, "kernel_reasons": list(self.kernel_reasons),
-            "sites": [s.to_dict() for s in self.sites],
-            "qk_norm_rope_fused": self.qk_fused, "qk_norm_rope_reasons": list(self.qk_reasons),
-            "tp_local_reasons": {k: list(v) for k, v in self.tp_reasons.items()},
-            "cross_block_handoff": self.handoff, "cross_block_reasons": list(self.handoff_reasons),
-            "cross_block_receive_reasons": list(self.handoff_in_reasons), "cross_block_handoffs_taken": self.handoffs_used,
-            "fp8_fast_accum": self.fast_accum, "hooked_attention_fp8": self.attn_forwards,
-            "fp8_forward_linears": self.fp8_forward_linears, "taylorseer_attention": self.attn_cache,
-            "linears": {k: v.to_dict() for k, v in self.linears.items()},
-            "projections": {k: v.to_dict() for k, v in self.projections.items()},
-            "norms": {k: v.to_dict() for k, v in self.norms.items()},
-        }
+        d = {_DICT_NAMES.get(k, k): v for k, v in asdict(self).items()}  # asdict: deep copies, nested as dicts
+        for lin in d["linears"].values():
+            lin["lora_branch"] = lin.pop("lora")  # LinearReport.to_dict's name
+        return d
+
+
+# BlockReport.to_dict's names of the fields it renames
+_DICT_NAMES = {"qk_fused": "qk_norm_rope_fused", "qk_reasons": "qk_norm_rope_reasons", "tp_reasons": "tp_local_reasons",
+               "handoff": "cross_block_handoff", "handoff_reasons": "cross_block_reasons",
+               "handoff_in_reasons": "cross_block_receive_reasons", "handoffs_used": "cross_block_handoffs_taken",
+               "fast_accum": "fp8_fast_accum", "attn_forwards": "hooked_attention_fp8",
+               "attn_cache": "taylorseer_attention"}
 
 
 @dataclass
@@ -156,8 +154,7 @@ class PatchReport:
             self._blocks.append(None)  # type: ignore[arg-type]
         self._blocks[plan.index] = BlockReport.of(plan)
 
-    def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str], reused_storage: bool,
-                       input_amax: float, fast_accum: bool = False) -> None:
+    def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str]) -> None:
         """A Qwen-Image attention linear's gated real-FP8 forward decided (at install, then at each decision)."""
         self._fwd.setdefault(index, {})[path] = bool(fp8)
 
@@ -325,14 +322,14 @@ class PatchReport:
                          f"{s['biases_deferrable_sites']} (defer_bias={self.defer_bias!r})")
         lines += _grouped("  blocks not patched", "block", [(plain(b.reasons), b.index) for b in blocks if b.reasons])
         lines += _grouped("  sites not fused (run as diffusers' ops)", "site",
-                          [(plain(x.reasons), x.block) for x in self._sites(blocks) if x.reasons])
+                          [(plain(x.reasons), x.block) for b in blocks for x in b.sites if x.reasons])
         lines += _grouped(
             "  ModelOpt linears not run as real FP8 GEMMs", "linear",
             [(plain(lp.fp8_reasons), b.index) for b in blocks for lp in b.linears.values()
              if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], limit=8)
         if deferral_applies:
             lines += _grouped("  biases kept in the GEMM", "site",
-                              [(plain(x.defer_reasons), x.block) for x in self._sites(blocks)
+                              [(plain(x.defer_reasons), x.block) for b in blocks for x in b.sites
                                if x.projection and not x.bias_deferred])
         g = self.cuda_graph
         if g is not None and g.get("decided") is False:
@@ -372,10 +369,6 @@ class PatchReport:
                      f"capabilities={{'{device}'}}): a test of the logic, not a speed path")
         return (f"  real FP8 GEMMs: {n} of {s['modelopt_linears']} ModelOpt linears in the blocks{lora_part}{fast} "
                 f"(fp8_gemm={self.fp8_gemm!r}); sites emitting their FP8 codes: {s['fp8_emitting_sites']}{where}")
-
-    @staticmethod
-    def _sites(blocks: list[BlockReport]) -> list[SiteReport]:
-        return [x for b in blocks for x in b.sites]
 
     __repr__ = __str__
 

@@ -1,9 +1,8 @@
 """The fused ops of both block families' sites, each run one of three ways: ``KERNEL`` (the checked-once launch),
-``COMPILED`` (its custom op under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (its torch reference, the
-diffusers expression bit for bit). One function per op, named as ``sites.Site.op``: ``plan.decide`` looks a site's
-runner up by that name once and stores it with the mode (``SitePlan.run``, ``SitePlan.mode``). Given its consumers'
-input amax (``fp8_amax``) an op also returns the e4m3 codes of its output; :func:`_codes` is the references' one
-emission. Only the ops are imported here (the kernels' floor), so the decisions may name this module."""
+``COMPILED`` (its custom op under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit
+for bit). One function per op, named as ``sites.Site.op`` (``plan.decide`` stores it as ``SitePlan.run``); given its
+consumers' input amax (``fp8_amax``) an op also returns the e4m3 codes of its output. Only the ops are imported here
+(the kernels' floor), so the decisions may name this module."""
 
 from __future__ import annotations
 

@@ -52,18 +52,18 @@ def _stream_sites(s: str, attn_q: tuple[str, ...], out: str, mlp: str) -> tuple[
     )
 
 
-_IMG_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
-_TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+IMG_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
 SITE_TABLE: dict[str, Site] = {
     s.key: s
-    for s in (*_stream_sites("img", _IMG_QKV, "attn.to_out.0", "img_mlp"),
-              *_stream_sites("txt", _TXT_QKV, "attn.to_add_out", "txt_mlp"))
+    for s in (*_stream_sites("img", IMG_QKV, "attn.to_out.0", "img_mlp"),
+              *_stream_sites("txt", TXT_QKV, "attn.to_add_out", "txt_mlp"))
 }
 
 LINEAR_TABLE: dict[str, Linear] = {
-    **{p: Linear(p, "img", "img.norm1") for p in _IMG_QKV},
-    **{p: Linear(p, "txt", "txt.norm1") for p in _TXT_QKV},
+    **{p: Linear(p, "img", "img.norm1") for p in IMG_QKV},
+    **{p: Linear(p, "txt", "txt.norm1") for p in TXT_QKV},
     "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
     "attn.to_add_out": Linear("attn.to_add_out", "txt", "attention"),
     "img_mlp.net.0.proj": Linear("img_mlp.net.0.proj", "img", "img.attn_residual"),
@@ -76,8 +76,7 @@ LINEAR_TABLE: dict[str, Linear] = {
 
 NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
 # The attention linears, called by diffusers' processor when the attention runs as its module (gated forwards).
-ATTN_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-                "attn.to_out.0", "attn.to_add_out")
+ATTN_LINEARS = tuple(p for p in LINEAR_TABLE if p.startswith("attn."))
 
 # Qwen-Image-2.1: one stream; norm2's op is the attention residual and img_norm2 together (the residual alone where
 # norm2 is not fused), swiglu img_mlp's forward. No bias is deferred; the FP8 emission feeds the linears named.
@@ -100,23 +99,20 @@ LINEAR21_TABLE: dict[str, Linear] = {
 
 @dataclass(frozen=True)
 class Family:
-    """One block family: its block class (by name), its sites, its linears and its q/k norms."""
+    """One block family: its block class (by name), its sites and its linears."""
 
     name: str
     block_class: str
     sites: dict[str, Site]
     linears: dict[str, Linear]
-    qk_norms: tuple[str, ...]
 
     @property
     def norms(self) -> tuple[str, ...]:
         return tuple(s.norm for s in self.sites.values() if s.norm)
 
 
-QWENIMAGE = Family("Qwen-Image", "QwenImageTransformerBlock", SITE_TABLE, LINEAR_TABLE,
-                   ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
-QWENIMAGE21 = Family("Qwen-Image-2.1", "QwenImage21TransformerBlock", SITE21_TABLE, LINEAR21_TABLE,
-                     ("norm_q", "norm_k"))
+QWENIMAGE = Family("Qwen-Image", "QwenImageTransformerBlock", SITE_TABLE, LINEAR_TABLE)
+QWENIMAGE21 = Family("Qwen-Image-2.1", "QwenImage21TransformerBlock", SITE21_TABLE, LINEAR21_TABLE)
 FAMILIES = (QWENIMAGE, QWENIMAGE21)
 
 
@@ -187,6 +183,14 @@ def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Mod
         wrappers.append(module)
         module = module.base_layer
     return module, wrappers
+
+
+def containers(path: str) -> tuple[str, ...]:
+    """What a block skips around a linear it computes itself (their hooks would not run): the modulation's
+    Sequential and SiLU, or the FeedForward, its GELU and Dropout."""
+    top = path.split(".")[0]
+    return ((top, f"{top}.0") if top.endswith("_mod") else
+            (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())
 
 
 def resolve(block: nn.Module, path: str) -> nn.Module | None:

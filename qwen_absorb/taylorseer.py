@@ -9,7 +9,8 @@ host from a counter, so a call's work is known before it runs:
   the kinds of step; :func:`run` executes each step on factors kept in place per (hook, cache context) with
   :mod:`qwen_absorb.ops.taylor_seer` reading the step sizes from device memory (one graph for every offset), and
   the states' Python side is applied after each call, replayed or not.
-Anything else (the inactive mode, other hooks) stays diffusers' hooked module, which graph mode refuses.
+Anything else (the inactive mode, other hooks) stays diffusers' hooked module, which graph mode refuses
+(PyramidAttentionBroadcast and MagCache hooks excepted: :mod:`qwen_absorb.step_caches`).
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ class Steps:
     """One call's steps: the graph key part, the context :func:`run` finds them in, the Python side after."""
 
     __slots__ = ("steps", "by_hook", "key", "owner", "_prev")
+    first = "TaylorSeer cache: first update of its factors"  # the runner's refusal while not capturable
 
     def __init__(self, steps: list[Step], owner: GraphSteps) -> None:
         self.steps, self.owner = steps, owner
@@ -317,6 +319,12 @@ class Steps:
     def apply(self) -> None:
         for s in self.steps:
             s.apply()
+
+    def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:  # the blocks run the steps: nothing to stage
+        return inner
+
+    def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
+        return self.by_hook.keys() <= set(map(id, scan.cache_hooks))
 
     def replayed(self) -> None:
         """A graph ran every step of this call (no Python of the steps runs in a replay)."""

@@ -5,8 +5,12 @@ method computes, bit for bit, with three changes of where the work runs:
 - the tokens are keyed on the host: exact inputs encoded before (ids, mask, template, drop index, dtype,
   device; the encoder's weights by the watch) return clones of the kept embeddings (true CFG's empty negative
   prompt is encoded once);
-- on CUDA, opt-in, the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound
-  (1,232 kernels for 7.4 ms of GPU work at 110 tokens); a capture that fails leaves that key eager;
+- on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232
+  kernels for 7.4 ms of GPU work at 110 tokens). ``"auto"`` captures a key at its second call (a prompt length
+  seen once costs no capture), ``True`` at its first; a capture that fails leaves that key eager. Under capture
+  transformers would build the attention mask another way (an explicit mask instead of SDPA's causal flag), so
+  the warm-up's masks are replayed there (:class:`MaskConstants`; bit for bit on the H200,
+  tests/test_text_encoder_gpu.py);
 - the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask
   syncs); the same rows.
 A :class:`~qwen_absorb.watch.Watch` of the encoder, asked at every call, empties the cache and drops the
@@ -35,10 +39,6 @@ from .watch import Watch
 
 log = logging.getLogger("qwen_absorb")
 
-GRAPHS_AUTO = ("the encoder's CUDA graphs are opt-in (text_encoder.patch(pipe, cuda_graph=True)): on the H200 they "
-               "took 25.9 -> 10.2 ms at 116 tokens, but transformers builds the attention mask another way under "
-               "capture (an explicit mask instead of SDPA's causal flag: not bit-identical); the fix, the warm-up's "
-               "masks replayed under capture (MaskConstants), awaits its GPU test (tests/test_text_encoder_gpu.py)")
 CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations; cache keyed on the exact inputs)"
 
 
@@ -51,7 +51,7 @@ class TextEncoderReport:
     contract: str = CONTRACT
     cuda_graph: str | bool = "auto"
     cache_size: int = 8
-    graphs_off: str | None = None  # why the encoder runs eager on CUDA although graphs could be asked for
+    graphs_off: str | None = None  # "cuda_graph=False": the encoder runs eager on CUDA
     cache_hits: int = 0
     cache_misses: int = 0
     encoder_changes: int = 0
@@ -69,8 +69,6 @@ class TextEncoderReport:
         g = self.graphs
         s = (f"prompt encoding: cache {self.cache_hits} hits / {self.cache_misses} misses"
              + (f", CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else ""))
-        if self.graphs_off and self.cuda_graph == "auto":
-            s += "; encoder graphs opt-in (cuda_graph=True)"
         if self.graph_refusals:
             s += "; eager encoder: " + "; ".join(f"{n} x {r}" for r, n in self.graph_refusals.most_common(3))
         return s
@@ -219,9 +217,9 @@ class PromptEncoder:
         self.encoder = pipe.text_encoder
         self._watch_encoder()
         self.cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0, aid=lambda: MaskConstants(self.encoder))
-        off = GRAPHS_AUTO if cuda_graph == "auto" else "cuda_graph=False"
-        report.graphs_off = None if cuda_graph is True else off
+        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0 if cuda_graph is True else 1,
+                                  aid=lambda: MaskConstants(self.encoder))
+        report.graphs_off = "cuda_graph=False" if cuda_graph is False else None
 
     def _last_hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -278,7 +276,7 @@ class PromptEncoder:
                 drop_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids_d, mask_d = ids.to(device), mask.to(device)
         hidden = None
-        if ids_d.device.type == "cuda" and self.mode is True:
+        if ids_d.device.type == "cuda" and self.mode is not False:
             why = self.hooked or (None if torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
                                             else "autograd")
             if why is None:
@@ -303,8 +301,8 @@ class PromptEncoder:
 def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) -> TextEncoderReport:
     """Install :class:`PromptEncoder` as ``pipe._get_qwen_prompt_embeds``; returns the ``text_encoder`` report
     section (``on`` False with reasons, nothing installed, without a Qwen prompt encoding). ``cuda_graph=True``
-    replays the encoder per (token shape, exact mask), captured at first sight; ``"auto"`` and ``False`` leave
-    it eager (:data:`GRAPHS_AUTO`). The prompt cache (``cache_size`` entries, 0: none) is on in every mode."""
+    replays the encoder per (token shape, exact mask), captured at first sight; ``"auto"`` at the second call of a
+    key; ``False`` leaves it eager. The prompt cache (``cache_size`` entries, 0: none) is on in every mode."""
     if cuda_graph not in ("auto", True, False):
         raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
     if not isinstance(cache_size, int) or cache_size < 0:

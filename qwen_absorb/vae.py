@@ -1,22 +1,19 @@
 """The Qwen-Image VAE's decode (``AutoencoderKLQwenImage``) as the 2-D network it computes for one frame.
 
-diffusers decodes ``z[:, :, 0:1]`` with every causal 3-D convolution padded by two zero frames in front (its
-feature cache is empty on the first chunk; ``upsample3d`` skips its time convolution there), so only the last
-temporal slice of each 3x3x3 kernel meets data: a 2-D convolution at a third of the work. :class:`FastDecode`
-runs that network in 2-D, channels-last (no NCHW<->NHWC conversion kernels), on CUDA replayed from a graph per
-shape (:class:`~qwen_absorb.shape_graphs.ShapeGraphs`).
+diffusers decodes ``z[:, :, 0:1]`` with every causal 3-D convolution padded by two zero frames in front (the
+feature cache is empty on the first chunk), so only the last temporal slice of each 3x3x3 kernel meets data: a
+2-D convolution at a third of the work. :class:`FastDecode` runs that network in 2-D, channels-last, on CUDA
+replayed from a graph per shape (:class:`~qwen_absorb.shape_graphs.ShapeGraphs`).
 
 Contract (``benchmarks/results/pipeline/rooms_h200.md``: 66.9 -> 23.1 ms at 1024^2 on the H200, error ratio
-<= 1.0015): the 2-D convolutions take other cuDNN kernels, so sums are reordered, not bit-identical; gated by
-:func:`fidelity` (error vs an fp32 decode <= ``GATE`` x the unpatched decode's). Each RMS norm + SiLU runs as
-one kernel (eager's rounding points, its own fp32 sum order); every other op is the same torch op on the same
-values, except the RMS norm's dropped ``+ 0.0`` bias (it can only flip a zero's sign). The replicated diffusers
-code is pinned by a hash (:data:`REPLICATED`).
+<= 1.0015): the 2-D convolutions take other cuDNN kernels (sums reordered, not bit-identical), gated by
+:func:`fidelity`. Each RMS norm + SiLU is one kernel (eager's rounding points, its own fp32 sum order); every
+other op is the same torch op on the same values, except the RMS norm's dropped ``+ 0.0`` bias (it can only flip
+a zero's sign). The replicated diffusers code is pinned by a hash (:data:`REPLICATED`).
 
 Installed as the VAE's instance ``_decode`` (``decode``'s hooks, slicing and accelerate keep working); calls it
 cannot take run diffusers' ``_decode``, counted by reason. A :class:`~qwen_absorb.watch.Watch` of the decoder
-sees weights loaded in place, ``.data`` replaced or modules swapped: 2-D weights remade, graphs dropped.
-Parameters and ``state_dict`` are never touched (the 2-D weights are copies).
+remakes the 2-D weights (copies: parameters and ``state_dict`` are never touched) and drops the graphs on a change.
 """
 
 from __future__ import annotations
@@ -174,13 +171,12 @@ class Weights2d:
         with torch.no_grad():
             for m in _modules(vae)[1:]:
                 cls = type(m).__name__
-                if cls == "QwenImageCausalConv3d":
-                    w = m.weight.detach()[:, :, -1].contiguous(memory_format=torch.channels_last)
-                    pad = (m._padding[2], m._padding[0])
-                    self.conv[id(m)] = (w, _detached(m.bias), tuple(m.stride[1:]), pad)
-                elif cls == "Conv2d":
-                    w = m.weight.detach().contiguous(memory_format=torch.channels_last)
-                    self.conv[id(m)] = (w, _detached(m.bias), tuple(m.stride), tuple(m.padding))
+                if cls in ("QwenImageCausalConv3d", "Conv2d"):
+                    causal, w = cls == "QwenImageCausalConv3d", m.weight.detach()
+                    w = (w[:, :, -1] if causal else w).contiguous(memory_format=torch.channels_last)
+                    geometry = ((tuple(m.stride[1:]), (m._padding[2], m._padding[0])) if causal
+                                else (tuple(m.stride), tuple(m.padding)))
+                    self.conv[id(m)] = (w, None if m.bias is None else m.bias.detach(), *geometry)
                 elif cls == "QwenImageRMS_norm":
                     self.gamma[id(m)] = m.gamma.detach().reshape(-1, 1, 1)  # a view: (C,1,1[,1]) -> (C,1,1)
                     if isinstance(m.bias, torch.Tensor):
@@ -268,10 +264,6 @@ class Weights2d:
         return out
 
 
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
-
-
 class FastDecode:
     """The VAE's instance ``_decode``: the 2-D path where it applies, diffusers' ``_decode`` elsewhere."""
 
@@ -280,7 +272,8 @@ class FastDecode:
     def __init__(self, vae: nn.Module, report: VaeReport, cuda_graph: str | bool, had_instance: Any) -> None:
         self.vae, self.report, self.mode = vae, report, cuda_graph
         self.original = type(vae)._decode.__get__(vae)
-        self.output_class = _decoder_output_class(vae)
+        # diffusers' DecoderOutput, as the VAE's own module names it (no diffusers import here)
+        self.output_class = getattr(sys.modules[type(vae).__module__], "DecoderOutput")
         self.had_instance = had_instance  # an instance _decode found at install (put back by unpatch)
         self.watch = _watch(vae)
         self.weights: Weights2d | None = None
@@ -351,11 +344,6 @@ class FastDecode:
         self.__dict__.update(d)
         self.graphs = ShapeGraphs(self._run, capture_after=0 if self.mode is True else 1)
         self.original = type(self.vae)._decode.__get__(self.vae)
-
-
-def _decoder_output_class(vae: nn.Module) -> type:
-    """diffusers' ``DecoderOutput``, as the VAE's own module names it (no diffusers import here)."""
-    return getattr(sys.modules[type(vae).__module__], "DecoderOutput")
 
 
 def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False, fuse_norm: bool = True) -> VaeReport:
@@ -432,11 +420,10 @@ class FastPostprocess:
         self.calls = Counter()
 
     def __call__(self, image: torch.Tensor, output_type: str = "pil", do_denormalize: list[bool] | None = None) -> Any:
-        if (output_type != "pil" or not isinstance(image, torch.Tensor) or image.device.type != "cuda"
-                or image.dim() != 4 or image.shape[1] != 3):
-            self.calls["diffusers"] += 1
-            return self.original(image, output_type=output_type, do_denormalize=do_denormalize)
-        images = self.pil_images(image, do_denormalize)
+        images = None
+        if (output_type == "pil" and isinstance(image, torch.Tensor) and image.device.type == "cuda"
+                and image.dim() == 4 and image.shape[1] == 3):
+            images = self.pil_images(image, do_denormalize)
         if images is None:
             self.calls["diffusers"] += 1
             return self.original(image, output_type=output_type, do_denormalize=do_denormalize)

@@ -107,7 +107,7 @@ def runner_of(t) -> GraphedCall | None:
 def run_tiny_pipeline(pipe, seed, steps, arm_graphs=False, inference=True):
     """One 32^2 true-CFG run of a tiny Qwen-Image pipeline on given prompt embeddings (``output_type="pt"``); with
     ``arm_graphs`` a fake graph captured in a step replays from the next one."""
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    from . import builders as T  # noqa: PLC0415
 
     emb, mask = T.tiny_prompt_embeds(seed=seed, dtype=torch.bfloat16, masked_tail=0)
     neg, nmask = T.tiny_prompt_embeds(seq_len=5, seed=seed + 1, dtype=torch.bfloat16, masked_tail=0)

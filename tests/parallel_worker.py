@@ -174,18 +174,18 @@ class _Ctx:
         return TensorParallelConfig(tp_degree=self.world)
 
     def model(self, zero_cond_t: bool = False, dtype=None):
-        from qwen_absorb.testing import tiny_transformer  # noqa: PLC0415
+        from tests.builders import tiny_transformer  # noqa: PLC0415
 
         return tiny_transformer(num_layers=2, zero_cond_t=zero_cond_t, seed=3, dtype=dtype or self.torch.float32)
 
     def inputs(self, m, batch_size: int = 1):
-        from qwen_absorb.testing import transformer_inputs  # noqa: PLC0415
+        from tests.builders import transformer_inputs  # noqa: PLC0415
 
         # 16 image tokens (x2 with a condition image) and 8 text tokens: divisible by the CP degree 2.
         return transformer_inputs(m, batch_size=batch_size, height=4, width=4, text_len=8, seed=5)
 
     def run(self, m, inp):
-        from qwen_absorb.testing import run_transformer  # noqa: PLC0415
+        from tests.builders import run_transformer  # noqa: PLC0415
 
         out = run_transformer(m, inp)
         # CP's output comes out of an all-gather (an AsyncCollectiveTensor): make it a plain tensor.
@@ -287,7 +287,7 @@ def _mode_scenarios(c: _Ctx, mode: str) -> None:
     c.scenario(f"{mode}.patched_deferred", deferred)
 
     def fp8_run():
-        from qwen_absorb.testing import fp8_quantize, transformer_inputs  # noqa: PLC0415
+        from tests.builders import fp8_quantize, transformer_inputs  # noqa: PLC0415
 
         torch = c.torch
         inp16 = transformer_inputs(c.model(dtype=torch.bfloat16), batch_size=1, height=4, width=4, text_len=8, seed=5)

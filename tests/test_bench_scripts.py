@@ -119,7 +119,7 @@ def test_local_tokenizer_and_pipeline_encode_a_prompt():
     sys.path.insert(0, str(BENCH))
     import pipeline_parts as P
 
-    from qwen_absorb import testing as T
+    from . import builders as T
 
     tok = P.build_tokenizer(P.TEMPLATE)
     assert len(tok) == 151665 and tok.convert_tokens_to_ids("<|im_start|>") == 151644
@@ -134,3 +134,18 @@ def test_local_tokenizer_and_pipeline_encode_a_prompt():
         emb2, _ = pipe.encode_prompt("another prompt", device="cpu")
     assert emb.shape == (1, len(ids) - 34, 32) and (mask is None or mask.sum().item() == len(ids) - 34)
     assert torch.isfinite(emb).all() and emb.shape[1] != emb2.shape[1]
+
+
+@pytest.mark.slow
+def test_caches_tiny_runs_every_case(tmp_path):
+    """benchmarks/caches.py: the uncached run, each cache patched (graph counters, error against uncached) and
+    unpatched, MagCache's ratios from its own calibration run."""
+    p = _run("caches.py", "--tiny", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = _load(tmp_path / "caches_tiny.json")
+    assert not d["errors"] and d["uncached_s"] > 0 and d["uncached_unpatched_s"] > 0
+    assert len(d["mag_ratios"]) == d["config"]["steps"]
+    for name in ("pab_default", "pab_fast", "mag_default", "mag_fast", "fbc_default", "fbc_fast"):
+        c = d["cases"][name]
+        assert c["wall_s"] > 0 and c["unpatched_wall_s"] > 0 and c["latent_rel_err"] is not None, name
+    assert d["cases"]["mag_fast"]["latent_rel_err"] > 0  # the cache skipped work

@@ -11,7 +11,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import compile_boundary
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.block import patched_forward
 
 LAYERS = 3

@@ -434,7 +434,7 @@ def test_a_change_drops_the_graphs_and_stays_exact(fake_cuda, change, seed):
 @pytest.mark.slow
 def test_real_fp8_blocks_replay_exactly_and_a_quantizer_switch_drops(fake_cuda, seed):
     pytest.importorskip("modelopt")
-    from qwen_absorb import testing as T
+    from . import builders as T
 
     base = tiny_model(dtype=torch.bfloat16, seed=_seed(seed), layers=2)
     T.fp8_quantize(base, [model_inputs(base, seed=seed), model_inputs(base, cond=True, seed=seed + 1)])

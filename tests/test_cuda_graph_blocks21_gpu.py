@@ -126,7 +126,7 @@ def test_real_fp8_blocks(seed):
     pytest.importorskip("modelopt")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("real FP8 GEMMs need sm_89 or newer")
-    from qwen_absorb import testing as T
+    from . import builders as T
 
     base = tiny_model(dtype=torch.bfloat16, device=DEV, seed=seed % 1000, **SHAPE)
     T.fp8_quantize(base, [model_inputs(base, seed=seed, target=TARGET), model_inputs(base, cond=True, seed=seed + 1,

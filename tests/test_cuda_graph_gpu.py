@@ -22,7 +22,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
 from qwen_absorb import host_originals
-from qwen_absorb import testing as T
+from . import builders as T
 
 pytestmark = [
     pytest.mark.gpu,
@@ -325,7 +325,7 @@ def test_refusals_on_gpu(seed):
     model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
     with torch.no_grad(), model.cache_context("cond"):
         model(**kw)
-    assert fb["cuda_graph: cache hook active (enable_cache)"] == 1
+    assert sum(n for k, n in fb.items() if k.startswith("cuda_graph: FirstBlockCache: ")) == 1  # its own reason
     assert runner.describe()["graphs"] == 0
     model.disable_cache()
     assert torch.equal(run(model, kw), ref) and torch.equal(run(model, kw), ref)

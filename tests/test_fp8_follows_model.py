@@ -19,7 +19,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import lora as L
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.block import HOOK_FALLBACK, PatchedForward
 from qwen_absorb.plan import PLAN_ATTR
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import _runtime, lora_add, lora_fold
 
 pytestmark = pytest.mark.gpu

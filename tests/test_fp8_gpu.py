@@ -14,7 +14,7 @@ import torch
 
 import qwen_absorb
 import qwen_absorb.ops as ops
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import _runtime
 from qwen_absorb.ops.quantize_fp8 import launch as qf8_launch
 

@@ -17,7 +17,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import fp8_forward
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.block import _gated_forwards
 from qwen_absorb.plan import PLAN_ATTR
 

@@ -14,7 +14,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import fp8_forward
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import _runtime
 
 pytestmark = pytest.mark.gpu

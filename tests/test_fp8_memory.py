@@ -15,7 +15,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import host_originals as H
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.plan import PLAN_ATTR
 from qwen_absorb.sites import resolve, unwrap_peft
 

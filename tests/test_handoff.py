@@ -14,7 +14,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import handoff
-from qwen_absorb import testing as T
+from . import builders as T
 
 LAYERS = 4
 

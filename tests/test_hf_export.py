@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from qwen_absorb import hf_export, nvfp4  # noqa: E402
 from qwen_absorb import modelopt_recipe as recipe  # noqa: E402
-from qwen_absorb import testing as T  # noqa: E402
+from . import builders as T  # noqa: E402
 
 QKV = (("to_q", "to_k", "to_v"), ("add_q_proj", "add_k_proj", "add_v_proj"))
 

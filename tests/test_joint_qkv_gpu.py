@@ -10,7 +10,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import attention
-from qwen_absorb import testing as T
+from . import builders as T
 
 from .ops_helpers import poison_allocator, skip_module_without_kernels
 

@@ -1,5 +1,5 @@
 """The ModelOpt journey on CPU: the recipe config, the save/load round trips, patching the reloaded model,
-the example script, and the model being freed after ModelOpt's first import (qwen_absorb.testing)."""
+the example script, and the model being freed after ModelOpt's first import (tests/builders.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("modelopt.torch.quantization")
 
 from qwen_absorb import modelopt_recipe as recipe  # noqa: E402
-from qwen_absorb import testing as T  # noqa: E402
+from . import builders as T  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def test_hf_export_loads_back_bit_identical_and_patches(saved, tmp_path):
 
 FRESH_INTERPRETER = """
 import gc, runpy, sys, weakref
-from qwen_absorb import testing as T
+from tests import builders as T
 if "modelopt" in sys.modules:
     print("memory: modelopt-preimported")
 else:
@@ -168,8 +168,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")  # as `python examples/quantize
 def test_model_freed_after_first_modelopt_import_and_example_exits_0(tmp_path):
     """One fresh interpreter (an interpreter start costs seconds on a 2-core runner) does two things:
 
-    1. ModelOpt not imported yet, a model quantized through qwen_absorb.testing is freed by ``del``
-       (ModelOpt's first import would otherwise pin the frame that holds it: qwen_absorb.testing);
+    1. ModelOpt not imported yet, a model quantized through tests/builders.py is freed by ``del``
+       (ModelOpt's first import would otherwise pin the frame that holds it: tests/builders.py);
     2. ``python examples/quantize_fp8.py`` (CPU default: quantize -> save -> load -> patch) exits 0.
     """
     script = str(REPO / "examples" / "quantize_fp8.py")

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("modelopt.torch.quantization")
 
 from qwen_absorb import nvfp4  # noqa: E402
-from qwen_absorb import testing as T  # noqa: E402
+from . import builders as T  # noqa: E402
 from qwen_absorb.hf_export import import_modelopt  # noqa: E402
 from qwen_absorb.ops import quantize_nvfp4, quantize_nvfp4_reference  # noqa: E402
 from qwen_absorb.ops.quantize_nvfp4 import INV_GLOBAL_DIVISOR  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("modelopt.torch.quantization")
 import qwen_absorb  # noqa: E402
 from qwen_absorb import modelopt_recipe as recipe  # noqa: E402
 from qwen_absorb import nvfp4  # noqa: E402
-from qwen_absorb import testing as T  # noqa: E402
+from . import builders as T  # noqa: E402
 from qwen_absorb.plan import PLAN_ATTR  # noqa: E402
 from qwen_absorb.sites import LINEAR_TABLE  # noqa: E402
 

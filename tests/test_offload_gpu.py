@@ -17,7 +17,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
 from qwen_absorb import host_originals as HO
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import _runtime
 
 from . import cuda_graph_fakes

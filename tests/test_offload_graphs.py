@@ -21,7 +21,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.plan import PLAN_ATTR
 
 from . import cuda_graph_fakes

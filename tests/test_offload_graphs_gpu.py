@@ -18,7 +18,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import _runtime
 
 pytestmark = pytest.mark.gpu
@@ -83,7 +83,9 @@ def test_model_offload_replays_graphs_and_matches_the_unpatched_pipeline(kind, c
     # two signatures (text lengths 12 and 5), captured once per run (the weights moved in), replayed after
     eager = 2 if cuda_graph == "auto" else 0
     assert g["captures"] == 2 * RUNS and g["replays"] == RUNS * 2 * STEPS - 2 * RUNS - eager, g
-    assert sum(n for r, n in g["invalidations"].items() if r.startswith("weights moved")) == RUNS - 1, g
+    # dropped once per later run, as the weights moved in: seen as such, or (FP8) by the FP8 forwards' rebuild first
+    moved = ("weights moved", "a block decided anew or an FP8 forward rebuilt")
+    assert sum(g["invalidations"].values()) == RUNS - 1 and all(r.startswith(moved) for r in g["invalidations"]), g
     assert not g["capture_failures"] and g["discarded_replays"] == 0, g
     assert not any("cuda_graph" in r for r in report.runtime_fallbacks) and not report.graph_fallbacks
     assert torch.equal(outs[0], outs[2])

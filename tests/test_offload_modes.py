@@ -17,7 +17,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
-from qwen_absorb import testing as T
+from . import builders as T
 
 from . import cuda_graph_fakes
 
@@ -159,3 +159,55 @@ def test_modes_that_stream_or_recast_weights_refuse_graphs_with_a_reason(monkeyp
     assert len(warned) == 1 and want in warned[0].getMessage()
     why = "weights move during the call" if mode.startswith("group") else "weights are cast anew inside every call"
     assert why in warned[0].getMessage(), warned[0].getMessage()
+
+
+class _OnlyInsideTheCall:
+    """A diffusers hook named as group offloading names its own: the module's tensor ``attr`` holds its values only
+    while the module runs (NaN otherwise), as leaf-level offloading keeps it in host memory outside the call."""
+
+    def __init__(self, module, attr="weight"):
+        from diffusers.hooks import HookRegistry, ModelHook  # noqa: PLC0415
+
+        real = getattr(module, attr).data
+        poison = torch.full_like(real, float("nan"))
+
+        class Hook(ModelHook):
+            def pre_forward(self, m, *args, **kwargs):
+                getattr(m, attr).data = real
+                return args, kwargs
+
+            def post_forward(self, m, output):
+                getattr(m, attr).data = poison
+                return output
+
+        getattr(module, attr).data = poison
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(Hook(), "group_offloading")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_weights_that_exist_only_inside_their_module_call_are_not_read_around_it(kind, seed):
+    """The fused path reads some tensors without calling their modules (the q/k RMSNorm weights, the amax of the
+    linears' input quantizers an FP8-emitting site reads); with a hook that brings them in only around that call
+    (leaf-level group offloading: on the H200 a kernel was given host memory and faulted), each block runs
+    diffusers' forward and says why: the twin's bits (NaN where a poisoned tensor was read)."""
+    model = _transformer(kind, seed)
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        for block in m.transformer_blocks:
+            for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+                _OnlyInsideTheCall(getattr(block.attn, name))
+            if kind == "fp8":
+                for lin in (block.attn.to_q, block.img_mlp.net[0].proj):
+                    _OnlyInsideTheCall(lin.input_quantizer, "_amax")
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    want = T.run_transformer(twin, kw)
+    assert torch.isfinite(want).all()
+    report = qwen_absorb.patch(model, cuda_graph=False,
+                               **({"fp8_gemm": True, "capabilities": {"cpu"}} if kind == "fp8" else {}))
+    got = T.run_transformer(model, kw)
+    assert torch.equal(got, want)
+    why = [r for r in report.runtime_fallbacks if "offloading hook inside the block" in r]
+    fallbacks = report.runtime_fallbacks
+    assert why and sum(fallbacks[r] for r in why) == len(model.transformer_blocks), fallbacks
+    qwen_absorb.unpatch(model)
+    assert torch.equal(T.run_transformer(model, kw), want)

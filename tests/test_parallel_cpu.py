@@ -454,7 +454,7 @@ def test_attention_and_ffn_take_the_tp_path_only_under_tp(mesh):
     """Without TP (plain weights, or a wrapper without a weight of its own) the patched block keeps
     diffusers' attention processor and FeedForward module; with sharded weights it takes the local path."""
     import qwen_absorb  # noqa: PLC0415
-    from qwen_absorb import testing as T  # noqa: PLC0415
+    from . import builders as T  # noqa: PLC0415
     from qwen_absorb.block import _tp_attention  # noqa: PLC0415
     from qwen_absorb.ffn import _tp_ffn  # noqa: PLC0415
     from qwen_absorb.plan import PLAN_ATTR  # noqa: PLC0415

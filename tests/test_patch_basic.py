@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.report import SITES, STREAMS
 
 

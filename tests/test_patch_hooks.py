@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing as T
+from . import builders as T
 
 
 def _cache_run(model, inputs_list):
@@ -80,8 +80,9 @@ def test_group_offloading(offload_type, order, seed):
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_accelerate_cpu_offload_meta_weights(quantized, order, seed):
     """accelerate's cpu_offload keeps every weight on the meta device outside its own module's
-    forward: deferred biases are then added inside their GEMMs for that call (counted), and the
-    norms' FP8 quantizers are applied by their own (hooked) modules. Outputs stay correct."""
+    forward; the fused path reads some of them without calling their module (q/k norm weights, deferred
+    biases, amax), so every block runs diffusers' forward, saying why (block.WEIGHT_HOOK_FALLBACK).
+    Outputs stay correct."""
     from accelerate import cpu_offload
 
     model = T.tiny_transformer(seed=seed)
@@ -97,9 +98,8 @@ def test_accelerate_cpu_offload_meta_weights(quantized, order, seed):
         report = qwen_absorb.patch(model, capabilities={"cpu"})
     assert model.transformer_blocks[0].attn.to_out[0]._parameters["bias"].device.type == "meta"
     out = T.run_transformer(model, inputs)
-    if quantized:
-        assert report.summary["biases_deferred"] == 8
-        assert sum(n for r, n in report.runtime_fallbacks.items() if "added in the GEMM" in r) == 8
+    refused = [r for r in report.runtime_fallbacks if "accelerate hook inside the block" in r]
+    assert refused and sum(report.runtime_fallbacks[r] for r in refused) == len(model.transformer_blocks)
     assert torch.equal(out, ref)
 
 

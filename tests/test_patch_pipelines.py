@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 import qwen_absorb
-from qwen_absorb import testing as T
+from . import builders as T
 
 PIPELINES = [
     "QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",

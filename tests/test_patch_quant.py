@@ -19,7 +19,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import gating
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.quant import FP8_E4M3, INT8, NVFP4, ProjectionInfo
 
 

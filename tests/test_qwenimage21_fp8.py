@@ -18,7 +18,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import fp8_forward as F8
 from qwen_absorb import ops
-from qwen_absorb import testing as T
+from . import builders as T
 
 from .qwenimage21_helpers import f32 as _f32
 from .qwenimage21_helpers import model_inputs, run, run_kv, spy_fp8_linears, tiny_model

@@ -24,7 +24,7 @@ import torch
 import qwen_absorb
 from qwen_absorb import fp8_forward as F8
 from qwen_absorb import gating, ops, site_runners
-from qwen_absorb import testing as T
+from . import builders as T
 
 from .ops_helpers import poison_allocator as poison
 from .ops_helpers import skip_module_without_kernels

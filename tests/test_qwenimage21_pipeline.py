@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing as T
+from . import builders as T
 
 STEPS = 3
 SIDE = 64  # pixels: 4 x 4 latent tokens (16x VAE), 4 target slots of 2 x 2 tokens

@@ -12,7 +12,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import fp8_forward as F8
-from qwen_absorb import testing as T
+from . import builders as T
 
 from .qwenimage21_helpers import model_inputs, run, tiny_model
 from .qwenimage21_helpers import rel as _rel

@@ -10,7 +10,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import plan as plan_mod
-from qwen_absorb import testing as T
+from . import builders as T
 
 
 def _counts(text: str, title: str) -> list[int]:

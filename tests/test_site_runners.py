@@ -11,7 +11,7 @@ import qwen_absorb
 from qwen_absorb import gating
 from qwen_absorb import plan as plan_mod
 from qwen_absorb import site_runners as R
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.plan import PLAN_ATTR
 from qwen_absorb.sites import QWENIMAGE, QWENIMAGE21
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import dependencies, taylorseer
-from qwen_absorb import testing as T
+from qwen_absorb import dependencies, step_caches, taylorseer
+from . import builders as T
 from qwen_absorb.ops import taylor_seer as ts_ops
 from qwen_absorb.plan import PLAN_ATTR
 
@@ -354,8 +354,8 @@ def test_graph_runner_replays_cache_steps(fake_cuda, monkeypatch, seed):
 
 @pytest.mark.slow
 def test_graph_runner_refusals_under_caches(fake_cuda, monkeypatch, seed):
-    """Without the step kernels (the CPU) a TaylorSeer cache runs eager, with the reason; a cache the blocks do
-    not run (FirstBlockCache: decides on the host from tensor values) is refused as before; both exact."""
+    """Without the step kernels (the CPU) a TaylorSeer cache runs eager, with the reason; FirstBlockCache (decides
+    from tensor values inside the call) is refused with its own; both exact."""
     from diffusers import FirstBlockCacheConfig
 
     model = _fp8(seed)
@@ -374,7 +374,7 @@ def test_graph_runner_refusals_under_caches(fake_cuda, monkeypatch, seed):
         twin.disable_cache()
     r = report.cuda_graph["refusals"]
     assert any(k.startswith("TaylorSeer cache: tensors are on cpu") for k in r), r
-    assert r.get("cache hook active (enable_cache)", 0) >= 8, r
+    assert r.get(step_caches.refusal(FirstBlockCacheConfig())[0], 0) >= 8, r  # (tests/test_step_caches.py)
     assert report.cuda_graph["replays"] == 0
 
 

@@ -20,7 +20,7 @@ import torch
 
 import qwen_absorb
 from qwen_absorb import taylorseer
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.ops import taylor_seer as ts_ops
 from qwen_absorb.plan import PLAN_ATTR
 

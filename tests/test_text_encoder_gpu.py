@@ -29,3 +29,23 @@ def test_graphs_bit_identical_to_eager(seed):
     assert rep.graphs.get("replays", 0) >= 3, rep.to_dict()
     te_room.unpatch(pipe)
     assert "_get_qwen_prompt_embeds" not in pipe.__dict__
+
+
+@torch.no_grad()
+def test_auto_captures_a_key_at_its_second_call(seed):
+    """The default ("auto", as ``qwen_absorb.patch(pipe)`` installs it): a prompt length seen once runs eager, the
+    second call of a (shape, mask) captures, the third replays; every call bit for bit diffusers' encoding."""
+    pipe = tiny_text_pipeline(device="cuda", dtype=torch.bfloat16, hidden=3584, heads=28, kv_heads=4,
+                              inter=18944, layers=2, seed=seed)
+    dev = torch.device("cuda")
+    prompts = ["a red fox on a rock", "a blue fox on a log", "a grey owl on a branch at night"]  # 1st, 2nd: one key
+    refs = [pipe.encode_prompt(p, device=dev) for p in prompts]
+    rep = te_room.patch(pipe, cache_size=0)
+    got = [pipe.encode_prompt(p, device=dev) for p in prompts]
+    assert rep.graphs.get("captures", 0) == 1 and rep.graphs.get("replays", 0) == 1, rep.to_dict()
+    got += [pipe.encode_prompt(p, device=dev) for p in prompts]
+    assert rep.graphs.get("captures", 0) == 2 and rep.graphs.get("replays", 0) >= 4, rep.to_dict()
+    for g, r in zip(got, refs + refs):
+        assert torch.equal(g[0], r[0])
+        assert (g[1] is None and r[1] is None) or torch.equal(g[1], r[1])
+    te_room.unpatch(pipe)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing
+from . import builders
 from qwen_absorb import text_encoder as te_room
 
 
@@ -41,7 +41,7 @@ class WordTokenizer:
 
 def tiny_text_pipeline(device="cpu", dtype=torch.float32, hidden=32, heads=2, kv_heads=1, inter=64, layers=2,
                        seed=0, vocab=None):
-    """A tiny QwenImagePipeline (qwen_absorb.testing) with a Qwen2.5-VL text encoder and a word tokenizer."""
+    """A tiny QwenImagePipeline (tests/builders.py) with a Qwen2.5-VL text encoder and a word tokenizer."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab = vocab or (152064 if hidden > 1000 else 512)
@@ -60,7 +60,7 @@ def tiny_text_pipeline(device="cpu", dtype=torch.float32, hidden=32, heads=2, kv
         torch.manual_seed(seed)
         te = Qwen2_5_VLForConditionalGeneration(cfg)
     te = te.to(device, dtype).eval()
-    pipe = testing.tiny_pipeline()
+    pipe = builders.tiny_pipeline()
     pipe.register_modules(text_encoder=te, tokenizer=WordTokenizer(min(vocab, 151000)))
     return pipe
 
@@ -138,7 +138,7 @@ def test_patch_of_pipeline_and_unpatch_restore(pipe):
 
 
 def test_refusals_and_bad_arguments():
-    pipe = testing.tiny_pipeline()  # no text encoder, no tokenizer
+    pipe = builders.tiny_pipeline()  # no text encoder, no tokenizer
     rep = te_room.patch(pipe)
     assert not rep.on and any("no text encoder" in r for r in rep.reasons)
     assert "_get_qwen_prompt_embeds" not in pipe.__dict__
@@ -176,11 +176,12 @@ def test_mask_constants_replay_the_warmup_masks(pipe, monkeypatch):
         te(input_ids=ids, attention_mask=mask, output_hidden_states=True)
 
 
-def test_graphs_are_opt_in(pipe):
-    rep = te_room.patch(pipe)
-    assert rep.graphs_off == te_room.GRAPHS_AUTO and "opt-in" in rep.line()
-    te_room.unpatch(pipe)
-    assert te_room.patch(pipe, cuda_graph=True).graphs_off is None
+def test_graph_modes_capture_after(pipe):
+    """"auto": a key captured at its second call; True: at its first; False: none (and said so)."""
+    for mode, after, off in (("auto", 1, None), (True, 0, None), (False, 1, "cuda_graph=False")):
+        rep = te_room.patch(pipe, cuda_graph=mode)
+        assert rep.graphs_off == off and pipe.__dict__["_get_qwen_prompt_embeds"].graphs.capture_after == after
+        te_room.unpatch(pipe)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import qwen_absorb
 from qwen_absorb import attention, plan, projection
-from qwen_absorb import testing as T
+from . import builders as T
 from qwen_absorb.cuda_graph.signature import patch_tuning
 from qwen_absorb.ops import lane, lora_add, lora_fold, qk_norm_rope
 from qwen_absorb.plan import PLAN_ATTR

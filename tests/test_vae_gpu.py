@@ -73,9 +73,9 @@ def test_weight_change_in_place_is_seen_by_the_graph(vae, seed):
 def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
     import numpy as np
 
-    from qwen_absorb import testing
+    from . import builders
 
-    pipe = testing.tiny_pipeline()
+    pipe = builders.tiny_pipeline()
     vae_room.patch_postprocess(pipe)
     g = torch.Generator("cuda").manual_seed(seed)
     img = (torch.rand(1, 3, 1024, 1024, device="cuda", generator=g) * 2.2 - 1.1).to(torch.bfloat16)

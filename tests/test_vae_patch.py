@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import testing
+from . import builders
 from qwen_absorb import vae as vae_room
 
 
@@ -19,7 +19,7 @@ def _z(seed: int, b: int = 1, t: int = 1, h: int = 12, w: int = 8, dtype=torch.f
 
 @torch.no_grad()
 def test_fp32_matches_diffusers_and_unpatch_is_exact(seed):
-    vae = testing.tiny_vae(seed=seed % 1000)
+    vae = builders.tiny_vae(seed=seed % 1000)
     z = _z(seed, b=2)
     ref = vae.decode(z).sample
     sd = {k: v.clone() for k, v in vae.state_dict().items()}
@@ -40,7 +40,7 @@ def test_fp32_matches_diffusers_and_unpatch_is_exact(seed):
 @pytest.mark.slow
 @torch.no_grad()
 def test_bf16_within_the_fidelity_gate(seed):
-    vae = testing.tiny_vae(seed=seed % 1000, dtype=torch.bfloat16)
+    vae = builders.tiny_vae(seed=seed % 1000, dtype=torch.bfloat16)
     vae_room.patch(vae, cpu=True)
     gate = vae_room.fidelity(vae, _z(seed, h=16, w=16, dtype=torch.bfloat16))
     assert gate["err_unpatched"] > 0 and gate["ratio"] <= vae_room.GATE, gate
@@ -50,7 +50,7 @@ def test_bf16_within_the_fidelity_gate(seed):
 @pytest.mark.slow
 @torch.no_grad()
 def test_fallbacks_run_diffusers_decode(seed):
-    vae = testing.tiny_vae(seed=seed % 1000)
+    vae = builders.tiny_vae(seed=seed % 1000)
     rep = vae_room.patch(vae)  # default: the 2-D path on CUDA only
     z = _z(seed)
     assert torch.equal(vae.decode(z).sample, type(vae)._decode(vae, z).sample)
@@ -74,7 +74,7 @@ def test_fallbacks_run_diffusers_decode(seed):
 @pytest.mark.parametrize("how", ["in_place", "load_state_dict", "data"])
 @torch.no_grad()
 def test_changed_weight_is_seen(seed, how):
-    vae = testing.tiny_vae(seed=seed % 1000)
+    vae = builders.tiny_vae(seed=seed % 1000)
     z = _z(seed)
     rep = vae_room.patch(vae, cpu=True)
     vae.decode(z)
@@ -92,19 +92,19 @@ def test_changed_weight_is_seen(seed, how):
 
 
 def test_refusals_copy_and_pipeline_patch(seed):
-    wrong = testing.tiny_qwenimage21_vae()
+    wrong = builders.tiny_qwenimage21_vae()
     rep = vae_room.patch(wrong)
     assert not rep.on and "_decode" not in wrong.__dict__
     with pytest.raises(ValueError):
-        vae_room.patch(testing.tiny_vae(), cuda_graph="sometimes")
-    vae = testing.tiny_vae(seed=seed % 1000)
+        vae_room.patch(builders.tiny_vae(), cuda_graph="sometimes")
+    vae = builders.tiny_vae(seed=seed % 1000)
     vae_room.patch(vae, cpu=True)
     twin = copy.deepcopy(vae)
     z = _z(seed)
     with torch.no_grad():
         torch.testing.assert_close(twin.decode(z).sample, vae.decode(z).sample, rtol=0, atol=0)
     assert vae_room.report_of(twin) is not vae_room.report_of(vae)
-    pipe = testing.tiny_pipeline()
+    pipe = builders.tiny_pipeline()
     report = qwen_absorb.patch(pipe)
     assert report.parts["vae"].on and "VAE decode" in str(report) and "vae" in report.to_dict()
     qwen_absorb.unpatch(pipe)
@@ -117,7 +117,7 @@ def test_refusals_copy_and_pipeline_patch(seed):
 def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
     import numpy as np
 
-    pipe = testing.tiny_pipeline()
+    pipe = builders.tiny_pipeline()
     assert vae_room.patch_postprocess(pipe)
     fast = pipe.image_processor.postprocess
     g = torch.Generator().manual_seed(seed)
@@ -136,7 +136,7 @@ def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
 
 
 def test_other_diffusers_code_is_left_alone(monkeypatch):
-    vae = testing.tiny_vae()
+    vae = builders.tiny_vae()
     monkeypatch.setattr(vae_room, "REPLICATED", frozenset({"0" * 16}))  # as if diffusers' VAE code had changed
     rep = vae_room.patch(vae)
     assert not rep.on and "replicates" in rep.reasons[0] and "_decode" not in vae.__dict__

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
-from .. import hooks, taylorseer
+from .. import hooks, step_caches, taylorseer
 from ..plan import PLAN_ATTR, derived_only_sources
 from . import settings
 from .signature import patch_tuning
@@ -130,20 +130,24 @@ def model_offload_around(t: nn.Module, runner: Any) -> bool:
 
 def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None) -> tuple[str, str] | None:
     """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
-    ``cache_steps``: a TaylorSeer cache is left to the walk (whole-model runners replay its steps, see
-    :mod:`qwen_absorb.taylorseer`); per-block runners refuse it here. ``runner``: the whole-model runner asking;
-    inside a model-offload hook (:func:`model_offload_around`, with ``Tuning(model_offload_graphs=True)``) that hook
-    is no refusal. Every other offload hook streams weights during the call: refused."""
+    ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its steps,
+    see :mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); per-block runners refuse it here.
+    ``runner``: the whole-model runner asking; inside a model-offload hook (:func:`model_offload_around`, with
+    ``Tuning(model_offload_graphs=True)``) that hook is no refusal. Every other offload hook streams weights
+    during the call: refused."""
     if hooks.offload_hooked(t) and not model_offload_around(t, runner):
         if under_model_offload(t):
             return ("model offload hook (graphs there are opt-in: Tuning(model_offload_graphs=True))",
                     "enable_model_cpu_offload(): see qwen_absorb.Tuning.model_offload_graphs")
         return "offloading hook", "offload hook on the transformer: weights move during the call"
+    cfg = getattr(t, "_cache_config", None)
+    why = step_caches.refusal(cfg) if cfg is not None else None
+    if why is not None:  # said before the hook on the transformer FasterCache puts there
+        return why
     r = registry_reason(t)
     if r is not None:
         return r
-    cfg = getattr(t, "_cache_config", None)
-    if cfg is not None and not (cache_steps and taylorseer.is_config(cfg)):  # TaylorSeer: per hook, in the walk
+    if cfg is not None and not (cache_steps and (taylorseer.is_config(cfg) or step_caches.kind(cfg))):
         return "cache hook active (enable_cache)", f"_cache_config {type(cfg).__name__}"
     return None
 
@@ -191,7 +195,7 @@ class Scan:
         "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs",
         "sindices", "vtensors", "vnames", "vers", "peft",
         "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count", "owners", "gens", "cache_hooks",
+        "host_count", "owners", "gens", "cache_hooks", "step_hooks",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
@@ -207,6 +211,7 @@ class Scan:
         sources: set[int] = set()  # ids of tensors only the plans' derived state is made from (see moved())
         # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
         self.cache_hooks: list[Any] = []
+        self.step_hooks: list[Any] = []  # PAB / MagCache hooks, decided by the runner (step_caches)
         cache_ok: set[int] = set()  # the attention modules of blocks whose plan runs their cache
         host = [x for x in host if isinstance(x, torch.Tensor)]
         host_ids = set(map(id, host))
@@ -261,10 +266,13 @@ class Scan:
                 r = registry_reason(m)
                 if r is not None:
                     h = taylorseer.supported_hook(m) if id(m) in cache_ok else None
-                    if h is None:
-                        refuse(r[0], f"{r[1]} on {label}")
-                    else:
+                    owned = step_caches.owned(m) if h is None else []
+                    if h is not None:
                         self.cache_hooks.append(h)
+                    elif owned:
+                        self.step_hooks.extend(owned)
+                    else:
+                        refuse(r[0], f"{r[1]} on {label}")
             if hooks.offload_hooked(m) and not (root and model_offload_around(m, runner)):
                 refuse("offloading hook", f"offload hook on {label}: weights move during the call")
             proc = d.get("processor")

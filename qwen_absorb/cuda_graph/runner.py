@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import hooks, taylorseer
+from .. import hooks, step_caches, taylorseer
 from ..plan import BlockRuntime
 from . import settings
 from .capture import Graph, capture, map_tensors
@@ -151,24 +151,35 @@ class GraphedCall:
             return self._eager(steps, "", args, kwargs)
         if steps is None:
             return self._keyed(call, args, kwargs, t0, None)
-        call.key = (call.key, steps.key)  # one graph per kind of step (see qwen_absorb.taylorseer)
+        call.key = (call.key, steps.key)  # one graph per kind of step (taylorseer, step_caches)
+        replays = self.replays  # (a replay ran none of the steps' Python)
         with steps:
             try:
                 out = self._keyed(call, args, kwargs, t0, steps)
             except BaseException:
                 steps.abandon()  # the states as diffusers' hooks leave them when a forward raises
                 raise
+        if self.replays != replays:
+            steps.replayed()
         steps.apply()  # the states' Python side (a replay ran none of it; eager runs did, the same)
         return out
 
-    def _cache_steps(self, call: Call) -> taylorseer.Steps | str | None:
-        """This call's TaylorSeer steps, decided now (the hooks' counters advance), when a TaylorSeer cache is
-        on and the blocks run its hooks; None otherwise (the hooks then decide for themselves, eager); a
-        refusal when its steps cannot be replayed here."""
-        if not taylorseer.is_config(getattr(self._transformer, "_cache_config", None)):
+    def _cache_steps(self, call: Call) -> taylorseer.Steps | step_caches.Steps | str | None:
+        """This call's cache steps, decided now (:mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); None
+        without them (the hooks decide for themselves, eager); a refusal when they cannot be replayed here."""
+        cfg = getattr(self._transformer, "_cache_config", None)
+        if cfg is None or not (taylorseer.is_config(cfg) or step_caches.kind(cfg)):
             return None
         scan = self._scan if self._scan is not None else self._current_scan()
-        if scan.refusal is not None or not scan.cache_hooks or scan.device != call.device:
+        if scan.refusal is not None or scan.device != call.device:
+            return None
+        if not taylorseer.is_config(cfg):
+            steps = step_caches.begin(cfg, scan.step_hooks)
+            if not isinstance(steps, step_caches.Steps) and scan is not self._current_scan():
+                scan = self._scan  # decided on hooks of an older snapshot (a cache replaced): decided again
+                steps = step_caches.begin(cfg, scan.step_hooks) if scan.refusal is None else None
+            return steps
+        if not scan.cache_hooks:
             return None
         why = taylorseer.graph_reasons(call.device)
         if why:
@@ -177,7 +188,8 @@ class GraphedCall:
             self._cache = taylorseer.GraphSteps()
         return self._cache.begin(scan.cache_hooks, call.device)
 
-    def _keyed(self, call: Call, args: tuple, kwargs: dict, t0: float, steps: taylorseer.Steps | None) -> Any:
+    def _keyed(self, call: Call, args: tuple, kwargs: dict, t0: float,
+               steps: taylorseer.Steps | step_caches.Steps | None) -> Any:
         writes = steps is not None and steps.writes
         out = self._fast_replay(call, t0, writes)
         if out is not _MISS:
@@ -189,10 +201,11 @@ class GraphedCall:
             return self._eager("model and inputs on different devices", f"{scan.device} vs {call.device}", args, kwargs)
         if self._unstable:
             return self._eager("model state changes on every call", "", args, kwargs)
-        if steps is None and scan.cache_hooks:  # hooks the blocks run, found after this call began
-            return self._eager("TaylorSeer cache: steps not decided for this call", "", args, kwargs)
+        if (scan.cache_hooks or scan.step_hooks) if steps is None else not steps.decided_for(scan):
+            what = "TaylorSeer" if scan.cache_hooks else step_caches.kind(self._transformer._cache_config) or "A"
+            return self._eager(f"{what} cache: steps not decided for this call", "", args, kwargs)  # hooks replaced
         if steps is not None and not steps.capturable:
-            return self._eager("TaylorSeer cache: first update of its factors", "", args, kwargs)
+            return self._eager(steps.first, "", args, kwargs)
         entry = self._graphs.get(call.key)
         if entry is not None:
             out = self._replay(entry, call)
@@ -324,7 +337,7 @@ class GraphedCall:
         self._unreplayed = 0
         return map_tensors(entry.out, torch.Tensor.clone)
 
-    def _capture(self, call: Call, steps: taylorseer.Steps | None = None) -> Any:
+    def _capture(self, call: Call, steps: taylorseer.Steps | step_caches.Steps | None = None) -> Any:
         desc = call.describe(self._positional)
         sh = self._shared
         self._busy = True
@@ -333,7 +346,8 @@ class GraphedCall:
             if sh is not None:
                 sh.order(call.device)
                 statics = sh.statics(call.tensors)
-            got = capture(self._staged(call.key), self._transformer, call, desc, self._streams, self._pools, statics)
+            got = capture(self._staged(call.key, steps), self._transformer, call, desc, self._streams, self._pools,
+                          statics)
             del statics
         finally:
             self._busy = False
@@ -354,9 +368,11 @@ class GraphedCall:
             self._drop(f"refused after capture: {self._scan.refusal}")
         return got.warm
 
-    def _staged(self, key: Any) -> Callable[..., Any]:
-        """The wrapped forward for :func:`.capture.capture`: the warm-up, then :meth:`_warmed`, then the capture."""
-        self._gens, inner, calls = None, self._inner, []
+    def _staged(self, key: Any, steps: Any = None) -> Callable[..., Any]:
+        """The wrapped forward for :func:`.capture.capture`: the warm-up, then :meth:`_warmed`, then the capture
+        (each around the cache steps' own staging, when there are steps)."""
+        self._gens, calls = None, []
+        inner = steps.wrap(self._inner) if steps is not None else self._inner
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls.append(None)
@@ -505,6 +521,8 @@ class GraphedCall:
             x.clear()
         for h in self._scan.cache_hooks if self._scan is not None else ():
             taylorseer.release(h)  # the TaylorSeer factors kept for graphs (the states keep what they hold)
+        for h in self._scan.step_hooks if self._scan is not None else ():
+            step_caches.release(h)
         self._cache = self._scan = None
         self._removed = True
         unwatch(self)

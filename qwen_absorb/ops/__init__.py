@@ -1,6 +1,5 @@
-"""qwen_absorb.ops: fused CUDA kernels (CuPy/NVRTC) for Qwen-Image block chains, with exact torch
-references. Each op dispatches to its kernel when its ``*_not_supported_reasons`` is empty, else to
-its reference, which is the diffusers eager expression itself.
+"""qwen_absorb.ops: fused CUDA kernels (CuPy/NVRTC) for Qwen-Image block chains, with exact torch references (the
+diffusers eager expressions), run where an op's ``*_not_supported_reasons`` is not empty.
 
 - :func:`layer_norm_scale_shift`                 LayerNorm(x) * (1 + scale) + shift
 - :func:`bias_residual_layer_norm_scale_shift`   r + gate * (x + bias), then LayerNorm(Q(.)) * (1 + scale) + shift
@@ -21,63 +20,38 @@ Qwen-Image-2.1 (scale-only modulation, tanh gates, per-token rows by ``target_to
 - :func:`tanh_gate_residual`                     r + tanh(gate) * x (optionally the block's fp16 clip)
 - :func:`swiglu`                                 silu(a) * b; ``*_fp8`` variants emit e4m3 codes
 
-Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is
-one module (reference, launcher, reasons, custom op) plus one ``csrc/*.cu``; the module's ``launch``
-is the checked-once entry the patched block uses.
+Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is one module
+(reference, launcher, reasons, custom op) plus one ``csrc/*.cu``; its ``launch`` is the checked-once entry the
+block runners use (arguments already known good); its custom op is what ``torch.compile`` traces.
 """
 
 from ._eligibility import FORCE_REFERENCE_ENV, kernel_runtime_reasons
 from .bias_gate_residual import (
-    bias_gate_residual,
-    bias_gate_residual_not_supported_reasons,
-    bias_gate_residual_reference,
+    bias_gate_residual, bias_gate_residual_not_supported_reasons, bias_gate_residual_reference,
 )
 from .bias_residual_layer_norm_scale_shift import (
-    bias_residual_layer_norm_scale_shift,
-    bias_residual_layer_norm_scale_shift_fp8,
-    bias_residual_layer_norm_scale_shift_not_supported_reasons,
-    bias_residual_layer_norm_scale_shift_reference,
+    bias_residual_layer_norm_scale_shift, bias_residual_layer_norm_scale_shift_fp8,
+    bias_residual_layer_norm_scale_shift_not_supported_reasons, bias_residual_layer_norm_scale_shift_reference,
 )
 from .fp8 import Fp8PerTensorQuant, dequant_scale, quant_scale, quantize_fp8_reference
 from .layer_norm_scale import (
-    layer_norm_scale,
-    layer_norm_scale_fp8,
-    layer_norm_scale_fp8_reference,
-    layer_norm_scale_not_supported_reasons,
+    layer_norm_scale, layer_norm_scale_fp8, layer_norm_scale_fp8_reference, layer_norm_scale_not_supported_reasons,
     layer_norm_scale_reference,
 )
 from .layer_norm_scale_shift import (
-    layer_norm_scale_shift,
-    layer_norm_scale_shift_fp8,
-    layer_norm_scale_shift_fp8_reference,
-    layer_norm_scale_shift_not_supported_reasons,
-    layer_norm_scale_shift_reference,
+    layer_norm_scale_shift, layer_norm_scale_shift_fp8, layer_norm_scale_shift_fp8_reference,
+    layer_norm_scale_shift_not_supported_reasons, layer_norm_scale_shift_reference,
 )
 from .quantize_fp8 import quantize_fp8, quantize_fp8_split
 from .quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_not_supported_reasons, quantize_nvfp4_reference
-from .qk_norm_rope import (
-    qk_norm_rope,
-    qk_norm_rope_multi,
-    qk_norm_rope_not_supported_reasons,
-    qk_norm_rope_reference,
-)
-from .swiglu import (
-    swiglu,
-    swiglu_fp8,
-    swiglu_fp8_reference,
-    swiglu_not_supported_reasons,
-    swiglu_reference,
-)
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_multi, qk_norm_rope_not_supported_reasons, qk_norm_rope_reference
+from .swiglu import swiglu, swiglu_fp8, swiglu_fp8_reference, swiglu_not_supported_reasons, swiglu_reference
 from .tanh_gate_residual import (
-    tanh_gate_residual,
-    tanh_gate_residual_not_supported_reasons,
-    tanh_gate_residual_reference,
+    tanh_gate_residual, tanh_gate_residual_not_supported_reasons, tanh_gate_residual_reference,
 )
 from .tanh_gate_residual_layer_norm_scale import (
-    tanh_gate_residual_layer_norm_scale,
-    tanh_gate_residual_layer_norm_scale_fp8,
-    tanh_gate_residual_layer_norm_scale_not_supported_reasons,
-    tanh_gate_residual_layer_norm_scale_reference,
+    tanh_gate_residual_layer_norm_scale, tanh_gate_residual_layer_norm_scale_fp8,
+    tanh_gate_residual_layer_norm_scale_not_supported_reasons, tanh_gate_residual_layer_norm_scale_reference,
 )
 
 
@@ -92,49 +66,18 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
 
 __all__ = [
-    "FORCE_REFERENCE_ENV",
-    "all_kernel_expressions",
-    "Fp8PerTensorQuant",
-    "bias_gate_residual",
-    "bias_gate_residual_not_supported_reasons",
-    "bias_gate_residual_reference",
-    "bias_residual_layer_norm_scale_shift",
-    "bias_residual_layer_norm_scale_shift_fp8",
-    "bias_residual_layer_norm_scale_shift_not_supported_reasons",
-    "bias_residual_layer_norm_scale_shift_reference",
-    "dequant_scale",
-    "kernel_runtime_reasons",
-    "layer_norm_scale",
-    "layer_norm_scale_fp8",
-    "layer_norm_scale_fp8_reference",
-    "layer_norm_scale_not_supported_reasons",
-    "layer_norm_scale_reference",
-    "layer_norm_scale_shift",
-    "layer_norm_scale_shift_fp8",
-    "layer_norm_scale_shift_fp8_reference",
-    "layer_norm_scale_shift_not_supported_reasons",
-    "layer_norm_scale_shift_reference",
-    "qk_norm_rope",
-    "qk_norm_rope_multi",
-    "qk_norm_rope_not_supported_reasons",
-    "qk_norm_rope_reference",
-    "quant_scale",
-    "quantize_fp8",
-    "quantize_fp8_reference",
-    "quantize_fp8_split",
-    "quantize_nvfp4",
-    "quantize_nvfp4_not_supported_reasons",
-    "quantize_nvfp4_reference",
-    "swiglu",
-    "swiglu_fp8",
-    "swiglu_fp8_reference",
-    "swiglu_not_supported_reasons",
-    "swiglu_reference",
-    "tanh_gate_residual",
-    "tanh_gate_residual_layer_norm_scale",
-    "tanh_gate_residual_layer_norm_scale_fp8",
-    "tanh_gate_residual_layer_norm_scale_not_supported_reasons",
-    "tanh_gate_residual_layer_norm_scale_reference",
-    "tanh_gate_residual_not_supported_reasons",
-    "tanh_gate_residual_reference",
+    "FORCE_REFERENCE_ENV", "all_kernel_expressions", "Fp8PerTensorQuant", "bias_gate_residual",
+    "bias_gate_residual_not_supported_reasons", "bias_gate_residual_reference", "bias_residual_layer_norm_scale_shift",
+    "bias_residual_layer_norm_scale_shift_fp8", "bias_residual_layer_norm_scale_shift_not_supported_reasons",
+    "bias_residual_layer_norm_scale_shift_reference", "dequant_scale", "kernel_runtime_reasons", "layer_norm_scale",
+    "layer_norm_scale_fp8", "layer_norm_scale_fp8_reference", "layer_norm_scale_not_supported_reasons",
+    "layer_norm_scale_reference", "layer_norm_scale_shift", "layer_norm_scale_shift_fp8",
+    "layer_norm_scale_shift_fp8_reference", "layer_norm_scale_shift_not_supported_reasons",
+    "layer_norm_scale_shift_reference", "qk_norm_rope", "qk_norm_rope_multi", "qk_norm_rope_not_supported_reasons",
+    "qk_norm_rope_reference", "quant_scale", "quantize_fp8", "quantize_fp8_reference", "quantize_fp8_split",
+    "quantize_nvfp4", "quantize_nvfp4_not_supported_reasons", "quantize_nvfp4_reference", "swiglu", "swiglu_fp8",
+    "swiglu_fp8_reference", "swiglu_not_supported_reasons", "swiglu_reference", "tanh_gate_residual",
+    "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual_layer_norm_scale_fp8",
+    "tanh_gate_residual_layer_norm_scale_not_supported_reasons", "tanh_gate_residual_layer_norm_scale_reference",
+    "tanh_gate_residual_not_supported_reasons", "tanh_gate_residual_reference",
 ]

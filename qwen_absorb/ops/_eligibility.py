@@ -1,8 +1,6 @@
-"""Why the CUDA kernel of a fused op cannot run, as a list of readable reasons (empty: it runs).
-
-Anything else sends the call to the op's torch reference, which is the diffusers eager expression
-itself, so a fallback never changes the numbers. Machine reasons are cached per device; the public
-ops add the per-call ones (dtype, size, autograd, force_reference).
+"""Why the CUDA kernel of a fused op cannot run, as readable reasons (empty: it runs); any sends the call to the op's
+torch reference, the diffusers eager expression itself. Machine reasons are cached per device; the public ops add
+the per-call ones (dtype, size, autograd, force_reference).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row).
 
-An op's :class:`Kernels` names its ``csrc`` file, its template and its parameter struct; it
-compiles and caches one :class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant,
-device) and lists every template instance for the compile test. The helpers below are the rest of
-a launch: the plain-tensor check, the outputs, pointers, index kinds, amax and codes. The launches
-compute the ``vec_flags`` of the kernels' structs inline, with the same bits everywhere (1: activation
-rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned). They stay small: a fused
-op's host cost decides whether the patched model is faster at all (see :mod:`qwen_absorb.ops._runtime`).
+An op's :class:`Kernels` names its ``csrc`` file, template and parameter struct, compiles and caches one
+:class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant, device) and lists every template instance for
+the compile test; the helpers below are the rest of a launch. The launches compute the structs' ``vec_flags``
+inline, the same bits everywhere (1: activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias
+vector-aligned), and stay small: a fused op's host cost decides whether the patched model is faster at all.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: b
             codes: bool = False, nvfp4: bool = False) -> tuple[torch.Tensor | None, ...]:
     """A launch's outputs, once the tensors its kernel ``reads`` are known plain (:func:`require_plain`):
     ``(new_residual, out, second)`` with ``new_residual``, else ``(out, second)``; each like x, None where
-    not asked for (new_residual always is when asked). ``second``: e4m3 codes (``codes``) or NVFP4
-    fake-quantized values in x's dtype (``nvfp4``)."""
+    not asked for (new_residual always is when asked). ``second``: the e4m3 codes of the output (``codes``) or its
+    NVFP4 fake quantization in x's dtype (``nvfp4``: bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``)."""
     for t in reads:
         if type(t) is not torch.Tensor:
             require_plain(*reads)  # raises, naming them
@@ -72,12 +70,9 @@ def fake_codes(x: torch.Tensor, fp8_amax: torch.Tensor | None) -> torch.Tensor:
 class Kernels:
     """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``.
 
-    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`; with
-    ``nvfp4=True`` a kernel that emits NVFP4 values as its second output has a fourth template argument,
-    ``name<traits, A, NV, 1>`` (its NVFP4 instance), requested by ``ln(..., nvfp4=True)``.
-    Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1 where D does not
-    divide), ``threads`` per row, NV from ``nv_choices``.
-    """
+    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`; with ``nvfp4=True``
+    the NVFP4-emitting instance ``name<traits, A, NV, 1>`` exists too (``ln(..., nvfp4=True)``). Elementwise kernels
+    (:meth:`vec`): A is the vector width (16 bytes, or 1 where D does not divide), ``threads`` per row."""
 
     __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "nvfp4", "_cache")
 

@@ -8,11 +8,8 @@ from ._validate import param_rows
 
 
 def expand_param(p: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """What QwenImageTransformerBlock._modulate makes of one chunk of the modulation parameters.
-
-    Without index: ``p.unsqueeze(1)`` -> [B, 1, D]. With index (2B rows):
-    ``torch.where(index[..., None] == 0, p[:B, None], p[B:, None])`` -> [B, L, D].
-    """
+    """What QwenImageTransformerBlock._modulate makes of one chunk of the modulation parameters: ``p.unsqueeze(1)``
+    ([B, 1, D]), or with index (2B rows) ``torch.where(index[..., None] == 0, p[:B, None], p[B:, None])``."""
     rows = param_rows(p)
     if index is None:
         return rows.unsqueeze(1)

@@ -1,18 +1,13 @@
 """CuPy runtime of the fused ops: NVRTC compilation, kernel cache, lean launches on torch's stream.
 
-Kernels are CUDA C sources in ``csrc/`` compiled by CuPy's ``RawModule`` (NVRTC) on first use and
-cached per (file, template instance, device). CuPy also caches the binary on disk, keyed by the
-source text and options; headers are inlined into the source so that key covers them too.
+Sources in ``csrc/`` are compiled by CuPy's ``RawModule`` (NVRTC) on first use, cached per (file, template
+instance, device) and on disk by CuPy (keyed by the source text: headers are inlined so the key covers them).
 
-Launch path (why it looks like this): a fused op's host cost is what decides whether the patched
-model is faster at all (an eager Qwen-Image call is bound by the host below 2048^2). CuPy boxes
-every kernel argument (about 0.7 us each), so every kernel takes ONE by-value ``struct`` of
-parameters. A :class:`Launcher` (one per kernel signature) packs the values with a precompiled
-``struct.Struct`` in native layout (C's alignment rules, the same as the device side) into a
-per-thread host buffer and hands the driver a single pointer to it (``CPointer``): the driver
-copies the bytes at launch, and a CUDA graph node keeps its own copy, so the buffer is reused by
-the next launch of that thread. The stream is torch's current raw stream
-(``torch._C._cuda_getCurrentRawStream``, what Inductor's generated code calls). Launches
+Launch path: a fused op's host cost decides whether the patched model is faster at all (an eager Qwen-Image call
+is host-bound below 2048^2), and CuPy boxes every kernel argument (~0.7 us each). So every kernel takes ONE
+by-value ``struct``: a :class:`Launcher` packs the values with a precompiled native-layout ``struct.Struct`` into a
+per-thread host buffer and hands the driver one pointer (the driver, and a CUDA graph node, copy the bytes, so the
+buffer is reused). The stream is torch's current raw stream (what Inductor's generated code calls). Launches
 allocate nothing on the device and never synchronise.
 """
 

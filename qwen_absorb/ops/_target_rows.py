@@ -1,11 +1,9 @@
 """Per-token modulation rows of Qwen-Image-2.1 (``target_token_mask``), shared by its fused ops.
 
-diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a mask, ``params`` has
-one row per sample (``[B, D]``) and every token uses its sample's row; with the mask (``[L]`` bool,
-``True`` at target-image tokens, one for the whole batch) ``params`` has ``B + 1`` rows: target
-tokens use their sample's row ``b``, all others the trailing ``t = 0`` row ``B``. The kernels make
-that choice per token (``qa_target_row`` in ``csrc/scale_gate.cuh``) and never build the
-``[B, L, D]`` tensor; the references do exactly what diffusers does.
+diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a mask every token uses its sample's row
+(``[B, D]``); with the mask (``[L]`` bool, True at target-image tokens) ``params`` has ``B + 1`` rows: target tokens
+use their sample's row, all others the trailing ``t = 0`` row ``B``. The kernels choose per token (``qa_target_row``
+in ``csrc/scale_gate.cuh``) without building the ``[B, L, D]`` tensor; the references do what diffusers does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Argument checks shared by the three fused ops.
-
-Every public op validates its inputs here before choosing a path, so the CUDA kernel and the
-torch reference see exactly the same, well-formed arguments. Errors name the argument.
+"""Argument checks shared by the fused ops: every public op validates here before choosing a path, so kernel and
+reference see the same well-formed arguments. Errors name the argument.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel.
 
 ``x`` is the FFN output projection (``net[2]``) computed without its bias when the bias is deferred
-(``bias`` given) or with it (``bias=None``: then ``residual + gate * x``). Layers as in
-:mod:`qwen_absorb.ops.layer_norm_scale_shift`.
+(``bias`` given) or with it (``bias=None``: then ``residual + gate * x``).
 """
 
 from __future__ import annotations

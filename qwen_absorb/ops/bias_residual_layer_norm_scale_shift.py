@@ -8,8 +8,7 @@ when the bias is deferred (``bias`` given), or with it (``bias=None``). ``Q`` is
 FP8 per-tensor fake quantization ModelOpt's ``QuantLayerNorm.input_quantizer`` applies before the
 norm (``norm_input_quant``, an :class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`). ``new_residual``
 is never quantized. :func:`bias_residual_layer_norm_scale_shift_fp8` also (or only) writes the
-e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``. Layers as in
-:mod:`qwen_absorb.ops.layer_norm_scale_shift`.
+e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
 """
 
 from __future__ import annotations
@@ -57,14 +56,9 @@ def launch(
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, second or None)``.
-
-    residual, x: contiguous [B, L, D] on a usable CUDA device; gate/shift/scale rows with unit last
-    stride; amax (norm-input quantizer, quant_mode 1/2) and fp8_amax fp32 one-element on the device.
-    ``second``: the e4m3 codes of modulated under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one
-    element, exclusive with fp8_amax, D % 16 == 0: checked here) modulated's NVFP4 fake quantization in
-    x's dtype, bit for bit ``quantize_nvfp4.launch(modulated, nvfp4_amax)``.
-    """
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (``second``: as in
+    :func:`.layer_norm_scale_shift.launch`). residual, x: contiguous [B, L, D] on a usable CUDA device;
+    gate/shift/scale rows with unit last stride; amax (norm-input quantizer, quant_mode 1/2) fp32, one element."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -134,11 +128,8 @@ def bias_residual_layer_norm_scale_shift(
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
     norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(new_residual, modulated)``; see the module docstring.
-
-    residual, x: [B, L, D]; bias: [D] or None; gate, shift, scale: [B, D] or [B, 1, D]
-    (2B rows with ``index`` [B, L] of 0/1); norm_input_quant: None or an Fp8PerTensorQuant.
-    """
+    """``(new_residual, modulated)`` (module docstring). residual, x: [B, L, D]; bias: [D] or None; gate, shift,
+    scale: [B, D] or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1); norm_input_quant: an Fp8PerTensorQuant."""
     eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
 
     def compiled():
@@ -163,9 +154,8 @@ def bias_residual_layer_norm_scale_shift_fp8(
     index: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
     also_output: bool = False, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(new_residual, codes, modulated or None)``: as :func:`bias_residual_layer_norm_scale_shift`,
-    plus the e4m3 codes of ``modulated`` under ``fp8_amax`` (bit-identical to the reference
-    quantizer applied to it); ``modulated`` itself only when ``also_output``."""
+    """``(new_residual, codes, modulated or None)``: :func:`bias_residual_layer_norm_scale_shift` plus the e4m3
+    codes of ``modulated`` under ``fp8_amax`` (as the reference quantizer's); ``modulated`` with ``also_output``."""
     eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax)
 
     def reference():

@@ -1,27 +1,17 @@
 """FP8 (e4m3fn) per-tensor descriptions the ops take: plain tensors and small frozen records.
 
-Two uses, both with a static, calibrated ``amax`` tensor that the kernels read on the device (no
-host synchronisation, and a later recalibration in place is seen):
+Both uses read a static, calibrated ``amax`` tensor on the device (no host sync; a recalibration in place is seen):
 
-- :class:`Fp8PerTensorQuant`: the *fake* quantization ModelOpt's ``QuantLayerNorm.input_quantizer``
-  applies to the residual stream before a block LayerNorm (values stay in the tensor dtype);
-  ``bias_residual_layer_norm_scale_shift`` reproduces it inside its kernel. ModelOpt computes its
-  scales two ways, and the record says which (``formula``):
+- :class:`Fp8PerTensorQuant`: the *fake* quantization ModelOpt's ``QuantLayerNorm.input_quantizer`` applies before a
+  block LayerNorm, reproduced inside ``bias_residual_layer_norm_scale_shift``. ``formula`` says which of ModelOpt's
+  two scale computations: ``"cuda_ext"`` (its CUDA extension: ``448 / amax`` and ``1 / scale`` as true divisions) or
+  ``"eager"`` (its torch fallback: ``448 / t`` is ``t.reciprocal() * 448``, which can differ in the last bit).
+- FP8 *emission* (``*_fp8`` ops, :func:`quantize_fp8`): the e4m3 codes a real FP8 GEMM consumes, by the
+  ``"cuda_ext"`` formula (the codes inside ModelOpt's fake quantization); the GEMM dequantizes by :func:`dequant_scale`.
 
-  - ``"cuda_ext"``: ModelOpt's CUDA extension (CUDA inputs, when it builds): ``scale = 448 / amax``
-    and ``inv = 1 / scale`` as true divisions;
-  - ``"eager"``: its torch fallback (CPU inputs, or no extension): Python's ``448 / t`` is
-    ``t.reciprocal() * 448``, which can differ from the division in the last bit.
-
-- FP8 *emission* (``*_fp8`` ops, :func:`quantize_fp8`): the e4m3 codes a real FP8 GEMM consumes.
-  They follow the ``"cuda_ext"`` formula, so they equal the codes inside ModelOpt's fake
-  quantization of the same value; the GEMM dequantizes with :func:`dequant_scale` (``amax / 448``).
-
-Everywhere: ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` computed in fp32, rounded
-to nearest even and saturated to +-448 (clamped first: PyTorch's own conversion turns values beyond
-the e4m3 range into NaN), NaN stays NaN.
-
-The ModelOpt side (which quantizers qualify, reading them) lives in :mod:`qwen_absorb.quant`.
+Everywhere ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` in fp32, round to nearest even, saturated
+to +-448 (clamped first: PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN. The ModelOpt side
+lives in :mod:`qwen_absorb.quant`.
 """
 
 from __future__ import annotations
@@ -37,12 +27,7 @@ _TINY = 1.0 / (1 << 24)
 
 
 def _amax32(amax: torch.Tensor, device: torch.device) -> torch.Tensor:
-    a = amax.detach()
-    if a.device != device:
-        a = a.to(device)
-    if a.dtype != torch.float32:
-        a = a.float()
-    a = a.reshape(())
+    a = amax.detach().to(device=device, dtype=torch.float32).reshape(())  # no copy where it already is
     return torch.where(a <= _TINY, torch.ones_like(a), a)
 
 

@@ -1,35 +1,23 @@
 """Second CUDA streams beside the caller's ("lanes"), for work that need not wait in line behind a GEMM.
 
-Two lanes per device, each one stream:
+- ``"branch"``: a few kernels that read what a GEMM reads and are needed only after it: the next block's image
+  modulation beside the image FFN and, with ``Tuning.lora_products_aside`` (off by default), a LoRA ``lora_A``
+  product beside its base layer's FP8 GEMM. :func:`aside` forks the lane and runs the work there; :func:`settle`
+  makes the caller's stream wait before the result is read.
+- ``"txt"``: the text stream of a block (128 rows: latency-bound GEMMs and ops in a few SMs) beside the image
+  stream, from after the attention to the next block's q/k/v (:func:`region`).
 
-- ``"branch"``: work of a few kernels that reads what a GEMM reads and is needed only after it: the next block's
-  image modulation beside the image FFN, and, where ``Tuning.lora_products_aside`` asks for it (off by
-  default, measured below), a LoRA branch's ``lora_A`` product (``x @ A.T``) beside the FP8 GEMM of its base
-  layer (the GEMM is compute-bound, the rank-64 product memory- or latency-bound): :func:`aside` forks the lane from the caller's stream and runs the work there, :func:`settle` makes
-  the caller's stream wait before the result is read.
-- ``"txt"``: the text stream of a Qwen-Image block (128 rows: its GEMMs and fused ops are latency-bound and run
-  in a few SMs) beside the image stream, from after the attention to the next block's q/k/v: :func:`region`
-  runs a stretch of work on it; the caller settles before the joint attention reads its q/k/v.
+Same kernels, same inputs: the same bits as on one stream. Work inside a lane runs any other lane in line.
+Measured: benchmarks/NOTES.md, "Second streams in graph mode" (a product beside a GEMM that fills every SM slows
+the GEMM by about what it hides).
 
-Same kernels, same inputs, so the same bits as on one stream. Work inside a lane never forks another lane (it
-runs in line there).
+Only while a CUDA graph is captured (and in its eager warm-up, which sets each lane's cuBLAS workspace up):
+:func:`active` is entered by ``cuda_graph.capture``. In a graph a fork and a join are free edges; eagerly each
+costs ~5 us of host time, which the host-bound eager call cannot spare.
 
-Measured (``benchmarks/results/archive/fp8_lora/fp8_lora_50e4b96.md``, 60 layers, H200): the FP8 call 81.9 ms against 84.6 on one stream,
-with a rank-64 LoRA 94.9 against 100.2 ms; the branch lane alone gains nothing (a product beside a GEMM that fills
-every SM slows it by about what it hides), beside the text lane 0.26-0.44 ms. With net[2]'s product folded into
-the GELU kernel the LoRA call is faster with the products in line (``Tuning.lora_products_aside``, off:
-94.5 against 96.8 ms, ``fp8_lora.md``); the next block's image modulation stays on the branch lane.
-
-Only while a CUDA graph is captured (and in the eager warm-up before it, which sets each lane's cuBLAS workspace
-up outside the graph): :func:`active` is entered by ``cuda_graph.capture``. In a graph a fork and a join are edges
-and cost nothing at replay; eagerly each is an event record and a wait on the host (~5 us), which the host-bound
-eager call cannot spare.
-
-Memory: the caching allocator hands a freed block back to the stream that allocated it, to be reused by that
-stream alone, without waiting for other streams. So a tensor of the caller's stream that a lane reads is held
-until the lane joins back (the caller's later work is ordered after the lane's reads), and a tensor of the lane
-that the caller reads is held until the lane forks again after the join (the lane's later work is ordered after
-the caller's reads).
+Memory: the caching allocator reuses a freed block on its allocating stream without waiting for other streams.
+So a caller tensor a lane reads is held until the lane joins back, and a lane tensor the caller reads is held
+until the lane forks again after the join.
 """
 
 from __future__ import annotations

@@ -7,10 +7,6 @@ LayerNorm order, ``csrc/layer_norm.cuh``), ``1 + scale``, and the product. ``sca
 each token is chosen in the kernel (:mod:`qwen_absorb.ops._target_rows`).
 :func:`layer_norm_scale_fp8` also (or only) writes the FP8 e4m3 codes of that output for real FP8
 GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
-
-Layers, from the user down: the public functions validate everything; :func:`launch` is the
-checked-once entry a block runner calls; the custom op ``torch.ops.qwen_absorb.layer_norm_scale``
-is what ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -59,16 +55,10 @@ def launch(
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
     nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, second or None)``; arguments already validated. ``second``:
-    the e4m3 codes of out under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
-    fp8_amax, D % 16 == 0: checked here) out's NVFP4 fake quantization in x's dtype, bit for bit
-    ``quantize_nvfp4.launch(out, nvfp4_amax)``.
-
-    x: contiguous [B, L, D] on a usable CUDA device; scale [B (+1), D] rows with unit last stride;
-    target_token_mask contiguous bool [L] or None; fp8_amax fp32 with one element on x's device.
-    norm_input_quant: a QuantLayerNorm's input fake quantizer, applied to x inside the kernel
-    (``LayerNorm(Q(x))``, bit for bit ``Q``'s own output: :meth:`Fp8PerTensorQuant.reference`).
-    """
+    """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
+    excludes ``fp8_amax``, D % 16 == 0 checked here). x: contiguous [B, L, D] on a usable CUDA device; scale
+    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None; amaxes fp32, one element.
+    norm_input_quant: a QuantLayerNorm's input fake quantizer, applied inside (``LayerNorm(Q(x))``)."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -121,9 +111,7 @@ def layer_norm_scale(
     force_reference: bool = False,
 ) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale)``, fused on CUDA; bit-identical to the eager expression.
-
-    x: [B, L, D]; scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L]).
-    """
+    x: [B, L, D]; scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L])."""
     eps = _validate(x, scale, eps, target_token_mask)
     m = target_token_mask
     return dispatch(
@@ -138,9 +126,8 @@ def layer_norm_scale_fp8(
     x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
     target_token_mask: torch.Tensor | None = None, also_output: bool = False, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale`'s output under a per-tensor
-    ``fp8_amax`` (bit-identical to that output followed by the reference quantizer), and the output
-    itself when ``also_output`` (else None: the kernel skips writing it)."""
+    """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale`'s output under ``fp8_amax`` (as the reference
+    quantizer's), and the output itself with ``also_output`` (else None: the kernel skips writing it)."""
     eps = _validate(x, scale, eps, target_token_mask, fp8_amax)
     m = target_token_mask
 

@@ -3,10 +3,6 @@
 Replaces ``img_norm1``/``txt_norm1`` followed by ``_modulate`` in QwenImageTransformerBlock.
 :func:`layer_norm_scale_shift_fp8` also (or only) writes the FP8 e4m3 codes of that output for
 the real FP8 GEMMs of to_q/to_k/to_v (see :mod:`qwen_absorb.ops.fp8`).
-
-Layers, from the user down: the public functions validate everything; :func:`launch` is the
-checked-once entry the patched block calls (arguments already known good); the custom op
-``torch.ops.qwen_absorb.layer_norm_scale_shift`` is what ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -56,15 +52,10 @@ def launch(
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, amax: torch.Tensor | None = None,
     quant_mode: int = 0, nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, second or None)``; arguments already validated.
-
-    x: contiguous [B, L, D] on a usable CUDA device; shift/scale rows with unit last stride;
-    index contiguous; fp8_amax fp32 with one element on x's device; amax/quant_mode: the norm-input
-    fake quantizer (:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`'s amax and mode), or 0.
-    ``second``: the e4m3 codes of ``out`` under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element,
-    exclusive with fp8_amax, D % 16 == 0: checked here) ``out``'s NVFP4 fake quantization in x's dtype,
-    bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``.
-    """
+    """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
+    excludes ``fp8_amax``, D % 16 == 0 checked here). x: contiguous [B, L, D] on a usable CUDA device; shift/scale
+    rows with unit last stride; index contiguous; amaxes fp32, one element; amax/quant_mode: the norm-input fake
+    quantizer's (:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`), or 0."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -115,10 +106,8 @@ def layer_norm_scale_shift(
     x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
     index: torch.Tensor | None = None, force_reference: bool = False,
 ) -> torch.Tensor:
-    """``LayerNorm(x, eps, no affine) * (1 + scale) + shift``, fused on CUDA.
-
-    x: [B, L, D]; shift, scale: [B, D] or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1).
-    """
+    """``LayerNorm(x, eps, no affine) * (1 + scale) + shift``, fused on CUDA. x: [B, L, D]; shift, scale: [B, D]
+    or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1)."""
     eps = _validate(x, shift, scale, eps, index)
     return dispatch(
         common_reasons([x, shift, scale], force_reference),
@@ -132,9 +121,8 @@ def layer_norm_scale_shift_fp8(
     x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
     index: torch.Tensor | None = None, also_output: bool = False, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale_shift`'s output under a per-tensor
-    ``fp8_amax`` (bit-identical to that output followed by the reference quantizer), and the output
-    itself when ``also_output`` (else None: the kernel skips writing it)."""
+    """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale_shift`'s output under ``fp8_amax`` (as the
+    reference quantizer's), and the output itself with ``also_output`` (else None: the kernel skips writing it)."""
     eps = _validate(x, shift, scale, eps, index, fp8_amax)
 
     def reference():

@@ -1,15 +1,12 @@
 """lora_fold: net[0]'s last LoRA branch + GELU(tanh) + e4m3 quantization (:func:`qwen_absorb.ops.lora_add.add_gelu_fp8`)
 with net[2]'s ``lora_A`` product folded in, one pass over net[0]'s output.
 
-Without it, net[2]'s LoRA branch needs the GELU output ``g`` in the activation dtype: the GELU kernel writes it
-(M x N, 100 MB per block at 4096 x 12288 in bf16) and a GEMM reads it back, both on the image stream's critical
-path. Here the kernel multiplies ``g`` by net[2]'s lora_A weight while it is in registers and returns the rank-R2
-product ``t2 = g @ A2.T`` (rounded once to the activation dtype) for net[2]'s lora_B add.
-
-The codes are :func:`~qwen_absorb.ops.lora_add.add_gelu_fp8`'s bit for bit. ``t2`` is the sum PEFT's
-``lora_A(g)`` computes (fp32 accumulation, one rounding) in another order than cuBLAS's: it may differ in its last
-bit (``tests/test_lora_fold_gpu.py``). Blocks walk row bands (``csrc/lora_gelu_fold.cu``); each band is split into
-``S`` column segments whose fp32 partial products a second kernel adds in order.
+Without it, net[2]'s LoRA branch needs the GELU output ``g`` written (100 MB per block at 4096 x 12288 in bf16)
+and read back by a GEMM, on the image stream's critical path. Here the kernel multiplies ``g`` by net[2]'s lora_A
+weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once) for net[2]'s lora_B add. The codes
+are :func:`~qwen_absorb.ops.lora_add.add_gelu_fp8`'s bit for bit; ``t2`` is PEFT's ``lora_A(g)`` sum in another
+order than cuBLAS's (it may differ in its last bit, ``tests/test_lora_fold_gpu.py``). Blocks walk row bands
+(``csrc/lora_gelu_fold.cu``), each split into ``S`` column segments whose fp32 partial sums a second kernel adds.
 """
 
 from __future__ import annotations

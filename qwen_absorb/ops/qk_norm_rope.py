@@ -1,36 +1,23 @@
 """qk_norm_rope: the q/k RMSNorm + RoPE of Qwen-Image's joint attention, one kernel.
 
-In ``QwenDoubleStreamAttnProcessor2_0`` each of img_query, img_key, txt_query, txt_key ([B, L, H, DH]
-after ``unflatten``) goes through ``attn.norm_q/norm_k/norm_added_q/norm_added_k`` (diffusers
-``RMSNorm(DH, eps=1e-6)``) and then ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` — in eager
-about 8 + 3 kernels per tensor, 44 per block. This op does the pair in one pass, and up to four
-tensors (the whole block: img q/k with the image freqs, txt q/k with the text freqs) in ONE launch:
+Each of img/txt query/key ([B, L, H, DH]) goes through diffusers' ``RMSNorm(DH, eps=1e-6)`` and then
+``apply_rotary_emb_qwen(x, freqs, use_real=False)``: about 11 eager kernels per tensor, 44 per block. This op
+does up to four tensors (img q/k with the image freqs, txt q/k with the text freqs) in ONE launch:
+:func:`qk_norm_rope` (one tensor), :func:`qk_norm_rope_multi` (up to four), :func:`launch` (the checked-once
+entry of the patched attention). Output: a new contiguous [B, L, H, DH] tensor in the weight's dtype; ``x`` may
+be any view with unit stride inside a head (e.g. a column slice of a fused QKV projection).
 
-- :func:`qk_norm_rope` ``(x, weight, freqs, eps=1e-6)``: one tensor;
-- :func:`qk_norm_rope_multi` ``(xs, weights, freqs, eps)``: up to four tensors, one launch;
-- :func:`launch`: the checked-once entry of the patched attention (no validation).
+Exactness (csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op (the bf16/fp16 rounding
+before the weight multiply, nvcc's FMA grouping of PyTorch's complex<float> multiply). The fp32 variance of 128
+squares rounds by the order PyTorch's reduction adds them in, which follows its launch configuration and differs
+between versions: the kernel implements the candidate orders and :func:`probe_variance_order` measures, once per
+device, which one the running PyTorch uses. With none matching the reference runs (a stated reason); matched,
+the output is bit-identical to diffusers' eager chain. The kernel needs DH == 128, complex64 freqs,
+weight.dtype == x.dtype and at least ``min_rows`` rows (the probe says from which row count its order holds).
 
-Output: a new contiguous [B, L, H, DH] tensor in the weight's dtype (diffusers' RMSNorm returns the
-weight's dtype; the kernel runs when x and weight share it). ``x`` may be any strided view with unit
-stride inside a head (e.g. a column slice of a fused QKV projection).
-
-Exactness (see csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op,
-including the bf16/fp16 rounding of the normalized value before the weight multiply and the FMA
-grouping nvcc gives PyTorch's complex<float> multiply. The fp32 variance is a sum of 128 squares
-whose rounding depends on the order PyTorch's reduction kernel adds them in, and that order follows
-its launch configuration, which differs between versions. So the kernel implements the candidate
-orders, and :func:`probe_variance_order` measures, once per device, which one the running PyTorch
-uses (``x.float().pow(2).mean(-1)`` against :func:`variance_in_order` on a probe batch). With none
-matching, the kernel does not run (a stated reason) and the reference does. With the order matched
-the output is bit-identical to diffusers' eager chain.
-The kernel needs DH == 128 (Qwen-Image's head_dim), complex64 freqs, weight.dtype == x.dtype and at
-least ``min_rows`` rows (PyTorch's layout for fewer rows can differ; the probe says from which row
-count on its order holds); anything else runs the reference.
-
-Two forms of the kernel compute the same bits: one row per warp with 4 elements per lane (every order), and
-the wide form, a row per half-warp with 8 elements per lane (16-byte loads), for the orders whose lanes sum
-groups of 4 (``WIDE_ORDERS``; PyTorch 2.11's among them): 8-10% faster on the H200
-(benchmarks/results/ops/bench_stream_kernels.md).
+Two forms compute the same bits: a row per warp, 4 elements per lane (every order), and the wide form, a row per
+half-warp, 8 elements per lane (16-byte loads; ``WIDE_ORDERS``, PyTorch 2.11's among them): 8-10% faster on the
+H200 (benchmarks/results/ops/bench_stream_kernels.md).
 """
 
 from __future__ import annotations
@@ -90,19 +77,11 @@ def qk_norm_rope_reference(
     return rope_reference(rms_norm_reference(x, weight, eps), freqs)
 
 
-def _output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    # RMSNorm returns the weight's dtype whatever x's (bf16/fp16 weights: .to(weight.dtype) then
-    # a same-dtype multiply; fp32 weights: fp32 * fp32), and RoPE's type_as keeps it.
-    return weight.dtype
-
-
 # ---------------------------------------------------------------------------- variance order
 
-# The kernel's ORDER template parameter: per-lane grouping (ORDER % 10) and lane tree (ORDER // 10).
-# Lane u sums the indices of each of its groups in sequence into one accumulator, the accumulators
-# in sequence; then the lanes combine pairwise with shfl_down at increasing offsets 1, 2, 4, ...
-# (ORDER < 10, PyTorch's Reduce.cuh before 2.10) or decreasing ..., 4, 2, 1 (ORDER >= 10, its
-# "offset decreasing, matching Triton" change). See the header of csrc/qk_norm_rope.cu.
+# The kernel's ORDER template parameter: per-lane grouping (ORDER % 10; each lane sums its groups in sequence) and
+# lane tree (shfl_down at offsets 1, 2, 4, ... for ORDER < 10, PyTorch's Reduce.cuh before 2.10; ..., 4, 2, 1 for
+# ORDER >= 10, its "offset decreasing, matching Triton" change). See the header of csrc/qk_norm_rope.cu.
 _GROUPINGS = {
     0: "vectorized by 4, 32 lanes",
     1: "not vectorized, 32 lanes, stride 32",
@@ -127,8 +106,8 @@ def _lane_groups(grouping: int) -> tuple[int, list[list[list[int]]]]:
 
 
 def variance_in_order(x: torch.Tensor, order: int) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1)`` summed in the kernel's ``order`` ([..., 128] -> [...], fp32).
-    Every add is one fp32 rounding (torch's elementwise add), so this is the kernel's value bit for bit."""
+    """``x.float().pow(2).mean(-1)`` summed in the kernel's ``order`` ([..., 128] -> [...]), bit for bit the kernel's
+    (every add one fp32 rounding)."""
     lanes, groups = _lane_groups(order % 10)
     xf = x.float()
     sq = xf * xf  # torch's pow(x, 2) is x * x
@@ -164,9 +143,8 @@ _orders: dict[int, VarianceOrder] = rt.register_cache({})
 
 
 def probe_variance_order(device: torch.device | int) -> VarianceOrder:
-    """Which of the kernel's reduction orders PyTorch's ``x.float().pow(2).mean(-1)`` uses on this
-    device, probed once (cached): random rows of mixed magnitude at several row counts, each
-    candidate compared bit for bit. Cannot run inside a CUDA-graph capture (it reads the result)."""
+    """Which of the kernel's reduction orders PyTorch's ``x.float().pow(2).mean(-1)`` uses on this device, probed
+    once (cached) on random rows at several row counts, bit for bit. Not inside a CUDA-graph capture (it syncs)."""
     idx = torch.device("cuda", device) if isinstance(device, int) else device
     idx = rt.device_index(idx)
     hit = _orders.get(idx)
@@ -224,16 +202,13 @@ def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
     eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True,
 ) -> list[torch.Tensor]:
-    """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to
-    four tensors in ONE launch; returns the outputs (new contiguous [B, L, H, 128] tensors, or ``into``:
-    contiguous [B, L, H, 128] views of x's dtype and device the caller provides, e.g. the text and image
-    rows of one joint [1, S_txt + S_img, H, 128] tensor, so that no concatenation follows).
+    """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to four tensors
+    in ONE launch, into new contiguous [B, L, H, 128] tensors or ``into`` (contiguous views the caller provides, e.g.
+    the text and image rows of one joint tensor, so that no concatenation follows).
 
-    The caller guarantees, once: all xs on one usable CUDA device, one dtype (bf16/fp16/fp32),
-    shape [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that
-    dtype; freqs complex64 [L, 64] (L of its x) with unit last stride; eps finite fp32 values; and
-    the device's variance order probed with a match (:func:`order_reasons` empty for every x).
-    """
+    The caller guarantees, once: all xs on one usable CUDA device in one dtype, [B, L, H, 128] with unit last
+    stride and B*L*H < 2**31; weights [128] contiguous in that dtype; freqs complex64 [L, 64] with unit last
+    stride; finite fp32 eps; :func:`order_reasons` empty for every x."""
     n = len(xs)
     if n > MAX_JOBS:
         raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
@@ -397,10 +372,6 @@ def qk_norm_rope_not_supported_reasons(
 # ---------------------------------------------------------------------------- public ops
 
 
-def _kernel(xs, weights, freqs, eps_l) -> list[torch.Tensor]:
-    return launch(xs, weights, freqs, eps_l)
-
-
 def _reference_multi(xs, weights, freqs, eps_l) -> list[torch.Tensor]:
     return [qk_norm_rope_reference(x, w, f, e) for x, w, f, e in zip(xs, weights, freqs, eps_l)]
 
@@ -409,19 +380,15 @@ def qk_norm_rope(
     x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
     force_reference: bool = False,
 ) -> torch.Tensor:
-    """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``, fused on CUDA.
-
-    x: [B, L, H, DH] (any strides, unit stride inside a head for the kernel); weight: [DH] (the
-    RMSNorm weight); freqs: complex [L, DH/2] (one of the pair diffusers' QwenEmbedRope returns).
-    Returns a contiguous [B, L, H, DH] tensor in weight's dtype.
-    """
+    """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``, fused on CUDA: x [B, L, H, DH], weight [DH],
+    freqs complex [L, DH/2] (one of diffusers' QwenEmbedRope pair); a contiguous [B, L, H, DH] in weight's dtype."""
     _validate(x, weight, freqs, eps)
     eps = float(eps)
     return dispatch(
         _kernel_reasons(x, weight, freqs, eps, force_reference),
         lambda: qk_norm_rope_reference(x, weight, freqs, eps),
         lambda: torch.ops.qwen_absorb.qk_norm_rope([x], [weight], [freqs], [eps])[0],
-        lambda: _kernel([x], [weight], [freqs], [eps])[0],
+        lambda: launch([x], [weight], [freqs], [eps])[0],
     )
 
 
@@ -429,17 +396,15 @@ def qk_norm_rope_multi(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor], *,
     eps: float | Sequence[float] = 1e-6, force_reference: bool = False,
 ) -> list[torch.Tensor]:
-    """:func:`qk_norm_rope` of up to four tensors in one launch (a block's img q/k and txt q/k:
-    ``xs=[img_q, img_k, txt_q, txt_k]``, ``freqs=[img_f, img_f, txt_f, txt_f]``). The kernel runs
-    only when every tensor qualifies and all share one dtype; otherwise every output comes from
-    the reference."""
+    """:func:`qk_norm_rope` of up to four tensors in one launch (``xs=[img_q, img_k, txt_q, txt_k]``,
+    ``freqs=[img_f, img_f, txt_f, txt_f]``): the kernel only when every tensor qualifies, in one dtype."""
     eps_l = _check_multi(xs, weights, freqs, eps)
     xs, weights, freqs = list(xs), list(weights), list(freqs)
     return dispatch(
         _multi_reasons(xs, weights, freqs, eps_l, force_reference),
         lambda: _reference_multi(xs, weights, freqs, eps_l),
         lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
-        lambda: _kernel(xs, weights, freqs, eps_l),
+        lambda: launch(xs, weights, freqs, eps_l),
     )
 
 
@@ -451,10 +416,11 @@ def _custom_op(
         x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) or order_reasons(x.device, x.numel() // HEAD_DIM)
         for x, w, f, e in zip(xs, weights, freqs, eps)
     ):
-        return _kernel(xs, weights, freqs, eps)
+        return launch(xs, weights, freqs, eps)
     return _reference_multi(xs, weights, freqs, eps)
 
 
 @_custom_op.register_fake
 def _(xs, weights, freqs, eps):
-    return [x.new_empty(x.shape, dtype=_output_dtype(x, w)) for x, w in zip(xs, weights)]
+    # RMSNorm returns the weight's dtype whatever x's, and RoPE's type_as keeps it
+    return [x.new_empty(x.shape, dtype=w.dtype) for x, w in zip(xs, weights)]

@@ -1,15 +1,13 @@
 """quantize_fp8: the FP8 e4m3 codes of an activation, for the real FP8 GEMM that consumes it.
 
-- :func:`quantize_fp8` ``(x, amax, activation=None | "gelu_tanh" | "silu")``: codes of ``x`` (or of
-  ``F.gelu(x, approximate="tanh")`` rounded to x's dtype: the input of ``net[2]``, with GELU fused;
-  or of ``F.silu(x)``: the input of the modulation linears ``img_mod[1]`` / ``txt_mod[1]``);
-- :func:`quantize_fp8_split` ``(x, split, amax_a, amax_b)``: rows ``[:, :split]`` and ``[:, split:]``
-  of ``x`` quantized under two scales in one launch: the joint [text, image] attention output
-  becomes the inputs of ``to_add_out`` and ``to_out[0]``. ``x`` may be the [B, S, H, DH] tensor the
-  attention returns (any batch/sequence/head strides, unit stride inside a head): no flatten copy.
+- :func:`quantize_fp8` ``(x, amax, activation=None | "gelu_tanh" | "silu")``: codes of ``x``, or of its GELU(tanh)
+  (net[2]'s input) or SiLU (the modulation linears' input) rounded to x's dtype;
+- :func:`quantize_fp8_split` ``(x, split, amax_a, amax_b)``: rows ``[:, :split]`` and ``[:, split:]`` under two
+  scales in one launch (the joint attention output as the inputs of ``to_add_out`` and ``to_out[0]``); ``x`` may be
+  the [B, S, H, DH] tensor the attention returns (unit stride inside a head): no flatten copy.
 
 Codes are bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of the (activated,
-rounded) value. Layers as in :mod:`qwen_absorb.ops.layer_norm_scale_shift`.
+rounded) value.
 """
 
 from __future__ import annotations

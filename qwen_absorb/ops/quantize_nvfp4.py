@@ -1,23 +1,16 @@
 """quantize_nvfp4: ModelOpt's dynamic NVFP4 fake quantization of an activation (W4A4's input quantizer).
 
-- :func:`quantize_nvfp4` ``(x, amax, activation=None)``: ``x`` (or its GELU-tanh / SiLU, rounded to x's
-  dtype as torch's eager op leaves it) [..., D] fake-quantized as ModelOpt's NVFP4 input quantizer
-  does it on CUDA (``NVFP4_DEFAULT_CFG``'s ``*input_quantizer``: e2m1 values, dynamic e4m3 scales per 16
-  elements of a row, the calibrated per-tensor ``amax`` as the second-level scale ``amax / (6 * 448)``),
-  same dtype and shape. The kernel is csrc/quantize_nvfp4.cu (whose header gives the arithmetic).
-- :func:`quantize_nvfp4_reference`: the torch expression of that arithmetic, runnable on any device.
-- The same arithmetic is emitted as a second output by the kernels that produce a linear's input
-  (``nvfp4_amax`` of the LayerNorm launchers and of ``swiglu.launch``; csrc/nvfp4.cuh is the one copy
-  of its device code): :func:`emit_reasons` says when they can (D % 16 == 0), :func:`check_emit`
-  checks such a launch.
+:func:`quantize_nvfp4` ``(x, amax, activation=None)``: ``x`` (or its GELU-tanh / SiLU in x's dtype) [..., D]
+fake-quantized as ModelOpt's NVFP4 input quantizer does it on CUDA (e2m1 values, dynamic e4m3 scales per 16
+elements, the calibrated per-tensor ``amax`` as the second-level scale ``amax / (6 * 448)``); kernel
+csrc/quantize_nvfp4.cu (its header gives the arithmetic), :func:`quantize_nvfp4_reference` the torch expression.
+The fused kernels producing a linear's input emit the same as a second output (``nvfp4_amax``; csrc/nvfp4.cuh is
+the one copy of the device code): :func:`emit_reasons` says when they can, :func:`check_emit` checks a launch.
 
-Which ModelOpt path is the target: for a CUDA input ModelOpt 0.47 runs the Triton kernel
-``fp4_fake_quant_block`` (kernels/quantization/gemm/fp4_kernel_hopper.py; sm_89+, Triton installed); its
-fp32 divisions compile to PTX ``div.full.f32`` (Triton's lowering of ``/``), which is not correctly
-rounded. The CUDA kernel issues the same instruction and is bit-identical to it. The reference divides
-with IEEE rounding: it equals the Triton kernel except where a quotient lies within 2 ulp of a rounding
-boundary (an e4m3 step of the block scale, or an e2m1 threshold), a few elements per million. ModelOpt
-has no CPU path for NVFP4 fake quantization (its CUDA-extension fallback asserts a CUDA amax).
+The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block`` (CUDA inputs, sm_89+): its fp32 divisions
+compile to PTX ``div.full.f32``, not correctly rounded; the CUDA kernel issues the same instruction and is
+bit-identical. The reference divides with IEEE rounding: equal except where a quotient lies within 2 ulp of a
+rounding boundary, a few elements per million. ModelOpt has no CPU path for NVFP4 fake quantization.
 
 NaN / inf policy (ModelOpt's, kept): a block's max skips NaN; inf saturates the block scale to 448 * gs;
 a NaN element becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (a negative element that

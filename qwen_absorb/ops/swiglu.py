@@ -1,11 +1,9 @@
 """swiglu: ``silu(a) * b`` (Qwen-Image-2.1's SwiGLU FFN, ``a = gate_layer(x)``, ``b = proj(x)``), one kernel.
 
-Rounding points reproduced, each in the tensor dtype: ``silu(a)`` (``F.silu``: PyTorch's CUDA SiLU
-computes ``x / (1 + exp(-x))`` in fp32) and the product. :func:`swiglu_fp8` also (or only) writes
-the FP8 e4m3 codes of that product under the ``out`` linear's per-tensor input amax (the formula of
-:mod:`qwen_absorb.ops.fp8`, bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of
-the rounded product), the input of a real FP8 ``out`` GEMM. Elementwise: any shape, ``a`` and ``b``
-of the same shape, dtype and device. Layers as in :mod:`qwen_absorb.ops.layer_norm_scale`.
+Rounding points reproduced, each in the tensor dtype: ``silu(a)`` (PyTorch's CUDA SiLU: ``x / (1 + exp(-x))`` in
+fp32) and the product. :func:`swiglu_fp8` also (or only) writes the e4m3 codes of the product under the ``out``
+linear's input amax (as :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference`). Elementwise: any shape, ``a`` and
+``b`` of the same shape, dtype and device.
 """
 
 from __future__ import annotations
@@ -45,11 +43,9 @@ def launch(
     a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
     nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, second or None)``; a, b contiguous, same shape, dtype
-    and device (a usable CUDA device); fp8_amax fp32 with one element on that device. ``second``: the
-    e4m3 codes of out under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
-    fp8_amax, a's last dimension a multiple of 16: checked here) out's NVFP4 fake quantization in a's
-    dtype, bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``."""
+    """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
+    excludes ``fp8_amax``, a's last dim % 16 == 0 checked here); a, b contiguous, same shape, dtype and usable CUDA
+    device; amaxes fp32, one element."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
         raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (a, b)))
     q4 = nvfp4_amax is not None

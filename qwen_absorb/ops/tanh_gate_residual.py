@@ -1,10 +1,8 @@
 """tanh_gate_residual: ``residual + tanh(gate) * x`` (Qwen-Image-2.1's FFN residual site), one kernel.
 
-``x`` is the FFN output (``img_mlp.out``). Rounding points reproduced, each in the tensor dtype:
-``tanh(gate)``, the product, the sum; with ``clip_fp16=True`` and float16 tensors also the block's
-final ``clip(-65504, 65504)``. ``gate`` is a ``[B, D]`` chunk of the shared modulation, or
-``[B + 1, D]`` with ``target_token_mask`` (rows chosen per token in the kernel,
-:mod:`qwen_absorb.ops._target_rows`). Layers as in :mod:`qwen_absorb.ops.layer_norm_scale`.
+``x`` is the FFN output (``img_mlp.out``). Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``,
+the product, the sum; with ``clip_fp16=True`` and float16 tensors the block's final ``clip(-65504, 65504)``.
+``gate``: a ``[B, D]`` chunk of the modulation, or ``[B + 1, D]`` with ``target_token_mask`` (``ops._target_rows``).
 """
 
 from __future__ import annotations

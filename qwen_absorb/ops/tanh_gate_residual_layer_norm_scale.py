@@ -3,16 +3,12 @@
     new_residual = C(residual + tanh(gate) * x)
     modulated    = LayerNorm(new_residual) * (1 + scale)
 
-``x`` is the attention output (``attn(...)``, i.e. ``to_out``). ``C`` is the identity, or with
-``clip_fp16=True`` and float16 tensors the block's final ``clip(-65504, 65504)`` (so the same op
-also runs the FFN residual followed by the next block's norm1). Rounding points reproduced, each
-in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the LayerNorm output
-(PyTorch's CUDA order, ``csrc/layer_norm.cuh``), ``1 + scale`` and the product. ``gate``/``scale``
-are ``[B, D]`` chunks of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask`` (rows
-chosen per token in the kernel, :mod:`qwen_absorb.ops._target_rows`).
-:func:`tanh_gate_residual_layer_norm_scale_fp8` also (or only) writes the e4m3 codes of
-``modulated`` for real FP8 ``gate_layer``/``proj`` GEMMs. Layers as in
-:mod:`qwen_absorb.ops.layer_norm_scale`.
+``x`` is the attention output (``to_out``). ``C`` is the identity, or with ``clip_fp16=True`` and float16 tensors
+the block's final ``clip(-65504, 65504)`` (the same op then runs the FFN residual and the next block's norm1).
+Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the
+LayerNorm output (PyTorch's CUDA order, ``csrc/layer_norm.cuh``), ``1 + scale`` and the product. ``gate``/``scale``:
+``[B, D]`` chunks of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask``
+(:mod:`qwen_absorb.ops._target_rows`). The ``_fp8`` variant also (or only) writes the e4m3 codes of ``modulated``.
 """
 
 from __future__ import annotations
@@ -55,16 +51,10 @@ def launch(
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
     nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, second or None)``. ``second``: the e4m3
-    codes of modulated under ``fp8_amax``, or with ``nvfp4_amax`` (fp32, one element, exclusive with
-    fp8_amax, D % 16 == 0: checked here) modulated's NVFP4 fake quantization in x's dtype, bit for bit
-    ``quantize_nvfp4.launch(modulated, nvfp4_amax)``.
-
-    residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale [B (+1), D] rows with unit
-    last stride; target_token_mask contiguous bool [L] or None; fp8_amax fp32 one-element on the device.
-    norm_input_quant: a QuantLayerNorm's input fake quantizer: ``modulated = LayerNorm(Q(new_residual))
-    * (1 + scale)``, ``Q`` bit for bit :meth:`Fp8PerTensorQuant.reference` (new_residual not quantized).
-    """
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (``second``: as in
+    :func:`.layer_norm_scale.launch`). residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale
+    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None. norm_input_quant:
+    ``modulated = LayerNorm(Q(new_residual)) * (1 + scale)`` (new_residual itself not quantized)."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -123,10 +113,8 @@ def tanh_gate_residual_layer_norm_scale(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
     target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(new_residual, modulated)``; see the module docstring.
-
-    residual, x: [B, L, D]; gate, scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L]).
-    """
+    """``(new_residual, modulated)`` (module docstring). residual, x: [B, L, D]; gate, scale: [B, D], or
+    [B + 1, D] with ``target_token_mask`` (bool [L])."""
     eps, clip_fp16 = _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16)
     m = target_token_mask
 
@@ -149,9 +137,8 @@ def tanh_gate_residual_layer_norm_scale_fp8(
     eps: float = 1e-6, target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False,
     also_output: bool = False, force_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(new_residual, codes, modulated or None)``: as :func:`tanh_gate_residual_layer_norm_scale`,
-    plus the e4m3 codes of ``modulated`` under ``fp8_amax`` (bit-identical to the reference
-    quantizer applied to it); ``modulated`` itself only when ``also_output``."""
+    """``(new_residual, codes, modulated or None)``: :func:`tanh_gate_residual_layer_norm_scale` plus the e4m3
+    codes of ``modulated`` under ``fp8_amax`` (as the reference quantizer's); ``modulated`` with ``also_output``."""
     eps, clip_fp16 = _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax)
     m = target_token_mask
 

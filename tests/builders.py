@@ -1,5 +1,8 @@
 """Builders for tests, examples and benchmarks: random Qwen-Image transformers and pipelines.
 
+Not part of the installed package (it used to be ``qwen_absorb.testing``): tests import it as
+``from . import builders``, scripts as ``tests.builders`` with the clone's root on ``sys.path``.
+
 Stable names (other code imports them):
 
 - :func:`tiny_transformer`          a 2-block, 64-wide QwenImageTransformer2DModel (CPU friendly)
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modelopt_recipe import import_modelopt
+from qwen_absorb.modelopt_recipe import import_modelopt
 
 __all__ = [
     "TINY_CONFIG",

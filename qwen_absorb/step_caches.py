@@ -1,0 +1,314 @@
+"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FirstBlockCache and
+FasterCache stay eager (:func:`refusal`).
+
+Both caches decide each call's work on the host from their own counters, before any tensor is read:
+- PyramidAttentionBroadcast (a hook on every block's ``attn``): compute the attention, or hand out the last one,
+  from the hook's iteration counter and the timestep callback (one state per hook, shared by cond and uncond);
+- MagCache (hooks on every block, the first deciding): compute every block, or add the last residual to the
+  first block's input and skip the rest, from its step counter and the precomputed magnitude ratios (one state
+  per cache context).
+The runner asks :func:`begin` before a call: each state's decision is predicted on a copy of it (diffusers'
+expressions on the same values), and the graph key is the decisions. The tensor a state carries from call to call
+(the attention output, the residual) lives in a kept tensor per (hook, cache context) that graphs read and write.
+Eager calls run diffusers' hooks as they are; a warm-up and a capture run them too, with the timestep callback
+answering the decided comparison (no device read inside a capture) and the state of before the call restored for
+the capture; a replay runs no hook: the predicted state is applied after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hooks
+
+PAB, MAG = "PyramidAttentionBroadcast", "MagCache"
+_HOOKS = {"PyramidAttentionBroadcastHook": PAB, "MagCacheHeadHook": MAG, "MagCacheBlockHook": MAG}
+_CONFIGS = {"PyramidAttentionBroadcastConfig": PAB, "MagCacheConfig": MAG}
+# Caches whose calls run eager under graphs: (refusal, detail), said in the report's graph_fallbacks
+_EAGER = {
+    "FirstBlockCacheConfig": (
+        "FirstBlockCache: decided from the first block's output (a device read inside the call)",
+        "diffusers compares the first block's residual with the last one (.item()) inside every call; a graph "
+        "of the whole model cannot take that branch, and graphs split after the first block are not built"),
+    "FasterCacheConfig": (
+        "FasterCache: hooks the transformer call itself (not graphed)",
+        "its denoiser hook wraps the transformer's own forward, outside the graph runner, and splits batched "
+        "cond/uncond inputs: QwenImagePipeline runs them as separate calls (is_guidance_distilled=False raises "
+        "on Qwen-Image, patched or not); its attention approximation runs eager, exact"),
+}
+_serials = itertools.count(1)
+
+
+def _diffusers(obj: Any, names: dict) -> str | None:
+    t = type(obj)
+    return names.get(t.__name__) if t.__module__.startswith("diffusers.") else None
+
+
+def kind(config: Any) -> str | None:
+    """PAB or MAG when ``config`` (a transformer's ``_cache_config``) is a cache this module graphs."""
+    return _diffusers(config, _CONFIGS)
+
+
+def refusal(config: Any) -> tuple[str, str] | None:
+    """Why the calls of a cache this module does not graph run eager: (reason, detail), or None."""
+    t = type(config)
+    return _EAGER.get(t.__name__) if t.__module__.startswith("diffusers.") else None
+
+
+def owned(module: nn.Module) -> list[Any]:
+    """The diffusers hooks on ``module`` when all are PAB / MagCache hooks (the runner decides them); else []."""
+    named = hooks.registry_hooks(module)
+    return list(named.values()) if named and all(_diffusers(h, _HOOKS) for h in named.values()) else []
+
+
+def _flat(v: Any) -> list[torch.Tensor]:
+    return [v] if isinstance(v, torch.Tensor) else list(v)
+
+
+def _copy(v: Any) -> Any:  # what a snapshot holds: 0-d tensors diffusers updates in place (MagCache's *=) cloned
+    if isinstance(v, torch.Tensor) and v.dim() == 0:
+        return v.clone()
+    return list(v) if isinstance(v, list) else v
+
+
+class _Kept:
+    """The tensors a state carries from call to call, kept in place for graphs; a new ``serial`` on a new shape."""
+
+    __slots__ = ("serial", "bufs", "box")
+
+    def __init__(self, v: Any) -> None:
+        self.serial = next(_serials)
+        self.box = None if isinstance(v, torch.Tensor) else type(v)  # the container diffusers used
+        self.bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in _flat(v)]
+
+    def fits(self, like: list[torch.Tensor]) -> bool:
+        return len(like) == len(self.bufs) and all(
+            b.shape == x.shape and b.dtype == x.dtype and b.device == x.device for b, x in zip(self.bufs, like))
+
+    def value(self) -> Any:  # the kept tensors as the state holds them
+        return self.bufs[0] if self.box is None else self.box(self.bufs)
+
+
+# hook -> {cache context: _Kept}; keyed by the hook, as diffusers drops its states at the end of every run
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release(hook: Any) -> None:
+    """Forget the kept tensors of ``hook`` (graphs holding them keep theirs until dropped)."""
+    _kept.pop(hook, None)
+
+
+class _Step:
+    """One state's decision for one call: ``field`` is the attribute its tensor lives in, ``post`` the plain
+    attributes after the call (predicted), ``reset`` a MagCache run ending (the residual dropped)."""
+
+    __slots__ = ("hook", "state", "name", "field", "compute", "post", "reset", "kept", "changed", "before", "after")
+
+    def __init__(self, hook: Any, state: Any, name: str, field: str, compute: bool, post: dict,
+                 reset: bool = False) -> None:
+        self.hook, self.state, self.name, self.field = hook, state, name, field
+        self.compute, self.post, self.reset = compute, post, reset
+        self.changed = False
+        self.before = self.after = None
+        self.kept = self._adopt()
+
+    def _adopt(self) -> _Kept | None:
+        """The kept tensors, holding what the state holds (copied in after an eager call made new ones)."""
+        v = getattr(self.state, self.field)
+        per = _kept.setdefault(self.hook, {})
+        k = per.get(self.name)
+        if v is None:
+            return k
+        like = _flat(v)
+        if k is None or not k.fits(like):
+            k = per[self.name] = _Kept(v)
+        if not self.compute and any(b is not x for b, x in zip(k.bufs, like)):
+            for b, x in zip(k.bufs, like):
+                b.copy_(x)
+            setattr(self.state, self.field, k.value())
+        return k
+
+    def key(self) -> tuple:
+        # a compute step that ends a MagCache run copies no residual (the tail drops it): a graph of its own
+        return (self.compute, self.compute and self.reset, self.kept.serial if self.kept is not None else None)
+
+    def keep(self, capturing: bool) -> None:
+        """After the hooks ran a compute step (a warm-up, a capture): their new tensor into the kept ones."""
+        v = getattr(self.state, self.field) if self.compute else None
+        if v is None:
+            return
+        like = _flat(v)
+        if self.kept is None or not self.kept.fits(like):
+            if capturing:
+                raise RuntimeError(f"{self.field} changed shape during a CUDA-graph capture")
+            self.kept = _kept.setdefault(self.hook, {})[self.name] = _Kept(v)
+            self.changed = True
+        for b, x in zip(self.kept.bufs, like):
+            b.copy_(x)
+        setattr(self.state, self.field, self.kept.value())
+
+    def snapshot(self) -> dict:
+        return {k: _copy(v) for k, v in vars(self.state).items()}
+
+    def restore(self, snap: dict) -> None:
+        vars(self.state).update({k: _copy(v) for k, v in snap.items()})
+
+    def apply(self) -> None:
+        """The state after a replay: what diffusers' hooks leave."""
+        vars(self.state).update(self.post)
+        if self.compute:
+            setattr(self.state, self.field, None if self.reset else self.kept.value())
+
+
+class _Decided:
+    """What a PAB hook's timestep callback answers in a warm-up or capture: ``lo < x < hi`` is the decision."""
+
+    __slots__ = ("inside",)
+
+    def __init__(self, inside: bool) -> None:
+        self.inside = inside
+
+    def __gt__(self, other: Any) -> bool:
+        return self.inside
+
+    __lt__ = __gt__
+
+
+def _pab(hook_list: list[Any]) -> tuple[list[_Step], list[tuple[Any, _Decided]]]:
+    steps, shadows, times = [], [], {}
+    for h in hook_list:
+        cb = h.current_timestep_callback
+        if id(cb) not in times:
+            times[id(cb)] = cb()  # once per call per callback (diffusers asks every hook; the same value)
+        lo, hi = h.timestep_skip_range
+        inside = bool(lo < times[id(cb)] < hi)
+        st = h.state
+        compute = st.cache is None or st.iteration == 0 or not inside or st.iteration % h.block_skip_range == 0
+        steps.append(_Step(h, st, "", "cache", bool(compute), {"iteration": st.iteration + 1}))
+        shadows.append((h, _Decided(inside)))
+    return steps, shadows
+
+
+def _mag(head: Any) -> _Step | str:
+    """The head hook's decision and the tail's step advance, on copies of the state's values."""
+    cfg, mgr = head.config, head.state_manager
+    if cfg.calibrate:
+        return "MagCache: calibration reads tensor values (eager)"
+    if mgr._context is None:
+        return "MagCache: no cache context yet (its hooks set one)"
+    st = mgr.get_state()
+    ratio, n, err = _copy(st.accumulated_ratio), st.accumulated_steps, _copy(st.accumulated_err)
+    cur, compute = st.step_index, True
+    scale = 1.0 if cur >= len(cfg.mag_ratios) else cfg.mag_ratios[cur]
+    if cur >= int(cfg.retention_ratio * cfg.num_inference_steps + 0.5):
+        ratio *= scale
+        n += 1
+        err += abs(1.0 - ratio)
+        if st.previous_residual is not None and err <= cfg.threshold and n <= cfg.max_skip_steps:
+            compute = False
+        else:
+            ratio, n, err = 1.0, 0, 0.0
+    post = {"should_compute": compute, "accumulated_ratio": ratio, "accumulated_steps": n,
+            "accumulated_err": err, "step_index": cur + 1}
+    reset = cur + 1 >= cfg.num_inference_steps
+    if reset:  # the tail ends the run (_advance_step)
+        post.update(step_index=0, accumulated_ratio=1.0, accumulated_steps=0, accumulated_err=0.0,
+                    previous_residual=None, calibration_ratios=[])
+    return _Step(head, st, mgr._context.name, "previous_residual", compute, post, reset)
+
+
+def begin(config: Any, hook_list: list[Any]) -> Steps | str | None:
+    """This call's steps, decided now without touching the states' counters; a refusal when it must run eager;
+    None when ``hook_list`` has none of this cache's hooks."""
+    if kind(config) == PAB:
+        pab = [h for h in hook_list if _diffusers(h, _HOOKS) == PAB]
+        return Steps(*_pab(pab), PAB) if pab else None
+    heads = [h for h in hook_list if type(h).__name__ == "MagCacheHeadHook"]
+    if not heads:
+        return None
+    step = _mag(heads[0])
+    return step if isinstance(step, str) else Steps([step], [], MAG)
+
+
+class Steps:
+    """One call's decisions, with the runner's interface (that of :class:`qwen_absorb.taylorseer.Steps`)."""
+
+    __slots__ = ("steps", "shadows", "key", "first", "_replayed")
+
+    def __init__(self, steps: list[_Step], shadows: list[tuple[Any, _Decided]], name: str) -> None:
+        self.steps, self.shadows = steps, shadows
+        self.key = (name, tuple(s.key() for s in steps))
+        self.first = f"{name} cache: first computed step of its state"
+        self._replayed = False
+
+    @property
+    def capturable(self) -> bool:
+        """Every state has its kept tensors (a first compute step makes them) and none moved meanwhile."""
+        return all(s.kept is not None and not s.changed for s in self.steps)
+
+    @property
+    def writes(self) -> bool:
+        return any(s.compute for s in self.steps)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [b for s in self.steps if s.kept is not None for b in s.kept.bufs]
+
+    def __enter__(self) -> Steps:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``inner`` for a warm-up (its first call) and a capture (its second): the hooks run with the decided
+        timestep comparison; the capture from the state of before the call, which is put back after it."""
+        runs: list[None] = []
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            capturing = len(runs) == 1
+            runs.append(None)
+            for s in self.steps:
+                if capturing:
+                    s.after = s.snapshot()
+                    s.restore(s.before)
+                else:
+                    s.before = s.snapshot()
+            saved = [(h, h.current_timestep_callback) for h, _ in self.shadows]
+            for h, d in self.shadows:
+                h.current_timestep_callback = lambda d=d: d
+            try:
+                out = inner(*args, **kwargs)
+                for s in self.steps:
+                    s.keep(capturing)
+            finally:
+                for h, cb in saved:
+                    h.current_timestep_callback = cb
+                if capturing:
+                    for s in self.steps:
+                        s.restore(s.after)
+            return out
+
+        return run
+
+    def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
+        return {id(s.hook) for s in self.steps} <= set(map(id, scan.step_hooks))
+
+    def replayed(self) -> None:
+        self._replayed = True
+
+    def apply(self) -> None:
+        if self._replayed:
+            for s in self.steps:
+                s.apply()
+
+    def abandon(self) -> None:  # a raising call ran diffusers' hooks: they left the states as they do eager
+        pass
+
+
+__all__ = ["MAG", "PAB", "Steps", "begin", "kind", "owned", "refusal", "release"]
