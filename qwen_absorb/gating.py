@@ -62,8 +62,9 @@ class Tuning:
     lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
     lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
     # graphs inside accelerate's CpuOffload hook (enable_model_cpu_offload(): captured once per run, replayed by the
-    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). Off by default: the H200 GPU suite
-    # of round 26 died of an illegal memory access in the offload tests with it on, cause not found yet
+    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). Off by default until the offload GPU
+    # tests pass again: their illegal memory access (rounds 25-27) came from leaf-level offloading, now gated
+    # (block.WEIGHT_HOOK_FALLBACK), and the bf16 runs of these graphs were in the worker it broke
     model_offload_graphs: bool = False
 
     def __post_init__(self) -> None:

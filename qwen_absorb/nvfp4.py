@@ -89,11 +89,11 @@ def nvfp4_linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not nvfp4_linear_reasons(m)]
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def _tensor_key(t: torch.Tensor, watched: bool = False) -> tuple:
     try:
         version = t._version
-    except RuntimeError:  # an inference tensor
-        version = object()  # equal to nothing: rebuild
+    except RuntimeError:  # an inference tensor: its content is watched by the plan (watched), else unknowable
+        version = "inference" if watched else object()  # object(): equal to nothing, remade at every call
     return (id(t), t.data_ptr(), version, t.dtype)
 
 
@@ -111,13 +111,13 @@ class Nvfp4Linear:
     """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached; ``use_kernel``: the
     CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA), else the torch reference."""
 
-    __slots__ = ("lin", "use_kernel", "_key", "_weight", "shares_weight", "_amax_key", "_amax32")
+    __slots__ = ("lin", "use_kernel", "watched", "_key", "_weight", "shares_weight", "_amax_key", "_amax32")
 
-    def __init__(self, lin: nn.Linear, use_kernel: bool) -> None:
+    def __init__(self, lin: nn.Linear, use_kernel: bool, watched: bool = False) -> None:
         reasons = nvfp4_linear_reasons(lin)
         if reasons:
             raise ValueError("not a ModelOpt W4A4 NVFP4 linear: " + "; ".join(reasons))
-        self.lin, self.use_kernel = lin, use_kernel
+        self.lin, self.use_kernel, self.watched = lin, use_kernel, watched
         self._amax_key: tuple | None = None
         self._amax32: torch.Tensor | None = None
         self._key: tuple | None = None
@@ -126,8 +126,11 @@ class Nvfp4Linear:
 
     def weight_key(self) -> tuple:
         """What ``fq(W)`` depends on: the weight's and its amax's identity, pointer and version (no device sync). A
-        version-less (inference-mode) tensor cannot show an in-place edit: its copy is remade at every call."""
-        return (*_tensor_key(self.lin.weight), *_tensor_key(self.lin.weight_quantizer._amax))
+        version-less (inference-mode) tensor cannot show an in-place edit: alone, its copy is remade at every call;
+        ``watched`` (a patched block's runner) trusts the plan's watch, which compares such tensors' content before
+        every call and decides the block again (new runners) when it changed."""
+        w = self.watched
+        return (*_tensor_key(self.lin.weight, w), *_tensor_key(self.lin.weight_quantizer._amax, w))
 
     def weight(self) -> torch.Tensor:
         """``fq(W)``: the linear's own weight where that is exact, else a cached fake-quantized copy."""
@@ -145,7 +148,7 @@ class Nvfp4Linear:
     def input_amax32(self) -> torch.Tensor:
         """The input amax as the one-element fp32 tensor the kernel reads (remade when the amax changes)."""
         amax = self.lin.input_quantizer._amax
-        key = _tensor_key(amax)
+        key = _tensor_key(amax, self.watched)
         if key != self._amax_key or self._amax32 is None:
             self._amax32 = amax.detach().float().reshape(1)
             self._amax_key = key
@@ -177,7 +180,7 @@ def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, 
         if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < MIN_CAPABILITY:
             return {}
         if not nvfp4_linear_reasons(m):
-            linears[m] = Nvfp4Linear(m, use_kernel)
+            linears[m] = Nvfp4Linear(m, use_kernel, watched=True)
             if use_kernel:  # on the GPU made now, never inside a graph capture; on CPU at first use
                 linears[m].weight()
     return linears

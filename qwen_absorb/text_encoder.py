@@ -221,6 +221,18 @@ class PromptEncoder:
                                   aid=lambda: MaskConstants(self.encoder))
         report.graphs_off = "cuda_graph=False" if cuda_graph is False else None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the pipeline (deepcopy / pickle) carries the patch without the kept embeddings (possibly
+        # autograd non-leaves, which deepcopy refuses) or graphs (a lock): made again in the copy
+        d = dict(self.__dict__)
+        d["cache"], d["graphs"] = OrderedDict(), None
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0 if self.mode is True else 1,
+                                  aid=lambda: MaskConstants(self.encoder))
+
     def _last_hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         return out.hidden_states[-1]

@@ -184,3 +184,36 @@ def test_lora_on_an_nvfp4_linear_is_unpatched_bit_for_bit(seed):
     plan = _quantized_blocks(model)[0].__dict__[PLAN_ATTR]
     assert plan.site("img", "norm1").emit is None and plan.linears["attn.to_q"].quant is None
     assert plan.site("txt", "norm1").emit == "nvfp4"  # add_q/k/v carry no adapter
+
+
+def test_inference_mode_weights_are_fake_quantized_once_and_followed_by_the_watch(monkeypatch, seed):
+    """Weights made under ``torch.inference_mode()`` (an export loaded there) have no version counter: a patched
+    block's NVFP4 runners trust the plan's watch (their content compared before every call) instead of remaking
+    ``fq(W)`` at every call; an in-place edit is still followed, bit for bit ModelOpt."""
+    model = _nvfp4_model(seed=seed % 1000)
+    with torch.inference_mode():  # Parameters made there (an export loaded there): inference tensors, no version
+        for m in model.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None:
+                    m._parameters[name] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
+    with pytest.raises(RuntimeError):
+        model.transformer_blocks[1].attn.to_q.weight._version  # noqa: B018 - what makes them version-less
+    inputs = T.transformer_inputs(model, seed=seed + 1)
+    want = _modelopt(model, inputs)
+    qwen_absorb.patch(model, capabilities={"cpu"})
+    weights = {m.weight.data_ptr() for b in _quantized_blocks(model) for m in b.__dict__[PLAN_ATTR].nvfp4}
+    made = []
+    real = nvfp4._fake_quant
+    monkeypatch.setattr(nvfp4, "_fake_quant", lambda t, *a: made.append(t.data_ptr() in weights) or real(t, *a))
+    assert torch.equal(T.run_transformer(model, inputs), want)
+    first = sum(made)
+    assert first == len(weights)  # each weight once
+    made.clear()
+    assert torch.equal(T.run_transformer(model, inputs), want)
+    assert sum(made) == 0  # not remade: the watch vouched for them
+    lin = _quantized_blocks(model)[0].attn.to_q
+    with torch.inference_mode():
+        lin.weight.mul_(-1.5)
+    edited = _modelopt(model, inputs)
+    assert not torch.equal(edited, want)
+    assert torch.equal(T.run_transformer(model, inputs), edited)

@@ -209,3 +209,23 @@ def test_only_the_replicated_encoding_is_taken_over(pipe):
     assert not rep.on and any("replicates" in r for r in rep.reasons)
     assert "_get_qwen_prompt_embeds" not in edit.__dict__
     assert te_room.patch(pipe).on
+
+
+def test_a_copied_patched_pipeline_encodes_alike_and_apart(seed):
+    """``copy.deepcopy`` of a patched pipeline whose cache holds embeddings computed with grad on (non-leaf tensors,
+    which deepcopy refuses): the copy carries the patch, bound to its own encoder, without the kept embeddings;
+    both give diffusers' bits; an edit of the copy's encoder does not reach the original."""
+    import copy  # noqa: PLC0415
+
+    pipe = tiny_text_pipeline(seed=seed % 1000)
+    want = pipe.encode_prompt("a cat on a mat", device="cpu")[0].detach()
+    te_room.patch(pipe)
+    pipe.encode_prompt("a cat on a mat", device="cpu")  # kept, requires grad
+    twin = copy.deepcopy(pipe)
+    enc = twin.__dict__["_get_qwen_prompt_embeds"]
+    assert isinstance(enc, te_room.PromptEncoder) and enc.pipe is twin and not enc.cache
+    assert torch.equal(twin.encode_prompt("a cat on a mat", device="cpu")[0], want)
+    with torch.no_grad():
+        twin.text_encoder.get_input_embeddings().weight.mul_(-1.0)
+    assert not torch.equal(twin.encode_prompt("a cat on a mat", device="cpu")[0], want)
+    assert torch.equal(pipe.encode_prompt("a cat on a mat", device="cpu")[0], want)
