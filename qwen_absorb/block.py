@@ -510,16 +510,15 @@ def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h:
     """``h + gate * (y + bias)``, then ``norm`` + modulation ``m`` of it: the attention residual + norm2, or the FFN
     residual + the next block's norm1 (``c``, ``block``: the next block's; ``counting``: the plan that counts).
     Returns (new residual, the consumer's input ``(input, activation or None)``)."""
-    eps = c.plan.norms[sp.stream + ("_norm1" if sp.site == "norm1" else "_norm2")].eps
+    eps = c.plan.norms[sp.norm].eps
     counting, mode = counting or c.plan, c.site_mode(sp)
     if mode is not None:
         y, why = _residual_reason(h, y, (gate, m.shift, m.scale), m.index, "attention")
         if why is None:
             if sp.norm_quantizer != "applied-before-op":
-                # the hand-off (sp: the next block's norm1) runs the residual + norm op of the attention residual's row
-                run = R.bias_residual_layer_norm_scale_shift if sp.site == "norm1" else sp.run
-                new_h, out, second = run(mode, h, y, bias, gate, m.shift, m.scale, eps, m.index, sp.fp8_amax,
-                                            sp.act_out, sp.norm_quant, c.q4(sp))
+                # the hand-off (sp: the next block's norm1) runs its row's op with the residual before it
+                new_h, out, second = sp.run_with_residual(mode, h, y, bias, gate, m.shift, m.scale, eps, m.index,
+                                                          sp.fp8_amax, sp.act_out, sp.norm_quant, c.q4(sp))
                 return new_h, _hand(c, sp, out, second)
             # A quantizer the op cannot reproduce (e.g. NVFP4 dynamic): applied exactly between
             # the residual op and the norm op, by ModelOpt itself.

@@ -102,13 +102,9 @@ def _release(block: nn.Module, device: torch.device) -> None:
         plan.rt.generation += 1  # graphs that read the dropped codes are stale
 
 
-_WEIGHT_HOOKS = ("offloading hook", "layerwise casting hook")
-
-
 def _managed_by_hooks(block: nn.Module) -> bool:
     """An offloading or layerwise-casting hook moves or recasts the block's weights itself: it owns them."""
-    return any(hooks.offload_hooked(m) or any(hooks.hook_category(n, h) in _WEIGHT_HOOKS
-                                              for n, h in hooks.registry_hooks(m).items()) for m in block.modules())
+    return any(hooks.weight_moving(m) is not None for m in block.modules())
 
 
 def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bool:

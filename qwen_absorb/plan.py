@@ -72,6 +72,8 @@ class SitePlan:
     runner: str = "eager"  # "kernel", "reference" (the op's torch reference) or "eager" (diffusers' ops)
     mode: int | None = None  # site_runners.KERNEL / REFERENCE (None: eager), what ``run`` is called with
     run: Any = None  # the site's op in qwen_absorb.site_runners, looked up once from Site.op
+    run_with_residual: Any = None  # the op running it with the residual before it (Site.with_residual, else run)
+    norm: str | None = None  # the block LayerNorm it replaces (Site.norm)
     projection: str | None = None  # the projection whose bias this site can take
     bias_deferred: bool = False
     defer_reasons: list[str] = field(default_factory=list)  # why the bias stays in the GEMM
@@ -408,6 +410,7 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
     sp.fused = not sp.reasons
     sp.mode = plan.mode if sp.fused else None
     sp.runner, sp.run = R.MODE_NAMES[sp.mode], getattr(R, s.op)
+    sp.run_with_residual, sp.norm = getattr(R, s.with_residual or s.op), s.norm
     if s.takes_bias_of is not None:
         sp.projection = s.takes_bias_of
         info = plan.projections.get(s.takes_bias_of)

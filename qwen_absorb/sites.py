@@ -28,6 +28,8 @@ class Site:
     takes_bias_of: str | None  # the projection whose bias it can consume (deferral)
     feeds: tuple[str, ...]  # the linears whose input it produces (FP8 emission)
     next: tuple[int, str] | None = None  # (block offset, site key) that follows: the residual stream's next reader
+    # the op that runs it together with the residual before it (the cross-block hand-off; None: ``op`` does)
+    with_residual: str | None = None
 
     @property
     def key(self) -> str:
@@ -45,7 +47,8 @@ class Linear:
 
 def _stream_sites(s: str, attn_q: tuple[str, ...], out: str, mlp: str) -> tuple[Site, ...]:
     return (
-        Site(s, "norm1", "layer_norm_scale_shift", f"{s}_norm1", None, attn_q, (0, f"{s}.attn_residual")),
+        Site(s, "norm1", "layer_norm_scale_shift", f"{s}_norm1", None, attn_q, (0, f"{s}.attn_residual"),
+             "bias_residual_layer_norm_scale_shift"),
         Site(s, "attn_residual", "bias_residual_layer_norm_scale_shift", f"{s}_norm2", out,
              (f"{mlp}.net.0.proj",), (0, f"{s}.ffn_residual")),
         Site(s, "ffn_residual", "bias_gate_residual", None, f"{mlp}.net.2", (), (1, f"{s}.norm1")),

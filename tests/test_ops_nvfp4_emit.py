@@ -16,6 +16,8 @@ import qwen_absorb.ops as ops
 from qwen_absorb.ops import _launch, _runtime
 from qwen_absorb.ops._layer_norm import LN_MODES, layout
 
+from .test_ops_cpu import _struct_kinds  # the parameter structs read from the CUDA sources, one way
+
 qn = importlib.import_module("qwen_absorb.ops.quantize_nvfp4")  # ops.quantize_nvfp4 is the op
 LN_MODULES = ("layer_norm_scale_shift", "bias_residual_layer_norm_scale_shift", "layer_norm_scale",
               "tanh_gate_residual_layer_norm_scale")
@@ -105,20 +107,6 @@ def test_outputs_gives_a_second_output_in_the_activation_dtype():
 
 
 # ---------------------------------------------------------------------------- structs and instances
-
-
-def _struct_kinds(source: str, struct_name: str) -> str:
-    """The parameter struct's fields, one letter each in order: pointers P, qa_i64 q, int i, float f."""
-    body = re.search(r"struct\s+" + struct_name + r"\s*\{(.*?)\};", source, re.S).group(1)
-    kinds = ""
-    for decl in re.sub(r"//[^\n]*", "", body).split(";"):
-        decl = decl.strip()
-        if decl:
-            head = decl.split(",")[0]
-            kind = ("P" if "*" in head else "q" if head.startswith("qa_i64")
-                    else "f" if head.startswith("float") else "i")
-            kinds += kind * (1 + decl.count(","))
-    return kinds
 
 
 def _expand(layout_: str) -> str:
