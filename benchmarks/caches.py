@@ -9,9 +9,9 @@ does; the negative prompt as long as the positive one: PyramidAttentionBroadcast
 for both calls and hands the cond call's attention to the uncond one). Same seed, same latents for every case.
 
 Cases, in order (the budget ends the list where it runs out): uncached; each cache with diffusers' defaults, then
-each with one setting a user would pick for speed: PyramidAttentionBroadcast (PAB), MagCache (ratios calibrated first
-with ``MagCacheConfig(calibrate=True)`` on this model, as its documentation asks), FirstBlockCache (FBC, eager under
-graph mode: decided from tensor values mid-call); TaylorSeer's defaults; last, the same caches on the unpatched model
+with one setting a user would pick for speed: MagCache (ratios calibrated first with ``MagCacheConfig(calibrate=True)``
+on this model, as its documentation asks), TaylorSeer's defaults, FirstBlockCache (FBC, eager under graph mode:
+decided from tensor values mid-call), PyramidAttentionBroadcast (PAB); last, the same caches on the unpatched model
 (speed ratio). Per case: ``wall_s`` (the second of two runs, the first capturing: ``first_run_s``; one run where every
 call is eager anyway), the graph runner's
 ``replays`` / ``captures`` / ``eager_calls`` / ``refusals`` during the timed run, ``latent_rel_err`` of the final
@@ -56,16 +56,16 @@ def configs(clock: Clock, mag_ratios: list[float] | None, steps: int) -> dict[st
                                  PyramidAttentionBroadcastConfig, TaylorSeerCacheConfig)
 
     mag = dict(mag_ratios=mag_ratios, num_inference_steps=steps)
-    return {
-        "pab_default": lambda: PyramidAttentionBroadcastConfig(current_timestep_callback=clock),
+    return {  # the whole-call skippers first (the budget may end the list)
         "mag_default": lambda: MagCacheConfig(**mag),
+        "mag_fast": lambda: MagCacheConfig(**mag, threshold=0.24, max_skip_steps=5, retention_ratio=0.1),
+        "taylorseer_default": lambda: TaylorSeerCacheConfig(),
         "fbc_default": lambda: FirstBlockCacheConfig(),
+        "fbc_fast": lambda: FirstBlockCacheConfig(threshold=0.2),
+        "pab_default": lambda: PyramidAttentionBroadcastConfig(current_timestep_callback=clock),
         "pab_fast": lambda: PyramidAttentionBroadcastConfig(
             spatial_attention_block_skip_range=3, spatial_attention_timestep_skip_range=(100, 950),
             current_timestep_callback=clock),
-        "mag_fast": lambda: MagCacheConfig(**mag, threshold=0.24, max_skip_steps=5, retention_ratio=0.1),
-        "fbc_fast": lambda: FirstBlockCacheConfig(threshold=0.2),
-        "taylorseer_default": lambda: TaylorSeerCacheConfig(),
     }
 
 

@@ -65,91 +65,43 @@ pipeline_2() {  # the 50-step true-CFG cases and the cache, merged into the firs
     --merge-json "$R/pipeline_h200.json" 2>&1 | tee "$OUT/pipeline_2.log"
 }
 
-final_a() {  # the GPU suite, then the offload keys with the time left (one 10-minute call)
-  local t0=$SECONDS
-  gpu_tests
-  mkdir -p "$OUT/offload"
-  timeout $((570 - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT/offload" \
-    > "$OUT/offload/journey_offload.log" 2>&1
-}
-
-final_c() {  # the few-step pipeline cases (issue 40), where device time is left
-  timeout 560 python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step,8step --sections vae,te --budget-s 540 \
-    > "$OUT/pipeline_1.log" 2>&1
-}
-
-final_b() {  # issue 38's side-by-side run, then NVFP4 at 60 layers (one 10-minute call)
-  local t0=$SECONDS
-  timeout 330 bash -c "$(declare -f one_owner); one_owner"
-  mkdir -p "$OUT/nvfp4"
-  timeout $((560 - (SECONDS - t0))) python3 benchmarks/journey.py --out "$OUT/nvfp4" --sections nvfp4 \
-    --budget-s $((540 - (SECONDS - t0))) --merge-json "$R/journey_h200.json" \
-    --offload-json "$R/journey_offload_h200.json" > "$OUT/nvfp4/journey_nvfp4.log" 2>&1
-}
-
-final_d() {  # round 26's last call: the GPU tests the crashed suite did not reach (offload ones isolated), NVFP4
-  local t0=$SECONDS
-  { echo "# python3 -m pytest -q -m gpu <offload files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE \
-      tests/test_offload_gpu.py tests/test_offload_graphs_gpu.py; } > "$OUT/gpu_tests_offload_h200.log" 2>&1
-  { echo "# python3 -m pytest -q -m gpu <the files after the offload ones>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
-    timeout 270 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line -rfE tests/test_ops_gpu.py \
-      tests/test_ops_nvfp4_emit_gpu.py tests/test_qk_norm_rope_gpu.py tests/test_qwenimage21_attention_gpu.py \
-      tests/test_qwenimage21_fp8_gpu.py tests/test_qwenimage21_gpu.py tests/test_stream_kernel_variants_gpu.py \
-      tests/test_taylorseer_gpu.py tests/test_text_encoder_gpu.py tests/test_vae_gpu.py; } > "$OUT/gpu_tests_rest_h200.log" 2>&1
-  mkdir -p "$OUT/nvfp4"
-  timeout $((575 - (SECONDS - t0))) python3 benchmarks/journey.py --out "$OUT/nvfp4" --sections nvfp4 \
-    --budget-s $((560 - (SECONDS - t0))) --merge-json "$R/journey_h200.json" \
-    --offload-json "$R/journey_offload_h200.json" > "$OUT/nvfp4/journey_nvfp4.log" 2>&1
-  tail -3 "$OUT/gpu_tests_offload_h200.log" "$OUT/gpu_tests_rest_h200.log" "$OUT/nvfp4/journey_nvfp4.log"
-}
-
-offload_diag() {  # round 27: each offload GPU test in its own process, GC off (the round-26 crash came from a
-  # destructor run by the GC while pytest formatted a failure), CUDA_LAUNCH_BLOCKING=1
-  local d="$OUT/offload_diag" t0=$SECONDS i=0 id rc
-  mkdir -p "$d"
-  which compute-sanitizer > "$d/sanitizer.txt" 2>&1
-  for id in $(python3 -m pytest --collect-only -q -m gpu tests/test_offload_gpu.py tests/test_offload_graphs_gpu.py \
-              -p no:cacheprovider 2>/dev/null | grep '::'); do
-    i=$((i + 1))
-    [ $((SECONDS - t0)) -gt "${1:-230}" ] && { echo "$id: not run (time)" >> "$d/summary.txt"; continue; }
-    CUDA_LAUNCH_BLOCKING=1 timeout 90 python3 -c "import gc, sys, pytest; gc.disable(); \
-      sys.exit(pytest.main(['-q', '-s', '-x', '--tb=long', '-rA', '-p', 'no:cacheprovider', sys.argv[1]]))" "$id" \
-      > "$d/$(printf %02d $i).log" 2>&1
-    rc=$?
-    echo "$(printf %02d $i) rc=$rc $((SECONDS - t0))s $id $(grep -m1 -oE '(Error|assert)[^\n]{0,160}' "$d/$(printf %02d $i).log" | head -1)" >> "$d/summary.txt"
-  done
-  cat "$d/summary.txt"
-}
-
-final_e() {  # round 27, first call: the offload diagnosis, then the few-step pipeline cases with the time left
-  local t0=$SECONDS
-  offload_diag 200
-  mkdir -p "$OUT/pipeline"
-  timeout $((585 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT/pipeline" --cases 4step,8step \
-    --sections vae,te --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline/pipeline_1.log" 2>&1
-  tail -5 "$OUT/pipeline/pipeline_1.log"
-}
-
-final_f() {  # round 27's final call 1: the whole GPU suite on the final tree (pytest-xdist, 6 processes on the one
-  # GPU: ~9 min of tests in ~3), then the few-step pipeline with the time left. $OUT: env, 2 logs, JSON, md
-  local t0=$SECONDS rc
-  { echo "# python3 -m pytest -q -m gpu tests: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
-    timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short -rfE -n 6 --dist load; rc=$?
-    echo "# exit code $rc"; } > "$OUT/gpu_tests_h200.log" 2>&1
+suite() {  # the whole GPU suite in 6 pytest-xdist processes on the one GPU (~9 min of tests in ~3.5)
+  { echo "# python3 -m pytest -q -m gpu tests -n 6: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout "${1:-330}" python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short -rfE -n 6 --dist load
+    echo "# exit code $?"; } > "$OUT/gpu_tests_h200.log" 2>&1
   tail -4 "$OUT/gpu_tests_h200.log"
-  timeout $((585 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step,8step \
-    --sections vae,te --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline_1.log" 2>&1
-  grep -E "median|done in" "$OUT/pipeline_1.log" | tail -12
 }
 
-final_g() {  # round 27's final call 2: issue 38's side-by-side run, then the caches under graphs (issue 40)
+round29_a() {  # the GPU suite, then the 4-step FP8 case with its loop cut into segments and one profiled call
   local t0=$SECONDS
-  timeout 330 bash -c "$(declare -f one_owner); one_owner" > /dev/null
-  tail -25 "$OUT/one_owner_h200.md"
-  timeout $((585 - (SECONDS - t0))) python3 benchmarks/caches.py --out "$OUT" --budget-s $((570 - (SECONDS - t0))) \
-    > "$OUT/caches.log" 2>&1
-  tail -25 "$OUT/caches_h200.md"
+  suite 340
+  timeout $((590 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step_fp8 \
+    --sections none --profile 4step_fp8 --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline_1.log" 2>&1
+  grep -E "median|done in" "$OUT/pipeline_1.log" | cut -c1-1500 | tail -4
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|offload_diag|final_e|final_f|final_g|final_a|final_b|final_c|final_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round29_b() {  # every prompt-to-image case but the fake-quant 4-step one, the VAE and the text encoder
+  timeout 590 python3 benchmarks/pipeline_e2e.py --out "$OUT" --budget-s 560 ${MERGE:+--merge-json "$MERGE"} \
+    --cases 4step_bf16_unpatched,4step_bf16,4step_fp8,4step_fp8_newlen,8step,50step --sections vae,te \
+    > "$OUT/pipeline.log" 2>&1
+  grep -E "median|done in|te:" "$OUT/pipeline.log" | cut -c1-300 | tail -24
+}
+
+round29_c() {  # the fixed VAE kernel test and the walks' tests on the device, the 4-step FP8 call profiled
+  # (torch.profiler, cProfile, the module walks timed), then the caches with the time left
+  local t0=$SECONDS
+  { echo "# python3 -m pytest -q <two files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_pipeline_walks.py \
+      "tests/test_vae_gpu.py::test_norm_silu_kernel_against_diffusers_expression"; echo "# exit code $?"
+  } > "$OUT/gpu_tests_round29_c.log" 2>&1
+  tail -2 "$OUT/gpu_tests_round29_c.log"
+  mkdir -p "$OUT/p"
+  timeout 220 python3 benchmarks/pipeline_e2e.py --out "$OUT/p" --cases 4step_fp8 --sections none \
+    --profile 4step_fp8 --budget-s 200 > "$OUT/pipeline_profile.log" 2>&1
+  grep -E "median|walks" "$OUT/pipeline_profile.log" | cut -c1-600
+  timeout $((575 - (SECONDS - t0))) python3 benchmarks/caches.py --out "$OUT" --budget-s $((550 - (SECONDS - t0))) \
+    > "$OUT/caches.log" 2>&1
+  tail -14 "$OUT/caches_h200.md"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -4,16 +4,20 @@
 One process, one GPU: the 60-layer random full-size transformer, the Qwen2.5-VL-7B text encoder (random weights,
 bf16), the local tokenizer (real vocabulary size and special tokens, ``pipeline_parts.build_tokenizer``) and the
 full VAE (``AutoencoderKLQwenImage()``), 1024^2, batch 1. Each case: one warm-up call, then ``--runs`` (>= 3)
-timed calls (median wall, seconds) with the stage split of the median call (``pipeline_parts.call``: encode,
-denoise, decode, postprocess, host = denoise minus the transformer's own time, estimated from a timed transformer
-call at the same shapes), and the peak memory of the case. Patched cases: ``qwen_absorb.patch(pipe)`` (defaults)
+timed calls with the stage split of the median one (``pipeline_parts.call``: encode, denoise, decode,
+postprocess, host = denoise minus the transformer's own time, estimated from a timed transformer call at the same
+shapes; the call cut into segments), and the peak memory of the case. Cases under 20 steps interleave as many plain
+calls (no stage timer, no step callback: the timer's syncs and events cost a few ms): their median wall is the
+case's ``e2e_*_s``; 50-step cases report the timed calls' median. Patched cases: ``qwen_absorb.patch(pipe)`` (defaults)
 and the VAE / text-encoder patches where this build has them (``pipeline_parts.patch_pipeline``); "unpatched"
 cases run diffusers as is. Cases, run in this order (the model changes in place: bf16,
 then ModelOpt FP8_DEFAULT_CFG, then a fused LoRA):
 
 - ``4step_bf16_unpatched``, ``4step_bf16``: 4 steps, no CFG, Flash's sigmas [1.0, 0.9, 0.75, 0.5];
 - ``50step_cfg_bf16_unpatched``: 50 steps, true CFG 4.0 (negative prompt " ");
-- ``4step_fp8_unpatched`` (ModelOpt fake quant), ``4step_fp8``; ``50step_cfg_fp8``, ``50step_cfg_fp8_cache`` (the
+- ``4step_fp8_unpatched`` (ModelOpt fake quant), ``4step_fp8``; ``4step_fp8_newlen``: each call's prompt one of
+  a length not seen before (a user's next prompt: its text length is a new transformer input shape, so new CUDA
+  graphs); ``50step_cfg_fp8``, ``50step_cfg_fp8_cache`` (the
   best diffusers cache, ``--cache``; its error on the final latents against the uncached FP8 run, same seed);
 - ``8step_lora_fused_fp8``: a Lightning-shaped PEFT LoRA (rank 64, 12 linears a block) fused into the FP8 model,
   8 steps, no CFG.
@@ -34,6 +38,7 @@ import copy
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +51,7 @@ import torch  # noqa: E402
 
 FLASH_SIGMAS = [1.0, 0.9, 0.75, 0.5]
 CASES = ("4step_bf16_unpatched", "4step_bf16", "50step_cfg_bf16_unpatched", "4step_fp8_unpatched", "4step_fp8",
-         "50step_cfg_fp8", "50step_cfg_fp8_cache", "8step_lora_fused_fp8")
+         "4step_fp8_newlen", "50step_cfg_fp8", "50step_cfg_fp8_cache", "8step_lora_fused_fp8")
 SECTIONS = ("vae", "te", "none")  # "none": cases only
 KEYS = tuple(f"e2e_{c}_s" for c in CASES) + (
     "cache_name", "cache_latent_rel_err", "vae_decode_ms", "vae_decode_unpatched_ms", "vae_rel_err_vs_fp32_ratio",
@@ -83,7 +88,7 @@ class E2E(H.Bench):
                                                           "date": self.env["date"]}]
         self.steps = H.Steps([self.R], a.budget_s, cleanup=lambda: P.unpatch_pipeline(self.pipe))
         self.transformer_ms: dict[str, float] = {}
-        self.calls = 0
+        self.calls = self.fresh = 0
 
     def build(self) -> None:
         a = self.a
@@ -94,15 +99,26 @@ class E2E(H.Bench):
         self.R.put("details.build_memory_gib", H.memory_gib(self.dev))
         self.R.put("te_prompt_tokens", len(self.pipe.tokenizer(P.TEMPLATE.format(P.PROMPT)).input_ids) - 34)
 
-    def gen(self, case: str, output_type: str = "pil", same_prompt: bool = False) -> tuple[float, dict, Any]:
-        """One pipeline call. Each call gets a prompt of its own (the patched text encoder's cache would serve a
-        repeated one: a user's next image has a new prompt); the negative prompt of true CFG repeats, as it does
-        for a user."""
+    def gen(self, case: str, output_type: str = "pil", same_prompt: bool = False,
+            timed: bool = True) -> tuple[float, dict, Any]:
+        """One pipeline call, stage-timed (``pipeline_parts.call``) or plain. Each call gets a prompt of its own
+        (the patched text encoder's cache would serve a repeated one: a user's next image has a new prompt); the
+        negative prompt of true CFG repeats, as it does for a user."""
         kw = case_args(case, self.a)
         self.calls += 0 if same_prompt else 1
-        kw["prompt"] = f"{kw['prompt']}, variation {self.calls}"
-        return P.call(self.pipe, self.dev, **kw, output_type=output_type,
-                      generator=torch.Generator("cpu").manual_seed(self.a.seed))
+        self.fresh += case.endswith("_newlen")
+        # three digits: every case's prompts tokenize to one length (9 -> 10 added a token: a new input shape)
+        extra = ", in fine detail" * self.fresh if case.endswith("_newlen") else ""
+        kw["prompt"] = f"{kw['prompt']}, variation {99 + self.calls}{extra}"
+        kw.update(output_type=output_type, generator=torch.Generator("cpu").manual_seed(self.a.seed))
+        if timed:
+            return P.call(self.pipe, self.dev, **kw)
+        with torch.inference_mode():
+            H.sync(self.dev)
+            t0 = time.perf_counter()
+            out = self.pipe(**kw)
+            H.sync(self.dev)
+        return time.perf_counter() - t0, {}, out
 
     def transformer_call_ms(self, case: str) -> float | None:
         """One transformer call at the case's shapes, timed alone (the denoise loop's GPU-bound part)."""
@@ -114,8 +130,9 @@ class E2E(H.Bench):
             kw = H.inputs(m, side, self.R.get("te_prompt_tokens") or 64, self.dev, torch.bfloat16, self.a.seed)
             with torch.inference_mode():  # as the pipeline calls it (a grad-mode call of ModelOpt's unpatched
                 # attention that raises leaves its SDPA swap in torch for the process: the encoder then fails)
-                r = H.time_calls(lambda: m(**kw)[0], self.dev, 1, 3)
+                r = H.time_calls(lambda: m(**kw)[0], self.dev, 1, 3, b2b=4)
             self.transformer_ms[key] = r["median_ms"]
+            self.R.put(f"details.transformer_alone.{key}", {k: r.get(k) for k in ("median_ms", "b2b_ms")})
         return self.transformer_ms[key]
 
     def case(self, case: str) -> None:
@@ -129,39 +146,141 @@ class E2E(H.Bench):
             self.gen(case)  # warm-up: captures, compiles, allocator
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
-            runs = [self.gen(case) for _ in range(self.a.runs)]
+            steps = case_args(case, self.a)["num_inference_steps"]
+            runs, plain = [], []
+            for _ in range(self.a.runs):  # interleaved: clocks and neighbours drift alike for both
+                runs.append(self.gen(case))
+                if steps < 20:
+                    plain.append(self.gen(case, timed=False)[0])
             peak = torch.cuda.max_memory_allocated(dev) / 2**30 if self.cuda else None
         finally:
             if case.endswith("_cache"):
                 self.cache(False)
+        if case in self.a.profile:
+            self.R.put(f"details.profile.{case}", self.profile(case))
         wall, st, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         steps = case_args(case, self.a)["num_inference_steps"]
         calls = steps * (2 if "cfg" in case else 1)
         t_ms = None if case.endswith("_cache") else self.transformer_call_ms(case)
         st["transformer_calls"] = calls
         st["host_s"] = None if t_ms is None else round(st["denoise_s"] - calls * t_ms / 1e3, 4)
-        self.R.put(f"e2e_{case}_s", round(statistics.median(r[0] for r in runs), 4))
+        self.R.put(f"e2e_{case}_s", round(statistics.median(plain or [r[0] for r in runs]), 4))
         self.R.put(f"stage_split.{case}", st)
         self.R.put(f"peak_gib.{case}", peak and round(peak, 3), None if peak else H.NEEDS_CUDA)
-        H.log(f"  {case}: median {statistics.median(r[0] for r in runs):.4f} s, split {st}, transformer call "
+        H.log(f"  {case}: median {statistics.median(r[0] for r in runs):.4f} s timed, "
+              f"{statistics.median(plain) if plain else float('nan'):.4f} s plain, split {st}, transformer call "
               f"{t_ms} ms, peak {peak and round(peak, 3)} GiB")  # in the log too: the log always comes back
         self.R.put(f"details.{case}", H.json_safe({
-            "runs_s": [round(r[0], 4) for r in runs], "median_run_wall_s": wall, "transformer_call_ms": t_ms,
+            "runs_s": [round(r[0], 4) for r in runs], "plain_runs_s": [round(x, 4) for x in plain],
+            "median_run_wall_s": wall, "transformer_call_ms": t_ms,
             "args": {k: v for k, v in case_args(case, self.a).items() if k != "prompt"},
             "report": None if rep is None else {k: H.summary(v) if k == "transformer" else repr(v)[:300]
                                                   for k, v in rep.items()}}))
         P.unpatch_pipeline(pipe)
 
+    def profile(self, case: str) -> dict[str, Any]:
+        """One more call of ``case`` under torch.profiler (CPU activity with stacks, CUDA where there is one): where
+        the host time between the steps goes. The call's GPU busy and idle gaps, the host ops by self time, and
+        every host op that waits for the device (syncs, device-to-host copies, ``.item()``) with its stack."""
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=acts, with_stack=True) as prof:
+            wall = self.gen(case)[0]
+        out: dict[str, Any] = {"wall_s": round(wall, 4)}
+        if self.cuda:
+            out.update(H.kernel_summary(prof, 8))
+            out["idle"] = H.idle_summary(prof, wall * 1e3, 12)
+        out["host_top"] = [{"name": e.key[:80], "count": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                           for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+                           if "threading.py" not in e.key][:25]
+        waits: dict[tuple[str, ...], list[float]] = {}  # a waiting op and its Python callers -> count, ms
+        for e in prof.events():
+            if any(w in e.name for w in ("Synchronize", "_local_scalar_dense", "cudaMemcpy", "aten::nonzero")):
+                chain, p = [e.name], e.cpu_parent
+                while p is not None and len(chain) < 8:
+                    chain += [p.name[:90]] if ".py(" in p.name and "/torch/" not in p.name else []
+                    p = p.cpu_parent
+                w = waits.setdefault(tuple(chain), [0, 0.0])
+                w[0], w[1] = w[0] + 1, w[1] + e.time_range.elapsed_us() / 1e3
+        out["waits"] = [{"stack": list(k), "count": v[0], "ms": round(v[1], 3)}
+                        for k, v in sorted(waits.items(), key=lambda kv: -kv[1][1])[:20]]
+        out.update(self.python_profile(case))
+        H.log(f"  profile {case}: {json.dumps(out)[:6000]}")
+        return out
+
+    def python_profile(self, case: str) -> dict[str, Any]:
+        """One more call under cProfile (the Python functions the host spends the call in, by cumulative time),
+        and diffusers' per-call module walks timed on this host: diffusers' own and the mirrored ones."""
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        from diffusers import DiffusionPipeline  # noqa: PLC0415
+
+        prof = cProfile.Profile()
+        prof.enable()
+        self.gen(case, timed=False)
+        prof.disable()
+        st = pstats.Stats(prof)
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, ...)
+        top = [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})"[:90], "calls": v[1], "self_ms": round(v[2] * 1e3, 2),
+                "cum_ms": round(v[3] * 1e3, 2)} for k, v in rows if v[3] > 2e-3][:40]
+        pipe, walks = self.pipe, {}
+        for name, dev_fn, free_fn in (
+                ("diffusers", lambda: DiffusionPipeline._execution_device.fget(pipe),
+                 lambda: DiffusionPipeline.maybe_free_model_hooks(pipe)),
+                ("patched", lambda: pipe._execution_device, lambda: pipe.maybe_free_model_hooks())):
+            t = {}
+            for key, fn in (("execution_device_ms", dev_fn), ("maybe_free_model_hooks_ms", free_fn)):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                t[key] = round((time.perf_counter() - t0) * 100, 3)
+            walks[name] = t
+        walks["modules"] = {k: sum(1 for _ in m.modules()) for k, m in pipe.components.items()
+                            if isinstance(m, torch.nn.Module)}
+        H.log(f"  walks {case}: {walks}")
+        return {"cprofile_top": top, "walks": walks}
+
     def cache(self, on: bool) -> None:
-        from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig  # noqa: PLC0415
+        """The case's cache: diffusers' config with one setting a user would pick for speed (MagCache: ratios
+        from its own calibration run on this pipeline first, as its documentation asks)."""
+        from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig  # noqa: PLC0415
 
         m = self.pipe.transformer
         if getattr(m, "_cache_config", None) is not None:
             m.disable_cache()
+        if on and self.a.cache == "magcache" and self.R.get("details.mag_ratios") is None:
+            self.calibrate_mag()
         if on:
-            m.enable_cache({"fbc": lambda: FirstBlockCacheConfig(threshold=0.2),
-                            "taylorseer": TaylorSeerCacheConfig}[self.a.cache]())
-            self.R.put("cache_name", f"{self.a.cache}: {m._cache_config!r}"[:200])
+            steps = case_args("50step_cfg", self.a)["num_inference_steps"]
+            m.enable_cache({"fbc": lambda: FirstBlockCacheConfig(threshold=0.2), "taylorseer": TaylorSeerCacheConfig,
+                            "magcache": lambda: MagCacheConfig(
+                                mag_ratios=self.R.get("details.mag_ratios"), num_inference_steps=steps,
+                                threshold=0.24, max_skip_steps=5, retention_ratio=0.1)}[self.a.cache]())
+            cfg = m._cache_config  # its settings, without the per-step arrays (ratios: details.mag_ratios)
+            shown = {k: v for k, v in vars(cfg).items() if not hasattr(v, "__len__") or isinstance(v, str)}
+            self.R.put("cache_name", f"{self.a.cache}: {type(cfg).__name__}({shown})"[:200])
+
+    def calibrate_mag(self) -> None:
+        """MagCache's calibration run (eager: it reads tensor values); the ratios it prints for the "cond" calls."""
+        import ast  # noqa: PLC0415
+        import contextlib  # noqa: PLC0415
+        import io  # noqa: PLC0415
+
+        from diffusers import MagCacheConfig  # noqa: PLC0415
+
+        m, steps = self.pipe.transformer, case_args("50step_cfg", self.a)["num_inference_steps"]
+        m.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                self.gen("50step_cfg_fp8", "latent", same_prompt=True)
+        finally:
+            m.disable_cache()
+        printed = [ln for ln in buf.getvalue().splitlines() if ln.startswith("[") and not ln.startswith("[Mag")]
+        self.R.put("details.mag_ratios", [round(float(x), 5) for x in ast.literal_eval(printed[0])])
 
     def cache_error(self) -> None:
         """The cache's error on the final latents against the uncached run (same seed, same patched model)."""
@@ -274,9 +393,10 @@ def markdown(d: dict[str, Any]) -> str:
 
 
 def pick(names: str, choices: tuple[str, ...]) -> list[str]:
-    """Comma-separated names or prefixes ("4step", "50step") -> the matching choices, in their order."""
+    """Comma-separated names or prefixes ("4step", "50step") -> the matching choices, in their order (a full name
+    selects itself only: "4step_fp8" is not "4step_fp8_unpatched")."""
     asked = [n.strip() for n in names.split(",") if n.strip()]
-    got = [c for c in choices if any(c == n or c.startswith(n + "_") for n in asked)]
+    got = [c for c in choices if c in asked or any(n not in choices and c.startswith(n + "_") for n in asked)]
     if not got and asked:
         raise SystemExit(f"--cases: no case matches {asked}; choose from {', '.join(choices)}")
     return got
@@ -290,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=None, help="timed calls per case (default 3; --tiny: 1)")
     p.add_argument("--iters", type=int, default=None, help="timed calls of the VAE and text encoder (default 10)")
     p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--cache", choices=("taylorseer", "fbc"), default="taylorseer")
+    p.add_argument("--cache", choices=("magcache", "taylorseer", "fbc"), default="magcache")
+    p.add_argument("--profile", default="", help="comma-separated cases to profile once more after their timing")
     p.add_argument("--merge-json", type=Path, default=None, help="an earlier part's pipeline_h200.json")
     a = H.finish_args(p, p.parse_args(argv), SECTIONS, "pipeline")
-    a.cases = pick(a.cases, CASES)
+    a.cases, a.profile = pick(a.cases, CASES), pick(a.profile, CASES)
     for k, full, tiny in (("num_layers", 60, 2), ("size", 1024, 64), ("runs", 3, 1), ("iters", 10, 2)):
         if getattr(a, k) is None:
             setattr(a, k, tiny if a.tiny else full)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -135,11 +136,15 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "<|im_start|>assistant\n")  # QwenImagePipeline.prompt_template_encode (diffusers 0.42.1)
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
-def stage_timer(pipe: Any, device: torch.device) -> Iterator[dict[str, float]]:
+def stage_timer(pipe: Any, device: torch.device, marks: list | None = None) -> Iterator[dict[str, float]]:
     """Time the pipeline's stages for the calls inside: ``encode_prompt`` (both prompts under true CFG),
     ``vae.decode`` and the conversion to PIL (``image_processor.postprocess``), each synchronized at its entry
-    and exit (the three syncs the pipeline's own decode makes anyway, near enough). Seconds, summed."""
+    and exit (the three syncs the pipeline's own decode makes anyway, near enough). Seconds, summed. Where
+    ``marks`` is given, each stage's end and start are appended to it as ``(name, host_s, cuda_event)``."""
     acc = {"encode_s": 0.0, "decode_s": 0.0, "postprocess_s": 0.0}
     slots = [(pipe, "encode_prompt", "encode_s"), (pipe.vae, "decode", "decode_s"),
              (pipe.image_processor, "postprocess", "postprocess_s")]
@@ -148,32 +153,68 @@ def stage_timer(pipe: Any, device: torch.device) -> Iterator[dict[str, float]]:
         def run(*args: Any, **kw: Any) -> Any:
             H.sync(device)
             t0 = time.perf_counter()
+            _mark(marks, key + ":start", t0)
             out = fn(*args, **kw)
             H.sync(device)
             acc[key] += time.perf_counter() - t0
+            _mark(marks, key + ":end", time.perf_counter())
             return out
         return run
 
+    # the instance slots found here are put back as they were: the postprocess patch lives in one of them
+    kept = [(obj, name, obj.__dict__.get(name, _ABSENT)) for obj, name, _ in slots]
     for obj, name, key in slots:
         setattr(obj, name, timed(getattr(obj, name), key))
     try:
         yield acc
     finally:
-        for obj, name, _ in slots:
-            obj.__dict__.pop(name, None)
+        for obj, name, had in kept:
+            if had is _ABSENT:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = had
 
 
-def call(pipe: Any, device: torch.device, **kw: Any) -> tuple[float, dict[str, float], Any]:
+def _mark(marks: list | None, name: str, host_s: float) -> None:
+    if marks is not None:  # an event recorded, never waited on: the loop stays asynchronous
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, host_s, ev))
+
+
+def call(pipe: Any, device: torch.device, **kw: Any) -> tuple[float, dict[str, Any], Any]:
     """One synchronized pipeline call: ``(wall_s, stages, output)``; stages from :func:`stage_timer`, with
-    ``denoise_s`` = wall minus them (the loop: transformer calls, scheduler, CFG, latent packing)."""
-    with stage_timer(pipe, device) as st, torch.inference_mode():
+    ``denoise_s`` = wall minus them (the loop: transformer calls, scheduler, CFG, latent packing). On CUDA,
+    ``step_gpu_ms`` is the median GPU time from one step's end to the next's, and ``segments`` the call cut at
+    its start and end, each stage's start and end and each step's end: ``[to_name, gpu_ms, host_ms]`` (a host
+    time far below the GPU time: the host ran ahead; far above it: the host was the bound)."""
+    marks: list[Any] = [] if device.type == "cuda" else None
+    step_marks: list[Any] = []
+
+    def step_end(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        _mark(step_marks, f"step{i}", time.perf_counter())
+        return kwargs
+
+    if device.type == "cuda" and "callback_on_step_end" not in kw:
+        kw["callback_on_step_end"] = step_end
+    with stage_timer(pipe, device, marks) as st, torch.inference_mode():
         H.sync(device)
         t0 = time.perf_counter()
+        _mark(marks, "call:start", t0)
         out = pipe(**kw)
         H.sync(device)
         wall = time.perf_counter() - t0
+        _mark(marks, "call:end", t0 + wall)
     st["denoise_s"] = wall - sum(st.values())
-    return wall, {k: round(v, 4) for k, v in st.items()}, out
+    st = {k: round(v, 4) for k, v in st.items()}
+    if len(step_marks) > 2:  # the GPU time from one step's end to the next's: the step's calls, scheduler, CFG
+        st["step_gpu_ms"] = round(statistics.median(
+            a[2].elapsed_time(b[2]) for a, b in zip(step_marks, step_marks[1:])), 3)
+    if marks:
+        line = sorted(marks + step_marks, key=lambda m: m[1])
+        st["segments"] = [[b[0], round(a[2].elapsed_time(b[2]), 2), round(1e3 * (b[1] - a[1]), 2)]
+                          for a, b in zip(line, line[1:])]
+    return wall, st, out
 
 
 def _part_modules() -> list[tuple[str, Any]]:

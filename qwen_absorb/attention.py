@@ -1,15 +1,11 @@
 """The joint attention of a patched block: q/k RMSNorm + RoPE fused, linears as real FP8 GEMMs.
 
-It is diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (``dispatch_attention_fn`` with the
-processor's own backend and context-parallel config), except that the four RMSNorm + RoPE chains (44 eager kernels
-in bf16) are one ``qk_norm_rope`` launch (``plan.qk_fused``); at batch 1 on kernels q/k and v (where nothing
-follows its GEMM) are written straight into the joint ``[text, image]`` tensors, with no concatenation copies
-(``Tuning.joint_outputs``, the same bits); and each planned linear is an FP8 ``torch._scaled_mm`` fed by e4m3 codes
-(LoRA branches from the unquantized input): q/k/v read the codes norm1 emitted, and the attention output is split
-and quantized for ``to_add_out`` / ``to_out[0]`` in one launch.
-
-The block calls :func:`run` only when its plan owns the attention and no hook sits on it; the processor on
-``block.attn`` stays diffusers' own, for ``set_attention_backend``, ``enable_parallelism`` and fallbacks.
+diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (its backend and context-parallel config), except: the
+four RMSNorm + RoPE chains (44 eager kernels) are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are
+written straight into the joint ``[text, image]`` tensors (``Tuning.joint_outputs``, the same bits); each planned
+linear is an FP8 GEMM fed by e4m3 codes (q/k/v norm1's, the output projections' from one split quantization).
+The block calls :func:`run` only when its plan owns the attention and no hook sits on it; ``block.attn``'s
+processor stays diffusers' own (``set_attention_backend``, ``enable_parallelism``, fallbacks).
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ from .sites import IMG_QKV, TXT_QKV, attention_functions
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
             works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """One attention linear: real FP8 (``x`` the codes; ``act``, ``branches``, ``defer``: as for
-    :func:`qwen_absorb.projection.fp8_linear`), on its tensor-parallel shards (a row-wise all-reduce appended to
-    ``works``), or the module as it is."""
+    """One attention linear: real FP8 (``x`` the codes; the rest as for ``projection.fp8_linear``), NVFP4, on its
+    tensor-parallel shards (a row-wise all-reduce appended to ``works``), or the module."""
     lp = plan.linears[path]
     m = _module(attn, path)
     if lp.fp8_gemm:
@@ -48,8 +43,7 @@ def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor
 
 
 def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tensor | None) -> dict | None:
-    """``{path: branches}`` of the real-FP8 LoRA linears among q/k/v of one stream, all their lora_A products
-    from one GEMM (:func:`qwen_absorb.lora.shared_input_branches`), or None: each adds its own."""
+    """``{path: branches}`` of one stream's real-FP8 LoRA q/k/v, their lora_A products from one GEMM, or None."""
     if act is None:
         return None
     lora_paths = [p for p in paths if plan.linears[p].fp8_gemm and plan.linears[p].lora]
@@ -69,11 +63,9 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
 
 def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
         mode: int, compiling: bool, txt_lane: bool = False):
-    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in`` are ``(input, activation)``: the e4m3 codes
-    norm1 emitted for FP8 q/k/v (with the modulated tensor where a LoRA branch reads it, else None), or
-    ``(modulated tensor, None)``. ``mode``: the plan's (references under ``torch.compile``). ``txt_lane``: the text
-    stream's q/k/v (settled before the q/k kernel) and output projection (forked after the output quantization, its
-    result left on the lane for the block's text stream) run on :mod:`qwen_absorb.ops.lane`'s ``"txt"`` lane."""
+    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in``: ``(input, activation)``, the codes norm1 emitted
+    (with the modulated tensor where a LoRA branch reads it) or ``(modulated, None)``. ``txt_lane``: the text stream's
+    q/k/v and output projection run on :mod:`qwen_absorb.ops.lane`'s ``"txt"`` lane."""
     dispatch_attention_fn, _ = attention_functions()
     (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
     proc = attn.processor
@@ -86,9 +78,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
 
     head_dim = attn.inner_dim // attn.heads
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
-    # B = 1 on kernels: q/k (the qk kernel) and v (FP8 GEMMs) are written straight into the joint
-    # [text, image] tensors the attention reads, instead of concatenated after (three copies per block)
-    # Tuning(joint_outputs=False): q/k/v concatenated after the fact (diffusers' order; the GPU tests compare both)
+    # B = 1 on kernels: q/k/v written straight into the joint tensors (saves three copies per block)
     kernels = mode == R.KERNEL
     joint = (plan.options.tuning.joint_outputs and kernels and not compiling and B == 1 and seq_txt > 0 and seq_img > 0
              and plan.qk_fused and image_rotary_emb is not None)
@@ -169,9 +159,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
 
 
 def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
-    """Per-call conditions of the fused q/k path the plan cannot know: one q/k dtype, complex64 rope tables of the
-    activations' lengths on their device (a mismatch runs diffusers' chain, which raises as diffusers would),
-    unit stride inside a head, enough rows for the probed variance order."""
+    """Per-call conditions of the fused q/k path the plan cannot know (a mismatch runs diffusers' chain, which raises
+    as diffusers would)."""
     f_img, f_txt = rope
     if not (type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor
             and type(f_img) is torch.Tensor and type(f_txt) is torch.Tensor):

@@ -1,9 +1,8 @@
 """The attention of a patched Qwen-Image-2.1 block, its q/k RMSNorm + RoPE as one kernel launch.
 
-diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v called as the block's linears, so their hooks and
-real-FP8 forwards run; the prefix KV cache as diffusers keeps it), except ``norm_q`` / ``norm_k`` and both RoPE calls
-(~22 eager kernels per block) as one ``qk_norm_rope`` launch, bit-identical where the device's fp32 variance order is
-the kernel's. Used only where :func:`reasons` and, per call, :func:`call_ok` find nothing; else ``block.attn(...)``.
+diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v called as modules, so their hooks and real-FP8 forwards
+run), except ``norm_q`` / ``norm_k`` and both RoPE calls (~22 eager kernels) as one ``qk_norm_rope`` launch. Used
+only where :func:`reasons` and, per call, :func:`call_ok` find nothing; else ``block.attn(...)``.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ LINEARS = ("to_q", "to_k", "to_v")
 
 
 class QkPlan(NamedTuple):
-    """What :func:`reasons` decided: the kernel may run, the norms' eps, the row count from which PyTorch's
-    variance order is the kernel's, and why not."""
+    """What :func:`reasons` decided for the q/k kernel."""
 
     kernel: bool
     eps: tuple[float, float]
@@ -90,8 +88,8 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
 
 
 def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
-    """Per call: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)`` is then the identity), complex64
-    rope of q's length on its device, enough rows for the probed order."""
+    """Per call: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)`` is then the identity), rope and
+    rows as the kernel needs."""
     w = attn.norm_q.weight
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
         return False
@@ -106,8 +104,8 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
         rotary_emb: torch.Tensor | None, layer_cache: Any, kv_cache_mode: str | None,
         cache_write_slice: slice | None, segments: list | None, key_valid: torch.Tensor | None,
         qkv: Any = None, codes: torch.Tensor | None = None) -> torch.Tensor:
-    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)``, bit for bit. ``qkv`` / ``codes``: to_q/k/v's
-    real-FP8 forwards run as GEMMs from the e4m3 codes of ``hidden_states``; else the linears are called."""
+    """``QwenImage21AttnProcessor()(attn, hidden_states, ...)`` bit for bit; ``qkv`` / ``codes``: q/k/v as GEMMs
+    from the e4m3 codes of ``hidden_states``."""
     dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
     if codes is not None:
         projected = [f.gemm(codes) for f in qkv]

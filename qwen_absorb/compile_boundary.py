@@ -1,12 +1,11 @@
 """A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
 
-Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains its own way
-(FP8 103.1 ms compiled against 89.1 ms eager on the H200, ``results/archive/speed/speed_h200_eb5cc70.md``), without
-eager's intermediate roundings (which flips FP8 codes), and the per-call checks are not traced. So by default the
-traced forward is one call of ``qwen_absorb::qwen_image_block``, running the eager patched forward, checks included
-(``fullgraph=True`` works). The op takes the block's ``attn.norm_q.weight`` (a graph input, not a Python value
-Dynamo would specialise on: one graph serves all blocks) and finds the block by that parameter's storage. The
-eager forward is registered by :mod:`qwen_absorb.block` (:func:`register_forward`): this module sits below it.
+Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains (FP8 103.1 ms
+compiled against 89.1 ms eager on the H200, ``results/archive/speed/speed_h200_eb5cc70.md``) without eager's
+roundings (flipping FP8 codes), and the per-call checks are not traced. So by default the traced forward is one call
+of ``qwen_absorb::qwen_image_block`` running the eager patched forward, checks included. The op takes the block's
+``attn.norm_q.weight`` (a graph input: one graph serves all blocks) and finds the block by its storage. The eager
+forward is registered by :mod:`qwen_absorb.block` (:func:`register_forward`), which sits above this module.
 """
 
 from __future__ import annotations
@@ -135,6 +134,3 @@ def _(handle_, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
       modulate_index):
     return (torch.empty_like(encoder_hidden_states, memory_format=torch.contiguous_format),
             torch.empty_like(hidden_states, memory_format=torch.contiguous_format))
-
-
-__all__ = ["call", "handle", "register_forward", "track"]

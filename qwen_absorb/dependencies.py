@@ -1,6 +1,5 @@
-"""What a block's decisions depend on: modules whose user hooks change what may be fused, modules the fused path
-skips (checked per call), and the :class:`~qwen_absorb.watch.Watch` of everything decisions and derived state were
-made from. A helper of :mod:`qwen_absorb.plan` on the decisions floor: it reads the adapters, never the plan.
+"""What a block's decisions depend on: user hooks, the modules the fused path skips (checked per call), and the
+:class:`~qwen_absorb.watch.Watch` of what decisions and derived state were made from. Reads adapters, never the plan.
 """
 
 from __future__ import annotations
@@ -37,15 +36,13 @@ def hooked(block: nn.Module, *paths: str) -> str | None:
 
 
 def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
-    """A user's hook on a module ``what`` would skip or change: that part runs as its module instead, so
-    the hook runs and sees what it sees unpatched."""
+    """A user's hook on a module ``what`` would skip or change: that part runs as its module instead."""
     h = hooked(block, *paths)
     return [f"a forward hook on {h}: {what}"] if h is not None else []
 
 
 def attention_cache(block: nn.Module) -> bool:
-    """``block.attn``'s only hook is a diffusers TaylorSeer cache the block can run around its own attention
-    (:func:`qwen_absorb.taylorseer.supported_hook`)."""
+    """``block.attn``'s only hook is a TaylorSeer cache the block can run around its own attention."""
     attn = block._modules.get("attn")
     return attn is not None and taylorseer.supported_hook(attn) is not None
 
@@ -68,9 +65,7 @@ def weight_moving_hook(block: nn.Module) -> tuple[str, nn.Module, str] | None:
 
 
 def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
-    """The modules whose hooks the fused path would skip or show other values to: fused norms, FP8-GEMM linears
-    (and wrappers), deferred-bias projections and the containers returning their output, the attention the block
-    runs itself, FFNs and modulations computed around their modules."""
+    """The modules whose hooks the fused path would skip or show other values to."""
     paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
     for proj in plan.deferred_paths():
         paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
@@ -94,10 +89,8 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot:
 
 
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
-    """The block's tensors only its derived state is made from: each FP8-GEMM linear's original weight and amax /
-    scale (the GEMM reads the plan's own codes and scales), not those a derived tensor aliases (a compressed
-    weight reused as the codes). A graph never reads them: a change makes its result stale, never its memory
-    unsafe (``cuda_graph.fingerprint`` checks them after launching a replay)."""
+    """The tensors only derived state is made from (FP8-GEMM linears' original weights and amaxes, unless aliased):
+    a graph never reads them, so a change makes its result stale, never its memory unsafe."""
     derived, sources = set(), []
     for p, lp in plan.linears.items():
         w = lp.weight
@@ -128,8 +121,8 @@ _BLOCK_LOCKS_GUARD = threading.Lock()
 
 
 def block_lock(block: nn.Module) -> threading.RLock:
-    """The one lock of ``block`` for every plan it ever carries: a call of an old plan still running while
-    ``patch()`` / ``unpatch()`` runs in another thread shadows the same bias Parameters the new state reads."""
+    """The one lock of ``block`` for all its plans: an old plan's call running during ``patch()`` / ``unpatch()`` in
+    another thread shadows the bias Parameters the new state reads."""
     with _BLOCK_LOCKS_GUARD:
         lock = _BLOCK_LOCKS.get(block)
         if lock is None:
@@ -183,7 +176,3 @@ def watch(block: nn.Module) -> Watch:
             add((m, "__dict__", name), sized)
     # typed: a class converted in place (mtq.quantize)
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())
-
-
-__all__ = ["attention_cache", "attention_hook_refusal", "block_lock", "bypassed", "derived_only_sources",
-           "hook_refusal", "hooked", "tp_style_hooks", "watch", "weight_moving_hook"]

@@ -15,9 +15,8 @@ from .projection import fp8_linear, fp8_linear_gelu_fp8, nvfp4_linear, run_modul
 
 
 def _tp_ffn(plan, mlp_name, mlp, x, works):
-    """The FeedForward on its tensor-parallel shards (column-wise up projection, GELU, row-wise down
-    projection whose all-reduce goes to ``works``), or None: not TP, or not exactly diffusers'
-    (GELU, Dropout, Linear) without hooks on the FeedForward, GELU or Dropout module."""
+    """The FeedForward on its tensor-parallel shards (the down projection's all-reduce to ``works``), or None: not
+    TP, or not exactly diffusers' (GELU, Dropout, Linear) unhooked."""
     net = mlp.net
     up = net[0].proj
     if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
@@ -39,9 +38,8 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
 
 def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: list, compiling: bool,
         mode: int) -> torch.Tensor:
-    """The FeedForward ``mlp_name`` of ``block`` (net[0]: proj + GELU, net[1]: dropout p=0, net[2]: linear), FP8
-    where planned, on its local shards under tensor parallelism. ``x_in``: ``(input, activation or None)``, what
-    the producing site handed over; ``mode``: how the GELU quantization for net[2] runs (the plan's, or references)."""
+    """The FeedForward ``mlp_name`` of ``block``, FP8 / NVFP4 where planned, on its local shards under TP. ``x_in``:
+    ``(input, activation or None)`` from the producing site; ``mode``: how net[2]'s GELU quantization runs."""
     x, act = x_in
     mlp = block._modules[mlp_name]
     up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
@@ -65,6 +63,3 @@ def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: li
         return run_module(plan, compiling, net[2], net[1](net[0].gelu(h)))
     codes, g = R.quantize_fp8(mode, h, down.weight.input_amax, "gelu_tanh", down.lora and down.lora_active, net[0].gelu)
     return fp8_linear(codes, down, plan, works, g, net[2])
-
-
-__all__ = ["run"]

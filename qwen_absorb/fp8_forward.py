@@ -2,12 +2,11 @@
 
 Qwen-Image-2.1's attention linears (and those of a hooked Qwen-Image attention) are called as modules by diffusers'
 processors. :func:`install` puts an :class:`Fp8LinearForward` in such a linear's instance ``forward`` (torch hooks
-still run around it): it quantizes its input itself, or a runner that calls no hook in between takes its
-:meth:`~Fp8LinearForward.gemm` straight from the codes its fused op emitted. The GEMM (``projection.fp8_linear``) and
-the eligibility (``quant.fp8_linear_refusals``) are both families'; its :class:`~qwen_absorb.plan.LinearPlan` is
-rebuilt when its :class:`~qwen_absorb.watch.Watch` reports a change. A linear wrapped, replaced or converted since
-(``mtq.compress`` keeps this forward as ``_forward_pre_dm``) runs as ModelOpt runs it. *Gated* forwards run
-ModelOpt's forward except while the block itself calls ``block.attn(...)`` :class:`opened` (per object and thread).
+still run around it): it quantizes its input itself, or a runner calling no hook in between takes its ``gemm`` from
+the codes its fused op emitted. Its :class:`~qwen_absorb.plan.LinearPlan` is rebuilt when its own
+:class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since (``mtq.compress`` keeps
+this forward as ``_forward_pre_dm``) runs as ModelOpt runs it. *Gated* forwards run ModelOpt's forward except while
+the block itself calls ``block.attn(...)`` :class:`opened` (per object and thread).
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ OnState = Callable[[int, str, bool, list], None]  # block index, path, real FP8,
 
 
 def refusals(linear: nn.Module, device: torch.device, options: Options) -> list[str]:
-    """Why ``linear`` (a ModelOpt linear, not PEFT-wrapped) cannot run as a real FP8 GEMM in its forward slot
-    on ``device`` under ``options``; empty: it can."""
+    """Why ``linear`` (ModelOpt, not PEFT-wrapped) cannot run as a real FP8 GEMM in its forward slot on ``device``."""
     if options.fp8_gemm is False:
         return ["fp8_gemm=False"]
     r = quant.fp8_linear_refusals(linear, gating.fp8_device_refusals(device, options.fp8_gemm,
@@ -76,11 +74,9 @@ def _device_of(linear: nn.Module) -> torch.device:
 
 
 class Fp8LinearForward:
-    """The instance ``forward`` of one ModelOpt FP8 linear: its :class:`LinearPlan` (``lp``) and how it runs.
-
-    A plain object holding the linear (a deep copy rebinds it to the copy, which decides anew at its first call).
-    ``slot``: the parent's ``_modules`` dict and key it was installed under. ``gated``: the real FP8 GEMM only
-    while :class:`opened` in this thread (``gate``: its id). ``on_state`` tells the report every decision."""
+    """The instance ``forward`` of one ModelOpt FP8 linear: its :class:`LinearPlan` (``lp``) and how it runs. A plain
+    object holding the linear (a deep copy rebinds it, deciding anew). ``slot``: the parent's ``_modules`` dict and key
+    it was installed under; ``gated``: real FP8 only while :class:`opened` in this thread (``gate``: its id)."""
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "lp",
                  "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "__weakref__")
@@ -109,8 +105,7 @@ class Fp8LinearForward:
 
     # -- deciding
     def ready(self, device: torch.device) -> bool:
-        """Whether the real FP8 GEMM runs for inputs on ``device`` now, its derived state rebuilt first if a source
-        changed (host metadata only: no sync unless something changed)."""
+        """Whether the real FP8 GEMM runs for inputs on ``device`` now, rebuilt first if a source changed."""
         w = self.watch
         if w is None or w.changed():
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -170,10 +165,8 @@ class Fp8LinearForward:
         # kept by a ModelOpt conversion since (mtq.compress) as the forward from before: its class forward quantized
         # the input and calls this for the GEMM, so ModelOpt's own GEMM runs where ours does not (no recursion)
         module = quant.modelopt_inner_forward if lin.__dict__.get("_forward_pre_dm") is self else _class_forward
-        compiling = torch.compiler.is_compiling()
-        if self.gated and (compiling or self.gate != threading.get_ident()):
-            return module(lin, input, *args, **kwargs)  # closed: exactly the module, nothing counted
-        if compiling:  # ModelOpt's modules, as before patching (traced or not is torch.compile's business)
+        if torch.compiler.is_compiling() or (self.gated and self.gate != threading.get_ident()):
+            # closed, or compiling (ModelOpt's modules as before patching): exactly the module, nothing counted
             return module(lin, input, *args, **kwargs)
         if args or kwargs or type(input) is not torch.Tensor:
             self.counter[ARGS_FALLBACK] += 1
@@ -199,12 +192,10 @@ class Fp8LinearForward:
         return codes if x.dim() == 3 else codes.reshape(x.shape)
 
     def gemm(self, codes: torch.Tensor) -> torch.Tensor:
-        """``linear(x)`` from the codes of ``x`` ([..., K]) -> [..., N]: :func:`qwen_absorb.projection.fp8_linear`."""
         return fp8_linear(codes, self.lp, self)
 
     def direct(self) -> bool:
-        """Whether a runner may call :meth:`gemm` instead of the linear: no hook would run around the forward, not
-        moved (the block runner checks global hooks)."""
+        """Whether a runner may call :meth:`gemm` instead of the linear: no hook around it, not moved."""
         lin = self.linear
         d = lin.__dict__
         return (d.get("forward") is self and not hooks.has_hooks(lin) and self.slot[0].get(self.slot[1]) is lin
@@ -227,9 +218,9 @@ class Fp8LinearForward:
 
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
             on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False) -> None:
-    """An :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may become a real
-    FP8 GEMM (the device decided per call), refusals told through ``on_state``. ``gated``: installed closed, the
-    FP8 weight built at the first opened call."""
+    """An :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may become a real FP8
+    GEMM, refusals told through ``on_state``. ``gated``: installed closed, the FP8 weight built at the first opened
+    call."""
     for path in paths:
         m = resolve(block, path)
         base, wrappers = unwrap_peft(m)
@@ -262,8 +253,7 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
 
 
 def remove(block: nn.Module) -> None:
-    """Take every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (a PEFT-wrapped
-    linear, ModelOpt's ``_forward_pre_dm`` slot), with their FP8 weights."""
+    """Every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (``_forward_pre_dm`` too)."""
     for m in block.modules():
         for slot in ("forward", "_forward_pre_dm"):
             f = m.__dict__.get(slot)
@@ -308,8 +298,8 @@ def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | 
 
 
 def group(parent: nn.Module, names: Sequence[str], device: torch.device) -> list[Fp8LinearForward] | None:
-    """The real-FP8 forwards of ``parent``'s linears ``names`` when all run a real FP8 GEMM on ``device`` now under
-    one input amax and may be called as their GEMM (one emission serves all); else None."""
+    """The real-FP8 forwards of ``parent``'s linears ``names`` when all run on ``device`` now under one input amax and
+    may be called as their GEMM (one emission serves all); else None."""
     mods = parent.__dict__.get("_modules") or {}
     out = []
     for n in names:
@@ -319,7 +309,3 @@ def group(parent: nn.Module, names: Sequence[str], device: torch.device) -> list
         out.append(f)
     a = out[0].amax_value
     return out if all(f.amax_value == a for f in out[1:]) else None
-
-
-__all__ = ["ATTN_LINEARS", "LINEARS", "Fp8LinearForward", "gated", "group", "install", "of", "opened",
-           "refusals", "remove"]

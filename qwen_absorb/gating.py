@@ -1,10 +1,9 @@
 """Policy as data: when a bias may be deferred, where real FP8 GEMMs and fast accumulation run, the tuning record.
 
-Every decision is a function returning human-readable reasons (empty: yes). Deferral moves a bf16 rounding point
-(the bias leaves the GEMM epilogue and is added in fp32 inside the fused op), so ``"auto"`` defers only on
-capabilities where ``benchmarks/fidelity.py`` (patched error <= 1.05x unpatched) passed. Capabilities are keyed
-``(major, minor)`` for CUDA, else the device type: ``capabilities={"cpu"}`` lets CPU tests exercise deferral, a
-non-CUDA key also accepting the ops' torch references as "the fused path".
+Every decision is a function returning readable reasons (empty: yes). Deferral moves a bf16 rounding point (the bias
+is added in fp32 inside the fused op), so ``"auto"`` defers only where ``benchmarks/fidelity.py`` (patched error <=
+1.05x unpatched) passed. Capabilities are ``(major, minor)`` for CUDA, else the device type (``{"cpu"}`` lets CPU
+tests exercise deferral on the ops' torch references).
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 
 @dataclass(frozen=True)
 class Tuning:
-    """The measurement switches: which of two exact ways runs (same numbers, other speed). Stored in the plan,
-    part of the CUDA-graph key, shown in the report when not the default; each default is the faster way on
-    the H200 (``benchmarks/NOTES.md``, "Tuning defaults")."""
+    """The measurement switches: which of two exact ways runs. In the plan, the graph key and the report (when not
+    default); each default is the faster way on the H200 (``benchmarks/NOTES.md``, "Tuning defaults")."""
 
     qk_fusion: bool = True  # the four q/k RMSNorm + RoPE chains as one qk_norm_rope launch (where bit-exact)
     qk_wide: bool = True  # qk_norm_rope's wide-lane kernel (16-byte vectors) where the layout allows
@@ -86,11 +84,9 @@ class Tuning:
 
 
 def check_tuning(tuning: object) -> Tuning:
-    if tuning is None:
-        return Tuning()
-    if not isinstance(tuning, Tuning):
+    if tuning is not None and not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a qwen_absorb.Tuning, got {type(tuning).__name__}")
-    return tuning
+    return Tuning() if tuning is None else tuning
 
 
 # NVFP4 is not: its contract is ModelOpt's fake quantization bit for bit, and a deferred bias rounds differently
@@ -100,7 +96,6 @@ CapabilityKey = tuple[int, int] | str
 
 
 def capability_key(device: torch.device) -> CapabilityKey:
-    """``(major, minor)`` of a CUDA device, else the device type (``"cpu"``, ``"meta"``, ...)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
@@ -113,8 +108,7 @@ _DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hip")
 def normalize_capabilities(
     capabilities: Collection[CapabilityKey] | None, validated: dict | None = None,
 ) -> frozenset[CapabilityKey]:
-    """``capabilities`` if given, else the validated set (deferral's unless another is named); ValueError for
-    anything but ``(major, minor)`` or a device type name."""
+    """``capabilities`` if given, else the validated set (deferral's unless another is named), checked."""
     if capabilities is None:
         return frozenset(VALIDATED_DEFER_CAPABILITIES if validated is None else validated)
     if isinstance(capabilities, (str, tuple)) and (isinstance(capabilities, str) or _is_cap_tuple(capabilities)):
@@ -184,9 +178,8 @@ def describe_capabilities(capabilities: Collection[CapabilityKey]) -> str:
 
 
 def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
-    """Tensor parallelism: why a projection's DTensor bias stays in its GEMM. Measured on 2 H200s
-    (benchmarks/results/parallel/parallel.md): the FP8 model under TP ran slower with its row-wise biases
-    deferred, so only ``defer_bias=True`` defers them."""
+    """Why a projection's DTensor bias stays in its GEMM. Only ``defer_bias=True`` defers it: the FP8 model under TP
+    ran slower with its row-wise biases deferred (2 H200s, benchmarks/results/parallel/parallel.md)."""
     b = getattr(base, "_parameters", {}).get("bias") if base is not None else None
     if b is None or type(b) is torch.nn.Parameter or type(b.data) is torch.Tensor:
         return []
@@ -197,7 +190,7 @@ def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
 
 
 def check_tristate(name: str, mode: object) -> str | bool:
-    """``mode`` if it is ``"auto"``, ``True`` or ``False`` (not 1, 0 or "yes"), else a ValueError naming ``name``."""
+    """``mode`` if it is ``"auto"``, ``True`` or ``False`` (not 1, 0 or "yes"), else a ValueError."""
     if mode is not True and mode is not False and mode != "auto":
         raise ValueError(f"{name} must be 'auto', True or False, got {mode!r}")
     return mode  # type: ignore[return-value]
@@ -216,9 +209,8 @@ def fast_accum(mode: str | bool, device: torch.device) -> bool:
 
 def fp8_device_refusals(device: torch.device, mode: str | bool,
                         fp8_capabilities: Collection[CapabilityKey]) -> list[str]:
-    """Why a real FP8 GEMM may not run on ``device`` under ``fp8_gemm=mode`` (empty: it may). ``fp8_gemm=True``
-    with the device type in ``fp8_capabilities`` runs it off CUDA (``torch._scaled_mm`` has a CPU
-    implementation): a test of the logic, not a speed path."""
+    """Why a real FP8 GEMM may not run on ``device`` under ``fp8_gemm=mode``. ``fp8_gemm=True`` with the device type in
+    ``fp8_capabilities`` runs ``torch._scaled_mm``'s CPU implementation: a test of the logic, not a speed path."""
     if mode is False:
         return ["fp8_gemm=False"]
     if device.type != "cuda":

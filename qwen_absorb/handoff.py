@@ -1,17 +1,14 @@
 """Cross-block fusion: block i's FFN residual and block i+1's norm1 as one kernel.
 
-Block i's ``h = h + gate * ffn_out`` and block i+1's ``modulate(LayerNorm(h), shift1, scale1)`` are the
-residual + norm pattern of ``bias_residual_layer_norm_scale_shift``, whose modulation depends only on ``temb``:
-block i computes block i+1's modulation and norm1 output with its residual and *hands them over*. One launch
-and one round trip of the residual stream saved per stream and block.
+Block i's ``h = h + gate * ffn_out`` and block i+1's modulated norm1 are the pattern of
+``bias_residual_layer_norm_scale_shift`` (the modulation depends only on ``temb``): block i computes block i+1's
+modulation and norm1 output with its residual and *hands them over* (one launch and one round trip saved per stream).
 
-Safe only if nothing touches ``hidden_states`` between the two blocks: block i hands over only when neither
-block has forward hooks (torch's, global, diffusers' registry: caches, offloading, context-parallel splits) and
-it was called from the loop of the transformer's own ``forward`` (the frame is recorded); block i+1 takes it
-only from that same frame, with the very tensor objects block i returned (a ControlNet residual is a new object)
-and the same ``temb`` and ``modulate_index``; else it computes its norm1 itself, counted in the report. The same
-ops (or references) compute the handed-over values, so taking them changes no bit. The record is thread-local
-and dropped by the next patched block call in the thread.
+Safe only if nothing touches ``hidden_states`` in between: block i hands over only when neither block has forward
+hooks and it was called from the transformer's own forward loop (the frame is recorded); block i+1 takes it only from
+that frame, with the very tensors block i returned (a ControlNet residual is a new object) and the same ``temb`` and
+``modulate_index``, else computes its norm1 itself (counted). The same ops compute the values: no bit changes. The
+record is thread-local, dropped by the next patched block call in the thread.
 """
 
 from __future__ import annotations
@@ -82,7 +79,7 @@ def _loop_code(cls: type) -> Any:
 
 
 def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
-    """Why this block cannot take its norm1 from the previous block's residual op (after decide)."""
+    """Why this block cannot take its norm1 from the previous block's residual op."""
     r = []
     for stream in ("img", "txt"):
         sp = plan.site(stream, "norm1")
@@ -102,9 +99,8 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
 
 
 def _caller_frame(code: Any) -> int | None:
-    """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up:
-    patched_forward <- PatchedForward.__call__ <- Module._call_impl <- _wrapped_call_impl <- loop; under
-    torch.compile the custom op of :mod:`qwen_absorb.compile_boundary` and its wrappers sit in between)."""
+    """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up; more under
+    torch.compile, where :mod:`qwen_absorb.compile_boundary`'s op sits in between)."""
     f = sys._getframe(2)
     for _ in range(40):
         if f is None:
@@ -116,8 +112,8 @@ def _caller_frame(code: Any) -> int | None:
 
 
 def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Module, BlockPlan, int, Any] | None:
-    """The next block, its plan and the loop frame, if this call can hand over (else None; a
-    per-call obstacle is counted, structural ones are in the report)."""
+    """The next block, its plan and the loop frame, if this call can hand over (else None; per-call obstacles
+    counted)."""
     nb = plan.rt.handoff_to
     if nb is None:
         return None
@@ -168,8 +164,8 @@ def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
 
 
 def vouched(plan: BlockPlan) -> bool:
-    """Whether this thread holds a record for ``plan`` made after its watch was asked, by the previous block,
-    moments ago, with no hook able to run in between (see :func:`target`): the block need not ask it again."""
+    """Whether this thread holds a record for ``plan`` made after the previous block asked its watch, no hook able to
+    run in between (:func:`target`): the block need not ask it again."""
     rec: Handoff | None = getattr(_local, "rec", None)
     return rec is not None and rec.to is plan and rec.generation == plan.rt.generation
 
@@ -177,6 +173,3 @@ def vouched(plan: BlockPlan) -> bool:
 def drop() -> None:
     """Forget the thread's record (a patched block ran another path)."""
     _local.rec = None
-
-
-__all__ = ["Handoff", "drop", "give", "link", "receive_reasons", "take", "target", "vouched"]

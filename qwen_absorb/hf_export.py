@@ -28,9 +28,6 @@ from torch import nn
 
 logger = logging.getLogger("qwen_absorb")
 
-__all__ = ["E2M1_MAX", "FP8_MAX", "NVFP4_BLOCK", "empty_transformer", "export_code_mismatches",
-           "import_modelopt", "load_hf_export", "quantized_linear_names", "unpack_e2m1"]
-
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
@@ -39,10 +36,8 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def import_modelopt(name: str = "modelopt.torch.quantization"):
-    """Import a ModelOpt module and return it. The first import runs in a short-lived thread: ModelOpt's import
-    chain (``modelopt.torch.opt`` -> ``pulp``) stores an exception on a class (PuLP's ``COPT_DLL.err``) whose
-    traceback keeps every frame of the importing stack, locals included, alive for the life of the process:
-    imported from a function holding a model, the model could never be freed."""
+    """Import a ModelOpt module, the first time in a short-lived thread: ModelOpt's import chain stores an exception on
+    a class (PuLP's ``COPT_DLL.err``) whose traceback keeps the importing stack's locals (a model) alive forever."""
     if name in sys.modules:
         return sys.modules[name]
     error: list[BaseException] = []
@@ -86,8 +81,7 @@ def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
 
 
 def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
-    """``(differing, total)`` FP8 weight codes of the per-tensor FP8 linears between fake quantization and the
-    export (:func:`_code_mismatches`). Call it before exporting (the export converts in place)."""
+    """``(differing, total)`` FP8 weight codes between fake quantization and the export; call before exporting."""
     differing = total = 0
     modules = dict(transformer.named_modules())
     with torch.no_grad():
@@ -128,8 +122,7 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
 
 
 def read_quant_algo(folder: Path) -> str | None:
-    """The export's ``quant_algo`` (``FP8``, ``NVFP4``, ``MIXED_PRECISION``), from ``config.json``'s
-    ``quantization_config`` or ``hf_quant_config.json``'s ``quantization``; None if neither says."""
+    """The export's ``quant_algo`` from ``config.json`` or ``hf_quant_config.json``; None if neither says."""
     cfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     algo = cfg.get("quant_algo")
     side = folder / "hf_quant_config.json"
@@ -174,8 +167,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes with "-0" (8) written as +0 (0): both decode to 0, and a dequantized weight cannot tell
-    them apart (ModelOpt's export writes 8 for a negative weight that rounds to zero)."""
+    """e2m1 codes with "-0" (8) as +0: a dequantized weight cannot tell them apart (the export writes 8 for a
+    negative weight that rounds to zero)."""
     p = packed.view(torch.uint8)
     lo, hi = p & 0x0F, p >> 4
     lo = torch.where(lo == 8, torch.zeros_like(lo), lo)
@@ -261,8 +254,7 @@ def _same_bytes(weight: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def _quant_cfg(entries: list[_Entry]) -> dict[str, Any]:
-    """A ModelOpt config enabling exactly the export's quantizers, each with its format's default cfg
-    (``FP8_DEFAULT_CFG`` / ``NVFP4_DEFAULT_CFG``); everything else off."""
+    """A ModelOpt config enabling exactly the export's quantizers with their format's default cfg."""
     mtq = import_modelopt()
 
     def defaults(base: dict) -> dict[str, dict]:
@@ -372,8 +364,8 @@ def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state:
 
 
 def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """A ``QwenImageTransformer2DModel`` of ``config`` with uninitialised weights, built in no time, to load into;
-    the rope module is rebuilt for real (its frequency tables are plain attributes made in ``__init__``)."""
+    """A ``QwenImageTransformer2DModel`` of ``config`` with uninitialised weights; the rope module rebuilt for real
+    (its frequency tables are plain attributes made in ``__init__``)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
 

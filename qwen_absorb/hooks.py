@@ -1,8 +1,7 @@
 """The one reader of forward slots and hook chains: torch's, diffusers' ``HookRegistry`` and accelerate's.
 
-diffusers hooks (caches, parallelism, offloading, layerwise casting) and accelerate hooks wrap ``module.forward``
-by keeping the then-current bound forward and assigning an instance attribute: patching must put its forward
-where the *original* one is kept, and every per-call check asks here. It knows nothing of qwen_absorb above it.
+diffusers and accelerate hooks wrap ``module.forward`` by keeping the then-current bound forward and assigning an
+instance attribute: patching must put its forward where the *original* one is kept. Every per-call check asks here.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_h
 
 
 def forward_slots(module: nn.Module) -> Iterator[Slot]:
-    """Every place a forward of ``module`` may be held, outermost first, as (description, get, set): the instance
-    ``forward`` (empty: the class forward), each diffusers hook's ``fn_ref.original_forward`` / ``.forward``, and
-    accelerate's ``_old_forward``."""
+    """Every place a forward of ``module`` may be held, outermost first, as (description, get, set)."""
     d = module.__dict__
     yield "forward", (lambda: d.get("forward")), (lambda f: object.__setattr__(module, "forward", f))
     reg = d.get("_diffusers_hook")
@@ -75,8 +72,7 @@ def ours(fn: Any) -> bool:
 
 
 def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs anything besides its class forward (or ours): :func:`has_hooks`, or a
-    forward replaced on the instance (how every hook library wraps a module)."""
+    """Whether calling ``module`` runs anything besides its class forward (or ours)."""
     d = module.__dict__
     return has_hooks(module) or ("forward" in d and not ours(d["forward"]))
 
@@ -86,9 +82,9 @@ _TRANSPARENT = ("offloading hook", "layerwise casting hook")
 
 
 def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
-    """Whether a module (its ``__dict__``, for per-call speed) has a hook that may read or edit its inputs or
-    outputs: more torch (pre-)hooks than ``allowed`` (TP style hooks, recognised by the caller), a diffusers hook
-    other than offloading / casting, or an instance ``forward`` no weight-moving hook explains and not ours."""
+    """Whether a module (its ``__dict__``, for speed) has a hook that may read or edit its inputs or outputs: more
+    torch (pre-)hooks than ``allowed`` (TP style hooks), a diffusers hook other than offloading / casting, or an
+    instance ``forward`` no weight-moving hook explains and not ours."""
     pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
     if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
         return True
@@ -109,8 +105,7 @@ def offload_hooked(module: nn.Module) -> bool:
 
 
 def weight_moving(module: nn.Module) -> str | None:
-    """The category of a hook on ``module`` that brings its weights in, or casts them, only around that module's own
-    call (diffusers' group offloading or layerwise casting, accelerate's hooks), or None."""
+    """The category of a hook on ``module`` that moves or casts its weights only around its own call, or None."""
     if module.__dict__.get("_hf_hook") is not None:
         return "accelerate hook"
     return next((c for n, h in registry_hooks(module).items() if (c := hook_category(n, h)) in _TRANSPARENT), None)
@@ -131,8 +126,7 @@ def hook_category(name: str, hook: Any) -> str:
 
 
 def execution_device(transformer: nn.Module, blocks: list[nn.Module]) -> torch.device | None:
-    """The device an offloading hook runs the model on (accelerate's ``execution_device``, group offloading's
-    ``onload_device``), or None."""
+    """The device an offloading hook runs the model on, or None."""
     hook = transformer.__dict__.get("_hf_hook")  # accelerate / enable_model_cpu_offload
     dev = getattr(hook, "execution_device", None)
     if dev is not None:
@@ -156,8 +150,7 @@ def unwrap_compiled(obj: Any) -> Any:
 
 
 def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
-    """``target`` or its ``.transformer``, whichever is one of ``classes`` (``torch.compile`` wrappers looked
-    through)."""
+    """``target`` or its ``.transformer``, whichever is one of ``classes`` (``torch.compile`` looked through)."""
     target = unwrap_compiled(target)
     if isinstance(target, classes):
         return target
@@ -169,8 +162,3 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
         f"qwen_absorb needs a {names} or a pipeline whose .transformer is one; got {type(target).__name__}"
         + (f" with .transformer {type(inner).__name__}" if inner is not None else "")
     )
-
-
-__all__ = ["WRAPPER_ATTRS", "as_device", "execution_device", "forward_slots", "global_forward_hooks",
-           "global_hook_count", "hook_category", "hooked", "offload_hooked", "ours", "user_hooked", "registry_hooks",
-           "resolve_transformer", "torch_hook_dicts", "unwrap_compiled"]

@@ -1,28 +1,18 @@
 """Where the original weights of real-FP8 linears live: on the host while their FP8 codes run on the GPU.
 
-A linear that runs as a real FP8 GEMM reads only its plan's e4m3 codes (:func:`qwen_absorb.quant.make_fp8_weight`);
-its original weight (bf16 for a model from ``mtq.quantize`` or ``mto.restore``) is needed only by what the plan
-does not run: diffusers' / ModelOpt's forward on a fallback call, a rebuild of the codes after an amax or weight
-change, ``fuse_lora``, ``state_dict``, ``unpatch``. Keeping it on the GPU doubles the model's memory (a
-60-layer model: 38 GiB of bf16 beside 19 GiB of codes). So, by default (``offload_original_weights="auto"``),
-after every decision of a block (:func:`place`):
+A real-FP8 linear reads only its plan's e4m3 codes; its original weight is needed only by what the plan does not
+run (a fallback call, a rebuild of the codes, ``fuse_lora``, ``state_dict``, ``unpatch``), and keeping it on the
+GPU doubles the model's memory (60 layers: 38 GiB of bf16 beside 19 GiB of codes). So by default
+(``offload_original_weights="auto"``), after every decision of a block (:func:`place`), a linear that runs (or, patched
+on the CPU, may run) as a real FP8 GEMM keeps its weight ``Parameter`` (same object, values intact) with its data
+in host memory; every other weight is where the model is.
 
-- a linear that runs as a real FP8 GEMM on an accelerator keeps its weight ``Parameter`` (same object, values
-  intact) with its data in host memory;
-- a linear that may run so once the model is on a GPU (patched on the CPU: ``.to("cuda")`` or an offload hook
-  comes next) keeps it on the host too, so the move never brings it to the GPU;
-- every other linear's weight is where the model is (a host-kept one goes back there).
-
-The weight's module gets a :class:`HostWeight` as its instance ``_apply`` (what ``Module.to`` / ``.cuda()`` /
-``.half()`` call on every submodule): the module's other tensors move as before, the weight takes dtype changes
-on the host and stays there on a move to an accelerator; the block's derived FP8 codes are released when the
-model leaves the device they were built for (accelerate's model offload moves the whole transformer to the CPU
-after the denoising loop), so nothing of the transformer stays on the GPU. A call that runs the block's original
-forward brings the host-kept weights to the call's device for that call only (:func:`onloaded`); outputs are the
-unpatched model's. A ModelOpt compressed model (``mtq.compress``) has FP8 storage already: its codes are that
-storage (nothing is duplicated) and nothing moves. ``unpatch`` puts every weight back on the device the model is on
-(:func:`restore`). ``offload_original_weights=False``: weights stay where the model keeps them (two copies on the
-GPU). Linears under an offloading or casting hook are left to the hook.
+The module gets a :class:`HostWeight` as its instance ``_apply`` (what ``Module.to`` calls on every submodule): the
+weight takes dtype changes on the host and stays there on a move to an accelerator, and the block's FP8 codes are
+released when the model leaves their device (accelerate's model offload), so nothing stays on the GPU. A call running
+the original forward brings the weights over for that call only (:func:`onloaded`). A ``mtq.compress``ed model's
+codes are its storage: nothing moves. :func:`restore` (``unpatch``) puts every weight back on the model's device.
+Linears under an offloading or casting hook are left to the hook.
 """
 
 from __future__ import annotations
@@ -47,8 +37,7 @@ HOST_ATTR = "_qwen_absorb_host_weights"
 
 
 class HostWeight:
-    """The ``_apply`` of a linear whose weight the patch keeps in host memory: ``Module._apply`` for everything
-    but the weight; the weight takes dtype changes on the host, and follows a move only off the accelerators.
+    """The ``_apply`` of a linear whose weight is kept on the host: ``Module._apply`` for everything else.
     ``device`` is where the weight would be without the patch (the model's device)."""
 
     __slots__ = ("module", "device", "block", "__weakref__")
@@ -79,12 +68,6 @@ class HostWeight:
             _release(self.block, probe.device)
         return m
 
-    def __getstate__(self) -> tuple:
-        return (self.module, self.device, self.block)
-
-    def __setstate__(self, state: tuple) -> None:
-        self.module, self.device, self.block = state
-
     def __repr__(self) -> str:
         return f"<qwen_absorb host-kept weight of {type(self.module).__name__} (model on {self.device})>"
 
@@ -100,11 +83,6 @@ def _release(block: nn.Module, device: torch.device) -> None:
             lp.weight, lp.cache_key = None, ()
         plan.rt.device = None  # the next call decides for its own device (qwen_absorb.block._call_check)
         plan.rt.generation += 1  # graphs that read the dropped codes are stale
-
-
-def _managed_by_hooks(block: nn.Module) -> bool:
-    """An offloading or layerwise-casting hook moves or recasts the block's weights itself: it owns them."""
-    return any(hooks.weight_moving(m) is not None for m in block.modules())
 
 
 def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bool:
@@ -126,12 +104,13 @@ def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bo
 
 
 def place(plan: BlockPlan, block: nn.Module) -> None:
-    """Put each real-FP8 linear's original weight where the decision wants it (see the module doc); a weight
-    moved retakes the plan's watch, so the move is not seen as a change of the model."""
+    """Each real-FP8 linear's original weight where the decision wants it; a move retakes the plan's watch (not a
+    change of the model)."""
     mode = plan.options.offload_original_weights
     kept: list[HostWeight] = block.__dict__.get(HOST_ATTR, [])
     by_module = {id(h.module): h for h in kept}
-    managed = mode is not False and _managed_by_hooks(block)
+    # an offloading or layerwise-casting hook moves or recasts the block's weights itself: it owns them
+    managed = mode is not False and any(hooks.weight_moving(m) is not None for m in block.modules())
     moved = False
     for path in LINEAR_TABLE:
         base = unwrap_peft(resolve(block, path))[0]
@@ -177,8 +156,8 @@ def _put_back(h: HostWeight) -> bool:
 
 
 def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
-    """``w.data = new`` as ``Module._apply`` does it: in place where the tensor types allow (CPU <-> CUDA), else a
-    new ``Parameter`` (e.g. to or from the meta device, as ``.to()`` of the unpatched model would make)."""
+    """``w.data = new`` as ``Module._apply`` does it: in place where the tensor types allow, else a new ``Parameter``
+    (to or from the meta device)."""
     if torch._has_compatible_shallow_copy_type(w.data, new):
         w.data = new
     else:
@@ -186,9 +165,9 @@ def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
 
 
 class AfterDecide:
-    """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once the block is installed:
-    ``plan.patched``), then the report's record. A plain object holding the block, so that a copy of the
-    model rebinds it."""
+    """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once installed: ``plan.patched``), then the
+    report's record. A plain object holding the block (slots copied by default), so that a copy of the model
+    rebinds it."""
 
     __slots__ = ("record", "block")
 
@@ -200,12 +179,6 @@ class AfterDecide:
             place(plan, self.block)
         if self.record is not None:
             self.record(plan)
-
-    def __getstate__(self) -> tuple:
-        return (self.record, self.block)
-
-    def __setstate__(self, state: tuple) -> None:
-        self.record, self.block = state
 
 
 def _adapters_to(module: nn.Module | None, device: torch.device) -> bool:
@@ -228,8 +201,8 @@ def restore(block: nn.Module) -> None:
 
 @contextlib.contextmanager
 def onloaded(block: nn.Module, device: torch.device) -> Iterator[None]:
-    """The block's host-kept weights on ``device`` for one call of its original forward (a fallback), then
-    the same host tensors again (nothing the plan watches changes)."""
+    """The block's host-kept weights on ``device`` for one call of its original forward, then the same host tensors
+    again (nothing the plan watches changes)."""
     kept = block.__dict__.get(HOST_ATTR)
     if not kept:
         yield
@@ -256,7 +229,3 @@ def host_weights(transformer: nn.Module) -> list[torch.Tensor]:
             if w is not None and w.device == HOST:
                 out.append(w)
     return out
-
-
-__all__ = ["ACCELERATOR_TYPES", "AfterDecide", "HOST", "HOST_ATTR", "HostWeight", "host_weights", "onloaded", "place",
-           "restore", "wanted"]

@@ -100,10 +100,9 @@ def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtyp
 
 def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
                           out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
-    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for LoRA layers reading one input (a stream's q/k/v), all
-    ``lora_A`` products from one GEMM over the concatenated A weights; None for fewer than two branches or what
-    :func:`add_branches`' fast path would not take. A GPU library may pick another kernel for the width (the last
-    bit may differ from separate GEMMs'). The A weights are concatenated at every call, never cached: PEFT's
+    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for LoRA layers reading one input, all ``lora_A`` products
+    from one GEMM (the last bit may differ from separate GEMMs'); None for fewer than two branches or what
+    :func:`add_branches`' fast path would not take. The A weights are concatenated per call, never cached: PEFT's
     hotswap writes them through ``.data``, which no version counter sees."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
@@ -129,8 +128,8 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
 
 def foldable_branch(layer: nn.Module, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-    """``(lora_A weight, lora_B weight, scaling)`` of a layer whose one active, plain branch a producing kernel
-    may compute the ``lora_A`` product of (:mod:`qwen_absorb.ops.lora_fold`); else None."""
+    """``(lora_A weight, lora_B weight, scaling)`` of a layer's one active, plain branch, for
+    :mod:`qwen_absorb.ops.lora_fold`; else None."""
     branches = active_branches(layer)
     if len(branches) != 1:
         return None
@@ -141,8 +140,7 @@ def foldable_branch(layer: nn.Module, dtype: torch.dtype,
 
 
 def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
-    """``y`` plus ``scaling * (x @ A.T) @ B.T`` of computed A products: one fp32-accumulated ``addmm_`` each, in
-    place."""
+    """``y`` plus ``scaling * (x @ A.T) @ B.T`` in place: one fp32-accumulated ``addmm_`` each."""
     y2 = y.view(-1, y.shape[-1])
     for t, wb, s in branches:
         y2.addmm_(t, wb.t(), alpha=s)
@@ -178,7 +176,3 @@ def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Te
             x = x.to(a.weight.dtype)
         y = y + b(a(drop(x))) * s
     return y.to(out_dtype)
-
-
-__all__ = ["active_branches", "add_branches", "add_products", "call_refusal", "foldable_branch", "has_lora_bias",
-           "is_lora_layer", "products", "shared_input_branches", "state", "unsupported_reasons"]

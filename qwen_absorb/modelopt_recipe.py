@@ -32,10 +32,6 @@ from .hf_export import (  # noqa: F401  (re-exported: the public names of the re
 
 logger = logging.getLogger("qwen_absorb")
 
-__all__ = ["DEFAULT_KEEP_FIRST", "DEFAULT_KEEP_LAST", "SENSITIVE_LAYERS", "embeds_forward_loop", "empty_transformer",
-           "export_code_mismatches", "export_hf", "fp8_recipe_config", "import_modelopt", "load_hf_export",
-           "nvfp4_recipe_config", "pipeline_forward_loop", "quantize", "quantized_linear_names", "restore", "save"]
-
 # ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization/quantize.py --model qwen-image,
 # NVIDIA Model-Optimizer PR #1706) quantizes only the linears of ``transformer_blocks`` and keeps the
 # first 2 and the last 2 blocks, and everything outside the blocks, in the original precision.

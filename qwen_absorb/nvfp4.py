@@ -1,18 +1,12 @@
 """An NVFP4 linear on Hopper at bf16 speed: ModelOpt's NVFP4 fake quantization without its per-call cost.
 
-A ModelOpt W4A4 NVFP4 linear (``NVFP4_DEFAULT_CFG``) computes on CUDA ``F.linear(fq(x, input_amax), fq(W,
-weight_amax), bias)``, ``fq`` being ModelOpt's Triton NVFP4 fake quantization (arithmetic:
-:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the same bits: ``fq(W)`` made once and remade
-when its sources change (:meth:`Nvfp4Linear.weight_key`; in a patched model the plan's watch decides the block
-again). Where ``fq(W)`` equals ``W`` bit for bit (a weight loaded from an NVFP4 export; checked once per weight,
-not assumed) the linear's own weight is used and no copy is held. ``fq(x)`` is the
-:func:`~qwen_absorb.ops.quantize_nvfp4` kernel, then one bf16 GEMM.
-
-In a patched model ``plan.decide`` builds a block's runners (:func:`block_runners`), then NVFP4 rows
-(:func:`decide_rows`): the fused op producing a linear's input emits ``fq(x)`` (``projection.nvfp4_linear``); a
-linear no producer can feed keeps its runner (``projection.run_module``). Either keeps its bias in the GEMM.
-Blackwell's real NVFP4 GEMMs are not used (not testable here): the same fake-quantized bf16 path runs there.
-:func:`modelopt_fake_quant_on_cpu` runs ModelOpt's own NVFP4 quantizers on CPU (it has no CPU path), for tests.
+A ModelOpt W4A4 NVFP4 linear computes on CUDA ``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)``, ``fq``
+ModelOpt's Triton NVFP4 fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the
+same bits: ``fq(W)`` made once, remade when its sources change, and not held where it equals ``W`` bit for bit (a
+weight from an NVFP4 export; checked, not assumed); ``fq(x)`` by the kernel, then one bf16 GEMM. In a patched model
+``plan.decide`` builds the runners (:func:`block_runners`), then NVFP4 rows (:func:`decide_rows`): the fused op
+producing a linear's input emits ``fq(x)``; a linear no producer can feed keeps its runner. Blackwell's real NVFP4
+GEMMs are not used (not testable here). :func:`modelopt_fake_quant_on_cpu` runs ModelOpt's NVFP4 quantizers on CPU.
 """
 
 from __future__ import annotations
@@ -35,10 +29,6 @@ logger = logging.getLogger("qwen_absorb")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # where ModelOpt's NVFP4 fake quantization is the Triton kernel reproduced here
-
-__all__ = ["Nvfp4Linear", "block_runners", "decide_rows", "modelopt_fake_quant_on_cpu", "nvfp4_linear_reasons",
-           "nvfp4_linear_names"]
-
 
 def _quantizer_reasons(q, what: str) -> list[str]:
     if quant.quantizer_format(q) != quant.NVFP4:
@@ -125,10 +115,9 @@ class Nvfp4Linear:
         self.shares_weight = False
 
     def weight_key(self) -> tuple:
-        """What ``fq(W)`` depends on: the weight's and its amax's identity, pointer and version (no device sync). A
-        version-less (inference-mode) tensor cannot show an in-place edit: alone, its copy is remade at every call;
-        ``watched`` (a patched block's runner) trusts the plan's watch, which compares such tensors' content before
-        every call and decides the block again (new runners) when it changed."""
+        """What ``fq(W)`` depends on: identity, pointer and version of the weight and its amax. A version-less
+        (inference-mode) tensor's copy is remade at every call, unless ``watched`` (a patched block's runner): the
+        plan's watch compares such tensors' content before every call."""
         w = self.watched
         return (*_tensor_key(self.lin.weight, w), *_tensor_key(self.lin.weight_quantizer._amax, w))
 
@@ -146,7 +135,6 @@ class Nvfp4Linear:
         return self._weight
 
     def input_amax32(self) -> torch.Tensor:
-        """The input amax as the one-element fp32 tensor the kernel reads (remade when the amax changes)."""
         amax = self.lin.input_quantizer._amax
         key = _tensor_key(amax, self.watched)
         if key != self._amax_key or self._amax32 is None:
@@ -167,9 +155,8 @@ class Nvfp4Linear:
 
 
 def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, object]:
-    """The NVFP4 runners of a block, keyed by the linear a patched block calls (``projection.run_module``): each
-    NVFP4 linear at ``paths`` (those not run as real FP8 GEMMs). On a GPU below sm_89 there are none: ModelOpt's
-    fake quantization runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
+    """The NVFP4 runners of the NVFP4 linears at ``paths``, keyed by module. None below sm_89: ModelOpt's fake
+    quantization runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
     linears: dict[nn.Module, Nvfp4Linear] = {}
     for p in paths:
         try:
@@ -187,16 +174,14 @@ def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, 
 
 
 def _row_ok(block: nn.Module, path: str, context_reasons) -> bool:
-    """Whether the block may compute around the linear as diffusers would (``context_reasons`` empty) with no hook
-    on the containers it skips: the modulation's Sequential and SiLU, the FeedForward, its GELU and Dropout."""
+    """Whether the block may compute around the linear as diffusers would, no hook on the containers it skips."""
     return not context_reasons(block, path) and not any(
         m is None or _hooked(m) for m in (resolve(block, q) for q in containers(path)))
 
 
 def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
-    """Where every consumer of site ``s`` is an NVFP4 linear under one input amax, its op emits their input's NVFP4
-    fake quantization (``sp.nvfp4_amax``) and their GEMMs read it (``LinearPlan.nvfp4``); else, where some are, they
-    keep quantizing their inputs themselves (the reason joins their plans)."""
+    """Where every consumer of site ``s`` is an NVFP4 linear under one input amax, its op emits their input
+    (``sp.nvfp4_amax``) for their GEMMs; else they quantize their inputs themselves (the reason joins their plans)."""
     runners = [plan.nvfp4.get(resolve(block, p)) for p in s.feeds]
     ok = [isinstance(r, Nvfp4Linear) and _row_ok(block, p, context_reasons) for r, p in zip(runners, s.feeds)]
     if not any(ok):
@@ -220,10 +205,9 @@ def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
 
 
 def decide_rows(plan, block: nn.Module, context_reasons) -> None:
-    """NVFP4 as rows (after ``plan.decide`` made the runners and the FP8 emissions): sites whose consumers are all
-    NVFP4 linears emit their input (:func:`_site_row`); net[2], img_mod.1 / txt_mod.1 and the output projections read
-    ``ops.quantize_nvfp4`` of their input with its activation, where the context is exactly diffusers'
-    (:func:`_row_ok`). The others keep their runners, called where the block calls the linear."""
+    """NVFP4 as rows, after the runners and FP8 emissions: sites emit their consumers' input (:func:`_site_row`);
+    net[2], img_mod.1 / txt_mod.1 and the output projections read ``quantize_nvfp4`` of their activated input where
+    the context is diffusers' (:func:`_row_ok`); the others keep their runners."""
     for s in SITE_TABLE.values():
         if s.feeds and not any(plan.linears[p].fp8_gemm for p in s.feeds):
             _site_row(plan, block, s, plan.site_plan(s.key), context_reasons)
@@ -235,9 +219,8 @@ def decide_rows(plan, block: nn.Module, context_reasons) -> None:
 
 @contextlib.contextmanager
 def modelopt_fake_quant_on_cpu() -> Iterator[None]:
-    """ModelOpt's dynamic NVFP4 fake quantization with :func:`quantize_nvfp4_reference` as its kernel, for
-    the duration: ModelOpt's quantizers (their amaxes, their reshapes, their order) run on CPU, where
-    ModelOpt itself has no NVFP4 path. Other formats are untouched."""
+    """ModelOpt's dynamic NVFP4 fake quantization with :func:`quantize_nvfp4_reference` as its kernel, for the
+    duration: ModelOpt's quantizers run on CPU, where ModelOpt has no NVFP4 path."""
     tq = import_modelopt("modelopt.torch.quantization.tensor_quant")
     original = tq.dynamic_block_quantize_op
 

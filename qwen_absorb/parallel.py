@@ -1,27 +1,18 @@
-"""Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it.
+"""Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it: observed by running it (2
+processes, gloo, CPU, torch 2.13; ``tests/parallel_worker.py`` records it on every CI run).
 
-Observed by running it (2 processes, gloo, CPU, torch 2.13; ``tests/parallel_worker.py`` records it on every CI
-run), not read off documentation.
+**TP** (``TensorParallelConfig``): ``parallelize_module`` with the model's ``_tp_plan``: ``ColwiseParallel()`` for
+q/k/v and ``net.0.proj``, ``RowwiseParallel()`` for ``to_out.0``, ``to_add_out`` and ``net.2``; the Parameters are
+*replaced* (column-wise weight and bias ``Shard(0)``, row-wise weight ``Shard(1)``, bias ``Replicate()``). A row-wise
+``F.linear`` adds ``b / N`` **before** the all-reduce, and its output hook redistributes asynchronously: the attention
+and FFN outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0: a raw kernel reads address 0, issue 12).
+ModelOpt-quantized models cannot be parallelised; ``enable_parallelism`` then ``mtq.quantize`` works.
+**CP** (``ContextParallelConfig``): inputs split on dim 1 (non-contiguous for B > 1), every tensor in the block plain
+and rank-local, every fused op token-local. Patched vs unpatched parallel: bit-identical for both on CPU.
 
-**TP** (``TensorParallelConfig(tp_degree=N)``): ``parallelize_module`` with the model's ``_tp_plan``, default
-layouts, ``use_local_output=True``: ``ColwiseParallel()`` for q/k/v and ``net.0.proj``, ``RowwiseParallel()`` for
-``to_out.0``, ``to_add_out`` and ``net.2``. The Parameters are *replaced* (column-wise weight and bias ``Shard(0)``;
-row-wise weight ``Shard(1)``, bias ``Replicate()``). The block gets plain full tensors, identical on every rank; a
-column-wise linear returns a plain local shard; a row-wise ``F.linear`` on DTensors adds ``b / N`` **before** the
-all-reduce, and its output hook redistributes ``Partial -> Replicate`` asynchronously: the attention and FFN
-outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0, no DTensor: a raw kernel handed one reads address 0,
-issue 12). ModelOpt-quantized models cannot be parallelised (``distribute_module`` visits the quantizers);
-``enable_parallelism`` then ``mtq.quantize`` works (a rank's FP8 codes are the shard of the one-GPU codes).
-
-**CP** (``ContextParallelConfig(ulysses_degree=N)``): no parameter changes; inputs are split on dim 1 by
-``chunk(N, 1)[rank]`` (non-contiguous for B > 1); inside the block every tensor is plain and rank-local; the
-*model* output is an ``AsyncCollectiveTensor``. Every fused op is token-local. Measured on CPU: patched vs
-unpatched parallel bit-identical for both (B = 1 and 2, before or after ``enable_parallelism``).
-
-Under TP the patched block runs the twelve sharded linears on their local shards without DTensor
-(:func:`tp_shard`, ``projection.tp_linear``); every fused-op operand goes through :func:`local_view`, deferral is
-decided per call (:func:`tp_defer_refusals`), and no kernel gets a tensor failing :func:`is_plain_tensor`. Nothing
-here imports ``torch.distributed.tensor`` (no DTensor can exist unless it is loaded).
+Under TP the block runs the sharded linears on their local shards (:func:`tp_shard`, ``projection.tp_linear``);
+every fused-op operand goes through :func:`local_view`, and no kernel gets a tensor failing :func:`is_plain_tensor`.
+Nothing here imports ``torch.distributed.tensor`` (no DTensor can exist unless it is loaded).
 """
 
 from __future__ import annotations
@@ -40,14 +31,8 @@ from torch import nn
 from .hooks import global_forward_hooks
 from .sites import unwrap_peft
 
-__all__ = ["TpShard", "allow_cpu_parallelism", "describe_tensor", "is_async_collective", "is_dtensor",
-           "is_plain_tensor", "kernel_arg_refusal", "local_view", "parallel_kind", "projection_tp_style",
-           "tp_defer_refusals", "tp_shard", "tp_shard_reasons"]
-
-
 def _is_loaded_instance(t: Any, module: str, name: str) -> bool:
-    """``t`` is a ``module.name`` (a plain tensor returns after one type check). Never imports anything: without
-    ``module`` imported no such object can exist."""
+    """``t`` is a ``module.name``, never importing it (without ``module`` no such object can exist)."""
     if is_plain_tensor(t):
         return False
     cls = getattr(sys.modules.get(module), name, None)
@@ -55,19 +40,17 @@ def _is_loaded_instance(t: Any, module: str, name: str) -> bool:
 
 
 def is_plain_tensor(t: Any) -> bool:
-    """``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass: only those own their storage, so
-    ``data_ptr()`` is what a raw kernel reads (DTensor and AsyncCollectiveTensor report 0)."""
+    """``t`` is a ``torch.Tensor`` or ``nn.Parameter``: only those own their storage (DTensor and
+    AsyncCollectiveTensor report ``data_ptr()`` 0)."""
     tp = type(t)
     return tp is torch.Tensor or tp is nn.Parameter
 
 
 def is_dtensor(t: Any) -> bool:
-    """``t`` is a DTensor (a DTensor parameter included)."""
     return _is_loaded_instance(t, "torch.distributed.tensor", "DTensor")
 
 
 def is_async_collective(t: Any) -> bool:
-    """``t`` is an ``AsyncCollectiveTensor`` (a TP row-wise output): torch ops on it wait, raw kernels do not."""
     return _is_loaded_instance(t, "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
 
 
@@ -116,8 +99,7 @@ def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Te
 
 
 def kernel_arg_refusal(*tensors: Any) -> str | None:
-    """Why a raw kernel must not be handed these arguments (None arguments skipped), or None: the fused ops'
-    second line of defence; any tensor subclass goes to the torch reference."""
+    """Why a raw kernel must not be handed these arguments (the fused ops' second line of defence), or None."""
     for t in tensors:
         if t is not None and not is_plain_tensor(t):
             return (f"argument is a {type(t).__name__} (a tensor subclass under distributed parallelism; "
@@ -132,9 +114,8 @@ def _weight(linear: nn.Module) -> Any:
 
 
 def projection_tp_style(linear: nn.Module) -> str | None:
-    """``"colwise"`` (weight ``Shard(0)``: output sharded on the hidden dim), ``"rowwise"`` (``Shard(1)``: output
-    all-reduced), or None (no sharded DTensor weight); PEFT wrappers looked through. Read it at call time: TP
-    applied after patching replaces the parameters."""
+    """``"colwise"`` (weight ``Shard(0)``), ``"rowwise"`` (``Shard(1)``) or None, PEFT wrappers looked through. Read
+    at call time: TP applied after patching replaces the parameters."""
     w = _weight(linear)
     if not is_dtensor(w):
         return None
@@ -185,7 +166,6 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
 
 
 def parallel_kind(transformer: nn.Module) -> str | None:
-    """``"tp"``, ``"cp"`` or None: what ``enable_parallelism`` applied (its ``_parallel_config``)."""
     cfg = getattr(transformer, "_parallel_config", None)
     if cfg is None:
         return None
@@ -208,7 +188,7 @@ _ROWWISE = "RowwiseParallel"
 
 class TpShard:
     """One ``nn.Linear`` under torch's stock ``ColwiseParallel`` / ``RowwiseParallel``: what its rank-local
-    computation needs, and the parameter objects and hook ids it was recognised from (compared on every use)."""
+    computation needs, and what it was recognised from (compared on every use)."""
 
     __slots__ = ("style", "weight", "bias", "pre", "post", "group", "world", "_scaled")
 
@@ -308,9 +288,8 @@ _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
-    """``(record, None)`` if ``linear`` may run on its local shards now; ``(None, why not)`` for a TP-sharded
-    linear that must run through DTensor; ``(None, None)`` for a plain weight (one type check). Cached,
-    checked by identity."""
+    """``(record, None)`` if ``linear`` may run on its local shards now, ``(None, why not)`` if it must run through
+    DTensor, ``(None, None)`` for a plain weight. Cached, checked by identity."""
     w = linear._parameters.get("weight") if hasattr(linear, "_parameters") else None
     if w is None or type(w) is nn.Parameter or type(w) is torch.Tensor:
         return None, None

@@ -1,12 +1,10 @@
 """``patch`` / ``unpatch``: run every Qwen-Image (and Qwen-Image-2.1) transformer block through the fused ops.
 
-The patched forward goes where the *original* bound forward is kept (the instance ``forward``, else the innermost
-slot of the hook chain, :mod:`qwen_absorb.hooks`): diffusers and accelerate hooks keep the then-current forward
-and assign an instance attribute, so a plain ``block.forward = ...`` would replace the whole chain; hooks added
-later wrap the patched forward as they would the original. Block class, signature and return order never change
-(diffusers' block registry, ``compile_repeated_blocks`` and signature-mapping hooks keep working). All blocks are
-planned, then installed; an exception (or Ctrl-C) while installing undoes what was installed. ``patch()`` again
-and ``unpatch()`` act on the blocks the model has at that moment.
+The patched forward goes where the *original* bound forward is kept (:mod:`qwen_absorb.hooks`): a plain
+``block.forward = ...`` would replace a whole hook chain; hooks added later wrap the patched forward as they would the
+original. Block class, signature and return order never change (diffusers' block registry, ``compile_repeated_blocks``
+and signature-mapping hooks keep working). All blocks are planned, then installed; an exception (or Ctrl-C) while
+installing undoes what was installed.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from . import fp8_forward, gating, handoff, hooks, host_originals
+from . import pipeline_walks as walks_room
 from . import text_encoder as text_encoder_room
 from . import vae as vae_room
 from .block import PatchedForward, redecide
@@ -68,7 +67,7 @@ class _PatchState:
 
 
 def resolve_transformer(target: Any) -> nn.Module:
-    """The Qwen-Image (or 2.1) transformer of a pipeline, or ``target`` itself (``torch.compile`` looked through)."""
+    """The Qwen-Image (or 2.1) transformer of a pipeline, or ``target`` itself."""
     return hooks.resolve_transformer(target, model_classes())
 
 
@@ -125,20 +124,11 @@ def _strip(block: nn.Module) -> None:
             _remove_forward(block, fn, had_instance_forward=where != "forward")
 
 
-def _offload_originals(state: _PatchState) -> None:
-    """Original weights of real-FP8 linears where ``offload_original_weights`` wants them (every later decision
-    of a block places them again)."""
-    for rec in state.records:
-        host_originals.place(rec.block.__dict__[PLAN_ATTR], rec.block)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()  # the moved originals' memory back to the driver
-
-
 def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
              offload_original_weights, use_fast_accum, cross_block=True, tuning=None) -> Options:
     tri = gating.check_tristate
     return Options(
-        defer_bias=gating.check_mode(defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
+        defer_bias=tri("defer_bias", defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
         force_reference=bool(force_reference),
@@ -159,7 +149,8 @@ def patch(
     target: Any, *, defer_bias: str | bool = "auto", fp8_gemm: str | bool = "auto", cuda_graph: str | bool = "auto",
     offload_original_weights: str | bool = "auto", capabilities: Collection[tuple[int, int] | str] | None = None,
     force_reference: bool = False, kernels_under_compile: str | bool = "auto", use_fast_accum: str | bool = "auto",
-    cross_block: bool = True, vae: bool = True, text_encoder: bool = True, tuning: gating.Tuning | None = None,
+    cross_block: bool = True, vae: bool = True, text_encoder: bool = True, pipeline_walks: bool = True,
+    tuning: gating.Tuning | None = None,
 ) -> PatchReport:
     """Make every ``QwenImageTransformerBlock`` of ``target`` run the fused ops of :mod:`qwen_absorb.ops`.
 
@@ -191,6 +182,9 @@ def patch(
     tuning: a :class:`qwen_absorb.Tuning` of measurement switches (None: the measured defaults).
     vae / text_encoder: for a pipeline, also its VAE decode (:mod:`qwen_absorb.vae`) and prompt encoding
         (:mod:`qwen_absorb.text_encoder`), in ``report.parts``.
+    pipeline_walks: for a pipeline, diffusers' per-call walks over every module done once each
+        (:mod:`qwen_absorb.pipeline_walks`: the pipeline's class becomes a subclass of the same name), in
+        ``report.parts["pipeline"]``.
 
     Patching again with the same arguments returns the current report; with other arguments, or after blocks
     were replaced, added or removed, it patches anew. Changes inside a block (weights, quantizers, LoRA, dtype,
@@ -206,13 +200,13 @@ def patch(
         if state.options == options and state.cuda_graph == cuda_graph and stale is None:
             _catch_up(state)
             log.debug("already patched with these arguments; returning the current report")
-            return _rooms(target, transformer, state.report, cuda_graph, vae, text_encoder)
+            return _rooms(target, transformer, state.report, cuda_graph, vae, text_encoder, pipeline_walks)
         log.info("patching again (%s)", stale or "other arguments")
         unpatch(transformer)
     blocks = list(getattr(transformer, "transformer_blocks", []))
     if classes21() is not None and isinstance(transformer, classes21()[0]):
         return _rooms(target, transformer, _patch21(transformer, blocks, options, cuda_graph), cuda_graph, vae,
-                      text_encoder)
+                      text_encoder, pipeline_walks)
     report = _new_report(transformer, options, cuda_graph, offload_original_weights=options.offload_original_weights)
     device = _decision_device(transformer)
     block_cls = classes()[1]
@@ -245,7 +239,10 @@ def patch(
             if not plan.reasons:
                 _install_block(state, block, plan)
         handoff.link(plans, blocks, transformer)
-        _offload_originals(state)
+        for rec in state.records:  # originals where offload_original_weights wants them (each decision places again)
+            host_originals.place(rec.block.__dict__[PLAN_ATTR], rec.block)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the moved originals' memory back to the driver
         auto = cuda_graph == "auto"
         graph_args = dict(fallbacks=report.graph_fallbacks if auto else report.runtime_fallbacks,
                           host_tensors=lambda: host_originals.host_weights(transformer), capture_after=int(auto))
@@ -263,16 +260,21 @@ def patch(
         report.record(plan)  # after installing: patched, install slot, links
     object.__setattr__(transformer, _STATE_ATTR, state)
     log.info("%s", report)  # whether kernels run is said at the first call on a device (qwen_absorb.block)
-    return _rooms(target, transformer, report, cuda_graph, vae, text_encoder)
+    return _rooms(target, transformer, report, cuda_graph, vae, text_encoder, pipeline_walks)
 
 
 def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph: str | bool, vae: bool,
-           text_encoder: bool) -> PatchReport:
-    """A pipeline's VAE decode and prompt encoding (their own modules, their own report sections)."""
+           text_encoder: bool, walks: bool) -> PatchReport:
+    """A pipeline's VAE decode, prompt encoding and module walks (their own modules and report sections)."""
     if target is transformer or not hasattr(target, "transformer"):
         return report
-    if not isinstance(vae, bool) or not isinstance(text_encoder, bool):
-        raise ValueError("vae and text_encoder must be True or False")
+    if not all(isinstance(x, bool) for x in (vae, text_encoder, walks)):
+        raise ValueError("vae, text_encoder and pipeline_walks must be True or False")
+    if walks:
+        report.parts["pipeline"] = walks_room.patch(target)
+    else:
+        walks_room.unpatch(target)
+        report.parts.pop("pipeline", None)
     pipe_vae = getattr(target, "vae", None)
     if isinstance(pipe_vae, nn.Module):
         if vae:
@@ -311,10 +313,9 @@ GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on
 
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
-    """Qwen-Image-2.1: the same install, report and unpatch (no bias deferral or hand-off; real FP8 in the linears'
-    forward slots, :mod:`qwen_absorb.fp8_forward`). Its model forward syncs with the host before the blocks (token
-    masks: every whole-call capture failed on the H200), so ``cuda_graph=True`` graphs each block
-    (:func:`cuda_graph.install_blocks`, one pool, captured at first sight); ``"auto"`` none (:data:`GRAPHS_21_AUTO`)."""
+    """Qwen-Image-2.1: the same install, report and unpatch (no deferral or hand-off; real FP8 in the linears' forward
+    slots). Its model forward syncs with the host before the blocks (every whole-call capture failed on the H200), so
+    ``cuda_graph=True`` graphs each block (one pool, captured at first sight); ``"auto"`` none (``GRAPHS_21_AUTO``)."""
     report = _new_report(transformer, options, cuda_graph)
     device = _decision_device(transformer)
     block_cls = classes21()[1]
@@ -375,8 +376,7 @@ def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> Non
 
 
 def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
-    """Why the active patch no longer matches the model (None: it does). Changes inside a block are
-    the block's own business (it decides again at its next call)."""
+    """Why the active patch no longer matches the model (None: it does; changes inside a block are the block's)."""
     now = list(getattr(transformer, "transformer_blocks", []))
     if len(now) != len(state.blocks) or any(a is not b for a, b in zip(now, state.blocks)):
         return "the model's blocks were replaced, added or removed"
@@ -412,15 +412,15 @@ def _undo(state: _PatchState) -> None:
 
 
 def unpatch(target: Any) -> None:
-    """Undo :func:`patch` on the blocks the model has now: the original forwards (in the same hook slots),
-    biases and weight places; outputs bit-identical to a never-patched model. What the patch made (plans, FP8
-    weights, graphs) is released: a kept report holds none of it. A no-op if not patched."""
+    """Undo :func:`patch` on the blocks the model has now (forwards in the same hook slots, biases, weight places):
+    outputs bit-identical to a never-patched model; plans, FP8 weights and graphs released. A no-op if not patched."""
     transformer = resolve_transformer(target)
     if target is not transformer and hasattr(target, "transformer"):  # a pipeline: its VAE and prompt rooms too
         if isinstance(getattr(target, "vae", None), nn.Module):
             vae_room.unpatch(target.vae)
         vae_room.unpatch_postprocess(target)
         text_encoder_room.unpatch(target)
+        walks_room.unpatch(target)
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):
@@ -441,6 +441,3 @@ def patch_report(target: Any) -> PatchReport | None:
     """The report of the active patch on ``target``, or None."""
     state = resolve_transformer(target).__dict__.get(_STATE_ATTR)
     return state.report if state is not None else None
-
-
-__all__ = ["patch", "patch_report", "resolve_transformer", "unpatch"]

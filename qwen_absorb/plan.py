@@ -1,18 +1,11 @@
 """Plans: what a patched block does, decided from the site table, stored once.
 
-A :class:`BlockPlan` is built per block at patch time from :mod:`qwen_absorb.sites` and the facts the adapters read
-(:mod:`~qwen_absorb.quant` ModelOpt, :mod:`~qwen_absorb.lora` PEFT, :mod:`~qwen_absorb.parallel` DTensor,
-:mod:`~qwen_absorb.hooks` hook chains), for the block's device. It keeps apart **decisions** (its fields,
-:class:`SitePlan`, :class:`LinearPlan`: what runs where, with the reasons; the report copies them), **derived
-state** (FP8 weights and scales, norm quantizers' amax records: owned by the linear's / site's plan, never served
-stale) and **runtime** (:class:`BlockRuntime`: device, counters, lock, cross-block link, and the
-:class:`~qwen_absorb.watch.Watch` of everything the decisions depend on).
-
-At every call the block asks the watch (host metadata only); a change (a module replaced or converted, a
-parameter replaced or modified in place, a quantizer switched or recalibrated, a LoRA adapter added, merged,
-enabled or disabled, a dtype or device move) makes it decide again before it computes: no call uses stale state.
-The plan is an instance attribute of the block, never in a closure: a ``deepcopy`` or pickle of the model carries
-a copy, whose watch reports a change, so the copy decides anew for its own modules.
+A :class:`BlockPlan` per block keeps apart **decisions** (its fields, :class:`SitePlan`, :class:`LinearPlan`, with
+their reasons; the report copies them), **derived state** (FP8 weights and scales, norm quantizers' amax records,
+never served stale) and **runtime** (:class:`BlockRuntime`, with the :class:`~qwen_absorb.watch.Watch` of everything
+the decisions depend on). A change the watch sees makes the block decide again before it computes. The plan is an
+instance attribute of the block, never in a closure: a ``deepcopy`` or pickle of the model carries a copy, whose
+watch reports a change, so the copy decides anew for its own modules.
 """
 
 from __future__ import annotations
@@ -38,9 +31,6 @@ derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_grap
 
 PLAN_ATTR = "_qwen_absorb_plan"
 QK_NORMS = dep.QK_NORMS
-# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is
-# probed against PyTorch's on the device (ops.qk_norm_rope.probe_variance_order); Tuning(qk_fusion=False)
-# turns it off (a switch for measurements).
 QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (Tuning(qk_fusion=False))"
 
 
@@ -96,8 +86,7 @@ class SitePlan:
 
 @dataclass
 class LinearPlan:
-    """How one linear of the block runs: as its module, or as a real FP8 ``torch._scaled_mm`` (plus the
-    branches of its PEFT LoRA adapters). The owner of everything derived from the linear."""
+    """How one linear runs (its module, or a real FP8 GEMM plus its LoRA branches); owns what is derived from it."""
 
     path: str
     fp8_gemm: bool = False
@@ -210,8 +199,8 @@ class BlockPlan:
             self.rt.counter[reason] += 1
 
     def hooked(self) -> bool:
-        """A forward hook (torch's, a diffusers or accelerate hook) on a module the fused path skips or
-        changes, or a global one: that module's hooks would not run, or see other values."""
+        """A user's forward hook on a module the fused path skips or changes (it would not run, or see other
+        values), or a global one."""
         return any(hooks.user_hooked(d, a, b) for d, a, b in self.bypassed) or hooks.global_forward_hooks()
 
 
@@ -249,8 +238,8 @@ def _structure_refusals(block: nn.Module, path: str) -> list[str]:
 
 
 def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
-    """(Re)make every decision of ``plan`` for ``block`` running on ``device``, rebuild the derived
-    state (reusing FP8 weights whose inputs did not change) and take a new watch (Qwen-Image-2.1: :func:`_decide21`)."""
+    """Every decision of ``plan`` for ``block`` on ``device`` anew, the derived state rebuilt (FP8 weights whose
+    inputs did not change reused) and a new watch (Qwen-Image-2.1: :func:`_decide21`)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         # a tensor's device always carries its index: "cuda" alone would never equal it (decided again per call)
@@ -304,8 +293,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
 
 
 def refresh(plan: BlockPlan, block: nn.Module) -> None:
-    """Take the watch (and the FP8 weights' source keys) anew after the patch itself moved weights
-    (``offload_original_weights``): the decisions stand."""
+    """The watch and FP8 source keys anew after the patch itself moved weights (``offload_original_weights``)."""
     for p, lp in plan.linears.items():
         if lp.fp8_gemm:  # moved, not changed: the content fingerprint carries over (no read of the moved weight)
             lp.cache_key = _fp8_cache_key(block, p, plan.rt.device, lp.cache_key[2][4] if lp.cache_key else None)
@@ -328,11 +316,9 @@ def _has_quantizers(m: nn.Module | None) -> bool:
 
 
 def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options) -> LinearPlan:
-    lp = LinearPlan(path)
-    m = resolve(block, path)
+    lp, m = LinearPlan(path), resolve(block, path)
     if o.fp8_gemm is False:
-        lp.fp8_reasons = ["fp8_gemm=False"]
-        return lp
+        return LinearPlan(path, fp8_reasons=["fp8_gemm=False"])
     dev = gating.fp8_device_refusals(device, o.fp8_gemm, o.fp8_capabilities)
     r = ["not found"] + dev if m is None else quant.fp8_linear_refusals(m, dev)
     if r == ["not ModelOpt-quantized"]:
@@ -361,8 +347,8 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
 
 
 def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
-    """The bias a real FP8 GEMM adds: the Parameter, or under tensor parallelism what DTensor adds per rank
-    (column-wise the local shard, row-wise ``b / N`` before the sum all-reduce)."""
+    """The bias a real FP8 GEMM adds: the Parameter, or what DTensor adds per rank (column-wise the local shard,
+    row-wise ``b / N`` before the sum all-reduce)."""
     if b is None or tp is None:
         return b
     local = b.to_local()
@@ -386,8 +372,7 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
 
 
 def _attention_reasons(block: nn.Module) -> list[str]:
-    """Why ``block.attn`` does not compute the attention the fused path reproduces (hooks aside): another processor,
-    an enabled ModelOpt attention quantizer."""
+    """Why ``block.attn`` is not the attention the fused path reproduces (hooks aside)."""
     qs = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer", "bmm2_output_quantizer")
     on = [q for q in qs if quant.quantizer_enabled(getattr(block.attn, q, None))]
     return _processor_reasons(block) or [f"ModelOpt attention quantizer {q} is enabled" for q in on[:1]]
@@ -475,8 +460,7 @@ def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: t
 
 
 def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
-    """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears: reused where built from the same
-    tensors at the same versions, else made anew."""
+    """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears (reused where their key is unchanged)."""
     for p, lp in plan.linears.items():
         if not lp.fp8_gemm:
             continue
@@ -570,7 +554,3 @@ def linear21_decided(plan: BlockPlan) -> None:
 
 def _refuse(lp: LinearPlan, *why: str) -> None:
     lp.fp8_gemm, lp.tp, lp.lora, lp.lora_active, lp.fp8_reasons = False, None, False, False, list(why)
-
-
-__all__ = ["PLAN_ATTR", "BlockPlan", "BlockRuntime", "LinearPlan", "Options", "SitePlan", "STREAMS", "content_changed", "decide",
-           "derived_only_sources", "linear21_decided", "refresh"]

@@ -1,12 +1,11 @@
-"""How one linear (or other submodule) of a patched block runs: as its module (:func:`run_module`, opaque to
-``torch.compile`` for ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA branches
-(:func:`fp8_linear`), or under tensor parallelism on this rank's shards without DTensor (:func:`tp_linear`). Its
-derived state is the linear's :class:`~qwen_absorb.plan.LinearPlan`, rebuilt by the plan when its inputs change.
+"""How one linear of a patched block runs: as its module (:func:`run_module`, opaque to ``torch.compile`` for
+ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA branches (:func:`fp8_linear`), or on this
+rank's tensor-parallel shards without DTensor (:func:`tp_linear`).
 
-``torch._scaled_mm`` computes ``scale_a * scale_b * (a @ b) + bias`` with fp32 accumulation: ``a`` the [M, K] e4m3
-codes the producing fused op emitted, ``b`` our row-major [N, K] weight codes transposed as a view, the scales the
-per-tensor dequantization scales ``amax / 448`` as one-element fp32 device tensors (no host sync). The bias rides
-in the epilogue when it has the output's dtype (bf16/fp16), else it is added after, as ModelOpt's backend does.
+``torch._scaled_mm``: ``scale_a * scale_b * (a @ b) + bias``, fp32 accumulation, ``a`` the [M, K] e4m3 codes a fused op
+emitted, ``b`` the [N, K] weight codes transposed as a view, the scales ``amax / 448`` as one-element fp32 device
+tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after (as
+ModelOpt's backend does).
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ def branch_products(plan: BlockPlan, fn: Any, x: torch.Tensor | None, active: bo
 
 @torch.compiler.disable
 def _opaque(module: nn.Module, *args: Any) -> Any:
-    """A module outside the compiled graph: Dynamo (torch 2.11) cannot trace ModelOpt's quantized modules (dynamic
-    attributes, global function swaps), so under ``torch.compile`` they run eagerly (a graph break)."""
+    """A module outside the compiled graph (a graph break): Dynamo (torch 2.11) cannot trace ModelOpt's modules."""
     return module(*args)
 
 
 def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
-    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules; an NVFP4 linear (or a
-    container of them) as its runner (``plan.nvfp4``, :mod:`qwen_absorb.nvfp4`) when not compiling."""
+    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules; an NVFP4 linear as its
+    runner (``plan.nvfp4``) when not compiling."""
     runner = plan.nvfp4.get(module) if plan.nvfp4 and not compiling else None
     if runner is not None:
         return runner(*args)
@@ -52,8 +50,7 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
 
 
 def nvfp4_linear(fq: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
-    """ModelOpt's NVFP4 ``F.linear(fq(x), fq(W), bias)`` from ``fq(x)`` (its producer's emission); ``fq(W)`` is
-    the linear's runner's."""
+    """ModelOpt's NVFP4 ``F.linear(fq(x), fq(W), bias)`` from ``fq(x)``, its producer's emission."""
     r = lp.nvfp4
     return torch.nn.functional.linear(fq, r.weight(), r.lin.bias)
 
@@ -103,8 +100,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
 
 
 def writes_into(lp: LinearPlan) -> bool:
-    """Whether :func:`fp8_linear_into` computes exactly what :func:`fp8_linear` does for ``lp``: the GEMM with
-    its fused bias (no tensor-parallel reduction or separate bias add after it), then its LoRA branches."""
+    """Whether :func:`fp8_linear_into` computes exactly what :func:`fp8_linear` does for ``lp`` (fused bias, no TP)."""
     w, bias = lp.weight, lp.bias
     return (lp.fp8_gemm and lp.tp is None and w is not None and w.out_dtype != torch.float32
             and (bias is None or bias.dtype == w.out_dtype))
@@ -203,7 +199,7 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
 
 
 def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
-    """What :func:`fp8_linear` computes, in fp32 (dequantize both, matmul, scale, bias)."""
+    """What :func:`fp8_linear` computes, in fp32."""
     w = lp.weight
     x = codes.float() * lp.input_scale
     y = x @ (w.codes.float() * w.scale).t()
@@ -213,8 +209,8 @@ def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
 
 
 def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpShard | None:
-    """The local-shard record of a tensor-parallel linear that may skip DTensor for input ``x``, else
-    None (no TP, or a layout / hook / input the local path does not reproduce: counted with why)."""
+    """The local-shard record of a tensor-parallel linear that may skip DTensor for input ``x``, else None
+    (counted with why)."""
     if not plan.options.tuning.tp_local:
         return None
     shard, why = tp_shard(linear)
@@ -229,9 +225,8 @@ def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpSha
 
 
 def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``linear(x)`` of a tensor-parallel linear as DTensor computes it, minus DTensor: column-wise
-    ``F.linear(x, W_local, b_local)`` (this rank's slice, no communication); row-wise ``F.linear(x_local, W_local,
-    b / N)`` and an asynchronous sum all-reduce. Returns ``(output, work or None)``: wait on the work before use."""
+    """``linear(x)`` as DTensor computes it, minus DTensor: ``F.linear`` on the local shards, row-wise then an
+    asynchronous sum all-reduce. ``(output, work or None)``: wait on the work before use."""
     y = torch.nn.functional.linear(x, shard.weight.to_local(), shard.local_bias(linear))
     if shard.style == "colwise":
         return y, None
@@ -239,7 +234,7 @@ def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch
 
 
 def wait(works: list) -> None:
-    """Wait for the row-wise all-reduces :func:`tp_linear` started (on CUDA the stream waits, not the host)."""
+    """Wait for the all-reduces :func:`tp_linear` started (on CUDA the stream waits, not the host)."""
     for w in works:
         w.wait()
     works.clear()

@@ -24,8 +24,8 @@ from .sites import unwrap_peft
 
 
 def _quant_input_forward() -> Any:
-    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (a model holds ModelOpt modules only then;
-    importing it in a call holding the model would keep the model alive: ``hf_export.import_modelopt``)."""
+    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (never imported here: a model holds ModelOpt
+    modules only then)."""
     mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
     return getattr(getattr(mod, "QuantInputBase", None), "forward", None)
 
@@ -44,6 +44,17 @@ def is_modelopt_object(obj: Any) -> bool:
 
 
 is_modelopt_quantizer = is_modelopt_object
+
+
+def hook_attrs_in_dict(cls: type) -> bool:
+    """A module of class ``cls`` keeps attributes set on it, hook attributes among them (``_diffusers_hook``,
+    ``_hf_hook``), in its ``__dict__`` alone: its ``__getattr__`` is ``nn.Module``'s, or ModelOpt's
+    ``DynamicModule`` one, which adds only the module's hparams and dynamic attributes (its sizes and tensors)."""
+    ga = cls.__getattr__
+    if ga is nn.Module.__getattr__:
+        return True
+    mod = sys.modules.get("modelopt.torch.opt.dynamic")
+    return ga is getattr(getattr(mod, "DynamicModule", None), "__getattr__", None)
 
 
 def _first_quantizer(q: Any) -> Any:
@@ -129,8 +140,8 @@ def _cuda_ext_available() -> bool:
 
 
 def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[Fp8PerTensorQuant | None, list[str]]:
-    """The norm-input fake quantizer as an :class:`Fp8PerTensorQuant` for inputs on ``device`` (default: its
-    amax's), holding its own ``_amax`` (an in-place recalibration is seen) and ModelOpt's formula there."""
+    """The norm-input fake quantizer as an :class:`Fp8PerTensorQuant` for inputs on ``device`` (default: its amax's),
+    holding its own ``_amax`` (an in-place recalibration is seen)."""
     r = fp8_quantizer_reasons(quantizer)
     if not getattr(quantizer, "fake_quant", False):
         r.append("not fake quantization")
@@ -142,8 +153,7 @@ def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[
 
 
 def quant_input_norm_ok(norm: nn.Module) -> bool:
-    """Per call: a ModelOpt LayerNorm still computes ``LayerNorm(input_quantizer(x))`` (no enabled output
-    quantizer, no forward replaced before conversion), so a runner may quantize and fuse the norm itself."""
+    """Per call: a ModelOpt LayerNorm still computes ``LayerNorm(input_quantizer(x))``, so a runner may fuse it."""
     d = norm.__dict__
     mods = d.get("_modules") or {}
     return (type(norm).forward is _quant_input_forward() and "_forward_pre_dm" not in d
@@ -254,8 +264,7 @@ FP8_GEMM_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm with e4m3 needs Ada or newe
 
 
 def fp8_gemm_reasons(module: nn.Module) -> list[str]:
-    """Why a linear cannot run as a real FP8 ``torch._scaled_mm`` exactly where ModelOpt fake-quantizes it
-    (device-independent part). A PEFT wrapper is looked through, unless ModelOpt converted it itself."""
+    """Why a linear cannot run as a real FP8 GEMM where ModelOpt fake-quantizes it (device-independent part)."""
     base, wrappers = unwrap_peft(module)
     if any(is_modelopt_quantizer(getattr(w, "weight_quantizer", None)) for w in wrappers):
         return ["a PEFT layer quantized by ModelOpt as a whole: runs as ModelOpt runs it"]
@@ -291,8 +300,7 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
 
 
 def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[str]:
-    """The one FP8 eligibility check of a ModelOpt linear, for both families, on a device refusing for
-    ``device_reasons`` (``gating.fp8_device_refusals``). Tensor parallelism and offload hooks are the caller's."""
+    """The one FP8 eligibility check of a ModelOpt linear, both families (TP and offload hooks are the caller's)."""
     r = fp8_gemm_reasons(module)
     if r == ["not ModelOpt-quantized"]:
         return r
@@ -310,9 +318,8 @@ def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[st
 
 
 def modelopt_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """What ModelOpt's ``QuantInputBase.forward`` runs between its quantizers (``super().forward``): a forward of
-    ours that a conversion kept as ``_forward_pre_dm`` (``mtq.compress`` after patching) calls this, never the
-    module again (no recursion)."""
+    """What ModelOpt's ``QuantInputBase.forward`` runs between its quantizers: our forward kept as ``_forward_pre_dm``
+    by a conversion (``mtq.compress`` after patching) calls this, never the module (no recursion)."""
     qf = _quant_input_forward()
     for cls in type(module).__mro__:
         if cls.__dict__.get("forward") is qf:
@@ -328,8 +335,8 @@ def _weight_shape(base: nn.Module) -> tuple[int, int]:
 
 @dataclass
 class Fp8Weight:
-    """A linear's weight as ``torch._scaled_mm`` takes it: e4m3 codes [out, in] and the per-tensor
-    dequantization scale (``amax / 448``, one fp32 element), plus the input quantizer's ``_amax``."""
+    """A linear's weight for ``torch._scaled_mm``: e4m3 codes [out, in], the scale ``amax / 448`` (one fp32 element),
+    and the input quantizer's ``_amax``."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -339,9 +346,8 @@ class Fp8Weight:
 
 
 def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
-    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons`, built once per decision: fake quant,
-    e4m3(W * 448 / amax_w) (the codes inside ModelOpt's fake quantization, CUDA-extension formula);
-    ``mtq.compress``ed, ModelOpt's stored codes and ``_scale``."""
+    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons`: the codes inside ModelOpt's fake quantization
+    (CUDA-extension formula), or ``mtq.compress``'s stored codes and ``_scale``."""
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
@@ -376,8 +382,7 @@ _SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", 
 
 
 def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
-    """``(switches, tensors)``: the :class:`~qwen_absorb.watch.Watch` entries of a ModelOpt module's quantizer
-    switches (by identity) and amax / scale buffers (identity and version)."""
+    """``(switches, tensors)``: the :class:`~qwen_absorb.watch.Watch` entries of a ModelOpt module's quantizers."""
     switches: list[tuple[Any, str, str]] = []
     tensors: list[tuple[Any, str, str]] = []
     if module is None:
@@ -398,9 +403,8 @@ def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], l
 
 @contextlib.contextmanager
 def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
-    """ModelOpt's ``QuantAttention`` swaps torch.bmm, torch.baddbmm and F.scaled_dot_product_attention
-    process-wide with ``replace_function``, which has no try/finally: an exception inside (diffusers' ValueError
-    on an attention_mask) would leave them swapped for the process. Put back."""
+    """ModelOpt's ``QuantAttention`` swaps torch.bmm, torch.baddbmm and SDPA process-wide with ``replace_function``,
+    which has no try/finally: an exception inside would leave them swapped for the process. Put back."""
     saved = [(p, n, getattr(p, n)) for p, n, *_ in getattr(module, "functionals_to_replace", None) or ()]
     try:
         yield
@@ -408,9 +412,3 @@ def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
         for p, n, f in saved:
             setattr(p, n, f)
         raise
-
-
-__all__ = ["FP8_E4M3", "FP8_GEMM_MIN_CAPABILITY", "Fp8Weight", "NormInfo", "ProjectionInfo", "calibrating",
-           "fp8_gemm_reasons", "fp8_quantizer_reasons", "input_amax", "inspect_norm", "inspect_projection",
-           "is_modelopt_quantizer", "make_fp8_weight", "norm_input_fp8", "quant_input_norm_ok", "quantizer_enabled",
-           "quantizer_format", "swaps_undone_on_error", "watch_pairs"]

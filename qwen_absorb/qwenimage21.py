@@ -10,13 +10,11 @@ diffusers' block (one stream, modulation shared by all blocks and sliced per blo
     y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
     h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
-The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`, decided by :func:`qwen_absorb.plan.decide`; only
-``img_norm1``, ``img_norm2`` and ``img_mlp``'s own forward are bypassed, where plain and unhooked (a ModelOpt
-``QuantLayerNorm`` with an FP8 per-tensor input quantizer counts as plain: it runs inside the kernel). Where a site's
-consumers are real-FP8 GEMMs (:mod:`qwen_absorb.fp8_forward`) under one input amax with nothing run around them
-(:func:`qwen_absorb.fp8_forward.group`), its op also writes the e4m3 codes the runner hands their GEMMs. Per call,
-what the plan cannot vouch for (grad, a global hook, an argument diffusers would broadcast, a module changed or
-hooked since) runs diffusers' forward or the site's eager expression, counted in ``runtime_fallbacks``.
+The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE` (:func:`qwen_absorb.plan.decide`); only ``img_norm1``,
+``img_norm2`` (a ModelOpt FP8 per-tensor ``QuantLayerNorm`` too: its quantizer runs in the kernel) and ``img_mlp``'s
+forward are bypassed, where unhooked. Where a site's consumers are real-FP8 GEMMs under one input amax with nothing
+run around them (:func:`qwen_absorb.fp8_forward.group`), its op also writes the codes their GEMMs read. What the plan
+cannot vouch for per call runs diffusers' forward or the eager expression, counted in ``runtime_fallbacks``.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ _hooked = hooks.hooked  # torch / diffusers / accelerate hooks, or a forward rep
 
 
 class Patched21Forward(PatchedForward):
-    """The forward slot of a patched ``QwenImage21TransformerBlock``: its :class:`BlockPlan` (decided again when
-    the block first runs on another device; the plan's ``rt.on_decide`` tells the report) and
-    :func:`patched_forward`. :meth:`linear_decided` is its linears' ``on_state``: their plans join the block's."""
+    """The forward slot of a patched ``QwenImage21TransformerBlock``: its :class:`BlockPlan` (decided again on another
+    device) and :func:`patched_forward`. :meth:`linear_decided` is its linears' ``on_state``."""
 
     __slots__ = ("plan",)
 
@@ -93,8 +90,7 @@ def patched_forward(
     segments: list[tuple[int, int, bool]] | None = None,
     key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``QwenImage21TransformerBlock.forward`` with the same signature (after ``block, plan``)
-    and the same output, bit for bit."""
+    """``QwenImage21TransformerBlock.forward``, same signature (after ``block, plan``), same output bit for bit."""
     args = (hidden_states, modulation, rotary_emb, attention_mask, target_token_mask, layer_cache, kv_cache_mode,
             cache_write_slice, segments, key_valid)
     why = _call_reason(plan, hidden_states, modulation, target_token_mask)
@@ -253,8 +249,7 @@ def _pair_ok(a: Any, b: Any) -> bool:
 
 
 def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:
-    """What the norm's LayerNorm sees: ``x``, or ModelOpt's ``input_quantizer(x)`` (the module itself) for
-    a QuantLayerNorm."""
+    """What the norm's LayerNorm sees: ``x``, or a QuantLayerNorm's ``input_quantizer(x)`` (the module itself)."""
     q = norm._modules.get("input_quantizer")
     if q is None:
         return x
@@ -263,14 +258,9 @@ def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:
 
 
 def _fused_quant(norm: nn.Module, mode: int, device: torch.device):
-    """A QuantLayerNorm's input quantizer as the kernels' ``Fp8PerTensorQuant``, applied inside the fused op
-    (bit for bit ModelOpt's fake quantization, as for Qwen-Image's norms), or None: no quantizer, not on
-    kernels, or one the kernels do not reproduce (disabled, calibrating, not FP8 per-tensor: then the
-    runner calls the quantizer module itself, :func:`_norm_input`). Read per call: quantizers can change."""
+    """A QuantLayerNorm's input quantizer as the kernels' ``Fp8PerTensorQuant`` (applied inside the fused op), or
+    None: none, not on kernels, or one the kernels do not reproduce (:func:`_norm_input` calls it). Read per call."""
     q = norm._modules.get("input_quantizer")
     if q is None or mode != R.KERNEL or _hooked(q):  # a hook on the quantizer runs with the module
         return None
     return quant.norm_input_fp8(q, device)[0]
-
-
-__all__ = ["Patched21Forward", "patched_forward"]

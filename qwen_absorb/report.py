@@ -1,8 +1,7 @@
 """``PatchReport``: what a patch decided and what runs, as plain data.
 
-It holds no module, tensor or graph (keeping a report never keeps a model or its FP8 weights alive): every
-decision is copied in as plain data, counters keep counting while the model runs, and dtype and graph
-description are read through a weak reference to the patch state while it is active (then kept as last seen).
+It holds no module, tensor or graph (a kept report never keeps a model alive): decisions are copied in, counters keep
+counting, dtype and graph are read through a weak reference to the active patch state (then kept as last seen).
 ``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
 """
 
@@ -92,7 +91,6 @@ class BlockReport:
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
-        """A copy of the plan's decisions (``handoffs_used`` is filled in by the report when read)."""
         return cls(
             p.index, p.patched, list(p.reasons), p.install, p.device, p.kernels, list(p.kernel_reasons),
             [SiteReport.of(s) for s in p.sites], {k: LinearReport.of(v) for k, v in p.linears.items()},
@@ -149,7 +147,6 @@ class PatchReport:
     parts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
-        """Copy ``plan``'s decisions in (every block calls it after deciding)."""
         while len(self._blocks) <= plan.index:
             self._blocks.append(None)  # type: ignore[arg-type]
         self._blocks[plan.index] = BlockReport.of(plan)
@@ -159,7 +156,6 @@ class PatchReport:
         self._fwd.setdefault(index, {})[path] = bool(fp8)
 
     def bind(self, state: Any) -> None:
-        """Read the dtype and graph of ``state`` (a ``qwen_absorb.patch`` state) while it is active."""
         self._state = weakref.ref(state)
 
     def _live(self) -> Any:
@@ -170,7 +166,6 @@ class PatchReport:
         return st
 
     def freeze(self) -> None:
-        """The patch ends: keep what was last seen."""
         self._live()
         self._state = None
 
@@ -358,8 +353,7 @@ class PatchReport:
         return "\n".join(lines)
 
     def _fp8_line(self, s: dict[str, Any], blocks: list[BlockReport], device: str) -> str:
-        """The real-FP8 count of the linears inside the blocks; a quantizer's own count of the whole model also
-        has those outside them (img_in, txt_in, proj_out, the time embedding), which ModelOpt runs."""
+        """The real-FP8 count of the linears inside the blocks (a whole-model count also has those outside)."""
         n = s["fp8_gemm_linears"]
         lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
         fast = " with fast accumulation" if n and any(b.fast_accum for b in blocks if b.patched) else ""
@@ -443,6 +437,3 @@ def _ranges(ix: list[int]) -> str:
         if i is not None:
             start = prev = i
     return ",".join(parts)
-
-
-__all__ = ["BlockReport", "LinearReport", "PatchReport", "SiteReport"]

@@ -115,6 +115,3 @@ class ShapeGraphs:
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)
         return g
-
-
-__all__ = ["ShapeGraphs"]

@@ -1,8 +1,7 @@
-"""The fused ops of both block families' sites, each run one of three ways: ``KERNEL`` (the checked-once launch),
-``COMPILED`` (its custom op under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit
-for bit). One function per op, named as ``sites.Site.op`` (``plan.decide`` stores it as ``SitePlan.run``); given its
-consumers' input amax (``fp8_amax``) an op also returns the e4m3 codes of its output. Only the ops are imported here
-(the kernels' floor), so the decisions may name this module."""
+"""The fused ops of both families' sites, each run as ``KERNEL`` (the checked-once launch), ``COMPILED`` (its custom op
+under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit for bit). One function per
+op, named as ``sites.Site.op``; given ``fp8_amax`` an op also returns its output's e4m3 codes. Only the ops are
+imported here, so the decisions may name this module."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ MODE_NAMES = {KERNEL: "kernel", COMPILED: "compiled", REFERENCE: "reference", No
 
 
 def _codes(out: torch.Tensor, amax: torch.Tensor | None, nvfp4_amax: torch.Tensor | None = None):
-    """The references' emission beside ``out``, as the kernels write it: e4m3 codes under ``amax``, or ``out``'s
-    NVFP4 fake quantization under ``nvfp4_amax`` (None: none asked)."""
+    """The references' emission beside ``out``, as the kernels write it (None: none asked)."""
     if nvfp4_amax is not None:
         return quantize_nvfp4_reference(out, nvfp4_amax)
     return quantize_fp8_reference(out, amax) if amax is not None else None
@@ -54,8 +52,7 @@ def _quant_args(nq, device: torch.device) -> tuple[torch.Tensor | None, int]:
 
 
 def layer_norm_scale_shift(mode, x, shift, scale, eps, index, fp8_amax=None, want_out=True, nq=None, nvfp4_amax=None):
-    """norm1 + shift/scale modulation: ``(out or None, second or None)``, ``second`` the e4m3 codes under
-    ``fp8_amax`` or the NVFP4 fake quantization under ``nvfp4_amax``; ``nq`` (kernels only): the norm-input fake
+    """norm1 + modulation: ``(out or None, codes / NVFP4 or None)``; ``nq`` (kernels only): the norm-input fake
     quantizer, applied in the kernel (the reference's caller applies it as its module)."""
     if mode == KERNEL:
         amax, qm = _quant_args(nq, x.device)
@@ -87,8 +84,7 @@ def bias_gate_residual(mode, h, y, bias, gate, index):
 
 
 def quantize_fp8(mode, x, amax, act=None, act_out=False, eager_act=None):
-    """``(codes of act(x), act(x) or None)`` for a real-FP8 GEMM; ``act`` None, ``"silu"`` or ``"gelu_tanh"``,
-    ``eager_act`` the module method the reference calls for it (diffusers' own ``GELU.gelu``)."""
+    """``(codes of act(x), act(x) or None)``; ``eager_act``: the module method the reference calls for ``act``."""
     if mode == KERNEL:
         _, codes, a = qf8_launch(x, 0, None, amax, act, act_out=act_out)
         return codes, a
@@ -97,8 +93,7 @@ def quantize_fp8(mode, x, amax, act=None, act_out=False, eager_act=None):
 
 
 def quantize_nvfp4(mode, x, amax, act=None, eager_act=None):
-    """The NVFP4 fake quantization of ``act(x)`` for an NVFP4 linear (``amax``: its input amax, fp32 one element);
-    ``act``, ``eager_act`` as for :func:`quantize_fp8`."""
+    """The NVFP4 fake quantization of ``act(x)`` for an NVFP4 linear (``act``, ``eager_act``: :func:`quantize_fp8`)."""
     if mode == KERNEL:
         return q4_launch(x, amax, act)
     return quantize_nvfp4_reference(eager_act(x) if eager_act is not None else activation_reference(x, act), amax)
@@ -155,8 +150,3 @@ def swiglu(mode, a, b, fp8_amax=None, want_out=True):
         return torch.ops.qwen_absorb.swiglu(a, b, None)[0], None
     out = swiglu_reference(a, b)
     return out, _codes(out, fp8_amax)
-
-
-__all__ = ["COMPILED", "KERNEL", "MODE_NAMES", "REFERENCE", "bias_gate_residual",
-           "bias_residual_layer_norm_scale_shift", "layer_norm_scale", "layer_norm_scale_shift", "quantize_fp8",
-           "quantize_fp8_split", "quantize_nvfp4", "swiglu", "tanh_gate_residual", "tanh_gate_residual_layer_norm_scale"]

@@ -1,9 +1,8 @@
 """Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears.
 
-An adapter floor: the only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers.
-Everything patching decides (what is fused, which bias goes into which op, which linear runs as a real FP8 GEMM
-fed by which producer) is built from these tables; paths (``"attn.to_out.0"``) are resolved at call time
-(:func:`resolve`), so a copied block or a replaced linear is never confused with the one seen at patch time.
+The only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers. Every decision is built
+from these tables; paths (``"attn.to_out.0"``) are resolved at call time (:func:`resolve`), so a copied block or a
+replaced linear is never confused with the one seen at patch time.
 """
 
 from __future__ import annotations
@@ -127,8 +126,7 @@ def family_of(block: nn.Module) -> Family | None:
 
 @functools.lru_cache(maxsize=1)
 def classes() -> tuple[type, type, type]:
-    """diffusers' ``(QwenImageTransformer2DModel, QwenImageTransformerBlock, QwenDoubleStreamAttnProcessor2_0)``,
-    imported once, lazily (a slow import qwen_absorb's own must not need)."""
+    """diffusers' Qwen-Image model, block and processor classes, imported once, lazily (a slow import)."""
     from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415  (lazy: a heavy import)
         QwenDoubleStreamAttnProcessor2_0,
         QwenImageTransformer2DModel,
@@ -159,8 +157,8 @@ def model_classes() -> tuple[type, ...]:
 
 @functools.lru_cache(maxsize=1)
 def attention21_functions() -> tuple | None:
-    """diffusers' ``(dispatch_attention_fn, apply_rotary_emb_qwen, QwenImage21Attention, QwenImage21AttnProcessor,
-    RMSNorm)`` as Qwen-Image-2.1's processor uses them, or None without Qwen-Image-2.1."""
+    """What Qwen-Image-2.1's processor uses (attention dispatch, rope, attention and processor classes, RMSNorm), or
+    None without Qwen-Image-2.1."""
     try:
         from diffusers.models.normalization import RMSNorm  # noqa: PLC0415
         from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415
@@ -179,8 +177,7 @@ def attention_functions() -> tuple:
 
 
 def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Module]]:
-    """``(innermost base layer, [wrappers outermost first])``: PEFT keeps the original as ``.base_layer``
-    (possibly nested, e.g. a ModelOpt ``_QuantLoraLinear``)."""
+    """``(innermost base layer, [wrappers outermost first])`` through PEFT's (possibly nested) ``.base_layer``."""
     wrappers = []
     while module is not None and isinstance(getattr(module, "base_layer", None), nn.Module):
         wrappers.append(module)
@@ -189,8 +186,7 @@ def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Mod
 
 
 def containers(path: str) -> tuple[str, ...]:
-    """What a block skips around a linear it computes itself (their hooks would not run): the modulation's
-    Sequential and SiLU, or the FeedForward, its GELU and Dropout."""
+    """The containers a block skips around a linear it computes itself (their hooks would not run)."""
     top = path.split(".")[0]
     return ((top, f"{top}.0") if top.endswith("_mod") else
             (top, f"{top}.net.0", f"{top}.net.1") if top.endswith("_mlp") else ())

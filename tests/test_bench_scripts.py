@@ -105,7 +105,7 @@ def test_pipeline_e2e_tiny_runs_every_case(tmp_path):
         assert c in d["peak_gib"] or "CUDA" in d["skipped"][f"peak_gib.{c}"]
     for k in ("vae_decode_ms", "vae_decode_unpatched_ms", "vae_rel_err_vs_fp32_ratio", "te_encode_ms"):
         assert d[k] > 0, k
-    assert d["cache_name"].startswith("taylorseer") and d["cache_latent_rel_err"] > 0  # the cache skipped steps
+    assert d["cache_name"].startswith("magcache") and d["cache_latent_rel_err"] > 0  # the cache skipped steps
     # a second part merges into the first: its keys stay, the new part is listed
     p = _run("pipeline_e2e.py", "--tiny", "--out", str(tmp_path / "b"), "--cases", "4step_bf16",
              "--sections", "none", "--merge-json", str(tmp_path / "pipeline_tiny.json"))

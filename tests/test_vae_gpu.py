@@ -103,5 +103,10 @@ def test_norm_silu_kernel_against_diffusers_expression(seed, c, silu):
     diff = (out.float() - ref.float()).abs()
     # only where the fp32 norm's last bit differs from torch's reduction: one rounding apart, rarely
     assert (diff > 0).float().mean().item() < 0.01
-    assert (diff <= ref.float().abs() * 2 ** -6 + 1e-6).all()
+    bound = ref.float().abs() * 2 ** -6 + 1e-6
+    if silu:  # one bf16 rounding of the normed value y apart; SiLU's slope is below 1.1 (its output near zero
+        # for y << 0 makes a bound relative to the output alone too tight: seen on an H100 at c=96)
+        pre = op.rms_norm_silu_reference(x, gamma, c ** 0.5, False).float()
+        bound = bound + 1.1 * pre.abs() * 2 ** -7
+    assert (diff <= bound).all()
     assert torch.equal(out[0, :, 0, 0], ref[0, :, 0, 0])

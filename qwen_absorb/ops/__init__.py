@@ -21,9 +21,10 @@ Qwen-Image-2.1 (scale-only modulation, tanh gates, per-token rows by ``target_to
 - :func:`swiglu`                                 silu(a) * b; ``*_fp8`` variants emit e4m3 codes
 
 Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is one module
-(reference, launcher, reasons, custom op) plus one ``csrc/*.cu``; its ``launch`` is the checked-once entry the
-block runners use (arguments already known good); its custom op is what ``torch.compile`` traces.
+(reference, checked-once ``launch`` for the block runners, reasons, custom op for ``torch.compile``) and one ``.cu``.
 """
+
+from types import ModuleType as _ModuleType
 
 from ._eligibility import FORCE_REFERENCE_ENV, kernel_runtime_reasons
 from .bias_gate_residual import (
@@ -65,19 +66,5 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
     return [e for m in mods for e in importlib.import_module(f"{__name__}.{m}").all_kernel_expressions()]
 
 
-__all__ = [
-    "FORCE_REFERENCE_ENV", "all_kernel_expressions", "Fp8PerTensorQuant", "bias_gate_residual",
-    "bias_gate_residual_not_supported_reasons", "bias_gate_residual_reference", "bias_residual_layer_norm_scale_shift",
-    "bias_residual_layer_norm_scale_shift_fp8", "bias_residual_layer_norm_scale_shift_not_supported_reasons",
-    "bias_residual_layer_norm_scale_shift_reference", "dequant_scale", "kernel_runtime_reasons", "layer_norm_scale",
-    "layer_norm_scale_fp8", "layer_norm_scale_fp8_reference", "layer_norm_scale_not_supported_reasons",
-    "layer_norm_scale_reference", "layer_norm_scale_shift", "layer_norm_scale_shift_fp8",
-    "layer_norm_scale_shift_fp8_reference", "layer_norm_scale_shift_not_supported_reasons",
-    "layer_norm_scale_shift_reference", "qk_norm_rope", "qk_norm_rope_multi", "qk_norm_rope_not_supported_reasons",
-    "qk_norm_rope_reference", "quant_scale", "quantize_fp8", "quantize_fp8_reference", "quantize_fp8_split",
-    "quantize_nvfp4", "quantize_nvfp4_not_supported_reasons", "quantize_nvfp4_reference", "swiglu", "swiglu_fp8",
-    "swiglu_fp8_reference", "swiglu_not_supported_reasons", "swiglu_reference", "tanh_gate_residual",
-    "tanh_gate_residual_layer_norm_scale", "tanh_gate_residual_layer_norm_scale_fp8",
-    "tanh_gate_residual_layer_norm_scale_not_supported_reasons", "tanh_gate_residual_layer_norm_scale_reference",
-    "tanh_gate_residual_not_supported_reasons", "tanh_gate_residual_reference",
-]
+# the public names: the ops, their references and reasons, and the helpers imported above
+__all__ = sorted(n for n, v in globals().items() if not n.startswith("_") and not isinstance(v, _ModuleType))

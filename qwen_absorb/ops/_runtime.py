@@ -1,14 +1,11 @@
 """CuPy runtime of the fused ops: NVRTC compilation, kernel cache, lean launches on torch's stream.
 
-Sources in ``csrc/`` are compiled by CuPy's ``RawModule`` (NVRTC) on first use, cached per (file, template
-instance, device) and on disk by CuPy (keyed by the source text: headers are inlined so the key covers them).
-
-Launch path: a fused op's host cost decides whether the patched model is faster at all (an eager Qwen-Image call
-is host-bound below 2048^2), and CuPy boxes every kernel argument (~0.7 us each). So every kernel takes ONE
-by-value ``struct``: a :class:`Launcher` packs the values with a precompiled native-layout ``struct.Struct`` into a
-per-thread host buffer and hands the driver one pointer (the driver, and a CUDA graph node, copy the bytes, so the
-buffer is reused). The stream is torch's current raw stream (what Inductor's generated code calls). Launches
-allocate nothing on the device and never synchronise.
+Sources in ``csrc/`` are compiled by CuPy's ``RawModule`` (NVRTC) on first use, cached per (file, template instance,
+device) and on disk by CuPy (keyed by the source text: headers are inlined). A fused op's host cost decides whether
+the patched model is faster at all (an eager call is host-bound below 2048^2), and CuPy boxes every kernel argument
+(~0.7 us each): so every kernel takes ONE by-value ``struct``, packed by a :class:`Launcher` into a per-thread host
+buffer (the driver and a graph node copy the bytes). The stream is torch's current raw stream. Launches allocate
+nothing on the device and never synchronise.
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ Both uses read a static, calibrated ``amax`` tensor on the device (no host sync;
 - FP8 *emission* (``*_fp8`` ops, :func:`quantize_fp8`): the e4m3 codes a real FP8 GEMM consumes, by the
   ``"cuda_ext"`` formula (the codes inside ModelOpt's fake quantization); the GEMM dequantizes by :func:`dequant_scale`.
 
-Everywhere ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` in fp32, round to nearest even, saturated
-to +-448 (clamped first: PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN. The ModelOpt side
-lives in :mod:`qwen_absorb.quant`.
+Everywhere ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` in fp32, round to nearest even, clamped to
++-448 first (PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Second CUDA streams beside the caller's ("lanes"), for work that need not wait in line behind a GEMM.
 
-- ``"branch"``: a few kernels that read what a GEMM reads and are needed only after it: the next block's image
-  modulation beside the image FFN and, with ``Tuning.lora_products_aside`` (off by default), a LoRA ``lora_A``
-  product beside its base layer's FP8 GEMM. :func:`aside` forks the lane and runs the work there; :func:`settle`
-  makes the caller's stream wait before the result is read.
-- ``"txt"``: the text stream of a block (128 rows: latency-bound GEMMs and ops in a few SMs) beside the image
-  stream, from after the attention to the next block's q/k/v (:func:`region`).
+- ``"branch"``: kernels that read what a GEMM reads and are needed only after it (the next block's image modulation
+  beside the image FFN; with ``Tuning.lora_products_aside`` a LoRA ``lora_A`` product beside its base GEMM):
+  :func:`aside` runs the work there, :func:`settle` makes the caller's stream wait before the result is read.
+- ``"txt"``: a block's text stream (128 rows, latency-bound) beside the image stream, from after the attention to
+  the next block's q/k/v (:func:`region`).
 
-Same kernels, same inputs: the same bits as on one stream. Work inside a lane runs any other lane in line.
-Measured: benchmarks/NOTES.md, "Second streams in graph mode" (a product beside a GEMM that fills every SM slows
-the GEMM by about what it hides).
-
-Only while a CUDA graph is captured (and in its eager warm-up, which sets each lane's cuBLAS workspace up):
-:func:`active` is entered by ``cuda_graph.capture``. In a graph a fork and a join are free edges; eagerly each
-costs ~5 us of host time, which the host-bound eager call cannot spare.
-
-Memory: the caching allocator reuses a freed block on its allocating stream without waiting for other streams.
-So a caller tensor a lane reads is held until the lane joins back, and a lane tensor the caller reads is held
-until the lane forks again after the join.
+Same kernels, same inputs: the same bits. Work inside a lane runs any other lane in line. Measured:
+benchmarks/NOTES.md, "Second streams in graph mode". Only while a CUDA graph is captured (and its eager warm-up):
+:func:`active` is entered by ``cuda_graph.capture``; in a graph a fork and a join are free edges, eagerly each costs
+~5 us of host time. Memory: the caching allocator reuses a freed block on its stream without waiting for others, so a
+caller tensor a lane reads is held until the join, and a lane tensor the caller reads until the next fork after it.
 """
 
 from __future__ import annotations
@@ -234,6 +227,3 @@ def settle(device: torch.device | None = None, name: str | None = None) -> None:
 def forks(name: str | None = None) -> int:
     """How many times this thread's lanes (named ``name``, or all) forked (tests: a lane was used)."""
     return sum(lane.forks for (_, n), lane in _state().lanes.items() if name is None or n == name)
-
-
-__all__ = ["NAMES", "Lane", "Region", "active", "aside", "forks", "lane_for", "pending", "region", "settle"]

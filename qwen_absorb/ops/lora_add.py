@@ -1,20 +1,12 @@
 """lora_add: a LoRA branch added to its linear's output in place, ``y += alpha * t @ B.T``, on tensor cores.
 
-``t`` is the branch's ``lora_A`` product ``x @ A.T`` ([M, R]), ``B`` lora_B's weight ([N, R]), ``y`` the base layer's
-output ([M, N]), all bf16 or all fp16. The sum ``y + alpha * t @ B.T`` is accumulated in fp32 and rounded once
-(``torch.addmm_``'s expression; cuBLAS's ``addmm_`` is not, at rank >= 32, and the kernel is never further from the
-exact sum: tests/test_lora_add_gpu.py). Two forms:
-
-- :func:`add_gelu_fp8`: net[0].proj's last branch fused into the GELU(tanh) + e4m3 quantization that feeds net[2]
-  (``quantize_fp8``'s ``gelu_tanh`` on the sum, bit for bit; the sum itself is never written): the codes and, when
-  asked, the rounded GELU output (:func:`qwen_absorb.projection.fp8_linear_gelu_fp8`);
-- :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs (q, k and v of both streams) in one launch.
-
-Two kernels compute the same sums bit for bit (the same mma sequence per element): ``lora_add_tiles.cu`` (where rows
-are 16-byte aligned and widths and ranks multiples of 8: a cp.async ring of tiles, ~3 TB/s) and ``lora_add.cu`` (any
-layout, ~1.8 TB/s). Timings and which branches the FP8 path hands them (``Tuning.lora_*``): benchmarks/NOTES.md.
-
-Where :func:`reasons` refuses, callers run the torch expressions (``addmm_``, then the quantization op).
+``t`` = ``x @ A.T`` ([M, R]), ``B`` lora_B's weight ([N, R]), ``y`` the base output ([M, N]), all bf16 or all fp16.
+The sum is accumulated in fp32 and rounded once (``torch.addmm_``'s expression; cuBLAS's ``addmm_`` is not, at rank
+>= 32, and the kernel is never further from the exact sum: tests/test_lora_add_gpu.py). :func:`add_gelu_fp8`:
+net[0].proj's last branch fused into the GELU(tanh) + e4m3 quantization feeding net[2] (bit for bit, the sum never
+written); :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs in one launch. ``lora_add_tiles.cu`` (16-byte
+aligned rows, widths and ranks multiples of 8: ~3 TB/s) and ``lora_add.cu`` (any layout, ~1.8 TB/s) compute the same
+sums bit for bit. Timings: benchmarks/NOTES.md. Where :func:`reasons` refuses, callers run the torch expressions.
 """
 
 from __future__ import annotations

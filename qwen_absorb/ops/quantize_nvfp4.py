@@ -1,11 +1,9 @@
 """quantize_nvfp4: ModelOpt's dynamic NVFP4 fake quantization of an activation (W4A4's input quantizer).
 
-:func:`quantize_nvfp4` ``(x, amax, activation=None)``: ``x`` (or its GELU-tanh / SiLU in x's dtype) [..., D]
-fake-quantized as ModelOpt's NVFP4 input quantizer does it on CUDA (e2m1 values, dynamic e4m3 scales per 16
-elements, the calibrated per-tensor ``amax`` as the second-level scale ``amax / (6 * 448)``); kernel
-csrc/quantize_nvfp4.cu (its header gives the arithmetic), :func:`quantize_nvfp4_reference` the torch expression.
-The fused kernels producing a linear's input emit the same as a second output (``nvfp4_amax``; csrc/nvfp4.cuh is
-the one copy of the device code): :func:`emit_reasons` says when they can, :func:`check_emit` checks a launch.
+:func:`quantize_nvfp4`: ``x`` (or its GELU-tanh / SiLU) fake-quantized as ModelOpt's NVFP4 input quantizer does on
+CUDA (e2m1 values, dynamic e4m3 scales per 16 elements, second-level scale ``amax / (6 * 448)``; csrc/quantize_nvfp4.cu
+gives the arithmetic). Fused kernels emit the same as a second output (``nvfp4_amax``, csrc/nvfp4.cuh):
+:func:`emit_reasons` says when they can, :func:`check_emit` checks a launch.
 
 The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block`` (CUDA inputs, sm_89+): its fp32 divisions
 compile to PTX ``div.full.f32``, not correctly rounded; the CUDA kernel issues the same instruction and is

@@ -73,6 +73,3 @@ def _expression(traits: str) -> str:
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
     return [(CU, _expression(rt.TRAITS[d])) for d in (torch.bfloat16, torch.float16)]
-
-
-__all__ = ["all_kernel_expressions", "launch", "not_supported_reasons", "rms_norm_silu_reference"]

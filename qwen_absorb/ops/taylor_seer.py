@@ -1,10 +1,8 @@
 """taylor_seer: one step of diffusers' TaylorSeer cache on factors held in place (graph-replayable).
 
-diffusers' ``TaylorSeerState.update`` builds new factor tensors from the features and the previous
-factors (divided differences over ``delta_step``) and ``predict`` sums ``factor_k * offset^k / k!``;
-both allocate and take their step sizes as host scalars, which a CUDA graph cannot replay. These
-kernels do the same elementwise arithmetic with the rounding points of diffusers' expression, in
-place on caller-owned factor buffers, reading the step coefficients from device memory:
+diffusers' ``TaylorSeerState.update`` (divided differences over ``delta_step``) and ``predict`` (``sum factor_k *
+offset^k / k!``) allocate and take host scalars, which a CUDA graph cannot replay. These kernels do the same
+arithmetic with diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory:
 
 - :func:`update_`: ``f_0..f_nprev`` (in place) from features ``x``, previous ``f_0..f_{nprev-1}``
   and ``coef[0] = 1 / delta_step`` (fp32, as PyTorch's CUDA division by a host scalar uses it);
