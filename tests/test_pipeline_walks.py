@@ -251,3 +251,24 @@ def test_modelopt_modules_are_read_from_their_dict_and_answer_as_diffusers(seed)
                                                                  _GROUP_OFFLOADING)
     assert pipe._execution_device == ORIGINAL_DEVICE(pipe) == torch.device("cuda", 4)
     qwen_absorb.unpatch(pipe)
+
+
+@mirrored
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+@torch.no_grad()
+def test_real_group_offloading_answers_and_generates_as_an_unpatched_twin(seed, offload_type):
+    """diffusers' own group offloading (onload to the CPU here): the execution device and the images agree."""
+    twin = _pipe(seed)
+    pipe, _ = _patched(seed)
+    for p in (twin, pipe):
+        p.transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                                           offload_type=offload_type, num_blocks_per_group=1)
+    assert pipe._execution_device == ORIGINAL_DEVICE(pipe) == torch.device("cpu")
+    assert walks._group_offload_hook(pipe.transformer) is not None  # answered from the hook, not the weights
+    embeds, mask = builders.tiny_prompt_embeds(seed=seed % 1000)
+    kw = dict(prompt_embeds=embeds, prompt_embeds_mask=mask, num_inference_steps=2, height=32, width=32,
+              output_type="latent")
+    want = twin(**kw, generator=torch.Generator().manual_seed(2)).images
+    got = pipe(**kw, generator=torch.Generator().manual_seed(2)).images
+    assert torch.equal(got, want)
+    qwen_absorb.unpatch(pipe)
