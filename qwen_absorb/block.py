@@ -551,6 +551,3 @@ def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
     if joint_attention_kwargs or not is_dtensor(attn.to_q._parameters.get("weight")):
         return False
     return not plan.tp_reasons["attn"]
-
-
-__all__ = ["HOOK_FALLBACK", "WEIGHT_HOOK_FALLBACK", "PatchedForward", "patched_forward", "redecide"]

@@ -309,6 +309,3 @@ class Steps:
 
     def abandon(self) -> None:  # a raising call ran diffusers' hooks: they left the states as they do eager
         pass
-
-
-__all__ = ["MAG", "PAB", "Steps", "begin", "kind", "owned", "refusal", "release"]

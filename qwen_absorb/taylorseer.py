@@ -369,7 +369,3 @@ def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
         return out
     outs = state.predict()
     return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-__all__ = ["GraphSteps", "HOOK_NAME", "Step", "Steps", "graph_reasons", "is_config", "release", "run",
-           "supported_hook"]

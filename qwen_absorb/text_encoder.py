@@ -352,6 +352,3 @@ def unpatch(pipe: Any) -> None:
 def report_of(pipe: Any) -> TextEncoderReport | None:
     cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
     return cur.report if isinstance(cur, PromptEncoder) else None
-
-
-__all__ = ["CONTRACT", "PromptEncoder", "TextEncoderReport", "patch", "report_of", "unpatch"]

@@ -461,7 +461,3 @@ def unpatch_postprocess(pipe: Any) -> None:
             proc.__dict__["postprocess"] = cur.had_instance
         else:
             del proc.__dict__["postprocess"]
-
-
-__all__ = ["CONTRACT", "GATE", "FastDecode", "FastPostprocess", "VaeReport", "fidelity", "patch", "patch_postprocess",
-           "report_of", "unpatch", "unpatch_postprocess"]

@@ -170,6 +170,3 @@ def _capturing(ts: list) -> bool:
 def _dict(e: Entry) -> dict:
     d = e[0].__dict__
     return d if e[1] == "__dict__" else d[e[1]]
-
-
-__all__ = ["Watch", "content_fingerprint", "tensor_key", "tensor_version"]

@@ -136,6 +136,3 @@ def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counte
     log.info("CUDA graphs per block installed on %d blocks (max %d graphs each%s)", len(runners), max_graphs,
              f", capture after {capture_after} eager calls" if capture_after else "")
     return BlockGraphs(runners, kept, shared, parent, max_graphs, capture_after)
-
-
-__all__ = ["MODE", "BlockGraphs", "install_blocks"]

@@ -121,6 +121,3 @@ class FirstUse:
     def __repr__(self) -> str:
         state = "decided" if self.runner is not None else "waiting for a call on a GPU"
         return f"<qwen_absorb CUDA graphs of {type(self._transformer).__name__}: {state}>"
-
-
-__all__ = ["FirstUse"]
