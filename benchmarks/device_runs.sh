@@ -104,4 +104,11 @@ round29_c() {  # the fixed VAE kernel test and the walks' tests on the device, t
   tail -14 "$OUT/caches_h200.md"
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round30_a() {  # next: the 4-step cases again on the final tree, a new prompt length patched and unpatched, profiled
+  timeout 590 python3 benchmarks/pipeline_e2e.py --out "$OUT" --budget-s 560 --sections none --profile 4step_fp8 \
+    --cases 4step_bf16_unpatched,4step_bf16_unpatched_newlen,4step_bf16,4step_fp8,4step_fp8_newlen,8step \
+    > "$OUT/pipeline_4step.log" 2>&1
+  grep -E "median|walks" "$OUT/pipeline_4step.log" | cut -c1-400
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

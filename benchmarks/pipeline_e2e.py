@@ -15,9 +15,9 @@ then ModelOpt FP8_DEFAULT_CFG, then a fused LoRA):
 
 - ``4step_bf16_unpatched``, ``4step_bf16``: 4 steps, no CFG, Flash's sigmas [1.0, 0.9, 0.75, 0.5];
 - ``50step_cfg_bf16_unpatched``: 50 steps, true CFG 4.0 (negative prompt " ");
-- ``4step_fp8_unpatched`` (ModelOpt fake quant), ``4step_fp8``; ``4step_fp8_newlen``: each call's prompt one of
-  a length not seen before (a user's next prompt: its text length is a new transformer input shape, so new CUDA
-  graphs); ``50step_cfg_fp8``, ``50step_cfg_fp8_cache`` (the
+- ``4step_fp8_unpatched`` (ModelOpt fake quant), ``4step_fp8``; ``*_newlen`` (FP8 patched, bf16 unpatched): each
+  call's prompt one of a length not seen before (a user's next prompt: its text length is a new input shape, so
+  new CUDA graphs, and new attention plans for anyone); ``50step_cfg_fp8``, ``50step_cfg_fp8_cache`` (the
   best diffusers cache, ``--cache``; its error on the final latents against the uncached FP8 run, same seed);
 - ``8step_lora_fused_fp8``: a Lightning-shaped PEFT LoRA (rank 64, 12 linears a block) fused into the FP8 model,
   8 steps, no CFG.
@@ -50,8 +50,9 @@ import torch  # noqa: E402
 
 
 FLASH_SIGMAS = [1.0, 0.9, 0.75, 0.5]
-CASES = ("4step_bf16_unpatched", "4step_bf16", "50step_cfg_bf16_unpatched", "4step_fp8_unpatched", "4step_fp8",
-         "4step_fp8_newlen", "50step_cfg_fp8", "50step_cfg_fp8_cache", "8step_lora_fused_fp8")
+CASES = ("4step_bf16_unpatched", "4step_bf16_unpatched_newlen", "4step_bf16", "50step_cfg_bf16_unpatched",
+         "4step_fp8_unpatched", "4step_fp8", "4step_fp8_newlen", "50step_cfg_fp8", "50step_cfg_fp8_cache",
+         "8step_lora_fused_fp8")
 SECTIONS = ("vae", "te", "none")  # "none": cases only
 KEYS = tuple(f"e2e_{c}_s" for c in CASES) + (
     "cache_name", "cache_latent_rel_err", "vae_decode_ms", "vae_decode_unpatched_ms", "vae_rel_err_vs_fp32_ratio",
