@@ -211,6 +211,7 @@ def call(pipe: Any, device: torch.device, **kw: Any) -> tuple[float, dict[str, A
         st["step_gpu_ms"] = round(statistics.median(
             a[2].elapsed_time(b[2]) for a, b in zip(step_marks, step_marks[1:])), 3)
     if marks:
+        marks[-1][2].synchronize()  # call:end was recorded after the last sync: complete before it is read
         line = sorted(marks + step_marks, key=lambda m: m[1])
         st["segments"] = [[b[0], round(a[2].elapsed_time(b[2]), 2), round(1e3 * (b[1] - a[1]), 2)]
                           for a, b in zip(line, line[1:])]
