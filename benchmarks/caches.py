@@ -73,7 +73,7 @@ class Caches(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
-        self.R = H.Results(a.out, "caches_tiny" if a.tiny else "caches_h200", {
+        self.R = H.Results(a.out, "caches_tiny" if a.tiny else f"caches_{H.gpu_file_tag(a.device)}", {
             **H.head("benchmarks/caches.py (issue 40 item 4)", self.env, cfg), "uncached_s": None,
             "uncached_unpatched_s": None, "mag_ratios": None, "cases": {}, "faster_cache": (
                 "not run: its denoiser hook splits batched cond/uncond inputs, QwenImagePipeline calls them apart "

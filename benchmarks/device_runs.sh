@@ -101,7 +101,7 @@ round29_c() {  # the fixed VAE kernel test and the walks' tests on the device, t
   grep -E "median|walks" "$OUT/pipeline_profile.log" | cut -c1-600
   timeout $((575 - (SECONDS - t0))) python3 benchmarks/caches.py --out "$OUT" --budget-s $((550 - (SECONDS - t0))) \
     > "$OUT/caches.log" 2>&1
-  tail -14 "$OUT/caches_h200.md"
+  tail -14 "$OUT"/caches_h*.md
 }
 
 round30_a() {  # next: the 4-step cases again on the final tree, a new prompt length patched and unpatched, profiled

@@ -31,8 +31,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/qwen_absorb_torch_extensions
 
 from harness_io import (  # noqa: E402,F401 - re-exported: scripts use ``H.<name>``
     RESULTS, ROOT, STEADY_WARMUP_S, T0, VERSION_KEYS, Bench, Results, Steps, add_common_args, add_model_args,
-    add_steady_warmup_arg, dotted_get, environment, finish_args, fmt, git_commit, head, json_safe, log, md_document,
-    md_footer, md_head, md_table, parser, resolve_model_args, sources_sha256, steady_warmup_s, write_atomic,
+    add_steady_warmup_arg, dotted_get, environment, finish_args, fmt, git_commit, gpu_file_tag, head, json_safe, log,
+    md_document, md_footer, md_head, md_table, parser, resolve_model_args, sources_sha256, steady_warmup_s,
+    write_atomic,
 )
 
 import torch  # noqa: E402

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,14 @@ def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
 
 VERSION_KEYS = ("torch", "cuda", "cupy", "diffusers", "transformers", "modelopt", "peft", "python", "driver",
                 "qwen_absorb_commit", "qwen_absorb_version")
+
+
+def gpu_file_tag(device: torch.device | str = "cuda") -> str:
+    """``h200`` / ``h100`` / ``b200``...: the results file's name says the card it was measured on (``gpu``
+    where the name tells none)."""
+    name = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else ""
+    found = re.search(r"\b([A-Z]{1,2}\d{2,3})\b", name)
+    return found.group(1).lower() if found else "gpu"
 
 
 def head(benchmark: str, env: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

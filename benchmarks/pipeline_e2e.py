@@ -22,7 +22,7 @@ then ModelOpt FP8_DEFAULT_CFG, then a fused LoRA):
 - ``8step_lora_fused_fp8``: a Lightning-shaped PEFT LoRA (rank 64, 12 linears a block) fused into the FP8 model,
   8 steps, no CFG.
 Sections ``vae`` (decode at 1024^2, unpatched and with the pipeline patched, and each decode's error against an
-fp32 decode) and ``te`` (``encode_prompt`` time and GPU busy). Writes ``<out>/pipeline_h200.json`` + ``.md``.
+fp32 decode) and ``te`` (``encode_prompt`` time and GPU busy). Writes ``<out>/pipeline_<card>.json`` + ``.md`` (``h200``, ``h100``: ``harness_io.gpu_file_tag``).
 ``--merge-json`` seeds the document with an earlier part's keys, so that the cases can be split over device calls:
 
     python benchmarks/pipeline_e2e.py --out $OUT --budget-s 520                             # all: ~7 min on an H200
@@ -82,7 +82,7 @@ class E2E(H.Bench):
         elif a.merge_json:
             old = json.loads(Path(a.merge_json).read_text())
             seed_doc = {k: old[k] for k in (*KEYS, "stage_split", "peak_gib", "details", "parts") if k in old}
-        self.R = H.Results(a.out, "pipeline_tiny" if a.tiny else "pipeline_h200", {
+        self.R = H.Results(a.out, "pipeline_tiny" if a.tiny else f"pipeline_{H.gpu_file_tag(a.device)}", {
             **H.head("benchmarks/pipeline_e2e.py (issue 40)", self.env, cfg), **dict.fromkeys(KEYS),
             "stage_split": {}, "peak_gib": {}, "details": {}, "parts": [], **seed_doc}, markdown)
         self.R.d["parts"] = [*self.R.d.get("parts", []), {"cases": a.cases, "sections": a.sections,
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--cache", choices=("magcache", "taylorseer", "fbc"), default="magcache")
     p.add_argument("--profile", default="", help="comma-separated cases to profile once more after their timing")
-    p.add_argument("--merge-json", type=Path, default=None, help="an earlier part's pipeline_h200.json")
+    p.add_argument("--merge-json", type=Path, default=None, help="an earlier part's pipeline_<card>.json")
     a = H.finish_args(p, p.parse_args(argv), SECTIONS, "pipeline")
     a.cases, a.profile = pick(a.cases, CASES), pick(a.profile, CASES)
     for k, full, tiny in (("num_layers", 60, 2), ("size", 1024, 64), ("runs", 3, 1), ("iters", 10, 2)):
