@@ -13,7 +13,8 @@
 #
 # The before tree: `git worktree add .devrun/before 69357ce` (an ignored path) before the one_owner call.
 # Between calls, copy what comes back into benchmarks/results/ (top level: one_owner_h200.*, journey_h200.*,
-# journey_offload_h200.*, pipeline_h200.*, gpu_tests_h200.log): journey merges the offload keys from
+# journey_offload_h200.*, pipeline_<card>.*, gpu_tests_h200.log; pipeline_e2e.py and caches.py name their files
+# after the card: h200, h100): journey merges the offload keys from
 # benchmarks/results/journey_offload_h200.json, journey_nvfp4 and pipeline_2 extend the first part's file there.
 # Every script keeps going past a failed step (the error is in its JSON) and writes after every step, so a call
 # cut by its time limit still returns what it measured.
