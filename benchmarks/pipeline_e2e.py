@@ -6,10 +6,10 @@ bf16), the local tokenizer (real vocabulary size and special tokens, ``pipeline_
 full VAE (``AutoencoderKLQwenImage()``), 1024^2, batch 1. Each case: one warm-up call, then ``--runs`` (>= 3)
 timed calls with the stage split of the median one (``pipeline_parts.call``: encode, denoise, decode,
 postprocess, host = denoise minus the transformer's own time, estimated from a timed transformer call at the same
-shapes; the call cut into segments), and the peak memory of the case. Cases under 20 steps interleave as many plain
-calls (no stage timer, no step callback: the timer's syncs and events cost a few ms): their median wall is the
-case's ``e2e_*_s``; 50-step cases report the timed calls' median. Patched cases: ``qwen_absorb.patch(pipe)`` (defaults)
-and the VAE / text-encoder patches where this build has them (``pipeline_parts.patch_pipeline``); "unpatched"
+shapes; the call cut into segments), and the peak memory of the case. Cases under 20 steps interleave as many
+plain calls (no stage timer, no step callback: the timer's syncs and events cost a few ms): their median wall is
+the case's ``e2e_*_s``; 50-step cases report the timed calls' median. Patched cases: ``qwen_absorb.patch(pipe)``
+(defaults) and the VAE / text-encoder patches where this build has them (``pipeline_parts.patch_pipeline``); "unpatched"
 cases run diffusers as is. Cases, run in this order (the model changes in place: bf16,
 then ModelOpt FP8_DEFAULT_CFG, then a fused LoRA):
 
@@ -22,7 +22,8 @@ then ModelOpt FP8_DEFAULT_CFG, then a fused LoRA):
 - ``8step_lora_fused_fp8``: a Lightning-shaped PEFT LoRA (rank 64, 12 linears a block) fused into the FP8 model,
   8 steps, no CFG.
 Sections ``vae`` (decode at 1024^2, unpatched and with the pipeline patched, and each decode's error against an
-fp32 decode) and ``te`` (``encode_prompt`` time and GPU busy). Writes ``<out>/pipeline_<card>.json`` + ``.md`` (``h200``, ``h100``: ``harness_io.gpu_file_tag``).
+fp32 decode) and ``te`` (``encode_prompt`` time and GPU busy). Writes ``<out>/pipeline_<card>.json`` + ``.md``
+(``h200``, ``h100``: ``harness_io.gpu_file_tag``).
 ``--merge-json`` seeds the document with an earlier part's keys, so that the cases can be split over device calls:
 
     python benchmarks/pipeline_e2e.py --out $OUT --budget-s 520                             # all: ~7 min on an H200
@@ -160,7 +161,6 @@ class E2E(H.Bench):
         if case in self.a.profile:
             self.R.put(f"details.profile.{case}", self.profile(case))
         wall, st, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        steps = case_args(case, self.a)["num_inference_steps"]
         calls = steps * (2 if "cfg" in case else 1)
         t_ms = None if case.endswith("_cache") else self.transformer_call_ms(case)
         st["transformer_calls"] = calls

@@ -192,6 +192,8 @@ def patch(
     """
     transformer = resolve_transformer(target)
     cuda_graph = gating.check_tristate("cuda_graph", cuda_graph)
+    if not all(isinstance(x, bool) for x in (vae, text_encoder, pipeline_walks)):  # before anything is patched
+        raise ValueError("vae, text_encoder and pipeline_walks must be True or False")
     options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
                        offload_original_weights, use_fast_accum, cross_block, tuning)
     state = transformer.__dict__.get(_STATE_ATTR)
@@ -268,8 +270,6 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph:
     """A pipeline's VAE decode, prompt encoding and module walks (their own modules and report sections)."""
     if target is transformer or not hasattr(target, "transformer"):
         return report
-    if not all(isinstance(x, bool) for x in (vae, text_encoder, walks)):
-        raise ValueError("vae, text_encoder and pipeline_walks must be True or False")
     if walks:
         report.parts["pipeline"] = walks_room.patch(target)
     else:

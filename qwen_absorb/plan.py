@@ -31,6 +31,8 @@ derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_grap
 
 PLAN_ATTR = "_qwen_absorb_plan"
 QK_NORMS = dep.QK_NORMS
+# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is probed against
+# PyTorch's on the device (ops.qk_norm_rope.probe_variance_order).
 QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (Tuning(qk_fusion=False))"
 
 

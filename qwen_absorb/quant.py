@@ -24,8 +24,8 @@ from .sites import unwrap_peft
 
 
 def _quant_input_forward() -> Any:
-    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (never imported here: a model holds ModelOpt
-    modules only then)."""
+    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (a model holds ModelOpt modules only then;
+    importing it in a call holding the model would keep the model alive: ``hf_export.import_modelopt``)."""
     mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
     return getattr(getattr(mod, "QuantInputBase", None), "forward", None)
 

@@ -205,6 +205,7 @@ def test_bad_value_is_refused_without_side_effects(seed):
     with pytest.raises(ValueError, match="pipeline_walks"):
         qwen_absorb.patch(pipe, capabilities={"cpu"}, pipeline_walks="yes")
     assert type(pipe) is cls
+    assert qwen_absorb.patch_report(pipe) is None  # nor the transformer: refused before anything is patched
     qwen_absorb.unpatch(pipe)
 
 
