@@ -10,14 +10,16 @@ for both calls and hands the cond call's attention to the uncond one). Same seed
 
 Cases, in order (the budget ends the list where it runs out): uncached; each cache with diffusers' defaults, then
 with one setting a user would pick for speed: MagCache (ratios calibrated first with ``MagCacheConfig(calibrate=True)``
-on this model, as its documentation asks), TaylorSeer's defaults, FirstBlockCache (FBC, eager under graph mode:
-decided from tensor values mid-call), PyramidAttentionBroadcast (PAB); last, the same caches on the unpatched model
-(speed ratio). Per case: ``wall_s`` (the second of two runs, the first capturing: ``first_run_s``; one run where every
-call is eager anyway), the graph runner's
-``replays`` / ``captures`` / ``eager_calls`` / ``refusals`` during the timed run, ``latent_rel_err`` of the final
-latents against the uncached patched run. FasterCache: not run (its batched-CFG split raises on Qwen-Image).
+on this model, as its documentation asks), TaylorSeer's defaults, FirstBlockCache (FBC: decided from tensor values
+mid-call, so the model call runs eager around CUDA graphs per block, qwen_absorb.cuda_graph.first_block_cache),
+PyramidAttentionBroadcast (PAB); last, the same caches on the unpatched model (speed ratio). Per case: ``wall_s``
+(the second of two runs, the first capturing: ``first_run_s``), the graph runner's ``replays`` / ``captures`` /
+``eager_calls`` / ``refusals`` during the timed run (model calls), under FBC also its block graphs' ``block_replays``
+/ ``block_captures`` / ``block_eager_calls`` (block calls), ``latent_rel_err`` of the final latents against the
+uncached patched run. FasterCache: not run (its batched-CFG split raises on Qwen-Image).
 
     source benchmarks/device_env.sh && python3 benchmarks/caches.py --out $OUT     # H200: <= 200 s
+    python3 benchmarks/caches.py --out $OUT --cases fbc_default,fbc_fast             # some cases only
     python benchmarks/caches.py --tiny                                                # CPU smoke run
 """
 
@@ -130,7 +132,11 @@ class Caches(H.Bench):
 
     def counters(self) -> dict[str, Any]:
         g = self.report.cuda_graph if self.report is not None else None
-        return {**{k: g.get(k, 0) for k in COUNTERS}, "refusals": dict(g.get("refusals") or {})} if g else {}
+        if not g:
+            return {}
+        fbc = g.get("first_block_cache") or {}  # FirstBlockCache's per-block graphs (block calls)
+        return {**{k: g.get(k, 0) for k in COUNTERS}, **{"block_" + k: fbc.get(k, 0) for k in COUNTERS},
+                "refusals": dict(g.get("refusals") or {})}
 
     def timed(self, runs: int) -> tuple[list[float], torch.Tensor, dict[str, Any]]:
         times, out, before = [], None, {}
@@ -141,7 +147,7 @@ class Caches(H.Bench):
             out = self.denoise()
             times.append(time.perf_counter() - t0)
         after = self.counters()
-        delta = {k: after[k] - before[k] for k in COUNTERS if k in after}
+        delta = {k: after[k] - before[k] for k in (*COUNTERS, *("block_" + c for c in COUNTERS)) if k in after}
         if after:
             delta["refusals"] = {k: v - before["refusals"].get(k, 0) for k, v in after["refusals"].items()
                                  if v != before["refusals"].get(k, 0)}
@@ -176,8 +182,10 @@ class Caches(H.Bench):
         self.R.put("mag_ratios", [round(float(x), 5) for x in ast.literal_eval(printed[0])])
 
     def case(self, name: str, make: Any, patched: bool = True) -> None:
-        # two runs where graphs are captured in the first; one where every call runs eager anyway (FBC)
-        runs = 2 if patched and step_caches.refusal(make()) is None else 1
+        # two runs where graphs are captured in the first (FBC: its blocks' graphs); one where every call runs eager
+        cfg = make()
+        graphed = step_caches.refusal(cfg) is None or type(cfg).__name__ == "FirstBlockCacheConfig"
+        runs = 2 if patched and graphed else 1
         why = self.fits(runs)
         key = f"cases.{name}." + ("wall_s" if patched else "unpatched_wall_s")
         if why:
@@ -211,11 +219,13 @@ class Caches(H.Bench):
             R.write()
             return 1
         made = configs(self.clock, None, self.a.steps)
+        if self.a.cases:
+            made = {k: v for k, v in made.items() if k in self.a.cases.split(",")}
         for name in made:
             if name.startswith("mag") and R.get("mag_ratios") is None:
                 if not s("mag_calibrate", self.calibrate, [(R, "mag_ratios")]):
                     continue
-                made = configs(self.clock, R.get("mag_ratios"), self.a.steps)
+                made = {k: v for k, v in configs(self.clock, R.get("mag_ratios"), self.a.steps).items() if k in made}
             s(name, lambda n=name: self.case(n, made[n]), [(R, f"cases.{name}.wall_s")])
         s("unpatched", self.unpatched, [(R, "uncached_unpatched_s")])
         if self.report is None and R.get("uncached_unpatched_s") is not None:
@@ -229,22 +239,24 @@ class Caches(H.Bench):
 
 
 def markdown(d: dict[str, Any]) -> str:
-    rows = [["uncached", d.get("uncached_s"), None, 0.0, None, None, None]]
+    rows = [["uncached", d.get("uncached_s"), None, 0.0, None, None, None, None]]
     for n, c in (d.get("cases") or {}).items():
         rows.append([n, c.get("wall_s"), c.get("first_run_s"), c.get("latent_rel_err"), c.get("replays"),
-                     c.get("eager_calls"), c.get("unpatched_wall_s")])
+                     c.get("eager_calls"), c.get("block_replays") or None, c.get("unpatched_wall_s")])
     lines = H.md_head("diffusers' caches on the patched FP8 model, under CUDA graphs (issue 40 item 4)", d) + [
         "", "60-layer random full-size FP8 transformer, 1024^2, 50 steps true CFG (100 calls), precomputed prompt "
         "embeddings, latents out; wall s of the second of two runs; error: relative L2 of the final latents against "
         "the uncached run (same seed).", "",
-        *H.md_table(["case", "wall s", "first run s", "latent rel err", "replays", "eager calls", "unpatched s"],
-                    rows), "", f"- uncached, unpatched: {d.get('uncached_unpatched_s')} s",
+        *H.md_table(["case", "wall s", "first run s", "latent rel err", "replays", "eager calls",
+                     "block replays (FBC)", "unpatched s"], rows), "",
+        f"- uncached, unpatched: {d.get('uncached_unpatched_s')} s",
         f"- FasterCache: {d.get('faster_cache')}"]
     return H.md_document(lines, d)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = H.parser(__doc__, (), budget_s=175.0)
+    p.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     defaults = {"num_layers": (60, 2), "side": (64, 4), "text_tokens": (128, 8), "steps": (50, 8)}
     for k, (full, tiny) in defaults.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")

@@ -112,4 +112,20 @@ round30_a() {  # next: the 4-step cases again on the final tree, a new prompt le
   grep -E "median|walks" "$OUT/pipeline_4step.log" | cut -c1-400
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round30_offload() {  # the offload and step-cache GPU tests, then issue 39's offload keys (model offload with graphs by default now)
+  { echo "# python3 -m pytest -q <offload files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 4 tests/test_offload_gpu.py \
+      tests/test_offload_graphs_gpu.py tests/test_step_caches_gpu.py \
+      tests/test_first_block_cache_graphs_gpu.py tests/test_cuda_graph_gpu.py; echo "# exit code $?"; } > "$OUT/gpu_tests_offload.log" 2>&1
+  tail -3 "$OUT/gpu_tests_offload.log"
+  timeout 300 python3 benchmarks/journey_offload.py --out "$OUT" --budget-s 260 > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|profiled|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+}
+
+round30_caches() {  # PAB on the fused attention and FirstBlockCache's per-block graphs (issue 40 item 4)
+  timeout 560 python3 benchmarks/caches.py --out "$OUT" --cases pab_default,pab_fast,fbc_default,fbc_fast \
+    --budget-s 530 > "$OUT/caches.log" 2>&1
+  tail -14 "$OUT"/caches_h*.md
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -6,8 +6,8 @@ One process, one GPU: the 60-layer random full-size transformer in bf16, ModelOp
 (calibrated on two random calls), the full VAE (``pipeline_parts.build_vae``), no text encoder: the prompt and
 negative prompt embeddings (128 and 32 tokens) are given, on the GPU (under accelerate's model offload they must
 be: the hook moves a call's inputs only when it moves the model, see .devrun/readme_offload.md). The transformer is
-patched once with the defaults plus ``Tuning(model_offload_graphs=True)`` (graphs inside the model-offload hook
-are opt-in; originals on the host, graphs decided at the first call on the GPU) and stays patched through the three modes, in this order:
+patched once with the defaults (graphs inside the model-offload hook, originals on the host, graphs decided at the
+first call on the GPU) and stays patched through the three modes, in this order:
 
 - ``resident``: the pipeline on the GPU; a warm-up run, then ``--runs`` timed runs: ``resident_8step_s`` (median);
 - ``offload_model``: ``pipe.enable_model_cpu_offload()``; a warm-up run, then timed runs: ``offload_model_8step_s``,
@@ -71,7 +71,7 @@ class OffloadJourney(H.Bench):
         del calib
         self.pipe = self._pipeline(model)
         self.pipe.set_progress_bar_config(disable=True)
-        self.report = qwen_absorb.patch(self.pipe, tuning=qwen_absorb.Tuning(model_offload_graphs=True))
+        self.report = qwen_absorb.patch(self.pipe)
         self.R.put("details.patch_gib", H.memory_gib(self.dev))
         dim = model.config.joint_attention_dim
         prompts = H.prompt_kwargs(dim, self.dev, torch.bfloat16, a.seed, a.text_tokens, max(4, a.text_tokens // 4))
@@ -146,6 +146,23 @@ class OffloadJourney(H.Bench):
         self.R.put("offload_model_8step_s", d["median_s"])
         self.R.put("offload_model_graph_replays", d["graph_replays"])
         self.R.put("offload_model_peak_gib", d["peak_gib"], H.NEEDS_CUDA)
+        self.R.put("details.offload_model_profile", self.profiled_run())
+        if self.cuda:
+            self.R.put("details.h2d_gb_per_s", h2d_rates(self.dev))
+
+    def profiled_run(self) -> list[dict[str, Any]]:
+        """One more run under cProfile: where the host spends a run (functions by own time)."""
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        prof = cProfile.Profile()
+        prof.enable()
+        wall = self.run_once()
+        prof.disable()
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])
+        H.log(f"offload_model profiled run: {wall:.3f} s")
+        return [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})"[:90], "calls": v[1], "self_ms": round(v[2] * 1e3, 1),
+                 "cum_ms": round(v[3] * 1e3, 1)} for k, v in rows[:25]]
 
     def _tiny_model_offload(self) -> None:
         self.pipe.enable_model_cpu_offload(device="cpu")
@@ -176,6 +193,25 @@ class OffloadJourney(H.Bench):
         R.put("details.report", str(self.report)[:3000])
         R.write()
         return 1 if R.d["errors"] else 0
+
+
+def h2d_rates(dev: torch.device, gib: float = 1.0) -> dict[str, float]:
+    """Host-to-GPU copy rates of one buffer from pageable and from pinned memory (what a weight's way back costs)."""
+    n = int(gib * 2**30)
+    out = {}
+    for name, pinned in (("pageable", False), ("pinned", True)):
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        walls = []
+        for _ in range(4):
+            H.sync(dev)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pinned)
+            H.sync(dev)
+            walls.append(time.perf_counter() - t0)
+        out[name] = round(n / statistics.median(walls[1:]) / 1e9, 2)
+        del src, dst
+    return out
 
 
 def markdown(d: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (its backend and c
 four RMSNorm + RoPE chains (44 eager kernels) are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are
 written straight into the joint ``[text, image]`` tensors (``Tuning.joint_outputs``, the same bits); each planned
 linear is an FP8 GEMM fed by e4m3 codes (q/k/v norm1's, the output projections' from one split quantization).
-The block calls :func:`run` only when its plan owns the attention and no hook sits on it; ``block.attn``'s
+The block calls :func:`run` only when its plan owns the attention and no hook sits on it but a TaylorSeer or PAB
+cache hook (run around it: :mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); ``block.attn``'s
 processor stays diffusers' own (``set_attention_backend``, ``enable_parallelism``, fallbacks).
 """
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, ffn, fp8_forward, handoff, hooks, host_originals, lora, quant, taylorseer
+from . import attention, compile_boundary, ffn, fp8_forward, handoff, hooks, host_originals, lora, quant
+from . import step_caches, taylorseer
 from . import site_runners as R
 from .ops import _validate, lane
 from .ops._modulation import expand_param
@@ -352,8 +353,8 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     with plan.rt.lock:
         deferred = _Deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
-            if plan.attn_cache and not compiling:  # diffusers' TaylorSeer hook, run around our attention
-                img_attn, txt_attn = taylorseer.run(self.attn, lambda: attention.run(
+            if plan.attn_cache and not compiling:  # diffusers' TaylorSeer / PAB hook, run around our attention
+                img_attn, txt_attn = _cache_run(plan)(self.attn, lambda: attention.run(
                     self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.mode,
                     compiling))
             elif (plan.own_attention and not plan.attn_cache) or (
@@ -421,6 +422,16 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
+
+
+def _cache_run(plan: BlockPlan):
+    """How the cache hook the plan runs around the block's own attention (``plan.attn_cache``) runs: PAB's
+    (:func:`step_caches.run`) or TaylorSeer's (:func:`taylorseer.run`); each finds its hook again and raises if it
+    is gone (the watch decides anew when hooks change, so that is never reached by diffusers' own API).
+    The attention residual sites never defer the output projections' biases here (``qwen_absorb.plan._decide_site``
+    refuses deferral while ``attn`` is hooked): what a cache stores or predicts is the attention's output as
+    diffusers' module returns it, bias included."""
+    return step_caches.run if plan.attn_cache_kind == step_caches.PAB else taylorseer.run
 
 
 def _residual_reason(h: torch.Tensor, y, params: tuple, index: torch.Tensor | None, what: str) -> tuple:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks, lora, parallel, quant, taylorseer
+from . import hooks, lora, parallel, quant, step_caches, taylorseer
 from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, containers, resolve, unwrap_peft
 from .watch import Watch
 
@@ -41,14 +41,26 @@ def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
     return [f"a forward hook on {h}: {what}"] if h is not None else []
 
 
-def attention_cache(block: nn.Module) -> bool:
-    """``block.attn``'s only hook is a TaylorSeer cache the block can run around its own attention."""
+def attention_cache_kind(block: nn.Module) -> str | None:
+    """Which cache, the only hook of ``block.attn``, the block can run around its own attention: ``"TaylorSeer"``
+    (:func:`taylorseer.run`), ``"PyramidAttentionBroadcast"`` (:func:`step_caches.run`), or None."""
     attn = block._modules.get("attn")
-    return attn is not None and taylorseer.supported_hook(attn) is not None
+    if attn is None:
+        return None
+    if taylorseer.supported_hook(attn) is not None:
+        return "TaylorSeer"
+    return step_caches.PAB if step_caches.attention_hook(attn) is not None else None
+
+
+def attention_cache(block: nn.Module) -> bool:
+    """``block.attn``'s only hook is a cache the block can run around its own attention
+    (:func:`attention_cache_kind`)."""
+    return attention_cache_kind(block) is not None
 
 
 def attention_hook_refusal(block: nn.Module) -> list[str]:
-    """:func:`hook_refusal` for the attention as a whole, except a TaylorSeer cache the block runs itself."""
+    """:func:`hook_refusal` for the attention as a whole, except a cache hook the block runs itself
+    (:func:`attention_cache`)."""
     return [] if attention_cache(block) else hook_refusal(block, "the attention runs as its module", "attn")
 
 
@@ -74,7 +86,7 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
         if lp.fp8_gemm:
             paths += [p, *containers(p)]
     if plan.own_attention:
-        if not plan.attn_cache:  # a TaylorSeer hook on attn runs inside the block (taylorseer.run)
+        if not plan.attn_cache:  # a TaylorSeer / PAB hook on attn runs inside the block (its cache's run)
             paths.append("attn")
         if plan.qk_fused:
             paths += [f"attn.{n}" for n in QK_NORMS]

@@ -60,10 +60,10 @@ class Tuning:
     lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
     lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
     # graphs inside accelerate's CpuOffload hook (enable_model_cpu_offload(): captured once per run, replayed by the
-    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). Off by default until the offload GPU
-    # tests pass again: their illegal memory access (rounds 25-27) came from leaf-level offloading, now gated
-    # (block.WEIGHT_HOOK_FALLBACK), and the bf16 runs of these graphs were in the worker it broke
-    model_offload_graphs: bool = False
+    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). On since the offload GPU tests pass
+    # again (gpu_tests_h100_round29.log): their illegal memory access (rounds 25-27) was leaf-level offloading, now
+    # gated (block.WEIGHT_HOOK_FALLBACK). False: that hook's calls run eager, with the reason
+    model_offload_graphs: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -25,7 +25,7 @@ from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
 from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, containers,
                     family_of, resolve, swiglu21_refusals, unwrap_peft)
-from .watch import Watch, tensor_key
+from .watch import Watch, content_fingerprint, tensor_key, tensor_version
 
 derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_graph.fingerprint reads it here)
 
@@ -154,7 +154,8 @@ class BlockPlan:
     norms: dict[str, NormInfo] = field(default_factory=dict)
     own_attention: bool = False  # the attention runs qwen_absorb's path (qwen_absorb.attention.run)
     attn_forwards: bool = False  # a hooked attention runs as its module, its linears' gated forwards real FP8
-    attn_cache: bool = False  # a TaylorSeer cache, the attention's only hook, runs around our attention (taylorseer)
+    attn_cache: bool = False  # a TaylorSeer / PAB cache, the attention's only hook, runs around our attention
+    attn_cache_kind: str = ""  # which ("TaylorSeer", "PyramidAttentionBroadcast"), for the report
     qk_fused: bool = False  # the four q/k RMSNorm + RoPE chains run as one qk_norm_rope launch
     qk_eps: tuple[float, ...] = ()
     qk_min_rows: int = 1  # rows (B * L * heads) from which PyTorch's variance order is the kernel's
@@ -278,6 +279,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     plan.own_attention = any(plan.linears[p].fp8_gemm or (resolve(block, p) in plan.nvfp4 and not _fp8_context_reasons(
         block, p)) for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
     plan.attn_cache = plan.own_attention and dep.attention_cache(block)
+    plan.attn_cache_kind = (dep.attention_cache_kind(block) or "") if plan.attn_cache else ""
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
     for p in LINEAR_TABLE if plan.attn_forwards else ():
@@ -447,18 +449,23 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
         sp.act_out = any(lp.lora and lp.lora_active for lp in lps)
 
 
-def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: tuple | None = None) -> tuple:
+def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: tuple | None = None,
+                   staged: torch.Tensor | None = None) -> tuple:
     """What an FP8 weight is made from. PEFT merges (``fuse_lora``) write ``weight.data`` in place, which bumps no
     version, and an unload afterwards leaves the merged weight behind unwrapped (the merged adapters are gone with
-    the wrapper): the weight's content fingerprint is part of the key, as is every tensor's without a version."""
+    the wrapper): the weight's content fingerprint is part of the key, as is every tensor's without a version.
+    ``content``: the fingerprint carried over (a move, not a change); ``staged``: the weight's values on the device,
+    fingerprinted there (the same bits give the same fingerprint)."""
     m = resolve(block, path)
     base, wrappers = unwrap_peft(m)
     w = base._parameters["weight"]
     ts = (quant.input_amax(base), getattr(base.weight_quantizer, "_amax", None),
           getattr(base.weight_quantizer, "_scale", None))
     merged = tuple(lora.state(x)[0] for x in wrappers if lora.is_lora_layer(x))
-    wk = tensor_key(w, content=content is None)
-    return (str(device), merged, wk if content is None else wk[:4] + (content,)) + tuple(map(tensor_key, ts))
+    if content is None:
+        content = content_fingerprint(w if staged is None else staged)
+    wk = (id(w), tensor_version(w), w.data_ptr(), w.dtype, content)
+    return (str(device), merged, wk) + tuple(map(tensor_key, ts))
 
 
 def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
@@ -467,12 +474,14 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
         if not lp.fp8_gemm:
             continue
         m = resolve(block, p)
-        key = _fp8_cache_key(block, p, plan.rt.device)
+        staged = quant.staged_weight(m, plan.rt.device)  # a host-kept weight: one copy, read on the device
+        key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
         prev = old.get(p)
         if prev is not None and prev.cache_key == key and prev.weight is not None:
             lp.weight, lp.offloaded = prev.weight, prev.offloaded
         else:
-            lp.weight = quant.make_fp8_weight(m, plan.rt.device)
+            lp.weight = quant.make_fp8_weight(m, plan.rt.device, staged)
+        del staged
         lp.cache_key = key
         lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
         lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)

@@ -345,9 +345,22 @@ class Fp8Weight:
     out_dtype: torch.dtype  # the dtype the linear computes in (its original weight's)
 
 
-def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
+def staged_weight(module: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """A plain linear weight kept elsewhere (the host-kept originals) copied to ``device`` once, for everything the
+    decision reads of it there: its content fingerprint and its FP8 codes. Read on the host instead, the 60-layer
+    model's 38 GiB of bf16 were summed and hashed by the CPU at every decision on the GPU (each call under
+    accelerate's model offload). None where the weight is on ``device`` already or is not a plain tensor."""
+    w = unwrap_peft(module)[0]._parameters.get("weight")
+    if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device == device \
+            or w.device.type == "meta":
+        return None
+    return w.detach().to(device, non_blocking=w.is_pinned())
+
+
+def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None) -> Fp8Weight:
     """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons`: the codes inside ModelOpt's fake quantization
-    (CUDA-extension formula), or ``mtq.compress``'s stored codes and ``_scale``."""
+    (CUDA-extension formula), or ``mtq.compress``'s stored codes and ``_scale``. ``staged``: the weight's values
+    on ``device`` already (:func:`staged_weight`)."""
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
@@ -361,7 +374,7 @@ def make_fp8_weight(module: nn.Module, device: torch.device) -> Fp8Weight:
         # this rank's shard; the amax was calibrated over the whole tensor, so these are the shard of the codes
         w = w.to_local().contiguous()
     with torch.no_grad():
-        codes = quantize_fp8_reference(w.detach().to(device), wq._amax)
+        codes = quantize_fp8_reference(w.detach().to(device) if staged is None else staged, wq._amax)
     return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)
 
 

@@ -87,7 +87,8 @@ class BlockReport:
     fast_accum: bool = False  # its FP8 GEMMs use fast accumulation
     attn_forwards: bool = False  # a hooked attention runs as its module, its linears real FP8 in their forward slots
     fp8_forward_linears: int = 0  # its attention linears holding a gated real-FP8 forward able to run here
-    attn_cache: bool = False  # a diffusers TaylorSeer cache on its attention runs inside the block (taylorseer)
+    attn_cache: bool = False  # a diffusers cache on its attention runs inside the block, around its own attention
+    attn_cache_kind: str = ""  # which: "TaylorSeer" (taylorseer) or "PyramidAttentionBroadcast" (step_caches)
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
@@ -97,7 +98,8 @@ class BlockReport:
             {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
             {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
             {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
-            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards, attn_cache=p.attn_cache)
+            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards, attn_cache=p.attn_cache,
+            attn_cache_kind=p.attn_cache_kind)
 
     def site(self, stream: str, name: str) -> SiteReport:
         for s in self.sites:
@@ -117,7 +119,7 @@ _DICT_NAMES = {"qk_fused": "qk_norm_rope_fused", "qk_reasons": "qk_norm_rope_rea
                "handoff": "cross_block_handoff", "handoff_reasons": "cross_block_reasons",
                "handoff_in_reasons": "cross_block_receive_reasons", "handoffs_used": "cross_block_handoffs_taken",
                "fast_accum": "fp8_fast_accum", "attn_forwards": "hooked_attention_fp8",
-               "attn_cache": "taylorseer_attention"}
+               "attn_cache": "cache_around_own_attention", "attn_cache_kind": "cache_around_own_attention_kind"}
 
 
 @dataclass
@@ -253,7 +255,9 @@ class PatchReport:
             "fp8_emitting_sites": sum(s.fp8_out for s in sites),
             "fp8_forward_linears": sum(b.fp8_forward_linears for b in patched),
             "hooked_attention_fp8_blocks": sum(b.attn_forwards for b in patched),
-            "taylorseer_attention_blocks": sum(b.attn_cache for b in patched),
+            "taylorseer_attention_blocks": sum(b.attn_cache and b.attn_cache_kind == "TaylorSeer" for b in patched),
+            "pab_attention_blocks": sum(b.attn_cache and b.attn_cache_kind == "PyramidAttentionBroadcast"
+                                        for b in patched),
             "qk_norm_rope_fused_blocks": sum(b.qk_fused for b in blocks),
             "cross_block_links": sum(b.handoff for b in blocks),
             "cross_block_handoffs_taken": sum(b.handoffs_used for b in blocks),
@@ -302,9 +306,11 @@ class PatchReport:
             lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): {s['fp8_forward_linears']} "
                          f"attention linears run real FP8 in their forward slots there; attention hooked now in "
                          f"{s['hooked_attention_fp8_blocks']} blocks")
-        if s["taylorseer_attention_blocks"]:
-            lines.append(f"  diffusers' TaylorSeer cache run inside {s['taylorseer_attention_blocks']} blocks, around "
-                         "their own attention (graph mode replays its steps)")
+        for name, key in (("TaylorSeer", "taylorseer_attention_blocks"), ("PyramidAttentionBroadcast",
+                                                                           "pab_attention_blocks")):
+            if s[key]:
+                lines.append(f"  diffusers' {name} cache run inside {s[key]} blocks, around their own attention "
+                             "(qwen_absorb.attention.run; graph mode replays its steps)")
         if s["quantized_projections"]:
             fmt = ", ".join(f"{k} x{v}" for k, v in sorted(s["quantized_projections"].items()))
             lines.append(f"  ModelOpt output projections: {fmt} ({s['compressed_projections']} compressed); "
@@ -336,6 +342,11 @@ class PatchReport:
                          f"{g.get('graphs', 0)} kept{where}, {g.get('captures', 0)} captured, "
                          f"{g.get('replays', 0)} replays, {g.get('eager_calls', 0)} {'block ' if per else ''}"
                          f"call{'' if g.get('eager_calls', 0) == 1 else 's'} eager")
+            fbc = g.get("first_block_cache")
+            if fbc and fbc.get("installed"):
+                lines.append(f"    FirstBlockCache: graphs per block: {fbc['graphs']} kept over {fbc['blocks']} "
+                             f"blocks, {fbc['captures']} captured, {fbc['replays']} block replays, "
+                             f"{fbc['eager_calls']} block calls eager")
             if self.graph_fallbacks:
                 lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
         elif self.cuda_graph_refused:

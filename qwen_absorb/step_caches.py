@@ -1,5 +1,6 @@
-"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FirstBlockCache and
-FasterCache stay eager (:func:`refusal`).
+"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FasterCache stays eager,
+and FirstBlockCache's whole-model refusal (its blocks replay graphs of their own, ``cuda_graph/first_block_cache.py``)
+(:func:`refusal`).
 
 Both caches decide each call's work on the host from their own counters, before any tensor is read:
 - PyramidAttentionBroadcast (a hook on every block's ``attn``): compute the attention, or hand out the last one,
@@ -13,6 +14,11 @@ expressions on the same values), and the graph key is the decisions. The tensor 
 Eager calls run diffusers' hooks as they are; a warm-up and a capture run them too, with the timestep callback
 answering the decided comparison (no device read inside a capture) and the state of before the call restored for
 the capture; a replay runs no hook: the predicted state is applied after it.
+
+A PAB hook that is its attention's only hook (:func:`attention_hook`) is run by the patched block around its own
+fused attention (:func:`run`: diffusers' ``new_forward`` itself, its original forward the block's attention), so
+the decision, the stored output and the counter are the hook's own; the graph staging above is unchanged (the
+hook's attributes are what the block reads, and the output it stores is what :class:`_Step` keeps).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks
+from . import hooks, taylorseer
 
 PAB, MAG = "PyramidAttentionBroadcast", "MagCache"
 _HOOKS = {"PyramidAttentionBroadcastHook": PAB, "MagCacheHeadHook": MAG, "MagCacheBlockHook": MAG}
@@ -33,9 +39,10 @@ _CONFIGS = {"PyramidAttentionBroadcastConfig": PAB, "MagCacheConfig": MAG}
 # Caches whose calls run eager under graphs: (refusal, detail), said in the report's graph_fallbacks
 _EAGER = {
     "FirstBlockCacheConfig": (
-        "FirstBlockCache: decided from the first block's output (a device read inside the call)",
-        "diffusers compares the first block's residual with the last one (.item()) inside every call; a graph "
-        "of the whole model cannot take that branch, and graphs split after the first block are not built"),
+        "FirstBlockCache: per-block CUDA graphs (the model call runs eager around them)",
+        "diffusers compares the first block's residual with the last one (.item()) inside every call, which no "
+        "graph of the whole model can take: its hooks run on the host and each block they compute replays a graph "
+        "of its own (qwen_absorb.cuda_graph.first_block_cache)"),
     "FasterCacheConfig": (
         "FasterCache: hooks the transformer call itself (not graphed)",
         "its denoiser hook wraps the transformer's own forward, outside the graph runner, and splits batched "
@@ -65,6 +72,73 @@ def owned(module: nn.Module) -> list[Any]:
     """The diffusers hooks on ``module`` when all are PAB / MagCache hooks (the runner decides them); else []."""
     named = hooks.registry_hooks(module)
     return list(named.values()) if named and all(_diffusers(h, _HOOKS) for h in named.values()) else []
+
+
+PAB_HOOK_NAME = "pyramid_attention_broadcast"  # the name diffusers registers its PAB hook under
+
+
+def attention_hook(module: nn.Module) -> Any | None:
+    """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' class under
+    diffusers' name, the module's only hook (no torch or accelerate hook, nothing wrapped around the registry's
+    forward), wrapping the module's class forward (a forward the user put there before the hook would not run),
+    with the registry's identity pre/post steps (the block's path calls neither)."""
+    d = module.__dict__
+    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
+        return None
+    named = getattr(d.get("_diffusers_hook"), "hooks", None)
+    if not named or len(named) != 1:
+        return None
+    hook = named.get(PAB_HOOK_NAME)
+    cls = type(hook)
+    if hook is None or _diffusers(hook, _HOOKS) != PAB or "pre_forward" in cls.__dict__ \
+            or "post_forward" in cls.__dict__ or not taylorseer._registry_forward(d.get("forward")):
+        return None
+    orig = getattr(getattr(hook, "fn_ref", None), "original_forward", None)
+    if getattr(orig, "__self__", None) is not module or getattr(orig, "__func__", None) is not type(module).forward:
+        return None
+    return hook
+
+
+class _Own:
+    """What the hook's ``fn_ref`` holds for its ``new_forward``: the block's own attention as its original forward."""
+
+    __slots__ = ("original_forward",)
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self.original_forward = compute
+
+
+class _Around:
+    """The PAB hook as its own ``new_forward`` reads it, its ``fn_ref`` excepted: every other attribute read from and
+    written to the hook itself (the callback a warm-up shadows, the ranges, the state it updates)."""
+
+    __slots__ = ("_hook", "fn_ref")
+
+    def __init__(self, hook: Any, compute: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_hook", hook)
+        object.__setattr__(self, "fn_ref", _Own(compute))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_hook"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_hook"), name, value)
+
+
+def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
+    """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's own attention) as its forward.
+
+    diffusers' own ``new_forward`` runs, not a copy of it: the decision, ``state.cache = output`` (the very object
+    ``compute`` returned, or the cache handed out again) and ``iteration += 1`` are the hook's in every diffusers
+    version that keeps its shape. It runs on a stand-in of the hook whose ``fn_ref`` is the block's attention rather
+    than on the hook with its ``fn_ref`` swapped: that reference is shared with every other caller of the module
+    (a thread calling ``attn`` outside the block's lock, diffusers' own forward on a fallback) and must keep
+    pointing at diffusers' attention. The block holds ``plan.rt.lock`` around this call, as around the hooked
+    module's call it replaces."""
+    hook = attention_hook(module)
+    if hook is None:
+        raise RuntimeError("qwen_absorb: the PyramidAttentionBroadcast hook this block was decided for is gone")
+    return type(hook).new_forward(_Around(hook, compute), module)
 
 
 def _flat(v: Any) -> list[torch.Tensor]:

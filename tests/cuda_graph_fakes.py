@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from qwen_absorb.cuda_graph import capture as C
+from qwen_absorb.cuda_graph import fingerprint
 from qwen_absorb.cuda_graph import settings
 from qwen_absorb.cuda_graph import signature as S
 from qwen_absorb.cuda_graph.runner import GraphedCall
@@ -33,6 +34,8 @@ class FakeGraph:
         self.pool = None  # the pool handle it was captured into
 
     def replay(self):
+        if self.fn is None:
+            _arm_fbc_owner(self)
         self.fn()
 
 
@@ -93,6 +96,16 @@ def arm(runner) -> None:
                 dst.copy_(src)
 
         entry.graph.fn = fn
+
+
+def _arm_fbc_owner(graph: FakeGraph) -> None:
+    """A FirstBlockCache group's block graph replayed before a test armed it: its runner is armed now (these runners
+    are made inside a model call, where no test can reach them first; every other runner's graph must be armed by
+    its test, so that an unexpected replay fails there)."""
+    for r in list(fingerprint._LIVE):
+        if getattr(r._shared, "fbc", False) and any(e.graph is graph for e in r._graphs.values()):
+            arm(r)
+            return
 
 
 def runner_of(t) -> GraphedCall | None:

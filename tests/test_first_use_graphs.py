@@ -123,7 +123,7 @@ def test_model_offload_hook_added_after_patch_keeps_graphs(monkeypatch, seed):
     model, (kw, _) = _model(seed)
     twin = copy.deepcopy(model)
     want = T.run_transformer(twin, kw)
-    report = qwen_absorb.patch(model, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in (see gating.Tuning)
+    report = qwen_absorb.patch(model)  # graphs in the model-offload hook: the default (gating.Tuning)
     _, hook = cpu_offload_with_hook(model, "cpu")
     assert isinstance(model.__dict__["_old_forward"], CG.FirstUse)
     cuda_graph_fakes.install(monkeypatch)
@@ -144,13 +144,13 @@ def test_patch_under_model_offload_installs_inside_the_hook(monkeypatch, seed):
     want = T.run_transformer(copy.deepcopy(model), kw)
     cpu_offload_with_hook(model, "cpu")
     cuda_graph_fakes.install(monkeypatch)
-    # by default graphs are refused there, with the reason (Tuning.model_offload_graphs says why)
-    report = qwen_absorb.patch(model)
+    # turned off, graphs are refused there, with the reason
+    report = qwen_absorb.patch(model, tuning=qwen_absorb.Tuning(model_offload_graphs=False))
     assert all(torch.equal(o, want) for o in _calls(model, kw, 4))
     assert report.cuda_graph["replays"] == 0
-    assert any("model_offload_graphs=True" in str(r) for r in report.graph_fallbacks), report.graph_fallbacks
+    assert any("model_offload_graphs=False" in str(r) for r in report.graph_fallbacks), report.graph_fallbacks
     qwen_absorb.unpatch(model)
-    report = qwen_absorb.patch(model, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in
+    report = qwen_absorb.patch(model)  # the default
     assert isinstance(model.__dict__.get("_old_forward"), (CG.FirstUse, CG.GraphedCall))
     assert all(torch.equal(o, want) for o in _calls(model, kw, 4))
     assert report.cuda_graph["replays"] == 2 and not report.graph_fallbacks, (report.cuda_graph,

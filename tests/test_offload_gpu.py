@@ -17,6 +17,8 @@ import torch
 import qwen_absorb
 from qwen_absorb import cuda_graph as CG
 from qwen_absorb import host_originals as HO
+from qwen_absorb import plan as P
+from qwen_absorb import watch as W
 from . import builders as T
 from qwen_absorb.ops import _runtime
 
@@ -81,6 +83,42 @@ def test_fp8_default_keeps_originals_on_the_host():
     assert [id(p) for p in model.parameters()] == ids and all(p.device.type == "cuda" for p in model.parameters())
     sa, sb = model.state_dict(), twin.state_dict()
     assert all(torch.equal(sa[k], sb[k]) and sa[k].device == sb[k].device for k in sa)
+
+
+@pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
+def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
+    """Model offload's move out and back: the block decides anew, and each host-kept weight is copied to the GPU
+    once and fingerprinted and quantized there (no CPU read of the originals), giving the resident twin's bits; an
+    in-place ``.data`` write made while the model was on the CPU (a PEFT merge's way) is still seen."""
+    model = _model(5)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    qwen_absorb.patch(model, cuda_graph=False)
+    kw = _inputs(model, 6)
+    want = T.run_transformer(twin, kw)
+    for w in HO.host_weights(model):  # patch() again compares a fingerprint taken on the host with these
+        assert W.content_fingerprint(w) == W.content_fingerprint(w.to(DEV))
+    read = []
+    real = P.content_fingerprint
+    monkeypatch.setattr(P, "content_fingerprint", lambda t: read.append(t.device.type) or real(t))
+    model.to("cpu")
+    model.to(DEV)
+    assert torch.equal(T.run_transformer(model, kw), want)
+    assert len(read) >= 14 * 3 and set(read) == {"cuda"}, read
+    model.to("cpu")
+    before = want
+    names = {id(p): n for n, p in model.named_parameters()}
+    w = HO.host_weights(model)[5]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(7), dtype=w.dtype) * 0.02
+    with torch.no_grad():
+        w.data += delta  # no version bump
+        dict(twin.named_parameters())[names[id(w)]].data += delta.to(DEV)
+    qwen_absorb.unpatch(twin)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    want = T.run_transformer(twin, kw)
+    model.to(DEV)
+    out = T.run_transformer(model, kw)
+    assert torch.equal(out, want) and not torch.equal(out, before)  # the edit changed the output, and was seen
 
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
@@ -171,9 +209,13 @@ def test_offload_modes_on_a_pipeline(mode, kind):
             assert torch.equal(out, ref) and torch.equal(out2, ref)
     else:
         assert torch.equal(out, want) and torch.equal(out2, want)
-    # model offload: graphs are opt-in (gating.Tuning.model_offload_graphs; tests/test_offload_graphs_gpu.py runs
-    # them); the others stream or cast weights inside the call: refused, with the reason
-    assert report.cuda_graph["replays"] == 0 and report.graph_fallbacks, report.cuda_graph
+    # model offload: graphs inside the hook (the default, gating.Tuning.model_offload_graphs), captured at the first
+    # call of a run; the others stream or cast weights inside the call: refused, with the reason
+    if mode == "model":
+        assert report.cuda_graph["replays"] > 0 and not report.graph_fallbacks, (report.cuda_graph,
+                                                                                 report.graph_fallbacks)
+    else:
+        assert report.cuda_graph["replays"] == 0 and report.graph_fallbacks, report.cuda_graph
     qwen_absorb.unpatch(pipe)
 
 

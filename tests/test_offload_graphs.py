@@ -68,7 +68,7 @@ def test_model_offload_captures_once_per_run_and_replays_the_other_steps(monkeyp
     _model_offload(twin)
     want = _runs(twin, seed, 3)
     _model_offload(pipe)
-    report = qwen_absorb.patch(pipe, cuda_graph=cuda_graph, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in
+    report = qwen_absorb.patch(pipe, cuda_graph=cuda_graph)  # graphs in the model-offload hook: the default
     cuda_graph_fakes.install(monkeypatch)
     first_pool = []
     orig_capture = CG.runner.capture
@@ -119,7 +119,7 @@ def test_weights_moved_drop_the_graphs_and_their_memory_before_a_replay(monkeypa
     want = T.run_transformer(copy.deepcopy(model), kw)
     cpu_offload_with_hook(model, CPU)
     cuda_graph_fakes.install(monkeypatch)
-    report = qwen_absorb.patch(model, cuda_graph=True, tuning=qwen_absorb.Tuning(model_offload_graphs=True))
+    report = qwen_absorb.patch(model, cuda_graph=True)
     runner = _runner(model)
     assert runner is not None and model.__dict__["_old_forward"] is runner
     assert torch.equal(T.run_transformer(model, kw), want)  # captured

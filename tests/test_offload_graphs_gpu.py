@@ -72,7 +72,7 @@ def test_model_offload_replays_graphs_and_matches_the_unpatched_pipeline(kind, c
     want = _runs(twin, seeds)
     pipe = T.tiny_pipeline(dtype=torch.bfloat16, seed=0, transformer=t)
     pipe.enable_model_cpu_offload()
-    report = qwen_absorb.patch(pipe, cuda_graph=cuda_graph, vae=False, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in
+    report = qwen_absorb.patch(pipe, cuda_graph=cuda_graph, vae=False)  # graphs in the model-offload hook: the default
     outs = _runs(pipe, seeds)
     g = report.cuda_graph
     print(f"{kind} {cuda_graph}: rel {[round(_rel(o, w), 6) for o, w in zip(outs, want)]}, graphs {g}, "
@@ -107,7 +107,7 @@ def test_graphs_of_an_offloaded_run_are_dropped_when_the_weights_move():
     t = _transformer("bf16", 12)
     pipe = T.tiny_pipeline(dtype=torch.bfloat16, seed=0, transformer=t)
     pipe.enable_model_cpu_offload()
-    report = qwen_absorb.patch(pipe, cuda_graph=True, vae=False, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in
+    report = qwen_absorb.patch(pipe, cuda_graph=True, vae=False)  # graphs in the model-offload hook: the default
     _run(pipe, 5)
     runner = pipe.transformer.__dict__["_old_forward"]
     first = [weakref.ref(e.graph) for e in runner._graphs.values()]

@@ -127,7 +127,7 @@ def test_model_offload_replays_graphs(monkeypatch, kind, seed):
     qwen_absorb.patch(twin, cuda_graph=False, **({"fp8_gemm": True, "capabilities": {"cpu"}} if kind == "fp8" else {}))
     want = _run(twin, seed, steps=4)
     _model_offload(pipe)
-    report = _patch(pipe, kind, tuning=qwen_absorb.Tuning(model_offload_graphs=True))  # opt-in (gating.Tuning.model_offload_graphs)
+    report = _patch(pipe, kind)  # graphs in the model-offload hook: the default (gating.Tuning.model_offload_graphs)
     cuda_graph_fakes.install(monkeypatch)
     out = _run(pipe, seed, steps=4, arm=True)
     assert torch.equal(out, want)

@@ -3,108 +3,23 @@
 diffusers' ``QwenImage21Transformer2DModel.forward`` syncs with the host before its block loop (``tolist()`` /
 ``nonzero()`` on the token masks), so its whole call can never be captured; its blocks can. Each runner keeps its
 own fingerprint of its block and refuses too when the parent carries an offloading or cache hook; refusals are
-counted per block call. :class:`BlockGraphs` removes, invalidates and describes the group as one (a whole-call
-runner's keys summed over the blocks, plus ``mode``, ``blocks``, ``shared`` and ``per_block``).
+counted per block call. :class:`~.group.BlockGraphs` removes, invalidates and describes the group as one.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import weakref
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 
 from .attach import install
+from .group import BlockGraphs
 from .runner import GraphedCall
 from .shared import Shared
 
 log = logging.getLogger("qwen_absorb")
-
-MODE = "per block"
-_SUMMED = ("graphs", "captures", "replays", "eager_calls", "new_signature_calls", "evictions", "failed_signatures",
-           "discarded_replays")
-_MERGED = ("refusals", "invalidations", "capture_failures")
-
-
-class BlockGraphs:
-    """The per-block runners of one model and what they share (:func:`install_blocks`). After :meth:`remove` it
-    holds only the last description, nothing of the model."""
-
-    __slots__ = ("runners", "indices", "shared", "max_graphs", "capture_after", "_parent", "_last", "__weakref__")
-
-    def __init__(self, runners: list[GraphedCall], indices: list[int], shared: Shared, parent: nn.Module | None,
-                 max_graphs: int, capture_after: int) -> None:
-        self.runners, self.indices, self.shared = runners, indices, shared
-        self.max_graphs, self.capture_after = max_graphs, capture_after
-        self._parent = weakref.ref(parent) if parent is not None else None
-        self._last: dict[str, Any] | None = None  # the description as of remove()
-
-    @property
-    def installed(self) -> bool:
-        return self._last is None
-
-    def invalidate(self, reason: str = "invalidate() called") -> None:
-        for r in self.runners:
-            r.invalidate(reason)
-
-    def remove(self) -> None:
-        """Remove every runner (each block's previous forward back in place), then what they shared."""
-        if self._last is not None:
-            return
-        try:
-            for r in self.runners:
-                r.remove()
-        finally:
-            self._last = self.describe()
-            self._last["installed"] = False
-            self.shared.clear()
-            self.runners, self._parent = [], None
-        log.info("CUDA graphs per block removed from %d blocks", len(self.indices))
-
-    def describe(self) -> dict[str, Any]:
-        """:meth:`GraphedCall.describe`'s keys summed over the blocks (block calls), and each block's counts."""
-        if self._last is not None:
-            return dict(self._last)
-        ds = [r.describe() for r in self.runners]
-        out: dict[str, Any] = {"mode": MODE, "installed": True, "blocks": len(ds), "max_graphs": self.max_graphs,
-                               "capture_after": self.capture_after}
-        out.update({k: sum(d[k] for d in ds) for k in _SUMMED})
-        out.update({k: dict(sum((collections.Counter(d[k]) for d in ds), collections.Counter())) for k in _MERGED})
-        out["signatures"] = list(dict.fromkeys(s for d in ds for s in d["signatures"]))
-        out["unstable"] = any(d["unstable"] for d in ds)
-        out["unstable_blocks"] = [i for i, d in zip(self.indices, ds) if d["unstable"]]
-        out["capture_ms"] = [round(sum(d["capture_ms"]), 1) for d in ds]  # per block, its graphs together
-        n = out["replays"]
-        for k in ("host_us_per_replay", "overlapped_check_us_per_replay", "launch_us_per_replay"):
-            total = sum((d[k] or 0.0) * d["replays"] for d in ds)
-            out[k] = round(total / n, 1) if n else None
-        out["outputs"] = "clone"
-        out["shared"] = self.shared.describe()
-        out["per_block"] = [{"block": i, "graphs": d["graphs"], "captures": d["captures"], "replays": d["replays"],
-                             "eager_calls": d["eager_calls"]} for i, d in zip(self.indices, ds)]
-        return out
-
-    def __repr__(self) -> str:
-        d = self.describe()
-        return (f"<qwen_absorb BlockGraphs on {d['blocks']} blocks: {d['graphs']} graphs, {d['captures']} captures, "
-                f"{d['replays']} replays{'' if d['installed'] else ', removed'}>")
-
-    # copies (deepcopy / pickle of a patched model): the runners and the Shared copy with it; the parent is
-    # held strongly in the state so that the copy's parent is the copied model
-    def __getstate__(self) -> dict[str, Any]:
-        return {"runners": self.runners, "indices": self.indices, "shared": self.shared, "max_graphs": self.max_graphs,
-                "capture_after": self.capture_after, "last": self._last,
-                "parent": self._parent() if self._parent is not None else None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        parent = state["parent"]
-        BlockGraphs.__init__(self, state["runners"], state["indices"], state["shared"], parent, state["max_graphs"],
-                             state["capture_after"])
-        self._last = state["last"]
-        self.shared.set_parent(parent)
 
 
 def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counter, parent: nn.Module | None = None,

@@ -124,31 +124,67 @@ def model_offload_around(t: nn.Module, runner: Any) -> bool:
     which :meth:`Scan.moved` checks before every replay (the graphs are dropped, the next call captures anew)."""
     if runner is None or t.__dict__.get("_old_forward") is not runner or not under_model_offload(t):
         return False
-    tuning = patch_tuning(t)  # opt-in (Tuning.model_offload_graphs says why)
-    return bool(getattr(tuning, "model_offload_graphs", False))
+    tuning = patch_tuning(t)  # Tuning.model_offload_graphs=False turns them off
+    return bool(getattr(tuning, "model_offload_graphs", True))
 
 
-def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None) -> tuple[str, str] | None:
+def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
+                fbc_outside: bool = False) -> tuple[str, str] | None:
     """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
     ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its steps,
     see :mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); per-block runners refuse it here.
-    ``runner``: the whole-model runner asking; inside a model-offload hook (:func:`model_offload_around`, with
-    ``Tuning(model_offload_graphs=True)``) that hook is no refusal. Every other offload hook streams weights
-    during the call: refused."""
+    ``runner``: the whole-model runner asking; inside a model-offload hook (:func:`model_offload_around`, unless
+    ``Tuning(model_offload_graphs=False)``) that hook is no refusal. Every other offload hook streams weights
+    during the call: refused. A block runner of a FirstBlockCache group (:mod:`.first_block_cache`: its
+    ``Shared.fbc``) sits inside the cache's hook, which is no refusal on its block (:func:`fbc_block_reason`), nor is
+    the cache's config on the transformer around it (``fbc_outside``, from :meth:`.shared.Shared.parent_reason`)."""
+    fbc_block = runner is not None and getattr(runner._shared, "fbc", False)
     if hooks.offload_hooked(t) and not model_offload_around(t, runner):
         if under_model_offload(t):
-            return ("model offload hook (graphs there are opt-in: Tuning(model_offload_graphs=True))",
+            return ("model offload hook (graphs there turned off: Tuning(model_offload_graphs=False))",
                     "enable_model_cpu_offload(): see qwen_absorb.Tuning.model_offload_graphs")
         return "offloading hook", "offload hook on the transformer: weights move during the call"
     cfg = getattr(t, "_cache_config", None)
+    if fbc_outside and is_fbc_config(cfg):
+        cfg = None  # its hooks sit on the blocks, outside their runners
     why = step_caches.refusal(cfg) if cfg is not None else None
     if why is not None:  # said before the hook on the transformer FasterCache puts there
         return why
-    r = registry_reason(t)
+    r = fbc_block_reason(t) if fbc_block else registry_reason(t)
     if r is not None:
         return r
     if cfg is not None and not (cache_steps and (taylorseer.is_config(cfg) or step_caches.kind(cfg))):
         return "cache hook active (enable_cache)", f"_cache_config {type(cfg).__name__}"
+    return None
+
+
+def is_fbc_config(cfg: Any) -> bool:
+    """``cfg`` (a transformer's ``_cache_config``) is diffusers' FirstBlockCache."""
+    t = type(cfg)
+    return t.__name__ == "FirstBlockCacheConfig" and t.__module__.startswith("diffusers.")
+
+
+def is_fbc_hook(hook: Any) -> bool:
+    t = type(hook)
+    return t.__name__ in ("FBCHeadBlockHook", "FBCBlockHook") and t.__module__.startswith("diffusers.")
+
+
+def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
+    """The diffusers-hook refusal of a block whose runner sits inside FirstBlockCache's hook (the runner is that
+    hook's ``original_forward``: the hook decides on the host whether to call it and reads only what it returns).
+    Any other diffusers hook refuses as anywhere. Without a FirstBlockCache hook the cache was disabled since the
+    group was made: refused until the model call removes the group, as an unhooked block may hand its outputs
+    over to the next one (:mod:`qwen_absorb.handoff`), which a graph of one block cannot carry."""
+    reg = hooks.registry_hooks(block)
+    other = [(n, h) for n, h in reg.items() if not is_fbc_hook(h)]
+    if other:
+        name, hook = other[0]
+        cat = hooks.hook_category(name, hook)
+        why = _HOOK_WHY.get(cat)
+        return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
+    if not reg:
+        return ("FirstBlockCache hooks gone (their per-block graphs wait for the model call to remove them)",
+                "the block carries no FirstBlockCache hook")
     return None
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import hooks, step_caches, taylorseer
 from ..plan import BlockRuntime
-from . import settings
+from . import first_block_cache, settings
 from .capture import Graph, capture, map_tensors
 from .fingerprint import Scan, root_reason, unwatch, watch
 from .shared import Shared
@@ -114,7 +114,6 @@ class GraphedCall:
             if sh is not None:
                 sh.join(self)
 
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
             return self._wrapped()(*args, **kwargs)
@@ -138,6 +137,7 @@ class GraphedCall:
         root = root_reason(t, runner=self)
         if root is None and self._shared is not None:
             root = self._shared.parent_reason()  # e.g. an offloading hook on the transformer around a block
+        root = first_block_cache.follow(self, root)  # FirstBlockCache: this call's blocks replay graphs of their own
         if root is not None:
             self._drop(f"refused: {root[0]}", count=False, track=False)  # offloading needs the memory back
             return self._eager(root[0], root[1], args, kwargs)
@@ -215,7 +215,10 @@ class GraphedCall:
         if call.key in self._failed:
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
         self.warn_first = False  # graphs can take this call: decided
-        if self.capture_after and self._count_new(call.key):
+        # capture_after holds until this runner has replayed: from then on it runs a loop (a pipeline's steps), and
+        # a new signature (a new prompt length) is captured at its first call; an eager call first cost the 4-step
+        # image one more transformer call, host-bound (166 ms on the H100, benchmarks/results/pipeline_h100.json)
+        if self.capture_after and not self.replays and self._count_new(call.key):
             return self._inner(*args, **kwargs)
         return self._capture(call, steps)
 
@@ -427,7 +430,6 @@ class GraphedCall:
         log.log(logging.WARNING if first else logging.DEBUG, "CUDA graph capture failed for %s (%s)%s", desc,
                 self._failed[call.key], "; this signature runs eager from now on" if first else "")
 
-
     def _insert(self, key: Any, entry: Graph) -> None:
         while len(self._graphs) >= self.max_graphs:
             self._evict(next(iter(self._graphs)), count=True)
@@ -485,6 +487,7 @@ class GraphedCall:
     def invalidate(self, reason: str = "invalidate() called") -> None:
         """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
         self._drop(reason, count=False, track=False)
+        first_block_cache.invalidate(self, reason)
         self.invalidations[reason] += 1
         self._unstable, self._unreplayed, self._scan, self._dirty = False, 0, None, reason
 
@@ -493,6 +496,7 @@ class GraphedCall:
         inputs and outputs, pools, streams, the snapshot and every reference to the model."""
         if self._removed:
             return
+        first_block_cache.remove(self)  # a FirstBlockCache group's runners: each patched forward back in its slot
         t = self._transformer
         d, restored = t.__dict__, False
         if d.get("forward") is self:
@@ -545,7 +549,7 @@ class GraphedCall:
             # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay; on the H200 it overlaps
             # the GPU work it starts, benchmarks/results/graphs/graph_cuts.md)
             "launch_us_per_replay": round(self._launch_us / n, 1) if n else None,
-            "discarded_replays": self.discarded_replays, "outputs": "clone",
+            "discarded_replays": self.discarded_replays, "outputs": "clone", **first_block_cache.describe(self),
         }
 
     @property

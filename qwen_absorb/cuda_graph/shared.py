@@ -15,7 +15,11 @@ it runs:
 - **the stream order**: a replay on another stream than the previous one waits for it first (:meth:`Shared.order`).
 
 ``parent`` (the transformer around the blocks): its O(1) refusals (:func:`.fingerprint.root_reason`) refuse the
-group's calls too. Copies and pickles of a :class:`Shared` are fresh and empty.
+group's calls too. ``fbc``: a group of FirstBlockCache (:mod:`.first_block_cache`), whose runners sit inside the
+cache's hooks (neither the hooks nor the cache's config refuse them); ``outer``, the whole-model runner that made
+such a group: inside accelerate's model-offload hook the parent is refused as that runner would be
+(:func:`.fingerprint.model_offload_around`). Copies and pickles of a :class:`Shared` are fresh and empty (``fbc``
+kept).
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from .signature import tensor_meta
 class Shared:
     """What the runners of one group share (see the module doc); pass it as ``shared=`` to :func:`.install`."""
 
-    __slots__ = ("lock", "pools", "streams", "logged", "_statics", "_members", "_last", "_parent", "__weakref__")
+    __slots__ = ("lock", "pools", "streams", "logged", "_statics", "_members", "_last", "_parent", "fbc", "_outer",
+                 "__weakref__")
 
-    def __init__(self, parent: nn.Module | None = None) -> None:
+    def __init__(self, parent: nn.Module | None = None, fbc: bool = False, outer: Any = None) -> None:
+        self.fbc = bool(fbc)
+        self._outer = weakref.ref(outer) if outer is not None else None
         self.lock = threading.Lock()  # one caller at a time in the static buffers; others run eager
         self.pools: dict[torch.device, Any] = {}  # graph memory pool handles, by device
         self.streams: dict[torch.device, Any] = {}  # the side streams captures run on, by device
@@ -60,7 +67,8 @@ class Shared:
         p = self._parent() if self._parent is not None else None
         if p is None:
             return None
-        r = root_reason(p, cache_steps=False)
+        outer = self._outer() if self._outer is not None else None
+        r = root_reason(p, cache_steps=False, runner=outer, fbc_outside=self.fbc)
         return (r[0], f"{r[1]} (on the {type(p).__name__} around the blocks)") if r is not None else None
 
     def order(self, device: torch.device) -> None:
@@ -106,15 +114,15 @@ class Shared:
 
     def __deepcopy__(self, memo: dict) -> "Shared":
         p = self._parent() if self._parent is not None else None
-        new = Shared(memo.get(id(p)) if p is not None else None)  # the copy of the parent, if it is copied too
+        new = Shared(memo.get(id(p)) if p is not None else None, self.fbc)  # the parent's copy, if copied too
         memo[id(self)] = new
         return new
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"fresh": True}  # nothing travels (never an empty state: pickle would skip __setstate__)
+        return {"fresh": True, "fbc": self.fbc}  # nothing else travels
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        Shared.__init__(self)
+        Shared.__init__(self, fbc=state.get("fbc", False))
 
     def set_parent(self, parent: nn.Module | None) -> None:
         self._parent = weakref.ref(parent) if parent is not None else None
