@@ -23,6 +23,7 @@ import os
 import sys
 import statistics
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -179,6 +180,21 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 12,
     except Exception as e:  # noqa: BLE001 - a profiler problem must not cost the timings
         return None, f"profiler failed: {type(e).__name__}: {e}"
     return (s, None) if s["kernels_per_call"] else (None, "the profiler saw no kernels")
+
+
+def python_top(fn: Callable[[], Any], by: int = 3, n: int = 40) -> list[dict[str, Any]]:
+    """``fn()`` once under cProfile: the Python functions the host spent it in, by cumulative (``by=3``) or own
+    (``by=2``) time, those over 2 ms."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][by])  # (file, line, name) -> (cc, nc, tt, ct)
+    return [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})"[:90], "calls": v[1], "self_ms": round(v[2] * 1e3, 2),
+             "cum_ms": round(v[3] * 1e3, 2)} for k, v in rows if v[by] > 2e-3][:n]
 
 
 def start_profiler(device: torch.device) -> None:

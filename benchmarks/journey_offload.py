@@ -29,6 +29,7 @@ merges its keys).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -152,17 +153,7 @@ class OffloadJourney(H.Bench):
 
     def profiled_run(self) -> list[dict[str, Any]]:
         """One more run under cProfile: where the host spends a run (functions by own time)."""
-        import cProfile  # noqa: PLC0415
-        import pstats  # noqa: PLC0415
-
-        prof = cProfile.Profile()
-        prof.enable()
-        wall = self.run_once()
-        prof.disable()
-        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])
-        H.log(f"offload_model profiled run: {wall:.3f} s")
-        return [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})"[:90], "calls": v[1], "self_ms": round(v[2] * 1e3, 1),
-                 "cum_ms": round(v[3] * 1e3, 1)} for k, v in rows[:25]]
+        return H.python_top(self.run_once, by=2, n=25)
 
     def _tiny_model_offload(self) -> None:
         self.pipe.enable_model_cpu_offload(device="cpu")
@@ -195,22 +186,13 @@ class OffloadJourney(H.Bench):
         return 1 if R.d["errors"] else 0
 
 
-def h2d_rates(dev: torch.device, gib: float = 1.0) -> dict[str, float]:
-    """Host-to-GPU copy rates of one buffer from pageable and from pinned memory (what a weight's way back costs)."""
-    n = int(gib * 2**30)
-    out = {}
+def h2d_rates(dev: torch.device, n: int = 2**30) -> dict[str, float]:
+    """Host-to-GPU copy rates (GB/s) of one buffer from pageable and from pinned memory (a weight's way back)."""
+    dst, out = torch.empty(n, dtype=torch.uint8, device=dev), {}
     for name, pinned in (("pageable", False), ("pinned", True)):
-        src = torch.empty(n, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-        dst = torch.empty(n, dtype=torch.uint8, device=dev)
-        walls = []
-        for _ in range(4):
-            H.sync(dev)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=pinned)
-            H.sync(dev)
-            walls.append(time.perf_counter() - t0)
-        out[name] = round(n / statistics.median(walls[1:]) / 1e9, 2)
-        del src, dst
+        src = torch.ones(n, dtype=torch.uint8, pin_memory=pinned)
+        copy = functools.partial(dst.copy_, src, non_blocking=pinned)
+        out[name] = round(n / 1e6 / H.time_calls(copy, dev, warmup=1, iters=3)["wall_median_ms"], 2)
     return out
 
 

@@ -213,19 +213,9 @@ class E2E(H.Bench):
     def python_profile(self, case: str) -> dict[str, Any]:
         """One more call under cProfile (the Python functions the host spends the call in, by cumulative time),
         and diffusers' per-call module walks timed on this host: diffusers' own and the mirrored ones."""
-        import cProfile  # noqa: PLC0415
-        import pstats  # noqa: PLC0415
-
         from diffusers import DiffusionPipeline  # noqa: PLC0415
 
-        prof = cProfile.Profile()
-        prof.enable()
-        self.gen(case, timed=False)
-        prof.disable()
-        st = pstats.Stats(prof)
-        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, ...)
-        top = [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})"[:90], "calls": v[1], "self_ms": round(v[2] * 1e3, 2),
-                "cum_ms": round(v[3] * 1e3, 2)} for k, v in rows if v[3] > 2e-3][:40]
+        top = H.python_top(lambda: self.gen(case, timed=False))
         pipe, walks = self.pipe, {}
         for name, dev_fn, free_fn in (
                 ("diffusers", lambda: DiffusionPipeline._execution_device.fget(pipe),

@@ -6,6 +6,7 @@ instance attribute: patching must put its forward where the *original* one is ke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,25 @@ def registry_hooks(module: nn.Module) -> dict[str, Any]:
     reg = module.__dict__.get("_diffusers_hook")
     hooks = getattr(reg, "hooks", None)
     return dict(hooks) if hooks else {}
+
+
+def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
+    """The diffusers hook registered on ``module`` under ``name`` when it is the module's only hook of any kind (no
+    torch or accelerate hook) and the registry's forward is the instance ``forward`` (nothing wrapped around it):
+    the conditions under which a patched block may run that hook's logic itself around its own computation."""
+    d = module.__dict__
+    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
+        return None
+    named = getattr(d.get("_diffusers_hook"), "hooks", None)
+    if not named or len(named) != 1 or not _registry_forward(d.get("forward")):
+        return None
+    return named.get(name)
+
+
+def _registry_forward(fwd: Any) -> bool:
+    """The instance ``forward`` diffusers' ``HookRegistry`` installs (a partial of its ``new_forward``)."""
+    f = getattr(fwd, "func", None)
+    return isinstance(fwd, functools.partial) and "create_new_forward" in getattr(f, "__qualname__", "")
 
 
 def torch_hook_dicts(module: nn.Module) -> list[dict]:

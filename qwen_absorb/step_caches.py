@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks, taylorseer
+from . import hooks
 
 PAB, MAG = "PyramidAttentionBroadcast", "MagCache"
 _HOOKS = {"PyramidAttentionBroadcastHook": PAB, "MagCacheHeadHook": MAG, "MagCacheBlockHook": MAG}
@@ -82,16 +82,10 @@ def attention_hook(module: nn.Module) -> Any | None:
     diffusers' name, the module's only hook (no torch or accelerate hook, nothing wrapped around the registry's
     forward), wrapping the module's class forward (a forward the user put there before the hook would not run),
     with the registry's identity pre/post steps (the block's path calls neither)."""
-    d = module.__dict__
-    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
-        return None
-    named = getattr(d.get("_diffusers_hook"), "hooks", None)
-    if not named or len(named) != 1:
-        return None
-    hook = named.get(PAB_HOOK_NAME)
+    hook = hooks.sole_registry_hook(module, PAB_HOOK_NAME)
     cls = type(hook)
     if hook is None or _diffusers(hook, _HOOKS) != PAB or "pre_forward" in cls.__dict__ \
-            or "post_forward" in cls.__dict__ or not taylorseer._registry_forward(d.get("forward")):
+            or "post_forward" in cls.__dict__:
         return None
     orig = getattr(getattr(hook, "fn_ref", None), "original_forward", None)
     if getattr(orig, "__self__", None) is not module or getattr(orig, "__func__", None) is not type(module).forward:

@@ -15,7 +15,6 @@ Anything else (the inactive mode, other hooks) stays diffusers' hooked module, w
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import hooks
 from .ops import kernel_runtime_reasons
 from .ops import taylor_seer as ts_ops
 
@@ -46,25 +46,12 @@ def is_config(config: Any) -> bool:
     return t.__name__ == "TaylorSeerCacheConfig" and t.__module__.startswith("diffusers.")
 
 
-def _registry_forward(fwd: Any) -> bool:
-    """The instance ``forward`` diffusers' ``HookRegistry`` installs (a partial of its ``new_forward``)."""
-    f = getattr(fwd, "func", None)
-    return isinstance(fwd, functools.partial) and "create_new_forward" in getattr(f, "__qualname__", "")
-
-
 def supported_hook(module: nn.Module) -> Any | None:
     """The TaylorSeer hook of ``module`` when a patched block may run it around its own attention: the module's
     only hook (nothing wrapped around the registry's forward), active mode, at most ``ts_ops.MAX_ORDER`` orders,
     factors in bf16 / fp16 / fp32."""
-    d = module.__dict__
-    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
-        return None
-    named = getattr(d.get("_diffusers_hook"), "hooks", None)
-    if not named or len(named) != 1:
-        return None
-    hook = named.get(HOOK_NAME)
-    if hook is None or type(hook).__name__ != "TaylorSeerCacheHook" \
-            or not type(hook).__module__.startswith("diffusers.") or not _registry_forward(d.get("forward")):
+    hook = hooks.sole_registry_hook(module, HOOK_NAME)
+    if hook is None or type(hook).__name__ != "TaylorSeerCacheHook" or not type(hook).__module__.startswith("diffusers."):
         return None
     kw = getattr(getattr(hook, "state_manager", None), "_init_kwargs", None)
     if not isinstance(kw, dict) or kw.get("is_inactive", False):

@@ -149,21 +149,3 @@ def test_caches_tiny_runs_every_case(tmp_path):
         c = d["cases"][name]
         assert c["wall_s"] > 0 and c["unpatched_wall_s"] > 0 and c["latent_rel_err"] is not None, name
     assert d["cases"]["mag_fast"]["latent_rel_err"] > 0  # the cache skipped work
-
-
-@pytest.mark.slow
-def test_pipeline_walks_cpu_times_both_walks(tmp_path):
-    """benchmarks/pipeline_walks_cpu.py: a full-size pipeline on the meta device, diffusers' walks and the
-    patched ones timed, with the module counts and the walks' report."""
-    pytest.importorskip("modelopt")
-    from qwen_absorb import pipeline_walks
-
-    r = _run("pipeline_walks_cpu.py", "--out", str(tmp_path), "--runs", "1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = json.loads((tmp_path / "pipeline_walks_cpu.json").read_text())
-    assert d["modules"]["transformer"] > 5000 and d["modules"]["text_encoder"] > 500
-    mirrored = pipeline_walks.source_sha256() == pipeline_walks.MIRRORED_SHA256
-    assert d["report"]["on"] is mirrored
-    for side in ("diffusers_ms", "patched_ms"):
-        assert set(d[side]) == {"execution_device", "maybe_free_model_hooks"} and min(d[side].values()) > 0
-    assert d["date"] and d["diffusers"] and d["qwen_absorb_commit"]
