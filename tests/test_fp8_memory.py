@@ -233,3 +233,41 @@ def test_offload_original_weights_is_checked(seed):
     model, _ = _fp8(seed)
     with pytest.raises(ValueError, match="offload_original_weights"):
         qwen_absorb.patch(model, offload_original_weights="yes")
+
+
+def test_codes_and_fingerprints_come_from_the_staged_copy(fake_gpu, seed, monkeypatch):
+    """A host-kept weight read on the device (``quant.staged_weight``: one copy to the GPU) is fingerprinted and
+    quantized from that copy, never read on the host. A clone stands in for the GPU copy: as it is, the decision
+    gives the twin's bits; doubled (poisoned), the codes and the key's fingerprint follow the copy."""
+    from qwen_absorb import quant
+    from qwen_absorb.watch import content_fingerprint
+
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, offload_original_weights=False)
+    T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    staged, kept = [], {id(m._parameters["weight"]) for m in _host_kept(model)}
+
+    def stage(m, device, scale=1.0):  # the twin's weights are where it runs: nothing to stage (None)
+        w = unwrap_peft(m)[0]._parameters["weight"]
+        if id(w) not in kept:
+            return None
+        staged.append(w.detach() * scale)
+        return staged[-1]
+
+    monkeypatch.setattr(quant, "staged_weight", stage)
+    for m in (model, twin):
+        _scale_amax(m)  # every linear of two blocks decides anew
+    assert torch.equal(T.run_transformer(model, kw), T.run_transformer(twin, kw)) and staged
+    monkeypatch.setattr(quant, "staged_weight", lambda m, d: stage(m, d, 2.0))
+    staged.clear()
+    for m in (model, twin):
+        _scale_amax(m)
+    out, want = T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    assert not torch.equal(out, want)  # the codes are the doubled copy's
+    block = model.transformer_blocks[1]  # its img_mlp.net.2 decided anew (a new weight amax), as an FP8 GEMM
+    lp = block.__dict__[PLAN_ATTR].linears["img_mlp.net.2"]
+    w = unwrap_peft(resolve(block, "img_mlp.net.2"))[0]._parameters["weight"]
+    assert lp.fp8_gemm and lp.offloaded
+    assert lp.cache_key[2][4] == content_fingerprint(w.detach() * 2.0) != content_fingerprint(w)
