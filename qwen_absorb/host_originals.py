@@ -9,7 +9,9 @@ in host memory; every other weight is where the model is.
 
 The module gets a :class:`HostWeight` as its instance ``_apply`` (what ``Module.to`` calls on every submodule): the
 weight takes dtype changes on the host and stays there on a move to an accelerator, and the block's FP8 codes are
-released when the model leaves their device (accelerate's model offload), so nothing stays on the GPU. A call running
+released when the model leaves their device (accelerate's model offload), so nothing stays on the GPU; the next
+decision on the GPU copies each weight there once and fingerprints and quantizes that copy
+(:func:`qwen_absorb.quant.staged_weight`: the CPU never reads the originals). A call running
 the original forward brings the weights over for that call only (:func:`onloaded`). A ``mtq.compress``ed model's
 codes are its storage: nothing moves. :func:`restore` (``unpatch``) puts every weight back on the model's device.
 Linears under an offloading or casting hook are left to the hook.
