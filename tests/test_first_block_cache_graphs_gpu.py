@@ -28,6 +28,7 @@ from qwen_absorb.cuda_graph import first_block_cache as FBC
 from qwen_absorb.ops import _runtime
 
 from . import builders as T
+from . import test_first_block_cache_graphs as fbc_cpu
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or _runtime.cupy_unavailable_reason() is not None:  # before any CUDA tensor below
@@ -69,21 +70,8 @@ def _inputs(model, seed):
     return steps
 
 
-def _head_state(model):
-    return model.transformer_blocks[0]._diffusers_hook.hooks["fbc_leader_block_hook"].state_manager.get_state()
-
-
-def _loop(model, steps, runs=2):
-    outs, computed = [], []
-    with torch.no_grad():
-        for _ in range(runs):
-            for pair in steps:
-                for name, kw in zip(("cond", "uncond"), pair):
-                    with model.cache_context(name):
-                        outs.append(model(**kw)[0].clone())
-                        computed.append(_head_state(model).should_compute)
-            model._reset_stateful_cache()  # what the pipeline does at the end of every call
-    return outs, computed
+def _loop(model, steps, runs=2):  # the CPU tests' loop, without their fake graphs' arming and poisoning
+    return fbc_cpu._loop(model, steps, runs, graphs=False)
 
 
 def _runner(model):
