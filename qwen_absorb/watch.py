@@ -12,7 +12,7 @@ by each of 60 blocks per eager call. A change means the derived state may be sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter, is_not
 from typing import Any
 
@@ -45,6 +45,30 @@ def content_fingerprint(t: Any) -> tuple[int, ...] | None:
     ``.data``: PEFT's merges, ``fuse_lora``): over the bit patterns, integer sum and xor (``torch.hash_tensor``:
     together they see any change short of an exact compensation) and a position-weighted sum of ~4k strided
     samples (a permutation). One read, no temporary of its size, one sync; None for meta or subclasses."""
+    return content_fingerprints([t])[0]
+
+
+def content_fingerprints(ts: Sequence[Any]) -> list[tuple[int, ...] | None]:
+    """:func:`content_fingerprint` of each of ``ts``, read back with one sync per device rather than one per
+    tensor (a watch over a block's inference tensors, each bias and norm weight of it, under model offload)."""
+    out: list[tuple[int, ...] | None] = [None] * len(ts)
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(ts):
+        parts = _fingerprint_parts(t)
+        if parts is not None:
+            by_device.setdefault(parts.device, []).append((i, parts))
+    for group in by_device.values():
+        try:
+            values = torch.stack([p for _, p in group]).tolist()
+        except Exception:  # noqa: BLE001 - unreadable (a sticky device error): no fingerprints, as one at a time
+            continue
+        for (i, _), v in zip(group, values):
+            out[i] = tuple(v)
+    return out
+
+
+def _fingerprint_parts(t: Any) -> torch.Tensor | None:
+    """The three int64 parts of ``t``'s fingerprint, on its device (nothing read back), or None."""
     try:
         x = t.detach()
         if x.device.type == "meta" or type(x) is not torch.Tensor or x.element_size() not in _BITS:
@@ -52,8 +76,8 @@ def content_fingerprint(t: Any) -> tuple[int, ...] | None:
         flat = x.reshape(-1).view(_BITS[x.element_size()])
         sample = flat[:: max(1, flat.numel() // _SAMPLE)].to(torch.int64)
         weights = torch.arange(1, sample.numel() + 1, device=sample.device, dtype=torch.int64)
-        parts = [flat.sum(dtype=torch.int64), torch.hash_tensor(flat).view(torch.int64), (sample * weights).sum()]
-        return tuple(torch.stack(parts).tolist())
+        return torch.stack([flat.sum(dtype=torch.int64), torch.hash_tensor(flat).view(torch.int64),
+                            (sample * weights).sum()])
     except Exception:  # noqa: BLE001 - a tensor this cannot read: no fingerprint (identity, pointer still watched)
         return None
 
@@ -119,7 +143,7 @@ class Watch:
         # inference tensors (an in-place load under inference_mode bumps nothing) by content too: a fingerprint
         # each per check, paid only by models holding such tensors
         self.vless = [t for t, v in zip(cur, self.vers) if v < 0]
-        self.fps = list(map(content_fingerprint, self.vless))
+        self.fps = content_fingerprints(self.vless)
         self.lens = list(map(len, map(dict.get, self.sdicts, self.skeys)))
         self.types = list(map(type, self.typed))
         self.states = [fn(obj) for obj, fn in self.stateful]
@@ -147,7 +171,7 @@ class Watch:
                     return True
         if list(map(_data_ptr, cur)) != self.ptrs:
             return True
-        if self.vless and not _capturing(self.vless) and list(map(content_fingerprint, self.vless)) != self.fps:
+        if self.vless and not _capturing(self.vless) and content_fingerprints(self.vless) != self.fps:
             return True
         if list(map(len, map(dict.get, self.sdicts, self.skeys))) != self.lens:
             return True

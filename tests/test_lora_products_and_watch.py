@@ -100,3 +100,26 @@ def test_watch_copies_watch_the_copy(how):
     assert twin.w.changed() and not seq.w.changed()
     twin[0].__class__ = _Other
     assert not seq.w.changed()
+
+
+def test_batched_fingerprints_equal_one_at_a_time_and_see_changes():
+    """``content_fingerprints`` (one read-back per device) gives what ``content_fingerprint`` gives for each tensor,
+    None where that gives None, and sees an in-place change to any one of them."""
+    from qwen_absorb.watch import content_fingerprint, content_fingerprints
+
+    g = torch.Generator().manual_seed(11)
+    ts = [torch.randn(37, 5, generator=g).to(torch.bfloat16), torch.randn(9000, generator=g),
+          torch.randint(-9, 9, (64,), generator=g, dtype=torch.int8), torch.empty(0, dtype=torch.float16),
+          torch.empty(4, device="meta"), torch.randn(3, 3, generator=g, dtype=torch.float64),
+          torch.randint(0, 255, (17,), generator=g, dtype=torch.uint8), "not a tensor"]
+    with torch.inference_mode():  # what watches fingerprint: inference tensors
+        ts.append(torch.randn(128, generator=g))
+    want = [content_fingerprint(t) for t in ts]
+    assert content_fingerprints(ts) == want
+    assert [w is None for w in want] == [False, False, False, True, True, False, False, True, False]  # empty: None
+    for i in (0, 1, 2, 5, 6, 8):
+        with torch.inference_mode():
+            ts[i].view(-1)[ts[i].numel() // 2] += 1
+        got = content_fingerprints(ts)
+        assert got[i] != want[i] and got[:i] + got[i + 1:] == want[:i] + want[i + 1:], i
+        want = got
