@@ -179,9 +179,14 @@ def attention_functions() -> tuple:
 def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Module]]:
     """``(innermost base layer, [wrappers outermost first])`` through PEFT's (possibly nested) ``.base_layer``."""
     wrappers = []
-    while module is not None and isinstance(getattr(module, "base_layer", None), nn.Module):
+    while module is not None:
+        # PEFT registers it as a submodule: read from _modules (getattr's miss on a ModelOpt module goes through
+        # its Python __getattr__, ~1k times a block decision)
+        inner = module.__dict__.get("_modules", {}).get("base_layer")
+        if not isinstance(inner, nn.Module):
+            break
         wrappers.append(module)
-        module = module.base_layer
+        module = inner
     return module, wrappers
 
 
