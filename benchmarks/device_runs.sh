@@ -128,4 +128,13 @@ round30_caches() {  # PAB on the fused attention and FirstBlockCache's per-block
   tail -14 "$OUT"/caches_h*.md
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round31_offload() {  # next: the pinned staging's GPU tests, then the offload keys with the pinned A/B
+  { echo "# python3 -m pytest -q tests/test_offload_gpu.py: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 3 tests/test_offload_gpu.py
+    echo "# exit code $?"; } > "$OUT/gpu_tests_offload.log" 2>&1
+  tail -3 "$OUT/gpu_tests_offload.log"
+  timeout 420 python3 benchmarks/journey_offload.py --out "$OUT" --budget-s 400 > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -64,6 +64,9 @@ class Tuning:
     # again (gpu_tests_h100_round29.log): their illegal memory access (rounds 25-27) was leaf-level offloading, now
     # gated (block.WEIGHT_HOOK_FALLBACK). False: that hook's calls run eager, with the reason
     model_offload_graphs: bool = True
+    # host-kept originals cross to the GPU at a decision through two pinned 64 MiB buffers (staging.py) rather than
+    # from pageable memory (7.6 against 54.9 GB/s on the H100 host); the same bits. Off until measured on a GPU
+    pinned_staging: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -474,7 +474,8 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
         if not lp.fp8_gemm:
             continue
         m = resolve(block, p)
-        staged = quant.staged_weight(m, plan.rt.device)  # a host-kept weight: one copy, read on the device
+        # a host-kept weight: one copy, read on the device
+        staged = quant.staged_weight(m, plan.rt.device, plan.options.tuning.pinned_staging)
         key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
         prev = old.get(p)
         if prev is not None and prev.cache_key == key and prev.weight is not None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from .ops.fp8 import Fp8PerTensorQuant, dequant_scale, quantize_fp8_reference
 from .parallel import is_dtensor
+from . import staging
 from .lora import has_lora_bias
 from .sites import unwrap_peft
 
@@ -345,16 +346,17 @@ class Fp8Weight:
     out_dtype: torch.dtype  # the dtype the linear computes in (its original weight's)
 
 
-def staged_weight(module: nn.Module, device: torch.device) -> torch.Tensor | None:
+def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False) -> torch.Tensor | None:
     """A plain linear weight kept elsewhere (the host-kept originals) copied to ``device`` once, for everything the
     decision reads of it there: its content fingerprint and its FP8 codes. Read on the host instead, the 60-layer
     model's 38 GiB of bf16 were summed and hashed by the CPU at every decision on the GPU (each call under
-    accelerate's model offload). None where the weight is on ``device`` already or is not a plain tensor."""
+    accelerate's model offload). ``pinned``: through two pinned buffers (:mod:`qwen_absorb.staging`,
+    ``Tuning.pinned_staging``). None where the weight is on ``device`` already or is not a plain tensor."""
     w = unwrap_peft(module)[0]._parameters.get("weight")
     if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device == device \
             or w.device.type == "meta":
         return None
-    return w.detach().to(device, non_blocking=w.is_pinned())
+    return staging.to_device(w.detach(), device) if pinned else w.detach().to(device, non_blocking=w.is_pinned())
 
 
 def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None) -> Fp8Weight:

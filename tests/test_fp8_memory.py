@@ -249,7 +249,7 @@ def test_codes_and_fingerprints_come_from_the_staged_copy(fake_gpu, seed, monkey
     T.run_transformer(model, kw), T.run_transformer(twin, kw)
     staged, kept = [], {id(m._parameters["weight"]) for m in _host_kept(model)}
 
-    def stage(m, device, scale=1.0):  # the twin's weights are where it runs: nothing to stage (None)
+    def stage(m, device, pinned=False, scale=1.0):  # the twin's weights are where it runs: nothing to stage (None)
         w = unwrap_peft(m)[0]._parameters["weight"]
         if id(w) not in kept:
             return None
@@ -260,7 +260,7 @@ def test_codes_and_fingerprints_come_from_the_staged_copy(fake_gpu, seed, monkey
     for m in (model, twin):
         _scale_amax(m)  # every linear of two blocks decides anew
     assert torch.equal(T.run_transformer(model, kw), T.run_transformer(twin, kw)) and staged
-    monkeypatch.setattr(quant, "staged_weight", lambda m, d: stage(m, d, 2.0))
+    monkeypatch.setattr(quant, "staged_weight", lambda m, d, pinned=False: stage(m, d, pinned, 2.0))
     staged.clear()
     for m in (model, twin):
         _scale_amax(m)
@@ -271,3 +271,22 @@ def test_codes_and_fingerprints_come_from_the_staged_copy(fake_gpu, seed, monkey
     w = unwrap_peft(resolve(block, "img_mlp.net.2"))[0]._parameters["weight"]
     assert lp.fp8_gemm and lp.offloaded
     assert lp.cache_key[2][4] == content_fingerprint(w.detach() * 2.0) != content_fingerprint(w)
+
+
+def test_pinned_staging_is_the_tunings_choice(fake_gpu, seed, monkeypatch):
+    """``Tuning(pinned_staging=True)`` reaches each decision's staging (``quant.staged_weight(..., pinned)``), the
+    default does not; on the host ``staging.to_device`` is a plain copy with the same bits."""
+    from qwen_absorb import quant, staging
+
+    seen = []
+    real = quant.staged_weight
+    monkeypatch.setattr(quant, "staged_weight", lambda m, d, pinned=False: seen.append(pinned) or real(m, d, pinned))
+    for tuning, want in ((qwen_absorb.Tuning(), False), (qwen_absorb.Tuning(pinned_staging=True), True)):
+        model, kw = _fp8(seed)
+        qwen_absorb.patch(model, **REAL, tuning=tuning)
+        T.run_transformer(model, kw)
+        assert seen and set(seen) == {want}, (tuning, seen)
+        seen.clear()
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    y = staging.to_device(x, torch.device("cpu"), chunk=256)
+    assert torch.equal(y, x) and y.dtype == x.dtype

@@ -121,6 +121,37 @@ def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     assert torch.equal(out, want) and not torch.equal(out, before)  # the edit changed the output, and was seen
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("numel", [1, 4096, 4097, 3 * 4096 + 5, 40_000])
+def test_pinned_staging_copies_the_same_bits(dtype, numel):
+    """``staging.to_device`` through two pinned chunks (a tiny chunk: many refills of each buffer) gives what
+    ``.to("cuda")`` gives, for sizes that are not a multiple of the chunk; a destination poisoned beforehand (the
+    caching allocator hands the freed block back) is fully overwritten."""
+    from qwen_absorb import staging
+
+    g = torch.Generator().manual_seed(numel)
+    x = (torch.randint(0, 255, (numel,), generator=g, dtype=torch.uint8) if dtype == torch.uint8
+         else torch.randn(numel, generator=g).to(dtype))
+    poison = torch.full((numel,), 7, dtype=dtype, device=DEV)
+    del poison
+    y = staging.to_device(x, DEV, chunk=1024)
+    assert y.device.type == "cuda" and torch.equal(y.cpu(), x)
+
+
+@pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
+def test_round_trip_with_pinned_staging_matches_the_resident_twin():
+    model = _model(8)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(pinned_staging=True))
+    kw = _inputs(model, 9)
+    want = T.run_transformer(twin, kw)
+    for _ in range(2):
+        model.to("cpu")
+        model.to(DEV)
+        assert torch.equal(T.run_transformer(model, kw), want)
+
+
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
 def test_patched_on_cpu_moved_to_gpu_decides_graphs_and_moves_no_original():
     model = _model(3).to("cpu")
