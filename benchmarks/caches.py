@@ -184,7 +184,7 @@ class Caches(H.Bench):
     def case(self, name: str, make: Any, patched: bool = True) -> None:
         # two runs where graphs are captured in the first (FBC: its blocks' graphs); one where every call runs eager
         cfg = make()
-        graphed = step_caches.refusal(cfg) is None or type(cfg).__name__ == "FirstBlockCacheConfig"
+        graphed = step_caches.refusal(cfg) is None or step_caches.is_fbc_config(cfg)
         runs = 2 if patched and graphed else 1
         why = self.fits(runs)
         key = f"cases.{name}." + ("wall_s" if patched else "unpatched_wall_s")

@@ -278,8 +278,8 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = any(plan.linears[p].fp8_gemm or (resolve(block, p) in plan.nvfp4 and not _fp8_context_reasons(
         block, p)) for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
-    plan.attn_cache = plan.own_attention and dep.attention_cache(block)
-    plan.attn_cache_kind = (dep.attention_cache_kind(block) or "") if plan.attn_cache else ""
+    plan.attn_cache_kind = (dep.attention_cache_kind(block) or "") if plan.own_attention else ""
+    plan.attn_cache = bool(plan.attn_cache_kind)
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
     for p in LINEAR_TABLE if plan.attn_forwards else ():

@@ -34,8 +34,7 @@ def to_device(src: torch.Tensor, device: torch.device, chunk: int = CHUNK) -> to
         if crossed[k] is not None:
             crossed[k].synchronize()  # the buffer's last chunk has reached the GPU: it may be refilled
         bufs[k][:m].copy_(s8[off:off + m])
-        with torch.cuda.stream(stream):
-            d8[off:off + m].copy_(bufs[k][:m], non_blocking=True)
+        d8[off:off + m].copy_(bufs[k][:m], non_blocking=True)  # on the current stream, before what reads dst
         crossed[k] = torch.cuda.Event()
         crossed[k].record(stream)
     for e in crossed:  # the buffers go back to torch's pinned cache only once nothing reads them

@@ -57,6 +57,17 @@ def _diffusers(obj: Any, names: dict) -> str | None:
     return names.get(t.__name__) if t.__module__.startswith("diffusers.") else None
 
 
+def is_fbc_config(config: Any) -> bool:
+    """``config`` (a transformer's ``_cache_config``) is diffusers' FirstBlockCache (graphed per block:
+    :mod:`qwen_absorb.cuda_graph.first_block_cache`)."""
+    return _diffusers(config, {"FirstBlockCacheConfig": True}) is not None
+
+
+def is_fbc_hook(hook: Any) -> bool:
+    """``hook`` is one of FirstBlockCache's block hooks (its head's or the others')."""
+    return _diffusers(hook, {"FBCHeadBlockHook": True, "FBCBlockHook": True}) is not None
+
+
 def kind(config: Any) -> str | None:
     """PAB or MAG when ``config`` (a transformer's ``_cache_config``) is a cache this module graphs."""
     return _diffusers(config, _CONFIGS)

@@ -145,7 +145,7 @@ def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
                     "enable_model_cpu_offload(): see qwen_absorb.Tuning.model_offload_graphs")
         return "offloading hook", "offload hook on the transformer: weights move during the call"
     cfg = getattr(t, "_cache_config", None)
-    if fbc_outside and is_fbc_config(cfg):
+    if fbc_outside and step_caches.is_fbc_config(cfg):
         cfg = None  # its hooks sit on the blocks, outside their runners
     why = step_caches.refusal(cfg) if cfg is not None else None
     if why is not None:  # said before the hook on the transformer FasterCache puts there
@@ -158,17 +158,6 @@ def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
     return None
 
 
-def is_fbc_config(cfg: Any) -> bool:
-    """``cfg`` (a transformer's ``_cache_config``) is diffusers' FirstBlockCache."""
-    t = type(cfg)
-    return t.__name__ == "FirstBlockCacheConfig" and t.__module__.startswith("diffusers.")
-
-
-def is_fbc_hook(hook: Any) -> bool:
-    t = type(hook)
-    return t.__name__ in ("FBCHeadBlockHook", "FBCBlockHook") and t.__module__.startswith("diffusers.")
-
-
 def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
     """The diffusers-hook refusal of a block whose runner sits inside FirstBlockCache's hook (the runner is that
     hook's ``original_forward``: the hook decides on the host whether to call it and reads only what it returns).
@@ -176,7 +165,7 @@ def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
     group was made: refused until the model call removes the group, as an unhooked block may hand its outputs
     over to the next one (:mod:`qwen_absorb.handoff`), which a graph of one block cannot carry."""
     reg = hooks.registry_hooks(block)
-    other = [(n, h) for n, h in reg.items() if not is_fbc_hook(h)]
+    other = [(n, h) for n, h in reg.items() if not step_caches.is_fbc_hook(h)]
     if other:
         name, hook = other[0]
         cat = hooks.hook_category(name, hook)

@@ -35,7 +35,6 @@ from torch import nn
 from .. import hooks, host_originals, step_caches
 from ..block import PatchedForward
 from . import settings
-from .fingerprint import is_fbc_config
 from .group import BlockGraphs
 from .shared import Shared
 
@@ -82,7 +81,7 @@ def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
     if root is None and f is None:
         return None
     cfg = getattr(runner._transformer, "_cache_config", None)
-    if not is_fbc_config(cfg):
+    if not step_caches.is_fbc_config(cfg):
         if f is not None and f.group is not None and f.group.installed:
             _remove(f, "the transformer's cache is no longer FirstBlockCache")
         return root

@@ -217,7 +217,7 @@ class GraphedCall:
         self.warn_first = False  # graphs can take this call: decided
         # capture_after holds until this runner has replayed: from then on it runs a loop (a pipeline's steps), and
         # a new signature (a new prompt length) is captured at its first call; an eager call first cost the 4-step
-        # image one more transformer call, host-bound (166 ms on the H100, benchmarks/results/pipeline_h100.json)
+        # image one more transformer call, host-bound (166 ms on the H100: pipeline_h100.json, stage_split.4step_fp8_newlen)
         if self.capture_after and not self.replays and self._count_new(call.key):
             return self._inner(*args, **kwargs)
         return self._capture(call, steps)
