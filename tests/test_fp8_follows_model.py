@@ -509,9 +509,13 @@ def _mm_counts(model, inp) -> collections.Counter:
 
 @pytest.mark.slow
 def test_shared_lora_a_products_are_the_separate_ones(seed, monkeypatch):
-    """q/k/v of a stream take their lora_A products from one GEMM over the concatenated A weights: bit for bit
-    the per-linear GEMMs (CPU), 10 fewer matmuls per block with two adapters, and the live weights after
-    every LoRA action, PEFT's hotswap included (an in-place write through .data, which no version sees)."""
+    """q/k/v of a stream take their lora_A products from one GEMM over the concatenated A weights: the per-linear
+    GEMMs' values, 10 fewer matmuls per block with two adapters, and the live weights after every LoRA action,
+    PEFT's hotswap included (an in-place write through .data, which no version sees).
+
+    One GEMM over N = sum of ranks may pick another CPU microkernel than N = rank (AMX or AVX-512 tiles), so a
+    product's last bf16 bit may differ by machine, and the FP8 quantization after it can move a code: the merged
+    output is held to the separate one within 1/4 of the smallest change any step below makes (about 1e-2)."""
     from qwen_absorb import attention
 
     model, inp = _fp8(seed)
@@ -529,8 +533,11 @@ def test_shared_lora_a_products_are_the_separate_ones(seed, monkeypatch):
         assert separate is attention._shared_lora
         return merged, sep
 
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
     merged, sep = both()
-    assert torch.equal(merged, sep)
+    assert rel(merged, sep) <= 2.5e-3, rel(merged, sep)
     n_merged = _mm_counts(model, inp)
     monkeypatch.setattr(attention, "_shared_lora", lambda *a: None)
     n_sep = _mm_counts(model, inp)
@@ -556,8 +563,9 @@ def test_shared_lora_a_products_are_the_separate_ones(seed, monkeypatch):
         with torch.no_grad():
             step()
         merged, sep = both()
-        assert torch.equal(merged, sep), label
-        assert not torch.equal(merged, prev), label  # the step changed what runs
+        step_change = rel(merged, prev)  # the step changed what runs, in both paths, by more than they differ
+        assert rel(merged, sep) <= min(2.5e-3, step_change / 4), (label, rel(merged, sep), step_change)
+        assert rel(sep, prev) > 2.5e-3, label
         prev = merged
 
 
