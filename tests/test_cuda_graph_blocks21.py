@@ -546,3 +546,19 @@ def test_install_blocks_arguments(fake_cuda, seed):
     own.remove()
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
     assert group.describe()["installed"] is False and not group.installed
+
+
+def test_install_blocks_failing_midway_removes_the_runners_it_installed(fake_cuda, monkeypatch, seed):
+    model = tiny_model(seed=_seed(seed), layers=3)
+    real, cleared = CG.blocks.install, []
+
+    def install(block, **kw):
+        if block is model.transformer_blocks[2]:
+            raise RuntimeError("install failed")
+        return real(block, **kw)
+
+    monkeypatch.setattr(CG.blocks, "install", install)
+    monkeypatch.setattr(CG.Shared, "clear", lambda self: cleared.append(self))
+    with pytest.raises(RuntimeError, match="install failed"):
+        CG.install_blocks(list(model.transformer_blocks), fallbacks=collections.Counter(), parent=model)
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks) and len(cleared) == 1

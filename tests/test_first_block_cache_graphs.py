@@ -67,7 +67,7 @@ def _head_state(model):
 
 def _group(model) -> BlockGraphs | None:
     r = runner_of(model)
-    f = FBC._follows.get(r) if r is not None else None
+    f = r._fbc if r is not None else None
     return f.group if f is not None and f.group is not None and f.group.installed else None
 
 

@@ -24,7 +24,6 @@ import qwen_absorb
 from qwen_absorb import cuda_graph as CG
 from qwen_absorb import step_caches
 from qwen_absorb.block import PatchedForward
-from qwen_absorb.cuda_graph import first_block_cache as FBC
 from qwen_absorb.ops import _runtime
 
 from . import builders as T
@@ -80,7 +79,7 @@ def _runner(model):
 
 
 def _group(model):
-    f = FBC._follows.get(_runner(model))
+    f = _runner(model)._fbc
     return f.group if f is not None and f.group is not None and f.group.installed else None
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .attach import install
-from .group import BlockGraphs
+from .group import BlockGraphs, install_each
 from .runner import GraphedCall
 from .shared import Shared
 
@@ -29,25 +29,19 @@ def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counte
     ``parent``: the module around the blocks, whose hooks refuse the blocks' calls too; ``indices``: the blocks'
     indices in the model (default 0, 1, ...); the rest as :func:`install`'s. A block that already carries a runner
     of its own keeps it and is left out; an exception removes the runners already installed."""
-    shared = Shared(parent)
-    runners: list[GraphedCall] = []
-    kept: list[int] = []
     idx = list(indices) if indices is not None else list(range(len(blocks)))
     if len(idx) != len(blocks):
         raise ValueError(f"indices: {len(idx)} for {len(blocks)} blocks")
-    try:
-        for i, block in zip(idx, blocks):
-            r = install(block, fallbacks=fallbacks, max_graphs=max_graphs, capture_after=capture_after, shared=shared)
-            if r._shared is not shared:
-                log.warning("block %d already carries a CUDA-graph runner of its own; it is left as it is", i)
-                continue
-            runners.append(r)
-            kept.append(i)
-    except BaseException:
-        for r in runners:
-            r.remove()
-        shared.clear()
-        raise
+    shared = Shared(parent)
+
+    def put(i: int, block: nn.Module) -> GraphedCall | None:
+        r = install(block, fallbacks=fallbacks, max_graphs=max_graphs, capture_after=capture_after, shared=shared)
+        if r._shared is shared:
+            return r
+        log.warning("block %d already carries a CUDA-graph runner of its own; it is left as it is", i)
+        return None
+
+    runners, kept = install_each(shared, zip(idx, blocks), put)
     log.info("CUDA graphs per block installed on %d blocks (max %d graphs each%s)", len(runners), max_graphs,
              f", capture after {capture_after} eager calls" if capture_after else "")
     return BlockGraphs(runners, kept, shared, parent, max_graphs, capture_after)

@@ -26,7 +26,6 @@ epilogue, the hooks, and the replays of the blocks computed; its outputs are the
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 from .. import hooks, host_originals, step_caches
 from ..block import PatchedForward
 from . import settings
-from .group import BlockGraphs
+from .group import BlockGraphs, install_each
 from .shared import Shared
 
 log = logging.getLogger("qwen_absorb")
@@ -43,19 +42,16 @@ log = logging.getLogger("qwen_absorb")
 NO_GROUP = "FirstBlockCache: eager (no per-block CUDA graphs)"
 
 
-class _Follow:
-    """What the FirstBlockCache glue keeps for one whole-model runner: its group (kept after removal, for its last
-    description) and why none could be made."""
+class Follow:
+    """What the FirstBlockCache glue keeps for one whole-model runner (its ``_fbc``, made by the first call that
+    meets the cache; a copied runner starts without): its group (kept after removal, for its last description) and
+    why none could be made."""
 
     __slots__ = ("group", "why")
 
     def __init__(self) -> None:
         self.group: BlockGraphs | None = None
         self.why: str | None = None
-
-
-# whole-model runner -> _Follow (weak: a removed or collected runner takes nothing with it; copies start without)
-_follows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _BlockHost:
@@ -77,7 +73,7 @@ def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
     (``runner._shared`` set) and calls with neither a refusal nor a group return at once."""
     if runner._shared is not None:
         return root
-    f = _follows.get(runner)
+    f = runner._fbc
     if root is None and f is None:
         return None
     cfg = getattr(runner._transformer, "_cache_config", None)
@@ -89,7 +85,7 @@ def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
     if root is None or eager is None or root[0] != eager[0]:
         return root  # refused before the cache's turn (an offloading hook): a group's runners refuse it too
     if f is None:
-        f = _follows[runner] = _Follow()
+        f = runner._fbc = Follow()
     if f.group is None or not f.group.installed:
         f.why = _make(runner, f)
         if f.why is not None:
@@ -112,7 +108,7 @@ def _patched_slot(block: nn.Module) -> tuple[Any, PatchedForward] | None:
     return None
 
 
-def _make(runner: Any, f: _Follow) -> str | None:
+def _make(runner: Any, f: Follow) -> str | None:
     """Put a runner on every patched block of ``runner``'s transformer, in its patched forward's slot; None when
     made, else why not."""
     t = runner._transformer
@@ -120,27 +116,20 @@ def _make(runner: Any, f: _Follow) -> str | None:
     if not any(p.device.type in types for p in t.parameters()):
         return "the model is not on a GPU"
     shared = Shared(t, fbc=True, outer=runner)
-    runners: list[Any] = []
-    kept: list[int] = []
-    try:
-        for i, block in enumerate(getattr(t, "transformer_blocks", None) or ()):
-            found = _patched_slot(block)
-            if found is None:
-                continue  # runs diffusers' forward (see its report entry): eager inside the hooks
-            set_, fwd = found
-            # the whole-model runner's class: importing it here would close an import cycle (it imports this module)
-            r = type(runner)(block, runner.fallbacks, runner.max_graphs, _BlockHost(block), runner.capture_after,
-                             shared)
-            r._inner = r._prev = fwd  # what it wraps and puts back: the patched forward, in the slot found
-            r._prev_present = True
-            set_(r)
-            runners.append(r)
-            kept.append(i)
-    except BaseException:
-        for r in runners:
-            r.remove()
-        shared.clear()
-        raise
+
+    def put(i: int, block: nn.Module) -> Any:
+        found = _patched_slot(block)
+        if found is None:
+            return None  # runs diffusers' forward (see its report entry): eager inside the hooks
+        set_, fwd = found
+        # the whole-model runner's class: importing it here would close an import cycle (it imports this module)
+        r = type(runner)(block, runner.fallbacks, runner.max_graphs, _BlockHost(block), runner.capture_after, shared)
+        r._inner = r._prev = fwd  # what it wraps and puts back: the patched forward, in the slot found
+        r._prev_present = True
+        set_(r)
+        return r
+
+    runners, kept = install_each(shared, enumerate(getattr(t, "transformer_blocks", None) or ()), put)
     if not runners:
         shared.clear()
         return "no block runs the patched forward"
@@ -150,20 +139,20 @@ def _make(runner: Any, f: _Follow) -> str | None:
     return None
 
 
-def _remove(f: _Follow, why: str) -> None:
+def _remove(f: Follow, why: str) -> None:
     f.group.remove()
     log.info("FirstBlockCache per-block CUDA graphs removed: %s", why)
 
 
 def remove(runner: Any) -> None:
     """The whole-model ``runner`` is being removed: its group with it."""
-    f = _follows.pop(runner, None)
+    f, runner._fbc = runner._fbc, None
     if f is not None and f.group is not None and f.group.installed:
         _remove(f, "the CUDA-graph runner was removed")
 
 
 def invalidate(runner: Any, reason: str) -> None:
-    f = _follows.get(runner)
+    f = runner._fbc
     if f is not None and f.group is not None and f.group.installed:
         f.group.invalidate(reason)
 
@@ -171,7 +160,7 @@ def invalidate(runner: Any, reason: str) -> None:
 def describe(runner: Any) -> dict[str, Any]:
     """``{"first_block_cache": ...}`` for the whole-model runner's description once FirstBlockCache was seen: its
     group's (``mode`` "per block", block calls summed, ``installed``), or why none could be made; else ``{}``."""
-    f = _follows.get(runner)
+    f = runner._fbc
     if f is None:
         return {}
     d = f.group.describe() if f.group is not None else {"mode": "per block", "installed": False}

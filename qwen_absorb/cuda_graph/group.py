@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,26 @@ MODE = "per block"
 _SUMMED = ("graphs", "captures", "replays", "eager_calls", "new_signature_calls", "evictions", "failed_signatures",
            "discarded_replays")
 _MERGED = ("refusals", "invalidations", "capture_failures")
+
+
+def install_each(shared: Shared, blocks: Iterable[tuple[int, nn.Module]],
+                 put: Callable[[int, nn.Module], Any]) -> tuple[list[Any], list[int]]:
+    """The runners ``put`` installs on ``blocks`` (index, block; None: that block left out) and their indices. An
+    exception removes the runners already installed and clears ``shared``, then goes on."""
+    runners: list[Any] = []
+    kept: list[int] = []
+    try:
+        for i, block in blocks:
+            r = put(i, block)
+            if r is not None:
+                runners.append(r)
+                kept.append(i)
+    except BaseException:
+        for r in runners:
+            r.remove()
+        shared.clear()
+        raise
+    return runners, kept
 
 
 class BlockGraphs:

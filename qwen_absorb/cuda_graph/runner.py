@@ -68,7 +68,7 @@ class GraphedCall:
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations", "warn_first",
         "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared", "_cache",
-        "_gens",
+        "_gens", "_fbc",
     )
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
@@ -109,6 +109,7 @@ class GraphedCall:
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
         self._gens: list[tuple[Any, int]] | None = None  # the owners' generations as the capture began
         self.warn_first = False  # a refusal of the next call is a warning (set by .first_use), once
+        self._fbc: first_block_cache.Follow | None = None  # the FirstBlockCache group, once the cache was met
         if t is not None:
             watch(self)
             if sh is not None:
