@@ -21,19 +21,33 @@ import hashlib
 import inspect
 import itertools
 import logging
-from dataclasses import asdict, dataclass
+import textwrap
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import quant
+from .report import PartReport
 
 log = logging.getLogger("qwen_absorb")
 
 _MISSING = object()
-# sha256 of the mirrored functions' source (_mirrored), as diffusers 0.42.1 has it
-MIRRORED_SHA256 = "c64a5f94a94eeaf85d53d1c707ff0d4cac30c5bc28ce3b3e99e84dc251323b63"
+# source_hash of the mirrored functions (_mirrored), as diffusers 0.42.1 has them
+MIRRORED_SHA256 = "3e75ec209c2ead6f"
+
+
+def source_hash(functions: Iterable[Any]) -> str | None:
+    """sha256 (16 hex digits) of the dedented sources of ``functions`` (None: one is not there or not readable):
+    the pin of the diffusers code a room of the pipeline mirrors (here, :mod:`qwen_absorb.vae`,
+    :mod:`qwen_absorb.text_encoder`); another version's code is left to diffusers until checked again."""
+    try:
+        text = "".join(textwrap.dedent(inspect.getsource(f)) for f in functions)
+    except (AttributeError, OSError, TypeError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _mirrored() -> list[Any]:
@@ -51,12 +65,11 @@ def _mirrored() -> list[Any]:
 
 @functools.cache
 def source_sha256() -> str:
-    """The hash of this diffusers' source of the mirrored functions ("" where it cannot be read)."""
+    """The :func:`source_hash` of this diffusers' mirrored functions ("" where they cannot be read)."""
     try:
-        text = "\n".join(inspect.getsource(f) for f in _mirrored())
-    except (ImportError, AttributeError, OSError, TypeError):
+        return source_hash(_mirrored()) or ""
+    except (ImportError, AttributeError):
         return ""
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _DICT, _ASK, _COMPILED = 0, 1, 2
@@ -209,14 +222,11 @@ class FastWalks:
 
 
 @dataclass
-class WalksReport:
-    """The ``pipeline`` section of a patch report (plain data)."""
+class WalksReport(PartReport):
+    """The ``pipeline`` section of a patch report."""
 
     on: bool
     reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def line(self) -> str:
         if self.on:

@@ -18,6 +18,20 @@ from .quant import NormInfo, ProjectionInfo
 from .sites import SITES, STREAMS  # noqa: F401  (re-exported)
 
 
+class PartReport:
+    """Base of a pipeline room's section (``PatchReport.parts``): a dataclass of plain data with ``line()``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)  # asdict rebuilds a Counter from its (reason, count) pairs as elements: its counts as a dict
+        d.update((k, dict(v)) for k, v in vars(self).items() if isinstance(v, Counter))
+        return d
+
+
+def counts(counter: Counter, most: int | None = None) -> str:
+    """``3 x reason; 1 x other``: the most common first."""
+    return "; ".join(f"{n} x {r}" for r, n in counter.most_common(most))
+
+
 @dataclass
 class SiteReport:
     block: int
@@ -38,9 +52,6 @@ class SiteReport:
         return cls(sp.block, sp.stream, sp.site, sp.fused, list(sp.reasons), sp.runner, sp.projection,
                    sp.bias_deferred, list(sp.defer_reasons), sp.norm_quantizer, sp.fp8_out, sp.act_out)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class LinearReport:
@@ -55,11 +66,6 @@ class LinearReport:
     def of(cls, lp: LinearPlan) -> LinearReport:
         return cls(lp.path, lp.fp8_gemm, list(lp.fp8_reasons), lp.lora,
                    bool(lp.weight is not None and lp.weight.reused_storage), lp.offloaded)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["lora_branch"] = d.pop("lora")
-        return d
 
 
 @dataclass
@@ -110,7 +116,7 @@ class BlockReport:
     def to_dict(self) -> dict[str, Any]:
         d = {_DICT_NAMES.get(k, k): v for k, v in asdict(self).items()}  # asdict: deep copies, nested as dicts
         for lin in d["linears"].values():
-            lin["lora_branch"] = lin.pop("lora")  # LinearReport.to_dict's name
+            lin["lora_branch"] = lin.pop("lora")
         return d
 
 
@@ -348,15 +354,14 @@ class PatchReport:
                              f"blocks, {fbc['captures']} captured, {fbc['replays']} block replays, "
                              f"{fbc['eager_calls']} block calls eager")
             if self.graph_fallbacks:
-                lines.append("    eager because: " + "; ".join(f"{n} x {r}" for r, n in self.graph_fallbacks.most_common(4)))
+                lines.append("    eager because: " + counts(self.graph_fallbacks, 4))
         elif self.cuda_graph_refused:
             lines.append(f"  CUDA graphs: off ({self.cuda_graph_refused})")
         elif self.cuda_graph_mode == "auto":
             lines.append("  CUDA graphs: off (cuda_graph='auto' leaves Qwen-Image-2.1 blocks eager, measured no slower; "
                          "cuda_graph=True graphs them)")
         if self.rebuilds:
-            lines.append("  decided anew (block calls): "
-                         + "; ".join(f"{n} x {r}" for r, n in self.rebuilds.most_common()))
+            lines.append("  decided anew (block calls): " + counts(self.rebuilds))
         if self.runtime_fallbacks:
             lines.append("  runtime fallbacks (block calls):")
             lines += [f"    {n:>6}  {plain.one(r)}" for r, n in self.runtime_fallbacks.most_common()]
@@ -438,13 +443,11 @@ def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: i
 
 
 def _ranges(ix: list[int]) -> str:
-    ix = sorted(ix)
-    parts, start, prev = [], ix[0], ix[0]
-    for i in ix[1:] + [None]:  # type: ignore[list-item]
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(parts)
+    """``0-3,7``: sorted indices as runs."""
+    runs: list[list[int]] = []
+    for i in sorted(ix):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

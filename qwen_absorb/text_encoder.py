@@ -21,19 +21,19 @@ eager; the cache still applies.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 import logging
 import sys
-import textwrap
 import threading
 from collections import Counter, OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .gating import check_tristate
+from .pipeline_walks import source_hash
+from .report import PartReport, counts
 from .shape_graphs import ShapeGraphs
 from .watch import Watch
 
@@ -43,8 +43,8 @@ CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations
 
 
 @dataclass
-class TextEncoderReport:
-    """The ``text_encoder`` section of a patch report (plain data)."""
+class TextEncoderReport(PartReport):
+    """The ``text_encoder`` section of a patch report."""
 
     on: bool
     reasons: list[str]
@@ -58,11 +58,6 @@ class TextEncoderReport:
     graph_refusals: Counter = field(default_factory=Counter)  # encoder calls run eager on CUDA, by reason
     graphs: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["graph_refusals"] = dict(self.graph_refusals)
-        return d
-
     def line(self) -> str:
         if not self.on:
             return "prompt encoding: diffusers' (" + "; ".join(self.reasons) + ")"
@@ -70,7 +65,7 @@ class TextEncoderReport:
         s = (f"prompt encoding: cache {self.cache_hits} hits / {self.cache_misses} misses"
              + (f", CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else ""))
         if self.graph_refusals:
-            s += "; eager encoder: " + "; ".join(f"{n} x {r}" for r, n in self.graph_refusals.most_common(3))
+            s += "; eager encoder: " + counts(self.graph_refusals, 3)
         return s
 
 
@@ -87,23 +82,15 @@ def _static_reasons(pipe: Any) -> list[str]:
     method = getattr(type(pipe), "_get_qwen_prompt_embeds", None)
     if not callable(method):
         reasons.append("the pipeline has no _get_qwen_prompt_embeds")
-    elif _source_key(method) not in REPLICATED:
+    elif source_hash([method]) not in REPLICATED:
         reasons.append(f"{type(pipe).__name__}._get_qwen_prompt_embeds is not the one PromptEncoder replicates "
                        "(QwenImagePipeline's text-only encoding of diffusers 0.42.1)")
     return reasons
 
 
-# sha256 (16 hex digits) of the dedented source of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds
-# (copied in Img2Img, Inpaint, ControlNet). Edit and Layered pipelines and other versions' are left alone.
+# source_hash of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds (copied in Img2Img, Inpaint,
+# ControlNet). Edit and Layered pipelines and other versions' are left alone.
 REPLICATED = frozenset({"a4173bdc2ad8840d"})
-
-
-def _source_key(method: Any) -> str | None:  # the hash REPLICATED holds
-    try:
-        src = textwrap.dedent(inspect.getsource(method))
-    except (OSError, TypeError):
-        return None
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
 def _watch(te: nn.Module) -> Watch:
@@ -217,8 +204,7 @@ class PromptEncoder:
         self.encoder = pipe.text_encoder
         self._watch_encoder()
         self.cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0 if cuda_graph is True else 1,
-                                  aid=lambda: MaskConstants(self.encoder))
+        self.graphs = self._new_graphs()
         report.graphs_off = "cuda_graph=False" if cuda_graph is False else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -230,8 +216,11 @@ class PromptEncoder:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self.graphs = ShapeGraphs(self._last_hidden, capture_after=0 if self.mode is True else 1,
-                                  aid=lambda: MaskConstants(self.encoder))
+        self.graphs = self._new_graphs()
+
+    def _new_graphs(self) -> ShapeGraphs:
+        return ShapeGraphs(self._last_hidden, capture_after=0 if self.mode is True else 1,
+                           aid=lambda: MaskConstants(self.encoder))
 
     def _last_hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -315,8 +304,7 @@ def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) ->
     section (``on`` False with reasons, nothing installed, without a Qwen prompt encoding). ``cuda_graph=True``
     replays the encoder per (token shape, exact mask), captured at first sight; ``"auto"`` at the second call of a
     key; ``False`` leaves it eager. The prompt cache (``cache_size`` entries, 0: none) is on in every mode."""
-    if cuda_graph not in ("auto", True, False):
-        raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
+    check_tristate("cuda_graph", cuda_graph)
     if not isinstance(cache_size, int) or cache_size < 0:
         raise ValueError(f"cache_size must be an int >= 0, not {cache_size!r}")
     cur = pipe.__dict__.get("_get_qwen_prompt_embeds")

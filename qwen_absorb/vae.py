@@ -18,13 +18,10 @@ remakes the 2-D weights (copies: parameters and ``state_dict`` are never touched
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import sys
-import textwrap
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
+from .pipeline_walks import source_hash
+from .report import PartReport, counts
 from .shape_graphs import ShapeGraphs
 from .watch import Watch
 
@@ -49,8 +49,8 @@ _NORM_ATTRS = ("scale", "bias", "channel_first")
 
 
 @dataclass
-class VaeReport:
-    """The ``vae`` section of a patch report (plain data)."""
+class VaeReport(PartReport):
+    """The ``vae`` section of a patch report."""
 
     on: bool
     reasons: list[str]
@@ -66,11 +66,6 @@ class VaeReport:
     rebuilds: int = 0
     graphs: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["fallbacks"] = dict(self.fallbacks)
-        return d
-
     def line(self) -> str:
         if not self.on:
             return "VAE decode: diffusers' (" + "; ".join(self.reasons) + ")"
@@ -83,12 +78,11 @@ class VaeReport:
         if self.postprocess:
             s += "; PIL conversion on the device"
         if self.fallbacks:
-            s += "; diffusers' decode: " + "; ".join(f"{n} x {r}" for r, n in self.fallbacks.most_common(3))
+            s += "; diffusers' decode: " + counts(self.fallbacks, 3)
         return s
 
 
-# sha256 (first 16 hex digits) of the dedented sources of the diffusers 0.42.1 methods the 2-D path computes:
-# another version's decoder is left to diffusers until it is checked again
+# source_hash of the diffusers 0.42.1 methods the 2-D path computes
 REPLICATED = frozenset({"7f9c2b764c273595"})
 _REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), ("QwenImageDecoder3d", "forward"),
                        ("QwenImageMidBlock", "forward"), ("QwenImageUpBlock", "forward"),
@@ -99,16 +93,11 @@ _code_keys: dict[str, str | None] = {}
 
 
 def _code_key(vae: nn.Module) -> str | None:
-    """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS` (None: a source not readable)."""
+    """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS`."""
     name = type(vae).__module__
     if name not in _code_keys:
         mod = sys.modules.get(name)
-        try:
-            text = "".join(textwrap.dedent(inspect.getsource(getattr(getattr(mod, c), m)))
-                           for c, m in _REPLICATED_METHODS)
-            _code_keys[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
-        except (AttributeError, OSError, TypeError):
-            _code_keys[name] = None
+        _code_keys[name] = source_hash(getattr(getattr(mod, c), m) for c, m in _REPLICATED_METHODS)
     return _code_keys[name]
 
 
@@ -277,7 +266,10 @@ class FastDecode:
         self.had_instance = had_instance  # an instance _decode found at install (put back by unpatch)
         self.watch = _watch(vae)
         self.weights: Weights2d | None = None
-        self.graphs = ShapeGraphs(self._run, capture_after=0 if cuda_graph is True else 1)
+        self.graphs = self._new_graphs()
+
+    def _new_graphs(self) -> ShapeGraphs:
+        return ShapeGraphs(self._run, capture_after=0 if self.mode is True else 1)
 
     def _run(self, z: torch.Tensor) -> torch.Tensor:
         return self.weights.decode(self.vae, z)
@@ -342,7 +334,7 @@ class FastDecode:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self.graphs = ShapeGraphs(self._run, capture_after=0 if self.mode is True else 1)
+        self.graphs = self._new_graphs()
         self.original = type(self.vae)._decode.__get__(self.vae)
 
 
@@ -350,8 +342,7 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
     """Install :class:`FastDecode` as ``vae._decode``; returns the ``vae`` report section (``on`` False with
     reasons, nothing installed, for a VAE the 2-D path does not know). ``cpu``: the 2-D path on the CPU too
     (tests; the gate is measured on CUDA). ``fuse_norm``: each RMS norm + SiLU as one kernel where it runs."""
-    if cuda_graph not in ("auto", True, False):
-        raise ValueError(f"cuda_graph must be 'auto', True or False, not {cuda_graph!r}")
+    check_tristate("cuda_graph", cuda_graph)
     cur = vae.__dict__.get("_decode")
     if isinstance(cur, FastDecode):
         if cur.mode == cuda_graph and cur.report.cpu == cpu and cur.report.fuse_norm == fuse_norm:
