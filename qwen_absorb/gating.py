@@ -39,7 +39,6 @@ VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {
     (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
 }
 
-CPU = "cpu"  # capability key of the CPU (for capabilities= overrides in tests)
 LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 
 
@@ -114,21 +113,14 @@ def normalize_capabilities(
     """``capabilities`` if given, else the validated set (deferral's unless another is named), checked."""
     if capabilities is None:
         return frozenset(VALIDATED_DEFER_CAPABILITIES if validated is None else validated)
-    if isinstance(capabilities, (str, tuple)) and (isinstance(capabilities, str) or _is_cap_tuple(capabilities)):
+    if isinstance(capabilities, str) or _is_cap_tuple(capabilities):
         capabilities = [capabilities]  # a single key given bare
     if not isinstance(capabilities, Collection):
         raise ValueError(f"capabilities must be a collection of (major, minor) pairs, got {capabilities!r}")
-    out = set()
     for c in capabilities:
-        if isinstance(c, str):
-            if c not in _DEVICE_TYPES:
-                raise ValueError(f"capabilities: {c!r} is neither (major, minor) nor a device type {_DEVICE_TYPES}")
-            out.add(c)
-        elif _is_cap_tuple(c):
-            out.add((int(c[0]), int(c[1])))
-        else:
-            raise ValueError(f"capabilities: {c!r} is neither (major, minor) nor a device type string")
-    return frozenset(out)
+        if not (c in _DEVICE_TYPES if isinstance(c, str) else _is_cap_tuple(c)):
+            raise ValueError(f"capabilities: {c!r} is neither (major, minor) nor a device type {_DEVICE_TYPES}")
+    return frozenset(c if isinstance(c, str) else (int(c[0]), int(c[1])) for c in capabilities)
 
 
 def _is_cap_tuple(c: object) -> bool:
@@ -197,10 +189,6 @@ def check_tristate(name: str, mode: object) -> str | bool:
     if mode is not True and mode is not False and mode != "auto":
         raise ValueError(f"{name} must be 'auto', True or False, got {mode!r}")
     return mode  # type: ignore[return-value]
-
-
-def check_mode(mode: object) -> str | bool:
-    return check_tristate("defer_bias", mode)
 
 
 def fast_accum(mode: str | bool, device: torch.device) -> bool:

@@ -158,22 +158,22 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, ma
     return guess
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """float32 values of packed e2m1 codes [..., n / 2] -> [..., n] (even element in the low nibble)."""
-    table = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n] (even element in the low nibble)."""
     p = packed.view(torch.uint8)
-    codes = torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
-    return table[codes.long()]
+    return torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values of packed e2m1 codes [..., n / 2] -> [..., n]."""
+    return torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)[_codes(packed).long()]
 
 
 def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes with "-0" (8) as +0: a dequantized weight cannot tell them apart (the export writes 8 for a
-    negative weight that rounds to zero)."""
-    p = packed.view(torch.uint8)
-    lo, hi = p & 0x0F, p >> 4
-    lo = torch.where(lo == 8, torch.zeros_like(lo), lo)
-    hi = torch.where(hi == 8, torch.zeros_like(hi), hi)
-    return lo | (hi << 4)
+    """e2m1 codes, one a byte, with "-0" (8) as +0: a dequantized weight cannot tell them apart (the export writes
+    8 for a negative weight that rounds to zero)."""
+    codes = _codes(packed)
+    return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
 
 class _Entry:
@@ -243,7 +243,7 @@ class _Entry:
         if not torch.equal(_canonical_codes(qt._quantized_data), _canonical_codes(self.weight)):
             return False
         scale, _ = nvfp4.get_weights_scaling_factor(w, NVFP4_BLOCK, s2)
-        live = (_canonical_codes(self.weight) != 0).view(w.shape[0], -1, NVFP4_BLOCK // 2).any(-1)
+        live = (_canonical_codes(self.weight) != 0).view(w.shape[0], -1, NVFP4_BLOCK).any(-1)
         return torch.equal(scale.view(torch.uint8)[live], self.scale.view(torch.uint8)[live])
 
 
@@ -320,15 +320,11 @@ def load_hf_export(
     modules = dict(model.named_modules())
     with torch.no_grad():
         for e in entries:
-            lin = modules[e.name]
-            if e.fmt == "fp8":
-                lin.weight_quantizer.amax = _amax_from_scale(e.scale, dtype)
-                bound = FP8_MAX
-            else:
-                bound = E2M1_MAX * FP8_MAX
-                lin.weight_quantizer.amax = _amax_from_scale(e.scale_2, dtype, bound, cuda_first=True)
+            lin, nv = modules[e.name], e.fmt == "nvfp4"
+            bound = E2M1_MAX * FP8_MAX if nv else FP8_MAX
+            lin.weight_quantizer.amax = _amax_from_scale(e.scale_2 if nv else e.scale, dtype, bound, cuda_first=nv)
             if e.input_scale is not None:
-                lin.input_quantizer.amax = _amax_from_scale(e.input_scale, dtype, bound, cuda_first=e.fmt == "nvfp4")
+                lin.input_quantizer.amax = _amax_from_scale(e.input_scale, dtype, bound, cuda_first=nv)
             else:  # a weight-only export
                 lin.input_quantizer.disable()
         wrong = [e.name for e in entries if not e.reproduces_codes(params[f"{e.name}.weight"])]
@@ -367,7 +363,9 @@ def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | 
     """A ``QwenImageTransformer2DModel`` of ``config`` with uninitialised weights; the rope module rebuilt for real
     (its frequency tables are plain attributes made in ``__init__``)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
-    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope  # noqa: PLC0415
+    from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415
+        QwenEmbedLayer3DRope, QwenEmbedRope,
+    )
 
     config = {k: v for k, v in dict(config).items() if not k.startswith("_") and k != "quantization_config"}
     device = torch.device(device)
@@ -376,10 +374,6 @@ def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | 
     # nn.Module's cast: diffusers' ModelMixin.to would log modules "should be kept in float32" (it has none)
     nn.Module.to(model, dtype=dtype)
     model.to_empty(device=device)
-    if not config.get("use_layer3d_rope", False):
-        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
-    else:
-        from diffusers.models.transformers.transformer_qwenimage import QwenEmbedLayer3DRope  # noqa: PLC0415
-
-        model.pos_embed = QwenEmbedLayer3DRope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
+    rope = QwenEmbedLayer3DRope if config.get("use_layer3d_rope", False) else QwenEmbedRope
+    model.pos_embed = rope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
     return model.eval()

@@ -44,21 +44,17 @@ DEFAULT_KEEP_LAST = 2
 SENSITIVE_LAYERS: tuple[str, ...] = ("img_mod", "txt_mod", "img_mlp.net.2")
 
 
-def _num_blocks(transformer_or_num_layers: nn.Module | int) -> int:
-    if isinstance(transformer_or_num_layers, int):
-        return transformer_or_num_layers
-    return len(transformer_or_num_layers.transformer_blocks)
-
-
 # top-level children besides transformer_blocks (diffusers 0.42.1), for a config built from a layer count alone
 _TOP_LEVEL = ("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out",
               "addition_t_embedding")
 
 
-def _outside_blocks(transformer_or_num_layers: nn.Module | int) -> list[str]:
+def _layout(transformer_or_num_layers: nn.Module | int) -> tuple[int, list[str]]:
+    """The number of blocks and the top-level children besides ``transformer_blocks``."""
     if isinstance(transformer_or_num_layers, int):
-        return list(_TOP_LEVEL)
-    return [name for name, _ in transformer_or_num_layers.named_children() if name != "transformer_blocks"]
+        return transformer_or_num_layers, list(_TOP_LEVEL)
+    t = transformer_or_num_layers
+    return len(t.transformer_blocks), [name for name, _ in t.named_children() if name != "transformer_blocks"]
 
 
 def fp8_recipe_config(
@@ -74,7 +70,7 @@ def fp8_recipe_config(
     ``quantize_norm_inputs``: the Hugging Face export drops every norm's quantizer, so with them on the export
     would compute other than the calibrated model; the linears' input quantizers still quantize their inputs."""
     mtq = import_modelopt()
-    n = _num_blocks(transformer_or_num_layers)
+    n, outside = _layout(transformer_or_num_layers)
     if keep_first < 0 or keep_last < 0:
         raise ValueError(f"keep_first and keep_last must be >= 0, got {keep_first}, {keep_last}")
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if base_config is None else base_config)
@@ -87,7 +83,7 @@ def fp8_recipe_config(
         entries.append({"quantizer_name": pattern, "enable": False})
 
     # fnmatch wildcards over quantizer names (module path + ".weight_quantizer" ...): nothing outside the blocks
-    for name in _outside_blocks(transformer_or_num_layers):
+    for name in outside:
         off(f"{name}.*")
     kept = sorted(set(range(min(keep_first, n))) | set(range(max(0, n - keep_last), n)))
     for i in kept:

@@ -36,9 +36,9 @@ _STATE_ATTR = "_qwen_absorb_state"
 @dataclass
 class _BlockRecord:
     block: nn.Module
-    installed: PatchedForward
+    installed: PatchedForward | Patched21Forward
     had_instance_forward: bool  # False: the slot was empty (the class forward ran)
-    slot: str = ""
+    slot: str
 
 
 @dataclass
@@ -84,16 +84,16 @@ def _decision_device(transformer: nn.Module) -> torch.device:
     return first if first is not None and first.type != "meta" else torch.device("cpu")
 
 
-def _install(block: nn.Module, fwd: PatchedForward) -> tuple[str, bool] | None:
-    """Put ``fwd`` where the original forward is held; returns (where, an instance forward existed)."""
+def _install(block: nn.Module, fwd: PatchedForward | Patched21Forward) -> _BlockRecord | None:
+    """Put ``fwd`` where the original forward is held; None where no slot holds the class forward."""
     if "forward" not in block.__dict__:  # no hook, no instance forward: the class forward runs
         object.__setattr__(block, "forward", fwd)
-        return "forward", False
+        return _BlockRecord(block, fwd, False, "forward")
     for where, get, set_ in hooks.forward_slots(block):
         fn = get()
         if getattr(fn, "__func__", None) is type(block).forward and getattr(fn, "__self__", None) is block:
             set_(fwd)
-            return where, True
+            return _BlockRecord(block, fwd, True, where)
     return None
 
 
@@ -122,20 +122,6 @@ def _strip(block: nn.Module) -> None:
         fn = get()
         if isinstance(fn, PatchedForward):
             _remove_forward(block, fn, had_instance_forward=where != "forward")
-
-
-def _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-             offload_original_weights, use_fast_accum, cross_block=True, tuning=None) -> Options:
-    tri = gating.check_tristate
-    return Options(
-        defer_bias=tri("defer_bias", defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
-        capabilities=gating.normalize_capabilities(capabilities),
-        fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
-        force_reference=bool(force_reference),
-        kernels_under_compile=tri("kernels_under_compile", kernels_under_compile),
-        offload_original_weights=tri("offload_original_weights", offload_original_weights),
-        use_fast_accum=tri("use_fast_accum", use_fast_accum), cross_block=bool(cross_block),
-        tuning=gating.check_tuning(tuning))
 
 
 def _new_report(transformer: nn.Module, options: Options, cuda_graph: str | bool, **kw: Any) -> PatchReport:
@@ -191,11 +177,19 @@ def patch(
     device) are seen at that block's next call, which decides again.
     """
     transformer = resolve_transformer(target)
-    cuda_graph = gating.check_tristate("cuda_graph", cuda_graph)
+    tri = gating.check_tristate
+    cuda_graph = tri("cuda_graph", cuda_graph)
     if not all(isinstance(x, bool) for x in (vae, text_encoder, pipeline_walks)):  # before anything is patched
         raise ValueError("vae, text_encoder and pipeline_walks must be True or False")
-    options = _options(defer_bias, fp8_gemm, capabilities, force_reference, kernels_under_compile,
-                       offload_original_weights, use_fast_accum, cross_block, tuning)
+    options = Options(
+        defer_bias=tri("defer_bias", defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
+        capabilities=gating.normalize_capabilities(capabilities),
+        fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
+        force_reference=bool(force_reference),
+        kernels_under_compile=tri("kernels_under_compile", kernels_under_compile),
+        offload_original_weights=tri("offload_original_weights", offload_original_weights),
+        use_fast_accum=tri("use_fast_accum", use_fast_accum), cross_block=bool(cross_block),
+        tuning=gating.check_tuning(tuning))
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
         stale = _stale(state, transformer)
@@ -265,28 +259,30 @@ def patch(
     return _rooms(target, transformer, report, cuda_graph, vae, text_encoder, pipeline_walks)
 
 
-def _rooms(target: Any, transformer: nn.Module, report: PatchReport, cuda_graph: str | bool, vae: bool,
-           text_encoder: bool, walks: bool) -> PatchReport:
-    """A pipeline's VAE decode, prompt encoding and module walks (their own modules and report sections)."""
+def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda_graph: str | bool, vae: bool,
+           text_encoder: bool, walks: bool) -> PatchReport | None:
+    """A pipeline's VAE decode, prompt encoding and module walks (their own modules and report sections); each one
+    asked for False is undone (all of them by ``unpatch``, which passes no report)."""
     if target is transformer or not hasattr(target, "transformer"):
         return report
+    parts = report.parts if report is not None else {}
     if walks:
-        report.parts["pipeline"] = walks_room.patch(target)
+        parts["pipeline"] = walks_room.patch(target)
     else:
         walks_room.unpatch(target)
-        report.parts.pop("pipeline", None)
+        parts.pop("pipeline", None)
     pipe_vae = getattr(target, "vae", None)
-    if isinstance(pipe_vae, nn.Module):
-        if vae:
-            report.parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
-            report.parts["vae"].postprocess = vae_room.patch_postprocess(target)
-        else:
+    if vae and isinstance(pipe_vae, nn.Module):
+        parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
+        parts["vae"].postprocess = vae_room.patch_postprocess(target)
+    else:
+        if isinstance(pipe_vae, nn.Module):
             vae_room.unpatch(pipe_vae)
-            vae_room.unpatch_postprocess(target)
+        vae_room.unpatch_postprocess(target)
     if text_encoder:
         # "auto" (a key's second call) even under cuda_graph=True: a prompt length seen once costs no capture
         te_graphs = False if cuda_graph is False else "auto"
-        report.parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=te_graphs)
+        parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=te_graphs)
     else:
         text_encoder_room.unpatch(target)
     return report
@@ -329,16 +325,16 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             plan = BlockPlan(index=i, options=options, rt=BlockRuntime(counter=report.runtime_fallbacks,
                                                                        rebuilds=report.rebuilds))
             decide(plan, block, device)  # the same decide and records as Qwen-Image's (from the 2.1 rows)
-            fwd = Patched21Forward(block, plan)
-            installed = _install(block, fwd)
-            if installed is None:
+            rec = _install(block, Patched21Forward(block, plan))
+            if rec is None:
                 log.warning("block %d: its forward is wrapped by something unknown; left unpatched", i)
                 continue
-            plan.patched, plan.install, plan.rt.on_decide = True, installed[0], report.record
-            state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
+            plan.patched, plan.install, plan.rt.on_decide = True, rec.slot, report.record
+            state.records.append(rec)
             state.plans.append(plan)
             report.record(plan)
-            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds, fwd.linear_decided)
+            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds,
+                                rec.installed.linear_decided)
         if state.records and cuda_graph is True:
             state.graph = _cuda_graph().install_blocks(
                 [rec.block for rec in state.records], parent=transformer, fallbacks=report.runtime_fallbacks,
@@ -354,9 +350,8 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
 
 
 def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> None:
-    fwd = PatchedForward(block)
-    installed = _install(block, fwd)
-    if installed is None:
+    rec = _install(block, PatchedForward(block))
+    if rec is None:
         plan.reasons.append("the block's forward is wrapped by something unknown (no slot holds the class forward)")
         fp8_forward.remove(block)
         plan.attn_forwards = False
@@ -370,9 +365,8 @@ def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> Non
                 lp.fp8_gemm, lp.fp8_reasons, lp.weight, lp.lora = False, ["block not patched"], None, False
         return
     object.__setattr__(block, PLAN_ATTR, plan)
-    state.records.append(_BlockRecord(block, fwd, installed[1], installed[0]))
-    plan.patched = True
-    plan.install = installed[0]
+    state.records.append(rec)
+    plan.patched, plan.install = True, rec.slot
 
 
 def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
@@ -415,12 +409,7 @@ def unpatch(target: Any) -> None:
     """Undo :func:`patch` on the blocks the model has now (forwards in the same hook slots, biases, weight places):
     outputs bit-identical to a never-patched model; plans, FP8 weights and graphs released. A no-op if not patched."""
     transformer = resolve_transformer(target)
-    if target is not transformer and hasattr(target, "transformer"):  # a pipeline: its VAE and prompt rooms too
-        if isinstance(getattr(target, "vae", None), nn.Module):
-            vae_room.unpatch(target.vae)
-        vae_room.unpatch_postprocess(target)
-        text_encoder_room.unpatch(target)
-        walks_room.unpatch(target)
+    _rooms(target, transformer, None, False, vae=False, text_encoder=False, walks=False)
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):

@@ -112,12 +112,12 @@ def test_quantized_patch_exact_then_deferred(kind, dtype, zero_cond_t, seed):
     # capability override: the CPU counts as validated -> FP8's 8 biases deferred; NVFP4 keeps them in its GEMM
     # (its contract is ModelOpt's fake quantization bit for bit) unless deferral is forced
     if kind.startswith("nvfp4"):
-        report = qwen_absorb.patch(model, capabilities={gating.CPU})
+        report = qwen_absorb.patch(model, capabilities={"cpu"})
         assert report.summary["biases_deferred"] == 0
         assert any("deferral is for FP8" in r for r in report.blocks[0].site("img", "attn_residual").defer_reasons)
         assert torch.equal(T.run_transformer(model, inputs), ref)
         qwen_absorb.unpatch(model)
-    report = qwen_absorb.patch(model, capabilities={gating.CPU}, defer_bias=True if kind.startswith("nvfp4") else "auto")
+    report = qwen_absorb.patch(model, capabilities={"cpu"}, defer_bias=True if kind.startswith("nvfp4") else "auto")
     assert report.summary["biases_deferred"] == 8
     assert all(s.bias_deferred for s in report.sites if s.projection)
     lin = model.transformer_blocks[0].attn.to_out[0]
@@ -210,7 +210,7 @@ def test_gating_functions_are_data():
     for k, v in gating.VALIDATED_DEFER_CAPABILITIES.items():
         assert isinstance(k, tuple) and len(k) == 2 and isinstance(v, str) and v
     with pytest.raises(ValueError):
-        gating.check_mode(1)
+        gating.check_tristate("defer_bias", 1)
 
 
 def test_modelopt_objects_are_told_by_their_class(seed):
