@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -277,12 +278,10 @@ class PatchReport:
 
     def to_dict(self) -> dict[str, Any]:
         blocks = self.blocks
-        d = self._decided(blocks)
         out = {
-            "transformer_class": self.transformer_class, "device": d.device if d is not None else "?",
+            "transformer_class": self.transformer_class, "device": self.device,
             "dtype": self.dtype, "defer_bias": self.defer_bias, "capabilities": list(self.capabilities),
-            "kernels_available": d is not None and not d.kernel_reasons,
-            "kernel_unavailable_reasons": list(d.kernel_reasons) if d is not None else ["no blocks"],
+            "kernels_available": self.kernels_available, "kernel_unavailable_reasons": self.kernel_unavailable_reasons,
             "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
             "force_reference": self.force_reference, "active": self.active, "tuning": self.tuning,
             "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
@@ -301,7 +300,7 @@ class PatchReport:
         device = d.device if d is not None else "?"
         state = "active" if self.active else "unpatched"
         kernel_why = "; ".join(d.kernel_reasons) if d is not None else ""
-        plain = _Plain(device, kernel_why)
+        plain = _plainer(device, kernel_why)
         lines = [f"qwen_absorb PatchReport ({state}): {self.transformer_class} on {device}, {self.dtype}",
                  f"  blocks patched {s['blocks_patched']}/{s['blocks']}", "  " + _sites_line(s, device, kernel_why)]
         if self.tuning:
@@ -327,17 +326,17 @@ class PatchReport:
         if deferral_applies:
             lines.append(f"  biases deferred into the op that follows their projection: {s['biases_deferred']}/"
                          f"{s['biases_deferrable_sites']} (defer_bias={self.defer_bias!r})")
-        lines += _grouped("  blocks not patched", "block", [(plain(b.reasons), b.index) for b in blocks if b.reasons])
+        lines += _grouped("  blocks not patched", "block", [(b.reasons, b.index) for b in blocks if b.reasons], plain)
         lines += _grouped("  sites not fused (run as diffusers' ops)", "site",
-                          [(plain(x.reasons), x.block) for b in blocks for x in b.sites if x.reasons])
+                          [(x.reasons, x.block) for b in blocks for x in b.sites if x.reasons], plain)
         lines += _grouped(
             "  ModelOpt linears not run as real FP8 GEMMs", "linear",
-            [(plain(lp.fp8_reasons), b.index) for b in blocks for lp in b.linears.values()
-             if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], limit=8)
+            [(lp.fp8_reasons, b.index) for b in blocks for lp in b.linears.values()
+             if not lp.fp8_gemm and lp.fp8_reasons and lp.fp8_reasons[0] not in _NOT_MODELOPT], plain, limit=8)
         if deferral_applies:
             lines += _grouped("  biases kept in the GEMM", "site",
-                              [(plain(x.defer_reasons), x.block) for b in blocks for x in b.sites
-                               if x.projection and not x.bias_deferred])
+                              [(x.defer_reasons, x.block) for b in blocks for x in b.sites
+                               if x.projection and not x.bias_deferred], plain)
         g = self.cuda_graph
         if g is not None and g.get("decided") is False:
             lines.append(f"  CUDA graphs (cuda_graph={self.cuda_graph_mode!r}): decided at the first call on a GPU")
@@ -364,7 +363,7 @@ class PatchReport:
             lines.append("  decided anew (block calls): " + counts(self.rebuilds))
         if self.runtime_fallbacks:
             lines.append("  runtime fallbacks (block calls):")
-            lines += [f"    {n:>6}  {plain.one(r)}" for r, n in self.runtime_fallbacks.most_common()]
+            lines += [f"    {n:>6}  {plain(r)}" for r, n in self.runtime_fallbacks.most_common()]
         lines += [f"  {part.line()}" for part in self.parts.values()]
         return "\n".join(lines)
 
@@ -402,35 +401,34 @@ def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
     return f"{total} sites: " + ", ".join(parts)
 
 
-class _Plain:
-    """Says the kernels' unavailability once: reasons repeating it point to the sites line instead."""
+def _plainer(device: str, why: str) -> Callable[[str], str]:
+    """A reason as the report says it: the kernels' unavailability (``why``) is said once, on the sites line;
+    reasons repeating it point there instead."""
 
-    def __init__(self, device: str, kernel_why: str):
-        self.device, self.why = device, kernel_why
-
-    def one(self, reason: str) -> str:
-        if not self.why:
+    def plain(reason: str) -> str:
+        if not why:
             return reason
-        short = f"no CUDA kernels on {self.device}"
-        if reason == "fused ops ran their torch references: " + self.why:
+        short = f"no CUDA kernels on {device}"
+        if reason == "fused ops ran their torch references: " + why:
             return f"ran the torch references ({short})"
-        if reason == f"tensors are on {self.device}; real FP8 GEMMs need CUDA":
+        if reason == f"tensors are on {device}; real FP8 GEMMs need CUDA":
             # what examples/quantize_fp8.py forces on a CPU, said here so the two read alike
-            return reason + f" (fp8_gemm=True with capabilities={{'{self.device}'}} runs them here, for tests)"
-        return (reason.replace("fused CUDA path unavailable: " + self.why, short)
+            return reason + f" (fp8_gemm=True with capabilities={{'{device}'}} runs them here, for tests)"
+        return (reason.replace("fused CUDA path unavailable: " + why, short)
                 .replace("its bias is fused in the GEMM", "its bias is added by the GEMM"))
 
-    def __call__(self, reasons: list[str]) -> list[str]:
-        return [self.one(r) for r in reasons]
+    return plain
 
 
-def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], limit: int = 0) -> list[str]:
-    """One line per distinct set of reasons, with how many items share it (counts add up) and their blocks."""
+def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], plain: Callable[[str], str],
+             limit: int = 0) -> list[str]:
+    """One line per distinct set of reasons (as ``plain`` says each), with how many items share it (counts add
+    up) and their blocks."""
     if not items:
         return []
     by: dict[str, list[int]] = {}
     for reasons, block in items:
-        by.setdefault("; ".join(reasons), []).append(block)
+        by.setdefault("; ".join(map(plain, reasons)), []).append(block)
     out = [f"{title}:"]
     rows = sorted(by.items(), key=lambda kv: -len(kv[1]))
     for reason, blocks in rows[:limit or None]:

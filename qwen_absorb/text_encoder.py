@@ -317,8 +317,8 @@ def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) ->
     report = TextEncoderReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cache_size=cache_size)
     if reasons:
         log.info("prompt encoding left to diffusers: %s", "; ".join(reasons))
-        return report
-    pipe.__dict__["_get_qwen_prompt_embeds"] = PromptEncoder(pipe, report, cuda_graph, cur)
+    else:
+        pipe.__dict__["_get_qwen_prompt_embeds"] = PromptEncoder(pipe, report, cuda_graph, cur)
     return report
 
 
@@ -329,10 +329,9 @@ def unpatch(pipe: Any) -> None:
         return
     cur.cache.clear()
     cur.graphs.clear()
+    del pipe.__dict__["_get_qwen_prompt_embeds"]
     if cur.had_instance is not None:
         pipe.__dict__["_get_qwen_prompt_embeds"] = cur.had_instance
-    else:
-        del pipe.__dict__["_get_qwen_prompt_embeds"]
     cur.report.on = False
     cur.report.reasons = ["unpatched"]
 

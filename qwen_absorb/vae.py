@@ -353,8 +353,8 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
     report = VaeReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cpu=bool(cpu), fuse_norm=bool(fuse_norm))
     if reasons:
         log.info("VAE decode left to diffusers: %s", "; ".join(reasons))
-        return report
-    object.__setattr__(vae, "_decode", FastDecode(vae, report, cuda_graph, cur))
+    else:
+        vae.__dict__["_decode"] = FastDecode(vae, report, cuda_graph, cur)
     return report
 
 
@@ -365,10 +365,9 @@ def unpatch(vae: nn.Module) -> None:
         return
     cur.graphs.clear()
     cur.weights = None
+    del vae.__dict__["_decode"]
     if cur.had_instance is not None:
-        object.__setattr__(vae, "_decode", cur.had_instance)
-    else:
-        del vae.__dict__["_decode"]
+        vae.__dict__["_decode"] = cur.had_instance
     cur.report.on = False
     cur.report.reasons = ["unpatched"]
 
@@ -448,7 +447,6 @@ def unpatch_postprocess(pipe: Any) -> None:
     proc = getattr(pipe, "image_processor", None)
     cur = None if proc is None else proc.__dict__.get("postprocess")
     if isinstance(cur, FastPostprocess):
+        del proc.__dict__["postprocess"]
         if cur.had_instance is not None:
             proc.__dict__["postprocess"] = cur.had_instance
-        else:
-            del proc.__dict__["postprocess"]
