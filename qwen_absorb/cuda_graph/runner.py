@@ -394,7 +394,8 @@ class GraphedCall:
         if (scan.changed() if scan is not None else "changed during the warm-up") is not None:
             for k in [k for k in self._graphs if k != key]:
                 self._evict(k, count=False)
-            self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
+            if scan is None or not scan.redecided():  # (blocks deciding on weights moved in: the same scan)
+                self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
         self._gens = [(o, o.generation) for o in self._scan.owners]
 
     def _after_capture(self, key: Any) -> BaseException | None:
