@@ -258,12 +258,8 @@ def _quant_cfg(entries: list[_Entry]) -> dict[str, Any]:
     mtq = import_modelopt()
 
     def defaults(base: dict) -> dict[str, dict]:
-        out = {}
-        for e in base["quant_cfg"]:
-            pat = e.get("quantizer_name")
-            if pat in ("*weight_quantizer", "*input_quantizer") and "cfg" in e:
-                out[pat[1:]] = copy.deepcopy(e["cfg"])
-        return out
+        return {e["quantizer_name"][1:]: copy.deepcopy(e["cfg"]) for e in base["quant_cfg"]
+                if e.get("quantizer_name") in ("*weight_quantizer", "*input_quantizer") and "cfg" in e}
 
     per_fmt = {"fp8": defaults(mtq.FP8_DEFAULT_CFG), "nvfp4": defaults(mtq.NVFP4_DEFAULT_CFG)}
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)

@@ -127,14 +127,14 @@ def projection_tp_style(linear: nn.Module) -> str | None:
     return None
 
 
-def _tp_output_hook(linear: nn.Module) -> tuple[tuple, bool] | None:
-    """``(output_layouts, use_local_output)`` of a torch ``ParallelStyle`` output hook (a lambda around
+def _tp_output_layouts(linear: nn.Module) -> tuple | None:
+    """The output layouts of a torch ``ParallelStyle`` output hook (a lambda around
     ``partial(style._prepare_output_fn, layouts, use_local)``; None if torch's hooks change)."""
     for hook in getattr(linear, "_forward_hooks", {}).values():
         obj = _hook_partial(hook, "_prepare_output_fn")
         if obj is not None and len(obj.args) >= 2:
             layouts = obj.args[0]
-            return (tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)), bool(obj.args[1])
+            return tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)
     return None
 
 
@@ -159,9 +159,9 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
             out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
         elif not all(p.is_replicate() for p in _placements(b)):
             out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
-    hook = _tp_output_hook(m)
-    if hook is not None and not all(p.is_replicate() for p in hook[0]):
-        out.append(f"row-wise TP projection whose output stays {hook[0]} (not reduced to Replicate)")
+    layouts = _tp_output_layouts(m)
+    if layouts is not None and not all(p.is_replicate() for p in layouts):
+        out.append(f"row-wise TP projection whose output stays {layouts} (not reduced to Replicate)")
     return out
 
 

@@ -388,14 +388,9 @@ _NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
 def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
     """What the sites ran on, counts adding up to all sites: the word "fused" only where kernels ran."""
     total, kernels, refs = s["sites"], s["sites_on_kernels"], s["sites_on_references"]
-    eager = total - kernels - refs
-    parts = []
-    if kernels:
-        parts.append(f"{kernels} on fused CUDA kernels")
-    if refs:
-        parts.append(f"{refs} on torch references" + (f" (no CUDA kernels on {device}: {kernel_why})" if kernel_why else ""))
-    if eager:
-        parts.append(f"{eager} as diffusers' ops (below)")
+    why = f" (no CUDA kernels on {device}: {kernel_why})" if kernel_why else ""
+    parts = [f"{n} {what}" for n, what in ((kernels, "on fused CUDA kernels"), (refs, "on torch references" + why),
+                                          (total - kernels - refs, "as diffusers' ops (below)")) if n]
     if len(parts) == 1:
         return f"{total} sites {parts[0].split(' ', 1)[1]}"
     return f"{total} sites: " + ", ".join(parts)
