@@ -98,6 +98,7 @@ _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.
                   "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
 _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
+_PLAIN_ATTRS = ("eps",)  # plain attributes of watched modules that decisions copy (NormInfo.eps, plan.qk_eps)
 
 
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
@@ -166,6 +167,9 @@ def watch(block: nn.Module) -> Watch:
         for x in (*wrappers, base):
             modules[id(x)] = x
             add((x, "__dict__", "forward"), entries)
+            for k in _PLAIN_ATTRS:  # a norm's eps set anew (the fused ops take the decided one)
+                if k in x.__dict__:
+                    add((x, "__dict__", k), entries)
             for k in ("weight", "bias"):
                 add((x, "_parameters", k), tensors)
             sw, ts = quant.watch_pairs(x)
@@ -179,6 +183,7 @@ def watch(block: nn.Module) -> Watch:
     attn = block._modules.get("attn")
     if attn is not None:
         add((attn, "__dict__", "processor"), entries)
+        add((attn, "__dict__", "heads"), entries)  # the head split the fused attention decided for
     holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
     modules.update((id(m), m) for m in holders)
     sized: dict[tuple[int, str, str], tuple] = {}

@@ -382,3 +382,28 @@ def test_tuning_is_one_record_through_the_api(seed):
     assert torch.equal(T.run_transformer(model, inp), want)  # another way, the same numbers (references here)
     qwen_absorb.unpatch(model)
     assert patch_tuning(model) is None
+
+
+# ---------------------------------------------------------------------------- plain attributes set anew
+
+
+@pytest.mark.parametrize("path", ["img_norm1", "txt_norm2", "attn.norm_q", "attn.norm_added_k"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_norm_eps_set_after_a_call_is_used(seed, path, quantized):
+    """``norm.eps = ...`` after patch and a call: the next call uses the new eps, as the unpatched twin does (the
+    plan copies each norm's eps when it decides: the watch sees the attribute replaced). bf16, and ModelOpt FP8
+    through the fake-quant path (its patched numbers are the unpatched ones)."""
+    if quantized:
+        model, inp = _fp8(seed)
+    else:
+        model = T.tiny_transformer(dtype=torch.bfloat16, seed=seed, num_layers=LAYERS)
+        inp = T.transformer_inputs(model, seed=seed + 2)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, fp8_gemm=False)
+    before = T.run_transformer(model, inp)
+    assert torch.equal(before, T.run_transformer(twin, inp))
+    for m in (model, twin):
+        m.transformer_blocks[1].get_submodule(path).eps = 0.05  # far from 1e-6: the outputs move
+    out = T.run_transformer(model, inp)
+    assert torch.equal(out, T.run_transformer(twin, inp))
+    assert not torch.equal(out, before)
