@@ -206,9 +206,7 @@ class PatchReport:
     def __getstate__(self) -> dict[str, Any]:
         # a copy holds the decisions as of now; a patch state copied with the model binds its own report again
         self._live()
-        d = dict(self.__dict__)
-        d["_state"] = None
-        return d
+        return {**self.__dict__, "_state": None}
 
     # -- reading
     def _decided(self, blocks: list[BlockReport]) -> BlockReport | None:

@@ -210,9 +210,7 @@ class PromptEncoder:
     def __getstate__(self) -> dict[str, Any]:
         # a copy of the pipeline (deepcopy / pickle) carries the patch without the kept embeddings (possibly
         # autograd non-leaves, which deepcopy refuses) or graphs (a lock): made again in the copy
-        d = dict(self.__dict__)
-        d["cache"], d["graphs"] = OrderedDict(), None
-        return d
+        return {**self.__dict__, "cache": OrderedDict(), "graphs": None}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -293,9 +291,7 @@ class PromptEncoder:
         split = [hidden[b].index_select(0, r.to(hidden.device))[drop_idx:] for b, r in enumerate(rows)]
         max_len = max(e.size(0) for e in split)
         embeds = torch.stack([torch.cat([u, u.new_zeros(max_len - u.size(0), u.size(1))]) for u in split])
-        out_mask = torch.zeros(len(split), max_len, dtype=torch.long)
-        for b, u in enumerate(split):
-            out_mask[b, : u.size(0)] = 1
+        out_mask = (torch.arange(max_len) < torch.tensor([u.size(0) for u in split])[:, None]).long()
         return embeds.to(dtype=dtype, device=device), out_mask.to(hidden.device)
 
 

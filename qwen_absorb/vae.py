@@ -327,10 +327,7 @@ class FastDecode:
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy of the VAE (deepcopy / pickle) carries the patch without graphs or 2-D weights: made again
-        d = dict(self.__dict__)
-        d["weights"] = None
-        d["graphs"] = None
-        return d
+        return {**self.__dict__, "weights": None, "graphs": None}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
