@@ -318,13 +318,12 @@ def begin(config: Any, hook_list: list[Any]) -> Steps | str | None:
 class Steps:
     """One call's decisions, with the runner's interface (that of :class:`qwen_absorb.taylorseer.Steps`)."""
 
-    __slots__ = ("steps", "shadows", "key", "first", "_replayed")
+    __slots__ = ("steps", "shadows", "key", "first")
 
     def __init__(self, steps: list[_Step], shadows: list[tuple[Any, _Decided]], name: str) -> None:
         self.steps, self.shadows = steps, shadows
         self.key = (name, tuple(s.key() for s in steps))
         self.first = f"{name} cache: first computed step of its state"
-        self._replayed = False
 
     @property
     def capturable(self) -> bool:
@@ -378,11 +377,8 @@ class Steps:
     def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
         return {id(s.hook) for s in self.steps} <= set(map(id, scan.step_hooks))
 
-    def replayed(self) -> None:
-        self._replayed = True
-
-    def apply(self) -> None:
-        if self._replayed:
+    def apply(self, replayed: bool) -> None:  # after the call: a replay ran no hook
+        if replayed:
             for s in self.steps:
                 s.apply()
 

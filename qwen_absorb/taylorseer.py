@@ -303,7 +303,7 @@ class Steps:
     def __exit__(self, *exc: Any) -> None:
         _local.steps = self._prev
 
-    def apply(self) -> None:
+    def apply(self, replayed: bool = False) -> None:  # (each step ran, or its launch marked it: :func:`replayed`)
         for s in self.steps:
             s.apply()
 

@@ -88,9 +88,7 @@ def arm(runner) -> None:
             continue
 
         def fn(entry=entry, spec=_spec_of(key)):
-            it = iter(entry.statics)
-            args = S.thaw(spec[0], it)
-            kwargs = {k: S.thaw(v, it) for k, v in spec[1]}
+            args, kwargs = S.thaw_call(spec, entry.statics)
             fresh = runner._inner(*args, **kwargs)
             for dst, src in zip(C.tensors_in(entry.out), C.tensors_in(fresh)):
                 dst.copy_(src)

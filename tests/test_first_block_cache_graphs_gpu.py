@@ -83,10 +83,7 @@ def _group(model):
     return f.group if f is not None and f.group is not None and f.group.installed else None
 
 
-def _same(got, want):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), i
+_same = fbc_cpu._same
 
 
 def _check_group(report, n_calls):
@@ -104,13 +101,7 @@ def _check_group(report, n_calls):
 @pytest.mark.parametrize("order", ["cache-then-patch", "patch-then-cache"])
 def test_bf16_per_block_graphs_equal_unpatched(order, cuda_graph, seed):
     model = _model(seed)
-    twin = copy.deepcopy(model)
-    if order == "cache-then-patch":
-        model.enable_cache(FBC_CFG(threshold=THRESHOLD))
-    report = qwen_absorb.patch(model, cuda_graph=cuda_graph)
-    if order == "patch-then-cache":
-        model.enable_cache(FBC_CFG(threshold=THRESHOLD))
-    twin.enable_cache(FBC_CFG(threshold=THRESHOLD))
+    report, twin = fbc_cpu._with_cache(model, order, cuda_graph)  # (the same threshold)
     steps = _inputs(model, seed + 3)
     got, computed = _loop(model, steps)
     want, want_computed = _loop(twin, steps)

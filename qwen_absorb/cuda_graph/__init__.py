@@ -11,17 +11,9 @@ calls may share a signature, and graphs share one pool). Outputs are bit-identic
 eagerly. Not seen by the fingerprint (call ``invalidate()`` after them): ``del`` of a submodule or parameter,
 direct writes into ``_parameters`` / ``_modules``.
 
-Under accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``) the runner sits inside the hook, which
-moves the whole model to the GPU before the call: the steps of a run replay, and the move of the next run
-(new weight addresses) drops the graphs before any replay. Per block (Qwen-Image-2.1, whose forward syncs with
-the host before its block loop): :func:`install_blocks`, one runner per block sharing one :class:`Shared`. Under
-diffusers' FirstBlockCache (which decides from the first block's output inside the call) the whole-model runner runs
-the call eager and puts a runner on each block, inside the cache's hooks (:mod:`.first_block_cache`).
-
-Modules, bottom up: ``settings``, ``signature`` (keys, refusals), ``fingerprint`` (what graphs baked in),
-``capture``, ``shared``, ``group`` (per-block runners as one), ``first_block_cache``, ``runner``, ``attach``,
-``first_use`` (graphs decided at a model's first call on a GPU), ``blocks``. Hook chains are read through
-:mod:`qwen_absorb.hooks`.
+Under accelerate's model offload: :func:`install` (inside the hook); per block (Qwen-Image-2.1):
+:func:`install_blocks`; under diffusers' FirstBlockCache: :mod:`.first_block_cache`. The modules are in
+ARCHITECTURE.md's "face" floor; hook chains are read through :mod:`qwen_absorb.hooks`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch import nn
 from .. import hooks
 from ..ops import lane
 from . import settings
-from .signature import ATOMS, Call, thaw_call
+from .signature import ATOMS, Call, freeze, thaw_call
 
 # diffusers' RoPE caches (QwenEmbedRope / QwenEmbedLayer3DRope) whose tensors a graph reads: see KeepRope.
 ROPE_METHODS = ("_compute_video_freqs", "_compute_condition_freqs", "_get_device_freqs")
@@ -30,20 +30,11 @@ ROPE_METHODS = ("_compute_video_freqs", "_compute_condition_freqs", "_get_device
 def freeze_data(x: Any) -> Any:
     """An exact, hashable form of host data given to ``torch.tensor`` (None: not something we key)."""
     tx = type(x)
-    if tx in (bool, int, str) or x is None:
-        return (tx, x)
-    if tx is float:
-        return (float, x.hex())
-    if tx is complex:
-        return (complex, x.real.hex(), x.imag.hex())
+    if tx in (bool, int, str, float, complex) or x is None:
+        return freeze(x, [])  # as a call's argument: with its type, floats exactly
     if tx is list or tx is tuple:
-        out = []
-        for v in x:
-            f = freeze_data(v)
-            if f is None:
-                return None
-            out.append(f)
-        return (tx, tuple(out))
+        out = tuple(map(freeze_data, x))
+        return None if None in out else (tx, out)
     if isinstance(x, torch.Tensor) and x.device.type == "cpu" and type(x) is torch.Tensor:
         flat = x.detach().reshape(-1).contiguous()
         raw = flat.tolist() if flat.dtype == torch.bool else flat.view(torch.uint8).tolist()

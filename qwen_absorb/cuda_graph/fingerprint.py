@@ -14,9 +14,10 @@ is assigned inside its transformer.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter, call, itemgetter
 from typing import Any
 
@@ -94,15 +95,15 @@ def unwatch(runner: Any) -> None:
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def registry_reason(module: nn.Module) -> tuple[str, str] | None:
-    """The refusal for a diffusers hook on ``module``: (category, detail), or None without one."""
-    reg = hooks.registry_hooks(module)
-    if not reg:
-        return None
-    name, hook = next(iter(reg.items()))
-    cat = hooks.hook_category(name, hook)
-    why = _HOOK_WHY.get(cat)
-    return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
+def registry_reason(module: nn.Module, skip: Callable[[Any], bool] | None = None) -> tuple[str, str] | None:
+    """The refusal for the first diffusers hook on ``module`` that ``skip`` does not pass: (category, detail), or
+    None without one."""
+    for name, hook in hooks.registry_hooks(module).items():
+        if skip is None or not skip(hook):
+            cat = hooks.hook_category(name, hook)
+            why = _HOOK_WHY.get(cat)
+            return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
+    return None
 
 
 # why a graph cannot replay under these hooks (said in the report's detail)
@@ -164,17 +165,11 @@ def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
     Any other diffusers hook refuses as anywhere. Without a FirstBlockCache hook the cache was disabled since the
     group was made: refused until the model call removes the group, as an unhooked block may hand its outputs
     over to the next one (:mod:`qwen_absorb.handoff`), which a graph of one block cannot carry."""
-    reg = hooks.registry_hooks(block)
-    other = [(n, h) for n, h in reg.items() if not step_caches.is_fbc_hook(h)]
-    if other:
-        name, hook = other[0]
-        cat = hooks.hook_category(name, hook)
-        why = _HOOK_WHY.get(cat)
-        return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
-    if not reg:
+    r = registry_reason(block, step_caches.is_fbc_hook)
+    if r is None and not hooks.registry_hooks(block):
         return ("FirstBlockCache hooks gone (their per-block graphs wait for the model call to remove them)",
                 "the block carries no FirstBlockCache hook")
-    return None
+    return r
 
 
 # ---------------------------------------------------------------------------------------------- the snapshot
@@ -200,14 +195,9 @@ def lora_snapshot(dicts: list[dict]) -> list[tuple]:
     return [(list(m), dict(s), dis, list(a) if isinstance(a, list) else a) for m, s, dis, a in lora_state(dicts)]
 
 
-_getters: dict[tuple[str, ...], itemgetter] = {}
-
-
+@functools.cache
 def _getter(keys: tuple[str, ...]) -> itemgetter:
-    g = _getters.get(keys)
-    if g is None:
-        g = _getters[keys] = itemgetter(*keys)
-    return g
+    return itemgetter(*keys)
 
 
 def _plan_facts(plan: Any, block: nn.Module, sources: set[int], cache_ok: set[int]) -> None:

@@ -113,7 +113,7 @@ class GraphedCall:
         if t is not None:
             watch(self)
             if sh is not None:
-                sh.join(self)
+                sh.members.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
@@ -160,9 +160,7 @@ class GraphedCall:
             except BaseException:
                 steps.abandon()  # the states as diffusers' hooks leave them when a forward raises
                 raise
-        if self.replays != replays:
-            steps.replayed()
-        steps.apply()  # the states' Python side (a replay ran none of it; eager runs did, the same)
+        steps.apply(self.replays != replays)  # the states' Python side (a replay ran none of it; eager runs did)
         return out
 
     def _cache_steps(self, call: Call) -> taylorseer.Steps | step_caches.Steps | str | None:
@@ -464,17 +462,13 @@ class GraphedCall:
                             "graph mode stays off for this model (invalidate() re-enables it)",
                             self._unreplayed, reason)
         self._graphs.clear()
-        self._forget_pools()
-        if count:
-            self.invalidations[reason] += 1
-        log.log(self._level("dropped " + reason), "dropped CUDA graphs: %s", reason)
-
-    def _forget_pools(self) -> None:
-        """Graphs gone: the pool handles with them (a group's only when none of its runners holds a graph)."""
-        if self._shared is None:
+        if self._shared is None:  # the pool handles go with the graphs (a group's once none of its runners holds one)
             self._pools.clear()
         else:
             self._shared.forget_pools()
+        if count:
+            self.invalidations[reason] += 1
+        log.log(self._level("dropped " + reason), "dropped CUDA graphs: %s", reason)
 
     def _level(self, what: str) -> int:
         """INFO for a private runner; in a group, INFO the first time any of its runners logs ``what``."""
@@ -519,7 +513,7 @@ class GraphedCall:
         self._drop("remove()", count=False, track=False)
         self._graphs.clear()
         if self._shared is not None:  # the group's pools and streams stay with the group
-            self._shared.leave(self)
+            self._shared.members.discard(self)
             self._shared.forget_pools()
             self._pools, self._streams, self._logged = {}, {}, set(self._logged)
             self._shared = None

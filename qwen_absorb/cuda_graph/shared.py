@@ -39,7 +39,7 @@ from .signature import tensor_meta
 class Shared:
     """What the runners of one group share (see the module doc); pass it as ``shared=`` to :func:`.install`."""
 
-    __slots__ = ("lock", "pools", "streams", "logged", "_statics", "_members", "_last", "_parent", "fbc", "_outer",
+    __slots__ = ("lock", "pools", "streams", "logged", "_statics", "members", "_last", "_parent", "fbc", "_outer",
                  "__weakref__")
 
     def __init__(self, parent: nn.Module | None = None, fbc: bool = False, outer: Any = None) -> None:
@@ -50,18 +50,9 @@ class Shared:
         self.streams: dict[torch.device, Any] = {}  # the side streams captures run on, by device
         self.logged: set[str] = set()  # what the group's runners logged once
         self._statics: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (position, meta) -> buffer
-        self._members: weakref.WeakSet = weakref.WeakSet()
+        self.members: weakref.WeakSet = weakref.WeakSet()  # the runners (they join and leave it themselves)
         self._last: dict[torch.device, Any] = {}  # the stream the buffers were last used on, by device
         self._parent = weakref.ref(parent) if parent is not None else None
-
-    def join(self, runner: Any) -> None:
-        self._members.add(runner)
-
-    def leave(self, runner: Any) -> None:
-        self._members.discard(runner)
-
-    def graphs(self) -> int:
-        return sum(len(r._graphs) for r in list(self._members))
 
     def parent_reason(self) -> tuple[str, str] | None:  # the parent's O(1) refusal (an offloading or cache hook)
         p = self._parent() if self._parent is not None else None
@@ -96,14 +87,14 @@ class Shared:
 
     def forget_pools(self) -> None:
         """After a runner dropped its graphs: forget the pool handles when no runner of the group holds one."""
-        if not self.graphs():
+        if not any(r._graphs for r in list(self.members)):
             self.pools.clear()
 
     def clear(self) -> None:
         """Drop everything shared (the group's runners are removed first: their graphs hold the buffers)."""
         for x in (self.pools, self.streams, self._statics, self._last):
             x.clear()
-        self._members = weakref.WeakSet()
+        self.members = weakref.WeakSet()
 
     def describe(self) -> dict[str, Any]:
         """JSON-able: pools, side streams, static input buffers alive and their bytes."""
@@ -129,5 +120,5 @@ class Shared:
 
     def __repr__(self) -> str:
         d = self.describe()
-        return (f"<qwen_absorb CUDA-graph Shared: {len(self._members)} runners, {d['pools']} pools, "
+        return (f"<qwen_absorb CUDA-graph Shared: {len(self.members)} runners, {d['pools']} pools, "
                 f"{d['static_inputs']} static inputs>")
