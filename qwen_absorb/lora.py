@@ -68,6 +68,13 @@ def state(layer: nn.Module) -> tuple:
             tuple(layer.lora_A._modules), tuple(getattr(layer, "lora_variant", None) or ()))
 
 
+def output_state(layer: nn.Module) -> tuple:
+    """:func:`state` and each adapter's ``scaling``: all that a kept output of the layer was computed with besides its
+    tensors (a cache of outputs must not be read across ``scale_layer`` / ``set_adapters`` weights)."""
+    scaling = layer.__dict__.get("scaling")
+    return state(layer), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else scaling
+
+
 def call_refusal(layer: nn.Module) -> str | None:
     """Why this call cannot take the FP8 path: PEFT's forward unmerges a disabled, merged layer first."""
     d = layer.__dict__

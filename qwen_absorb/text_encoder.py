@@ -14,7 +14,8 @@ method computes, bit for bit, with three changes of where the work runs:
 - the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask
   syncs); the same rows.
 A :class:`~qwen_absorb.watch.Watch` of the encoder, asked at every call, empties the cache and drops the
-graphs when a weight is replaced, loaded in place or given new ``.data``. Hooked encoders (offloading) run
+graphs when a weight is replaced, loaded in place or given new ``.data``, a norm's eps or a PEFT adapter's state or
+scale is set anew. Hooked encoders (offloading) run
 eager; the cache still applies.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import lora
 from .gating import check_tristate
 from .pipeline_walks import source_hash
 from .report import PartReport, counts
@@ -93,13 +95,22 @@ def _static_reasons(pipe: Any) -> list[str]:
 REPLICATED = frozenset({"a4173bdc2ad8840d"})
 
 
+# plain attributes the encoder's arithmetic reads (RMSNorm eps, RoPE and attention scales, causality): set anew,
+# the kept embeddings and graphs were made with the old values
+_PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_causal")
+
+
 def _watch(te: nn.Module) -> Watch:
     mods = list(te.modules())
     tensors = [(m, "_parameters", n) for m in mods for n in m._parameters]
     tensors += [(m, "_buffers", n) for m in mods for n in m._buffers]
     entries = [(m, "_modules", n) for m in mods for n in m._modules]
     entries += [(m, "__dict__", "forward") for m in mods]
-    return Watch(entries=entries, tensors=tensors, typed=mods)
+    entries += [(m, "__dict__", k) for m in mods for k in _PLAIN_ATTRS if k in m.__dict__]
+    # PEFT layers: a merge or unmerge writes .data (no version moves), disable / set_adapters / scale_layer write
+    # plain state: each seen through the layer's own state
+    stateful = [(m, lora.output_state) for m in mods if lora.is_lora_layer(m)]
+    return Watch(entries=entries, tensors=tensors, stateful=stateful, typed=mods)
 
 
 def _hook_watch(te: nn.Module) -> Watch:
@@ -236,10 +247,14 @@ class PromptEncoder:
             changed = _foreign_hooks(self.encoder) != self.hooks  # transformers' own recording hooks: no change
         if changed:
             self.report.encoder_changes += 1
-            self.encoder = self.pipe.text_encoder
-            self._watch_encoder()
-            self.cache.clear()
-            self.graphs.clear()
+            self.renew()
+
+    def renew(self) -> None:
+        """Forget what was made from the encoder (kept embeddings, graphs) and watch the pipeline's encoder anew."""
+        self.encoder = self.pipe.text_encoder
+        self._watch_encoder()
+        self.cache.clear()
+        self.graphs.clear()
 
     def __call__(self, prompt: str | list[str] = None, device: torch.device | None = None,
                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +321,7 @@ def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) ->
     cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
     if isinstance(cur, PromptEncoder):
         if cur.mode == cuda_graph and cur.report.cache_size == cache_size:
+            cur.renew()  # patch() again catches up with writes no watch sees (a user's in-place .data write)
             return cur.report
         unpatch(pipe)
         cur = pipe.__dict__.get("_get_qwen_prompt_embeds")

@@ -120,6 +120,86 @@ def test_changed_encoder_weight_misses(pipe, how):
     assert _same(got, ref) and not torch.equal(got[0], first[0])
 
 
+def _lora_layers(te):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in te.modules() if isinstance(m, BaseTunerLayer)]
+
+
+_ADAPTER_STEPS = {  # what diffusers' fuse_lora / unfuse_lora / set_adapters / disable_lora do to each PEFT layer
+    "merge": lambda layers: [m.merge() for m in layers],
+    "unmerge": lambda layers: [m.unmerge() for m in layers],
+    "disable": lambda layers: [m.enable_adapters(False) for m in layers],
+    "enable": lambda layers: [m.enable_adapters(True) for m in layers],
+    "scale": lambda layers: [m.scale_layer(0.5) for m in layers],
+}
+
+
+@torch.no_grad()
+def test_peft_adapter_steps_on_the_encoder_are_seen(seed):
+    """A LoRA on the text encoder through every adapter step, each against the unpatched twin after the same steps:
+    a merge writes ``.data`` (no version moves), the others plain layer state: the kept embeddings are not served."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pipe = tiny_text_pipeline(seed=seed % 1000)
+    torch.manual_seed(seed)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                       init_lora_weights=False), pipe.text_encoder, adapter_name="x")
+    twin = copy.deepcopy(pipe)
+    rep = te_room.patch(pipe)
+    prev = pipe.encode_prompt("a red fox", device="cpu")
+    assert _same(prev, twin.encode_prompt("a red fox", device="cpu"))
+    for name, step in _ADAPTER_STEPS.items():
+        changes = rep.encoder_changes
+        step(_lora_layers(pipe.text_encoder))
+        step(_lora_layers(twin.text_encoder))
+        got = pipe.encode_prompt("a red fox", device="cpu")
+        assert _same(got, twin.encode_prompt("a red fox", device="cpu")), name
+        assert rep.encoder_changes == changes + 1, name
+        if name in ("disable", "enable", "scale"):
+            assert (got[0] - prev[0]).abs().max() > 1e-3, name  # the step moved the embeddings
+        prev = got
+
+
+@torch.no_grad()
+def test_plain_attributes_set_anew_are_seen(pipe):
+    """An RMSNorm's eps and the RoPE scale are read by the encoder's arithmetic: set anew, the next encoding is the
+    unpatched twin's."""
+    import copy
+
+    twin = copy.deepcopy(pipe)
+    te_room.patch(pipe)
+    first = pipe.encode_prompt("a red fox", device="cpu")
+    lm = ("model", "language_model")
+    for set_ in (lambda te: setattr(te.get_submodule(".".join(lm + ("norm",))), "variance_epsilon", 0.5),
+                 lambda te: setattr(te.get_submodule(".".join(lm + ("rotary_emb",))), "attention_scaling", 2.0)):
+        set_(pipe.text_encoder)
+        set_(twin.text_encoder)
+        got = pipe.encode_prompt("a red fox", device="cpu")
+        assert _same(got, twin.encode_prompt("a red fox", device="cpu"))
+        assert not torch.equal(got[0], first[0])
+        first = got
+
+
+@torch.no_grad()
+def test_patch_again_catches_up_with_a_data_write(pipe):
+    """A user's in-place write through ``.data`` moves no version: no watch sees it (the cache serves the kept
+    embedding, as documented), and ``patch()`` again forgets what was made from the encoder."""
+    import copy
+
+    twin = copy.deepcopy(pipe)
+    rep = qwen_absorb.patch(pipe)
+    pipe.encode_prompt("a red fox", device="cpu")
+    for p in (pipe, twin):
+        p.text_encoder.model.language_model.embed_tokens.weight.data.mul_(2)
+    want = twin.encode_prompt("a red fox", device="cpu")
+    assert not _same(pipe.encode_prompt("a red fox", device="cpu"), want)  # the limit this test pins
+    assert qwen_absorb.patch(pipe).parts["text_encoder"] is rep.parts["text_encoder"]
+    assert _same(pipe.encode_prompt("a red fox", device="cpu"), want)
+
+
 @torch.no_grad()
 def test_patch_of_pipeline_and_unpatch_restore(pipe):
     ref = pipe.encode_prompt("a cat on a mat", device="cpu")
