@@ -1266,6 +1266,22 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
     assert not fb, fb
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_norm_eps_set_anew_is_a_change(seed, patched):
+    """A graph holds the eps its LayerNorm / RMSNorm kernels were launched with: ``norm.eps = ...`` (no tensor moves)
+    is a change the scan sees, an equal value is none."""
+    model = T.tiny_transformer(seed=seed)
+    if patched:
+        qwen_absorb.patch(model, cuda_graph=False)
+    blk = model.transformer_blocks[1]
+    for norm in (blk.img_norm1, blk.attn.norm_added_k):
+        scan = F.Scan(model)
+        norm.eps = float(norm.eps)  # the same value, another object
+        assert scan.changed() is None
+        norm.eps = 0.05
+        assert scan.changed() == F.SWITCHED and "eps" in scan.which()
+
+
 def test_switch_values_compared_by_value_identity_elsewhere(seed):
     """Plain switch values (ModelOpt's bools, num_bits tuples) are compared by value, one itemgetter per dict;
     a deleted switch or an incomparable value is a change; anything else by identity."""

@@ -32,11 +32,12 @@ from . import settings
 from .signature import patch_tuning
 
 # Instance attributes whose identity decides what a call runs: hook chains and compiled wrappers (from
-# qwen_absorb.hooks), processors, ModelOpt quantizer switches, PEFT switches. Compared wherever present.
+# qwen_absorb.hooks), processors, ModelOpt quantizer switches, PEFT switches, and a norm's eps (a graph holds the
+# eps its kernels were launched with; ``norm.eps = ...`` moves no tensor). Compared wherever present.
 WATCH_KEYS = (
     *hooks.WRAPPER_ATTRS, "processor",
     "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize", "_num_bits",
-    "_disable_adapters", "_active_adapter",
+    "_disable_adapters", "_active_adapter", "eps",
 )
 
 SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
