@@ -220,6 +220,19 @@ class _Entry:
                     "single-file layout is not supported)"]
         return []
 
+    def bad_scale(self) -> str | None:
+        """Why a stored scale cannot be ModelOpt's (a per-tensor scale not finite and positive, a block scale not
+        finite and non-negative), else None: ModelOpt asserts on a NaN amax, and a negative or infinite one would
+        load and compute nonsense."""
+        per_tensor = [("input_scale", self.input_scale), ("weight_scale_2", self.scale_2)]
+        per_tensor += [("weight_scale", self.scale)] if self.fmt == "fp8" else []
+        for what, t in per_tensor:
+            if t is not None and not bool(((v := t.float()) > 0).all() and torch.isfinite(v).all()):
+                return f"{self.name}: {what} {v.flatten()[:4].tolist()} is not a finite positive number"
+        if self.fmt == "nvfp4" and not bool(((v := self.scale.float()) >= 0).all() and torch.isfinite(v).all()):
+            return f"{self.name}: weight_scale holds a block scale that is NaN or negative"
+        return None
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the checkpoint stores: codes times their scales (ModelOpt's order)."""
         if self.fmt == "fp8":
@@ -302,6 +315,8 @@ def load_hf_export(
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{folder}: config.json does not describe a QwenImageTransformer2DModel: {e}") from e
     _check_matches(folder, model, entries, state)
+    if (bad := next((b for e in entries if (b := e.bad_scale()) is not None), None)) is not None:
+        raise ValueError(f"{folder}: {bad}")
     if compress and any(e.fmt == "nvfp4" for e in entries):
         raise ValueError("compress=True supports FP8 exports only (ModelOpt's NVFP4 compressed forward "
                          "dequantizes on every call and is not its fake quantization)")

@@ -173,6 +173,28 @@ def test_nvfp4_codes_that_do_not_round_trip_are_refused(nvfp4_export, tmp_path):
         hf_export.load_hf_export(_edited(nvfp4_export[0], tmp_path / "bad", state=shrink))
 
 
+@pytest.mark.parametrize("which", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("key, value, says", [
+    ("input_scale", float("nan"), "input_scale .* not a finite positive"),
+    ("input_scale", float("inf"), "input_scale .* not a finite positive"),
+    ("input_scale", -1.0, "input_scale .* not a finite positive"),
+    ("weight_scale", float("nan"), "weight_scale"),  # ModelOpt asserted on the NaN amax
+    ("weight_scale", -0.5, "weight_scale"),
+])
+def test_scales_that_are_not_modelopts_are_the_loaders_error(request, which, key, value, says, tmp_path):
+    """A stored scale no ModelOpt export writes (NaN, infinite, negative) is a ValueError naming the linear; before,
+    a NaN weight scale was ModelOpt's AssertionError and a negative or infinite input scale loaded."""
+    folder, _, _, names = request.getfixturevalue(f"{which}_export")
+    n = names[0]
+
+    def spoil(sd):
+        t = sd[f"{n}.{key}"]
+        sd[f"{n}.{key}"] = torch.full_like(t.float(), value).to(t.dtype)
+
+    with pytest.raises(ValueError, match=f"{n}: {says}"):
+        hf_export.load_hf_export(_edited(folder, tmp_path / "bad", state=spoil))
+
+
 def test_unsupported_layouts_have_reasons(fp8_export, tmp_path):
     n = fp8_export[3][0]
 
