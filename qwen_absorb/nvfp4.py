@@ -24,6 +24,7 @@ from .hf_export import import_modelopt
 from .ops.quantize_nvfp4 import launch as launch_nvfp4
 from .ops.quantize_nvfp4 import emit_reasons, quantize_nvfp4, quantize_nvfp4_reference
 from .sites import LINEAR_TABLE, SITE_TABLE, containers, resolve
+from .watch import fingerprint_parts
 
 logger = logging.getLogger("qwen_absorb")
 
@@ -101,7 +102,7 @@ class Nvfp4Linear:
     """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached; ``use_kernel``: the
     CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA), else the torch reference."""
 
-    __slots__ = ("lin", "use_kernel", "watched", "_key", "_weight", "shares_weight", "_amax_key", "_amax32")
+    __slots__ = ("lin", "use_kernel", "watched", "_key", "_weight", "shares_weight", "_amax_key", "_amax32", "_parts")
 
     def __init__(self, lin: nn.Linear, use_kernel: bool, watched: bool = False) -> None:
         reasons = nvfp4_linear_reasons(lin)
@@ -112,6 +113,7 @@ class Nvfp4Linear:
         self._amax32: torch.Tensor | None = None
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
+        self._parts: torch.Tensor | None = None  # the content fingerprint of the weight fq(W) was made from
         self.shares_weight = False
 
     def weight_key(self) -> tuple:
@@ -131,8 +133,17 @@ class Nvfp4Linear:
                 self.shares_weight = torch.equal(fq.view(torch.int16 if fq.element_size() == 2 else torch.int32),
                                                  w.view(torch.int16 if w.element_size() == 2 else torch.int32))
                 self._weight = w if self.shares_weight else fq
+                self._parts = None if self.shares_weight else fingerprint_parts(w)
             self._key = key
         return self._weight
+
+    def content_changed(self) -> bool:
+        """Whether the weight's values moved since ``fq(W)`` was made where no version shows it (a write through
+        ``.data``): asked by ``patch()`` again (:func:`qwen_absorb.plan.content_changed`), one sync."""
+        if self._weight is None or self._parts is None:
+            return False  # not made yet, or the weight itself (nothing kept to go stale)
+        now = fingerprint_parts(self.lin.weight)
+        return now is None or not torch.equal(now, self._parts)
 
     def input_amax32(self) -> torch.Tensor:
         amax = self.lin.input_quantizer._amax

@@ -54,7 +54,7 @@ def content_fingerprints(ts: Sequence[Any]) -> list[tuple[int, ...] | None]:
     out: list[tuple[int, ...] | None] = [None] * len(ts)
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(ts):
-        parts = _fingerprint_parts(t)
+        parts = fingerprint_parts(t)
         if parts is not None:
             by_device.setdefault(parts.device, []).append((i, parts))
     for group in by_device.values():
@@ -67,8 +67,9 @@ def content_fingerprints(ts: Sequence[Any]) -> list[tuple[int, ...] | None]:
     return out
 
 
-def _fingerprint_parts(t: Any) -> torch.Tensor | None:
-    """The three int64 parts of ``t``'s fingerprint, on its device (nothing read back), or None."""
+def fingerprint_parts(t: Any) -> torch.Tensor | None:
+    """The three int64 parts of ``t``'s fingerprint, on its device (nothing read back), or None: kept where a
+    source's content is compared only at ``patch()`` again (:meth:`qwen_absorb.nvfp4.Nvfp4Linear.content_changed`)."""
     try:
         x = t.detach()
         if x.device.type == "meta" or type(x) is not torch.Tensor or x.element_size() not in _BITS:

@@ -6,6 +6,7 @@ References on CPU: patched equals ModelOpt's fake quantization (its reference ke
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -135,6 +136,29 @@ def test_weight_changes_after_patch_remake_the_fake_quantized_weight(seed):
     loaded = _modelopt(model, inputs)
     assert not torch.equal(loaded, edited)
     assert torch.equal(T.run_transformer(model, inputs), loaded)
+
+
+def test_patch_again_catches_up_with_a_data_write(seed):
+    """A write through ``.data`` in place moves no version: the cached ``fq(W)`` goes on serving the old weight (no
+    per-call check sees it, as for the FP8 codes), and ``patch()`` again compares the weight's content with the one
+    ``fq(W)`` was made from and remakes it: ModelOpt's bits."""
+    model = _nvfp4_model(seed=seed % 1000)
+    inputs = T.transformer_inputs(model, seed=seed + 1)
+    qwen_absorb.patch(model, capabilities={"cpu"})
+    before = T.run_transformer(model, inputs)
+    lin = _quantized_blocks(model)[0].img_mlp.net[2]
+    with torch.no_grad():
+        lin.weight.data.mul_(0.5)
+    twin = copy.deepcopy(model)
+    qwen_absorb.unpatch(twin)
+    want = _modelopt(twin, inputs)  # ModelOpt's fake quantization of the weight as it is now
+    assert not torch.equal(want, before)
+    assert torch.equal(T.run_transformer(model, inputs), before)  # the limit: unseen per call
+    qwen_absorb.patch(model, capabilities={"cpu"})
+    assert torch.equal(T.run_transformer(model, inputs), want)
+    qwen_absorb.patch(model, capabilities={"cpu"})  # nothing changed since: the runners' fq(W) are kept
+    rows = [r for b in _quantized_blocks(model) for r in b.__dict__[PLAN_ATTR].nvfp4.values()]
+    assert rows and not any(r.content_changed() for r in rows)
 
 
 def test_unpatch_restores_the_exact_state_dict(seed):
