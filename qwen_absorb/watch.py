@@ -6,17 +6,21 @@ own objects. It compares: ``entries`` by identity (a module, parameter or buffer
 flipped: singletons); ``tensors`` also by ``_version`` and ``data_ptr`` (in place, ``param.data = ...``; an
 inference tensor by :func:`content_fingerprint`); ``sized`` (present now) by length (a hook added or removed);
 ``typed`` by class (a module converted in place, as ``mtq.quantize`` does); ``stateful`` ``(object, fn)`` by
-``fn(object)`` (PEFT layers). All but the last in C-level ``map`` loops: a block's watch holds ~700 values, asked
+``fn(object)`` (PEFT layers); and a submodule registered into a watched ``_modules`` slot since, even where the slot
+holds the same module again (torch's registration hook). All but the last in C-level ``map`` loops: a block's watch holds ~700 values, asked
 by each of 60 blocks per eager call. A change means the derived state may be stale: the block decides again.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter, is_not
 from typing import Any
 
 import torch
+from torch import nn
 
 Entry = tuple[Any, str, str]  # (owner object, "__dict__" or the name of a dict in it, key)
 
@@ -92,10 +96,45 @@ def tensor_key(t: Any, content: bool = False) -> tuple | None:
     return (id(t), v, t.data_ptr(), t.dtype, content_fingerprint(t) if content or v < 0 else None)
 
 
+# module -> the watches holding one of its ``_modules`` slots: a submodule registered there (``setattr``: PEFT's wrap
+# and unwrap, a module replaced) makes them report a change, even when the slot holds the same module again by the
+# next check (an adapter added, fused and unloaded between two calls: only the weight's content moved)
+_SLOT_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_registration_hook = threading.Lock()
+_registered = False
+
+
+def _on_module_registered(module: nn.Module, name: str, submodule: Any) -> None:
+    """torch's global module registration hook (registered once, at the first watch of a ``_modules`` slot)."""
+    try:
+        watches = _SLOT_WATCHES.get(module)
+        for w in list(watches) if watches else ():
+            w.dirty = True
+    except Exception:  # noqa: BLE001 - a registration must never fail because of us
+        pass
+
+
+def _watch_slots(watch: Watch, owners: Iterable[Any]) -> None:
+    global _registered
+    owners = [o for o in owners if isinstance(o, nn.Module)]
+    if not owners:
+        return
+    with _registration_hook:
+        if not _registered:
+            nn.modules.module.register_module_module_registration_hook(_on_module_registered)
+            _registered = True
+        for o in owners:
+            ws = _SLOT_WATCHES.get(o)
+            if ws is None:
+                ws = _SLOT_WATCHES[o] = weakref.WeakSet()
+            ws.add(watch)
+
+
 class Watch:
     __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "rdicts", "rkeys", "rvals", "tdicts", "tkeys", "tids",
                  "vers", "ptrs", "vless", "fps",
-                 "sentries", "sdicts", "skeys", "lens", "typed", "types", "stateful", "states", "pending")
+                 "sentries", "sdicts", "skeys", "lens", "typed", "types", "stateful", "states", "pending", "dirty",
+                 "__weakref__")
 
     def __init__(self, entries: Iterable[Entry] = (), tensors: Iterable[Entry] = (),
                  stateful: Iterable[tuple[Any, Callable[[Any], Any]]] = (), sized: Iterable[Entry] = (),
@@ -122,6 +161,7 @@ class Watch:
         self.tdicts, self.tkeys = [_dict(e) for e in self.tentries], [e[2] for e in self.tentries]
         self.sdicts, self.skeys = [_dict(e) for e in self.sentries], [e[2] for e in self.sentries]
         self.take()
+        _watch_slots(self, {id(e[0]): e[0] for e in by_id if e[1] == "_modules"}.values())
 
     @classmethod
     def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list, sentries: list[Entry] = (),
@@ -135,6 +175,7 @@ class Watch:
 
     def take(self) -> None:
         """Record the current values as the ones decided for."""
+        self.dirty = False
         self.ids = list(map(id, map(dict.get, self.dicts, self.keys)))
         self.rvals = list(map(dict.get, self.rdicts, self.rkeys))
         cur = list(map(dict.get, self.tdicts, self.tkeys))
@@ -153,6 +194,8 @@ class Watch:
         if self.pending:
             self._resolve()
             return False
+        if self.dirty:
+            return True
         if list(map(id, map(dict.get, self.dicts, self.keys))) != self.ids:
             return True
         if any(map(is_not, map(dict.get, self.rdicts, self.rkeys), self.rvals)):
