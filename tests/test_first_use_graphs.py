@@ -174,3 +174,20 @@ def test_other_offload_hooks_still_refuse(monkeypatch, wrapped_later, seed):
     _calls(model, kw, 3)
     assert report.cuda_graph["replays"] == 0
     assert report.graph_fallbacks["cuda_graph: offloading hook"] == 3, report.graph_fallbacks
+
+
+def test_the_forward_slot_keeps_diffusers_signature(monkeypatch, seed):
+    """``inspect.signature(model.forward)`` of a patched model is diffusers' before and after the first GPU call (the
+    ``FirstUse`` stand-in, then the runner): callers that pass only the arguments it names (ModelOpt's HF export
+    makes its dummy call so) called ``model()`` with none and failed."""
+    import inspect
+
+    model, calls = _model(seed)
+    want = inspect.signature(model.forward)
+    assert "hidden_states" in want.parameters
+    qwen_absorb.patch(model)
+    assert type(model.__dict__["forward"]) is CG.FirstUse
+    assert inspect.signature(model.forward) == want
+    cuda_graph_fakes.install(monkeypatch)  # "moved to a faked GPU": the first call installs the runner
+    _calls(model, calls[0], 1)
+    assert _runner(model) is not None and inspect.signature(model.forward) == want

@@ -236,3 +236,22 @@ def test_export_code_mismatches_predicts_the_nan_codes_of_an_all_zero_weight(tmp
         actual += int((codes != sd[f"{n}.weight"].view(torch.uint8)).sum())
     assert predicted == actual >= lin.weight.numel()  # every element of the zero linear: NaN codes
     assert (sd["transformer_blocks.2.attn.to_q.weight"].view(torch.uint8) & 0x7F == 0x7F).all()
+
+
+def test_export_of_a_patched_model_is_the_unpatched_twins(tmp_path):
+    """ModelOpt's HF export of a patched model (its dummy forward passes what ``model.forward``'s signature names):
+    the same tensors as the unpatched twin's export."""
+    import copy
+
+    import qwen_absorb
+
+    model = T.tiny_transformer(num_layers=6, dtype=torch.bfloat16)
+    inputs = T.transformer_inputs(model)
+    recipe.quantize(model, recipe.fp8_recipe_config(model), lambda m: T.run_transformer(m, inputs))
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model)
+    T.run_transformer(model, inputs)
+    recipe.export_hf(model, tmp_path / "patched")
+    recipe.export_hf(twin, tmp_path / "twin")
+    got, want = _state(tmp_path / "patched"), _state(tmp_path / "twin")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

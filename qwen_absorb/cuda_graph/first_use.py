@@ -10,6 +10,7 @@ counted in ``fallbacks``. ``describe()``, ``invalidate()`` and ``remove()`` go t
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -73,6 +74,15 @@ class FirstUse:
                 self.runner = install(self._transformer, **self._options, warn_first=True)
                 log.info("CUDA graphs for %s decided at its first call on %s", type(self._transformer).__name__, dev)
         return self.runner(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The wrapped forward's: callers that pass only the arguments ``model.forward`` names (ModelOpt's export
+        makes its dummy call so) see diffusers' signature, not ``(*args, **kwargs)``."""
+        try:
+            return inspect.signature(self.runner if self.runner is not None else self._inner)
+        except (TypeError, ValueError, RuntimeError):
+            return inspect.Signature()
 
     def _take_out(self) -> None:
         """Put the wrapped forward back in the slot that holds this object (wherever a hook put it since)."""
