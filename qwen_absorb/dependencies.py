@@ -184,6 +184,11 @@ def watch(block: nn.Module) -> Watch:
     if attn is not None:
         add((attn, "__dict__", "processor"), entries)
         add((attn, "__dict__", "heads"), entries)  # the head split the fused attention decided for
+        sw, ts = quant.watch_pairs(attn, quant.ATTENTION_QUANTIZERS)  # ModelOpt's QuantAttention: enabled after
+        for e in sw:
+            add(e, entries)
+        for e in ts:
+            add(e, tensors)
     holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
     modules.update((id(m), m) for m in holders)
     sized: dict[tuple[int, str, str], tuple] = {}

@@ -378,8 +378,7 @@ def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
 
 def _attention_reasons(block: nn.Module) -> list[str]:
     """Why ``block.attn`` is not the attention the fused path reproduces (hooks aside)."""
-    qs = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer", "bmm2_output_quantizer")
-    on = [q for q in qs if quant.quantizer_enabled(getattr(block.attn, q, None))]
+    on = [q for q in quant.ATTENTION_QUANTIZERS if quant.quantizer_enabled(getattr(block.attn, q, None))]
     return _processor_reasons(block) or [f"ModelOpt attention quantizer {q} is enabled" for q in on[:1]]
 
 

@@ -392,27 +392,35 @@ def calibrating(module: nn.Module) -> bool:
 
 
 _QUANTIZERS = ("input_quantizer", "weight_quantizer", "output_quantizer")
-# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are singletons)
-_SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", "_axis", "_block_sizes")
+# ModelOpt's QuantAttention quantizers: enabled, the block's own attention would skip them (plan._attention_reasons)
+ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
+                        "bmm2_output_quantizer")
+# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are singletons), those
+# fp8_quantizer_reasons reads among them (a pre_quant_scale, a custom backend, a rotation, a bias set after patch)
+_SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", "_axis", "_block_sizes",
+             "_enable_pre_quant_scale", "_use_constant_amax", "_rotate", "_bias", "_bias_calibrator", "backend")
+_QUANTIZER_TENSORS = ("_amax", "_scale", "_pre_quant_scale", "_bias")
 
 
-def watch_pairs(module: nn.Module | None) -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
-    """``(switches, tensors)``: the :class:`~qwen_absorb.watch.Watch` entries of a ModelOpt module's quantizers."""
+def watch_pairs(module: nn.Module | None, names: tuple[str, ...] = _QUANTIZERS,
+                ) -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
+    """``(switches, tensors)``: the :class:`~qwen_absorb.watch.Watch` entries of a ModelOpt module's quantizers
+    ``names`` (a tensor registered later, as a ``pre_quant_scale``, is watched as an empty slot)."""
     switches: list[tuple[Any, str, str]] = []
     tensors: list[tuple[Any, str, str]] = []
     if module is None:
         return switches, tensors
     d = module.__dict__.get("_modules") or {}
-    for name in _QUANTIZERS:
+    for name in names:
         q = d.get(name)
         if not is_modelopt_quantizer(q):
             continue
         for sub in (list(q) if isinstance(q, nn.Sequential) else [q]):
             switches += [(sub, "__dict__", k) for k in _SWITCHES]
             if "_buffers" in sub.__dict__:
-                tensors += [(sub, "_buffers", "_amax"), (sub, "_buffers", "_scale")]
+                tensors += [(sub, "_buffers", k) for k in _QUANTIZER_TENSORS]
     if "_modules" in module.__dict__:
-        switches += [(module, "_modules", n) for n in _QUANTIZERS]  # a quantizer replaced
+        switches += [(module, "_modules", n) for n in names]  # a quantizer replaced
     return switches, tensors
 
 

@@ -233,6 +233,45 @@ def test_modelopt_calls_after_patch(seed, action):
 # ---------------------------------------------------------------------------- threads
 
 
+def _pre_quant_scale(m):
+    for blk in m.transformer_blocks:
+        q = blk.attn.to_q.input_quantizer
+        q.pre_quant_scale = torch.full((blk.attn.to_q.in_features,), 1.7, dtype=torch.bfloat16)
+
+
+def _attention_quantizers(m):
+    import modelopt.torch.quantization as mtq
+
+    mtq.set_quantizer_attribute(m, "*[qkv]_bmm_quantizer", {"num_bits": (4, 3), "axis": None})
+    for blk in m.transformer_blocks:
+        for n in ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer"):
+            q = getattr(blk.attn, n)
+            q.amax = torch.tensor(0.5)  # a small amax: clipping makes the effect large
+            q.enable()
+
+
+@pytest.mark.parametrize("real", [True, False])
+@pytest.mark.parametrize("action", [_pre_quant_scale, _attention_quantizers], ids=["pre_quant_scale", "bmm"])
+def test_quantizer_settings_made_after_patch_are_seen(seed, action, real):
+    """ModelOpt settings the decisions read, made after ``patch()`` and a call: a ``pre_quant_scale`` on an input
+    quantizer (a new buffer; the real-FP8 path refuses it) and QuantAttention's q/k/v bmm quantizers enabled (the
+    block's own attention skips them). The next call is the twin's that made them before patching (and the
+    unpatched model's on the default path); before, both were ignored (rel 0.01-0.03), ``patch()`` again too."""
+    kw = REAL if real else {}
+    model, inp = _fp8(seed)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    qwen_absorb.patch(model, **kw)
+    before = T.run_transformer(model, inp)
+    for m in (model, twin, plain):
+        action(m)
+    out = T.run_transformer(model, inp)
+    qwen_absorb.patch(twin, **kw)
+    assert torch.equal(out, T.run_transformer(twin, inp))
+    assert _rel(out, before) > 1e-3
+    if not real:
+        assert torch.equal(out, T.run_transformer(plain, inp))
+
+
 def test_patch_and_unpatch_from_another_thread_while_calls_run(seed):
     """Deferred biases are shadowed only during a block's GEMMs; unpatch() popping a shadow mid-call, or two
     plans of one block shadowing at once, lost or doubled a bias (6-13 of 8-23 calls wrong, rel up to 0.14).
