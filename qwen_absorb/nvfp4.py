@@ -102,7 +102,8 @@ class Nvfp4Linear:
     """Runs one ModelOpt NVFP4 linear as ``F.linear(fq(x), fq(W), bias)`` with ``fq(W)`` cached; ``use_kernel``: the
     CUDA kernel for both fake quantizations (bit-identical to ModelOpt on CUDA), else the torch reference."""
 
-    __slots__ = ("lin", "use_kernel", "watched", "_key", "_weight", "shares_weight", "_amax_key", "_amax32", "_parts")
+    __slots__ = ("lin", "use_kernel", "watched", "_key", "_weight", "shares_weight", "_amax_key", "_amax32", "_parts",
+                 "_weight_amax")
 
     def __init__(self, lin: nn.Linear, use_kernel: bool, watched: bool = False) -> None:
         reasons = nvfp4_linear_reasons(lin)
@@ -114,6 +115,7 @@ class Nvfp4Linear:
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
         self._parts: torch.Tensor | None = None  # the content fingerprint of the weight fq(W) was made from
+        self._weight_amax: torch.Tensor | None = None  # and the weight amax's value (a copy)
         self.shares_weight = False
 
     def weight_key(self) -> tuple:
@@ -134,14 +136,23 @@ class Nvfp4Linear:
                                                  w.view(torch.int16 if w.element_size() == 2 else torch.int32))
                 self._weight = w if self.shares_weight else fq
                 self._parts = None if self.shares_weight else fingerprint_parts(w)
+                self._weight_amax = self.lin.weight_quantizer._amax.detach().clone()
             self._key = key
         return self._weight
 
     def content_changed(self) -> bool:
-        """Whether the weight's values moved since ``fq(W)`` was made where no version shows it (a write through
-        ``.data``): asked by ``patch()`` again (:func:`qwen_absorb.plan.content_changed`), one sync."""
-        if self._weight is None or self._parts is None:
-            return False  # not made yet, or the weight itself (nothing kept to go stale)
+        """Whether the weight's or the amaxes' values moved since ``fq(W)`` and the input amax were read where no
+        version shows it (a write through ``.data``, ModelOpt's ``quantizer.amax = v``): asked by ``patch()``
+        again (:func:`qwen_absorb.plan.content_changed`); it syncs."""
+        amax = self.lin.input_quantizer._amax
+        if self._amax32 is not None and not torch.equal(self._amax32, amax.detach().float().reshape(1)):
+            return True
+        if self._weight is None:
+            return False  # not made yet: made from the current values at its first use
+        if not torch.equal(self._weight_amax, self.lin.weight_quantizer._amax):
+            return True
+        if self._parts is None:
+            return False  # fq(W) is the weight itself: nothing kept to go stale
         now = fingerprint_parts(self.lin.weight)
         return now is None or not torch.equal(now, self._parts)
 

@@ -292,9 +292,14 @@ def _catch_up(state: _PatchState) -> None:
     """``patch()`` again on a model changed inside its blocks: they decide now, so the report is current."""
     for rec in state.records:
         plan = rec.block.__dict__.get(PLAN_ATTR)
-        if plan is not None and plan.rt.device is not None and (plan.rt.watch.changed()
-                                                                or content_changed(plan, rec.block)):
-            redecide(plan, rec.block, plan.rt.device, "the model changed (seen by patch())")
+        if plan is None or plan.rt.device is None:
+            continue
+        if content_changed(plan, rec.block):
+            for lp in plan.linears.values():  # no FP8 weight is reused: its key does not hold the amaxes' values
+                lp.cache_key = ()
+        elif not plan.rt.watch.changed():
+            continue
+        redecide(plan, rec.block, plan.rt.device, "the model changed (seen by patch())")
 
 
 def _cuda_graph() -> Any:

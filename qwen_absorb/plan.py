@@ -305,12 +305,14 @@ def refresh(plan: BlockPlan, block: nn.Module) -> None:
 
 
 def content_changed(plan: BlockPlan, block: nn.Module) -> bool:
-    """Whether an FP8 weight's source or an NVFP4 linear's cached ``fq(W)`` source changed where no per-call check
+    """Whether an FP8 weight's sources or an NVFP4 linear's cached ``fq(W)`` sources changed where no per-call check
     sees it (``.data`` writes with the modules back as decided for: ``fuse_lora`` then ``unfuse_lora``, no call
-    between; a user's own write). A sync per linear: for ``patch()`` again."""
+    between; a user's own write; ModelOpt's ``quantizer.amax = v``). A sync per linear: for ``patch()`` again."""
     try:
-        return any(lp.fp8_gemm and lp.weight is not None and _fp8_cache_key(block, p, plan.rt.device) != lp.cache_key
-                   for p, lp in plan.linears.items()) or any(r.content_changed() for r in plan.nvfp4.values())
+        return any(lp.fp8_gemm and lp.weight is not None and (
+            _fp8_cache_key(block, p, plan.rt.device) != lp.cache_key
+            or quant.fp8_sources_moved(resolve(block, p), lp.weight, plan.rt.device)) for p, lp in plan.linears.items()
+        ) or any(r.content_changed() for r in plan.nvfp4.values())
     except Exception:  # noqa: BLE001 - a source that cannot be read as decided for: decide again
         return True
 

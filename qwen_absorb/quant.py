@@ -380,6 +380,17 @@ def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tenso
     return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)
 
 
+def fp8_sources_moved(module: nn.Module, weight: Fp8Weight, device: torch.device) -> bool:
+    """Whether ``weight``'s input amax or weight scale is no longer what ``module``'s quantizers give: ModelOpt's
+    own ``quantizer.amax = v`` writes through ``.data`` (no version moves). One sync: for ``patch()`` again."""
+    base = unwrap_peft(module)[0]
+    wq, iq = base.weight_quantizer, base.input_quantizer
+    now = iq._amax.detach().float().reshape(1).to(device)
+    scale = (wq._scale.detach().float().reshape(1).to(device) if weight.reused_storage
+             else dequant_scale(wq._amax, device))
+    return not (torch.equal(now, weight.input_amax) and torch.equal(scale, weight.scale))
+
+
 def input_amax(module: nn.Module | None) -> torch.Tensor | None:
     """The static amax of a (possibly PEFT-wrapped) ModelOpt linear's input quantizer."""
     base = unwrap_peft(module)[0]

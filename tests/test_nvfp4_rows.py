@@ -159,6 +159,18 @@ def test_patch_again_catches_up_with_a_data_write(seed):
     qwen_absorb.patch(model, capabilities={"cpu"})  # nothing changed since: the runners' fq(W) are kept
     rows = [r for b in _quantized_blocks(model) for r in b.__dict__[PLAN_ATTR].nvfp4.values()]
     assert rows and not any(r.content_changed() for r in rows)
+    prev = T.run_transformer(model, inputs)
+    for m in (model, twin):  # ModelOpt's own setter writes the amax through .data too
+        q = m.get_submodule(_path_of(model, lin) + ".weight_quantizer")
+        q.amax = q.amax * 0.7
+    want = _modelopt(twin, inputs)
+    assert not torch.equal(want, prev)
+    qwen_absorb.patch(model, capabilities={"cpu"})
+    assert torch.equal(T.run_transformer(model, inputs), want)
+
+
+def _path_of(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def test_unpatch_restores_the_exact_state_dict(seed):

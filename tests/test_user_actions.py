@@ -233,6 +233,26 @@ def test_modelopt_calls_after_patch(seed, action):
 # ---------------------------------------------------------------------------- threads
 
 
+def test_amax_setter_after_patch_is_caught_up_by_patch_again(seed):
+    """ModelOpt's ``quantizer.amax = v`` writes through ``.data`` (no version moves): the calls keep the FP8 codes,
+    scale and input amax of the old values (a per-call check would sync per linear), and ``patch()`` again compares
+    them with the quantizers' and remakes the block's FP8 weights: the twin's bits (it stayed rel 0.02 off)."""
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    report = qwen_absorb.patch(model, **REAL)
+    before = T.run_transformer(model, inp)
+    for m in (model, twin):
+        for blk in m.transformer_blocks:
+            q, w = blk.attn.to_q.input_quantizer, blk.img_mlp.net[2].weight_quantizer
+            q.amax, w.amax = q.amax * 0.7, w.amax * 0.7
+    assert torch.equal(T.run_transformer(model, inp), before)  # the limit this test pins
+    qwen_absorb.patch(twin, **REAL)
+    want = T.run_transformer(twin, inp)
+    assert _rel(want, before) > 1e-3
+    assert qwen_absorb.patch(model, **REAL) is report
+    assert torch.equal(T.run_transformer(model, inp), want)
+
+
 def _pre_quant_scale(m):
     for blk in m.transformer_blocks:
         q = blk.attn.to_q.input_quantizer
