@@ -27,7 +27,7 @@ from .parallel import is_dtensor
 from .plan import LinearPlan, Options
 from .projection import fp8_linear
 from .sites import ATTN_LINEARS, LINEAR21_TABLE, resolve, unwrap_peft
-from .watch import Watch
+from .watch import Watch, fingerprint_parts
 
 log = logging.getLogger("qwen_absorb")
 
@@ -79,7 +79,7 @@ class Fp8LinearForward:
     it was installed under; ``gated``: real FP8 only while :class:`opened` in this thread (``gate``: its id)."""
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "lp",
-                 "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "__weakref__")
+                 "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "parts", "__weakref__")
     __qwen_absorb__ = True
 
     def __init__(self, linear: nn.Module, slot: tuple[dict, str], path: str, index: int, options: Options,
@@ -98,6 +98,7 @@ class Fp8LinearForward:
         self.fast_accum = False
         self.device: torch.device | None = None
         self.watch: Watch | None = None
+        self.parts: torch.Tensor | None = None  # the weight's content fingerprint the codes were made from
 
     @property
     def weight(self) -> quant.Fp8Weight | None:
@@ -129,6 +130,7 @@ class Fp8LinearForward:
                 lp.fp8_reasons = [f"building the FP8 weight failed ({type(e).__name__}: {e}): runs as its module"]
         if lp.weight is not None:
             lp.fp8_gemm, self.device = True, dev
+            self.parts = fingerprint_parts(lin._parameters["weight"])  # on the device: compared at patch() again
             lp.input_scale = dequant_scale(lp.weight.input_amax)
             lp.bias = lin._parameters.get("bias")
             self.amax_value = float(lp.weight.input_amax.reshape(()))  # one sync per rebuild: groups compare on the host
@@ -146,6 +148,25 @@ class Fp8LinearForward:
     def slot_entry(self) -> tuple:
         """The watch entry of the parent's slot: a linear wrapped (PEFT) or replaced there decides anew."""
         return (self.slot[2], "_modules", self.slot[1]) if len(self.slot) > 2 else (self.linear, "__dict__", "forward")
+
+    def content_changed(self) -> bool:
+        """Whether the codes' sources moved where no version shows it (a write through ``.data``: PEFT's merge with
+        the wrapper gone again, a user's; ModelOpt's ``quantizer.amax = v``). It syncs: for ``patch()`` again."""
+        lp = self.lp
+        if lp.weight is None or self.device is None:
+            return False
+        now = fingerprint_parts(self.linear._parameters.get("weight"))
+        return (now is None or self.parts is None or not torch.equal(now, self.parts)
+                or quant.fp8_sources_moved(self.linear, lp.weight, self.device))
+
+    def reclaim(self) -> None:
+        """Back in the instance ``forward`` slot where a ModelOpt conversion since (``mtq.compress``) kept this as
+        ``_forward_pre_dm`` behind its own forward: that forward fake-quantizes the input before handing it here,
+        and a second quantization is not the one a model compressed before patching runs (ties round apart)."""
+        d = self.linear.__dict__
+        if d.get("_forward_pre_dm") is self and d.get("forward") is not self:
+            del d["_forward_pre_dm"]
+            d["forward"] = self
 
     def _tell(self) -> None:
         if self.on_state is not None:
@@ -217,10 +238,12 @@ class Fp8LinearForward:
 
 
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
-            on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False) -> None:
+            on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False,
+            ) -> dict[str, Fp8LinearForward]:
     """An :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may become a real FP8
-    GEMM, refusals told through ``on_state``. ``gated``: installed closed, the FP8 weight built at the first opened
-    call."""
+    GEMM, refusals told through ``on_state``; returns them by path. ``gated``: installed closed, the FP8 weight
+    built at the first opened call."""
+    installed: dict[str, Fp8LinearForward] = {}
     for path in paths:
         m = resolve(block, path)
         base, wrappers = unwrap_peft(m)
@@ -244,17 +267,34 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
         fwd = Fp8LinearForward(m, (parent._modules, name, parent), path, index, options, counter, rebuilds,
                                on_state, gated)
         object.__setattr__(m, "forward", fwd)
+        installed[path] = fwd
         if gated:  # no FP8 weight until it runs; what it would decide now, for the report
             r = refusals(m, _device_of(m), options)
             if on_state is not None:
                 on_state(index, path, not r, list(r))
             continue
         fwd.ready(_device_of(m))  # decide now, so the report says what runs
+    return installed
 
 
-def remove(block: nn.Module) -> None:
-    """Every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (``_forward_pre_dm`` too)."""
-    for m in block.modules():
+def stale_reason(block: nn.Module, fwds: dict[str, Fp8LinearForward]) -> str | None:
+    """Why the forwards :func:`install` put on ``block`` no longer match it, where no call sees it (asked by
+    ``patch()`` again: a linear replaced or moved since, a source written through ``.data``), else None."""
+    for path, f in fwds.items():
+        base, wrappers = unwrap_peft(resolve(block, path))
+        if wrappers:
+            continue  # PEFT runs it now (the forward stands aside per call; an unwrap is seen by its watch)
+        if base is not f.linear or of(base, converted=True) is not f:
+            return f"{path} was replaced or moved since patching"
+        if f.content_changed():
+            return f"{path}: its weight or amaxes changed where no version shows it"
+    return None
+
+
+def remove(block: nn.Module, elsewhere: Sequence[Fp8LinearForward] = ()) -> None:
+    """Every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (``_forward_pre_dm`` too),
+    and out of the linears of ``elsewhere`` (installed here, moved out of the block since)."""
+    for m in [*block.modules(), *(f.linear for f in elsewhere)]:
         for slot in ("forward", "_forward_pre_dm"):
             f = m.__dict__.get(slot)
             if type(f) is Fp8LinearForward:

@@ -338,8 +338,8 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             state.records.append(rec)
             state.plans.append(plan)
             report.record(plan)
-            fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds,
-                                rec.installed.linear_decided)
+            plan.rt.linear_fwds = fp8_forward.install(block, i, options, report.runtime_fallbacks, report.rebuilds,
+                                                      rec.installed.linear_decided)
         if state.records and cuda_graph is True:
             state.graph = _cuda_graph().install_blocks(
                 [rec.block for rec in state.records], parent=transformer, fallbacks=report.runtime_fallbacks,
@@ -380,8 +380,11 @@ def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
     if len(now) != len(state.blocks) or any(a is not b for a, b in zip(now, state.blocks)):
         return "the model's blocks were replaced, added or removed"
     for rec in state.records:
-        if isinstance(rec.installed, Patched21Forward):
-            continue  # a Qwen-Image-2.1 block decides by itself
+        if isinstance(rec.installed, Patched21Forward):  # a 2.1 block decides by itself, but for what no call sees
+            why = fp8_forward.stale_reason(rec.block, rec.installed.plan.rt.linear_fwds)
+            if why is not None:
+                return f"block {rec.installed.index}: {why}"
+            continue
         plan = rec.block.__dict__.get(PLAN_ATTR)
         if plan is None:
             return f"a block lost its plan ({type(rec.block).__name__})"
@@ -403,7 +406,9 @@ def _undo(state: _PatchState) -> None:
                 if base is not None:
                     base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
             rec.block.__dict__.pop(PLAN_ATTR, None)
-        fp8_forward.remove(rec.block)  # with them, their FP8 weights
+        installed = rec.installed
+        fwds = installed.plan.rt.linear_fwds.values() if isinstance(installed, Patched21Forward) else ()
+        fp8_forward.remove(rec.block, list(fwds))  # with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
                         "original forward)", type(rec.block).__name__)

@@ -125,6 +125,7 @@ class BlockRuntime:
     on_decide: Any = None  # called with the plan after every decision (the report's record)
     generation: int = 0  # bumped by every decide(): derived tensors a CUDA graph read may be gone
     attn_fwds: dict = field(default_factory=dict)  # the attention linears' gated real-FP8 forwards, by path
+    linear_fwds: dict = field(default_factory=dict)  # Qwen-Image-2.1: its linears' real-FP8 forwards, by path
     lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
 
     def __getstate__(self) -> dict[str, Any]:

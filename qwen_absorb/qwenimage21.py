@@ -55,10 +55,12 @@ class Patched21Forward(PatchedForward):
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         plan = self.plan
-        if (isinstance(hidden_states, torch.Tensor) and hidden_states.device != plan.rt.device
-                and not torch.compiler.is_compiling()):
-            decide(plan, self.block, hidden_states.device)
-            log.info("Qwen-Image-2.1 block %d decided anew for %s", plan.index, hidden_states.device)
+        if not torch.compiler.is_compiling():
+            for f in plan.rt.linear_fwds.values():  # mtq.compress since: each forward back in its own slot
+                f.reclaim()
+            if isinstance(hidden_states, torch.Tensor) and hidden_states.device != plan.rt.device:
+                decide(plan, self.block, hidden_states.device)
+                log.info("Qwen-Image-2.1 block %d decided anew for %s", plan.index, hidden_states.device)
         return patched_forward(self.block, plan, hidden_states, *args, **kwargs)
 
     def linear_decided(self, index: int, path: str, fp8: bool, reasons: list) -> None:
