@@ -57,7 +57,8 @@ class Patched21Forward(PatchedForward):
         plan = self.plan
         if not torch.compiler.is_compiling():
             for f in plan.rt.linear_fwds.values():  # mtq.compress since: each forward back in its own slot
-                f.reclaim()
+                if "_forward_pre_dm" in f.linear.__dict__:
+                    f.reclaim()
             if isinstance(hidden_states, torch.Tensor) and hidden_states.device != plan.rt.device:
                 decide(plan, self.block, hidden_states.device)
                 log.info("Qwen-Image-2.1 block %d decided anew for %s", plan.index, hidden_states.device)
