@@ -271,6 +271,10 @@ class PromptEncoder:
         ids, mask = tok.input_ids, tok.attention_mask
         if ids.device.type != "cpu" or mask.device.type != "cpu":
             raise ValueError("the tokenizer returned tensors off the host; the prompt cache keys host tokens")
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            # autograd (prompt tuning, an encoder LoRA trained): fresh embeddings with their graph, nothing kept
+            self.report.graph_refusals["autograd: the prompt cache is not used"] += 1
+            return self._encode(ids, mask, device, dtype, drop_idx)
         key = (template, drop_idx, _key_of(ids), _key_of(mask), str(torch.device(device)), dtype, te.training,
                getattr(getattr(te, "config", None), "_attn_implementation", None))
         hit = self.cache.get(key)
@@ -316,8 +320,10 @@ def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) ->
     replays the encoder per (token shape, exact mask), captured at first sight; ``"auto"`` at the second call of a
     key; ``False`` leaves it eager. The prompt cache (``cache_size`` entries, 0: none) is on in every mode."""
     check_tristate("cuda_graph", cuda_graph)
-    if not isinstance(cache_size, int) or cache_size < 0:
+    if type(cache_size) is not int or cache_size < 0:
         raise ValueError(f"cache_size must be an int >= 0, not {cache_size!r}")
+    if not hasattr(pipe, "__dict__") or pipe is None:
+        raise TypeError(f"text_encoder.patch needs a diffusers pipeline, got {type(pipe).__name__}")
     cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
     if isinstance(cur, PromptEncoder):
         if cur.mode == cuda_graph and cur.report.cache_size == cache_size:

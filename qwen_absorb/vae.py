@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hooks
 from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
 from .pipeline_walks import source_hash
@@ -127,6 +128,7 @@ def _static_reasons(vae: nn.Module) -> list[str]:
             reasons.append(f"{name}: a channel-last RMS norm")
         if cls == "Dropout" and m.p and m.training:
             reasons.append(f"{name}: dropout active")
+        reasons += _slot_reasons(name or "decoder", m)
     for m in (dec, *dec.mid_block.resnets, *(r for u in dec.up_blocks for r in u.resnets)):
         if type(getattr(m, "nonlinearity", None)).__name__ != "SiLU":
             reasons.append(f"{type(m).__name__}: non-linearity is not SiLU")
@@ -134,8 +136,37 @@ def _static_reasons(vae: nn.Module) -> list[str]:
     return reasons
 
 
+_CONV = ("QwenImageCausalConv3d",)
+# what the 2-D path reads in each slot (Weights2d.decode): any other module there (an nn.Identity ablation, a norm
+# replaced) runs diffusers' decode
+_SLOTS = {
+    "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
+                               "conv2": _CONV, "conv_shortcut": (*_CONV, "Identity")},
+    "QwenImageAttentionBlock": {"norm": ("QwenImageRMS_norm",), "to_qkv": ("Conv2d",), "proj": ("Conv2d",)},
+    "QwenImageDecoder3d": {"conv_in": _CONV, "norm_out": ("QwenImageRMS_norm",), "conv_out": _CONV,
+                           "mid_block": ("QwenImageMidBlock",)},
+    "QwenImageUpBlock": {"resnets": ("ModuleList",)},
+    "QwenImageMidBlock": {"resnets": ("ModuleList",), "attentions": ("ModuleList",)},
+}
+
+
+def _slot_reasons(name: str, m: nn.Module) -> list[str]:
+    """The slots of ``m`` holding a module other than the one the 2-D path computes."""
+    want = _SLOTS.get(type(m).__name__, {})
+    bad = [k for k, classes in want.items() if type(m._modules.get(k)).__name__ not in classes]
+    if type(m).__name__ == "QwenImageResample" and m.mode != "none":
+        seq = m._modules.get("resample")
+        if not (type(seq).__name__ == "Sequential" and len(seq) == 2 and type(seq[1]).__name__ == "Conv2d"
+                and type(seq[0]).__name__ == "QwenImageUpsample"):
+            bad.append("resample")
+    return [f"{name}.{k}: not the module the 2-D path computes" for k in bad]
+
+
 def _modules(vae: nn.Module) -> list[nn.Module]:
-    return [vae, vae.post_quant_conv, *vae.decoder.modules()]
+    """The VAE, its post_quant_conv and every decoder module (those present: a VAE edited since may lack one)."""
+    d = vae._modules
+    pq, dec = d.get("post_quant_conv"), d.get("decoder")
+    return [vae, *([pq] if pq is not None else []), *(dec.modules() if dec is not None else ())]
 
 
 def _watch(vae: nn.Module) -> Watch:
@@ -145,7 +176,7 @@ def _watch(vae: nn.Module) -> Watch:
     entries += [(m, "__dict__", "forward") for m in mods[1:]]
     entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "QwenImageRMS_norm" for a in _NORM_ATTRS]
     entries += [(m, "__dict__", "mode") for m in mods if type(m).__name__ == "QwenImageResample"]
-    entries += [(m, "__dict__", "training") for m in mods if type(m).__name__ == "Dropout"]
+    entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "Dropout" for a in ("training", "p")]
     sized = [(m, "__dict__", h) for m in mods[1:] for h in ("_forward_hooks", "_forward_pre_hooks")]
     return Watch(entries=entries, tensors=tensors, sized=sized, typed=mods)
 
@@ -206,6 +237,8 @@ class Weights2d:
         y = F.normalize(x.float(), dim=1).to(x.dtype) * m.scale * self.gamma[id(m)]
         if isinstance(m.bias, torch.Tensor):
             y = y + m.bias.detach().reshape(-1, 1, 1)
+        elif m.bias:  # a number set in place of diffusers' 0.0
+            y = y + m.bias
         return y
 
     def resblock(self, x: torch.Tensor, blk: nn.Module) -> torch.Tensor:
@@ -278,6 +311,10 @@ class FastDecode:
         vae = self.vae
         if not isinstance(z, torch.Tensor) or z.dim() != 5:
             return "input is not a 5-D latent tensor"
+        if z.numel() == 0:
+            return "an empty latent (diffusers decides what it gives)"
+        if hooks.global_hook_count():
+            return "torch's global module forward hooks are registered (they run on every module diffusers calls)"
         if z.shape[2] != 1:
             return "several frames (video): the causal time path"
         ratio = vae.spatial_compression_ratio
@@ -323,7 +360,7 @@ class FastDecode:
         self.graphs.clear()
         self.report.reasons = _static_reasons(self.vae)
         self.report.on = not self.report.reasons
-        self.watch.take()
+        self.watch = _watch(self.vae)  # anew: modules replaced since are the ones to watch now
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy of the VAE (deepcopy / pickle) carries the patch without graphs or 2-D weights: made again
@@ -340,9 +377,14 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
     reasons, nothing installed, for a VAE the 2-D path does not know). ``cpu``: the 2-D path on the CPU too
     (tests; the gate is measured on CUDA). ``fuse_norm``: each RMS norm + SiLU as one kernel where it runs."""
     check_tristate("cuda_graph", cuda_graph)
+    if not isinstance(vae, nn.Module):
+        raise TypeError(f"vae.patch needs a diffusers VAE module, got {type(vae).__name__}")
+    if not isinstance(cpu, bool) or not isinstance(fuse_norm, bool):
+        raise ValueError(f"cpu and fuse_norm must be True or False, got {cpu!r} and {fuse_norm!r}")
     cur = vae.__dict__.get("_decode")
     if isinstance(cur, FastDecode):
         if cur.mode == cuda_graph and cur.report.cpu == cpu and cur.report.fuse_norm == fuse_norm:
+            cur._rebuild()  # patch() again catches up with writes no watch sees (a user's in-place .data write)
             return cur.report
         unpatch(vae)
         cur = vae.__dict__.get("_decode")
@@ -357,7 +399,7 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
 
 def unpatch(vae: nn.Module) -> None:
     """Restore diffusers' ``_decode`` (or the instance one found at patch time); a no-op if not patched."""
-    cur = vae.__dict__.get("_decode")
+    cur = getattr(vae, "__dict__", {}).get("_decode")
     if not isinstance(cur, FastDecode):
         return
     cur.graphs.clear()
@@ -370,7 +412,7 @@ def unpatch(vae: nn.Module) -> None:
 
 
 def report_of(vae: nn.Module) -> VaeReport | None:
-    cur = vae.__dict__.get("_decode")
+    cur = getattr(vae, "__dict__", {}).get("_decode")
     return cur.report if isinstance(cur, FastDecode) else None
 
 

@@ -309,3 +309,27 @@ def test_a_copied_patched_pipeline_encodes_alike_and_apart(seed):
         twin.text_encoder.get_input_embeddings().weight.mul_(-1.0)
     assert not torch.equal(twin.encode_prompt("a cat on a mat", device="cpu")[0], want)
     assert torch.equal(pipe.encode_prompt("a cat on a mat", device="cpu")[0], want)
+
+
+def test_encodings_with_grad_bypass_the_cache(pipe):
+    """Prompt tuning or an encoder LoRA trained: with grad enabled each encoding is fresh, with its graph (a hit
+    returned a clone tied to the first call's graph: a second backward raised; after a no-grad encode it returned
+    embeddings without grad), and nothing is kept; under no_grad the cache works as before."""
+    import copy
+
+    twin = copy.deepcopy(pipe)
+    rep = te_room.patch(pipe)
+    with torch.no_grad():
+        pipe.encode_prompt("a red fox", device="cpu")
+    for p in (pipe, twin):
+        p.text_encoder.model.language_model.norm.weight.requires_grad_(True)
+    hits = rep.cache_hits
+    got = [pipe.encode_prompt("a red fox", device="cpu")[0] for _ in range(2)]
+    want = twin.encode_prompt("a red fox", device="cpu")[0]
+    assert all(g.requires_grad and torch.equal(g, want) for g in got)
+    for g in got:
+        g.sum().backward()  # each its own graph
+    assert rep.cache_hits == hits
+    with torch.no_grad():
+        pipe.encode_prompt("a red fox", device="cpu")
+    assert rep.cache_hits == hits + 1

@@ -140,3 +140,87 @@ def test_other_diffusers_code_is_left_alone(monkeypatch):
     monkeypatch.setattr(vae_room, "REPLICATED", frozenset({"0" * 16}))  # as if diffusers' VAE code had changed
     rep = vae_room.patch(vae)
     assert not rep.on and "replicates" in rep.reasons[0] and "_decode" not in vae.__dict__
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_decoder_edits_after_patch_are_diffusers_decode(seed):
+    """Edits a user makes to the decoder after a call, each against the unpatched twin (fp32 tolerance): a module
+    replaced and then loaded into (the watch is made anew with it), a bias set to None (crashed every decode), a
+    norm's number bias (dropped), an ablation with nn.Identity (crashed: the 2-D path reads each slot's module), an
+    empty latent (returned an empty image where diffusers raises)."""
+    vae = builders.tiny_vae(seed=seed % 1000)
+    twin = copy.deepcopy(vae)
+    vae_room.patch(vae, cpu=True)
+    z = _z(seed)
+    vae.decode(z)
+
+    def both(edit):
+        for v in (vae, twin):
+            edit(v)
+        _close(vae.decode(z).sample, twin.decode(z).sample)
+
+    g = torch.Generator().manual_seed(seed)
+    both(lambda v: setattr(v.decoder, "conv_in", copy.deepcopy(twin.decoder.conv_in)))
+    new = torch.randn(vae.decoder.conv_in.weight.shape, generator=g)
+    both(lambda v: v.decoder.conv_in.load_state_dict({"weight": new, "bias": v.decoder.conv_in.bias}))
+    assert vae_room.report_of(vae).on
+    both(lambda v: setattr(v.decoder.conv_out, "bias", None))
+    both(lambda v: setattr(v.decoder.norm_out, "bias", 0.25))
+    assert vae_room.report_of(vae).on and vae_room.report_of(vae).fast_calls >= 4
+    both(lambda v: setattr(v.decoder.mid_block.resnets[0], "norm1", torch.nn.Identity()))
+    assert not vae_room.report_of(vae).on and "norm1" in vae_room.report_of(vae).reasons[0]
+    with pytest.raises(RuntimeError):
+        twin.decode(_z(seed, b=0))
+    with pytest.raises(RuntimeError):
+        vae.decode(_z(seed, b=0))
+
+
+@torch.no_grad()
+def test_global_hooks_dropout_p_and_patch_again(seed):
+    """torch's global forward hooks run diffusers' decode (they were skipped); dropout's p set in train mode after a
+    call is seen (it was skipped); patch() again remakes the 2-D weights after a .data write (it kept them)."""
+    vae = builders.tiny_vae(seed=seed % 1000)
+    twin = copy.deepcopy(vae)
+    rep = vae_room.patch(vae, cpu=True)
+    z = _z(seed)
+    vae.decode(z)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        out = vae.decode(z).sample
+    finally:
+        handle.remove()
+    assert "QwenImageRMS_norm" in seen  # diffusers' decode ran, its modules' calls hooked
+    assert any("global module forward hooks" in r for r in rep.fallbacks)
+    _close(out, twin.decode(z).sample)
+    for v in (vae, twin):
+        v.train()
+    vae.decode(z)
+    for v in (vae, twin):
+        for m in v.decoder.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.5
+    assert not torch.equal(vae.decode(z).sample, vae.decode(z).sample)  # dropout runs (diffusers' decode)
+    for v in (vae, twin):
+        v.eval()
+        v.decoder.conv_in.weight.data.mul_(0.5)  # a .data write: no watch sees it
+    want = twin.decode(z).sample
+    vae_room.patch(vae, cpu=True)  # patch() again: made anew
+    _close(vae.decode(z).sample, want)
+    assert rep.on
+
+
+def test_bad_arguments_are_clear_errors():
+    vae = builders.tiny_vae()
+    for bad in (None, "vae", builders.tiny_pipeline()):
+        with pytest.raises(TypeError):
+            vae_room.patch(bad)
+    for kw in ({"cpu": "no"}, {"fuse_norm": "off"}, {"cpu": None}):
+        with pytest.raises(ValueError):
+            vae_room.patch(vae, **kw)
+    assert vae_room.report_of(None) is None
+    vae_room.unpatch(None)  # a no-op, as for anything not patched
