@@ -1282,6 +1282,48 @@ def test_a_norm_eps_set_anew_is_a_change(seed, patched):
         assert scan.changed() == F.SWITCHED and "eps" in scan.which()
 
 
+@pytest.mark.parametrize("edit", ["bias_none", "parameters_slot", "class_swap", "modulelist_del", "modulelist_insert"])
+def test_edits_no_registration_hook_reports_are_changes(seed, edit):
+    """What a graph baked in, changed by an edit torch calls no registration hook for: a bias set to None, a
+    direct ``_parameters[k] = p`` (accelerate's set_module_tensor_to_device), a module's class swapped, a
+    ModuleList's ``del`` (a new ``_modules`` dict) or ``insert``. Each was replayed past before."""
+    model = T.tiny_transformer(seed=seed, num_layers=3)
+    qwen_absorb.patch(model, cuda_graph=False)
+    scan = F.Scan(model)
+    blk = model.transformer_blocks[1]
+    if edit == "bias_none":
+        blk.img_mlp.net[2].bias = None
+    elif edit == "parameters_slot":
+        w = model.proj_out.weight
+        model.proj_out._parameters["weight"] = torch.nn.Parameter(w.detach() * 1.5, requires_grad=False)
+    elif edit == "class_swap":
+        class Gelu(type(blk.img_mlp.net[0])):
+            pass
+
+        blk.img_mlp.net[0].__class__ = Gelu
+    elif edit == "modulelist_del":
+        del model.transformer_blocks[2]
+    else:
+        model.transformer_blocks.insert(0, copy.deepcopy(blk))
+    assert scan.changed() is not None
+
+
+def test_kernel_choosing_switches_are_in_the_call_key():
+    """cuBLAS fp16 accumulation and the SDPA reduced-precision switch pick other kernels: part of every key."""
+    from qwen_absorb.cuda_graph.signature import global_flags
+
+    m = torch.backends.cuda.matmul
+    if not hasattr(m, "allow_fp16_accumulation"):
+        pytest.skip("this torch has no allow_fp16_accumulation")
+    before = global_flags()
+    m.allow_fp16_accumulation = not m.allow_fp16_accumulation
+    try:
+        assert global_flags() != before
+    finally:
+        m.allow_fp16_accumulation = not m.allow_fp16_accumulation
+    assert global_flags() == before
+
+
 def test_switch_values_compared_by_value_identity_elsewhere(seed):
     """Plain switch values (ModelOpt's bools, num_bits tuples) are compared by value, one itemgetter per dict;
     a deleted switch or an incomparable value is a change; anything else by identity."""

@@ -219,7 +219,7 @@ class Scan:
         "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs",
         "sindices", "vtensors", "vnames", "vers", "peft",
         "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count", "owners", "gens", "cache_hooks", "step_hooks", "plans", "facts",
+        "host_count", "owners", "gens", "cache_hooks", "step_hooks", "plans", "facts", "types",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
@@ -271,6 +271,10 @@ class Scan:
             label = name or "<transformer>"
             self.modules.append(m)
             self.len_dicts.append(d)  # a new instance attribute: a hook's forward, _hf_hook, a compiled call, ...
+            if "_modules" in d:  # a ModuleList's del (a new dict) or insert (this one longer): no hook is called
+                self.len_dicts.append(d["_modules"])
+                self.watch_dicts.append(d)
+                self.watch_keys.append("_modules")
             if not root:  # the transformer's own hooks run outside the forward we wrap
                 for hd in hooks.torch_hook_dicts(m):
                     self.hook_dicts.append(hd)
@@ -322,7 +326,12 @@ class Scan:
                 self.peft_dicts.append(d)
                 self.peft_names.append(label)
             for group in ("_parameters", "_buffers"):
-                for k, x in (d.get(group) or {}).items():
+                slots = d.get(group) or {}
+                for k, x in slots.items():
+                    # the slot by identity: ``bias = None`` and a direct ``_parameters[k] = p`` (accelerate's
+                    # set_module_tensor_to_device) call no registration hook
+                    self.watch_dicts.append(slots)
+                    self.watch_keys.append(k)
                     if x is None:
                         continue
                     add_tensor(x, f"{label}.{k}")
@@ -356,6 +365,7 @@ class Scan:
     def take(self) -> None:
         """Record the values ``changed()`` compares against (strong references keep ids unique)."""
         self.lens = list(map(len, self.len_dicts))
+        self.types = list(map(type, self.modules))  # a class swapped in place (a conversion, ``__class__ = ...``)
         self.hook_lens = list(map(len, self.hook_dicts))
         self.handle_id = RemovableHandle.next_id
         # plain values by value, one itemgetter per dict; everything else by identity (see the module doc)
@@ -416,7 +426,7 @@ class Scan:
 
     def stale(self) -> str | None:
         """The rest of :meth:`changed`: what makes a replay's result wrong, not unsafe (asked while it runs)."""
-        if list(map(len, self.len_dicts)) != self.lens:
+        if list(map(len, self.len_dicts)) != self.lens or list(map(type, self.modules)) != self.types:
             return "module structure or attributes changed"
         if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
             return SWITCHED

@@ -135,8 +135,17 @@ def global_flags() -> tuple:
         torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(), getattr(torch.backends.cuda, "cudnn_sdp_enabled", bool)(),
         torch.are_deterministic_algorithms_enabled(), os.environ.get("QWEN_ABSORB_FORCE_REFERENCE"),
-        str(attention_backend()),
+        str(attention_backend()), getattr(m, "allow_fp16_accumulation", None),
+        getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", bool)(), _blas_library(),
     )
+
+
+def _blas_library() -> str:
+    """cuBLAS or cuBLASLt for the GEMMs (``torch.backends.cuda.preferred_blas_library``)."""
+    try:
+        return str(torch.backends.cuda.preferred_blas_library())
+    except Exception:  # noqa: BLE001 - a build without it
+        return ""
 
 
 def patch_tuning(t: nn.Module) -> Any:
