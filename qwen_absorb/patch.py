@@ -179,8 +179,10 @@ def patch(
     transformer = resolve_transformer(target)
     tri = gating.check_tristate
     cuda_graph = tri("cuda_graph", cuda_graph)
-    if not all(isinstance(x, bool) for x in (vae, text_encoder, pipeline_walks)):  # before anything is patched
-        raise ValueError("vae, text_encoder and pipeline_walks must be True or False")
+    if not all(isinstance(x, bool) for x in (vae, text_encoder, pipeline_walks, cross_block)):  # before patching
+        raise ValueError("vae, text_encoder, pipeline_walks and cross_block must be True or False")
+    if not isinstance(force_reference, bool):
+        raise ValueError(f"force_reference must be True or False, got {force_reference!r}")
     options = Options(
         defer_bias=tri("defer_bias", defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
         capabilities=gating.normalize_capabilities(capabilities),
@@ -418,8 +420,15 @@ def _undo(state: _PatchState) -> None:
 def unpatch(target: Any) -> None:
     """Undo :func:`patch` on the blocks the model has now (forwards in the same hook slots, biases, weight places):
     outputs bit-identical to a never-patched model; plans, FP8 weights and graphs released. A no-op if not patched."""
+    if hasattr(target, "transformer") and getattr(target, "transformer") is None and not isinstance(target, nn.Module):
+        _rooms(target, None, None, False, vae=False, text_encoder=False, walks=False)  # a pipeline's own, still
+        return
     transformer = resolve_transformer(target)
+    active = transformer.__dict__.get(_STATE_ATTR)
+    parts = active.report.parts if active is not None else {}
     _rooms(target, transformer, None, False, vae=False, text_encoder=False, walks=False)
+    if target is not transformer and "pipeline" in parts:  # (the VAE and prompt sections say so themselves)
+        parts["pipeline"].on, parts["pipeline"].reason = False, "unpatched"
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):

@@ -213,12 +213,17 @@ class FastWalks:
         self.enable_model_cpu_offload(device=getattr(self, "_offload_device", get_device()))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copies and pickles are of the original class (a class made at run time cannot be pickled by name)."""
+        """Copies and pickles are of the original class (a class made at run time cannot be pickled by name); made
+        by :func:`_remade`, not ``copyreg.__newobj__``, whose class pickle checks against ``type(self)``."""
         rv = list(super().__reduce_ex__(protocol))
-        base = original_class(self)
         if len(rv) > 1 and isinstance(rv[1], tuple) and rv[1] and rv[1][0] is type(self):
-            rv[1] = (base, *rv[1][1:])
+            rv[0], rv[1] = _remade, (original_class(self), *rv[1][1:])
         return tuple(rv)
+
+
+def _remade(cls: type, *args: Any) -> Any:
+    """A copy's or unpickled pipeline's new object, of diffusers' class (its state is set after)."""
+    return cls.__new__(cls, *args)
 
 
 @dataclass

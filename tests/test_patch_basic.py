@@ -209,3 +209,14 @@ def test_custom_processor_gets_joint_attention_kwargs(seed):
     assert s.fused and not s.bias_deferred
     assert any("Recording is not QwenDoubleStreamAttnProcessor2_0" in r for r in s.defer_reasons)
     assert report.blocks[0].site("img", "ffn_residual").bias_deferred
+
+
+@pytest.mark.parametrize("kw", [{"force_reference": "no"}, {"force_reference": 1}, {"cross_block": "false"},
+                                {"cross_block": None}])
+def test_switches_take_booleans_only(kw):
+    """``force_reference="no"`` turned the references on and ``cross_block="false"`` left the hand-off on (bool()
+    of any string): a ValueError now, as for every other switch, before anything is patched."""
+    model = T.tiny_transformer(seed=0)
+    with pytest.raises(ValueError, match="True or False"):
+        qwen_absorb.patch(model, **kw)
+    assert qwen_absorb.patch_report(model) is None

@@ -217,7 +217,27 @@ def test_copies_and_pickles_are_of_the_original_class(seed):
     assert type(pickle.loads(pickle.dumps(pipe.scheduler))) is type(pipe.scheduler)
     state = pipe.__reduce_ex__(4)
     assert state[1][0] is cls
+    for protocol in (2, 5):  # the pipeline itself (pickle checks copyreg.__newobj__'s class against type(obj))
+        back = pickle.loads(pickle.dumps(pipe, protocol=protocol))
+        assert type(back) is cls and back.transformer is not pipe.transformer
     qwen_absorb.unpatch(pipe)
+
+
+def test_unpatch_marks_the_walks_section_and_survives_a_removed_transformer(seed):
+    """The report kept after ``unpatch(pipe)`` says the walks are diffusers' again (it said on); ``unpatch`` of a
+    pipeline whose transformer was set to None still undoes the pipeline's own patches (it raised TypeError and
+    left them)."""
+    pipe, report = _patched(seed)
+    assert report.to_dict()["pipeline"]["on"]
+    qwen_absorb.unpatch(pipe)
+    assert report.to_dict()["pipeline"] == {"on": False, "reason": "unpatched"}
+    pipe = _pipe(seed)
+    qwen_absorb.patch(pipe, capabilities={"cpu"})  # the VAE decode too
+    cls = walks.original_class(pipe)
+    assert "_decode" in pipe.vae.__dict__
+    pipe.transformer = None
+    qwen_absorb.unpatch(pipe)
+    assert type(pipe) is cls and "_decode" not in pipe.vae.__dict__
 
 
 @mirrored
