@@ -7,6 +7,8 @@ instance attribute: patching must put its forward where the *original* one is ke
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -182,3 +184,39 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
         f"qwen_absorb needs a {names} or a pipeline whose .transformer is one; got {type(target).__name__}"
         + (f" with .transformer {type(inner).__name__}" if inner is not None else "")
     )
+
+
+class HeldGlobalHooks:
+    """Process-wide torch hooks (``register``: registers them, returns their handles) that exist only while at least
+    one holder lives: registered by the first :meth:`hold`, removed when the last holder is released or collected
+    (``unpatch`` leaves torch's global hook dicts as it found them)."""
+
+    def __init__(self, register: Callable[[], list[Any]]) -> None:
+        self._register = register
+        self._handles: list[Any] = []
+        self._holders: set[int] = set()
+        self._lock = threading.RLock()  # a holder's finalizer may run inside a locked section (garbage collection)
+
+    def hold(self, holder: Any) -> None:
+        with self._lock:
+            if id(holder) in self._holders:
+                return
+            if not self._handles:
+                self._handles = self._register()
+            self._holders.add(id(holder))
+        weakref.finalize(holder, self._drop, id(holder))
+
+    def release(self, holder: Any) -> None:
+        self._drop(id(holder))
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self._holders.discard(key)
+            if not self._holders and self._handles:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._handles)

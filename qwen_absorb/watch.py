@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .hooks import HeldGlobalHooks
+
 Entry = tuple[Any, str, str]  # (owner object, "__dict__" or the name of a dict in it, key)
 
 _version_of = attrgetter("_version")
@@ -100,12 +102,11 @@ def tensor_key(t: Any, content: bool = False) -> tuple | None:
 # and unwrap, a module replaced) makes them report a change, even when the slot holds the same module again by the
 # next check (an adapter added, fused and unloaded between two calls: only the weight's content moved)
 _SLOT_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_registration_hook = threading.Lock()
-_registered = False
+_slots_lock = threading.Lock()
 
 
 def _on_module_registered(module: nn.Module, name: str, submodule: Any) -> None:
-    """torch's global module registration hook (registered once, at the first watch of a ``_modules`` slot)."""
+    """torch's global module registration hook (while a watch of a ``_modules`` slot lives: ``_REGISTRATIONS``)."""
     try:
         watches = _SLOT_WATCHES.get(module)
         for w in list(watches) if watches else ():
@@ -114,15 +115,16 @@ def _on_module_registered(module: nn.Module, name: str, submodule: Any) -> None:
         pass
 
 
+_REGISTRATIONS = HeldGlobalHooks(
+    lambda: [nn.modules.module.register_module_module_registration_hook(_on_module_registered)])
+
+
 def _watch_slots(watch: Watch, owners: Iterable[Any]) -> None:
-    global _registered
     owners = [o for o in owners if isinstance(o, nn.Module)]
     if not owners:
         return
-    with _registration_hook:
-        if not _registered:
-            nn.modules.module.register_module_module_registration_hook(_on_module_registered)
-            _registered = True
+    _REGISTRATIONS.hold(watch)  # the hook lives while a watch of a slot does
+    with _slots_lock:
         for o in owners:
             ws = _SLOT_WATCHES.get(o)
             if ws is None:

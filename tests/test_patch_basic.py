@@ -220,3 +220,32 @@ def test_switches_take_booleans_only(kw):
     with pytest.raises(ValueError, match="True or False"):
         qwen_absorb.patch(model, **kw)
     assert qwen_absorb.patch_report(model) is None
+
+
+def test_global_registration_hooks_live_only_while_patched(fake_cuda, seed):
+    """The process-wide module / parameter / buffer registration hooks the watches and the graph runner use are
+    there while a patched model lives and gone after ``unpatch`` (they stayed for the life of the process, called
+    for every module any code built)."""
+    import gc
+
+    from torch.nn.modules import module as M
+
+    dicts = ("_global_module_registration_hooks", "_global_parameter_registration_hooks",
+             "_global_buffer_registration_hooks")
+    before = {d: dict(getattr(M, d)) for d in dicts}
+    model = T.tiny_transformer(seed=seed)
+    qwen_absorb.patch(model, cuda_graph=True)
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed + 1))
+    from qwen_absorb import watch as W
+    from qwen_absorb.cuda_graph import fingerprint as F
+
+    ours = {W._on_module_registered, F._on_registration}
+    assert all(ours & set(getattr(M, d).values()) for d in dicts)  # (other live patched models may hold them too)
+    qwen_absorb.unpatch(model)
+    gc.collect()
+    assert {d: dict(getattr(M, d)) for d in dicts} == before
+    qwen_absorb.patch(model)  # a model patched again and collected without unpatch: gone with it
+    T.run_transformer(model, T.transformer_inputs(model, seed=seed + 1))
+    del model
+    gc.collect()
+    assert {d: dict(getattr(M, d)) for d in dicts} == before

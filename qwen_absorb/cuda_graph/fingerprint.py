@@ -15,7 +15,6 @@ is assigned inside its transformer.
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Callable, Iterable
 from operator import attrgetter, call, itemgetter
@@ -64,8 +63,6 @@ def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int])
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_hooks_lock = threading.Lock()
-_hooks_registered = False
 
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
@@ -78,19 +75,21 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         pass
 
 
+# registered while a runner is watched: removed with the last one (unpatch, or the model collected)
+_REGISTRATIONS = hooks.HeldGlobalHooks(lambda: [
+    _torch_module.register_module_module_registration_hook(_on_registration),
+    _torch_module.register_module_parameter_registration_hook(_on_registration),
+    _torch_module.register_module_buffer_registration_hook(_on_registration)])
+
+
 def watch(runner: Any) -> None:  # runner.module_assigned(module_id, what) hears of every assignment
-    global _hooks_registered
-    with _hooks_lock:
-        if not _hooks_registered:
-            _torch_module.register_module_module_registration_hook(_on_registration)
-            _torch_module.register_module_parameter_registration_hook(_on_registration)
-            _torch_module.register_module_buffer_registration_hook(_on_registration)
-            _hooks_registered = True
     _LIVE.add(runner)
+    _REGISTRATIONS.hold(runner)
 
 
 def unwatch(runner: Any) -> None:
     _LIVE.discard(runner)
+    _REGISTRATIONS.release(runner)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
