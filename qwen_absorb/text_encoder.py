@@ -271,10 +271,8 @@ class PromptEncoder:
         ids, mask = tok.input_ids, tok.attention_mask
         if ids.device.type != "cpu" or mask.device.type != "cpu":
             raise ValueError("the tokenizer returned tensors off the host; the prompt cache keys host tokens")
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            # autograd (prompt tuning, an encoder LoRA trained): fresh embeddings with their graph, nothing kept
-            self.report.graph_refusals["autograd: the prompt cache is not used"] += 1
-            return self._encode(ids, mask, device, dtype, drop_idx)
+        if torch.is_grad_enabled():  # autograd (prompt tuning, an encoder LoRA trained): fresh embeddings with
+            return self._encode(ids, mask, device, dtype, drop_idx)  # their graph, nothing kept (eager: _encode)
         key = (template, drop_idx, _key_of(ids), _key_of(mask), str(torch.device(device)), dtype, te.training,
                getattr(getattr(te, "config", None), "_attn_implementation", None))
         hit = self.cache.get(key)
