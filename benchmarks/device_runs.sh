@@ -137,4 +137,23 @@ round31_offload() {  # next: the pinned staging's GPU tests, then the offload ke
   grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round32_a() {  # the whole GPU suite on the final tree of rounds 30-31, then the 4-step cases (5 timed calls each)
+  local t0=$SECONDS
+  suite 320
+  timeout $((585 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 5 --sections none \
+    --cases 4step_bf16_unpatched,4step_bf16,4step_fp8 --budget-s $((560 - (SECONDS - t0))) > "$OUT/pipeline_4step.log" 2>&1
+  grep -E "median|done in" "$OUT/pipeline_4step.log" | cut -c1-300 | tail -8
+}
+
+round32_b() {  # issue 39's offload keys with the pinned-staging A/B (its GPU tests ran in the suite)
+  timeout 580 python3 benchmarks/journey_offload.py --out "$OUT" --runs 2 --budget-s 550 > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+}
+
+round32_c() {  # the 8-step LoRA, a new prompt length, and the 50-step true-CFG cases with the cache, merged into round32_a's file
+  timeout 590 python3 benchmarks/pipeline_e2e.py --out "$OUT" --sections vae,te --budget-s 560 ${MERGE:+--merge-json "$MERGE"} \
+    --cases 4step_fp8_newlen,8step,50step > "$OUT/pipeline_rest.log" 2>&1
+  grep -E "median|done in|te:" "$OUT/pipeline_rest.log" | cut -c1-300 | tail -12
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
 
-SECTIONS = ("resident", "offload_model", "offload_model_pinned", "offload_group")
+SECTIONS = ("resident", "offload_model", "offload_model_pageable", "offload_group")
 KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
         "resident_8step_s")
 
@@ -158,7 +158,7 @@ class OffloadJourney(H.Bench):
     def offload_model_pinned(self) -> None:
         """The same mode with ``Tuning(pinned_staging=True)`` (patch() again: decided anew), then the default back."""
         self.report = qwen_absorb.patch(self.pipe, tuning=qwen_absorb.Tuning(pinned_staging=True))
-        d = self.timed("offload_model_pinned", self.a.runs, 1)
+        d = self.timed("offload_model_pageable", self.a.runs, 1)
         self.R.put("details.offload_model_pinned_8step_s", d["median_s"])
         self.report = qwen_absorb.patch(self.pipe)
 
@@ -186,7 +186,7 @@ class OffloadJourney(H.Bench):
         if not s("build", self.build, [(R, k) for k in KEYS]):
             return 1
         fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]),
-                 "offload_model_pinned": [], "offload_group": [KEYS[3]]}
+                 "offload_model_pageable": [], "offload_group": [KEYS[3]]}
         for sec in self.a.sections:
             s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
         R.put("details.report", str(self.report)[:3000])

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,25 @@ def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(_map(v, fn) for v in x)
     return x
+
+
+@contextlib.contextmanager
+def recording(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Capture into ``graph`` on ``stream``: ``torch.cuda.graph`` without its cache emptying.
+
+    ``torch.cuda.graph`` empties torch's device cache and its pinned host cache before every capture. Each capture
+    then gives every cached block back to the driver (``cudaFree`` waits for the device), and the calls after it
+    (the decode after a new prompt length's capture, the next eager call, a pinned staging buffer) allocate them
+    again. The capture needs no such room: it allocates from ``pool``, and torch's allocator frees cached blocks
+    itself where an allocation would not fit. Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
+    """
+    torch.cuda.synchronize(stream.device)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def _static_like(x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +121,7 @@ class ShapeGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), \
-                    (aid.capture() if aid is not None else contextlib.nullcontext()):
+            with recording(graph, self.pool, side), (aid.capture() if aid is not None else contextlib.nullcontext()):
                 out = self.fn(*statics)
         except Exception as e:  # noqa: BLE001  (a capture that fails leaves the call to the eager path)
             self.refused[key] = f"capture failed: {type(e).__name__}: {e}"[:300]

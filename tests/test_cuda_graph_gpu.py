@@ -276,6 +276,36 @@ def test_memory_does_not_grow(patched, seed):
     assert torch.cuda.memory_allocated() < held  # static buffers and graph outputs are released
 
 
+def test_captures_keep_the_allocators_cache(seed):
+    """A capture leaves torch's cached device blocks in place: ``torch.cuda.graph`` hands every one back to the
+    driver before it captures, and the calls after it allocate them again (``shape_graphs.recording``). Both
+    capturers: the transformer's runner and ``ShapeGraphs`` (the text encoder's and the VAE's)."""
+    from qwen_absorb.shape_graphs import ShapeGraphs
+
+    model = build(seed, patched=True)
+    kw = inputs(model, seed + 1)
+    ref = run(model, kw)
+    runner, fb = install(model)
+    assert torch.equal(run(model, kw), ref)  # eager: the signature's first call
+
+    def cached_block() -> int:
+        torch.cuda.synchronize()
+        block = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+        del block  # freed, so cached by torch's allocator
+        return torch.cuda.memory_reserved()
+
+    before = cached_block()
+    assert torch.equal(run(model, kw), ref)  # captured
+    assert runner.describe()["captures"] == 1
+    assert torch.cuda.memory_reserved() >= before
+    x = torch.randn(64, 64, device=DEV, generator=torch.Generator(DEV).manual_seed(seed))
+    sg = ShapeGraphs(lambda t: t.float().exp(), capture_after=0)
+    before = cached_block()
+    out = sg("k", (x,))
+    assert sg.counts["captures"] == 1 and torch.equal(out, x.float().exp())
+    assert torch.cuda.memory_reserved() >= before
+
+
 def test_remove_frees_model_graphs_and_buffers(seed):
     """After remove() + del nothing of the runner keeps the model, its weights, the static buffers or the graphs
     alive (the runner object itself is still held, as a report would hold it)."""

@@ -274,14 +274,14 @@ def test_codes_and_fingerprints_come_from_the_staged_copy(fake_gpu, seed, monkey
 
 
 def test_pinned_staging_is_the_tunings_choice(fake_gpu, seed, monkeypatch):
-    """``Tuning(pinned_staging=True)`` reaches each decision's staging (``quant.staged_weight(..., pinned)``), the
-    default does not; on the host ``staging.to_device`` is a plain copy with the same bits."""
+    """``Tuning.pinned_staging`` reaches each decision's staging (``quant.staged_weight(..., pinned)``): on by
+    default, off with ``pinned_staging=False``; on the host ``staging.to_device`` is a plain copy with the same bits."""
     from qwen_absorb import quant, staging
 
     seen = []
     real = quant.staged_weight
     monkeypatch.setattr(quant, "staged_weight", lambda m, d, pinned=False: seen.append(pinned) or real(m, d, pinned))
-    for tuning, want in ((qwen_absorb.Tuning(), False), (qwen_absorb.Tuning(pinned_staging=True), True)):
+    for tuning, want in ((qwen_absorb.Tuning(), True), (qwen_absorb.Tuning(pinned_staging=False), False)):
         model, kw = _fp8(seed)
         qwen_absorb.patch(model, **REAL, tuning=tuning)
         T.run_transformer(model, kw)

@@ -139,11 +139,12 @@ def test_pinned_staging_copies_the_same_bits(dtype, numel):
 
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
-def test_round_trip_with_pinned_staging_matches_the_resident_twin():
+@pytest.mark.parametrize("pinned", [True, False])  # the default (pinned buffers), and the originals' pageable copy
+def test_round_trip_with_staging_matches_the_resident_twin(pinned):
     model = _model(8)
     twin = copy.deepcopy(model)
     qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(pinned_staging=True))
+    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(pinned_staging=pinned))
     kw = _inputs(model, 9)
     want = T.run_transformer(twin, kw)
     for _ in range(2):

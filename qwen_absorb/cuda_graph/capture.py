@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import hooks
+from ..shape_graphs import recording
 from ..ops import lane
 from . import settings
 from .signature import ATOMS, Call, freeze, thaw_call
@@ -277,10 +278,8 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            # The outer stream context restores the caller's stream even if capture_end raises
-            # (torch.cuda.graph.__exit__ skips its own stream restore then).
             with torch.cuda.stream(side), consts.active("replay"), KeepRope(transformer, keep):
-                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"), lane.active():
+                with recording(graph, pool, side), lane.active():  # (no cache emptying: shape_graphs.recording)
                     out = inner(*s_args, **s_kwargs)
         except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
             return Captured(warm, None, e, consts.hits)
