@@ -156,4 +156,13 @@ round32_c() {  # the 8-step LoRA, a new prompt length, and the 50-step true-CFG 
   grep -E "median|done in|te:" "$OUT/pipeline_rest.log" | cut -c1-300 | tail -12
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round32_d() {  # the whole GPU suite on the final tree, then a new prompt length (patched and unpatched) profiled
+  local t0=$SECONDS
+  suite 210
+  timeout $((465 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 3 --sections none \
+    --cases 4step_bf16_unpatched_newlen,4step_fp8,4step_fp8_newlen --profile 4step_fp8_newlen \
+    --budget-s $((440 - (SECONDS - t0))) > "$OUT/pipeline_newlen.log" 2>&1
+  grep -E "median|done in" "$OUT/pipeline_newlen.log" | cut -c1-300 | tail -8
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

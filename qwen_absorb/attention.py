@@ -1,12 +1,8 @@
 """The joint attention of a patched block: q/k RMSNorm + RoPE fused, linears as real FP8 GEMMs.
 
 diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (its backend and context-parallel config), except: the
-four RMSNorm + RoPE chains (44 eager kernels) are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are
-written straight into the joint ``[text, image]`` tensors (``Tuning.joint_outputs``, the same bits); each planned
-linear is an FP8 GEMM fed by e4m3 codes (q/k/v norm1's, the output projections' from one split quantization).
-The block calls :func:`run` only when its plan owns the attention and no hook sits on it but a TaylorSeer or PAB
-cache hook (run around it: :mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); ``block.attn``'s
-processor stays diffusers' own (``set_attention_backend``, ``enable_parallelism``, fallbacks).
+four RMSNorm + RoPE chains are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are written straight into the
+joint tensors (``Tuning.joint_outputs``); each planned linear is an FP8 GEMM fed by e4m3 codes.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from .sites import IMG_QKV, TXT_QKV, attention_functions
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
             works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """One attention linear: real FP8 (``x`` the codes; the rest as for ``projection.fp8_linear``), NVFP4, on its
-    tensor-parallel shards (a row-wise all-reduce appended to ``works``), or the module."""
+    """One attention linear: real FP8 (``x`` the codes), NVFP4, on TP shards (all-reduce to ``works``), or module."""
     lp = plan.linears[path]
     m = _module(attn, path)
     if lp.fp8_gemm:
@@ -64,14 +59,12 @@ def _module(attn: nn.Module, path: str) -> nn.Module:
 
 def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch.Tensor | None, image_rotary_emb,
         mode: int, compiling: bool, txt_lane: bool = False):
-    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in``: ``(input, activation)``, the codes norm1 emitted
-    (with the modulated tensor where a LoRA branch reads it) or ``(modulated, None)``. ``txt_lane``: the text stream's
-    q/k/v and output projection run on :mod:`qwen_absorb.ops.lane`'s ``"txt"`` lane."""
+    """``(img_attn_output, txt_attn_output)``; ``img_in``/``txt_in``: ``(input, activation or None)`` from norm1.
+    ``txt_lane``: the text stream's q/k/v and output projection run on the ``"txt"`` lane."""
     dispatch_attention_fn, _ = attention_functions()
     (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
     proc = attn.processor
-    B, seq_img = img_in.shape[0], img_in.shape[1]
-    seq_txt = txt_in.shape[1]
+    B, seq_img, seq_txt = img_in.shape[0], img_in.shape[1], txt_in.shape[1]
     attention_mask = None
     if encoder_hidden_states_mask is not None:
         image_mask = torch.ones((B, seq_img), dtype=torch.bool, device=img_in.device)
@@ -116,7 +109,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
     joint_q = joint_k = None
-    if plan.qk_fused and kernels and image_rotary_emb is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
+    if (plan.qk_fused and kernels and image_rotary_emb is not None
+            and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows)):
         img_freqs, txt_freqs = image_rotary_emb
         outs = None
         if joint:
@@ -160,11 +154,9 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
 
 
 def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
-    """Per-call conditions of the fused q/k path the plan cannot know (a mismatch runs diffusers' chain, which raises
-    as diffusers would)."""
+    """Per-call conditions of the fused q/k path (a mismatch runs diffusers' chain, which raises as diffusers would)."""
     f_img, f_txt = rope
-    if not (type(img_q) is torch.Tensor and type(txt_q) is torch.Tensor
-            and type(f_img) is torch.Tensor and type(f_txt) is torch.Tensor):
+    if any(type(t) is not torch.Tensor for t in (img_q, txt_q, f_img, f_txt)):
         return False
     half = img_q.shape[-1] // 2
     rows = min(img_q.numel(), txt_q.numel()) // img_q.shape[-1]

@@ -88,8 +88,7 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
 
 
 def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
-    """Per call: plain tensors of the norms' dtype (diffusers' ``.to(value.dtype)`` is then the identity), rope and
-    rows as the kernel needs."""
+    """Per call: plain tensors of the norms' dtype (``.to(value.dtype)`` is then the identity), rope as needed."""
     w = attn.norm_q.weight
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
         return False

@@ -1,16 +1,10 @@
 """The patched ``QwenImageTransformerBlock.forward``: the block's math, through the fused ops.
 
-One module-level function bound to the block by :class:`PatchedForward` (picklable, deep-copyable), run by the
-block's own :class:`~qwen_absorb.plan.BlockPlan`; modules are looked up on the block at call time. Per call it
-asks the plan's watch first and decides again on a change (:func:`redecide`). What the plan cannot vouch for in
-this call (grad, a ModelOpt calibration, a user hook on a module the fused path skips, a PEFT layer that must
-unmerge) runs diffusers' original forward, counted in the report.
-
-Deferred biases of linears run as their modules (ModelOpt fake quant, NVFP4): the bias ``Parameter`` never moves
-(``state_dict``, ``.to()`` and offload hooks see it); only while the block calls the attention / FFN does an
-instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``), under the
-plan's lock, so threads calling one model are serialised instead of dropping or doubling biases. A bias still on
-meta before its GEMM (accelerate leaf offload) is not shadowed: its GEMM adds it, as unpatched.
+:class:`PatchedForward` binds :func:`patched_forward` to the block, run by its :class:`~qwen_absorb.plan.BlockPlan`
+(its watch asked first: a change decides again). What the plan cannot vouch for in a call (grad, calibration, a user
+hook on a skipped module, a PEFT layer that must unmerge) runs diffusers' forward, counted in the report. A deferred
+bias ``Parameter`` never moves: only during the attention / FFN call does an instance-``__dict__`` ``bias = None``
+shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``), under the plan's lock; one on meta is not shadowed.
 """
 
 from __future__ import annotations
@@ -36,10 +30,7 @@ from .sites import resolve, unwrap_peft
 
 log = logging.getLogger("qwen_absorb")
 
-_SUPPORTED = _validate.SUPPORTED_DTYPES
-# ModelOpt's QuantAttention swaps torch.nn.functional.scaled_dot_product_attention module-globally for
-# the duration of its forward: two threads inside it at once break each other. Patched blocks call such
-# an attention under this lock.
+# ModelOpt's QuantAttention swaps F.scaled_dot_product_attention globally during its forward: one thread at a time.
 _GLOBAL_SWAP_LOCK = threading.RLock()
 HOOK_FALLBACK = "a forward hook on a module the fused path skips or changes: original diffusers forward"
 # leaf-level group offloading / layerwise casting bring weights in (or cast them) only around their module's own call
@@ -84,16 +75,11 @@ def redecide(plan: BlockPlan, block: nn.Module, device: torch.device, why: str) 
     log.info("block %d decided anew for %s (%s)", plan.index, device, why)
 
 
-def _original(block, hs, ehs, mask, temb, rope, kwargs, index):
-    return type(block).forward(block, hs, ehs, mask, temb, rope, kwargs, index)
-
-
 def _unpatched(block, hs, *args):
-    """diffusers' forward, after the text lane's work (a previous block's hand-off to this one, which diffusers'
-    forward does not take) is waited for: it reads ``encoder_hidden_states`` on this stream."""
+    """diffusers' forward, after the text lane's work (a previous block's hand-off) is waited for."""
     lane.settle(hs.device, "txt")
     with host_originals.onloaded(block, hs.device), quant.swaps_undone_on_error(block._modules.get("attn")):
-        return _original(block, hs, *args)  # (host_originals: original weights the patch keeps on the host)
+        return type(block).forward(block, hs, *args)  # (host_originals: original weights kept on the host)
 
 
 def patched_forward(
@@ -134,9 +120,8 @@ def patched_forward(
         if out is not None:
             return out
     if plan.modelopt and not compiling:
-        # ModelOpt's modules keep per-call state on the module (quantize_weight() toggles a flag,
-        # QuantAttention swaps global functions): concurrent calls of one block would see each
-        # other's state. One thread at a time per block; different blocks still overlap.
+        # ModelOpt's modules keep per-call state on the module (quantize_weight() toggles a flag, QuantAttention
+        # swaps global functions): one thread at a time per block
         with plan.rt.lock:
             return _fused_forward(self, plan, compiling, *args)
     return _fused_forward(self, plan, compiling, *args)
@@ -162,8 +147,7 @@ def _weight_hook(plan: BlockPlan) -> str | None:
 
 
 def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | None:
-    """Why this call cannot take the planned path (None: it can); decides anew first when the device or anything the
-    plan depends on changed (dropping a hand-over made with the old decisions)."""
+    """Why this call cannot take the planned path (None: it can); decides anew first on a new device or a change."""
     rt = plan.rt
     if rt.stale is not None:
         return rt.stale
@@ -188,14 +172,9 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
     if plan.hooked():
         return HOOK_FALLBACK
     for p, lp in plan.linears.items():
-        if lp.lora:
-            refusal = lora.call_refusal(resolve(block, p))
-            if refusal is not None:
-                return f"{p}: {refusal}: original diffusers forward"
+        if lp.lora and (refusal := lora.call_refusal(resolve(block, p))) is not None:
+            return f"{p}: {refusal}: original diffusers forward"
     return None
-
-
-# ---------------------------------------------------------------------------- per-call records
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +200,7 @@ class _Call:
 
 @dataclass(frozen=True, slots=True)
 class _Mod:
-    """One modulation half of one stream: its chunks, the half itself (for diffusers' ``_modulate``
-    on a fallback) and the edit models' ``modulate_index``."""
+    """One modulation half of one stream: its chunks, the half (diffusers' ``_modulate``) and ``modulate_index``."""
 
     shift: torch.Tensor
     scale: torch.Tensor
@@ -238,7 +216,7 @@ class _Mod:
 
 def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: torch.Tensor | None) -> str | None:
     """Why the fused ops would reject these arguments where diffusers accepts them (else None)."""
-    if x.dtype not in _SUPPORTED:
+    if x.dtype not in _validate.SUPPORTED_DTYPES:
         return f"activation dtype {x.dtype} not supported by the fused ops"
     if type(x) is not torch.Tensor:
         return f"activations are a {type(x).__name__}, not a plain tensor"
@@ -295,8 +273,7 @@ class _Deferred:
         if type(b.data) is not torch.Tensor:
             b = local_view(b)[0]  # a replicated DTensor bias under tensor parallelism
         if b.device != x.device or b.dtype != x.dtype:
-            # e.g. leaf-level group offloading moved it back after the GEMM, or layerwise casting
-            # stores it in another dtype: the value is the one the GEMM would have used.
+            # (leaf-level offloading moved it back after the GEMM, layerwise casting): the value the GEMM used
             self.plan.count(f"{self.names[i]}: deferred bias was {b.dtype} on {b.device} at use; converted")
             b = b.to(device=x.device, dtype=x.dtype)
         return b
@@ -304,8 +281,8 @@ class _Deferred:
 
 @contextlib.contextmanager
 def _gated_forwards(plan: BlockPlan, block: nn.Module):
-    """The plan's gated real-FP8 forwards in their linears' forward slots, opened for this thread, for one call of the
-    hooked attention. Never between calls: ``mtq.compress`` would keep one as ``_forward_pre_dm`` (and recurse)."""
+    """The plan's gated real-FP8 forwards in their linears' slots for one hooked-attention call only (never
+    between calls: ``mtq.compress`` would keep one as ``_forward_pre_dm`` and recurse)."""
     placed = []
     for p, f in plan.rt.attn_fwds.items():
         m = resolve(block, p)
@@ -321,35 +298,25 @@ def _gated_forwards(plan: BlockPlan, block: nn.Module):
                 del f.linear.__dict__["forward"]
 
 
-# ---------------------------------------------------------------------------- the fused forward
-
-
 def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                   temb, image_rotary_emb, joint_attention_kwargs, modulate_index):
-    c = _Call(plan, self, R.REFERENCE if compiling else plan.mode, plan.options.kernels_under_compile is True, compiling)
-    given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, modulate_index)
+                   temb, image_rotary_emb, joint_attention_kwargs, index):
+    c = _Call(plan, self, R.REFERENCE if compiling else plan.mode, plan.options.kernels_under_compile is True,
+              compiling)
+    given = None if compiling else handoff.take(plan, hidden_states, encoder_hidden_states, temb, index)
     tl = _text_lane(c, plan, self, hidden_states)
     if given is None or not tl:  # what the text lane made (the previous block's hand-off) is read here
         lane.settle(hidden_states.device, "txt")
-    if given is not None:
-        img_mod_params, txt_mod_params = given.img_mod, given.txt_mod
-    else:
-        img_mod_params = _modulation(c, plan, self, "img_mod", temb)
-        txt_mod_params = _txt_modulation(c, plan, self, temb)
-    index = modulate_index
+    img_mod_params, txt_mod_params = ((given.img_mod, given.txt_mod) if given is not None else (
+        _modulation(c, plan, self, "img_mod", temb), _txt_modulation(c, plan, self, temb)))
     i1, i2 = (_Mod.of(half, index) for half in img_mod_params.chunk(2, dim=-1))
     t1, t2 = (_Mod.of(half, None) for half in txt_mod_params.chunk(2, dim=-1))
     site = plan.site
-
-    if given is not None:
-        img_in, txt_in = given.img_in, given.txt_in
-    else:
-        img_in = _norm1(c, site("img", "norm1"), self.img_norm1, hidden_states, i1)
-        txt_in = _norm1(c, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t1)
+    img_in, txt_in = ((given.img_in, given.txt_in) if given is not None else
+                      (_norm1(c, site("img", "norm1"), self.img_norm1, hidden_states, i1),
+                       _norm1(c, site("txt", "norm1"), self.txt_norm1, encoder_hidden_states, t1)))
 
     swaps = plan.quant_attention and not plan.own_attention
-    # the shadowing decision and the shadowed GEMMs under the block's one lock (dependencies.block_lock): no other
-    # thread's call, unpatch() or patch() again sees a shadowed bias as missing or pops a shadow mid-GEMM
+    # shadowing and the shadowed GEMMs under the block's one lock: no other thread sees a shadowed bias as missing
     with plan.rt.lock:
         deferred = _Deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
@@ -369,8 +336,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
                         encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
                         **(joint_attention_kwargs or {}),
                     )
-    # The text stream from here to the next block's q/k/v: on the text lane where tl (forked in attention.run at
-    # to_add_out; each stretch below continues it without waiting for the image stream's work issued in between)
+    # the text stream from here to the next block's q/k/v: on the text lane where tl (forked in attention.run)
     txt_reads = (encoder_hidden_states, txt_mod_params, temb)
     with _txt_stretch(tl, hidden_states, txt_reads):
         encoder_hidden_states, txt_ffn_in = _residual_norm(
@@ -384,8 +350,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     if nxt is not None:
         nb, np_, frame, code = nxt
         nc = _Call(np_, nb, np_.mode, c.traced, compiling)
-        # the next block's image modulation (a GEMV over its 3072 x 18432 weight) beside this block's image FFN
-        # (ops.lane's branch lane where a capture runs; in line before the FFN otherwise)
+        # the next block's image modulation GEMV beside this block's image FFN (on the branch lane where it runs)
         n_img_mod = (lane.aside(lambda: _modulation(nc, np_, nb, "img_mod", temb), temb)
                      if "branch" in plan.options.tuning.lanes else _modulation(nc, np_, nb, "img_mod", temb))
     with plan.rt.lock:
@@ -407,7 +372,7 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         hidden_states, n_img_in = _residual_norm(
             nc, nb, np_.site("img", "norm1"), nb.img_norm1, hidden_states, img_ffn, deferred.bias(0, img_ffn),
             i2.gate, _Mod.of(n_img_mod.chunk(2, dim=-1)[0], index), "img.ffn_residual + next img.norm1", plan)
-        handoff.give(handoff.Handoff(np_, frame, code, hidden_states, encoder_hidden_states, temb, modulate_index,
+        handoff.give(handoff.Handoff(np_, frame, code, hidden_states, encoder_hidden_states, temb, index,
                                      n_img_mod, n_txt_mod, n_img_in, n_txt_in, np_.rt.generation))
         return encoder_hidden_states, hidden_states  # bf16/fp32 only (fp16 blocks do not receive)
     with _txt_stretch(tl, hidden_states, txt_reads):
@@ -416,28 +381,17 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     hidden_states = _ffn_residual(c, site("img", "ffn_residual"), hidden_states, img_ffn,
                                   deferred.bias(0, img_ffn), i2.gate, index)
     lane.settle(hidden_states.device, "txt")  # the block's text output is read after it
-
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return tuple(t.clip(-65504, 65504) if t.dtype == torch.float16 else t  # as diffusers
+                 for t in (encoder_hidden_states, hidden_states))
 
 
 def _cache_run(plan: BlockPlan):
-    """How the cache hook the plan runs around the block's own attention (``plan.attn_cache``) runs: PAB's
-    (:func:`step_caches.run`) or TaylorSeer's (:func:`taylorseer.run`); each finds its hook again and raises if it
-    is gone (the watch decides anew when hooks change, so that is never reached by diffusers' own API).
-    The attention residual sites never defer the output projections' biases here (``qwen_absorb.plan._decide_site``
-    refuses deferral while ``attn`` is hooked): what a cache stores or predicts is the attention's output as
-    diffusers' module returns it, bias included."""
+    """How the cache hook around the block's own attention runs (PAB's or TaylorSeer's); no bias deferred there."""
     return step_caches.run if plan.attn_cache_kind == step_caches.PAB else taylorseer.run
 
 
 def _residual_reason(h: torch.Tensor, y, params: tuple, index: torch.Tensor | None, what: str) -> tuple:
-    """``(y, None)`` where the residual ops take ``h`` and ``y`` (a tensor subclass, e.g. the AsyncCollectiveTensor
-    a row-wise TP projection returns, as its complete local value: its storage must never reach a raw kernel),
-    else ``(y, why not)``."""
+    """``(y, None)`` where the residual ops take ``h`` and ``y`` (a subclass as its local value), else ``(y, why)``."""
     why = _params_reason(h, params, index)
     if why is None and type(y) is not torch.Tensor:
         local, why = local_view(y)
@@ -455,20 +409,16 @@ def _txt_modulation(c: _Call, plan: BlockPlan, block: nn.Module, temb: torch.Ten
 
 
 def _text_lane(c: _Call, plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> bool:
-    """Whether this call runs its text stream on the text lane (:mod:`qwen_absorb.ops.lane`): lanes active (a capture),
-    its own attention on kernels without a TaylorSeer hook, no tensor-parallel linear (the lane would reorder its
-    all-reduces)."""
+    """Whether this call runs its text stream on the text lane: lanes active, its own attention on kernels without a
+    cache hook, no TP linear (the lane would reorder its all-reduces)."""
     if c.compiling or not (c.mode == R.KERNEL and plan.own_attention and not plan.attn_cache) \
-            or "txt" not in plan.options.tuning.lanes:
-        return False
-    if lane.lane_for(h.device, "txt") is None:
+            or "txt" not in plan.options.tuning.lanes or lane.lane_for(h.device, "txt") is None:
         return False
     return not any(is_dtensor(p) for p in block.txt_mlp.parameters())
 
 
 def _txt_stretch(on: bool, h: torch.Tensor, reads: tuple) -> contextlib.AbstractContextManager:
-    """A stretch of the text stream on its lane where ``on``, continuing the lane's work (no wait for the image
-    stream's work since it forked), holding the caller's tensors it reads."""
+    """A stretch of the text stream on its lane where ``on``, continuing the lane's work (no wait for the image's)."""
     return lane.region(h.device, "txt", fork=False, reads=reads, on=on)
 
 
@@ -486,14 +436,12 @@ def _modulation(c: _Call, plan: BlockPlan, block: nn.Module, name: str, temb: to
 
 
 def _hand(c: _Call, sp: SitePlan, out: torch.Tensor | None, second: torch.Tensor | None) -> tuple:
-    """A producer's hand-over to its consumers: ``(codes or NVFP4 fake quantization, activation or None)`` where it
-    emits (the activation where their LoRA branches read it), else ``(activation, None)``."""
+    """A producer's hand-over: ``(codes or NVFP4 emission, activation for LoRA or None)``, else ``(out, None)``."""
     return (second, out if sp.act_out else None) if sp.fp8_out or c.q4(sp) is not None else (out, None)
 
 
 def _emit(c: _Call, sp: SitePlan, out: torch.Tensor) -> tuple:
-    """:func:`_hand` of a site's eager expression: FP8 codes by the reference (exact), NVFP4 by the call's mode (on
-    CUDA only the kernel rounds as ModelOpt)."""
+    """:func:`_hand` of an eager expression: FP8 codes by the reference (exact), NVFP4 by the call's mode."""
     if c.q4(sp) is not None:
         return _hand(c, sp, out, R.quantize_nvfp4(c.mode, out.contiguous(), sp.nvfp4_amax))
     return _hand(c, sp, out, R.quantize_fp8(R.REFERENCE, out, sp.fp8_amax)[0] if sp.fp8_out else None)
@@ -518,9 +466,8 @@ def _norm1(c: _Call, sp: SitePlan, norm: nn.Module, h: torch.Tensor, m: _Mod):
 
 def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h: torch.Tensor, y, bias, gate,
                    m: _Mod, where: str, counting: BlockPlan | None = None):
-    """``h + gate * (y + bias)``, then ``norm`` + modulation ``m`` of it: the attention residual + norm2, or the FFN
-    residual + the next block's norm1 (``c``, ``block``: the next block's; ``counting``: the plan that counts).
-    Returns (new residual, the consumer's input ``(input, activation or None)``)."""
+    """``h + gate * (y + bias)``, then ``norm`` + modulation ``m``: the attention residual + norm2, or the FFN
+    residual + the next block's norm1 (``c``, ``block``: the next block's). Returns (new residual, consumer input)."""
     eps = c.plan.norms[sp.norm].eps
     counting, mode = counting or c.plan, c.site_mode(sp)
     if mode is not None:
@@ -531,16 +478,13 @@ def _residual_norm(c: _Call, block: nn.Module, sp: SitePlan, norm: nn.Module, h:
                 new_h, out, second = sp.run_with_residual(mode, h, y, bias, gate, m.shift, m.scale, eps, m.index,
                                                           sp.fp8_amax, sp.act_out, sp.norm_quant, c.q4(sp))
                 return new_h, _hand(c, sp, out, second)
-            # A quantizer the op cannot reproduce (e.g. NVFP4 dynamic): applied exactly between
-            # the residual op and the norm op, by ModelOpt itself.
+            # a quantizer the op cannot reproduce (NVFP4 dynamic): ModelOpt's, between the residual and norm ops
             new_h = R.bias_gate_residual(mode, h, y, bias, gate, m.index)
             x = run_module(c.plan, c.compiling, norm.input_quantizer, new_h)
             return new_h, _hand(c, sp, *R.layer_norm_scale_shift(mode, x, m.shift, m.scale, eps, m.index,
                                                                  nvfp4_amax=c.q4(sp)))
         counting.count(f"{where}: {why}")
-    if bias is not None:
-        y = y + bias
-    new_h = h + expand_param(gate, m.index) * y
+    new_h = h + expand_param(gate, m.index) * (y + bias if bias is not None else y)
     return new_h, _emit(c, sp, block._modulate(norm(new_h), m.half, m.index)[0])
 
 
@@ -551,14 +495,11 @@ def _ffn_residual(c: _Call, sp: SitePlan, h, y, bias, gate, index):
         if why is None:
             return sp.run(mode, h, y, bias, gate, index)
         c.plan.count(f"{sp.stream}.ffn_residual: {why}")
-    if bias is not None:
-        y = y + bias
-    return h + expand_param(gate, index) * y
+    return h + expand_param(gate, index) * (y + bias if bias is not None else y)
 
 
 def _tp_attention(plan, attn, joint_attention_kwargs) -> bool:
-    """Run the attention through :func:`qwen_absorb.attention.run` although the plan does not own it: under tensor
-    parallelism (its linears on their local shards), for diffusers' own processor without extra kwargs."""
+    """Whether :func:`qwen_absorb.attention.run` runs a TP attention the plan does not own (on local shards)."""
     if joint_attention_kwargs or not is_dtensor(attn.to_q._parameters.get("weight")):
         return False
     return not plan.tp_reasons["attn"]

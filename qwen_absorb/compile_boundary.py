@@ -1,11 +1,10 @@
 """A patched Qwen-Image block under ``torch.compile``: one opaque custom op around its eager patched forward.
 
-Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains (FP8 103.1 ms
-compiled against 89.1 ms eager on the H200, ``results/archive/speed/speed_h200_eb5cc70.md``) without eager's
-roundings (flipping FP8 codes), and the per-call checks are not traced. So by default the traced forward is one call
-of ``qwen_absorb::qwen_image_block`` running the eager patched forward, checks included. The op takes the block's
-``attn.norm_q.weight`` (a graph input: one graph serves all blocks) and finds the block by its storage. The eager
-forward is registered by :mod:`qwen_absorb.block` (:func:`register_forward`), which sits above this module.
+Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor re-fuses the chains (slower than
+eager) without eager's roundings (flipping FP8 codes), and the per-call checks are not traced. So by default the
+traced forward is one call of ``qwen_absorb::qwen_image_block`` running the eager patched forward (registered by
+:mod:`qwen_absorb.block`, above this module). The op takes the block's ``attn.norm_q.weight`` (a graph input: one
+graph serves all blocks) and finds the block by its storage.
 """
 
 from __future__ import annotations
@@ -40,9 +39,7 @@ def track(block: nn.Module) -> None:
 
 def handle(block: nn.Module) -> Any:
     """The parameter the op identifies ``block`` by (traced: plain attribute reads), or None."""
-    attn = getattr(block, "attn", None)
-    norm = getattr(attn, "norm_q", None)
-    w = getattr(norm, "weight", None)
+    w = getattr(getattr(getattr(block, "attn", None), "norm_q", None), "weight", None)
     return w if isinstance(w, torch.Tensor) else None
 
 

@@ -1,5 +1,5 @@
 """What a block's decisions depend on: user hooks, the modules the fused path skips (checked per call), and the
-:class:`~qwen_absorb.watch.Watch` of what decisions and derived state were made from. Reads adapters, never the plan.
+:class:`~qwen_absorb.watch.Watch` of what decisions and derived state were made from.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
 
 
 def attention_cache_kind(block: nn.Module) -> str | None:
-    """Which cache, the only hook of ``block.attn``, the block can run around its own attention: ``"TaylorSeer"``
-    (:func:`taylorseer.run`), ``"PyramidAttentionBroadcast"`` (:func:`step_caches.run`), or None."""
+    """The cache, ``block.attn``'s only hook, the block runs around its own attention (TaylorSeer, PAB), or None."""
     attn = block._modules.get("attn")
     if attn is None:
         return None
@@ -53,23 +52,18 @@ def attention_cache_kind(block: nn.Module) -> str | None:
 
 
 def attention_cache(block: nn.Module) -> bool:
-    """``block.attn``'s only hook is a cache the block can run around its own attention
-    (:func:`attention_cache_kind`)."""
+    """``block.attn``'s only hook is a cache the block runs around its own attention (:func:`attention_cache_kind`)."""
     return attention_cache_kind(block) is not None
 
 
 def attention_hook_refusal(block: nn.Module) -> list[str]:
-    """:func:`hook_refusal` for the attention as a whole, except a cache hook the block runs itself
-    (:func:`attention_cache`)."""
+    """:func:`hook_refusal` for the attention as a whole, except a cache hook the block runs itself."""
     return [] if attention_cache(block) else hook_refusal(block, "the attention runs as its module", "attn")
 
 
 def weight_moving_hook(block: nn.Module) -> tuple[str, nn.Module, str] | None:
-    """A module inside ``block`` (not the block) whose weights a hook brings to the device, or casts, only around
-    that module's own call (leaf-level group offloading, layerwise casting, accelerate's sequential offload):
-    ``(path, module, category)``, or None. The fused path reads such weights without calling their module (the
-    q/k RMSNorm weights, ModelOpt amax buffers, biases, LoRA factors): under leaf-level offloading they are host
-    memory there, and a kernel given their address faulted on the H200 (an illegal memory access)."""
+    """``(path, module, category)`` of a module in ``block`` whose weights a hook moves or casts only around its own
+    call (leaf offloading, layerwise casting), or None: the fused path reads weights without calling their module."""
     for path, m in block.named_modules():
         if path and (category := hooks.weight_moving(m)) is not None:
             return path, m, category
@@ -102,8 +96,7 @@ _PLAIN_ATTRS = ("eps",)  # plain attributes of watched modules that decisions co
 
 
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
-    """The tensors only derived state is made from (FP8-GEMM linears' original weights and amaxes, unless aliased):
-    a graph never reads them, so a change makes its result stale, never its memory unsafe."""
+    """The tensors only derived state is made from (FP8 linears' weights, amaxes; unaliased): no graph reads them."""
     derived, sources = set(), []
     for p, lp in plan.linears.items():
         w = lp.weight
@@ -134,13 +127,9 @@ _BLOCK_LOCKS_GUARD = threading.Lock()
 
 
 def block_lock(block: nn.Module) -> threading.RLock:
-    """The one lock of ``block`` for all its plans: an old plan's call running during ``patch()`` / ``unpatch()`` in
-    another thread shadows the bias Parameters the new state reads."""
+    """The one lock of ``block`` for all its plans (an old plan's call may run during ``patch()`` / ``unpatch()``)."""
     with _BLOCK_LOCKS_GUARD:
-        lock = _BLOCK_LOCKS.get(block)
-        if lock is None:
-            lock = _BLOCK_LOCKS[block] = threading.RLock()
-        return lock
+        return _BLOCK_LOCKS.setdefault(block, threading.RLock())
 
 
 def watch(block: nn.Module) -> Watch:
@@ -150,8 +139,9 @@ def watch(block: nn.Module) -> Watch:
     modules: dict[int, nn.Module] = {}
     stateful: list = []
 
-    def add(e: tuple, into: dict) -> None:
-        into.setdefault((id(e[0]), e[1], e[2]), e)
+    def add(into: dict, *es: tuple) -> None:
+        for e in es:
+            into.setdefault((id(e[0]), e[1], e[2]), e)
 
     for path in _WATCHED_PATHS:
         m: nn.Module | None = block
@@ -159,42 +149,34 @@ def watch(block: nn.Module) -> Watch:
             if m is None or "_modules" not in m.__dict__:
                 m = None
                 break
-            add((m, "_modules", part), entries)
+            add(entries, (m, "_modules", part))
             m = m._modules.get(part)
         if m is None:
             continue
         base, wrappers = unwrap_peft(m)
         for x in (*wrappers, base):
             modules[id(x)] = x
-            add((x, "__dict__", "forward"), entries)
-            for k in _PLAIN_ATTRS:  # a norm's eps set anew (the fused ops take the decided one)
-                if k in x.__dict__:
-                    add((x, "__dict__", k), entries)
-            for k in ("weight", "bias"):
-                add((x, "_parameters", k), tensors)
+            add(entries, (x, "__dict__", "forward"))
+            # a norm's eps set anew (the fused ops take the decided one)
+            add(entries, *((x, "__dict__", k) for k in _PLAIN_ATTRS if k in x.__dict__))
+            add(tensors, (x, "_parameters", "weight"), (x, "_parameters", "bias"))
             sw, ts = quant.watch_pairs(x)
-            for e in sw:
-                add(e, entries)
-            for e in ts:
-                add(e, tensors)
+            add(entries, *sw)
+            add(tensors, *ts)
             if "base_layer" in x._modules:
-                add((x, "_modules", "base_layer"), entries)
+                add(entries, (x, "_modules", "base_layer"))
         stateful += [(w, lora.state) for w in wrappers if lora.is_lora_layer(w)]
     attn = block._modules.get("attn")
     if attn is not None:
-        add((attn, "__dict__", "processor"), entries)
-        add((attn, "__dict__", "heads"), entries)  # the head split the fused attention decided for
+        add(entries, (attn, "__dict__", "processor"), (attn, "__dict__", "heads"))  # heads: the fused head split
         sw, ts = quant.watch_pairs(attn, quant.ATTENTION_QUANTIZERS)  # ModelOpt's QuantAttention: enabled after
-        for e in sw:
-            add(e, entries)
-        for e in ts:
-            add(e, tensors)
+        add(entries, *sw)
+        add(tensors, *ts)
     holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
     modules.update((id(m), m) for m in holders)
     sized: dict[tuple[int, str, str], tuple] = {}
     for m in modules.values():  # a hook added or removed: decide again
-        add((m, "__dict__", "forward"), entries)
-        for name in _HOOK_DICTS:
-            add((m, "__dict__", name), sized)
+        add(entries, (m, "__dict__", "forward"))
+        add(sized, *((m, "__dict__", name) for name in _HOOK_DICTS))
     # typed: a class converted in place (mtq.quantize)
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())

@@ -1,6 +1,5 @@
 """How a patched Qwen-Image block's FeedForward runs: as its module, on its tensor-parallel shards, or with its
-linears as real FP8 GEMMs, net[0]'s GELU fused with the e4m3 quantization that feeds net[2] (and, with a LoRA,
-net[0]'s last branch added inside it: :func:`qwen_absorb.projection.fp8_linear_gelu_fp8`)."""
+linears as real FP8 GEMMs, net[0]'s GELU fused with the e4m3 quantization that feeds net[2]."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ from .projection import fp8_linear, fp8_linear_gelu_fp8, nvfp4_linear, run_modul
 
 
 def _tp_ffn(plan, mlp_name, mlp, x, works):
-    """The FeedForward on its tensor-parallel shards (the down projection's all-reduce to ``works``), or None: not
-    TP, or not exactly diffusers' (GELU, Dropout, Linear) unhooked."""
-    net = mlp.net
-    up = net[0].proj
+    """The FeedForward on its TP shards (all-reduce to ``works``), or None: not TP, or not diffusers' own unhooked."""
+    net, up = mlp.net, mlp.net[0].proj
     if plan.tp_reasons[mlp_name] or not is_dtensor(up._parameters.get("weight")):
         return None
     if any(hooks.hooked(m) for m in (mlp, net[0], net[1])):
@@ -38,8 +35,7 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
 
 def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: list, compiling: bool,
         mode: int) -> torch.Tensor:
-    """The FeedForward ``mlp_name`` of ``block``, FP8 / NVFP4 where planned, on its local shards under TP. ``x_in``:
-    ``(input, activation or None)`` from the producing site; ``mode``: how net[2]'s GELU quantization runs."""
+    """The FeedForward ``mlp_name`` of ``block``; ``x_in``: ``(input, activation or None)`` from the producing site."""
     x, act = x_in
     mlp = block._modules[mlp_name]
     up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]

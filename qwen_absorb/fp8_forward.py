@@ -1,12 +1,10 @@
 """Real FP8 GEMMs for ModelOpt FP8 linears called by code other than the block's own, in each linear's forward slot.
 
-Qwen-Image-2.1's attention linears (and those of a hooked Qwen-Image attention) are called as modules by diffusers'
-processors. :func:`install` puts an :class:`Fp8LinearForward` in such a linear's instance ``forward`` (torch hooks
-still run around it): it quantizes its input itself, or a runner calling no hook in between takes its ``gemm`` from
-the codes its fused op emitted. Its :class:`~qwen_absorb.plan.LinearPlan` is rebuilt when its own
-:class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since (``mtq.compress`` keeps
-this forward as ``_forward_pre_dm``) runs as ModelOpt runs it. *Gated* forwards run ModelOpt's forward except while
-the block itself calls ``block.attn(...)`` :class:`opened` (per object and thread).
+Linears called as modules by diffusers' processors (Qwen-Image-2.1's, a hooked attention's) get an
+:class:`Fp8LinearForward` as instance ``forward`` (:func:`install`; torch hooks still run around it): it quantizes
+its input, or a runner calling no hook in between takes its ``gemm`` of the codes its fused op emitted. Its plan is
+rebuilt when its own :class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since
+runs as ModelOpt runs it. *Gated* forwards run ModelOpt's forward except while :class:`opened` (per thread).
 """
 
 from __future__ import annotations
@@ -110,8 +108,7 @@ class Fp8LinearForward:
         w = self.watch
         if w is None or w.changed():
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                # building an FP8 weight syncs (and would allocate from the graph's pool): the module runs (what
-                # the graph records); the next eager call decides
+                # building an FP8 weight syncs: the module runs (what the graph records); the next eager call decides
                 self.lp, self.watch = LinearPlan(self.path), None
                 self.generation += 1
                 return False
@@ -121,8 +118,8 @@ class Fp8LinearForward:
     def _decide(self, first: bool) -> None:
         lin, dev = self.linear, _device_of(self.linear)
         self.generation += 1
-        moved = self.slot[0].get(self.slot[1]) is not lin
-        lp = self.lp = LinearPlan(self.path, fp8_reasons=[MOVED_FALLBACK] if moved else refusals(lin, dev, self.options))
+        why = [MOVED_FALLBACK] if self.slot[0].get(self.slot[1]) is not lin else refusals(lin, dev, self.options)
+        lp = self.lp = LinearPlan(self.path, fp8_reasons=why)
         if not lp.fp8_reasons:
             try:
                 lp.weight = quant.make_fp8_weight(lin, dev)
@@ -133,7 +130,7 @@ class Fp8LinearForward:
             self.parts = fingerprint_parts(lin._parameters["weight"])  # on the device: compared at patch() again
             lp.input_scale = dequant_scale(lp.weight.input_amax)
             lp.bias = lin._parameters.get("bias")
-            self.amax_value = float(lp.weight.input_amax.reshape(()))  # one sync per rebuild: groups compare on the host
+            self.amax_value = float(lp.weight.input_amax.reshape(()))  # one sync per rebuild: compared on the host
             self.fast_accum = gating.fast_accum(self.options.use_fast_accum, dev)
         switches, tensors = quant.watch_pairs(lin)
         # the class too: ModelOpt converts modules in place (mtq.compress: QuantLinear -> RealQuantQuantLinear)
@@ -150,8 +147,7 @@ class Fp8LinearForward:
         return (self.slot[2], "_modules", self.slot[1]) if len(self.slot) > 2 else (self.linear, "__dict__", "forward")
 
     def content_changed(self) -> bool:
-        """Whether the codes' sources moved where no version shows it (a write through ``.data``: PEFT's merge with
-        the wrapper gone again, a user's; ModelOpt's ``quantizer.amax = v``). It syncs: for ``patch()`` again."""
+        """Whether the codes' sources moved where no version shows it (writes through ``.data``); it syncs."""
         lp = self.lp
         if lp.weight is None or self.device is None:
             return False
@@ -160,9 +156,8 @@ class Fp8LinearForward:
                 or quant.fp8_sources_moved(self.linear, lp.weight, self.device))
 
     def reclaim(self) -> None:
-        """Back in the instance ``forward`` slot where a ModelOpt conversion since (``mtq.compress``) kept this as
-        ``_forward_pre_dm`` behind its own forward: that forward fake-quantizes the input before handing it here,
-        and a second quantization is not the one a model compressed before patching runs (ties round apart)."""
+        """Back in the ``forward`` slot where ``mtq.compress`` since kept this as ``_forward_pre_dm`` behind its own
+        forward, which fake-quantizes the input first: not what a model compressed before patching runs."""
         d = self.linear.__dict__
         if d.get("_forward_pre_dm") is self and d.get("forward") is not self:
             del d["_forward_pre_dm"]
@@ -183,8 +178,7 @@ class Fp8LinearForward:
     # -- running
     def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         lin = self.linear
-        # kept by a ModelOpt conversion since (mtq.compress) as the forward from before: its class forward quantized
-        # the input and calls this for the GEMM, so ModelOpt's own GEMM runs where ours does not (no recursion)
+        # kept by mtq.compress as _forward_pre_dm: its class forward quantized the input and calls this for the GEMM
         module = quant.modelopt_inner_forward if lin.__dict__.get("_forward_pre_dm") is self else _class_forward
         if torch.compiler.is_compiling() or (self.gated and self.gate != threading.get_ident()):
             # closed, or compiling (ModelOpt's modules as before patching): exactly the module, nothing counted
@@ -240,9 +234,7 @@ class Fp8LinearForward:
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
             on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False,
             ) -> dict[str, Fp8LinearForward]:
-    """An :class:`Fp8LinearForward` on every ModelOpt linear of ``block`` among ``paths`` that may become a real FP8
-    GEMM, refusals told through ``on_state``; returns them by path. ``gated``: installed closed, the FP8 weight
-    built at the first opened call."""
+    """An :class:`Fp8LinearForward` on each eligible ModelOpt linear at ``paths``, by path (``gated``: closed)."""
     installed: dict[str, Fp8LinearForward] = {}
     for path in paths:
         m = resolve(block, path)
@@ -272,14 +264,13 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
             r = refusals(m, _device_of(m), options)
             if on_state is not None:
                 on_state(index, path, not r, list(r))
-            continue
-        fwd.ready(_device_of(m))  # decide now, so the report says what runs
+        else:
+            fwd.ready(_device_of(m))  # decide now, so the report says what runs
     return installed
 
 
 def stale_reason(block: nn.Module, fwds: dict[str, Fp8LinearForward]) -> str | None:
-    """Why the forwards :func:`install` put on ``block`` no longer match it, where no call sees it (asked by
-    ``patch()`` again: a linear replaced or moved since, a source written through ``.data``), else None."""
+    """Why the forwards :func:`install` put on ``block`` no longer match it where no call sees it, else None."""
     for path, f in fwds.items():
         base, wrappers = unwrap_peft(resolve(block, path))
         if wrappers:
@@ -292,8 +283,7 @@ def stale_reason(block: nn.Module, fwds: dict[str, Fp8LinearForward]) -> str | N
 
 
 def remove(block: nn.Module, elsewhere: Sequence[Fp8LinearForward] = ()) -> None:
-    """Every :class:`Fp8LinearForward` out of ``block``'s modules, wherever they are now (``_forward_pre_dm`` too),
-    and out of the linears of ``elsewhere`` (installed here, moved out of the block since)."""
+    """Every :class:`Fp8LinearForward` out of ``block``'s modules (``_forward_pre_dm`` too) and ``elsewhere``'s."""
     for m in [*block.modules(), *(f.linear for f in elsewhere)]:
         for slot in ("forward", "_forward_pre_dm"):
             f = m.__dict__.get(slot)
@@ -328,8 +318,7 @@ def gated(block: nn.Module, paths: Sequence[str] = ATTN_LINEARS) -> list[Fp8Line
 
 
 def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | None:
-    """The real-FP8 forward installed on ``module``, if any; ``converted``: also one a ModelOpt conversion since
-    keeps as ``_forward_pre_dm``."""
+    """The real-FP8 forward installed on ``module``, if any; ``converted``: also one kept as ``_forward_pre_dm``."""
     d = module.__dict__ if module is not None else {}
     f = d.get("forward")
     if type(f) is not Fp8LinearForward and converted:
@@ -338,8 +327,8 @@ def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | 
 
 
 def group(parent: nn.Module, names: Sequence[str], device: torch.device) -> list[Fp8LinearForward] | None:
-    """The real-FP8 forwards of ``parent``'s linears ``names`` when all run on ``device`` now under one input amax and
-    may be called as their GEMM (one emission serves all); else None."""
+    """The real-FP8 forwards of ``parent``'s linears ``names`` if all run on ``device`` now under one input amax and
+    may be called as their GEMM (one emission serves all), else None."""
     mods = parent.__dict__.get("_modules") or {}
     out = []
     for n in names:

@@ -1,14 +1,9 @@
 """Cross-block fusion: block i's FFN residual and block i+1's norm1 as one kernel.
 
-Block i's ``h = h + gate * ffn_out`` and block i+1's modulated norm1 are the pattern of
-``bias_residual_layer_norm_scale_shift`` (the modulation depends only on ``temb``): block i computes block i+1's
-modulation and norm1 output with its residual and *hands them over* (one launch and one round trip saved per stream).
-
-Safe only if nothing touches ``hidden_states`` in between: block i hands over only when neither block has forward
-hooks and it was called from the transformer's own forward loop (the frame is recorded); block i+1 takes it only from
-that frame, with the very tensors block i returned (a ControlNet residual is a new object) and the same ``temb`` and
-``modulate_index``, else computes its norm1 itself (counted). The same ops compute the values: no bit changes. The
-record is thread-local, dropped by the next patched block call in the thread.
+Block i computes block i+1's modulation and norm1 with its residual (``bias_residual_layer_norm_scale_shift``) and
+*hands them over*. Safe only if nothing touches ``hidden_states`` in between: no forward hooks on either block, both
+called from the transformer's forward loop frame, block i+1 with the very tensors block i returned and the same
+``temb`` and ``modulate_index``; else it computes its norm1 itself (counted). The record is thread-local.
 """
 
 from __future__ import annotations
@@ -47,9 +42,6 @@ class Handoff:
     generation: int = -1  # the receiving plan's generation whose watch block i asked (vouched, see vouched())
 
 
-# ---------------------------------------------------------------------------- patch time
-
-
 def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module) -> None:
     """Point each patched block at the next one (structure only; the rest is checked per call)."""
     loop_code = _loop_code(type(transformer))
@@ -74,8 +66,7 @@ def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module
 @functools.lru_cache(maxsize=None)
 def _loop_code(cls: type) -> Any:
     """The code object of ``cls.forward`` (unwrapped): the frame the block loop runs in."""
-    fwd = inspect.unwrap(cls.forward)
-    return getattr(fwd, "__code__", None)
+    return getattr(inspect.unwrap(cls.forward), "__code__", None)
 
 
 def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
@@ -95,12 +86,8 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
     return r
 
 
-# ---------------------------------------------------------------------------- call time
-
-
 def _caller_frame(code: Any) -> int | None:
-    """id() of the nearest enclosing frame running the transformer's forward loop (a few levels up; more under
-    torch.compile, where :mod:`qwen_absorb.compile_boundary`'s op sits in between)."""
+    """id() of the nearest enclosing frame running the transformer's forward loop (deeper under torch.compile)."""
     f = sys._getframe(2)
     for _ in range(40):
         if f is None:
@@ -112,8 +99,7 @@ def _caller_frame(code: Any) -> int | None:
 
 
 def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Module, BlockPlan, int, Any] | None:
-    """The next block, its plan and the loop frame, if this call can hand over (else None; per-call obstacles
-    counted)."""
+    """The next block, its plan, the loop frame and its code, if this call can hand over (else None; counted)."""
     nb = plan.rt.handoff_to
     if nb is None:
         return None
@@ -121,9 +107,7 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
     if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.handoff_in_reasons
             or np_.options is not plan.options or np_.calibrating):
         return None  # not decided for this device yet, or cannot receive: see its report entry
-    if np_.rt.watch.changed():
-        # the next block's decisions are out of date (a LoRA unloaded from its img_mod, a weight replaced): it
-        # decides again at its own call, and computes its norm1 then
+    if np_.rt.watch.changed():  # it decides again at its own call, and computes its norm1 then
         plan.count("cross-block hand-off not made: the next block changed since it decided (it decides again)")
         return None
     if h.dtype == torch.float16:
@@ -132,8 +116,7 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
         plan.count("cross-block hand-off not made: a forward hook on this or the next block (or a global one) "
                    "could change hidden_states in between")
         return None
-    code = _loop_code(plan.rt.loop_owner)
-    frame = _caller_frame(code)
+    frame = _caller_frame(code := _loop_code(plan.rt.loop_owner))
     if frame is None:
         plan.count("cross-block hand-off not made: block not called from the transformer's forward loop")
         return None
@@ -164,8 +147,7 @@ def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
 
 
 def vouched(plan: BlockPlan) -> bool:
-    """Whether this thread holds a record for ``plan`` made after the previous block asked its watch, no hook able to
-    run in between (:func:`target`): the block need not ask it again."""
+    """Whether this thread holds a record for ``plan`` made after its watch was asked (:func:`target`)."""
     rec: Handoff | None = getattr(_local, "rec", None)
     return rec is not None and rec.to is plan and rec.generation == plan.rt.generation
 

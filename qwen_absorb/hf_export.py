@@ -1,15 +1,12 @@
 """ModelOpt's Hugging Face exports of a Qwen-Image transformer, loaded back into diffusers: FP8 and NVFP4.
 
 :func:`load_hf_export` reads what ``export_hf_checkpoint`` writes (``config.json`` with a ``quantization_config``
-or a ``hf_quant_config.json`` beside it, and safetensors), per linear: **FP8** (SGLang's layout): ``weight``
-float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``; **NVFP4**
-(``nvidia/Qwen-Image-NVFP4``): ``weight`` uint8 [out, in / 2], two e2m1 codes a byte (even column in the low
-nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32 ``weight_scale_2`` = amax / (6 * 448), ``input_scale``
-= input amax / (6 * 448); ``MIXED_PRECISION``: linear by linear; linears without scales as stored (bf16).
-Padded or swizzled single-file (ComfyUI) NVFP4 layouts are refused with a reason.
-
-Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises ``TypeError`` with nvidia-modelopt >= 0.44
-(ModelOpt issue #2001, diffusers PR #14536 unreleased) and has no place for the scales.
+or a ``hf_quant_config.json`` beside it, and safetensors), per linear: **FP8**: ``weight`` float8_e4m3fn, fp32
+per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``; **NVFP4**: ``weight`` uint8 [out, in / 2], two
+e2m1 codes a byte (even column in the low nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32
+``weight_scale_2`` = amax / (6 * 448), ``input_scale`` = input amax / (6 * 448); ``MIXED_PRECISION``: linear by
+linear. Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises with ModelOpt >= 0.44 and has no place
+for the scales.
 """
 
 from __future__ import annotations
@@ -59,19 +56,13 @@ def import_modelopt(name: str = "modelopt.torch.quantization"):
 
 def quantized_linear_names(transformer: nn.Module) -> list[str]:
     """Names of the ``nn.Linear`` modules whose ModelOpt weight quantizer is enabled."""
-    out = []
-    for name, m in transformer.named_modules():
-        q = getattr(m, "weight_quantizer", None)
-        if isinstance(m, nn.Linear) and q is not None and getattr(q, "is_enabled", False):
-            out.append(name)
-    return out
+    return [name for name, m in transformer.named_modules()
+            if isinstance(m, nn.Linear) and getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)]
 
 
 def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
-    """Elements of ``weight`` whose e4m3 code under ModelOpt's fake quantization differs from its export's. Fake
-    quantization multiplies, ``e4m3(clamp(w * (448 / amax)))``, an amax <= 2^-24 taken as 1; the export divides,
-    ``e4m3(w / (amax / 448))``, by the raw amax (both float32): a float32 ulp apart now and then (0.11% of the
-    60-layer random recipe model's codes), and everywhere for an amax of 0 (the export writes NaN codes)."""
+    """Elements of ``weight`` whose e4m3 code under ModelOpt's fake quantization, ``e4m3(clamp(w * (448 / amax)))``
+    (an amax <= 2^-24 taken as 1), differs from its export's, ``e4m3(w / (amax / 448))`` (raw amax)."""
     a = amax.detach().to(torch.float32).reshape(())
     x = weight.detach().to(torch.float32)
     safe = torch.where(a <= 1.0 / (1 << 24), torch.ones_like(a), a)
@@ -115,10 +106,7 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(folder / f), device=str(device)))
-    return state
+    return {k: t for f in files for k, t in load_file(str(folder / f), device=str(device)).items()}
 
 
 def read_quant_algo(folder: Path) -> str | None:
@@ -133,11 +121,9 @@ def read_quant_algo(folder: Path) -> str | None:
 
 def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, maxbound: float = FP8_MAX,
                      cuda_first: bool = False) -> torch.Tensor:
-    """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale`` (the export stores that, not
-    the amax; ``scale * maxbound`` misses by an ulp now and then, a neighbour meets it). A bf16 model's amaxes are
-    bf16 values, so a candidate ``dtype`` represents exactly is returned in ``dtype``, else the first float32
-    one. ``cuda_first`` (NVFP4): the division first taken as on CUDA, where ModelOpt's NVFP4 fake quantization
-    runs: a product with the float32 reciprocal of ``maxbound``."""
+    """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale`` (``scale * maxbound`` misses by
+    an ulp now and then, a neighbour meets it); in ``dtype`` where it represents one exactly. ``cuda_first``
+    (NVFP4): first the division as ModelOpt's NVFP4 fake quantization does it on CUDA (times the reciprocal)."""
     s = scale.detach().to(torch.float32).reshape(())
     guess = s * maxbound
     candidates = [guess]
@@ -170,8 +156,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes, one a byte, with "-0" (8) as +0: a dequantized weight cannot tell them apart (the export writes
-    8 for a negative weight that rounds to zero)."""
+    """e2m1 codes, one a byte, with "-0" (8) as +0: a dequantized weight cannot tell them apart."""
     codes = _codes(packed)
     return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
@@ -221,9 +206,8 @@ class _Entry:
         return []
 
     def bad_scale(self) -> str | None:
-        """Why a stored scale cannot be ModelOpt's (a per-tensor scale not finite and positive, a block scale not
-        finite and non-negative), else None: ModelOpt asserts on a NaN amax, and a negative or infinite one would
-        load and compute nonsense."""
+        """Why a stored scale cannot be ModelOpt's: a per-tensor scale not finite and positive, a block scale not
+        finite and non-negative (ModelOpt asserts on a NaN amax). Else None."""
         per_tensor = [("input_scale", self.input_scale), ("weight_scale_2", self.scale_2)]
         per_tensor += [("weight_scale", self.scale)] if self.fmt == "fp8" else []
         for what, t in per_tensor:
@@ -288,13 +272,11 @@ def load_hf_export(
     compress: bool = False,
 ) -> nn.Module:
     """Load ModelOpt's Hugging Face export (FP8, NVFP4 or both; ``export_dir`` may be a pipeline folder) into a
-    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: build it
-    from ``config.json`` (every stored tensor must have a place of its shape, else ``ValueError`` "does not
-    match"); load each quantized weight as codes times scales (float32, then ``dtype``, default the unquantized
-    weights'); ``mtq.quantize`` without calibration, enabling exactly the export's linears with ModelOpt's default
-    quantizers and amaxes from which ModelOpt derives exactly the stored scales; check every quantized linear
-    quantizes back to the checkpoint's codes (NVFP4: "-0" read as 0, block scales of nonzero blocks); with
-    ``compress`` (FP8 only), ``mtq.compress``: float8 storage, ModelOpt's own FP8 GEMM."""
+    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: built from
+    ``config.json`` (``ValueError`` "does not match" if a stored tensor has no place), each quantized weight loaded
+    as codes times scales (then ``dtype``, default the unquantized weights'), ``mtq.quantize`` without calibration
+    with amaxes giving exactly the stored scales, every quantized linear checked to quantize back to the
+    checkpoint's codes. ``compress`` (FP8 only): ``mtq.compress`` (float8 storage, ModelOpt's own FP8 GEMM)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
     mtq = import_modelopt()
@@ -371,8 +353,7 @@ def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state:
 
 
 def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """A ``QwenImageTransformer2DModel`` of ``config`` with uninitialised weights; the rope module rebuilt for real
-    (its frequency tables are plain attributes made in ``__init__``)."""
+    """A ``QwenImageTransformer2DModel`` of ``config``, empty weights, its rope rebuilt (tables not in buffers)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
     from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415
         QwenEmbedLayer3DRope, QwenEmbedRope,

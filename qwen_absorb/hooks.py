@@ -1,7 +1,7 @@
 """The one reader of forward slots and hook chains: torch's, diffusers' ``HookRegistry`` and accelerate's.
 
 diffusers and accelerate hooks wrap ``module.forward`` by keeping the then-current bound forward and assigning an
-instance attribute: patching must put its forward where the *original* one is kept. Every per-call check asks here.
+instance attribute: patching must put its forward where the *original* one is kept.
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ def registry_hooks(module: nn.Module) -> dict[str, Any]:
 
 
 def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
-    """The diffusers hook registered on ``module`` under ``name`` when it is the module's only hook of any kind (no
-    torch or accelerate hook) and the registry's forward is the instance ``forward`` (nothing wrapped around it):
-    the conditions under which a patched block may run that hook's logic itself around its own computation."""
+    """The diffusers hook registered on ``module`` under ``name`` when it is the module's only hook of any kind and
+    nothing wraps the registry's forward: then a patched block may run that hook's logic around its own computation."""
     d = module.__dict__
     if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
         return None
@@ -104,9 +103,9 @@ _TRANSPARENT = ("offloading hook", "layerwise casting hook")
 
 
 def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
-    """Whether a module (its ``__dict__``, for speed) has a hook that may read or edit its inputs or outputs: more
-    torch (pre-)hooks than ``allowed`` (TP style hooks), a diffusers hook other than offloading / casting, or an
-    instance ``forward`` no weight-moving hook explains and not ours."""
+    """Whether a module (its ``__dict__``) has a hook that may read or edit its inputs or outputs: more torch
+    (pre-)hooks than ``allowed`` (TP style hooks), a diffusers hook other than offloading / casting, or an instance
+    ``forward`` neither ours nor explained by a weight-moving hook."""
     pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
     if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
         return True
@@ -180,16 +179,13 @@ def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
     if isinstance(inner, classes):
         return inner
     names = " or ".join(c.__name__ for c in classes)
-    raise TypeError(
-        f"qwen_absorb needs a {names} or a pipeline whose .transformer is one; got {type(target).__name__}"
-        + (f" with .transformer {type(inner).__name__}" if inner is not None else "")
-    )
+    raise TypeError(f"qwen_absorb needs a {names} or a pipeline whose .transformer is one; got {type(target).__name__}"
+                    + (f" with .transformer {type(inner).__name__}" if inner is not None else ""))
 
 
 class HeldGlobalHooks:
-    """Process-wide torch hooks (``register``: registers them, returns their handles) that exist only while at least
-    one holder lives: registered by the first :meth:`hold`, removed when the last holder is released or collected
-    (``unpatch`` leaves torch's global hook dicts as it found them)."""
+    """Process-wide torch hooks (``register`` registers them, returns their handles) that exist only while at least
+    one holder lives (``unpatch`` leaves torch's global hook dicts as it found them)."""
 
     def __init__(self, register: Callable[[], list[Any]]) -> None:
         self._register = register
@@ -216,7 +212,3 @@ class HeldGlobalHooks:
                 for h in self._handles:
                     h.remove()
                 self._handles = []
-
-    @property
-    def registered(self) -> bool:
-        return bool(self._handles)

@@ -1,20 +1,10 @@
 """Where the original weights of real-FP8 linears live: on the host while their FP8 codes run on the GPU.
 
-A real-FP8 linear reads only its plan's e4m3 codes; its original weight is needed only by what the plan does not
-run (a fallback call, a rebuild of the codes, ``fuse_lora``, ``state_dict``, ``unpatch``), and keeping it on the
-GPU doubles the model's memory (60 layers: 38 GiB of bf16 beside 19 GiB of codes). So by default
-(``offload_original_weights="auto"``), after every decision of a block (:func:`place`), a linear that runs (or, patched
-on the CPU, may run) as a real FP8 GEMM keeps its weight ``Parameter`` (same object, values intact) with its data
-in host memory; every other weight is where the model is.
-
-The module gets a :class:`HostWeight` as its instance ``_apply`` (what ``Module.to`` calls on every submodule): the
-weight takes dtype changes on the host and stays there on a move to an accelerator, and the block's FP8 codes are
-released when the model leaves their device (accelerate's model offload), so nothing stays on the GPU; the next
-decision on the GPU copies each weight there once and fingerprints and quantizes that copy
-(:func:`qwen_absorb.quant.staged_weight`: the CPU never reads the originals). A call running
-the original forward brings the weights over for that call only (:func:`onloaded`). A ``mtq.compress``ed model's
-codes are its storage: nothing moves. :func:`restore` (``unpatch``) puts every weight back on the model's device.
-Linears under an offloading or casting hook are left to the hook.
+The original weight serves only what the plan does not run (a fallback, a rebuild of the codes, ``state_dict``,
+``unpatch``); on the GPU it would double the model's memory. So after every decision of a block (:func:`place`), a
+real-FP8 linear keeps its weight ``Parameter`` (same object) with its data on the host; its :class:`HostWeight`
+``_apply`` keeps it there on ``Module.to`` and drops the FP8 codes when the model leaves their device. A call of the
+original forward brings the weights over for that call only (:func:`onloaded`). Hooked linears are left to the hook.
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ HOST_ATTR = "_qwen_absorb_host_weights"
 
 
 class HostWeight:
-    """The ``_apply`` of a linear whose weight is kept on the host: ``Module._apply`` for everything else.
-    ``device`` is where the weight would be without the patch (the model's device)."""
+    """The ``_apply`` of a linear whose weight is kept on the host; ``device``: the model's device."""
 
     __slots__ = ("module", "device", "block", "__weakref__")
 
@@ -75,8 +64,7 @@ class HostWeight:
 
 
 def _release(block: nn.Module, device: torch.device) -> None:
-    """The model moved to ``device``: FP8 codes the block's plan built for another device are dropped (they
-    would keep GPU memory while the model sits on the CPU); the block decides anew at its next call."""
+    """The model moved to ``device``: FP8 codes built for another device are dropped; the block decides anew."""
     plan: BlockPlan | None = block.__dict__.get(PLAN_ATTR)
     if plan is None or plan.rt.device is None or plan.rt.device == device:
         return
@@ -106,8 +94,7 @@ def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bo
 
 
 def place(plan: BlockPlan, block: nn.Module) -> None:
-    """Each real-FP8 linear's original weight where the decision wants it; a move retakes the plan's watch (not a
-    change of the model)."""
+    """Each real-FP8 linear's original weight where the decision wants it (a move retakes the plan's watch)."""
     mode = plan.options.offload_original_weights
     kept: list[HostWeight] = block.__dict__.get(HOST_ATTR, [])
     by_module = {id(h.module): h for h in kept}
@@ -158,8 +145,7 @@ def _put_back(h: HostWeight) -> bool:
 
 
 def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
-    """``w.data = new`` as ``Module._apply`` does it: in place where the tensor types allow, else a new ``Parameter``
-    (to or from the meta device)."""
+    """``w.data = new`` as ``Module._apply`` does it: in place where the tensor types allow, else a new Parameter."""
     if torch._has_compatible_shallow_copy_type(w.data, new):
         w.data = new
     else:
@@ -167,9 +153,8 @@ def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
 
 
 class AfterDecide:
-    """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once installed: ``plan.patched``), then the
-    report's record. A plain object holding the block (slots copied by default), so that a copy of the model
-    rebinds it."""
+    """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once ``plan.patched``), then the report's record.
+    A plain object holding the block, so that a copy of the model rebinds it."""
 
     __slots__ = ("record", "block")
 
@@ -184,8 +169,7 @@ class AfterDecide:
 
 
 def _adapters_to(module: nn.Module | None, device: torch.device) -> bool:
-    """PEFT put the adapters of a layer loaded while its base weight was on the host there
-    (``_move_adapter_to_device_of_base_layer``): where the base weight is now, as PEFT would have."""
+    """Adapters PEFT put on the host beside a host-kept base weight: to ``device``, as PEFT would have."""
     moved = False
     for wrapper in unwrap_peft(module)[1]:
         for name, p in wrapper.named_parameters():
@@ -203,15 +187,10 @@ def restore(block: nn.Module) -> None:
 
 @contextlib.contextmanager
 def onloaded(block: nn.Module, device: torch.device) -> Iterator[None]:
-    """The block's host-kept weights on ``device`` for one call of its original forward, then the same host tensors
-    again (nothing the plan watches changes)."""
-    kept = block.__dict__.get(HOST_ATTR)
-    if not kept:
-        yield
-        return
+    """The block's host-kept weights on ``device`` for one call of its original forward, then the same host tensors."""
     held = []
     try:
-        for h in kept:
+        for h in block.__dict__.get(HOST_ATTR) or ():
             w = h.module._parameters.get("weight")
             if w is not None and w.device == HOST and device != HOST:
                 held.append((w, w.data))

@@ -1,10 +1,8 @@
 """PEFT LoRA layers as the real-FP8 path sees them: the one reader of PEFT's per-layer state.
 
-PEFT's ``lora.Linear.forward`` (peft 0.21) computes, unmerged and enabled, ``base_layer(x)`` plus per active adapter
-``lora_B(lora_A(dropout(x cast to lora_A's dtype))) * scaling`` (``scaling`` read at every call, never cached). On
-the real-FP8 path the base is the FP8 GEMM and :func:`add_branches` adds the branches: with one dtype and identity
-dropout as ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``, the same sum accumulated in fp32 (PEFT rounds
-three times); else PEFT's expression op for op. Not reproduced (DoRA, ``lora_bias``, ...): :func:`unsupported_reasons`.
+PEFT adds ``lora_B(lora_A(dropout(x))) * scaling`` per active adapter to ``base_layer(x)``. On the real-FP8 path
+:func:`add_branches` adds them to the FP8 GEMM's output: with one dtype and identity dropout as
+``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``, else PEFT's expression op for op.
 """
 
 from __future__ import annotations
@@ -69,8 +67,7 @@ def state(layer: nn.Module) -> tuple:
 
 
 def output_state(layer: nn.Module) -> tuple:
-    """:func:`state` and each adapter's ``scaling``: all that a kept output of the layer was computed with besides its
-    tensors (a cache of outputs must not be read across ``scale_layer`` / ``set_adapters`` weights)."""
+    """:func:`state` and each adapter's ``scaling``: what a kept output of the layer was computed with."""
     scaling = layer.__dict__.get("scaling")
     return state(layer), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else scaling
 
@@ -107,36 +104,24 @@ def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtyp
 
 def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
                           out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
-    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` for LoRA layers reading one input, all ``lora_A`` products
-    from one GEMM (the last bit may differ from separate GEMMs'); None for fewer than two branches or what
-    :func:`add_branches`' fast path would not take. The A weights are concatenated per call, never cached: PEFT's
-    hotswap writes them through ``.data``, which no version counter sees."""
+    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` of LoRA layers reading one input, the ``lora_A`` products
+    from one GEMM; None for fewer than two branches or no fast path. Never cached: hotswap writes through ``.data``."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
     if len(flat) < 2:
         return None
-    dev = x.device
-    for a, b, drop, _ in flat:
-        if not (x.dtype == out_dtype and _plain_branch(a, b, drop, x.dtype, dev)
-                and type(a.weight.data) is torch.Tensor):
-            return None
+    if not all(x.dtype == out_dtype and _plain_branch(a, b, drop, x.dtype, x.device)
+               and type(a.weight.data) is torch.Tensor for a, b, drop, _ in flat):
+        return None
     w = torch.cat([a.weight for a, _, _, _ in flat], 0)
     t = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w)
-    out, off = [], 0
-    for bs in per:
-        row = []
-        for a, b, _, s in bs:
-            r = a.weight.shape[0]
-            row.append((t[:, off:off + r], b.weight, s))
-            off += r
-        out.append(row)
-    return out
+    parts = iter(t.split([a.weight.shape[0] for a, _, _, _ in flat], dim=1))
+    return [[(next(parts), b.weight, s) for _, b, _, s in bs] for bs in per]
 
 
 def foldable_branch(layer: nn.Module, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-    """``(lora_A weight, lora_B weight, scaling)`` of a layer's one active, plain branch, for
-    :mod:`qwen_absorb.ops.lora_fold`; else None."""
+    """``(lora_A weight, lora_B weight, scaling)`` of a layer's one active plain branch (``ops.lora_fold``), or None."""
     branches = active_branches(layer)
     if len(branches) != 1:
         return None
@@ -158,8 +143,7 @@ Products = list[tuple[torch.Tensor, torch.Tensor, Any]]  # [(x @ A.T, lora_B.wei
 
 
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:
-    """``[(x @ A.T, lora_B.weight, scaling)]`` of the active branches for an output of ``out_dtype`` (empty: none
-    active); None where PEFT's own expression must run (a branch that is not plain for ``x``)."""
+    """``[(x @ A.T, lora_B.weight, scaling)]`` of the active branches, or None where PEFT's own expression must run."""
     branches = active_branches(layer)
     if not branches:
         return []
@@ -170,15 +154,12 @@ def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Produ
 
 
 def add_branches(layer: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y`` (the base output for ``x``) plus every active branch: in place through :func:`products` where it
-    applies (``y`` contiguous), else PEFT's expression op for op (a new tensor)."""
+    """``y`` plus every active branch: in place via :func:`products` where it applies, else PEFT's expression."""
     prods = products(layer, x, y.dtype) if y.is_contiguous() else None
     if prods is not None:
         return add_products(y, prods) if prods else y
-    branches = active_branches(layer)
-    out_dtype = y.dtype
-    cast = getattr(layer, "cast_input_dtype_enabled", True)
-    for a, b, drop, s in branches:
+    out_dtype, cast = y.dtype, getattr(layer, "cast_input_dtype_enabled", True)
+    for a, b, drop, s in active_branches(layer):
         if cast and x.dtype != a.weight.dtype:
             x = x.to(a.weight.dtype)
         y = y + b(a(drop(x))) * s

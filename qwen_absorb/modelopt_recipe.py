@@ -9,9 +9,8 @@
     qwen_absorb.patch(transformer, fp8_gemm=True, cuda_graph=True)   # the FP8 linears as real FP8 GEMMs
 
 or :func:`save` / :func:`restore` (``mto.save`` / ``mto.restore``); both round trips give back the saved model
-bit for bit (examples/quantize_fp8.py checks them). Quantizing, calibrating, saving and exporting are ModelOpt's;
-this module builds the config, runs the calibration data through the pipeline, and loads the export back
-(:mod:`qwen_absorb.hf_export`: diffusers 0.42.1 cannot). ModelOpt is imported through :func:`import_modelopt`.
+bit for bit. Quantizing, calibrating, saving and exporting are ModelOpt's; this module builds the config, runs the
+calibration data through the pipeline, and loads the export back (:mod:`qwen_absorb.hf_export`).
 """
 
 from __future__ import annotations
@@ -32,15 +31,12 @@ from .hf_export import (  # noqa: F401  (re-exported: the public names of the re
 
 logger = logging.getLogger("qwen_absorb")
 
-# ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization/quantize.py --model qwen-image,
-# NVIDIA Model-Optimizer PR #1706) quantizes only the linears of ``transformer_blocks`` and keeps the
-# first 2 and the last 2 blocks, and everything outside the blocks, in the original precision.
+# ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization) quantizes only the linears of
+# ``transformer_blocks``, keeping the first 2 and last 2 blocks in the original precision.
 DEFAULT_KEEP_FIRST = 2
 DEFAULT_KEEP_LAST = 2
 
-# SGLang's validated FP8 Qwen-Image checkpoints keep, inside the blocks, the modulation linears
-# (img_mod / txt_mod) and the image FFN's output linear (img_mlp.net.2) in bf16
-# (sglang docs/diffusion/quantization.md, sglang PR #23155). Names are relative to a block.
+# SGLang's validated FP8 Qwen-Image checkpoints keep these block-relative linears in bf16.
 SENSITIVE_LAYERS: tuple[str, ...] = ("img_mod", "txt_mod", "img_mlp.net.2")
 
 
@@ -65,10 +61,8 @@ def fp8_recipe_config(
     """ModelOpt's config for the Qwen-Image FP8 recipe: ``mtq.FP8_DEFAULT_CFG`` (e4m3 W8A8, per-tensor, max
     calibration; ``base_config`` replaces it) on the linears of ``transformer_blocks`` only, except the first
     ``keep_first`` and last ``keep_last`` blocks and, in every block, the ``sensitive_layers`` (block-relative
-    paths): ``{"enable": False}`` entries appended to its ``quant_cfg`` list (later entries win; ModelOpt's own
-    exclusions stay). The block LayerNorms' input quantizers (ModelOpt >= 0.44 enables them) are off unless
-    ``quantize_norm_inputs``: the Hugging Face export drops every norm's quantizer, so with them on the export
-    would compute other than the calibrated model; the linears' input quantizers still quantize their inputs."""
+    paths): ``{"enable": False}`` entries appended to its ``quant_cfg`` list (later entries win). The block
+    LayerNorms' input quantizers are off unless ``quantize_norm_inputs``: the Hugging Face export drops them."""
     mtq = import_modelopt()
     n, outside = _layout(transformer_or_num_layers)
     if keep_first < 0 or keep_last < 0:
@@ -105,8 +99,7 @@ def embeds_forward_loop(
 ) -> Callable[[nn.Module], None]:
     """A ModelOpt ``forward_loop`` running the pipeline once per dict of call arguments (``prompt_embeds``,
     ``prompt_embeds_mask``, ...): for pipelines without a text encoder, or precomputed embeddings."""
-    calls = [dict(kw) for kw in prompt_embeds]
-    return _pipeline_loop(pipe, calls, num_inference_steps, height, width, seed)
+    return _pipeline_loop(pipe, [dict(kw) for kw in prompt_embeds], num_inference_steps, height, width, seed)
 
 
 def pipeline_forward_loop(
@@ -141,39 +134,29 @@ def nvfp4_recipe_config(
     keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = (),
 ) -> dict[str, Any]:
     """:func:`fp8_recipe_config` on ``mtq.NVFP4_DEFAULT_CFG`` (e2m1 values, dynamic e4m3 scales per 16 inputs,
-    a calibrated per-tensor second scale): NVIDIA's Qwen-Image NVFP4 layout. Calibration runs on CPU (ModelOpt's
-    NVFP4 fake quantization itself needs CUDA: a Triton kernel on sm_89+)."""
-    mtq = import_modelopt()
+    a calibrated per-tensor second scale): NVIDIA's Qwen-Image NVFP4 layout."""
     return fp8_recipe_config(transformer_or_num_layers, keep_first, keep_last, sensitive_layers,
-                             base_config=mtq.NVFP4_DEFAULT_CFG)
+                             base_config=import_modelopt().NVFP4_DEFAULT_CFG)
 
 
 def quantize(transformer: nn.Module, config: dict[str, Any], forward_loop: Callable[[nn.Module], None] | None):
     """``mtq.quantize(transformer, config, forward_loop)`` (in place; returns the transformer)."""
-    mtq = import_modelopt()
-    return mtq.quantize(transformer, copy.deepcopy(config), forward_loop=forward_loop)
+    return import_modelopt().quantize(transformer, copy.deepcopy(config), forward_loop=forward_loop)
 
 
 def save(transformer: nn.Module, path: str | Path) -> None:
     """``mto.save``: ModelOpt's checkpoint (its state plus the full state dict, quantizer amaxes included)."""
-    mto = import_modelopt("modelopt.torch.opt")
-    mto.save(transformer, str(path))
+    import_modelopt("modelopt.torch.opt").save(transformer, str(path))
 
 
 def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
-    """``mto.restore`` into an unquantized transformer of the same config (:func:`empty_transformer` builds one
-    without initialising 20 B weights); returns the restored model, bit for bit the saved one."""
-    mto = import_modelopt("modelopt.torch.opt")
-    return mto.restore(transformer, str(path))
+    """``mto.restore`` into an unquantized transformer of the same config (:func:`empty_transformer`), bit for bit."""
+    return import_modelopt("modelopt.torch.opt").restore(transformer, str(path))
 
 
 def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
-    """``export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=...)``: ModelOpt's unified Hugging Face
-    checkpoint (float8 weights, float32 ``weight_scale`` / ``input_scale`` per quantized linear). float32: in bf16
-    the conversion's ``weight / scale`` rounds first, moving about 2% of the codes one step from the fake
-    quantization's. The conversion is **in place**: afterwards ``transformer`` holds float8 weights its quantizers
-    cannot run; compute what you need first and load the export back with :func:`load_hf_export`."""
+    """ModelOpt's Hugging Face checkpoint, converted in float32 (in bf16 ``weight / scale`` rounds first, moving
+    codes). **In place**: ``transformer`` then holds float8 weights; load it back with :func:`load_hf_export`."""
     export = import_modelopt("modelopt.torch.export")
-    export_dir = Path(export_dir)
-    export.export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=export_dir)
-    return export_dir
+    export.export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=Path(export_dir))
+    return Path(export_dir)

@@ -2,11 +2,9 @@
 
 A ModelOpt W4A4 NVFP4 linear computes on CUDA ``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)``, ``fq``
 ModelOpt's Triton NVFP4 fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the
-same bits: ``fq(W)`` made once, remade when its sources change, and not held where it equals ``W`` bit for bit (a
-weight from an NVFP4 export; checked, not assumed); ``fq(x)`` by the kernel, then one bf16 GEMM. In a patched model
-``plan.decide`` builds the runners (:func:`block_runners`), then NVFP4 rows (:func:`decide_rows`): the fused op
-producing a linear's input emits ``fq(x)``; a linear no producer can feed keeps its runner. Blackwell's real NVFP4
-GEMMs are not used (not testable here). :func:`modelopt_fake_quant_on_cpu` runs ModelOpt's NVFP4 quantizers on CPU.
+same bits: ``fq(W)`` made once, remade when its sources change, not held where it equals ``W`` bit for bit;
+``fq(x)`` by the kernel, then one bf16 GEMM. In a patched model the fused op producing a linear's input emits
+``fq(x)`` where it can (:func:`decide_rows`); a linear no producer can feed keeps its runner.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ def nvfp4_linear_reasons(lin: nn.Module) -> list[str]:
         return [f"{type(lin).__name__} is not an nn.Linear"]
     r = _quantizer_reasons(getattr(lin, "weight_quantizer", None), "weight quantizer")
     r += _quantizer_reasons(getattr(lin, "input_quantizer", None), "input quantizer")
-    out_q = getattr(lin, "output_quantizer", None)
-    if quant.quantizer_enabled(out_q):
+    if quant.quantizer_enabled(getattr(lin, "output_quantizer", None)):
         r.append("output quantizer enabled")
     w = lin._parameters.get("weight")
     if w is None or type(w.data) is not torch.Tensor:
@@ -119,9 +116,8 @@ class Nvfp4Linear:
         self.shares_weight = False
 
     def weight_key(self) -> tuple:
-        """What ``fq(W)`` depends on: identity, pointer and version of the weight and its amax. A version-less
-        (inference-mode) tensor's copy is remade at every call, unless ``watched`` (a patched block's runner): the
-        plan's watch compares such tensors' content before every call."""
+        """What ``fq(W)`` depends on: identity, pointer and version of the weight and its amax. An inference tensor's
+        copy is remade at every call, unless ``watched`` (the plan's watch compares its content before every call)."""
         w = self.watched
         return (*_tensor_key(self.lin.weight, w), *_tensor_key(self.lin.weight_quantizer._amax, w))
 
@@ -141,9 +137,7 @@ class Nvfp4Linear:
         return self._weight
 
     def content_changed(self) -> bool:
-        """Whether the weight's or the amaxes' values moved since ``fq(W)`` and the input amax were read where no
-        version shows it (a write through ``.data``, ModelOpt's ``quantizer.amax = v``): asked by ``patch()``
-        again (:func:`qwen_absorb.plan.content_changed`); it syncs."""
+        """Whether the weight or amaxes moved since read where no version shows it (through ``.data``); it syncs."""
         amax = self.lin.input_quantizer._amax
         if self._amax32 is not None and not torch.equal(self._amax32, amax.detach().float().reshape(1)):
             return True
@@ -177,8 +171,7 @@ class Nvfp4Linear:
 
 
 def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, object]:
-    """The NVFP4 runners of the NVFP4 linears at ``paths``, keyed by module. None below sm_89: ModelOpt's fake
-    quantization runs another kernel there (its CUDA extension, not the Triton one this reproduces)."""
+    """The NVFP4 runners at ``paths`` by module; none below sm_89 (ModelOpt runs another kernel there)."""
     linears: dict[nn.Module, Nvfp4Linear] = {}
     for p in paths:
         try:
@@ -228,8 +221,7 @@ def _site_row(plan, block: nn.Module, s, sp, context_reasons) -> None:
 
 def decide_rows(plan, block: nn.Module, context_reasons) -> None:
     """NVFP4 as rows, after the runners and FP8 emissions: sites emit their consumers' input (:func:`_site_row`);
-    net[2], img_mod.1 / txt_mod.1 and the output projections read ``quantize_nvfp4`` of their activated input where
-    the context is diffusers' (:func:`_row_ok`); the others keep their runners."""
+    linears fed by GELU, temb or the attention read ``quantize_nvfp4`` of it where the context is diffusers'."""
     for s in SITE_TABLE.values():
         if s.feeds and not any(plan.linears[p].fp8_gemm for p in s.feeds):
             _site_row(plan, block, s, plan.site_plan(s.key), context_reasons)
@@ -241,8 +233,7 @@ def decide_rows(plan, block: nn.Module, context_reasons) -> None:
 
 @contextlib.contextmanager
 def modelopt_fake_quant_on_cpu() -> Iterator[None]:
-    """ModelOpt's dynamic NVFP4 fake quantization with :func:`quantize_nvfp4_reference` as its kernel, for the
-    duration: ModelOpt's quantizers run on CPU, where ModelOpt has no NVFP4 path."""
+    """ModelOpt's NVFP4 fake quantization on CPU (where it has none) through :func:`quantize_nvfp4_reference`."""
     tq = import_modelopt("modelopt.torch.quantization.tensor_quant")
     original = tq.dynamic_block_quantize_op
 

@@ -1,18 +1,10 @@
-"""Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it: observed by running it (2
-processes, gloo, CPU, torch 2.13; ``tests/parallel_worker.py`` records it on every CI run).
+"""Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it (``tests/parallel_worker.py``).
 
-**TP** (``TensorParallelConfig``): ``parallelize_module`` with the model's ``_tp_plan``: ``ColwiseParallel()`` for
-q/k/v and ``net.0.proj``, ``RowwiseParallel()`` for ``to_out.0``, ``to_add_out`` and ``net.2``; the Parameters are
-*replaced* (column-wise weight and bias ``Shard(0)``, row-wise weight ``Shard(1)``, bias ``Replicate()``). A row-wise
-``F.linear`` adds ``b / N`` **before** the all-reduce, and its output hook redistributes asynchronously: the attention
-and FFN outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0: a raw kernel reads address 0, issue 12).
-ModelOpt-quantized models cannot be parallelised; ``enable_parallelism`` then ``mtq.quantize`` works.
-**CP** (``ContextParallelConfig``): inputs split on dim 1 (non-contiguous for B > 1), every tensor in the block plain
-and rank-local, every fused op token-local. Patched vs unpatched parallel: bit-identical for both on CPU.
-
-Under TP the block runs the sharded linears on their local shards (:func:`tp_shard`, ``projection.tp_linear``);
-every fused-op operand goes through :func:`local_view`, and no kernel gets a tensor failing :func:`is_plain_tensor`.
-Nothing here imports ``torch.distributed.tensor`` (no DTensor can exist unless it is loaded).
+**TP**: the Parameters of q/k/v and ``net.0.proj`` (column-wise) and of ``to_out.0``, ``to_add_out`` and ``net.2``
+(row-wise) are *replaced* by DTensors; a row-wise ``F.linear`` adds ``b / N`` **before** the all-reduce, and the
+attention and FFN outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0). The block runs the sharded linears on
+their local shards (:func:`tp_shard`); every fused-op operand goes through :func:`local_view`. **CP**: inputs split
+on dim 1, every tensor in the block plain and rank-local. Nothing here imports ``torch.distributed.tensor``.
 """
 
 from __future__ import annotations
@@ -40,8 +32,7 @@ def _is_loaded_instance(t: Any, module: str, name: str) -> bool:
 
 
 def is_plain_tensor(t: Any) -> bool:
-    """``t`` is a ``torch.Tensor`` or ``nn.Parameter``: only those own their storage (DTensor and
-    AsyncCollectiveTensor report ``data_ptr()`` 0)."""
+    """``t`` is a ``torch.Tensor`` or ``nn.Parameter``: only those own their storage (subclasses: ``data_ptr()`` 0)."""
     tp = type(t)
     return tp is torch.Tensor or tp is nn.Parameter
 
@@ -128,8 +119,7 @@ def projection_tp_style(linear: nn.Module) -> str | None:
 
 
 def _tp_output_layouts(linear: nn.Module) -> tuple | None:
-    """The output layouts of a torch ``ParallelStyle`` output hook (a lambda around
-    ``partial(style._prepare_output_fn, layouts, use_local)``; None if torch's hooks change)."""
+    """The output layouts of a torch ``ParallelStyle`` output hook (``partial(_prepare_output_fn, layouts, ...)``)."""
     for hook in getattr(linear, "_forward_hooks", {}).values():
         obj = _hook_partial(hook, "_prepare_output_fn")
         if obj is not None and len(obj.args) >= 2:
@@ -139,10 +129,9 @@ def _tp_output_layouts(linear: nn.Module) -> tuple | None:
 
 
 def tp_defer_refusals(linear: nn.Module) -> list[str]:
-    """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Column-wise: the fused
-    op would get a hidden-dim shard. Row-wise: allowed with a ``Replicate`` bias and an output hook reducing to
-    ``Replicate``: the fused op adds the full bias once after the all-reduce (unpatched adds ``b / N`` per rank
-    before it: equal up to rounding, as deferral is anyway)."""
+    """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Row-wise only, with a
+    ``Replicate`` bias and output: the fused op adds the full bias once after the all-reduce (unpatched adds
+    ``b / N`` per rank before it: equal up to rounding, as deferral is anyway)."""
     m = unwrap_peft(linear)[0]
     style = projection_tp_style(m)
     b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
@@ -167,28 +156,20 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
 
 def parallel_kind(transformer: nn.Module) -> str | None:
     cfg = getattr(transformer, "_parallel_config", None)
-    if cfg is None:
-        return None
     if getattr(cfg, "tensor_parallel_config", None) is not None:
         return "tp"
-    if getattr(cfg, "context_parallel_config", None) is not None:
-        return "cp"
-    return None
+    return "cp" if getattr(cfg, "context_parallel_config", None) is not None else None
 
 
-# Local shards: measured on 2 H200s (benchmarks/results/parallel/parallel.md, 60af1d5), diffusers' TP forward
-# took ~1 s at 1024^2 and 2048^2 alike against 173 ms on one GPU: host work of the twelve DTensor linears per
-# block. The local computation is the one DTensor dispatches to (bit-identical): column-wise
-# ``F.linear(x, W_local, b_local)``; row-wise ``F.linear(x_local, W_local, b / N)`` then the output hook's sum
-# all-reduce on the same group.
-
+# Local shards: DTensor's host work per linear dominated the TP forward. The local computation is the one DTensor
+# dispatches to (bit-identical): column-wise ``F.linear(x, W_local, b_local)``; row-wise
+# ``F.linear(x_local, W_local, b / N)``, then the output hook's all-reduce on the same group.
 _COLWISE = "ColwiseParallel"
 _ROWWISE = "RowwiseParallel"
 
 
 class TpShard:
-    """One ``nn.Linear`` under torch's stock ``ColwiseParallel`` / ``RowwiseParallel``: what its rank-local
-    computation needs, and what it was recognised from (compared on every use)."""
+    """One ``nn.Linear`` under torch's stock TP styles: what its local computation needs and was recognised from."""
 
     __slots__ = ("style", "weight", "bias", "pre", "post", "group", "world", "_scaled")
 
@@ -204,8 +185,7 @@ class TpShard:
                 and "forward" not in linear.__dict__ and not global_forward_hooks())
 
     def local_bias(self, linear: nn.Module) -> torch.Tensor | None:
-        """None while deferred (``bias = None`` in the instance dict), the local shard (column-wise), or
-        ``b / N`` (row-wise, cached per value)."""
+        """None while deferred, the local shard (column-wise), or ``b / N`` (row-wise, cached per value)."""
         if "bias" in linear.__dict__ or self.bias is None:
             return None
         b = self.bias.to_local()
@@ -240,17 +220,15 @@ _DEFAULTS = {_COLWISE: (_REPLICATE, _REPLICATE, _LAST_SHARD, _SHARD0, _SHARD0),
 
 
 def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[TpShard | None, list[str]]:
-    """``(record, [])`` when ``linear`` is an ``nn.Linear`` under exactly torch's ``ColwiseParallel()`` or
-    ``RowwiseParallel()`` on a 1-D mesh and no other hook, so it may run on its local shards; else
-    ``(None, reasons)``. ``own_forward=False``: the caller computes the linear itself (a real FP8 GEMM), so
-    any ``nn.Linear`` subclass is accepted; else exactly ``nn.Linear`` (its forward is ``F.linear``)."""
+    """``(record, [])`` when ``linear`` is under exactly torch's ``ColwiseParallel()`` or ``RowwiseParallel()`` on a
+    1-D mesh and no other hook, so it may run on its local shards; else ``(None, reasons)``. ``own_forward=False``:
+    the caller computes it (a real FP8 GEMM): any ``nn.Linear`` subclass; else exactly ``nn.Linear``."""
     r: list[str] = []
     if (type(linear) is not nn.Linear) if own_forward else not isinstance(linear, nn.Linear):
         return None, [f"{type(linear).__name__}, not torch.nn.Linear"]
     if "forward" in linear.__dict__:
         r.append("its forward is replaced on the instance")
-    w = linear._parameters.get("weight")
-    b = linear._parameters.get("bias")
+    w, b = linear._parameters.get("weight"), linear._parameters.get("bias")
     if not is_dtensor(w):
         return None, ["weight is not a DTensor"]
     mesh = w.device_mesh
@@ -288,8 +266,8 @@ _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
-    """``(record, None)`` if ``linear`` may run on its local shards now, ``(None, why not)`` if it must run through
-    DTensor, ``(None, None)`` for a plain weight. Cached, checked by identity."""
+    """``(record, None)``: it may run on its local shards now; ``(None, why not)``: through DTensor; ``(None, None)``:
+    a plain weight. Cached, checked by identity."""
     w = linear._parameters.get("weight") if hasattr(linear, "_parameters") else None
     if w is None or type(w) is nn.Parameter or type(w) is torch.Tensor:
         return None, None
@@ -306,9 +284,8 @@ def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
 
 @contextlib.contextmanager
 def allow_cpu_parallelism() -> Iterator[None]:
-    """Let diffusers' ``enable_parallelism`` build a CPU (gloo) mesh, for tests and ``--tiny`` runs: diffusers
-    0.42.1 computes ``rank % torch.accelerator.device_count()`` (0 on a CPU) and ``apply_tensor_parallel``
-    rejects "cpu". Inside, the count reads at least 1 and "cpu" is accepted. Process-global: not for threads."""
+    """Let diffusers' ``enable_parallelism`` build a CPU (gloo) mesh (tests, ``--tiny``): diffusers 0.42.1 computes
+    ``rank % torch.accelerator.device_count()`` (0 on a CPU) and rejects "cpu" for TP. Process-global."""
     import diffusers.hooks.tensor_parallel as tpmod  # noqa: PLC0415
 
     orig_count = torch.accelerator.device_count

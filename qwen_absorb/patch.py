@@ -1,10 +1,8 @@
 """``patch`` / ``unpatch``: run every Qwen-Image (and Qwen-Image-2.1) transformer block through the fused ops.
 
-The patched forward goes where the *original* bound forward is kept (:mod:`qwen_absorb.hooks`): a plain
-``block.forward = ...`` would replace a whole hook chain; hooks added later wrap the patched forward as they would the
-original. Block class, signature and return order never change (diffusers' block registry, ``compile_repeated_blocks``
-and signature-mapping hooks keep working). All blocks are planned, then installed; an exception (or Ctrl-C) while
-installing undoes what was installed.
+The patched forward goes where the *original* bound forward is kept (:mod:`qwen_absorb.hooks`), so hook chains stay
+intact; block class, signature and return order never change. All blocks are planned, then installed; an exception
+(or Ctrl-C) while installing undoes what was installed.
 """
 
 from __future__ import annotations
@@ -112,8 +110,8 @@ def _remove_forward(block: nn.Module, fwd: Any, had_instance_forward: bool) -> b
 def _strip(block: nn.Module) -> None:
     """Remove a patch the block carries that is not this one's (a copied patched block, an earlier patch)."""
     block.__dict__.pop(PLAN_ATTR, None)
-    host_originals.restore(block)  # weights an earlier patch (or the copied block's) kept on the host
-    fp8_forward.remove(block)  # a Qwen-Image-2.1 block's real-FP8 linears
+    host_originals.restore(block)
+    fp8_forward.remove(block)
     for _, get, _ in list(hooks.forward_slots(block)):
         fn = get()
         if getattr(type(fn), "__qwen_absorb_graph__", False) is True and isinstance(fn._inner, PatchedForward):
@@ -185,9 +183,8 @@ def patch(
         raise ValueError(f"force_reference must be True or False, got {force_reference!r}")
     options = Options(
         defer_bias=tri("defer_bias", defer_bias), fp8_gemm=tri("fp8_gemm", fp8_gemm),
-        capabilities=gating.normalize_capabilities(capabilities),
+        capabilities=gating.normalize_capabilities(capabilities), force_reference=bool(force_reference),
         fp8_capabilities=gating.normalize_capabilities(capabilities, gating.VALIDATED_FP8_CAPABILITIES),
-        force_reference=bool(force_reference),
         kernels_under_compile=tri("kernels_under_compile", kernels_under_compile),
         offload_original_weights=tri("offload_original_weights", offload_original_weights),
         use_fast_accum=tri("use_fast_accum", use_fast_accum), cross_block=bool(cross_block),
@@ -237,7 +234,7 @@ def patch(
             if not plan.reasons:
                 _install_block(state, block, plan)
         handoff.link(plans, blocks, transformer)
-        for rec in state.records:  # originals where offload_original_weights wants them (each decision places again)
+        for rec in state.records:  # originals where offload_original_weights wants them
             host_originals.place(rec.block.__dict__[PLAN_ATTR], rec.block)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the moved originals' memory back to the driver
@@ -263,8 +260,7 @@ def patch(
 
 def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda_graph: str | bool, vae: bool,
            text_encoder: bool, walks: bool) -> PatchReport | None:
-    """A pipeline's VAE decode, prompt encoding and module walks (their own modules and report sections); each one
-    asked for False is undone (all of them by ``unpatch``, which passes no report)."""
+    """A pipeline's VAE decode, prompt encoding and module walks; each one asked for False is undone."""
     if target is transformer or not hasattr(target, "transformer"):
         return report
     parts = report.parts if report is not None else {}
@@ -317,8 +313,7 @@ GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on
 
 def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
     """Qwen-Image-2.1: the same install, report and unpatch (no deferral or hand-off; real FP8 in the linears' forward
-    slots). Its model forward syncs with the host before the blocks (every whole-call capture failed on the H200), so
-    ``cuda_graph=True`` graphs each block (one pool, captured at first sight); ``"auto"`` none (``GRAPHS_21_AUTO``)."""
+    slots). Its model forward syncs with the host before the blocks, so ``cuda_graph=True`` graphs each block."""
     report = _new_report(transformer, options, cuda_graph)
     device = _decision_device(transformer)
     block_cls = classes21()[1]
@@ -331,7 +326,7 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
             _strip(block)
             plan = BlockPlan(index=i, options=options, rt=BlockRuntime(counter=report.runtime_fallbacks,
                                                                        rebuilds=report.rebuilds))
-            decide(plan, block, device)  # the same decide and records as Qwen-Image's (from the 2.1 rows)
+            decide(plan, block, device)
             rec = _install(block, Patched21Forward(block, plan))
             if rec is None:
                 log.warning("block %d: its forward is wrapped by something unknown; left unpatched", i)
@@ -438,8 +433,7 @@ def unpatch(target: Any) -> None:
         return
     state.report.freeze()
     _undo(state)
-    state.active = False
-    state.graph = None
+    state.active, state.graph = False, None
     state.plans.clear()
     state.records.clear()
     log.info("unpatched %d blocks", len(state.blocks))

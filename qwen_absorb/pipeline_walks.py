@@ -1,17 +1,14 @@
 """A pipeline call's walks over every module, each done once and without the per-module attribute misses.
 
-A diffusers 0.42 pipeline call walks every module of every component three to five times: ``_execution_device``
-looks for a group-offloading hook in each component, then ``device`` walks the first component on the GPU twice
-more, and ``maybe_free_model_hooks`` resets stateful hooks. Each visit asks ``hasattr(module, "_diffusers_hook")``:
-a raised and caught ``AttributeError`` for nearly every module, through ModelOpt's Python ``__getattr__`` for its
-quantized ones. An FP8 Qwen-Image pipeline (6.6k modules) spent 52 ms of host time per call on it on an H100 host,
-the GPU idle: an eighth of a 4-step image.
+A diffusers pipeline call walks every module of every component three to five times (``_execution_device``,
+``device``, ``maybe_free_model_hooks``), each visit a ``hasattr(module, "_diffusers_hook")`` that raises and catches
+an ``AttributeError`` for nearly every module, through ModelOpt's Python ``__getattr__`` for quantized ones.
 
 :func:`patch` gives the pipeline a subclass of its own class (same name and module) whose ``_execution_device``
 and ``maybe_free_model_hooks`` give the same answers with the same side effects, walking each component once and
-reading the hook attributes from ``module.__dict__``, where ``setattr`` puts them (a module whose class has its own
-``__getattr__`` is asked with ``hasattr``, as diffusers asks). The diffusers code mirrored here is pinned by a hash
-of its source: where diffusers changed it, the pipeline keeps its class and the report says why.
+reading the hook attributes from ``module.__dict__`` (a class with its own ``__getattr__`` is asked with
+``hasattr``). The mirrored diffusers code is pinned by a hash of its source: where it changed, the pipeline keeps
+its class and the report says why.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ MIRRORED_SHA256 = "3e75ec209c2ead6f"
 
 def source_hash(functions: Iterable[Any]) -> str | None:
     """sha256 (16 hex digits) of the dedented sources of ``functions`` (None: one is not there or not readable):
-    the pin of the diffusers code a room of the pipeline mirrors (here, :mod:`qwen_absorb.vae`,
-    :mod:`qwen_absorb.text_encoder`); another version's code is left to diffusers until checked again."""
+    the pin of the diffusers code a room of the pipeline mirrors."""
     try:
         text = "".join(textwrap.dedent(inspect.getsource(f)) for f in functions)
     except (AttributeError, OSError, TypeError):
@@ -76,9 +72,8 @@ _DICT, _ASK, _COMPILED = 0, 1, 2
 
 
 def _kind(cls: type, kinds: dict[type, int]) -> int:
-    """How a module of class ``cls`` is asked for a hook attribute: its ``__dict__`` (where ``setattr`` put it,
-    :func:`qwen_absorb.quant.hook_attrs_in_dict`), ``getattr`` (a class with its own ``__getattr__``, as
-    diffusers asks), or through ``torch.compile``'s wrapper (diffusers' ``is_compiled_module``)."""
+    """How a module of class ``cls`` is asked for a hook attribute: its ``__dict__``, ``getattr`` (a class with its
+    own ``__getattr__``), or through ``torch.compile``'s wrapper (diffusers' ``is_compiled_module``)."""
     got = kinds.get(cls)
     if got is None:
         wrapper = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", None)
@@ -96,8 +91,7 @@ def _own(module: nn.Module, name: str, kinds: dict[type, int]) -> Any:
 
 def _walk(root: nn.Module, name: str, skip_root: bool = False, unwrap: bool = False) -> list[tuple[nn.Module, Any]]:
     """``(module, getattr(module, name))`` for each module of ``root`` (pre-order, once each, as ``modules()``)
-    that has ``name``; ``unwrap``: each looked at through ``torch.compile``'s wrapper (diffusers'
-    ``unwrap_module``). One loop, classes decided once: the walk is the whole cost (~6k modules)."""
+    that has ``name``; ``unwrap``: looked at through ``torch.compile``'s wrapper (diffusers' ``unwrap_module``)."""
     out, seen, stack, kinds = [], set(), [root], {}
     while stack:
         m = stack.pop()
@@ -180,8 +174,7 @@ def _pipe_device(pipe: Any, clean: set[int]) -> torch.device:
 
 
 def reset_stateful_hooks(component: nn.Module) -> None:
-    """``CacheMixin._reset_stateful_cache()``: the component's stateful diffusers hooks reset, its own and its
-    modules'."""
+    """``CacheMixin._reset_stateful_cache()``: the stateful diffusers hooks of the component and its modules reset."""
     from diffusers.hooks import HookRegistry  # noqa: PLC0415
     from diffusers.utils.torch_utils import unwrap_module  # noqa: PLC0415
 
@@ -213,8 +206,8 @@ class FastWalks:
         self.enable_model_cpu_offload(device=getattr(self, "_offload_device", get_device()))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copies and pickles are of the original class (a class made at run time cannot be pickled by name); made
-        by :func:`_remade`, not ``copyreg.__newobj__``, whose class pickle checks against ``type(self)``."""
+        """Copies and pickles are of the original class (a class made at run time cannot be pickled by name), made by
+        :func:`_remade`: pickle checks ``copyreg.__newobj__``'s class against ``type(self)``."""
         rv = list(super().__reduce_ex__(protocol))
         if len(rv) > 1 and isinstance(rv[1], tuple) and rv[1] and rv[1][0] is type(self):
             rv[0], rv[1] = _remade, (original_class(self), *rv[1][1:])

@@ -1,11 +1,9 @@
 """Plans: what a patched block does, decided from the site table, stored once.
 
-A :class:`BlockPlan` per block keeps apart **decisions** (its fields, :class:`SitePlan`, :class:`LinearPlan`, with
-their reasons; the report copies them), **derived state** (FP8 weights and scales, norm quantizers' amax records,
-never served stale) and **runtime** (:class:`BlockRuntime`, with the :class:`~qwen_absorb.watch.Watch` of everything
-the decisions depend on). A change the watch sees makes the block decide again before it computes. The plan is an
-instance attribute of the block, never in a closure: a ``deepcopy`` or pickle of the model carries a copy, whose
-watch reports a change, so the copy decides anew for its own modules.
+A :class:`BlockPlan` per block keeps apart **decisions** (with their reasons), **derived state** (FP8 weights and
+scales, amax records) and **runtime** (:class:`BlockRuntime`, with the :class:`~qwen_absorb.watch.Watch` of what the
+decisions depend on: a change decides again). It is an instance attribute of the block: a copy of the model decides
+anew for its own modules.
 """
 
 from __future__ import annotations
@@ -23,16 +21,13 @@ from . import attention21, gating, hooks, lora, nvfp4, ops, parallel, quant
 from . import site_runners as R
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
-from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, STREAMS, Site, classes, containers,
+from .sites import (ATTN_LINEARS, LINEAR_TABLE, NORMS, QWENIMAGE21, SITE_TABLE, Site, classes, containers,
                     family_of, resolve, swiglu21_refusals, unwrap_peft)
 from .watch import Watch, content_fingerprint, tensor_key, tensor_version
 
 derived_only_sources = dep.derived_only_sources  # (moved; qwen_absorb.cuda_graph.fingerprint reads it here)
 
 PLAN_ATTR = "_qwen_absorb_plan"
-QK_NORMS = dep.QK_NORMS
-# The fused q/k RMSNorm + RoPE runs only where it is bit-exact: the kernel's fp32 variance order is probed against
-# PyTorch's on the device (ops.qk_norm_rope.probe_variance_order).
 QK_OFF_REASON = "the fused q/k RMSNorm + RoPE is switched off (Tuning(qk_fusion=False))"
 
 
@@ -129,13 +124,10 @@ class BlockRuntime:
     lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
 
     def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["lock"] = None  # a lock is not copyable
-        return d
+        return {**self.__dict__, "lock": None}  # a lock is not copyable
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        d["lock"] = threading.RLock()
-        self.__dict__.update(d)
+        self.__dict__.update(d, lock=threading.RLock())
 
 
 @dataclass
@@ -174,7 +166,6 @@ class BlockPlan:
     weight_hook: tuple | None = None  # (path, module, category): a hook moves/casts weights inside (diffusers' forward)
     rt: BlockRuntime = field(default_factory=BlockRuntime)
 
-    # -- reading
     def site(self, stream: str, name: str) -> SitePlan:
         for s in self.sites:
             if s.stream == stream and s.site == name:
@@ -190,10 +181,7 @@ class BlockPlan:
 
     def deferred(self, key: str) -> str | None:
         """The projection whose bias the site ``key`` adds (None: its GEMM adds it)."""
-        for s in self.sites:
-            if s.key == key:
-                return s.projection if s.bias_deferred else None
-        return None
+        return next((s.projection for s in self.sites if s.key == key and s.bias_deferred), None)
 
     def deferred_paths(self) -> list[str]:
         return [s.projection for s in self.sites if s.bias_deferred and s.projection]
@@ -203,12 +191,8 @@ class BlockPlan:
             self.rt.counter[reason] += 1
 
     def hooked(self) -> bool:
-        """A user's forward hook on a module the fused path skips or changes (it would not run, or see other
-        values), or a global one."""
+        """A user's forward hook on a module the fused path skips or changes, or a global one."""
         return any(hooks.user_hooked(d, a, b) for d, a, b in self.bypassed) or hooks.global_forward_hooks()
-
-
-# ---------------------------------------------------------------------------- decisions
 
 
 def _kernel_reasons(device: torch.device, options: Options) -> list[str]:
@@ -242,8 +226,7 @@ def _structure_refusals(block: nn.Module, path: str) -> list[str]:
 
 
 def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
-    """Every decision of ``plan`` for ``block`` on ``device`` anew, the derived state rebuilt (FP8 weights whose
-    inputs did not change reused) and a new watch (Qwen-Image-2.1: :func:`_decide21`)."""
+    """Every decision of ``plan`` for ``block`` on ``device`` anew, derived state rebuilt (or reused), a new watch."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         # a tensor's device always carries its index: "cuda" alone would never equal it (decided again per call)
@@ -265,10 +248,8 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     old = {p: lp for p, lp in plan.linears.items() if lp.weight is not None}
     plan.fast_accum = gating.fast_accum(o.use_fast_accum, device)
     plan.norms = {n: quant.inspect_norm(n, getattr(block, n)) for n in NORMS}
-    plan.projections = {}
-    for s in SITE_TABLE.values():
-        if s.takes_bias_of and (m := resolve(block, s.takes_bias_of)) is not None:
-            plan.projections[s.takes_bias_of] = quant.inspect_projection(s.takes_bias_of, m)
+    plan.projections = {s.takes_bias_of: quant.inspect_projection(s.takes_bias_of, m) for s in SITE_TABLE.values()
+                        if s.takes_bias_of and (m := resolve(block, s.takes_bias_of)) is not None}
     plan.linears = {p: _decide_linear(block, p, device, o) for p in LINEAR_TABLE}
     plan.nvfp4 = (nvfp4.block_runners(block, [p for p, lp in plan.linears.items() if not lp.fp8_gemm], plan.kernels)
                   if plan.kernels or device.type != "cuda" else {})  # on CUDA, only the kernel rounds as ModelOpt
@@ -306,9 +287,8 @@ def refresh(plan: BlockPlan, block: nn.Module) -> None:
 
 
 def content_changed(plan: BlockPlan, block: nn.Module) -> bool:
-    """Whether an FP8 weight's sources or an NVFP4 linear's cached ``fq(W)`` sources changed where no per-call check
-    sees it (``.data`` writes with the modules back as decided for: ``fuse_lora`` then ``unfuse_lora``, no call
-    between; a user's own write; ModelOpt's ``quantizer.amax = v``). A sync per linear: for ``patch()`` again."""
+    """Whether an FP8 weight's or an NVFP4 linear's ``fq(W)`` sources changed where no per-call check sees it
+    (``.data`` writes: ``fuse_lora`` then ``unfuse_lora``; ``quantizer.amax = v``). A sync per linear (``patch()``)."""
     try:
         return any(lp.fp8_gemm and lp.weight is not None and (
             _fp8_cache_key(block, p, plan.rt.device) != lp.cache_key
@@ -355,8 +335,7 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
 
 
 def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
-    """The bias a real FP8 GEMM adds: the Parameter, or what DTensor adds per rank (column-wise the local shard,
-    row-wise ``b / N`` before the sum all-reduce)."""
+    """The bias a real FP8 GEMM adds: the Parameter, or DTensor's per rank (local shard, or row-wise ``b / N``)."""
     if b is None or tp is None:
         return b
     local = b.to_local()
@@ -364,8 +343,7 @@ def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
 
 
 def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
-    """What around a linear the FP8 path reproduces: diffusers' processor without attention quantizers, and the
-    FeedForward GELU(tanh) -> Dropout(0) -> Linear."""
+    """What around a linear the FP8 path reproduces: diffusers' processor, FeedForward GELU(tanh) -> Dropout(0)."""
     if path.startswith("attn."):
         r = _processor_reasons(block) + dep.attention_hook_refusal(block)
         return r or _attention_reasons(block)
@@ -424,8 +402,7 @@ def _decide_site(plan: BlockPlan, block: nn.Module, s: Site, device: torch.devic
 
 
 def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
-    """Which producer emits FP8 for which consumers (and the activation, for LoRA branches); a linear whose producer
-    cannot emit its codes exactly (unfused site, unequal input scales) runs as its module instead."""
+    """Which producer emits FP8 for which consumers; a linear whose producer cannot emit its codes runs as a module."""
     for s in SITE_TABLE.values():
         if not s.feeds:
             continue
@@ -454,11 +431,8 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
 
 def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: tuple | None = None,
                    staged: torch.Tensor | None = None) -> tuple:
-    """What an FP8 weight is made from. PEFT merges (``fuse_lora``) write ``weight.data`` in place, which bumps no
-    version, and an unload afterwards leaves the merged weight behind unwrapped (the merged adapters are gone with
-    the wrapper): the weight's content fingerprint is part of the key, as is every tensor's without a version.
-    ``content``: the fingerprint carried over (a move, not a change); ``staged``: the weight's values on the device,
-    fingerprinted there (the same bits give the same fingerprint)."""
+    """What an FP8 weight is made from, its content fingerprint included (PEFT merges write ``weight.data``).
+    ``content``: the fingerprint carried over (a move); ``staged``: the weight's values on the device."""
     m = resolve(block, path)
     base, wrappers = unwrap_peft(m)
     w = base._parameters["weight"]
@@ -496,8 +470,7 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
 
 
 def _decide_tp(block: nn.Module) -> dict[str, list[str]]:
-    """Where a tensor-parallel model's linears may run on their local shards (``projection.tp_linear``): the
-    attention only as diffusers' own processor computes it, a FeedForward only as diffusers' (GELU, Dropout, Linear)."""
+    """Where a TP model's linears may run on local shards: inside diffusers' own attention and FeedForward only."""
     r = {"attn": _fp8_context_reasons(block, "attn.to_q")}
     to_out = block.attn.to_out
     if len(to_out) > 2 or (len(to_out) == 2 and not isinstance(to_out[1], nn.Dropout)):
@@ -518,10 +491,10 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
         return False, (), [QK_OFF_REASON]
     r = [] if plan.kernels else ["the fused kernels cannot run here"]
     r += _fp8_context_reasons(block, "attn.to_q")
-    r += dep.hook_refusal(block, "the q/k norms run as their modules", *(f"attn.{n}" for n in QK_NORMS))
-    norms = [getattr(attn, n, None) for n in QK_NORMS]
+    r += dep.hook_refusal(block, "the q/k norms run as their modules", *(f"attn.{n}" for n in dep.QK_NORMS))
+    norms = [getattr(attn, n, None) for n in dep.QK_NORMS]
     dtype = next((p.dtype for p in block.parameters()), None)
-    for name, n in zip(QK_NORMS, norms):
+    for name, n in zip(dep.QK_NORMS, norms):
         if type(n).__name__ != "RMSNorm" or not type(n).__module__.startswith("diffusers."):
             r.append(f"attn.{name} is {type(n).__name__}, not diffusers' RMSNorm")
         elif getattr(n, "weight", None) is None or getattr(n, "bias", None) is not None:
@@ -536,9 +509,7 @@ def _decide_qk(plan: BlockPlan, block: nn.Module) -> tuple[bool, tuple[float, ..
             r.append(f"PyTorch's fp32 reduction order here is not one the kernel implements: {vo.detail}")
         else:
             plan.qk_min_rows = vo.min_rows
-    if r:
-        return False, (), r
-    return True, tuple(float(n.eps) for n in norms), []
+    return (False, (), r) if r else (True, tuple(float(n.eps) for n in norms), [])
 
 
 def _decide21(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:

@@ -1,11 +1,8 @@
-"""How one linear of a patched block runs: as its module (:func:`run_module`, opaque to ``torch.compile`` for
-ModelOpt modules), as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA branches (:func:`fp8_linear`), or on this
-rank's tensor-parallel shards without DTensor (:func:`tp_linear`).
+"""How one linear of a patched block runs: as its module (:func:`run_module`), as a real FP8 ``torch._scaled_mm``
+plus its PEFT LoRA branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`tp_linear`).
 
-``torch._scaled_mm``: ``scale_a * scale_b * (a @ b) + bias``, fp32 accumulation, ``a`` the [M, K] e4m3 codes a fused op
-emitted, ``b`` the [N, K] weight codes transposed as a view, the scales ``amax / 448`` as one-element fp32 device
-tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after (as
-ModelOpt's backend does).
+``torch._scaled_mm``: ``scale_a * scale_b * (a @ b) + bias`` in fp32, the scales ``amax / 448`` as one-element fp32
+device tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after.
 """
 
 from __future__ import annotations
@@ -21,13 +18,9 @@ from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
 
-# The Tuning switches read here (tp_local, lora_*_kernel, lora_add_tiles, lora_fold, lora_products_aside) and the
-# H200 figures behind their defaults: benchmarks/NOTES.md, "Tuning defaults".
-
 
 def branch_products(plan: BlockPlan, fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
-    """``fn()`` (LoRA ``lora_A`` products of ``x``) on the branch lane beside the base GEMM where
-    ``Tuning.lora_products_aside`` asks and a capture runs (readers call ``ops.lane.settle`` first); else in line."""
+    """``fn()`` (LoRA ``lora_A`` products of ``x``) on the branch lane where asked and a capture runs, else in line."""
     t = plan.options.tuning
     return lane.aside(fn, x) if active and t.lora_products_aside and "branch" in t.lanes else fn()
 
@@ -39,8 +32,7 @@ def _opaque(module: nn.Module, *args: Any) -> Any:
 
 
 def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
-    """``module(*args)``, outside a compiled graph when the block holds ModelOpt modules; an NVFP4 linear as its
-    runner (``plan.nvfp4``) when not compiling."""
+    """``module(*args)``: outside a compiled graph for ModelOpt modules; an NVFP4 linear's runner when eager."""
     runner = plan.nvfp4.get(module) if plan.nvfp4 and not compiling else None
     if runner is not None:
         return runner(*args)
@@ -58,19 +50,13 @@ def nvfp4_linear(fq: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
                x: torch.Tensor | None = None, module: nn.Module | None = None,
                branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype.
-
-    A LoRA linear (``lp.lora``, ``module`` the PEFT layer, ``x`` the unquantized input): its active branches are
-    added as PEFT adds them, or from ``branches``, the ``lora_A`` products the caller computed with those of the
-    other linears reading ``x`` (:func:`qwen_absorb.lora.shared_input_branches`). ``defer``: branches added in place
-    (:func:`writes_into`) are appended as ``(output, branches)`` for :func:`add_deferred` (one launch for q, k, v).
-    Tensor parallelism (``lp.tp``): this rank's shares; a row-wise output is sum all-reduced, asynchronously when
-    ``works`` collects the work (wait before use)."""
+    """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype. A LoRA linear's
+    (``module`` the PEFT layer, ``x`` the unquantized input) active branches are added as PEFT adds them, or from
+    ``branches``; ``defer`` collects them for :func:`add_deferred`. Row-wise TP: all-reduced (async into ``works``)."""
     w = lp.weight
     lead = codes.shape[:-1]
     if (lp.lora or branches is not None) and writes_into(lp) and codes.numel():
-        # the LoRA tail is fp8_linear_into's; a plain GEMM lets torch._scaled_mm allocate its output (an eager
-        # call makes 840 of these: a torch.empty from Python each would cost host time, probe_host_profile)
+        # the LoRA tail is fp8_linear_into's; a plain GEMM lets torch._scaled_mm allocate (cheaper on the host)
         out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
                           device=codes.device)
         return fp8_linear_into(codes, lp, plan, out, x, module, branches, defer).view(*lead, out.shape[-1])
@@ -109,10 +95,8 @@ def writes_into(lp: LinearPlan) -> bool:
 def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: torch.Tensor,
                     x: torch.Tensor | None = None, module: nn.Module | None = None,
                     branches: list | None = None, defer: list | None = None) -> torch.Tensor:
-    """:func:`fp8_linear` of a :func:`writes_into` linear into ``out`` (a contiguous [M, N] view, e.g. the image rows
-    of a joint text + image tensor: no concatenation copy). The LoRA branches are added after the GEMM by
-    :func:`add_products`, or handed to ``defer``. Letting the GEMM's epilogue add onto them (cuBLASLt ``beta = 1``)
-    gained nothing on the H200: the epilogue reads them back without overlap (benchmarks/cublaslt_fp8.py, 69357ce)."""
+    """:func:`fp8_linear` of a :func:`writes_into` linear into ``out`` (a contiguous [M, N] view: no concatenation
+    copy); the LoRA branches are added after the GEMM, or handed to ``defer``."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
     prods = branches
@@ -140,8 +124,7 @@ def _kernel_branches(plan: BlockPlan, y: torch.Tensor, prods: lora.Products, swi
 
 
 def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None:
-    """``y`` ([M, N]) plus each branch ``scaling * (x @ A.T) @ B.T`` in place: the tensor-core kernel where it runs and
-    ``Tuning.lora_add_kernel`` asks, else ``addmm_`` (the kernel rounds each sum once; cuBLAS not quite: NOTES.md)."""
+    """``y`` ([M, N]) plus each ``scaling * (x @ A.T) @ B.T`` in place: the kernel where asked, else ``addmm_``."""
     lane.settle(y.device, "branch")
     if prods and _kernel_branches(plan, y, prods, plan.options.tuning.lora_add_kernel):
         for t, b, s in prods:
@@ -151,8 +134,7 @@ def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None
 
 
 def add_deferred(plan: BlockPlan, deferred: list) -> None:
-    """Add the branches :func:`fp8_linear_into` deferred (``[(output, branches)]``, distinct outputs): the
-    i-th branch of every output in one launch where the kernel runs, in each output's own order."""
+    """Add the branches :func:`fp8_linear_into` deferred: the i-th branch of every output in one launch where it can."""
     if deferred:
         lane.settle(deferred[0][0].device, "branch")
     if all(_kernel_branches(plan, y, prods, plan.options.tuning.lora_grouped_kernel) for y, prods in deferred):
@@ -168,11 +150,8 @@ def add_deferred(plan: BlockPlan, deferred: list) -> None:
 def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, plan: BlockPlan, x: torch.Tensor,
                         module: nn.Module, down_module: nn.Module | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None, lora.Products | None] | None:
-    """net[0].proj (``lp``, PEFT layer ``module``) with its last LoRA branch added inside the GELU(tanh) + e4m3
-    quantization for a real-FP8 net[2] (``down``, ``down_module``): ``(codes, g, branches)``, the values of
-    :func:`fp8_linear` then ``quantize_fp8(gelu_tanh)``. net[2]'s active branches get their ``lora_A`` products from
-    the same kernel (:mod:`qwen_absorb.ops.lora_fold`: ``branches``, ``g`` None) or the GELU output ``g``. None
-    (nothing computed yet: the caller runs the steps) where ``Tuning.lora_gelu_kernel`` or the kernels refuse."""
+    """net[0].proj with its last LoRA branch added inside the GELU(tanh) + e4m3 quantization for a real-FP8 net[2]:
+    ``(codes, g, branches)``; None (nothing computed: the caller runs the steps) where the switch or kernels refuse."""
     tuning = plan.options.tuning
     if not (tuning.lora_gelu_kernel and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
             or torch.compiler.is_compiling():
@@ -209,8 +188,7 @@ def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
 
 
 def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpShard | None:
-    """The local-shard record of a tensor-parallel linear that may skip DTensor for input ``x``, else None
-    (counted with why)."""
+    """The local-shard record of a TP linear that may skip DTensor for input ``x``, else None (counted with why)."""
     if not plan.options.tuning.tp_local:
         return None
     shard, why = tp_shard(linear)
@@ -225,8 +203,7 @@ def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpSha
 
 
 def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``linear(x)`` as DTensor computes it, minus DTensor: ``F.linear`` on the local shards, row-wise then an
-    asynchronous sum all-reduce. ``(output, work or None)``: wait on the work before use."""
+    """``linear(x)`` as DTensor computes it, on the local shards: ``(output, all-reduce work or None)``."""
     y = torch.nn.functional.linear(x, shard.weight.to_local(), shard.local_bias(linear))
     if shard.style == "colwise":
         return y, None

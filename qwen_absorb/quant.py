@@ -1,8 +1,7 @@
 """ModelOpt, per layer: quantizer formats, the one FP8 eligibility check, FP8 weights, what a plan watches.
 
-Detection is per module, never per model (configs exclude layers, AutoQuantize mixes formats, and diffusers'
-``NVIDIAModelOptConfig`` raises with modelopt >= 0.44): a module is ModelOpt-quantized when it carries a ModelOpt
-quantizer, however it was made (``mtq.quantize``, ``mtq.compress``, a restored checkpoint).
+Detection is per module, never per model (configs exclude layers, AutoQuantize mixes formats): a module is
+ModelOpt-quantized when it carries a ModelOpt quantizer, however it was made (quantize, compress, restore).
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from .sites import unwrap_peft
 
 
 def _quant_input_forward() -> Any:
-    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (a model holds ModelOpt modules only then;
-    importing it in a call holding the model would keep the model alive: ``hf_export.import_modelopt``)."""
+    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (never imported here: a model holds ModelOpt
+    modules only then, and an import in a call holding the model keeps it alive: ``hf_export.import_modelopt``)."""
     mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
     return getattr(getattr(mod, "QuantInputBase", None), "forward", None)
 
@@ -48,9 +47,8 @@ is_modelopt_quantizer = is_modelopt_object
 
 
 def hook_attrs_in_dict(cls: type) -> bool:
-    """A module of class ``cls`` keeps attributes set on it, hook attributes among them (``_diffusers_hook``,
-    ``_hf_hook``), in its ``__dict__`` alone: its ``__getattr__`` is ``nn.Module``'s, or ModelOpt's
-    ``DynamicModule`` one, which adds only the module's hparams and dynamic attributes (its sizes and tensors)."""
+    """A module of class ``cls`` keeps attributes set on it (hook attributes among them) in its ``__dict__`` alone:
+    its ``__getattr__`` is ``nn.Module``'s, or ModelOpt's ``DynamicModule`` one (adding only hparams and tensors)."""
     ga = cls.__getattr__
     if ga is nn.Module.__getattr__:
         return True
@@ -66,9 +64,7 @@ def _first_quantizer(q: Any) -> Any:
 def quantizer_enabled(q: Any) -> bool:
     if not is_modelopt_quantizer(q):
         return False
-    if isinstance(q, nn.Sequential):
-        return any(bool(getattr(s, "is_enabled", False)) for s in q)
-    return bool(getattr(q, "is_enabled", False))
+    return any(bool(getattr(s, "is_enabled", False)) for s in (q if isinstance(q, nn.Sequential) else [q]))
 
 
 def quantizer_format(q: Any) -> str | None:
@@ -84,13 +80,9 @@ def quantizer_format(q: Any) -> str | None:
         scale_bits = blocks.get("scale_bits")
         if blocks.get(-1) == 16 and scale_bits == (4, 3):
             return NVFP4
-        if scale_bits == (8, 0):
-            return MXFP4
-        return OTHER
-    if bits == 8:
-        return INT8
-    if bits == 4:
-        return INT4
+        return MXFP4 if scale_bits == (8, 0) else OTHER
+    if bits == 8 or bits == 4:
+        return INT8 if bits == 8 else INT4
     return OTHER
 
 
@@ -141,8 +133,7 @@ def _cuda_ext_available() -> bool:
 
 
 def norm_input_fp8(quantizer: Any, device: torch.device | None = None) -> tuple[Fp8PerTensorQuant | None, list[str]]:
-    """The norm-input fake quantizer as an :class:`Fp8PerTensorQuant` for inputs on ``device`` (default: its amax's),
-    holding its own ``_amax`` (an in-place recalibration is seen)."""
+    """The norm-input fake quantizer as an :class:`Fp8PerTensorQuant` for ``device``, holding its live ``_amax``."""
     r = fp8_quantizer_reasons(quantizer)
     if not getattr(quantizer, "fake_quant", False):
         r.append("not fake quantization")
@@ -198,16 +189,14 @@ def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:
     info.has_bias = params.get("bias") is not None
     if qmod is None:
         return info
-    wq = getattr(qmod, "weight_quantizer", None)
-    iq = getattr(qmod, "input_quantizer", None)
-    oq = getattr(qmod, "output_quantizer", None)
+    wq, iq, oq = (getattr(qmod, f"{n}_quantizer", None) for n in ("weight", "input", "output"))
     info.modelopt = True
     info.cls = type(qmod).__name__ if qmod is module else f"{type(module).__name__}({type(qmod).__name__})"
     info.weight_format = quantizer_format(wq)
     info.input_format = quantizer_format(iq)
     info.input_quantizer_enabled = quantizer_enabled(iq)
     info.output_quantizer_enabled = quantizer_enabled(oq)
-    info.pre_quant_scale = getattr(_first_quantizer(iq), "pre_quant_scale", None) is not None if iq is not None else False
+    info.pre_quant_scale = getattr(_first_quantizer(iq), "pre_quant_scale", None) is not None
     w = getattr(qmod, "_parameters", {}).get("weight")
     info.compressed = type(w).__name__ == "QTensorWrapper"
     if not quantizer_enabled(wq):
@@ -229,9 +218,6 @@ class NormInfo:
     output_quantizer_enabled: bool = False
     fp8_kernel_reasons: list[str] = field(default_factory=list)  # why the FP8 kernels can't reproduce input_q
     unsupported: list[str] = field(default_factory=list)  # why the site cannot be fused at all
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
@@ -336,8 +322,7 @@ def _weight_shape(base: nn.Module) -> tuple[int, int]:
 
 @dataclass
 class Fp8Weight:
-    """A linear's weight for ``torch._scaled_mm``: e4m3 codes [out, in], the scale ``amax / 448`` (one fp32 element),
-    and the input quantizer's ``_amax``."""
+    """A linear's weight for ``torch._scaled_mm``: e4m3 codes [out, in], its fp32 scale, the input ``_amax``."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -347,11 +332,9 @@ class Fp8Weight:
 
 
 def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False) -> torch.Tensor | None:
-    """A plain linear weight kept elsewhere (the host-kept originals) copied to ``device`` once, for everything the
-    decision reads of it there: its content fingerprint and its FP8 codes. Read on the host instead, the 60-layer
-    model's 38 GiB of bf16 were summed and hashed by the CPU at every decision on the GPU (each call under
-    accelerate's model offload). ``pinned``: through two pinned buffers (:mod:`qwen_absorb.staging`,
-    ``Tuning.pinned_staging``). None where the weight is on ``device`` already or is not a plain tensor."""
+    """A plain linear weight kept elsewhere (the host-kept originals) copied to ``device`` once, for all the decision
+    reads of it there (its fingerprint, its FP8 codes), so the CPU never reads the originals. ``pinned``: through
+    pinned buffers (:mod:`qwen_absorb.staging`). None where the weight is on ``device`` already or not plain."""
     w = unwrap_peft(module)[0]._parameters.get("weight")
     if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device == device \
             or w.device.type == "meta":
@@ -360,9 +343,7 @@ def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False)
 
 
 def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None) -> Fp8Weight:
-    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons`: the codes inside ModelOpt's fake quantization
-    (CUDA-extension formula), or ``mtq.compress``'s stored codes and ``_scale``. ``staged``: the weight's values
-    on ``device`` already (:func:`staged_weight`)."""
+    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons` (``staged``: :func:`staged_weight`)."""
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
@@ -381,8 +362,7 @@ def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tenso
 
 
 def fp8_sources_moved(module: nn.Module, weight: Fp8Weight, device: torch.device) -> bool:
-    """Whether ``weight``'s input amax or weight scale is no longer what ``module``'s quantizers give: ModelOpt's
-    own ``quantizer.amax = v`` writes through ``.data`` (no version moves). One sync: for ``patch()`` again."""
+    """Whether ``module``'s amaxes moved from ``weight``'s through ``.data`` (``quantizer.amax = v``); it syncs."""
     base = unwrap_peft(module)[0]
     wq, iq = base.weight_quantizer, base.input_quantizer
     now = iq._amax.detach().float().reshape(1).to(device)
@@ -406,8 +386,7 @@ _QUANTIZERS = ("input_quantizer", "weight_quantizer", "output_quantizer")
 # ModelOpt's QuantAttention quantizers: enabled, the block's own attention would skip them (plan._attention_reasons)
 ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer",
                         "bmm2_output_quantizer")
-# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are singletons), those
-# fp8_quantizer_reasons reads among them (a pre_quant_scale, a custom backend, a rotation, a bias set after patch)
+# TensorQuantizer attributes whose identity decides what ModelOpt's forward computes (bools are singletons)
 _SWITCHES = ("_disabled", "_if_quant", "_if_calib", "_fake_quant", "_num_bits", "_axis", "_block_sizes",
              "_enable_pre_quant_scale", "_use_constant_amax", "_rotate", "_bias", "_bias_calibrator", "backend")
 _QUANTIZER_TENSORS = ("_amax", "_scale", "_pre_quant_scale", "_bias")
@@ -437,8 +416,7 @@ def watch_pairs(module: nn.Module | None, names: tuple[str, ...] = _QUANTIZERS,
 
 @contextlib.contextmanager
 def swaps_undone_on_error(module: nn.Module | None) -> Iterator[None]:
-    """ModelOpt's ``QuantAttention`` swaps torch.bmm, torch.baddbmm and SDPA process-wide with ``replace_function``,
-    which has no try/finally: an exception inside would leave them swapped for the process. Put back."""
+    """Put back what ModelOpt's ``QuantAttention`` swaps process-wide (bmm, SDPA) with no try/finally on errors."""
     saved = [(p, n, getattr(p, n)) for p, n, *_ in getattr(module, "functionals_to_replace", None) or ()]
     try:
         yield

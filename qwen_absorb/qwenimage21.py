@@ -10,10 +10,9 @@ diffusers' block (one stream, modulation shared by all blocks and sliced per blo
     y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
     h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
-The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE` (:func:`qwen_absorb.plan.decide`); only ``img_norm1``,
-``img_norm2`` (a ModelOpt FP8 per-tensor ``QuantLayerNorm`` too: its quantizer runs in the kernel) and ``img_mlp``'s
-forward are bypassed, where unhooked. Where a site's consumers are real-FP8 GEMMs under one input amax with nothing
-run around them (:func:`qwen_absorb.fp8_forward.group`), its op also writes the codes their GEMMs read. What the plan
+The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`; only ``img_norm1``, ``img_norm2`` (a ModelOpt FP8
+``QuantLayerNorm`` too) and ``img_mlp``'s forward are bypassed, where unhooked. A site whose consumers are real-FP8
+GEMMs under one input amax (:func:`qwen_absorb.fp8_forward.group`) also writes the codes they read. What the plan
 cannot vouch for per call runs diffusers' forward or the eager expression, counted in ``runtime_fallbacks``.
 """
 
@@ -76,21 +75,11 @@ class Patched21Forward(PatchedForward):
         self.block, self.plan = state
 
 
-# ---------------------------------------------------------------------------- the forward
-
-
 def patched_forward(
-    block: nn.Module,
-    plan: BlockPlan,
-    hidden_states: torch.Tensor,
-    modulation: torch.Tensor,
-    rotary_emb: torch.Tensor | None = None,
-    attention_mask: Any | None = None,
-    target_token_mask: torch.Tensor | None = None,
-    layer_cache: Any | None = None,
-    kv_cache_mode: str | None = None,
-    cache_write_slice: slice | None = None,
-    segments: list[tuple[int, int, bool]] | None = None,
+    block: nn.Module, plan: BlockPlan, hidden_states: torch.Tensor, modulation: torch.Tensor,
+    rotary_emb: torch.Tensor | None = None, attention_mask: Any | None = None,
+    target_token_mask: torch.Tensor | None = None, layer_cache: Any | None = None, kv_cache_mode: str | None = None,
+    cache_write_slice: slice | None = None, segments: list[tuple[int, int, bool]] | None = None,
     key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``QwenImage21TransformerBlock.forward``, same signature (after ``block, plan``), same output bit for bit."""
@@ -109,9 +98,7 @@ def patched_forward(
         x = x.contiguous()
         if mask is not None:
             mask = mask.contiguous()
-    mod1, mod2 = modulation.chunk(2, dim=-1)
-    scale1, gate1 = mod1.chunk(2, dim=-1)
-    scale2, gate2 = mod2.chunk(2, dim=-1)
+    scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)  # rows checked to be [.., 4 * D]
     site_norm1, site_res1, site_norm2, site_swiglu, site_res2 = plan.sites
     eps1, eps2 = plan.norms["img_norm1"].eps, plan.norms["img_norm2"].eps
 
@@ -120,8 +107,7 @@ def patched_forward(
     dev = x.device
     attn = block.attn
 
-    # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v when the block runs the attention
-    # and all three are real FP8 GEMMs it may call itself
+    # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v where the block calls them itself
     norm1 = site_norm1.fused and _norm_ok(block, "img_norm1", eps1, plan)
     own_attn = plan.own_attention and mode != R.COMPILED and attention21.call_ok(attn, plan.qk_eps)
     if plan.own_attention and not own_attn:
@@ -151,8 +137,7 @@ def patched_forward(
     mlp = block.img_mlp
     swiglu = site_swiglu.fused and _swiglu_ok(mlp, plan)
     norm2 = site_norm2.fused and _norm_ok(block, "img_norm2", eps2, plan)
-    # unhooked real-FP8 linears are run as their GEMMs straight from the codes: then the bf16 activation
-    # they would have been called with is never written (norm2's output, SwiGLU's output: memory traffic)
+    # unhooked real-FP8 linears run as their GEMMs from the codes: the bf16 activation is never written
     ab = fp8_forward.group(mlp, ("gate_layer", "proj"), dev) if fp8 and norm2 and swiglu else None
     codes2 = None
     if norm2:
@@ -246,9 +231,6 @@ def _like(t: Any, ref: torch.Tensor) -> bool:
 
 def _pair_ok(a: Any, b: Any) -> bool:
     return type(a) is torch.Tensor and _like(b, a) and a.dim() >= 1 and a.dtype in _SUPPORTED
-
-
-# ---------------------------------------------------------------------------- one op, three ways
 
 
 def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:

@@ -151,8 +151,7 @@ class PatchReport:
     _seen: dict[str, Any] = field(default_factory=lambda: {"dtype": "?", "graph": None}, repr=False)
     # Qwen-Image: per block, {attention linear path: its gated real-FP8 forward may run (qwen_absorb.fp8_forward)}
     _fwd: dict[int, dict] = field(default_factory=dict, repr=False)
-    # the pipeline rooms' sections (qwen_absorb.vae.VaeReport, qwen_absorb.text_encoder.TextEncoderReport): plain
-    # data with to_dict() and line(), set by patch() when its target is a pipeline
+    # a pipeline's room sections (PartReport: to_dict() and line()), set by patch() when its target is a pipeline
     parts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
@@ -306,9 +305,9 @@ class PatchReport:
         if s["modelopt_linears"]:
             lines.append(self._fp8_line(s, blocks, device))
         if s["fp8_forward_linears"] and s["hooked_attention_fp8_blocks"]:  # standby forwards: said only when used
-            lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): {s['fp8_forward_linears']} "
-                         f"attention linears run real FP8 in their forward slots there; attention hooked now in "
-                         f"{s['hooked_attention_fp8_blocks']} blocks")
+            lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): "
+                         f"{s['fp8_forward_linears']} attention linears run real FP8 in their forward slots there; "
+                         f"attention hooked now in {s['hooked_attention_fp8_blocks']} blocks")
         for name, key in (("TaylorSeer", "taylorseer_attention_blocks"), ("PyramidAttentionBroadcast",
                                                                            "pab_attention_blocks")):
             if s[key]:
@@ -355,8 +354,8 @@ class PatchReport:
         elif self.cuda_graph_refused:
             lines.append(f"  CUDA graphs: off ({self.cuda_graph_refused})")
         elif self.cuda_graph_mode == "auto":
-            lines.append("  CUDA graphs: off (cuda_graph='auto' leaves Qwen-Image-2.1 blocks eager, measured no slower; "
-                         "cuda_graph=True graphs them)")
+            lines.append("  CUDA graphs: off (cuda_graph='auto' leaves Qwen-Image-2.1 blocks eager, measured no "
+                         "slower; cuda_graph=True graphs them)")
         if self.rebuilds:
             lines.append("  decided anew (block calls): " + counts(self.rebuilds))
         if self.runtime_fallbacks:

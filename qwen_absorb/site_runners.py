@@ -1,30 +1,22 @@
-"""The fused ops of both families' sites, each run as ``KERNEL`` (the checked-once launch), ``COMPILED`` (its custom op
-under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit for bit). One function per
-op, named as ``sites.Site.op``; given ``fp8_amax`` an op also returns its output's e4m3 codes. Only the ops are
-imported here, so the decisions may name this module."""
+"""The fused ops of both families' sites, each run as ``KERNEL``, ``COMPILED`` (its custom op under
+``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit for bit), named as ``sites.Site.op``;
+given ``fp8_amax`` an op also returns its output's e4m3 codes. Only the ops are imported here."""
 
 from __future__ import annotations
 
 import torch
 
 from .ops._validate import param_rows as _rows
-from .ops.bias_gate_residual import bias_gate_residual_reference
-from .ops.bias_gate_residual import launch as bgr_launch
+from .ops.bias_gate_residual import bias_gate_residual_reference, launch as bgr_launch
 from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
 from .ops.bias_residual_layer_norm_scale_shift import launch as brln_launch
 from .ops.fp8 import quantize_fp8_reference
-from .ops.layer_norm_scale import launch as ln_scale_launch
-from .ops.layer_norm_scale import layer_norm_scale_reference
-from .ops.layer_norm_scale_shift import launch as lnss_launch
-from .ops.layer_norm_scale_shift import layer_norm_scale_shift_reference
-from .ops.quantize_fp8 import activation_reference
-from .ops.quantize_fp8 import launch as qf8_launch
-from .ops.quantize_nvfp4 import launch as q4_launch
-from .ops.quantize_nvfp4 import quantize_nvfp4_reference
-from .ops.swiglu import launch as swiglu_launch
-from .ops.swiglu import swiglu_reference
-from .ops.tanh_gate_residual import launch as tgr_launch
-from .ops.tanh_gate_residual import tanh_gate_residual_reference
+from .ops.layer_norm_scale import launch as ln_scale_launch, layer_norm_scale_reference
+from .ops.layer_norm_scale_shift import launch as lnss_launch, layer_norm_scale_shift_reference
+from .ops.quantize_fp8 import activation_reference, launch as qf8_launch
+from .ops.quantize_nvfp4 import launch as q4_launch, quantize_nvfp4_reference
+from .ops.swiglu import launch as swiglu_launch, swiglu_reference
+from .ops.tanh_gate_residual import launch as tgr_launch, tanh_gate_residual_reference
 from .ops.tanh_gate_residual_layer_norm_scale import launch as tgrln_launch
 from .ops.tanh_gate_residual_layer_norm_scale import tanh_gate_residual_layer_norm_scale_reference
 
@@ -52,8 +44,7 @@ def _quant_args(nq, device: torch.device) -> tuple[torch.Tensor | None, int]:
 
 
 def layer_norm_scale_shift(mode, x, shift, scale, eps, index, fp8_amax=None, want_out=True, nq=None, nvfp4_amax=None):
-    """norm1 + modulation: ``(out or None, codes / NVFP4 or None)``; ``nq`` (kernels only): the norm-input fake
-    quantizer, applied in the kernel (the reference's caller applies it as its module)."""
+    """norm1 + modulation: ``(out or None, codes / NVFP4 or None)``; ``nq``: the norm-input quantizer (kernels only)."""
     if mode == KERNEL:
         amax, qm = _quant_args(nq, x.device)
         return lnss_launch(x.contiguous(), _rows(shift), _rows(scale), eps, _c(index),

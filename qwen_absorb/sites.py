@@ -1,8 +1,7 @@
 """Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears.
 
-The only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers. Every decision is built
-from these tables; paths (``"attn.to_out.0"``) are resolved at call time (:func:`resolve`), so a copied block or a
-replaced linear is never confused with the one seen at patch time.
+The only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers. Paths (``"attn.to_out.0"``)
+are resolved at call time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
 # The attention linears, called by diffusers' processor when the attention runs as its module (gated forwards).
 ATTN_LINEARS = tuple(p for p in LINEAR_TABLE if p.startswith("attn."))
 
-# Qwen-Image-2.1: one stream; norm2's op is the attention residual and img_norm2 together (the residual alone where
-# norm2 is not fused), swiglu img_mlp's forward. No bias is deferred; the FP8 emission feeds the linears named.
+# Qwen-Image-2.1: one stream; norm2's op is the attention residual and img_norm2 together, swiglu img_mlp's forward
 _QKV21 = ("attn.to_q", "attn.to_k", "attn.to_v")
 _AB21 = ("img_mlp.gate_layer", "img_mlp.proj")
 SITE21_TABLE: dict[str, Site] = {s.key: s for s in (
@@ -157,8 +155,7 @@ def model_classes() -> tuple[type, ...]:
 
 @functools.lru_cache(maxsize=1)
 def attention21_functions() -> tuple | None:
-    """What Qwen-Image-2.1's processor uses (attention dispatch, rope, attention and processor classes, RMSNorm), or
-    None without Qwen-Image-2.1."""
+    """What Qwen-Image-2.1's processor uses (dispatch, rope, attention and processor classes, RMSNorm), or None."""
     try:
         from diffusers.models.normalization import RMSNorm  # noqa: PLC0415
         from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415
@@ -180,8 +177,7 @@ def unwrap_peft(module: nn.Module | None) -> tuple[nn.Module | None, list[nn.Mod
     """``(innermost base layer, [wrappers outermost first])`` through PEFT's (possibly nested) ``.base_layer``."""
     wrappers = []
     while module is not None:
-        # PEFT registers it as a submodule: read from _modules (getattr's miss on a ModelOpt module goes through
-        # its Python __getattr__, ~1k times a block decision)
+        # from _modules: getattr's miss on a ModelOpt module goes through its Python __getattr__ (slow)
         inner = module.__dict__.get("_modules", {}).get("base_layer")
         if not isinstance(inner, nn.Module):
             break
@@ -221,4 +217,5 @@ def swiglu21_refusals(block: nn.Module) -> list[str]:
     act = mlp._modules.get("activation_fn")
     if type(act) is not nn.SiLU or hooked(act):
         return [f"img_mlp.activation_fn is a {type(act).__name__}, not an unhooked nn.SiLU"]
-    return [f"img_mlp.{n}: missing" for n in ("gate_layer", "proj", "out") if not isinstance(mlp._modules.get(n), nn.Module)]
+    return [f"img_mlp.{n}: missing" for n in ("gate_layer", "proj", "out")
+            if not isinstance(mlp._modules.get(n), nn.Module)]

@@ -1,24 +1,13 @@
-"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FasterCache stays eager,
-and FirstBlockCache's whole-model refusal (its blocks replay graphs of their own, ``cuda_graph/first_block_cache.py``)
-(:func:`refusal`).
+"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FasterCache and
+FirstBlockCache are not whole-model graphed (:func:`refusal`).
 
-Both caches decide each call's work on the host from their own counters, before any tensor is read:
-- PyramidAttentionBroadcast (a hook on every block's ``attn``): compute the attention, or hand out the last one,
-  from the hook's iteration counter and the timestep callback (one state per hook, shared by cond and uncond);
-- MagCache (hooks on every block, the first deciding): compute every block, or add the last residual to the
-  first block's input and skip the rest, from its step counter and the precomputed magnitude ratios (one state
-  per cache context).
-The runner asks :func:`begin` before a call: each state's decision is predicted on a copy of it (diffusers'
-expressions on the same values), and the graph key is the decisions. The tensor a state carries from call to call
-(the attention output, the residual) lives in a kept tensor per (hook, cache context) that graphs read and write.
-Eager calls run diffusers' hooks as they are; a warm-up and a capture run them too, with the timestep callback
-answering the decided comparison (no device read inside a capture) and the state of before the call restored for
-the capture; a replay runs no hook: the predicted state is applied after it.
-
-A PAB hook that is its attention's only hook (:func:`attention_hook`) is run by the patched block around its own
-fused attention (:func:`run`: diffusers' ``new_forward`` itself, its original forward the block's attention), so
-the decision, the stored output and the counter are the hook's own; the graph staging above is unchanged (the
-hook's attributes are what the block reads, and the output it stores is what :class:`_Step` keeps).
+Both caches decide each call's work on the host from their own counters, before any tensor is read. The runner
+asks :func:`begin` before a call: each state's decision is predicted on a copy of it (diffusers' expressions on the
+same values) and keys the graph. The tensor a state carries between calls (attention output, residual) lives in a
+kept tensor per (hook, cache context). A warm-up and a capture run diffusers' hooks with the timestep callback
+answering the decided comparison (no device read inside a capture); a replay runs no hook: the predicted state is
+applied after it. A PAB hook that is its attention's only hook is run by the patched block around its own attention
+(:func:`run`).
 """
 
 from __future__ import annotations
@@ -26,6 +15,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,7 +26,7 @@ from . import hooks
 PAB, MAG = "PyramidAttentionBroadcast", "MagCache"
 _HOOKS = {"PyramidAttentionBroadcastHook": PAB, "MagCacheHeadHook": MAG, "MagCacheBlockHook": MAG}
 _CONFIGS = {"PyramidAttentionBroadcastConfig": PAB, "MagCacheConfig": MAG}
-# Caches whose calls run eager under graphs: (refusal, detail), said in the report's graph_fallbacks
+# Caches whose calls run eager under graphs: (refusal, detail)
 _EAGER = {
     "FirstBlockCacheConfig": (
         "FirstBlockCache: per-block CUDA graphs (the model call runs eager around them)",
@@ -52,14 +42,13 @@ _EAGER = {
 _serials = itertools.count(1)
 
 
-def _diffusers(obj: Any, names: dict) -> str | None:
+def _diffusers(obj: Any, names: dict) -> Any:
     t = type(obj)
     return names.get(t.__name__) if t.__module__.startswith("diffusers.") else None
 
 
 def is_fbc_config(config: Any) -> bool:
-    """``config`` (a transformer's ``_cache_config``) is diffusers' FirstBlockCache (graphed per block:
-    :mod:`qwen_absorb.cuda_graph.first_block_cache`)."""
+    """``config`` (a transformer's ``_cache_config``) is diffusers' FirstBlockCache (graphed per block)."""
     return _diffusers(config, {"FirstBlockCacheConfig": True}) is not None
 
 
@@ -75,8 +64,7 @@ def kind(config: Any) -> str | None:
 
 def refusal(config: Any) -> tuple[str, str] | None:
     """Why the calls of a cache this module does not graph run eager: (reason, detail), or None."""
-    t = type(config)
-    return _EAGER.get(t.__name__) if t.__module__.startswith("diffusers.") else None
+    return _diffusers(config, _EAGER)
 
 
 def owned(module: nn.Module) -> list[Any]:
@@ -89,10 +77,8 @@ PAB_HOOK_NAME = "pyramid_attention_broadcast"  # the name diffusers registers it
 
 
 def attention_hook(module: nn.Module) -> Any | None:
-    """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' class under
-    diffusers' name, the module's only hook (no torch or accelerate hook, nothing wrapped around the registry's
-    forward), wrapping the module's class forward (a forward the user put there before the hook would not run),
-    with the registry's identity pre/post steps (the block's path calls neither)."""
+    """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' own, the
+    module's only hook, wrapping the class forward, with the identity pre/post steps (the block calls neither)."""
     hook = hooks.sole_registry_hook(module, PAB_HOOK_NAME)
     cls = type(hook)
     if hook is None or _diffusers(hook, _HOOKS) != PAB or "pre_forward" in cls.__dict__ \
@@ -104,24 +90,14 @@ def attention_hook(module: nn.Module) -> Any | None:
     return hook
 
 
-class _Own:
-    """What the hook's ``fn_ref`` holds for its ``new_forward``: the block's own attention as its original forward."""
-
-    __slots__ = ("original_forward",)
-
-    def __init__(self, compute: Callable[[], Any]) -> None:
-        self.original_forward = compute
-
-
 class _Around:
-    """The PAB hook as its own ``new_forward`` reads it, its ``fn_ref`` excepted: every other attribute read from and
-    written to the hook itself (the callback a warm-up shadows, the ranges, the state it updates)."""
+    """The PAB hook as its ``new_forward`` reads it, but with its own ``fn_ref``: other attributes go to the hook."""
 
     __slots__ = ("_hook", "fn_ref")
 
     def __init__(self, hook: Any, compute: Callable[[], Any]) -> None:
         object.__setattr__(self, "_hook", hook)
-        object.__setattr__(self, "fn_ref", _Own(compute))
+        object.__setattr__(self, "fn_ref", SimpleNamespace(original_forward=compute))  # the block's attention
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_hook"), name)
@@ -131,15 +107,9 @@ class _Around:
 
 
 def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
-    """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's own attention) as its forward.
-
-    diffusers' own ``new_forward`` runs, not a copy of it: the decision, ``state.cache = output`` (the very object
-    ``compute`` returned, or the cache handed out again) and ``iteration += 1`` are the hook's in every diffusers
-    version that keeps its shape. It runs on a stand-in of the hook whose ``fn_ref`` is the block's attention rather
-    than on the hook with its ``fn_ref`` swapped: that reference is shared with every other caller of the module
-    (a thread calling ``attn`` outside the block's lock, diffusers' own forward on a fallback) and must keep
-    pointing at diffusers' attention. The block holds ``plan.rt.lock`` around this call, as around the hooked
-    module's call it replaces."""
+    """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's own attention) as its forward:
+    diffusers' own ``new_forward`` runs on a stand-in of the hook, not on the hook with its ``fn_ref`` swapped (that
+    reference is shared with every other caller of the module)."""
     hook = attention_hook(module)
     if hook is None:
         raise RuntimeError("qwen_absorb: the PyramidAttentionBroadcast hook this block was decided for is gone")
@@ -184,8 +154,8 @@ def release(hook: Any) -> None:
 
 
 class _Step:
-    """One state's decision for one call: ``field`` is the attribute its tensor lives in, ``post`` the plain
-    attributes after the call (predicted), ``reset`` a MagCache run ending (the residual dropped)."""
+    """One state's decision for one call: ``field`` holds its tensor, ``post`` the predicted plain attributes after
+    the call, ``reset`` a MagCache run ending."""
 
     __slots__ = ("hook", "state", "name", "field", "compute", "post", "reset", "kept", "changed", "before", "after")
 
@@ -344,8 +314,8 @@ class Steps:
         pass
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        """``inner`` for a warm-up (its first call) and a capture (its second): the hooks run with the decided
-        timestep comparison; the capture from the state of before the call, which is put back after it."""
+        """``inner`` for a warm-up (first call) and a capture (second, from the state of before the call, put back
+        after): the hooks run with the decided timestep comparison."""
         runs: list[None] = []
 
         def run(*args: Any, **kwargs: Any) -> Any:

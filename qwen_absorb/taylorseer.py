@@ -1,16 +1,10 @@
 """diffusers' TaylorSeer cache (``enable_cache(TaylorSeerCacheConfig(...))``): the one reader of its hooks and states.
 
-TaylorSeer hooks every block's ``attn``: a compute step runs the attention and updates Taylor factors (divided
-differences over the steps between updates); other steps return their extrapolation. The step is decided on the
-host from a counter, so a call's work is known before it runs:
-- in a patched block (:func:`supported_hook`), :func:`run` wraps the block's own attention in diffusers' own
-  decision, update and prediction (bit for bit what the hook does around diffusers' attention);
-- in CUDA-graph mode the runner decides every step before the call (:class:`GraphSteps`) and keys its graphs by
-  the kinds of step; :func:`run` executes each step on factors kept in place per (hook, cache context) with
-  :mod:`qwen_absorb.ops.taylor_seer` reading the step sizes from device memory (one graph for every offset), and
-  the states' Python side is applied after each call, replayed or not.
-Anything else (the inactive mode, other hooks) stays diffusers' hooked module, which graph mode refuses
-(PyramidAttentionBroadcast and MagCache hooks excepted: :mod:`qwen_absorb.step_caches`).
+Each step (update the Taylor factors, or extrapolate) is decided on the host from a counter, before the call runs.
+A patched block's :func:`run` wraps its own attention in diffusers' decision, update and prediction. In CUDA-graph
+mode the runner decides every step first (:class:`GraphSteps`) and keys its graphs by them; the factors live in
+place per (hook, cache context) and the kernels read the step sizes from device memory (one graph for every
+offset). Anything else stays diffusers' hooked module, which graph mode refuses.
 """
 
 from __future__ import annotations
@@ -47,11 +41,11 @@ def is_config(config: Any) -> bool:
 
 
 def supported_hook(module: nn.Module) -> Any | None:
-    """The TaylorSeer hook of ``module`` when a patched block may run it around its own attention: the module's
-    only hook (nothing wrapped around the registry's forward), active mode, at most ``ts_ops.MAX_ORDER`` orders,
-    factors in bf16 / fp16 / fp32."""
+    """The TaylorSeer hook of ``module`` when a patched block may run it: the only hook, active mode, at most
+    ``ts_ops.MAX_ORDER`` orders, factors in bf16 / fp16 / fp32."""
     hook = hooks.sole_registry_hook(module, HOOK_NAME)
-    if hook is None or type(hook).__name__ != "TaylorSeerCacheHook" or not type(hook).__module__.startswith("diffusers."):
+    t = type(hook)
+    if hook is None or t.__name__ != "TaylorSeerCacheHook" or not t.__module__.startswith("diffusers."):
         return None
     kw = getattr(getattr(hook, "state_manager", None), "_init_kwargs", None)
     if not isinstance(kw, dict) or kw.get("is_inactive", False):
@@ -69,8 +63,8 @@ def graph_reasons(device: torch.device) -> list[str]:
 
 
 class _Record:
-    """The factors of one (hook, cache context), kept in place: ``bufs[i][k]`` is order k of output i; a new
-    record (``serial``) when shapes or dtypes change. Graphs read and write one serial's tensors."""
+    """The factors of one (hook, cache context), in place: ``bufs[i][k]`` is order k of output i; a new ``serial``
+    when shapes or dtypes change."""
 
     __slots__ = ("serial", "bufs", "dtypes")
 
@@ -87,8 +81,7 @@ class _Record:
         return [t for b in self.bufs for t in b]
 
 
-# hook -> {context name: _Record}. Keyed by the hook, not by the state: diffusers drops its states at the end of
-# every pipeline call (maybe_free_model_hooks), and the next run's graphs should find the same factors.
+# hook -> {context name: _Record}; keyed by the hook: diffusers drops its states after every pipeline call
 _records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -149,8 +142,7 @@ class Step:
         return ts_ops.predict_coefficients(self.offset, self.n) if self.n > 0 else []
 
     def _adopt(self) -> _Record | None:
-        """The kept factors this step reads, holding what the state holds (copied in where diffusers' own update
-        ran last)."""
+        """The kept factors this step reads, holding what the state holds (copied in after diffusers' own update)."""
         st = self.state
         need = self.n if self.compute else max(self.n, 0)
         rec = _record(self.hook, self.name)
@@ -231,8 +223,7 @@ class GraphSteps:
     def _rows(self, n: int, device: torch.device) -> torch.Tensor:
         dev = self._dev
         if dev is None or dev.shape[0] < n or dev.device != device:
-            m = ts_ops.MAX_ORDER
-            self._dev = dev = torch.zeros(max(n, 1), m, dtype=torch.float32, device=device)
+            self._dev = dev = torch.zeros(max(n, 1), ts_ops.MAX_ORDER, dtype=torch.float32, device=device)
             pin = device.type == "cuda"
             self._host = [torch.zeros(dev.shape, dtype=torch.float32, pin_memory=pin) for _ in range(self.RING)]
             self._events = [None] * self.RING
@@ -319,9 +310,8 @@ class Steps:
             s.entered = s.ran = True
 
     def abandon(self) -> None:
-        """The call raised: each state as diffusers' hooks would leave it. A finished step is applied; an entered
-        one keeps its advanced counter and factors (a hooked forward that raised); one never reached gets its
-        counter back (``begin`` advanced it ahead of the blocks)."""
+        """The call raised: each state as diffusers' hooks would leave it. A finished step is applied, an entered one
+        kept as is, one never reached gets back the counter ``begin`` advanced."""
         for s in self.steps:
             if s.ran:
                 s.apply()

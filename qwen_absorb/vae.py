@@ -1,19 +1,15 @@
 """The Qwen-Image VAE's decode (``AutoencoderKLQwenImage``) as the 2-D network it computes for one frame.
 
-diffusers decodes ``z[:, :, 0:1]`` with every causal 3-D convolution padded by two zero frames in front (the
-feature cache is empty on the first chunk), so only the last temporal slice of each 3x3x3 kernel meets data: a
-2-D convolution at a third of the work. :class:`FastDecode` runs that network in 2-D, channels-last, on CUDA
-replayed from a graph per shape (:class:`~qwen_absorb.shape_graphs.ShapeGraphs`).
+diffusers decodes one frame with every causal 3-D convolution padded by two zero frames in front, so only the last
+temporal slice of each kernel meets data: a 2-D convolution at a third of the work. :class:`FastDecode` runs that
+network in 2-D, channels-last, on CUDA replayed from a graph per shape.
 
-Contract (``benchmarks/results/pipeline/rooms_h200.md``: 66.9 -> 23.1 ms at 1024^2 on the H200, error ratio
-<= 1.0015): the 2-D convolutions take other cuDNN kernels (sums reordered, not bit-identical), gated by
-:func:`fidelity`. Each RMS norm + SiLU is one kernel (eager's rounding points, its own fp32 sum order); every
-other op is the same torch op on the same values, except the RMS norm's dropped ``+ 0.0`` bias (it can only flip
-a zero's sign). The replicated diffusers code is pinned by a hash (:data:`REPLICATED`).
-
-Installed as the VAE's instance ``_decode`` (``decode``'s hooks, slicing and accelerate keep working); calls it
-cannot take run diffusers' ``_decode``, counted by reason. A :class:`~qwen_absorb.watch.Watch` of the decoder
-remakes the 2-D weights (copies: parameters and ``state_dict`` are never touched) and drops the graphs on a change.
+Contract: the 2-D convolutions take other cuDNN kernels (sums reordered, not bit-identical), gated by
+:func:`fidelity`; each RMS norm + SiLU is one kernel (eager's rounding points); every other op is the same torch op
+on the same values, except the RMS norm's dropped ``+ 0.0`` bias. The replicated diffusers code is pinned by a hash
+(:data:`REPLICATED`). Installed as the VAE's instance ``_decode`` (``decode``'s hooks, slicing and accelerate keep
+working); calls it cannot take run diffusers' ``_decode``, counted by reason. A watch of the decoder remakes the 2-D
+weights (copies: parameters are never touched) and drops the graphs on a change.
 """
 
 from __future__ import annotations
@@ -137,8 +133,7 @@ def _static_reasons(vae: nn.Module) -> list[str]:
 
 
 _CONV = ("QwenImageCausalConv3d",)
-# what the 2-D path reads in each slot (Weights2d.decode): any other module there (an nn.Identity ablation, a norm
-# replaced) runs diffusers' decode
+# what the 2-D path reads in each slot (Weights2d.decode): any other module there runs diffusers' decode
 _SLOTS = {
     "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
                                "conv2": _CONV, "conv_shortcut": (*_CONV, "Identity")},
@@ -375,7 +370,7 @@ class FastDecode:
 def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False, fuse_norm: bool = True) -> VaeReport:
     """Install :class:`FastDecode` as ``vae._decode``; returns the ``vae`` report section (``on`` False with
     reasons, nothing installed, for a VAE the 2-D path does not know). ``cpu``: the 2-D path on the CPU too
-    (tests; the gate is measured on CUDA). ``fuse_norm``: each RMS norm + SiLU as one kernel where it runs."""
+    (tests). ``fuse_norm``: each RMS norm + SiLU as one kernel where it runs."""
     check_tristate("cuda_graph", cuda_graph)
     if not isinstance(vae, nn.Module):
         raise TypeError(f"vae.patch needs a diffusers VAE module, got {type(vae).__name__}")
@@ -407,8 +402,7 @@ def unpatch(vae: nn.Module) -> None:
     del vae.__dict__["_decode"]
     if cur.had_instance is not None:
         vae.__dict__["_decode"] = cur.had_instance
-    cur.report.on = False
-    cur.report.reasons = ["unpatched"]
+    cur.report.on, cur.report.reasons = False, ["unpatched"]
 
 
 def report_of(vae: nn.Module) -> VaeReport | None:
@@ -435,11 +429,10 @@ def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
 
 
 class FastPostprocess:
-    """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image. diffusers copies
-    the image to the host and there multiplies by 255, rounds and casts (tens of ms of host work at 1024^2, the
-    GPU idle: issue 40 item 5); here the same fp32 product, round-half-even and cast run on the device and only
-    uint8 pixels travel: the same bytes. Other output types, host images, grayscale and non-finite values
-    (numpy's and torch's uint8 casts of NaN differ) run diffusers' method."""
+    """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image: the fp32 product by
+    255, round-half-even and cast run on the device, not the host, and only uint8 pixels travel (the same bytes).
+    Other output types, host images, grayscale and non-finite values (numpy's and torch's uint8 casts of NaN differ)
+    run diffusers' method."""
 
     __qwen_absorb_postprocess__ = True
 

@@ -19,6 +19,8 @@ from qwen_absorb.cuda_graph.runner import GraphedCall
 
 
 class FakeStream:
+    device = torch.device("cpu")
+
     def __init__(self, *a, **k):
         pass
 
@@ -26,30 +28,25 @@ class FakeStream:
         pass
 
 
-class FakeGraph:
+class FakeGraph:  # captured by shape_graphs.recording: capture_begin, the forward, capture_end
     fail = False
 
     def __init__(self):
         self.fn = None
         self.pool = None  # the pool handle it was captured into
 
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local" and pool is not None
+        self.pool = pool
+
+    def capture_end(self):
+        if FakeGraph.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
     def replay(self):
         if self.fn is None:
             _arm_fbc_owner(self)
         self.fn()
-
-
-class fake_capture:  # noqa: N801  (stands in for torch.cuda.graph)
-    def __init__(self, graph, pool=None, stream=None, capture_error_mode=None):
-        assert capture_error_mode == "thread_local" and pool is not None and stream is not None
-        graph.pool = pool
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        if FakeGraph.fail and exc[0] is None:
-            raise RuntimeError("operation not permitted when stream is capturing")
 
 
 def install(monkeypatch) -> None:
@@ -61,7 +58,7 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(C.HostConstants, "device_types", ("cpu",))
     monkeypatch.setattr(FakeGraph, "fail", False)
 

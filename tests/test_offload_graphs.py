@@ -155,13 +155,13 @@ def test_a_capture_that_changes_the_model_is_not_kept(monkeypatch, seed):
     report = qwen_absorb.patch(model, cuda_graph=True)
     cuda_graph_fakes.install(monkeypatch)
     rt = model.transformer_blocks[0].__dict__[PLAN_ATTR].rt
-    enter = cuda_graph_fakes.fake_capture.__enter__
+    begin = cuda_graph_fakes.FakeGraph.capture_begin
 
-    def decide_inside(self):
+    def decide_inside(self, *a, **k):
         rt.generation += 1  # what decide() does
-        return enter(self)
+        return begin(self, *a, **k)
 
-    monkeypatch.setattr(cuda_graph_fakes.fake_capture, "__enter__", decide_inside)
+    monkeypatch.setattr(cuda_graph_fakes.FakeGraph, "capture_begin", decide_inside)
     assert torch.equal(T.run_transformer(model, kw), want)
     runner = _runner(model)
     assert runner.captures == 0 and not runner._graphs and runner.capture_failures["RuntimeError"] == 1

@@ -1,5 +1,4 @@
-"""Putting CUDA-graph mode on a transformer: :func:`install` checks its arguments and sets a
-:class:`~.runner.GraphedCall` as the transformer's ``forward`` (``GraphedCall.remove()`` undoes it)."""
+""":func:`install`: a :class:`~.runner.GraphedCall` as the transformer's ``forward`` (``remove()`` undoes it)."""
 
 from __future__ import annotations
 
@@ -26,16 +25,13 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
 
     fallbacks: the ``Counter`` refused calls are counted in, by reason (``"cuda_graph: grad enabled"``, ...).
     max_graphs: graphs kept at most (one per signature; least recently used dropped first).
-    host_tensors: a callable returning the tensors allowed off the GPU (originals kept on the host), read at
-        every scan: fingerprinted, left out of the device check; the forward must not read them.
+    host_tensors: a callable returning the tensors allowed off the GPU (read at every scan: fingerprinted, left
+        out of the device check; the forward must not read them).
     capture_after: eager calls a signature must have had before it is captured (1: a one-off call never pays
-        a capture). shared: a :class:`~.shared.Shared` (:func:`.blocks.install_blocks`). warn_first: a refusal
-        of the first call is logged as a warning (:mod:`.first_use`).
+        a capture). shared: a :class:`~.shared.Shared`. warn_first: a refusal of the first call is a warning.
 
-    The runner goes where the transformer's own forward is called from: its instance ``forward``, or, under
-    accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``), that hook's ``_old_forward``, so that the
-    hook has moved the model to its device before the runner looks at it
-    (:func:`.fingerprint.model_offload_around`). Installing twice returns the runner already installed.
+    Under accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``) the runner goes in the hook's
+    ``_old_forward``, so the model is on its device when it looks. Installing twice returns the installed runner.
     """
     if max_graphs < 1:
         raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")

@@ -1,9 +1,7 @@
 """CUDA graphs per block: one :class:`~.runner.GraphedCall` on each block, all sharing one :class:`~.shared.Shared`.
 
-diffusers' ``QwenImage21Transformer2DModel.forward`` syncs with the host before its block loop (``tolist()`` /
-``nonzero()`` on the token masks), so its whole call can never be captured; its blocks can. Each runner keeps its
-own fingerprint of its block and refuses too when the parent carries an offloading or cache hook; refusals are
-counted per block call. :class:`~.group.BlockGraphs` removes, invalidates and describes the group as one.
+diffusers' ``QwenImage21Transformer2DModel.forward`` syncs with the host before its block loop (``tolist()`` on the
+token masks), so its whole call can never be captured; its blocks can. Refusals are counted per block call.
 """
 
 from __future__ import annotations

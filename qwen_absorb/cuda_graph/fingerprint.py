@@ -1,15 +1,11 @@
 """What the graphs of a runner baked in, and whether it changed: the per-call fingerprint and its verdict.
 
-A :class:`Scan` walks the transformer once and records what a replay depends on: every parameter and buffer
-(``data_ptr`` and ``_version``), tensors and qwen_absorb state held as module attributes, the instance
-attributes where forwards, hooks, processors, ModelOpt and PEFT switches live (plain values by value, one
-``itemgetter`` per dict; everything else by identity), the lengths of module and hook dicts, and PEFT LoRA
-state (merged adapters, scaling, enabled, active; against copies, as PEFT mutates them in place). It is compared
-per call with C-level ``map``s: a Python loop per item would cost more than the launches a replay saves (a
-60-block FP8 model has ~20,000 quantizer switches). ``moved()`` is the half a replay must not be launched past,
-``stale()`` the half checked while the GPU runs it. The same walk gives the verdict: a refusal, or the device.
-torch's global registration hooks (:func:`watch`) drop a runner's snapshot when a module, parameter or buffer
-is assigned inside its transformer.
+A :class:`Scan` walks the transformer once and records what a replay depends on: parameters and buffers
+(``data_ptr``, ``_version``), tensor attributes, the attributes holding forwards, hooks, processors, ModelOpt and
+PEFT switches (plain values by value, the rest by identity), dict lengths, and PEFT LoRA state (against copies).
+It is compared per call with C-level ``map``s: a Python loop per item would cost more than a replay saves (a
+60-block FP8 model has ~20,000 quantizer switches). The same walk gives the verdict: a refusal, or the device.
+torch's global registration hooks (:func:`watch`) drop a runner's snapshot on an assignment inside its model.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ from ..plan import PLAN_ATTR, derived_only_sources
 from . import settings
 from .signature import patch_tuning
 
-# Instance attributes whose identity decides what a call runs: hook chains and compiled wrappers (from
-# qwen_absorb.hooks), processors, ModelOpt quantizer switches, PEFT switches, and a norm's eps (a graph holds the
-# eps its kernels were launched with; ``norm.eps = ...`` moves no tensor). Compared wherever present.
+# Instance attributes that decide what a call runs: hook chains and compiled wrappers, processors, ModelOpt and
+# PEFT switches, and a norm's eps (baked into a graph's launches; ``norm.eps = ...`` moves no tensor).
 WATCH_KEYS = (
     *hooks.WRAPPER_ATTRS, "processor",
     "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize", "_num_bits",
@@ -44,22 +39,17 @@ SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
 _version_of = attrgetter("_version")
 _generation = attrgetter("generation")
 _data_ptr = torch.Tensor.data_ptr
-# One C++ loop over (tensor, data_ptr) pairs (CUDA builds; what Inductor's CUDA-graph trees use); a map otherwise.
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-# PEFT's per-layer switches, read from a LoRA layer's __dict__ in one C call; _PEFT_KEYS are compared there
-# (by value) and left out of the attribute comparison
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # one C++ loop (CUDA builds)
+# PEFT's per-layer switches, read in one C call and compared by value (left out of the attribute comparison)
 _PEFT_KEYS = ("merged_adapters", "scaling", "_disable_adapters", "_active_adapter")
 _peft_get = itemgetter(*_PEFT_KEYS)
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:  # one C++ loop
+def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
     if _ptrs_equal is not None:
         return _ptrs_equal(tensors, ptrs, indices)
     return list(map(_data_ptr, tensors)) == ptrs
-
-
-# ---------------------------------------------------------------------------------------------- registration
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -92,12 +82,8 @@ def unwatch(runner: Any) -> None:
     _REGISTRATIONS.release(runner)
 
 
-# ---------------------------------------------------------------------------------------------- refusals
-
-
 def registry_reason(module: nn.Module, skip: Callable[[Any], bool] | None = None) -> tuple[str, str] | None:
-    """The refusal for the first diffusers hook on ``module`` that ``skip`` does not pass: (category, detail), or
-    None without one."""
+    """(category, detail) for the first diffusers hook on ``module`` that ``skip`` does not pass, or None."""
     for name, hook in hooks.registry_hooks(module).items():
         if skip is None or not skip(hook):
             cat = hooks.hook_category(name, hook)
@@ -106,7 +92,6 @@ def registry_reason(module: nn.Module, skip: Callable[[Any], bool] | None = None
     return None
 
 
-# why a graph cannot replay under these hooks (said in the report's detail)
 _HOOK_WHY = {"offloading hook": "weights move during the call",
              "layerwise casting hook": "weights are cast anew inside every call"}
 
@@ -120,25 +105,20 @@ def under_model_offload(t: nn.Module) -> bool:
 
 def model_offload_around(t: nn.Module, runner: Any) -> bool:
     """Whether ``runner`` sits inside accelerate's ``CpuOffload`` hook on ``t`` (``enable_model_cpu_offload()``):
-    the hook moves the whole model to its execution device before the forward it wraps runs and moves nothing
-    during the call, so the runner sees a resident model. A move between calls changes the weights' addresses,
-    which :meth:`Scan.moved` checks before every replay (the graphs are dropped, the next call captures anew)."""
+    the hook moves the model before the call and nothing during it; a move between calls is seen by
+    :meth:`Scan.moved`."""
     if runner is None or t.__dict__.get("_old_forward") is not runner or not under_model_offload(t):
         return False
-    tuning = patch_tuning(t)  # Tuning.model_offload_graphs=False turns them off
-    return bool(getattr(tuning, "model_offload_graphs", True))
+    return bool(getattr(patch_tuning(t), "model_offload_graphs", True))  # Tuning(model_offload_graphs=False): off
 
 
 def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
                 fbc_outside: bool = False) -> tuple[str, str] | None:
-    """O(1) refusals read on the transformer itself (offload / cache hooks sit there or announce themselves).
-    ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its steps,
-    see :mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); per-block runners refuse it here.
-    ``runner``: the whole-model runner asking; inside a model-offload hook (:func:`model_offload_around`, unless
-    ``Tuning(model_offload_graphs=False)``) that hook is no refusal. Every other offload hook streams weights
-    during the call: refused. A block runner of a FirstBlockCache group (:mod:`.first_block_cache`: its
-    ``Shared.fbc``) sits inside the cache's hook, which is no refusal on its block (:func:`fbc_block_reason`), nor is
-    the cache's config on the transformer around it (``fbc_outside``, from :meth:`.shared.Shared.parent_reason`)."""
+    """O(1) refusals read on the transformer itself (offload and cache hooks sit there or announce themselves).
+    ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its
+    steps); per-block runners refuse it here. ``runner``: the runner asking; a model-offload hook around it is no
+    refusal (:func:`model_offload_around`). A FirstBlockCache block runner (``Shared.fbc``) is not refused by the
+    cache's hook on its block (:func:`fbc_block_reason`), nor by its config on the transformer (``fbc_outside``)."""
     fbc_block = runner is not None and getattr(runner._shared, "fbc", False)
     if hooks.offload_hooked(t) and not model_offload_around(t, runner):
         if under_model_offload(t):
@@ -160,19 +140,14 @@ def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
 
 
 def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
-    """The diffusers-hook refusal of a block whose runner sits inside FirstBlockCache's hook (the runner is that
-    hook's ``original_forward``: the hook decides on the host whether to call it and reads only what it returns).
-    Any other diffusers hook refuses as anywhere. Without a FirstBlockCache hook the cache was disabled since the
-    group was made: refused until the model call removes the group, as an unhooked block may hand its outputs
-    over to the next one (:mod:`qwen_absorb.handoff`), which a graph of one block cannot carry."""
+    """The diffusers-hook refusal of a block whose runner is FirstBlockCache's ``original_forward``: other hooks
+    refuse as anywhere. A block without the cache's hook is refused (the cache was disabled: the model call
+    removes the group), as it may hand its outputs over to the next block (:mod:`qwen_absorb.handoff`)."""
     r = registry_reason(block, step_caches.is_fbc_hook)
     if r is None and not hooks.registry_hooks(block):
         return ("FirstBlockCache hooks gone (their per-block graphs wait for the model call to remove them)",
                 "the block carries no FirstBlockCache hook")
     return r
-
-
-# ---------------------------------------------------------------------------------------------- the snapshot
 
 
 def _is_lora_layer(d: dict) -> bool:
@@ -185,13 +160,13 @@ def _plain(v: Any) -> bool:  # compared by value: a plain scalar, or a tuple of 
 
 
 def lora_state(dicts: list[dict]) -> list[tuple]:
-    """PEFT state that changes what runs without a registration (``fuse_lora`` writes ``.data``, which no
-    ``_version`` sees; ``set_adapters``; ``disable_adapters``), one tuple per layer, one C-level map."""
+    """PEFT state that changes what runs without a registration (``fuse_lora`` writes ``.data``, unseen by
+    ``_version``; ``set_adapters``; ``disable_adapters``): one tuple per layer."""
     return list(map(_peft_get, dicts))
 
 
 def lora_snapshot(dicts: list[dict]) -> list[tuple]:
-    """Copies of :func:`lora_state` (the lists and dicts are mutated in place by PEFT)."""
+    """Copies of :func:`lora_state` (PEFT mutates the lists and dicts in place)."""
     return [(list(m), dict(s), dis, list(a) if isinstance(a, list) else a) for m, s, dis, a in lora_state(dicts)]
 
 
@@ -201,8 +176,8 @@ def _getter(keys: tuple[str, ...]) -> itemgetter:
 
 
 def _plan_facts(plan: Any, block: nn.Module, sources: set[int], cache_ok: set[int]) -> None:
-    """What a scan takes from ``plan``'s decisions: the ids of the tensors only its derived state is made from, and
-    the attention whose cache the block runs itself."""
+    """From ``plan``'s decisions: ids of the tensors only its derived state is made from, and the attention whose
+    cache the block runs itself."""
     sources.update(map(id, derived_only_sources(plan, block)))
     if getattr(plan, "attn_cache", False) and (a := block._modules.get("attn")) is not None:
         cache_ok.add(id(a))
@@ -213,28 +188,26 @@ class Scan:
     (originals kept on the host), left out of the device verdict, fingerprinted like the others."""
 
     __slots__ = (
-        "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watch_dicts",
-        "watch_keys", "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys",
-        "plain_getters", "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs",
-        "sindices", "vtensors", "vnames", "vers", "peft",
-        "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail", "device", "sticky",
-        "host_count", "owners", "gens", "cache_hooks", "step_hooks", "plans", "facts", "types",
+        "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watched",
+        "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys", "plain_getters",
+        "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs", "sindices", "vtensors",
+        "vnames", "vers", "peft", "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail",
+        "device", "sticky", "host_count", "owners", "gens", "cache_hooks", "step_hooks", "plans", "facts", "types",
     )
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
         self.refusal: str | None = None
         self.detail = ""
-        self.sticky = False  # a refusal that weight moves cannot lift (hooks, calibration), see the runner
-        self.modules, self.len_dicts, self.hook_dicts, self.watch_dicts, self.watch_keys = [], [], [], [], []
+        self.sticky = False  # a refusal that weight moves cannot lift (hooks, calibration)
+        self.modules, self.len_dicts, self.hook_dicts = [], [], []
+        self.watched: list[tuple[dict, str]] = []  # (dict, key): compared by value or identity (see take())
+        watched = self.watched
         self.tensors, self.names, self.vtensors, self.vnames = [], [], [], []
         self.peft, self.peft_dicts, self.peft_names = [], [], []
-        # what holds derived tensors a graph reads: the plans' runtimes and the FP8 forwards. Their
-        # ``generation`` moves whenever those tensors are dropped or replaced (a decision, a rebuild)
-        self.owners: list[Any] = []
+        self.owners: list[Any] = []  # plans' runtimes and FP8 forwards: ``generation`` moves on a rebuild
         self.plans: list[tuple[Any, nn.Module]] = []  # (plan, block): what their decisions give is self.facts
         sources: set[int] = set()  # ids of tensors only the plans' derived state is made from (see moved())
-        # TaylorSeer hooks the patched blocks run themselves (taylorseer.run): their steps key the graphs
-        self.cache_hooks: list[Any] = []
+        self.cache_hooks: list[Any] = []  # TaylorSeer hooks the patched blocks run (their steps key the graphs)
         self.step_hooks: list[Any] = []  # PAB / MagCache hooks, decided by the runner (step_caches)
         cache_ok: set[int] = set()  # the attention modules of blocks whose plan runs their cache
         host = [x for x in host if isinstance(x, torch.Tensor)]
@@ -272,22 +245,18 @@ class Scan:
             self.len_dicts.append(d)  # a new instance attribute: a hook's forward, _hf_hook, a compiled call, ...
             if "_modules" in d:  # a ModuleList's del (a new dict) or insert (this one longer): no hook is called
                 self.len_dicts.append(d["_modules"])
-                self.watch_dicts.append(d)
-                self.watch_keys.append("_modules")
+                watched.append((d, "_modules"))
             if not root:  # the transformer's own hooks run outside the forward we wrap
                 for hd in hooks.torch_hook_dicts(m):
                     self.hook_dicts.append(hd)
                     if hd:
                         refuse("forward hook on a submodule", f"forward hook or pre-hook on {label}")
             peft_layer = _is_lora_layer(d)
-            for k in WATCH_KEYS:
-                if k in d and not (root and k == "forward") and not (peft_layer and k in _PEFT_KEYS):
-                    self.watch_dicts.append(d)
-                    self.watch_keys.append(k)
+            watched.extend((d, k) for k in WATCH_KEYS
+                           if k in d and not (root and k == "forward") and not (peft_layer and k in _PEFT_KEYS))
             for k, v in d.items():
                 if k.startswith("_qwen_absorb") or (isinstance(v, torch.Tensor) and k not in WATCH_KEYS):
-                    self.watch_dicts.append(d)
-                    self.watch_keys.append(k)
+                    watched.append((d, k))
                     if isinstance(v, torch.Tensor):
                         add_tensor(v, f"{label}.{k}")
             if not root:
@@ -307,9 +276,7 @@ class Scan:
             pd = getattr(proc, "__dict__", None) if proc is not None and not isinstance(proc, nn.Module) else None
             if isinstance(pd, dict):
                 self.len_dicts.append(pd)
-                for k in pd:
-                    self.watch_dicts.append(pd)
-                    self.watch_keys.append(k)
+                watched.extend((pd, k) for k in pd)
             if d.get("_if_calib") is True and d.get("_disabled") is False:
                 refuse("ModelOpt calibration running", f"quantizer {label} is calibrating")
             fwd = d.get("forward")
@@ -326,11 +293,8 @@ class Scan:
                 self.peft_names.append(label)
             for group in ("_parameters", "_buffers"):
                 slots = d.get(group) or {}
-                for k, x in slots.items():
-                    # the slot by identity: ``bias = None`` and a direct ``_parameters[k] = p`` (accelerate's
-                    # set_module_tensor_to_device) call no registration hook
-                    self.watch_dicts.append(slots)
-                    self.watch_keys.append(k)
+                for k, x in slots.items():  # by identity: ``bias = None`` or ``_parameters[k] = p`` call no hook
+                    watched.append((slots, k))
                     if x is None:
                         continue
                     add_tensor(x, f"{label}.{k}")
@@ -354,7 +318,6 @@ class Scan:
             self.device = next(iter(devices))
         self.module_ids = frozenset(map(id, self.modules))
         self.facts = (sources, cache_ok)
-        # the tensors a graph reads are checked before a replay launches, the plans' sources after (moved())
         kept = [(x, n) for x, n in zip(self.tensors, self.names) if id(x) not in sources]
         src = [(x, n) for x, n in zip(self.tensors, self.names) if id(x) in sources]
         self.tensors, self.names = [x for x, _ in kept], [n for _, n in kept]
@@ -367,10 +330,9 @@ class Scan:
         self.types = list(map(type, self.modules))  # a class swapped in place (a conversion, ``__class__ = ...``)
         self.hook_lens = list(map(len, self.hook_dicts))
         self.handle_id = RemovableHandle.next_id
-        # plain values by value, one itemgetter per dict; everything else by identity (see the module doc)
         plain: dict[int, tuple[dict, list[str]]] = {}
         self.ident_dicts, self.ident_keys = [], []
-        for d, k in zip(self.watch_dicts, self.watch_keys):
+        for d, k in self.watched:
             if k in d and _plain(d[k]):
                 plain.setdefault(id(d), (d, []))[1].append(k)
             else:
@@ -392,10 +354,8 @@ class Scan:
         self.global_hooks = hooks.global_hook_count()
 
     def redecided(self) -> bool:
-        """After blocks decided anew and nothing else changed (a first call on weights just moved in, scanned
-        before the call): True when their decisions give the same :func:`_plan_facts`, the generations taken anew;
-        False when a new scan is needed. (An H100 profile of an 8-step model-offload run of 60 blocks spent
-        0.9 s in ``Scan.__init__``, walked twice per run: before the first call's warm-up and after it.)"""
+        """After blocks decided anew and nothing else changed (a first call on weights just moved in): True, the
+        generations taken anew, when their decisions give the same :func:`_plan_facts`; False: scan again."""
         if not _same_ptrs(self.tensors, self.ptrs, self.indices) or self.stale() is not None:
             return False
         facts: tuple[set[int], set[int]] = (set(), set())
@@ -411,12 +371,9 @@ class Scan:
         return self.moved() or self.stale()
 
     def moved(self) -> str | None:
-        """What a replay must not run past: memory the graph reads may be gone (a parameter or buffer moved or
-        replaced, a block decided anew, an FP8 forward rebuilt). Left to :meth:`stale`, as the memory a graph
-        reads survives them: the tensors only derived state is made from (``plan.derived_only_sources``, 2520 of
-        the 3866 tensors of a 60-block ModelOpt model) and the identities of forwards, processors and plans (the
-        scan holds the replaced objects). On the H200's host: 2.3 ms with everything, 378 us split
-        (benchmarks/results/graphs/graph_idle_h200*.md, scan_cost.md)."""
+        """What a replay must not run past: memory the graph reads may be gone (a tensor moved or replaced, a block
+        decided anew, an FP8 forward rebuilt). Left to :meth:`stale`, as the memory a graph reads survives them:
+        the tensors only derived state is made from and the identities of forwards, processors and plans."""
         if list(map(_generation, self.owners)) != self.gens:
             return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):
@@ -429,8 +386,7 @@ class Scan:
             return "module structure or attributes changed"
         if list(map(id, map(dict.get, self.ident_dicts, self.ident_keys))) != self.watch_ids:
             return SWITCHED
-        # Every torch hook registration takes an id from RemovableHandle.next_id: the hook dicts are only
-        # counted when it moved (or when refusing, so that removing the hook is seen too).
+        # every hook registration takes a RemovableHandle id: the dicts are counted when it moved (or when refused)
         if RemovableHandle.next_id != self.handle_id or self.refusal is not None:
             if list(map(len, self.hook_dicts)) != self.hook_lens or hooks.global_hook_count() != self.global_hooks:
                 return "forward hooks added or removed"

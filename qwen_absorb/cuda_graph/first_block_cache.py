@@ -1,26 +1,11 @@
 """diffusers' FirstBlockCache under CUDA graphs per block.
 
-FirstBlockCache (``enable_cache(FirstBlockCacheConfig(...))``) hooks every block. The head hook runs block 0, compares
-its residual with the one of the last computed step (``.item()``: a device read) and decides whether the other blocks
-run; when they do not, their hooks hand their inputs back and the head adds the residuals cached by the tail. No graph
-of the whole call can take that branch, but every block can be graphed on its own. While the transformer's
-``_cache_config`` is a FirstBlockCache, the whole-model runner (:class:`~.runner.GraphedCall`) runs the model call
-eager and keeps one runner on each patched block (:func:`follow`), a :class:`~.group.BlockGraphs` sharing one
-:class:`~.shared.Shared` with ``fbc=True``. Each block runner takes the place of the patched forward, which diffusers'
-hook holds as its ``fn_ref.original_forward``: the hooks stay diffusers' and run on the host as they do eager (the
-head's decision included), and each block they compute replays its own graph. A call is the eager prologue and
-epilogue, the hooks, and the replays of the blocks computed; its outputs are the patched eager call's, bit for bit.
-
-- The cross-block hand-off (:mod:`qwen_absorb.handoff`) never crosses a hooked block: a block with a hook neither hands
-  its outputs over nor is handed any (``handoff.target``), so no block graph holds one. A runner of the group refuses a
-  block that carries no FirstBlockCache hook (:func:`.fingerprint.fbc_block_reason`).
-- Decided at each model call: a cache enabled before ``patch`` or after it is seen by the first call on a graph device,
-  which makes the group; a cache disabled (or replaced by another) removes the group at the next model call, each
-  patched forward back in the slot its runner held, and the whole-model graphs capture again (or that call runs eager
-  for its own reason).
-- Counted: each model call under the group in the runner's fallbacks, with the reason ``step_caches.refusal(config)``
-  ("FirstBlockCache: per-block CUDA graphs ..."); the block runners' refusals in the same counter (block calls); the
-  group's description under ``"first_block_cache"`` in the whole-model runner's.
+FirstBlockCache's head hook decides on the host (``.item()``) whether the blocks after block 0 run: no graph of the
+whole call can take that branch, but each block can be graphed. While ``_cache_config`` is a FirstBlockCache, the
+whole-model runner runs the call eager (counted) and keeps a :class:`~.group.BlockGraphs` (:func:`follow`): each
+block runner is the hook's ``fn_ref.original_forward``, so the hooks run on the host as eager and each computed block
+replays its graph. A hooked block takes part in no hand-off (:mod:`qwen_absorb.handoff`). Decided at each model call:
+a cache disabled or replaced removes the group.
 """
 
 from __future__ import annotations
@@ -43,9 +28,7 @@ NO_GROUP = "FirstBlockCache: eager (no per-block CUDA graphs)"
 
 
 class Follow:
-    """What the FirstBlockCache glue keeps for one whole-model runner (its ``_fbc``, made by the first call that
-    meets the cache; a copied runner starts without): its group (kept after removal, for its last description) and
-    why none could be made."""
+    """A whole-model runner's ``_fbc``: its group (kept after removal, for its description) and why none was made."""
 
     __slots__ = ("group", "why")
 
@@ -55,8 +38,7 @@ class Follow:
 
 
 class _BlockHost:
-    """A block's runner's ``host_tensors``: the weights the patch keeps on the host for that block only
-    (:func:`qwen_absorb.host_originals.host_weights` reads ``transformer_blocks``: this object holds that one block)."""
+    """A block runner's ``host_tensors``: :func:`qwen_absorb.host_originals.host_weights` of that block only."""
 
     __slots__ = ("transformer_blocks",)
 
@@ -68,14 +50,11 @@ class _BlockHost:
 
 
 def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
-    """For a whole-model ``runner`` about to answer a call that ``root`` refuses (or not): make or remove its
-    FirstBlockCache group to match the transformer's cache now, and return the call's refusal. Block runners
-    (``runner._shared`` set) and calls with neither a refusal nor a group return at once."""
-    if runner._shared is not None:
-        return root
+    """Make or remove the FirstBlockCache group of a whole-model ``runner`` to match the transformer's cache now,
+    and return the call's refusal (``root``, or why no group could be made)."""
     f = runner._fbc
-    if root is None and f is None:
-        return None
+    if runner._shared is not None or (root is None and f is None):
+        return root
     cfg = getattr(runner._transformer, "_cache_config", None)
     if not step_caches.is_fbc_config(cfg):
         if f is not None and f.group is not None and f.group.installed:
@@ -95,9 +74,8 @@ def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
 
 
 def _patched_slot(block: nn.Module) -> tuple[Any, PatchedForward] | None:
-    """(the setter of the slot holding ``block``'s patched forward, that forward), or None (not patched here). A
-    runner found wrapping the patched forward (the group of a copied model, or of a runner removed meanwhile) is
-    removed first: its forward back in that slot."""
+    """(setter of the slot holding ``block``'s patched forward, that forward), or None. A runner found wrapping it
+    (of a copied model's group, or a removed runner's) is removed first."""
     for _, get, set_ in hooks.forward_slots(block):
         fn = get()
         if getattr(type(fn), "__qwen_absorb_graph__", False) is True and isinstance(fn._inner, PatchedForward):
@@ -109,11 +87,9 @@ def _patched_slot(block: nn.Module) -> tuple[Any, PatchedForward] | None:
 
 
 def _make(runner: Any, f: Follow) -> str | None:
-    """Put a runner on every patched block of ``runner``'s transformer, in its patched forward's slot; None when
-    made, else why not."""
+    """Put a runner in the patched forward's slot of every patched block; None when made, else why not."""
     t = runner._transformer
-    types = settings.GRAPH_DEVICE_TYPES
-    if not any(p.device.type in types for p in t.parameters()):
+    if not any(p.device.type in settings.GRAPH_DEVICE_TYPES for p in t.parameters()):
         return "the model is not on a GPU"
     shared = Shared(t, fbc=True, outer=runner)
 
@@ -158,8 +134,7 @@ def invalidate(runner: Any, reason: str) -> None:
 
 
 def describe(runner: Any) -> dict[str, Any]:
-    """``{"first_block_cache": ...}`` for the whole-model runner's description once FirstBlockCache was seen: its
-    group's (``mode`` "per block", block calls summed, ``installed``), or why none could be made; else ``{}``."""
+    """``{"first_block_cache": group description or why none was made}`` once the cache was seen, else ``{}``."""
     f = runner._fbc
     if f is None:
         return {}

@@ -1,10 +1,7 @@
-"""Graphs decided at the transformer's first call on a GPU, not where it sat when it was patched.
-
-A model patched on the CPU is usually moved next (``.to("cuda")``) or run under an offload hook.
-:class:`FirstUse` sits where the runner would (:func:`.attach.install`), passes calls on other devices straight
-through, uncounted, and at the first call on a graph device installs the :class:`~.runner.GraphedCall`, which
-answers that call. A refusal there (group offloading, layerwise casting) is logged once as a warning and
-counted in ``fallbacks``. ``describe()``, ``invalidate()`` and ``remove()`` go to the runner it made.
+"""Graphs decided at the transformer's first call on a GPU, not where it sat when it was patched (a model patched on
+the CPU is usually moved next). :class:`FirstUse` sits where the runner would, passes calls on other devices through,
+uncounted, and at the first call on a graph device installs the :class:`~.runner.GraphedCall`, which answers it (a
+refusal there is logged once as a warning). ``describe()``, ``invalidate()`` and ``remove()`` go to that runner.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class FirstUse:
 
     def __init__(self, transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
                  host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> None:
-        t = hooks.resolve_transformer(transformer, (nn.Module,))
-        self._transformer = t
+        t = self._transformer = hooks.resolve_transformer(transformer, (nn.Module,))
         self._options = dict(fallbacks=fallbacks, max_graphs=max_graphs, host_tensors=host_tensors,
                              capture_after=capture_after)
         self.runner: GraphedCall | None = None
@@ -63,11 +59,9 @@ class FirstUse:
         r = self.runner
         if r is not None:  # something wrapped us before we were replaced: the runner answers
             return r(*args, **kwargs)
-        if self._removed:
-            return self._inner(*args, **kwargs)
-        dev = _device_of(args, kwargs)
+        dev = None if self._removed else _device_of(args, kwargs)
         if dev is None or dev.type not in settings.GRAPH_DEVICE_TYPES or torch.compiler.is_compiling():
-            return self._inner(*args, **kwargs)
+            return self._inner(*args, **kwargs)  # removed, or not on a graph device
         with _DECIDING:
             if self.runner is None:
                 self._take_out()
@@ -77,15 +71,14 @@ class FirstUse:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        """The wrapped forward's: callers that pass only the arguments ``model.forward`` names (ModelOpt's export
-        makes its dummy call so) see diffusers' signature, not ``(*args, **kwargs)``."""
+        """The wrapped forward's (ModelOpt's export passes only the arguments ``model.forward`` names)."""
         try:
             return inspect.signature(self.runner if self.runner is not None else self._inner)
         except (TypeError, ValueError, RuntimeError):
             return inspect.Signature()
 
     def _take_out(self) -> None:
-        """Put the wrapped forward back in the slot that holds this object (wherever a hook put it since)."""
+        """Put the wrapped forward back in the slot holding this object (wherever a hook put it since)."""
         t = self._transformer
         for where, get, set_ in hooks.forward_slots(t):
             if get() is self:

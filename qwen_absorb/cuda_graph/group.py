@@ -1,7 +1,6 @@
 """A group of per-block CUDA-graph runners as one: :class:`BlockGraphs` removes, invalidates and describes them
-together (a whole-call runner's keys summed over the blocks, plus ``mode``, ``blocks``, ``shared`` and
-``per_block``). Made by :func:`.blocks.install_blocks` (Qwen-Image-2.1) and :mod:`.first_block_cache`
-(FirstBlockCache on Qwen-Image); it reads its runners through their methods only, so it imports none of them.
+together. Made by :func:`.blocks.install_blocks` and :mod:`.first_block_cache`; it imports no runner (runner imports
+first_block_cache, which imports this module).
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ _MERGED = ("refusals", "invalidations", "capture_failures")
 
 def install_each(shared: Shared, blocks: Iterable[tuple[int, nn.Module]],
                  put: Callable[[int, nn.Module], Any]) -> tuple[list[Any], list[int]]:
-    """The runners ``put`` installs on ``blocks`` (index, block; None: that block left out) and their indices. An
-    exception removes the runners already installed and clears ``shared``, then goes on."""
+    """The runners ``put`` installs on ``blocks`` (None: left out) and their indices. An exception removes the
+    runners already installed and clears ``shared``, then propagates."""
     runners: list[Any] = []
     kept: list[int] = []
     try:
@@ -45,12 +44,11 @@ def install_each(shared: Shared, blocks: Iterable[tuple[int, nn.Module]],
 
 
 class BlockGraphs:
-    """The per-block runners of one model and what they share (:func:`.blocks.install_blocks`,
-    :mod:`.first_block_cache`). After :meth:`remove` it holds only the last description, nothing of the model."""
+    """The per-block runners of one model and what they share. After :meth:`remove` it holds only the last
+    description, nothing of the model."""
 
     __slots__ = ("runners", "indices", "shared", "max_graphs", "capture_after", "_parent", "_last", "__weakref__")
 
-    # runners: GraphedCall objects (not imported here: runner imports first_block_cache, which imports this module)
     def __init__(self, runners: list[Any], indices: list[int], shared: Shared, parent: nn.Module | None,
                  max_graphs: int, capture_after: int) -> None:
         self.runners, self.indices, self.shared = runners, indices, shared
@@ -81,7 +79,7 @@ class BlockGraphs:
         log.info("CUDA graphs per block removed from %d blocks", len(self.indices))
 
     def describe(self) -> dict[str, Any]:
-        """:meth:`GraphedCall.describe`'s keys summed over the blocks (block calls), and each block's counts."""
+        """:meth:`GraphedCall.describe`'s keys summed over the blocks, and each block's counts."""
         if self._last is not None:
             return dict(self._last)
         ds = [r.describe() for r in self.runners]
@@ -95,8 +93,7 @@ class BlockGraphs:
         out["capture_ms"] = [round(sum(d["capture_ms"]), 1) for d in ds]  # per block, its graphs together
         n = out["replays"]
         for k in ("host_us_per_replay", "overlapped_check_us_per_replay", "launch_us_per_replay"):
-            total = sum((d[k] or 0.0) * d["replays"] for d in ds)
-            out[k] = round(total / n, 1) if n else None
+            out[k] = round(sum((d[k] or 0.0) * d["replays"] for d in ds) / n, 1) if n else None
         out["outputs"] = "clone"
         out["shared"] = self.shared.describe()
         out["per_block"] = [{"block": i, "graphs": d["graphs"], "captures": d["captures"], "replays": d["replays"],
@@ -108,8 +105,7 @@ class BlockGraphs:
         return (f"<qwen_absorb BlockGraphs on {d['blocks']} blocks: {d['graphs']} graphs, {d['captures']} captures, "
                 f"{d['replays']} replays{'' if d['installed'] else ', removed'}>")
 
-    # copies (deepcopy / pickle of a patched model): the runners and the Shared copy with it; the parent is
-    # held strongly in the state so that the copy's parent is the copied model
+    # the parent is held strongly in the state, so that a copy's parent is the copied model
     def __getstate__(self) -> dict[str, Any]:
         return {"runners": self.runners, "indices": self.indices, "shared": self.shared, "max_graphs": self.max_graphs,
                 "capture_after": self.capture_after, "last": self._last,

@@ -1,12 +1,10 @@
-"""The runner: :class:`GraphedCall` sits where the transformer's forward is called from and decides per call
-whether to refuse (eager, counted), replay, or capture.
+""":class:`GraphedCall` sits where the transformer's forward is called from and decides per call whether to refuse
+(eager, counted), replay, or capture.
 
-The fingerprint is asked in two parts around a replay: ``Scan.moved`` before launching it (whatever could
-leave the graph reading memory that is gone: tensors moved or replaced, blocks decided anew, FP8 forwards
-rebuilt), ``Scan.stale`` while the GPU runs it (forwards, processors, switches, in-place writes, hooks, PEFT
-state). A change found after the launch discards the replay's output (counted in ``discarded_replays``), drops
-the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the runner takes its lock, pools, side
-streams and static inputs from the group, and its parent's refusals.
+Around a replay the fingerprint is asked ``Scan.moved`` before the launch (memory the graph reads may be gone) and
+``Scan.stale`` while the GPU runs it: a change found after the launch discards the replay (``discarded_replays``),
+drops the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the lock, pools, side streams, static
+inputs and the parent's refusals come from the group.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ def _dead() -> None:  # a removed runner's forward, once its model is gone
 
 
 def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[], Any]:
-    """A reference to a forward that does not keep ``owner`` alive where that is safe: a method of ``owner``
-    lives as long as ``owner``; another callable only when something else (a hook slot) holds it."""
+    """A reference to ``fn`` that does not keep ``owner`` alive where safe: weak for a method of ``owner``, or
+    when something else (a hook slot) holds it."""
     if inspect.ismethod(fn) and fn.__self__ is owner:
         return weakref.WeakMethod(fn)
     if held_elsewhere:
@@ -57,9 +55,8 @@ def _capturing() -> bool:  # the caller's own torch.cuda.graph captures the curr
 
 
 class GraphedCall:
-    """The transformer's ``forward`` in CUDA-graph mode (see :mod:`qwen_absorb.cuda_graph`). Create with
-    :func:`install`. After :meth:`remove` it holds nothing of the model (only plain counters) and is a
-    pass-through to the forward it wrapped for as long as that forward lives."""
+    """The transformer's ``forward`` in CUDA-graph mode (see :mod:`qwen_absorb.cuda_graph`); made by
+    :func:`install`. After :meth:`remove` it holds only plain counters and passes calls to the forward it wrapped."""
 
     __qwen_absorb_graph__ = True  # qwen_absorb.patch recognises its per-block runners by it (not a hook library's)
     __slots__ = (
@@ -78,8 +75,7 @@ class GraphedCall:
         self.fallbacks, self.max_graphs, self.capture_after = fallbacks, int(max_graphs), int(capture_after)
         self._host_tensors = host_tensors
         d = transformer.__dict__
-        self._prev_present = "forward" in d
-        self._prev = d.get("forward")
+        self._prev_present, self._prev = "forward" in d, d.get("forward")
         self._inner = self._prev if self._prev_present else type(transformer).forward.__get__(transformer)
         self._weak_inner = _dead
         self._setup()
@@ -97,15 +93,13 @@ class GraphedCall:
         self._failed: dict[Any, str] = {}
         self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._removed = self._busy = self._unstable = False
-        # one caller at a time in the static buffers (of the group, when shared); others run eager
-        self._lock = sh.lock if sh is not None else threading.Lock()
+        self._lock = sh.lock if sh is not None else threading.Lock()  # one caller in the static buffers at a time
         self._logged: set[str] = sh.logged if sh is not None else set()
         self.captures = self.replays = self.eager_calls = self.new_signature_calls = self.evictions = 0
         self._unreplayed = self.discarded_replays = self._host_n = 0
         self.refusals, self.invalidations = collections.Counter(), collections.Counter()
         self.capture_failures: collections.Counter = collections.Counter()
-        # host time of replayed calls: up to the launch, of the checks after it (overlapping the GPU), of the launches
-        self._host_us = self._check_us = self._launch_us = 0.0
+        self._host_us = self._check_us = self._launch_us = 0.0  # replayed calls' host time (see describe())
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
         self._gens: list[tuple[Any, int]] | None = None  # the owners' generations as the capture began
         self.warn_first = False  # a refusal of the next call is a warning (set by .first_use), once
@@ -120,8 +114,7 @@ class GraphedCall:
             return self._wrapped()(*args, **kwargs)
         if self._busy or torch.compiler.is_compiling() or _capturing():
             return self._inner(*args, **kwargs)  # inside our capture, a compile, or the caller's own capture
-        if not self._lock.acquire(blocking=False):
-            # another thread is replaying or capturing: the static buffers are its own
+        if not self._lock.acquire(blocking=False):  # another thread is in the static buffers
             return self._eager("another thread is using the CUDA-graph runner", "", args, kwargs)
         try:
             return self._call(args, kwargs)
@@ -153,7 +146,7 @@ class GraphedCall:
         if steps is None:
             return self._keyed(call, args, kwargs, t0, None)
         call.key = (call.key, steps.key)  # one graph per kind of step (taylorseer, step_caches)
-        replays = self.replays  # (a replay ran none of the steps' Python)
+        replays = self.replays
         with steps:
             try:
                 out = self._keyed(call, args, kwargs, t0, steps)
@@ -164,8 +157,8 @@ class GraphedCall:
         return out
 
     def _cache_steps(self, call: Call) -> taylorseer.Steps | step_caches.Steps | str | None:
-        """This call's cache steps, decided now (:mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); None
-        without them (the hooks decide for themselves, eager); a refusal when they cannot be replayed here."""
+        """This call's cache steps (:mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); None without
+        them; a refusal when they cannot be replayed here."""
         cfg = getattr(self._transformer, "_cache_config", None)
         if cfg is None or not (taylorseer.is_config(cfg) or step_caches.kind(cfg)):
             return None
@@ -207,24 +200,23 @@ class GraphedCall:
             return self._eager(steps.first, "", args, kwargs)
         entry = self._graphs.get(call.key)
         if entry is not None:
-            out = self._replay(entry, call)
+            self._launch(entry, call)
+            out = self._served(entry, call)
             self._host_us += (time.perf_counter() - t0) * 1e6
             self._host_n += 1
             return out
         if call.key in self._failed:
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
         self.warn_first = False  # graphs can take this call: decided
-        # capture_after holds until this runner has replayed: from then on it runs a loop (a pipeline's steps), and
-        # a new signature (a new prompt length) is captured at its first call; an eager call first cost the 4-step
-        # image one more transformer call, host-bound (166 ms on the H100: pipeline_h100.json, stage_split.4step_fp8_newlen)
+        # capture_after holds until the first replay: after it the runner is in a loop, where an eager call for a
+        # new signature (a new prompt length) costs more than its capture
         if self.capture_after and not self.replays and self._count_new(call.key):
             return self._inner(*args, **kwargs)
         return self._capture(call, steps)
 
     def _fast_replay(self, call: Call, t0: float, writes: bool = False) -> Any:
-        """Replay the graph of ``call`` on an unchanged snapshot: ``Scan.moved`` before the launch, ``Scan.stale``
-        after it (see the module doc). ``_MISS`` when there is no such graph, or when the snapshot changed (a
-        launched replay is then discarded): the caller takes the full path, which drops the graphs."""
+        """Replay ``call``'s graph on an unchanged snapshot (see the module doc); ``_MISS`` when there is none or
+        the snapshot changed: the caller takes the full path, which drops the graphs."""
         scan = self._scan
         if scan is None or scan.refusal is not None or self._unstable or scan.device != call.device:
             return _MISS
@@ -297,9 +289,7 @@ class GraphedCall:
             if what is None:
                 return scan
             if scan.sticky and what.startswith("weights") and not self._graphs:
-                # Refused for a hook (e.g. layerwise casting, which recasts the weights on every call): the
-                # structure is unchanged, so the verdict stands; only the tensor values are taken anew.
-                scan.take()
+                scan.take()  # refused for a hook that recasts weights every call (layerwise casting): verdict stands
                 return scan
             detail = scan.which()
             reason = what + (f" ({detail})" if detail else "")
@@ -315,12 +305,7 @@ class GraphedCall:
         """torch registered a module / parameter / buffer on the module ``module_id`` (see fingerprint.watch)."""
         scan = self._scan
         if scan is not None and module_id in scan.module_ids:
-            self._scan = None
-            self._dirty = f"module structure changed ({what})"
-
-    def _replay(self, entry: Graph, call: Call) -> Any:
-        self._launch(entry, call)
-        return self._served(entry, call)
+            self._scan, self._dirty = None, f"module structure changed ({what})"
 
     def _launch(self, entry: Graph, call: Call) -> None:
         if self._shared is not None:
@@ -331,7 +316,6 @@ class GraphedCall:
         taylorseer.replayed()
 
     def _served(self, entry: Graph, call: Call) -> Any:
-        """The launched replay of ``entry`` answers the call: bookkeeping, and clones of its outputs."""
         self._graphs.move_to_end(call.key)
         self.warn_first = False
         entry.replays += 1
@@ -371,8 +355,7 @@ class GraphedCall:
         return got.warm
 
     def _staged(self, key: Any, steps: Any = None) -> Callable[..., Any]:
-        """The wrapped forward for :func:`.capture.capture`: the warm-up, then :meth:`_warmed`, then the capture
-        (each around the cache steps' own staging, when there are steps)."""
+        """The wrapped forward for :func:`.capture.capture`: the warm-up, :meth:`_warmed`, then the capture."""
         self._gens, calls = None, []
         inner = steps.wrap(self._inner) if steps is not None else self._inner
 
@@ -386,8 +369,8 @@ class GraphedCall:
         return run
 
     def _warmed(self, key: Any) -> None:
-        """Lazy state the warm-up set (plans decided at a first call on this device, after a move; caches) is
-        what the capture sees: the snapshot is taken now; if it moved, older graphs may be stale (dropped)."""
+        """The capture sees lazy state the warm-up set (plans decided after a move, caches): snapshot taken now;
+        if it changed, older graphs are dropped."""
         scan = self._scan
         if (scan.changed() if scan is not None else "changed during the warm-up") is not None:
             for k in [k for k in self._graphs if k != key]:
@@ -397,17 +380,16 @@ class GraphedCall:
         self._gens = [(o, o.generation) for o in self._scan.owners]
 
     def _after_capture(self, key: Any) -> BaseException | None:
-        """Derived tensors rebuilt or weights moved inside the capture (a block deciding anew records its rebuild,
-        never run): the graph is not kept, and such a block decides again at its next eager call. Anything else
-        the capture changed is what the graph saw: a new snapshot, older graphs dropped."""
+        """Derived tensors rebuilt or weights moved inside the capture: the graph is not kept (such a block decides
+        again at its next call). Anything else it changed is what the graph saw: new snapshot, older graphs dropped."""
         gens, self._gens, scan = self._gens, None, self._scan
         if gens is not None:  # (None: the warm-up raised or never returned here)
             rebuilt = [o for o, g in gens if o.generation != g]
             moved = "derived tensors rebuilt" if rebuilt else scan.moved() if scan is not None else None
             if moved is not None:
-                for o in rebuilt:  # (an FP8 forward that met the capture dropped its decision itself)
+                for o in rebuilt:  # (an FP8 forward dropped its decision itself)
                     if isinstance(o, BlockRuntime):
-                        o.device = None  # decided for no device: the next call decides (block._call_check)
+                        o.device = None  # the next call decides (block._call_check)
                 self._scan, self._dirty = None, "the model changed during a capture"
                 return RuntimeError(f"the model changed during the capture ({moved})")
         if (scan.stale() if gens is not None else scan.changed()) if scan is not None else True:
@@ -447,10 +429,8 @@ class GraphedCall:
         self.evictions += int(count)
 
     def _drop(self, reason: str, count: bool = True, track: bool = True) -> None:
-        """Drop every graph (and the pools: memory goes back to the allocator).
-
-        ``track``: a drop caused by a state change; if it keeps hitting graphs that were never replayed,
-        the model changes on every call and capturing is pointless (the runner turns itself off)."""
+        """Drop every graph and the pools. ``track``: a state change; if such drops keep hitting graphs never
+        replayed, the model changes every call and the runner turns itself off."""
         if not self._graphs:
             return
         self._sync()
@@ -462,7 +442,7 @@ class GraphedCall:
                             "graph mode stays off for this model (invalidate() re-enables it)",
                             self._unreplayed, reason)
         self._graphs.clear()
-        if self._shared is None:  # the pool handles go with the graphs (a group's once none of its runners holds one)
+        if self._shared is None:  # the pool handles go with the graphs (a group's: see Shared.forget_pools)
             self._pools.clear()
         else:
             self._shared.forget_pools()
@@ -479,7 +459,6 @@ class GraphedCall:
         self._logged.add(what)
         return logging.INFO
 
-
     def invalidate(self, reason: str = "invalidate() called") -> None:
         """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
         self._drop(reason, count=False, track=False)
@@ -488,8 +467,8 @@ class GraphedCall:
         self._unstable, self._unreplayed, self._scan, self._dirty = False, 0, None, reason
 
     def remove(self) -> None:
-        """Put the previous forward back exactly where this runner sits, and drop everything: graphs, static
-        inputs and outputs, pools, streams, the snapshot and every reference to the model."""
+        """Put the previous forward back where this runner sits, and drop graphs, buffers, pools, streams, the
+        snapshot and every reference to the model."""
         if self._removed:
             return
         first_block_cache.remove(self)  # a FirstBlockCache group's runners: each patched forward back in its slot
@@ -511,7 +490,6 @@ class GraphedCall:
             log.warning("the CUDA-graph forward of %s was not found in its hook chain; it stays as "
                         "a pass-through", self._name)
         self._drop("remove()", count=False, track=False)
-        self._graphs.clear()
         if self._shared is not None:  # the group's pools and streams stay with the group
             self._shared.members.discard(self)
             self._shared.forget_pools()
@@ -542,8 +520,6 @@ class GraphedCall:
             "unstable": self._unstable, "capture_ms": [round(e.capture_ms, 1) for e in g],
             "host_us_per_replay": round(self._host_us / n, 1) if n else None,
             "overlapped_check_us_per_replay": round(self._check_us / n, 1) if n else None,
-            # of host_us_per_replay: the launch itself (input copies and CUDAGraph.replay; on the H200 it overlaps
-            # the GPU work it starts, benchmarks/results/graphs/graph_cuts.md)
             "launch_us_per_replay": round(self._launch_us / n, 1) if n else None,
             "discarded_replays": self.discarded_replays, "outputs": "clone", **first_block_cache.describe(self),
         }
@@ -559,7 +535,6 @@ class GraphedCall:
         return (f"<qwen_absorb GraphedCall on {self._name}: {len(self._graphs)}/{self.max_graphs} graphs, "
                 f"{self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
 
-
     def __deepcopy__(self, memo: dict) -> "GraphedCall":
         new = GraphedCall.__new__(GraphedCall)
         memo[id(self)] = new
@@ -567,16 +542,14 @@ class GraphedCall:
         return new
 
     def __getstate__(self) -> dict[str, Any]:
-        t = self._transformer
-        inner = self._inner
+        t, inner = self._transformer, self._inner
         cls_forward = (t is not None and getattr(inner, "__func__", None) is type(t).forward
                        and getattr(inner, "__self__", None) is t)
         return {
             "transformer": t, "name": self._name, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
             "capture_after": self.capture_after,  # host_tensors: a closure over this model, neither copied nor saved
-            "prev_present": self._prev_present, "prev": self._prev,
-            "inner": None if cls_forward else inner, "removed": self._removed,
-            "shared": self._shared,  # copied fresh and empty, once for all the runners of the group
+            "prev_present": self._prev_present, "prev": self._prev, "inner": None if cls_forward else inner,
+            "removed": self._removed, "shared": self._shared,  # a Shared copies fresh and empty, once per group
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:

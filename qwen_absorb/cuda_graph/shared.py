@@ -1,25 +1,15 @@
 """What a group of CUDA-graph runners shares: one graph memory pool and one side stream per device, one lock,
 the static input buffers, and the stream the buffers were last used on.
 
-The runners of one group (the per-block runners of a Qwen-Image-2.1 transformer, :mod:`.blocks`) are called one
-after another on one stream, never inside each other, so their graphs can share what a graph needs only while
-it runs:
+The runners of a group (per-block runners, :mod:`.blocks`) run one after another on one stream, never inside each
+other, so their graphs share what a graph needs only while it runs: the pool (its output is cloned right after a
+replay; a handle is reused only while some runner holds a graph, as the allocator refuses a handle whose graphs are
+all gone), one static input buffer per (position, tensor metadata, inference mode), held weakly, and the lock (a
+second thread runs eager, counted). A replay on another stream than the last one waits for it (:meth:`Shared.order`).
 
-- **the pool**: a graph's transients are free once its replay finished, and its output is cloned right after
-  it. A handle is reused only while some runner of the group holds a graph (the allocator refuses a handle whose
-  graphs are all gone): then it is forgotten and the next capture starts a new pool;
-- **the static inputs**: one buffer per (argument position, tensor metadata, inference mode) for the whole
-  group, held by the graphs reading it (the table holds it weakly); safe because copies and replays run in
-  stream order, one graph at a time;
-- **the lock**: one caller at a time; a second thread runs eager (counted);
-- **the stream order**: a replay on another stream than the previous one waits for it first (:meth:`Shared.order`).
-
-``parent`` (the transformer around the blocks): its O(1) refusals (:func:`.fingerprint.root_reason`) refuse the
-group's calls too. ``fbc``: a group of FirstBlockCache (:mod:`.first_block_cache`), whose runners sit inside the
-cache's hooks (neither the hooks nor the cache's config refuse them); ``outer``, the whole-model runner that made
-such a group: inside accelerate's model-offload hook the parent is refused as that runner would be
-(:func:`.fingerprint.model_offload_around`). Copies and pickles of a :class:`Shared` are fresh and empty (``fbc``
-kept).
+``parent`` (the transformer around the blocks): its O(1) refusals refuse the group's calls too. ``fbc``: a
+FirstBlockCache group (:mod:`.first_block_cache`); ``outer``, the whole-model runner that made it, under whose
+model-offload hook the parent is judged. Copies and pickles are fresh and empty (``fbc`` kept).
 """
 
 from __future__ import annotations
@@ -45,13 +35,13 @@ class Shared:
     def __init__(self, parent: nn.Module | None = None, fbc: bool = False, outer: Any = None) -> None:
         self.fbc = bool(fbc)
         self._outer = weakref.ref(outer) if outer is not None else None
-        self.lock = threading.Lock()  # one caller at a time in the static buffers; others run eager
-        self.pools: dict[torch.device, Any] = {}  # graph memory pool handles, by device
-        self.streams: dict[torch.device, Any] = {}  # the side streams captures run on, by device
+        self.lock = threading.Lock()
+        self.pools: dict[torch.device, Any] = {}  # graph memory pool handles
+        self.streams: dict[torch.device, Any] = {}  # the side streams captures run on
         self.logged: set[str] = set()  # what the group's runners logged once
         self._statics: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (position, meta) -> buffer
         self.members: weakref.WeakSet = weakref.WeakSet()  # the runners (they join and leave it themselves)
-        self._last: dict[torch.device, Any] = {}  # the stream the buffers were last used on, by device
+        self._last: dict[torch.device, Any] = {}  # the stream the buffers were last used on
         self._parent = weakref.ref(parent) if parent is not None else None
 
     def parent_reason(self) -> tuple[str, str] | None:  # the parent's O(1) refusal (an offloading or cache hook)
@@ -63,8 +53,7 @@ class Shared:
         return (r[0], f"{r[1]} (on the {type(p).__name__} around the blocks)") if r is not None else None
 
     def order(self, device: torch.device) -> None:
-        """Before a replay or capture on ``device``: the current stream waits for the stream the shared buffers
-        and pool were last used on, when that is another one."""
+        """Before a replay or capture: the current stream waits for the one the shared buffers were last used on."""
         cur = torch.cuda.current_stream(device)
         last = self._last.get(device)
         if last is not None and not last == cur:  # Stream.__eq__ compares the CUDA streams
@@ -72,21 +61,20 @@ class Shared:
         self._last[device] = cur
 
     def statics(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's static buffers for a call's ``tensors`` (made where none is alive). Buffers made under
-        inference mode are inference tensors, which no copy outside it may write: they are kept apart."""
+        """The group's static buffers for a call's ``tensors`` (made where none is alive); inference-mode buffers
+        are kept apart (no copy outside inference mode may write them)."""
         out = []
         inference = torch.is_inference_mode_enabled()
         for i, x in enumerate(tensors):
             key = (i, tensor_meta(x), inference)
             s = self._statics.get(key)
             if s is None:
-                s = static_like(x)
-                self._statics[key] = s
+                s = self._statics[key] = static_like(x)
             out.append(s)
         return out
 
     def forget_pools(self) -> None:
-        """After a runner dropped its graphs: forget the pool handles when no runner of the group holds one."""
+        """After a runner dropped its graphs: forget the pool handles when no runner of the group holds a graph."""
         if not any(r._graphs for r in list(self.members)):
             self.pools.clear()
 

@@ -22,10 +22,8 @@ except Exception:  # noqa: BLE001 - another diffusers version: no process-wide b
     _AttentionBackendRegistry = None
 
 # Top-level arguments diffusers expects as tensors: a Python number there would be baked into the graph.
-TENSOR_SLOTS = frozenset({
-    "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
-    "additional_t_cond",
-})
+TENSOR_SLOTS = frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+                          "guidance", "additional_t_cond"})
 # Values frozen as themselves (with their type, so that 1, True and 1.0 stay apart).
 ATOMS = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -33,8 +31,7 @@ ATOMS = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.lay
 class Refusal(Exception):  # raised while reading the arguments: the call runs eager, for ``reason``
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
+        self.reason, self.detail = reason, detail
 
 
 class _TensorSlot:  # a tensor's place in a frozen argument structure
@@ -51,9 +48,8 @@ TENSOR = _TensorSlot()
 
 
 def freeze(x: Any, tensors: list[torch.Tensor]) -> Any:
-    """A hashable description of an argument; tensors are appended to ``tensors`` (their metadata is keyed
-    separately). Type tags keep ``1`` / ``True`` / ``1.0`` and lists / tuples apart (diffusers branches on
-    ``isinstance(..., list)`` for ``img_shapes``)."""
+    """A hashable description of an argument; its tensors are appended to ``tensors``. Type tags keep ``1`` /
+    ``True`` / ``1.0`` and lists / tuples apart (diffusers branches on ``isinstance(..., list)``)."""
     tx = type(x)
     if isinstance(x, torch.Tensor):
         if tx is not torch.Tensor and tx is not nn.Parameter:
@@ -102,13 +98,11 @@ def thaw(spec: Any, it: Iterator[torch.Tensor]) -> Any:
 
 def thaw_call(spec: Any, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:  # (args, kwargs) of Call.spec
     it = iter(tensors)
-    args = thaw(spec[0], it)
-    return args, {k: thaw(v, it) for k, v in spec[1]}
+    return thaw(spec[0], it), {k: thaw(v, it) for k, v in spec[1]}
 
 
 def align_class(ptr: int) -> int:
-    """The largest power of two dividing ``ptr``, capped at ``settings.ALIGN``: what alignment checks in
-    kernels (vector widths, cuBLASLt heuristics) can see."""
+    """The largest power of two dividing ``ptr``, capped at ``settings.ALIGN``: what kernels' alignment checks see."""
     cap = settings.ALIGN
     return min(ptr & -ptr, cap) if ptr else cap
 
@@ -149,8 +143,7 @@ def _blas_library() -> str:
 
 
 def patch_tuning(t: nn.Module) -> Any:
-    """The :class:`qwen_absorb.Tuning` of the patch on ``t`` (a transformer, or a block), or None: part of every
-    call's key (it picks kernels a graph bakes in)."""
+    """The :class:`qwen_absorb.Tuning` of the patch on ``t`` (a transformer or a block), or None."""
     for b in getattr(t, "transformer_blocks", None) or (t,):
         plan = b.__dict__.get(PLAN_ATTR)
         if plan is not None:
@@ -171,9 +164,8 @@ def check_slot(name: str, v: Any) -> None:
 
 
 def signature(args: tuple, kwargs: dict, positional: tuple[str, ...]) -> tuple[Any, list[torch.Tensor], tuple]:
-    """``(spec, tensors, key)`` of a call: its frozen argument structure, its tensors, and the key graphs are
-    kept under (structure, per-tensor metadata, global switches). Raises :class:`Refusal` for arguments a
-    graph cannot take."""
+    """``(spec, tensors, key)`` of a call: its frozen arguments, its tensors, and the graphs' key (structure,
+    per-tensor metadata, global switches). Raises :class:`Refusal` for arguments a graph cannot take."""
     for i, v in enumerate(args):
         check_slot(positional[i] if i < len(positional) else f"arg{i}", v)
     for k, v in kwargs.items():

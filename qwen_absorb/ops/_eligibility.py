@@ -1,6 +1,5 @@
 """Why the CUDA kernel of a fused op cannot run, as readable reasons (empty: it runs); any sends the call to the op's
-torch reference, the diffusers eager expression itself. Machine reasons are cached per device; the public ops add
-the per-call ones (dtype, size, autograd, force_reference).
+torch reference. Machine reasons are cached per device; the public ops add the per-call ones.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def common_reasons(tensors: list[torch.Tensor | None], force_reference: bool = F
 
 
 def dispatch(reasons: list[str], reference, custom_op, kernel):
-    """The one dispatch rule of every public op: reference if any reason, custom op under compile,
-    else the kernel (each a zero-argument callable)."""
+    """Every public op's dispatch: reference if any reason, custom op under compile, else the kernel (callables)."""
     if reasons:
         return reference()
     if torch.compiler.is_compiling():

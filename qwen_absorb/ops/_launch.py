@@ -1,10 +1,9 @@
 """What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row).
 
-An op's :class:`Kernels` names its ``csrc`` file, template and parameter struct, compiles and caches one
+An op's :class:`Kernels` names its ``csrc`` file, template and parameter struct, caches one compiled
 :class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant, device) and lists every template instance for
-the compile test; the helpers below are the rest of a launch. The launches compute the structs' ``vec_flags``
-inline, the same bits everywhere (1: activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias
-vector-aligned), and stay small: a fused op's host cost decides whether the patched model is faster at all.
+the compile test. The launches compute the structs' ``vec_flags`` inline, the same bits everywhere (1: activation
+rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned), and stay small (host cost).
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ def require_plain(*ts: torch.Tensor) -> None:
 
 def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: bool = False, out: bool = True,
             codes: bool = False, nvfp4: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """A launch's outputs, once the tensors its kernel ``reads`` are known plain (:func:`require_plain`):
-    ``(new_residual, out, second)`` with ``new_residual``, else ``(out, second)``; each like x, None where
-    not asked for (new_residual always is when asked). ``second``: the e4m3 codes of the output (``codes``) or its
-    NVFP4 fake quantization in x's dtype (``nvfp4``: bit for bit ``quantize_nvfp4.launch(out, nvfp4_amax)``)."""
+    """A launch's outputs, once the tensors its kernel ``reads`` are known plain: ``(new_residual, out, second)``
+    with ``new_residual``, else ``(out, second)``; None where not asked for. ``second``: the e4m3 codes of the output
+    (``codes``) or its NVFP4 fake quantization in x's dtype (``nvfp4``: ``quantize_nvfp4.launch(out, nvfp4_amax)``)."""
     for t in reads:
         if type(t) is not torch.Tensor:
             require_plain(*reads)  # raises, naming them
@@ -68,11 +66,10 @@ def fake_codes(x: torch.Tensor, fp8_amax: torch.Tensor | None) -> torch.Tensor:
 
 
 class Kernels:
-    """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``.
-
-    LayerNorm kernels (:meth:`ln`): A is the mode of :func:`~qwen_absorb.ops._layer_norm.layout`; with ``nvfp4=True``
-    the NVFP4-emitting instance ``name<traits, A, NV, 1>`` exists too (``ln(..., nvfp4=True)``). Elementwise kernels
-    (:meth:`vec`): A is the vector width (16 bytes, or 1 where D does not divide), ``threads`` per row."""
+    """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``. LayerNorm kernels
+    (:meth:`ln`): A is the mode of :func:`._layer_norm.layout`; with ``nvfp4=True`` the NVFP4-emitting instance
+    ``name<traits, A, NV, 1>`` exists too. Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1
+    where D does not divide), ``threads`` per row."""
 
     __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "nvfp4", "_cache")
 
@@ -93,9 +90,8 @@ class Kernels:
         return hit
 
     def ln(self, x: torch.Tensor, D: int, vectorized: bool, nvfp4: bool = False) -> tuple[rt.Launcher, int]:
-        """(launcher, bytes of one slot) of the LayerNorm kernel for x's rows of D elements; ``vectorized``:
-        whether eager PyTorch takes its vectorized LayerNorm path for this input; ``nvfp4``: the instance
-        whose second output is NVFP4 values (else e4m3 codes or none)."""
+        """(launcher, bytes of one slot) of the LayerNorm kernel for rows of D elements; ``vectorized``: whether
+        eager PyTorch takes its vectorized path; ``nvfp4``: the instance whose second output is NVFP4 values."""
         key = (x.dtype, D, vectorized, nvfp4, x.get_device())
         hit = self._cache.get(key)
         if hit is None:

@@ -1,11 +1,10 @@
 """CuPy runtime of the fused ops: NVRTC compilation, kernel cache, lean launches on torch's stream.
 
 Sources in ``csrc/`` are compiled by CuPy's ``RawModule`` (NVRTC) on first use, cached per (file, template instance,
-device) and on disk by CuPy (keyed by the source text: headers are inlined). A fused op's host cost decides whether
-the patched model is faster at all (an eager call is host-bound below 2048^2), and CuPy boxes every kernel argument
-(~0.7 us each): so every kernel takes ONE by-value ``struct``, packed by a :class:`Launcher` into a per-thread host
-buffer (the driver and a graph node copy the bytes). The stream is torch's current raw stream. Launches allocate
-nothing on the device and never synchronise.
+device) and on disk by CuPy (keyed by the source text: headers are inlined). Host cost decides whether the patched
+model is faster at all and CuPy boxes every kernel argument: so every kernel takes ONE by-value ``struct``, packed by
+a :class:`Launcher` into a per-thread host buffer, launched on torch's current raw stream. Launches allocate nothing
+on the device and never synchronise.
 """
 
 from __future__ import annotations
@@ -101,12 +100,9 @@ def kernel_source(filename: str) -> str:
 
 
 def function(filename: str, expr: str, device_idx: int, dynamic_smem: int = 0):
-    """The compiled kernel ``expr`` (a template instance) of ``csrc/filename`` on a device.
-
-    Compiles on first use; call it once before a CUDA-graph capture (the ops do so on their first
-    eager call), since NVRTC and module loading cannot be captured. ``dynamic_smem``: the bytes of
-    dynamic shared memory its launches ask for; above the default 48 KiB the kernel opts in once.
-    """
+    """The compiled kernel ``expr`` (a template instance) of ``csrc/filename`` on a device, compiled on first use
+    (before a CUDA-graph capture: NVRTC and module loading cannot be captured). ``dynamic_smem``: the bytes of dynamic
+    shared memory its launches ask for; above the default 48 KiB the kernel opts in once."""
     key = (filename, expr, device_idx, dynamic_smem)
     fn = _functions.get(key)
     if fn is None:
@@ -128,9 +124,8 @@ def register_cache(cache: dict) -> dict:
 
 
 def set_defines(defines: dict[str, int] | None = None) -> None:
-    """Compile later kernels with ``-DNAME=VALUE`` options (tuning sweeps, probes); clears every
-    kernel cache so the next launch recompiles. ``None`` restores the defaults (those of the
-    ``QWEN_ABSORB_NVRTC_DEFINES`` environment variable, if set)."""
+    """Compile later kernels with ``-DNAME=VALUE`` options, clearing every kernel cache. ``None`` restores the
+    defaults (those of ``QWEN_ABSORB_NVRTC_DEFINES``, if set)."""
     global NVRTC_OPTIONS
     merged = {**_env_defines(), **(defines or {})}
     NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in merged.items()))
@@ -156,8 +151,8 @@ def _stream(device_idx: int) -> _Stream:
 
 
 class Launcher:
-    """Launches one compiled kernel whose only parameter is a struct laid out as ``layout``
-    (a :mod:`struct` format in native mode, fields in the order of the C struct)."""
+    """Launches one compiled kernel whose only parameter is a struct laid out as ``layout`` (a :mod:`struct`
+    format in native mode, fields in the order of the C struct)."""
 
     __slots__ = ("fn", "block", "dev", "smem", "_pack", "_size", "_tls")
 
@@ -179,8 +174,7 @@ class Launcher:
         if torch._C._cuda_getDevice() == dev:
             self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
         else:
-            # CuPy launches in the current context: a kernel loaded for cuda:1 launched while
-            # cuda:0 is current fails with an invalid handle.
+            # CuPy launches in the current context: a kernel of cuda:1 launched from cuda:0 has an invalid handle
             with torch.cuda.device(dev):
                 self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
 

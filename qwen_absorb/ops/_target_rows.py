@@ -2,8 +2,8 @@
 
 diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a mask every token uses its sample's row
 (``[B, D]``); with the mask (``[L]`` bool, True at target-image tokens) ``params`` has ``B + 1`` rows: target tokens
-use their sample's row, all others the trailing ``t = 0`` row ``B``. The kernels choose per token (``qa_target_row``
-in ``csrc/scale_gate.cuh``) without building the ``[B, L, D]`` tensor; the references do what diffusers does.
+use their sample's row, all others the trailing ``t = 0`` row ``B``. The kernels choose per token, without building
+the ``[B, L, D]`` tensor.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Argument checks shared by the fused ops: every public op validates here before choosing a path, so kernel and
-reference see the same well-formed arguments. Errors name the argument.
-"""
+"""Argument checks shared by the fused ops, before choosing a path: kernel and reference see the same arguments."""
 
 from __future__ import annotations
 
@@ -13,10 +11,8 @@ _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 
 
 def _values_check_enabled(t: torch.Tensor) -> bool:
-    # Checking index *values* needs a device->host copy; on CUDA that is a synchronisation per
-    # call, so it runs there only when asked for (QWEN_ABSORB_VALIDATE=1). Out-of-range values
-    # never give silent wrong numbers: the kernels and the reference both follow diffusers'
-    # torch.where(index == 0, set0, set1), i.e. any non-zero value selects the second set.
+    # Index values cost a device->host sync on CUDA: checked there only with QWEN_ABSORB_VALIDATE=1. Kernels and
+    # reference both follow diffusers' torch.where(index == 0, set0, set1): any non-zero value selects the second set.
     return t.device.type == "cpu" or os.environ.get("QWEN_ABSORB_VALIDATE", "") == "1"
 
 

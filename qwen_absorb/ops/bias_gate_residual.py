@@ -1,7 +1,7 @@
 """bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel.
 
-``x`` is the FFN output projection (``net[2]``) computed without its bias when the bias is deferred
-(``bias`` given) or with it (``bias=None``: then ``residual + gate * x``).
+``x`` is the FFN output projection (``net[2]``) without its bias when the bias is deferred (``bias`` given), or with
+it (``bias=None``: then ``residual + gate * x``).
 """
 
 from __future__ import annotations
@@ -13,26 +13,23 @@ from ._launch import Kernels, contiguous_or_none, index_kind, outputs, ptr
 from ._modulation import expand_param
 from ._validate import check_bias, check_index, check_param, check_residual, param_rows
 
-# BiasGateResidualParams in the .cu: residual, x, bias, gate, out, index (pointers);
-# gate_rs, B, L (int64); D, index_kind, vec_flags (int32). 128 threads: QA_BGR_THREADS.
+# BiasGateResidualParams in the .cu: residual, x, bias, gate, out, index (pointers); gate_rs, B, L (int64); D,
+# index_kind, vec_flags (int32). 128 threads: QA_BGR_THREADS.
 KERNELS = Kernels("bias_gate_residual.cu", "bias_gate_residual_kernel", "6P3qiii", 128, (1, 2, 3, 4, 5, 6, 8))
+all_kernel_expressions = KERNELS.expressions
 
 
-def bias_gate_residual_reference(
-    residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
-    index: torch.Tensor | None = None,
-) -> torch.Tensor:
+def bias_gate_residual_reference(residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None,
+                                 gate: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers eager expression, op for op (the bias added the way a separate add would)."""
     y = x + bias if bias is not None else x
     return residual + expand_param(gate, index) * y
 
 
-def launch(
-    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
-    index: torch.Tensor | None,
-) -> torch.Tensor:
-    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate rows
-    with unit last stride, index contiguous."""
+def launch(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+           index: torch.Tensor | None) -> torch.Tensor:
+    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate rows with unit last
+    stride, index contiguous."""
     out, _ = outputs(x, (x, residual))
     if x.numel() == 0:
         return out
@@ -44,9 +41,6 @@ def launch(
     flags = ((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
     launcher(B * L, rp, xp, bp, gp, out.data_ptr(), ptr(index), grs, B, L, D, index_kind(index), flags)
     return out
-
-
-all_kernel_expressions = KERNELS.expressions
 
 
 def _validate(residual, x, bias, gate, index) -> None:
@@ -62,8 +56,7 @@ def _kernel(residual, x, bias, gate, index):
 
 def bias_gate_residual_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
-    index: torch.Tensor | None = None, force_reference: bool = False,
-) -> list[str]:
+    index: torch.Tensor | None = None, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(residual, x, bias, gate, index)
     return common_reasons([x, residual, bias, gate], force_reference)
@@ -71,26 +64,19 @@ def bias_gate_residual_not_supported_reasons(
 
 def bias_gate_residual(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
-    index: torch.Tensor | None = None, force_reference: bool = False,
-) -> torch.Tensor:
-    """``residual + gate * (x + bias)``, fused on CUDA; bit-identical to the eager expression.
-
-    residual, x: [B, L, D]; bias: [D] or None; gate: [B, D] or [B, 1, D] (2B rows with ``index``).
-    """
+    index: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
+    """``residual + gate * (x + bias)``, fused on CUDA; bit-identical to the eager expression. residual, x:
+    [B, L, D]; bias: [D] or None; gate: [B, D] or [B, 1, D] (2B rows with ``index``)."""
     _validate(residual, x, bias, gate, index)
-    return dispatch(
-        common_reasons([x, residual, bias, gate], force_reference),
-        lambda: bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index),
-        lambda: torch.ops.qwen_absorb.bias_gate_residual(residual, x, bias, gate, index),
-        lambda: _kernel(residual, x, bias, gate, index),
-    )
+    return dispatch(common_reasons([x, residual, bias, gate], force_reference),
+                    lambda: bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index),
+                    lambda: torch.ops.qwen_absorb.bias_gate_residual(residual, x, bias, gate, index),
+                    lambda: _kernel(residual, x, bias, gate, index))
 
 
 @torch.library.custom_op("qwen_absorb::bias_gate_residual", mutates_args=())
-def _custom_op(
-    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
-    index: torch.Tensor | None,
-) -> torch.Tensor:
+def _custom_op(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+               index: torch.Tensor | None) -> torch.Tensor:
     if kernel_usable_now(x):
         return _kernel(residual, x, bias, gate, index)
     return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)

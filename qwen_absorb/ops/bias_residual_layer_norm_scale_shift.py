@@ -3,12 +3,11 @@
     new_residual = residual + gate * (x + bias)
     modulated    = LayerNorm(Q(new_residual)) * (1 + scale) + shift
 
-``x`` is the attention output projection (``to_out[0]`` / ``to_add_out``) computed without its bias
-when the bias is deferred (``bias`` given), or with it (``bias=None``). ``Q`` is the identity, or the
-FP8 per-tensor fake quantization ModelOpt's ``QuantLayerNorm.input_quantizer`` applies before the
-norm (``norm_input_quant``, an :class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`). ``new_residual``
-is never quantized. :func:`bias_residual_layer_norm_scale_shift_fp8` also (or only) writes the
-e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
+``x`` is the attention output projection (``to_out[0]`` / ``to_add_out``) without its bias when the bias is deferred
+(``bias`` given), or with it (``bias=None``). ``Q`` is the identity, or the FP8 fake quantization ModelOpt's
+``QuantLayerNorm.input_quantizer`` applies before the norm (``norm_input_quant``, an
+:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`); ``new_residual`` is never quantized. The ``_fp8`` variant also (or
+only) writes the e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
 """
 
 from __future__ import annotations
@@ -25,21 +24,18 @@ from .quantize_nvfp4 import check_emit
 
 _FORMULA = {1: "cuda_ext", 2: "eager"}
 
-# BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale,
-# new_residual, out, out2, index, amax, out2_amax (pointers); gate_rs, shift_rs, scale_rs, B, L
-# (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
+# BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale, new_residual, out, out2,
+# index, amax, out2_amax (pointers); gate_rs, shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind,
+# quant_mode, vec_flags (int32)
 KERNELS = Kernels("bias_residual_layer_norm_scale_shift.cu", "bias_residual_layer_norm_scale_shift_kernel",
                   "12P5qifiii", nvfp4=True)
-
-
-# ---------------------------------------------------------------------------- references
+all_kernel_expressions = KERNELS.expressions
 
 
 def bias_residual_layer_norm_scale_shift_reference(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
-    norm_input_quant: Fp8PerTensorQuant | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norm_input_quant: Fp8PerTensorQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The diffusers eager expressions, op for op (the bias added the way a separate add would)."""
     y = x + bias if bias is not None else x
     new_residual = residual + expand_param(gate, index) * y
@@ -48,17 +44,13 @@ def bias_residual_layer_norm_scale_shift_reference(
     return new_residual, modulated
 
 
-# ---------------------------------------------------------------------------- the launcher
-
-
 def launch(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, nvfp4_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (``second``: as in
-    :func:`.layer_norm_scale_shift.launch`). residual, x: contiguous [B, L, D] on a usable CUDA device;
-    gate/shift/scale rows with unit last stride; amax (norm-input quantizer, quant_mode 1/2) fp32, one element."""
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (as in
+    :func:`.layer_norm_scale_shift.launch`); residual, x: contiguous [B, L, D]; gate rows like shift's."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -80,12 +72,6 @@ def launch(
     launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(amax2),
              grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)
     return h, o, f8
-
-
-all_kernel_expressions = KERNELS.expressions
-
-
-# ---------------------------------------------------------------------------- public ops
 
 
 def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax=None):
@@ -116,8 +102,7 @@ def _quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[
 def bias_residual_layer_norm_scale_shift_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
-    norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False,
-) -> list[str]:
+    norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
     return common_reasons([x, residual, bias, gate, shift, scale], force_reference)
@@ -152,8 +137,7 @@ def bias_residual_layer_norm_scale_shift_fp8(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     shift: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
     index: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
-    also_output: bool = False, force_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    also_output: bool = False, force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(new_residual, codes, modulated or None)``: :func:`bias_residual_layer_norm_scale_shift` plus the e4m3
     codes of ``modulated`` under ``fp8_amax`` (as the reference quantizer's); ``modulated`` with ``also_output``."""
     eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax)
@@ -179,17 +163,12 @@ def bias_residual_layer_norm_scale_shift_fp8(
                     reference, compiled, kernel)
 
 
-# ---------------------------------------------------------------------------- custom op
-
-
 @torch.library.custom_op("qwen_absorb::bias_residual_layer_norm_scale_shift", mutates_args=())
 def _custom_op(
-    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
-    shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
-    amax: torch.Tensor | None, quant_mode: int, fp8_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes)``
-    (codes empty without ``fp8_amax``)."""
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
+    scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
+    fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes or empty)``."""
     if kernel_usable_now(x):
         h, o, codes = launch(residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
                              contiguous_or_none(index), amax, quant_mode, fp8_amax=amax_fp32(fp8_amax))

@@ -1,13 +1,10 @@
-"""FP8 (e4m3fn) per-tensor descriptions the ops take: plain tensors and small frozen records.
-
-Both uses read a static, calibrated ``amax`` tensor on the device (no host sync; a recalibration in place is seen):
+"""FP8 (e4m3fn) per-tensor quantization the ops take, under a static ``amax`` tensor on the device (no host sync).
 
 - :class:`Fp8PerTensorQuant`: the *fake* quantization ModelOpt's ``QuantLayerNorm.input_quantizer`` applies before a
-  block LayerNorm, reproduced inside ``bias_residual_layer_norm_scale_shift``. ``formula`` says which of ModelOpt's
-  two scale computations: ``"cuda_ext"`` (its CUDA extension: ``448 / amax`` and ``1 / scale`` as true divisions) or
-  ``"eager"`` (its torch fallback: ``448 / t`` is ``t.reciprocal() * 448``, which can differ in the last bit).
+  block LayerNorm. ``formula``: ``"cuda_ext"`` (its CUDA extension: ``448 / amax`` and ``1 / scale`` as true
+  divisions) or ``"eager"`` (its torch fallback: ``t.reciprocal() * 448``, which can differ in the last bit).
 - FP8 *emission* (``*_fp8`` ops, :func:`quantize_fp8`): the e4m3 codes a real FP8 GEMM consumes, by the
-  ``"cuda_ext"`` formula (the codes inside ModelOpt's fake quantization); the GEMM dequantizes by :func:`dequant_scale`.
+  ``"cuda_ext"`` formula; the GEMM dequantizes by :func:`dequant_scale`.
 
 Everywhere ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` in fp32, round to nearest even, clamped to
 +-448 first (PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN.
@@ -64,9 +61,8 @@ class Fp8PerTensorQuant:
             raise ValueError(f"norm_input_quant.formula must be one of {FORMULAS}, got {self.formula!r}")
 
     def formula_for(self, device: torch.device) -> str:
-        """The formula in force on ``device``. ``"auto"`` is ModelOpt's default choice by device type
-        (its CUDA extension on CUDA); :func:`qwen_absorb.quant.norm_input_fp8` resolves the formula
-        ModelOpt really uses (the extension may fail to build) and passes it explicitly."""
+        """The formula in force on ``device``: ``"auto"`` is ModelOpt's default by device type
+        (:func:`qwen_absorb.quant.norm_input_fp8` passes the one ModelOpt really uses)."""
         if self.formula != "auto":
             return self.formula
         return "cuda_ext" if device.type == "cuda" else "eager"
@@ -76,10 +72,9 @@ class Fp8PerTensorQuant:
         return QUANT_MODE[self.formula_for(device)]
 
     def amax_fp32(self, device: torch.device) -> torch.Tensor:
-        """The amax as the kernels read it: a 0-d fp32 tensor on ``device``. An amax of another dtype or
-        device (a bf16 model's quantizers hold bf16 amaxes) is converted once per value, not per call:
-        the copy is kept while the amax tensor keeps its version and address (an in-place recalibration or
-        ``load_state_dict`` bumps the version; an inference tensor, which has none, is converted each call)."""
+        """The amax as the kernels read it: a 0-d fp32 tensor on ``device``. Another dtype or device is converted
+        once per value: the copy is kept while the amax keeps its version and address (an in-place recalibration
+        bumps the version; an inference tensor, which has none, is converted each call)."""
         a = self.amax.detach()
         if a.device == device and a.dtype == torch.float32:
             return a.reshape(())

@@ -6,11 +6,11 @@
 - ``"txt"``: a block's text stream (128 rows, latency-bound) beside the image stream, from after the attention to
   the next block's q/k/v (:func:`region`).
 
-Same kernels, same inputs: the same bits. Work inside a lane runs any other lane in line. Measured:
-benchmarks/NOTES.md, "Second streams in graph mode". Only while a CUDA graph is captured (and its eager warm-up):
-:func:`active` is entered by ``cuda_graph.capture``; in a graph a fork and a join are free edges, eagerly each costs
-~5 us of host time. Memory: the caching allocator reuses a freed block on its stream without waiting for others, so a
-caller tensor a lane reads is held until the join, and a lane tensor the caller reads until the next fork after it.
+Same kernels, same inputs: the same bits. Work inside a lane runs any other lane in line. Only while a CUDA graph is
+captured (and its eager warm-up, :func:`active` entered by ``cuda_graph.capture``): in a graph a fork and a join are
+free edges, eagerly each costs host time. Memory: the caching allocator reuses a freed block on its stream without
+waiting for others, so a caller tensor a lane reads is held until the join, a lane tensor the caller reads until the
+next fork after it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ NAMES = ("branch", "txt")  # which of them a patched model uses: its Tuning.lane
 
 
 class Lane:
-    """One lane of one device: its stream, whether it has work the caller's stream has not waited for, and the
-    tensors held for the other stream (see the module's doc)."""
+    """One lane of one device: its stream, whether the caller's stream has yet to wait for it, and the tensors held
+    for the other stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
@@ -47,8 +47,7 @@ class Lane:
         self.forks += 1
 
     def join(self) -> None:
-        """The forking stream waits for the lane. Asked on another stream (the body of another lane's region,
-        which runs its own work in line): nothing, as what the lane holds is held for the forking stream."""
+        """The forking stream waits for the lane; asked on another stream (another lane's region): nothing."""
         if not self.pending or torch.cuda.current_stream(self.stream.device) != self.caller:
             return
         self.caller.wait_stream(self.stream)
@@ -107,8 +106,7 @@ def _device_of(tensors: tuple[Any, ...]) -> torch.device | None:
 
 
 def lane_for(device: torch.device | None, name: str) -> Lane | None:
-    """The lane ``name`` of ``device`` where lanes are active and the caller is not itself on a lane (else None:
-    run in line)."""
+    """The lane ``name`` of ``device`` where lanes are active and the caller is on no lane (else None: in line)."""
     st = _state()
     if st.depth == 0 or device is None or device.type != "cuda" or torch.compiler.is_compiling():
         return None
@@ -171,21 +169,10 @@ class Region:
             self.lane.lane_held.extend(_tensors(tensors, []))
 
 
-class _InLine:
-    """What :func:`region` returns where the work runs in line: entered on every block call of an eager model, so
-    one shared object, not a generator per call."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> Region:
-        return _NO_LANE
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 _NO_LANE = Region(None)
-_IN_LINE = _InLine()
+# what region returns where the work runs in line: entered on every block call of an eager model, so one shared
+# object, not a generator per call
+_IN_LINE = contextlib.nullcontext(_NO_LANE)
 
 
 def region(device: torch.device, name: str, fork: bool = True, reads: tuple = (),

@@ -1,12 +1,9 @@
-"""layer_norm_scale: ``LayerNorm(x) * (1 + scale)`` (Qwen-Image-2.1's norm1 + modulation), one kernel.
+"""layer_norm_scale: ``LayerNorm(x) * (1 + scale)`` (Qwen-Image-2.1's norm1 + ``_modulate``, no shift), one kernel.
 
-Replaces ``img_norm1`` followed by ``QwenImage21TransformerBlock._modulate`` (which has no shift).
-Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA
-LayerNorm order, ``csrc/layer_norm.cuh``), ``1 + scale``, and the product. ``scale`` is a
-``[B, D]`` chunk of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask``: the row of
-each token is chosen in the kernel (:mod:`qwen_absorb.ops._target_rows`).
-:func:`layer_norm_scale_fp8` also (or only) writes the FP8 e4m3 codes of that output for real FP8
-GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
+Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA order,
+``csrc/layer_norm.cuh``), ``1 + scale``, the product. ``scale``: a ``[B, D]`` chunk of the modulation, or
+``[B + 1, D]`` with ``target_token_mask`` (:mod:`qwen_absorb.ops._target_rows`). :func:`layer_norm_scale_fp8` also
+(or only) writes the e4m3 codes of that output for real FP8 GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
 """
 
 from __future__ import annotations
@@ -23,42 +20,32 @@ from ._validate import check_activation, check_eps, check_fp8_amax
 from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
 from .quantize_nvfp4 import check_emit
 
-# LayerNormScaleParams in the .cu: x, out, out2, scale, mask, out2_amax, amax (pointers);
-# scale_rs, B, L (int64); D (int32), eps (float), quant_mode, vec_flags (int32)
+# LayerNormScaleParams in the .cu: x, out, out2, scale, mask, out2_amax, amax (pointers); scale_rs, B, L (int64);
+# D (int32), eps (float), quant_mode, vec_flags (int32)
 KERNELS = Kernels("layer_norm_scale.cu", "layer_norm_scale_kernel", "7P3qifii", nvfp4=True)
+all_kernel_expressions = KERNELS.expressions
 
 
-# ---------------------------------------------------------------------------- references
-
-
-def layer_norm_scale_reference(
-    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def layer_norm_scale_reference(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
+                               target_token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers eager expression, op for op: ``norm(x) * (1 + _select_modulation_rows(scale))``."""
     return layer_norm(x, eps) * (1 + select_rows(scale, target_token_mask))
 
 
-def layer_norm_scale_fp8_reference(
-    x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
-    target_token_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_norm_scale_fp8_reference(x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
+                                   target_token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, out)``: the eager output and the reference quantizer applied to it."""
     out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
     return quantize_fp8_reference(out, fp8_amax), out
 
 
-# ---------------------------------------------------------------------------- the launcher
-
-
 def launch(
     x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
-    nvfp4_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
-    excludes ``fp8_amax``, D % 16 == 0 checked here). x: contiguous [B, L, D] on a usable CUDA device; scale
-    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None; amaxes fp32, one element.
-    norm_input_quant: a QuantLayerNorm's input fake quantizer, applied inside (``LayerNorm(Q(x))``)."""
+    nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(out or None, second or None)`` (as :func:`.layer_norm_scale_shift.launch`'s). scale:
+    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None; norm_input_quant: a
+    QuantLayerNorm's input fake quantizer, applied inside (``LayerNorm(Q(x))``)."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -67,8 +54,7 @@ def launch(
         return outs
     B, L, D = x.shape
     esize = x.element_size()
-    # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the quantizer's
-    # fresh (aligned) output
+    # eager's norm1 sees x (misaligned: PyTorch's rowwise path) or the input quantizer's fresh, aligned output
     xp = x.data_ptr()
     nq = norm_input_quant
     launcher, a = KERNELS.ln(x, D, nq is not None or xp % (4 * esize) == 0, q4)
@@ -82,12 +68,6 @@ def launch(
     return o, f8
 
 
-all_kernel_expressions = KERNELS.expressions
-
-
-# ---------------------------------------------------------------------------- public ops
-
-
 def _validate(x, scale, eps, mask, fp8_amax=None) -> float:
     check_activation("x", x)
     eps = check_eps(eps)
@@ -97,29 +77,24 @@ def _validate(x, scale, eps, mask, fp8_amax=None) -> float:
     return eps
 
 
-def layer_norm_scale_not_supported_reasons(
-    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
-    force_reference: bool = False,
-) -> list[str]:
+def layer_norm_scale_not_supported_reasons(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
+                                          target_token_mask: torch.Tensor | None = None,
+                                          force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(x, scale, eps, target_token_mask)
     return common_reasons([x, scale], force_reference)
 
 
-def layer_norm_scale(
-    x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6, target_token_mask: torch.Tensor | None = None,
-    force_reference: bool = False,
-) -> torch.Tensor:
+def layer_norm_scale(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
+                     target_token_mask: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale)``, fused on CUDA; bit-identical to the eager expression.
     x: [B, L, D]; scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L])."""
     eps = _validate(x, scale, eps, target_token_mask)
     m = target_token_mask
-    return dispatch(
-        common_reasons([x, scale], force_reference),
-        lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
-        lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, None)[0],
-        lambda: launch(x.contiguous(), scale, eps, _contig(m))[0],
-    )
+    return dispatch(common_reasons([x, scale], force_reference),
+                    lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
+                    lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, None)[0],
+                    lambda: launch(x.contiguous(), scale, eps, _contig(m))[0])
 
 
 def layer_norm_scale_fp8(
@@ -146,16 +121,11 @@ def layer_norm_scale_fp8(
     return dispatch(common_reasons([x, scale], force_reference), reference, compiled, kernel)
 
 
-# ---------------------------------------------------------------------------- custom op
-
-
 @torch.library.custom_op("qwen_absorb::layer_norm_scale", mutates_args=())
-def _custom_op(
-    x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
-    fp8_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes
-    empty when ``fp8_amax`` is None: custom ops need fixed output types)."""
+def _custom_op(x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
+               fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes empty without
+    ``fp8_amax``)."""
     if kernel_usable_now(x):
         out, codes = launch(x.contiguous(), scale, eps, _contig(target_token_mask), fp8_amax=_amax1(fp8_amax))
     else:

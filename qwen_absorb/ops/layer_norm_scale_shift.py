@@ -1,8 +1,6 @@
-"""layer_norm_scale_shift: ``LayerNorm(x) * (1 + scale) + shift`` (norm1 + modulation), one kernel.
-
-Replaces ``img_norm1``/``txt_norm1`` followed by ``_modulate`` in QwenImageTransformerBlock.
-:func:`layer_norm_scale_shift_fp8` also (or only) writes the FP8 e4m3 codes of that output for
-the real FP8 GEMMs of to_q/to_k/to_v (see :mod:`qwen_absorb.ops.fp8`).
+"""layer_norm_scale_shift: ``LayerNorm(x) * (1 + scale) + shift`` (norm1 + ``_modulate`` of
+QwenImageTransformerBlock), one kernel. :func:`layer_norm_scale_shift_fp8` also (or only) writes the e4m3 codes of
+that output for the real FP8 GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
 """
 
 from __future__ import annotations
@@ -18,44 +16,33 @@ from ._validate import param_rows as _as_rows
 from .fp8 import quantize_fp8_reference
 from .quantize_nvfp4 import check_emit
 
-# LayerNormScaleShiftParams in the .cu: x, out, out2, shift, scale, index, out2_amax, amax
-# (pointers); shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind, quant_mode,
-# vec_flags (int32)
+# LayerNormScaleShiftParams in the .cu: x, out, out2, shift, scale, index, out2_amax, amax (pointers);
+# shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
 KERNELS = Kernels("layer_norm_scale_shift.cu", "layer_norm_scale_shift_kernel", "8P4qifiii", nvfp4=True)
+all_kernel_expressions = KERNELS.expressions
 
 
-# ---------------------------------------------------------------------------- references
-
-
-def layer_norm_scale_shift_reference(
-    x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-    index: torch.Tensor | None = None,
-) -> torch.Tensor:
+def layer_norm_scale_shift_reference(x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+                                     index: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers eager expression, op for op."""
     return layer_norm(x, eps) * (1 + expand_param(scale, index)) + expand_param(shift, index)
 
 
 def layer_norm_scale_shift_fp8_reference(
     x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
-    index: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, out)``: the eager output and the reference quantizer applied to it."""
     out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
     return quantize_fp8_reference(out, fp8_amax), out
 
 
-# ---------------------------------------------------------------------------- the launcher
-
-
 def launch(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-    quant_mode: int = 0, nvfp4_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    quant_mode: int = 0, nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
-    excludes ``fp8_amax``, D % 16 == 0 checked here). x: contiguous [B, L, D] on a usable CUDA device; shift/scale
-    rows with unit last stride; index contiguous; amaxes fp32, one element; amax/quant_mode: the norm-input fake
-    quantizer's (:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`), or 0."""
+    excludes ``fp8_amax``). x: contiguous [B, L, D] on a usable CUDA device; shift/scale rows with unit last stride;
+    index contiguous; amaxes fp32, one element; amax/quant_mode: the norm-input fake quantizer's, or 0."""
     q4 = nvfp4_amax is not None
     if q4:
         check_emit(x, fp8_amax, nvfp4_amax)
@@ -64,8 +51,7 @@ def launch(
         return outs
     B, L, D = x.shape
     esize = x.element_size()
-    # eager's norm1 sees x itself (a misaligned x sends PyTorch down its rowwise path), or the
-    # fresh, aligned output of the norm's input quantizer
+    # eager's norm1 sees x (misaligned: PyTorch's rowwise path) or the input quantizer's fresh, aligned output
     xp = x.data_ptr()
     launcher, a = KERNELS.ln(x, D, quant_mode != 0 or xp % (4 * esize) == 0, q4)
     srs, crs = shift.stride(0), scale.stride(0)
@@ -75,12 +61,6 @@ def launch(
     launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(amax2), ptr(amax), srs, crs, B, L, D, eps,
              index_kind(index), quant_mode, flags)
     return o, f8
-
-
-all_kernel_expressions = KERNELS.expressions
-
-
-# ---------------------------------------------------------------------------- public ops
 
 
 def _validate(x, shift, scale, eps, index, fp8_amax=None) -> float:
@@ -93,28 +73,23 @@ def _validate(x, shift, scale, eps, index, fp8_amax=None) -> float:
     return eps
 
 
-def layer_norm_scale_shift_not_supported_reasons(
-    x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-    index: torch.Tensor | None = None, force_reference: bool = False,
-) -> list[str]:
+def layer_norm_scale_shift_not_supported_reasons(x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor,
+                                                eps: float = 1e-6, index: torch.Tensor | None = None,
+                                                force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(x, shift, scale, eps, index)
     return common_reasons([x, shift, scale], force_reference)
 
 
-def layer_norm_scale_shift(
-    x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-    index: torch.Tensor | None = None, force_reference: bool = False,
-) -> torch.Tensor:
+def layer_norm_scale_shift(x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+                           index: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale) + shift``, fused on CUDA. x: [B, L, D]; shift, scale: [B, D]
     or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1)."""
     eps = _validate(x, shift, scale, eps, index)
-    return dispatch(
-        common_reasons([x, shift, scale], force_reference),
-        lambda: layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index),
-        lambda: torch.ops.qwen_absorb.layer_norm_scale_shift(x, shift, scale, eps, index, None)[0],
-        lambda: launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index))[0],
-    )
+    return dispatch(common_reasons([x, shift, scale], force_reference),
+                    lambda: layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index),
+                    lambda: torch.ops.qwen_absorb.layer_norm_scale_shift(x, shift, scale, eps, index, None)[0],
+                    lambda: launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index))[0])
 
 
 def layer_norm_scale_shift_fp8(
@@ -142,16 +117,11 @@ def layer_norm_scale_shift_fp8(
     return dispatch(common_reasons([x, shift, scale], force_reference), reference, compiled, kernel)
 
 
-# ---------------------------------------------------------------------------- custom op
-
-
 @torch.library.custom_op("qwen_absorb::layer_norm_scale_shift", mutates_args=())
-def _custom_op(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
-    fp8_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; picks the kernel or the reference when it runs. Always returns
-    ``(out, codes)`` (codes empty when ``fp8_amax`` is None: custom ops need fixed output types)."""
+def _custom_op(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
+               fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes empty without
+    ``fp8_amax``: custom ops need fixed output types)."""
     if kernel_usable_now(x):
         out, codes = launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index),
                             fp8_amax=amax_fp32(fp8_amax))

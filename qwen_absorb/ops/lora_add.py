@@ -2,11 +2,11 @@
 
 ``t`` = ``x @ A.T`` ([M, R]), ``B`` lora_B's weight ([N, R]), ``y`` the base output ([M, N]), all bf16 or all fp16.
 The sum is accumulated in fp32 and rounded once (``torch.addmm_``'s expression; cuBLAS's ``addmm_`` is not, at rank
->= 32, and the kernel is never further from the exact sum: tests/test_lora_add_gpu.py). :func:`add_gelu_fp8`:
-net[0].proj's last branch fused into the GELU(tanh) + e4m3 quantization feeding net[2] (bit for bit, the sum never
-written); :func:`add_`: in place, up to :data:`MAX_PROBLEMS` outputs in one launch. ``lora_add_tiles.cu`` (16-byte
-aligned rows, widths and ranks multiples of 8: ~3 TB/s) and ``lora_add.cu`` (any layout, ~1.8 TB/s) compute the same
-sums bit for bit. Timings: benchmarks/NOTES.md. Where :func:`reasons` refuses, callers run the torch expressions.
+>= 32, and the kernel is never further from the exact sum). :func:`add_gelu_fp8`: net[0].proj's last branch fused
+into the GELU(tanh) + e4m3 quantization feeding net[2] (the sum never written); :func:`add_`: in place, up to
+:data:`MAX_PROBLEMS` outputs in one launch. ``lora_add_tiles.cu`` (16-byte aligned rows, widths and ranks multiples
+of 8; faster) and ``lora_add.cu`` (any layout) compute the same sums bit for bit. Where :func:`reasons` refuses,
+callers run the torch expressions.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles
 
 
 # lora_add_tiles.cu: the same sums laid out for the copy rate (cp.async ring of y / t tiles, lora_B staged once
-# per column range, a balanced run of tiles per block). tiles=False (Tuning(lora_add_tiles=False)): every launch
-# takes lora_add_kernel (measurements).
+# per column range, a balanced run of tiles per block). tiles=False: every launch takes lora_add_kernel.
 TILES_CU = "lora_add_tiles.cu"
 TILE_COLS = 128  # QA_LT_BN
 _TILE_Y_PITCH = TILE_COLS + 32  # QA_LT_YP
@@ -86,8 +85,7 @@ TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = TILE_DEFAULTS.values()
 
 def configure_tiles(rows: int | None = None, stages: int | None = None, min_blocks: int | None = None) -> None:
     """Recompile the tiled kernel with another geometry (rows per tile 32 or 64, ring stages, blocks per SM the
-    registers must allow): a switch for measurements (benchmarks/probe_lora_add.py at commit 69357ce); no arguments: the defaults.
-    Resets every op's compile-time defines (:func:`qwen_absorb.ops._runtime.set_defines`)."""
+    registers must allow), for measurements; no arguments: the defaults. Resets every op's compile-time defines."""
     global TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS
     d = TILE_DEFAULTS
     TILE_ROWS, TILE_STAGES = rows or d["rows"], stages or d["stages"]
@@ -101,8 +99,8 @@ def configure_tiles(rows: int | None = None, stages: int | None = None, min_bloc
 
 
 def tile_smem_bytes(ks: int) -> int:
-    """Dynamic shared memory of a tiled launch with ``ks`` k-steps: lora_B's rows for one column range, then the
-    ring of (y tile, t tile) stages (bf16 / fp16 elements; pitches as in lora_add_tiles.cu)."""
+    """Dynamic shared memory of a tiled launch: lora_B's rows for one column range, then the ring of (y tile,
+    t tile) stages (pitches as in lora_add_tiles.cu)."""
     ld = 16 * ks + 8
     return 2 * (TILE_COLS * ld + TILE_STAGES * TILE_ROWS * (_TILE_Y_PITCH + ld))
 
@@ -145,17 +143,15 @@ SMEM_ELEMENTS = 256 * 72  # QA_LA_SMEM: lora_B's staged rows, bnb * (16 ks + 8) 
 
 
 def columns_per_block(m: int, ks: int) -> int:
-    """Columns per block for a launch of ``ks`` k-steps: lora_B's staged rows must fit ``SMEM_ELEMENTS`` at the
-    launch's pitch (a grouped launch pads every problem to its largest rank: the pitch is the launch's, not the
-    problem's); a short problem (the text stream) wants blocks more than reuse."""
+    """Columns per block: lora_B's staged rows must fit ``SMEM_ELEMENTS`` at the launch's pitch (a grouped launch
+    pads every problem to its largest rank); a short problem (the text stream) wants blocks more than reuse."""
     bnb = 64 if m <= 256 else 256
     while bnb * (16 * ks + 8) > SMEM_ELEMENTS:
         bnb //= 2
     return bnb
 
 
-def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int,
-            ks: int) -> tuple[list, int]:
+def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int, ks: int) -> tuple[list, int]:
     m, n = y.shape
     r = t.shape[1]
     bnb = columns_per_block(m, ks)

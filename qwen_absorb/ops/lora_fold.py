@@ -1,12 +1,11 @@
 """lora_fold: net[0]'s last LoRA branch + GELU(tanh) + e4m3 quantization (:func:`qwen_absorb.ops.lora_add.add_gelu_fp8`)
 with net[2]'s ``lora_A`` product folded in, one pass over net[0]'s output.
 
-Without it, net[2]'s LoRA branch needs the GELU output ``g`` written (100 MB per block at 4096 x 12288 in bf16)
-and read back by a GEMM, on the image stream's critical path. Here the kernel multiplies ``g`` by net[2]'s lora_A
-weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once) for net[2]'s lora_B add. The codes
-are :func:`~qwen_absorb.ops.lora_add.add_gelu_fp8`'s bit for bit; ``t2`` is PEFT's ``lora_A(g)`` sum in another
-order than cuBLAS's (it may differ in its last bit, ``tests/test_lora_fold_gpu.py``). Blocks walk row bands
-(``csrc/lora_gelu_fold.cu``), each split into ``S`` column segments whose fp32 partial sums a second kernel adds.
+Without it, net[2]'s LoRA branch needs the GELU output ``g`` written and read back by a GEMM. Here the kernel
+multiplies ``g`` by net[2]'s lora_A weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once).
+The codes are :func:`~qwen_absorb.ops.lora_add.add_gelu_fp8`'s bit for bit; ``t2`` is PEFT's ``lora_A(g)`` summed in
+another order than cuBLAS's (it may differ in its last bit). Blocks walk row bands, each split into ``S`` column
+segments whose fp32 partial sums a second kernel adds.
 """
 
 from __future__ import annotations
@@ -78,16 +77,14 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, a2: torch.Tensor)
 
 def size_reasons(m: int, sms: int) -> list[str]:
     """Why the fold does not pay at ``m`` rows on a GPU of ``sms`` SMs (empty: it does): row bands split into
-    :data:`MAX_SEGMENTS` segments at most must keep at least half the SMs busy. The text stream's 128 rows (one
-    band, 16 blocks) took 36 us against 14 us for the two steps (``probe_lora_fold.md``)."""
+    :data:`MAX_SEGMENTS` segments at most must keep at least half the SMs busy."""
     if -(-m // _BM) * MAX_SEGMENTS * 2 < sms:
         return [f"{m} rows: the fold's row bands would keep fewer than half the SMs busy"]
     return []
 
 
 def segments(tiles_m: int, tiles_n: int, sms: int) -> int:
-    """How many column segments a row band is split into: a divisor of ``tiles_n`` (every block walks the same
-    number of tiles) up to :data:`MAX_SEGMENTS` (the partial sums the second kernel adds) whose grid takes the
+    """Column segments per row band: the divisor of ``tiles_n`` up to :data:`MAX_SEGMENTS` whose grid takes the
     fewest tile steps, waves x tiles per block (one block fits an SM); the fewest segments among equals."""
     divisors = [s for s in range(1, min(tiles_n, MAX_SEGMENTS) + 1) if tiles_n % s == 0]
     return min(divisors, key=lambda s: (-(-tiles_m * s // max(sms, 1)) * (tiles_n // s), s))

@@ -1,23 +1,16 @@
 """qk_norm_rope: the q/k RMSNorm + RoPE of Qwen-Image's joint attention, one kernel.
 
-Each of img/txt query/key ([B, L, H, DH]) goes through diffusers' ``RMSNorm(DH, eps=1e-6)`` and then
-``apply_rotary_emb_qwen(x, freqs, use_real=False)``: about 11 eager kernels per tensor, 44 per block. This op
-does up to four tensors (img q/k with the image freqs, txt q/k with the text freqs) in ONE launch:
-:func:`qk_norm_rope` (one tensor), :func:`qk_norm_rope_multi` (up to four), :func:`launch` (the checked-once
-entry of the patched attention). Output: a new contiguous [B, L, H, DH] tensor in the weight's dtype; ``x`` may
-be any view with unit stride inside a head (e.g. a column slice of a fused QKV projection).
+Each of img/txt query/key ([B, L, H, DH]) goes through diffusers' ``RMSNorm(DH, eps=1e-6)``, then
+``apply_rotary_emb_qwen(x, freqs, use_real=False)``; one launch does up to four tensors (:func:`qk_norm_rope`,
+:func:`qk_norm_rope_multi`, and :func:`launch`, the patched attention's checked-once entry). Output: a new contiguous
+[B, L, H, DH] tensor in the weight's dtype; ``x`` may be any view with unit stride inside a head.
 
-Exactness (csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op (the bf16/fp16 rounding
-before the weight multiply, nvcc's FMA grouping of PyTorch's complex<float> multiply). The fp32 variance of 128
-squares rounds by the order PyTorch's reduction adds them in, which follows its launch configuration and differs
-between versions: the kernel implements the candidate orders and :func:`probe_variance_order` measures, once per
-device, which one the running PyTorch uses. With none matching the reference runs (a stated reason); matched,
-the output is bit-identical to diffusers' eager chain. The kernel needs DH == 128, complex64 freqs,
-weight.dtype == x.dtype and at least ``min_rows`` rows (the probe says from which row count its order holds).
-
-Two forms compute the same bits: a row per warp, 4 elements per lane (every order), and the wide form, a row per
-half-warp, 8 elements per lane (16-byte loads; ``WIDE_ORDERS``, PyTorch 2.11's among them): 8-10% faster on the
-H200 (benchmarks/results/ops/bench_stream_kernels.md).
+Exactness (csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op. The fp32 variance of 128
+squares rounds by the order PyTorch's reduction adds them in, which differs between versions: the kernel implements
+the candidate orders and :func:`probe_variance_order` finds, once per device, the one in use (none: the reference
+runs, with a reason). The kernel needs DH == 128, complex64 freqs, weight.dtype == x.dtype and ``min_rows`` rows.
+Two forms give the same bits: a row per warp, 4 elements per lane (every order), and the wide form, a row per
+half-warp, 8 elements per lane with 16-byte loads (``WIDE_ORDERS``).
 """
 
 from __future__ import annotations
@@ -37,21 +30,15 @@ log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
 WARPS = 4  # QA_QKR_WARPS: warps per block
 ROWS_PER_WARP = 4  # the kernel's RPW: consecutive rows a warp loads before reducing the first
-# The wide form (qk_norm_rope_wide_kernel: 8 elements per lane, a row per half-warp, 16-byte loads) where it
-# implements the probed order (groups of 4 elements: orders 0 and 10); launch(wide=False): the 4-element form.
-WIDE_ORDERS = (0, 10)
+WIDE_ORDERS = (0, 10)  # the orders the wide form implements (groups of 4 elements)
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
 _FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 
-# QkNormRopeJob in the .cu: x, weight, freqs, out (pointers); stride_b, stride_l, stride_h,
-# freqs_stride (int64); L, H, rows, block_start (int32), eps (float), vec_flags (int32). 88 bytes.
+# QkNormRopeJob in the .cu: x, weight, freqs, out (pointers); stride_b, stride_l, stride_h, freqs_stride (int64);
+# L, H, rows, block_start (int32), eps (float), vec_flags (int32). QkNormRopeParams: MAX_JOBS jobs, then njobs.
 JOB_LAYOUT = "4P4q4ifi"
-# QkNormRopeParams: MAX_JOBS jobs, then njobs (int32)
 LAYOUT = JOB_LAYOUT * MAX_JOBS + "i"
-
-
-# ---------------------------------------------------------------------------- reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,25 +57,16 @@ def rope_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return x_out.type_as(x)
 
 
-def qk_norm_rope_reference(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float = 1e-6,
-) -> torch.Tensor:
+def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor,
+                           eps: float = 1e-6) -> torch.Tensor:
     """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``: the diffusers eager chain."""
     return rope_reference(rms_norm_reference(x, weight, eps), freqs)
 
 
-# ---------------------------------------------------------------------------- variance order
-
-# The kernel's ORDER template parameter: per-lane grouping (ORDER % 10; each lane sums its groups in sequence) and
-# lane tree (shfl_down at offsets 1, 2, 4, ... for ORDER < 10, PyTorch's Reduce.cuh before 2.10; ..., 4, 2, 1 for
-# ORDER >= 10, its "offset decreasing, matching Triton" change). See the header of csrc/qk_norm_rope.cu.
-_GROUPINGS = {
-    0: "vectorized by 4, 32 lanes",
-    1: "not vectorized, 32 lanes, stride 32",
-    2: "vectorized by 8, 16 lanes",
-    3: "vectorized by 2, 32 lanes, two steps",
-    4: "vectorized by 16, 8 lanes",
-}
+# The kernel's ORDER: per-lane grouping (ORDER % 10; each lane sums its groups in sequence) and lane tree (shfl_down
+# at offsets 1, 2, 4, ... for ORDER < 10, PyTorch's Reduce.cuh before 2.10; ..., 4, 2, 1 for ORDER >= 10).
+_GROUPINGS = {0: "vectorized by 4, 32 lanes", 1: "not vectorized, 32 lanes, stride 32", 2: "vectorized by 8, 16 lanes",
+              3: "vectorized by 2, 32 lanes, two steps", 4: "vectorized by 16, 8 lanes"}
 ORDERS = {**{g: f"{d}, lane offsets increasing" for g, d in _GROUPINGS.items()},
           **{10 + g: f"{d}, lane offsets decreasing" for g, d in _GROUPINGS.items()}}
 
@@ -106,8 +84,7 @@ def _lane_groups(grouping: int) -> tuple[int, list[list[list[int]]]]:
 
 
 def variance_in_order(x: torch.Tensor, order: int) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1)`` summed in the kernel's ``order`` ([..., 128] -> [...]), bit for bit the kernel's
-    (every add one fp32 rounding)."""
+    """``x.float().pow(2).mean(-1)`` summed in the kernel's ``order`` ([..., 128] -> [...]), bit for bit."""
     lanes, groups = _lane_groups(order % 10)
     xf = x.float()
     sq = xf * xf  # torch's pow(x, 2) is x * x
@@ -135,7 +112,7 @@ class VarianceOrder(NamedTuple):
 
     order: int | None  # the kernel ORDER equal to PyTorch's on every probed batch (None: none)
     min_rows: int  # the smallest probed row count from which on that holds
-    detail: str  # readable: which candidates matched, for the reasons and the logs
+    detail: str  # which candidates matched, for the reasons and the logs
 
 
 _PROBE_ROWS = (1, 2, 3, 5, 8, 16, 24, 64, 4096)
@@ -143,8 +120,8 @@ _orders: dict[int, VarianceOrder] = rt.register_cache({})
 
 
 def probe_variance_order(device: torch.device | int) -> VarianceOrder:
-    """Which of the kernel's reduction orders PyTorch's ``x.float().pow(2).mean(-1)`` uses on this device, probed
-    once (cached) on random rows at several row counts, bit for bit. Not inside a CUDA-graph capture (it syncs)."""
+    """Which kernel order PyTorch's ``x.float().pow(2).mean(-1)`` uses on this device, probed once (cached) on
+    random rows at several row counts. Not inside a CUDA-graph capture (it syncs)."""
     idx = torch.device("cuda", device) if isinstance(device, int) else device
     idx = rt.device_index(idx)
     hit = _orders.get(idx)
@@ -157,8 +134,7 @@ def probe_variance_order(device: torch.device | int) -> VarianceOrder:
     ok: dict[int, list[bool]] = {o: [] for o in ORDERS}
     with torch.no_grad():
         for n in _PROBE_ROWS:
-            # fp32 values of wide per-element range: every candidate order rounds differently on
-            # them (bf16 squares are often summed exactly, which would hide the order)
+            # fp32 values of wide range: every candidate order rounds differently (bf16 squares would often not)
             x = torch.randn(n, HEAD_DIM, generator=gen, device=dev) * torch.exp(
                 torch.randn(n, HEAD_DIM, generator=gen, device=dev) * 2)
             want = x.to(torch.float32).pow(2).mean(-1)  # diffusers' RMSNorm, as it runs
@@ -191,24 +167,18 @@ def order_reasons(device: torch.device, rows: int) -> list[str]:
     return []
 
 
-# ---------------------------------------------------------------------------- the launcher
-
-
 _fns: dict[tuple, object] = rt.register_cache({})
 _PAD_JOB = (0,) * 11  # an unused job: pointers, strides, L, H, rows; then block_start, eps, flags
 
 
 def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
-    eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True,
-) -> list[torch.Tensor]:
+    eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True) -> list[torch.Tensor]:
     """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to four tensors
-    in ONE launch, into new contiguous [B, L, H, 128] tensors or ``into`` (contiguous views the caller provides, e.g.
-    the text and image rows of one joint tensor, so that no concatenation follows).
-
-    The caller guarantees, once: all xs on one usable CUDA device in one dtype, [B, L, H, 128] with unit last
-    stride and B*L*H < 2**31; weights [128] contiguous in that dtype; freqs complex64 [L, 64] with unit last
-    stride; finite fp32 eps; :func:`order_reasons` empty for every x."""
+    in ONE launch, into new contiguous [B, L, H, 128] tensors or ``into`` (contiguous views, e.g. the text and image
+    rows of one joint tensor: no concatenation follows). The caller guarantees: all xs on one usable CUDA device in
+    one dtype, [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that dtype; freqs
+    complex64 [L, 64] with unit last stride; finite fp32 eps; :func:`order_reasons` empty for every x."""
     n = len(xs)
     if n > MAX_JOBS:
         raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
@@ -232,8 +202,8 @@ def launch(
     blocks = 0
     for i in range(n):
         x, w, f = xs[i], weights[i], freqs[i]
-        if type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter) or type(f) is not torch.Tensor:
-            # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
+        if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
+                or type(f) is not torch.Tensor):  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
             raise TypeError("qwen_absorb kernels take plain tensors; got "
                             + ", ".join(type(t).__name__ for t in (x, w, f)))
         B, L, H, _ = x.shape
@@ -262,9 +232,6 @@ def _expression(traits: str, order: int, rpw: int, wide: bool) -> str:
 def all_kernel_expressions() -> list[tuple[str, str]]:
     narrow = [(CU, _expression(t, o, ROWS_PER_WARP, False)) for t in rt.TRAITS.values() for o in ORDERS]
     return narrow + [(CU, _expression(t, o, ROWS_PER_WARP, True)) for t in rt.TRAITS.values() for o in WIDE_ORDERS]
-
-
-# ---------------------------------------------------------------------------- validation, reasons
 
 
 def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
@@ -360,58 +327,45 @@ def _multi_reasons(xs, weights, freqs, eps_l, force_reference) -> list[str]:
     return reasons
 
 
-def qk_norm_rope_not_supported_reasons(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
-    force_reference: bool = False,
-) -> list[str]:
+def qk_norm_rope_not_supported_reasons(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *,
+                                       eps: float = 1e-6, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(x, weight, freqs, eps)
     return _kernel_reasons(x, weight, freqs, eps, force_reference)
-
-
-# ---------------------------------------------------------------------------- public ops
 
 
 def _reference_multi(xs, weights, freqs, eps_l) -> list[torch.Tensor]:
     return [qk_norm_rope_reference(x, w, f, e) for x, w, f, e in zip(xs, weights, freqs, eps_l)]
 
 
-def qk_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
-    force_reference: bool = False,
-) -> torch.Tensor:
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, eps: float = 1e-6,
+                 force_reference: bool = False) -> torch.Tensor:
     """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``, fused on CUDA: x [B, L, H, DH], weight [DH],
     freqs complex [L, DH/2] (one of diffusers' QwenEmbedRope pair); a contiguous [B, L, H, DH] in weight's dtype."""
     _validate(x, weight, freqs, eps)
     eps = float(eps)
-    return dispatch(
-        _kernel_reasons(x, weight, freqs, eps, force_reference),
-        lambda: qk_norm_rope_reference(x, weight, freqs, eps),
-        lambda: torch.ops.qwen_absorb.qk_norm_rope([x], [weight], [freqs], [eps])[0],
-        lambda: launch([x], [weight], [freqs], [eps])[0],
-    )
+    return dispatch(_kernel_reasons(x, weight, freqs, eps, force_reference),
+                    lambda: qk_norm_rope_reference(x, weight, freqs, eps),
+                    lambda: torch.ops.qwen_absorb.qk_norm_rope([x], [weight], [freqs], [eps])[0],
+                    lambda: launch([x], [weight], [freqs], [eps])[0])
 
 
 def qk_norm_rope_multi(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor], *,
-    eps: float | Sequence[float] = 1e-6, force_reference: bool = False,
-) -> list[torch.Tensor]:
+    eps: float | Sequence[float] = 1e-6, force_reference: bool = False) -> list[torch.Tensor]:
     """:func:`qk_norm_rope` of up to four tensors in one launch (``xs=[img_q, img_k, txt_q, txt_k]``,
     ``freqs=[img_f, img_f, txt_f, txt_f]``): the kernel only when every tensor qualifies, in one dtype."""
     eps_l = _check_multi(xs, weights, freqs, eps)
     xs, weights, freqs = list(xs), list(weights), list(freqs)
-    return dispatch(
-        _multi_reasons(xs, weights, freqs, eps_l, force_reference),
-        lambda: _reference_multi(xs, weights, freqs, eps_l),
-        lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
-        lambda: launch(xs, weights, freqs, eps_l),
-    )
+    return dispatch(_multi_reasons(xs, weights, freqs, eps_l, force_reference),
+                    lambda: _reference_multi(xs, weights, freqs, eps_l),
+                    lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
+                    lambda: launch(xs, weights, freqs, eps_l))
 
 
 @torch.library.custom_op("qwen_absorb::qk_norm_rope", mutates_args=())
-def _custom_op(
-    xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: list[torch.Tensor], eps: list[float],
-) -> list[torch.Tensor]:
+def _custom_op(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: list[torch.Tensor],
+               eps: list[float]) -> list[torch.Tensor]:
     if kernel_usable_now(xs[0]) and not any(
         x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) or order_reasons(x.device, x.numel() // HEAD_DIM)
         for x, w, f, e in zip(xs, weights, freqs, eps)

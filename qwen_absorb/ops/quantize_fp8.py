@@ -6,8 +6,7 @@
   scales in one launch (the joint attention output as the inputs of ``to_add_out`` and ``to_out[0]``); ``x`` may be
   the [B, S, H, DH] tensor the attention returns (unit stride inside a head): no flatten copy.
 
-Codes are bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of the (activated,
-rounded) value.
+Codes are bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of the (activated, rounded) value.
 """
 
 from __future__ import annotations
@@ -16,16 +15,15 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._launch import amax_fp32 as _amax1
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
 from .fp8 import quantize_fp8_reference
 
 CU = "quantize_fp8.cu"
 THREADS = 256  # QA_QF8_THREADS
 ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
-
-
-# QuantizeFp8Params in the .cu: x, out_a, out_b, act_out, amax_a, amax_b (pointers);
-# stride_b, stride_s, stride_h, B, S, split (int64); H, DH, vec (int32)
+# QuantizeFp8Params in the .cu: x, out_a, out_b, act_out, amax_a, amax_b (pointers); stride_b, stride_s, stride_h,
+# B, S, split (int64); H, DH, vec (int32)
 LAYOUT = "6P6qiii"
 
 
@@ -46,12 +44,10 @@ _fns: dict[tuple, object] = rt.register_cache({})
 
 
 def launch(
-    x: torch.Tensor, split: int, amax_a: torch.Tensor | None, amax_b: torch.Tensor,
-    activation: str | None = None, act_out: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Checked-once entry. ``x``: [B, S, H, DH] (unit last stride) or [B, S, D] on a usable CUDA
-    device; amax fp32 one-element tensors. Returns ``(codes[:, :split], codes[:, split:], act or None)``
-    with codes contiguous [B, n, H * DH]."""
+    x: torch.Tensor, split: int, amax_a: torch.Tensor | None, amax_b: torch.Tensor, activation: str | None = None,
+    act_out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checked-once entry. ``x``: [B, S, H, DH] (unit last stride) or [B, S, D] on a usable CUDA device; amax fp32
+    one-element tensors. Returns ``(codes[:, :split], codes[:, split:], act or None)``, codes contiguous [B, n, D]."""
     if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
         raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x,)))
     if x.dim() == 3:
@@ -109,31 +105,23 @@ def _check_x(x: torch.Tensor) -> None:
         raise ValueError(f"x must have unit stride in its last dimension, got strides {x.stride()}")
 
 
-def _amax1(a: torch.Tensor) -> torch.Tensor:
-    return a.float().reshape(1)
-
-
-def quantize_fp8(
-    x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None, force_reference: bool = False,
-) -> torch.Tensor:
-    """e4m3 codes of ``activation(x)`` under a per-tensor ``amax``; x [B, S, D] -> codes [B, S, D]
-    (a [B, S, H, DH] input gives [B, S, H * DH])."""
+def quantize_fp8(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None,
+                 force_reference: bool = False) -> torch.Tensor:
+    """e4m3 codes of ``activation(x)`` under a per-tensor ``amax``; x [B, S, D] -> codes [B, S, D] (a
+    [B, S, H, DH] input gives [B, S, H * DH])."""
     _check_x(x)
     check_amax("amax", amax, x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     flat = x if x.dim() == 3 else x.flatten(2)
-    return dispatch(
-        common_reasons([flat], force_reference),
-        lambda: quantize_fp8_reference_op(flat, amax, activation),
-        lambda: torch.ops.qwen_absorb.quantize_fp8(x, 0, amax, amax, activation or "")[1],
-        lambda: launch(x, 0, None, _amax1(amax), activation)[1],
-    )
+    return dispatch(common_reasons([flat], force_reference),
+                    lambda: quantize_fp8_reference_op(flat, amax, activation),
+                    lambda: torch.ops.qwen_absorb.quantize_fp8(x, 0, amax, amax, activation or "")[1],
+                    lambda: launch(x, 0, None, _amax1(amax), activation)[1])
 
 
-def quantize_fp8_split(
-    x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, *, force_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_split(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, *,
+                       force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes of x[:, :split] under amax_a, codes of x[:, split:] under amax_b)``, each contiguous."""
     _check_x(x)
     check_amax("amax_a", amax_a, x)
@@ -149,16 +137,13 @@ def quantize_fp8_split(
         a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b))
         return a, b
 
-    return dispatch(
-        common_reasons([flat], force_reference), reference,
-        lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""), kernel,
-    )
+    return dispatch(common_reasons([flat], force_reference), reference,
+                    lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""), kernel)
 
 
 @torch.library.custom_op("qwen_absorb::quantize_fp8", mutates_args=())
-def _custom_op(
-    x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, activation: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _custom_op(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor,
+               activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     act = activation or None
     if kernel_usable_now(x):
         a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b), act)

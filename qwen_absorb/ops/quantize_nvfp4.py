@@ -5,14 +5,11 @@ CUDA (e2m1 values, dynamic e4m3 scales per 16 elements, second-level scale ``ama
 gives the arithmetic). Fused kernels emit the same as a second output (``nvfp4_amax``, csrc/nvfp4.cuh):
 :func:`emit_reasons` says when they can, :func:`check_emit` checks a launch.
 
-The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block`` (CUDA inputs, sm_89+): its fp32 divisions
-compile to PTX ``div.full.f32``, not correctly rounded; the CUDA kernel issues the same instruction and is
-bit-identical. The reference divides with IEEE rounding: equal except where a quotient lies within 2 ulp of a
-rounding boundary, a few elements per million. ModelOpt has no CPU path for NVFP4 fake quantization.
-
-NaN / inf policy (ModelOpt's, kept): a block's max skips NaN; inf saturates the block scale to 448 * gs;
-a NaN element becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (a negative element that
-rounds to zero too: Triton negates as ``0 - v``).
+The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block``: its fp32 divisions are PTX ``div.full.f32``,
+not correctly rounded; the CUDA kernel issues the same instruction and is bit-identical. The reference divides with
+IEEE rounding: equal except where a quotient lies within 2 ulp of a rounding boundary (a few elements per million).
+NaN / inf policy (ModelOpt's): a block's max skips NaN; inf saturates the block scale to 448 * gs; a NaN element
+becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (Triton negates as ``0 - v``).
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ CU = "quantize_nvfp4.cu"
 THREADS = 256  # QA_NVFP4_THREADS
 BLOCK = 16
 GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
-# torch on CUDA divides a tensor by a Python scalar as a product with the scalar's float32 reciprocal
-# (BinaryDivTrueKernel.cu); on CPU it divides. ModelOpt's second-level scale is the CUDA one.
+# torch on CUDA divides by a Python scalar as a product with its float32 reciprocal; ModelOpt's scale is the CUDA one
 INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
 # the kernel's ACT: the activation computed (and rounded to x's dtype) before the quantization
 ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
@@ -50,9 +46,8 @@ def _e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4_reference(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's NVFP4 dynamic fake quantization of ``x`` [..., D] under the per-tensor ``amax`` (the
-    arithmetic of its CUDA Triton kernel, with IEEE divisions; see the module docstring). The
-    second-level scale is ``amax * fl32(1 / 2688)``: what ``amax.float() / (6.0 * 448.0)`` gives on CUDA."""
+    """ModelOpt's NVFP4 dynamic fake quantization of ``x`` [..., D] under the per-tensor ``amax`` (its CUDA
+    Triton kernel's arithmetic with IEEE divisions), second-level scale ``amax * fl32(1 / 2688)``."""
     shape, dtype, D = x.shape, x.dtype, x.shape[-1]
     if x.numel() == 0:
         return x.clone()
@@ -61,7 +56,6 @@ def quantize_nvfp4_reference(x: torch.Tensor, amax: torch.Tensor) -> torch.Tenso
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
     blocks = xf.view(xf.shape[0], -1, BLOCK)
-    # ModelOpt's ``amax.float() / (6.0 * 448.0)``, as torch computes it on CUDA: times the float reciprocal
     gs = amax.detach().to(device=x.device, dtype=torch.float32).reshape(()) * INV_GLOBAL_DIVISOR
     gs = torch.where(gs > 0, gs, torch.full_like(gs, 1e-12))
     mag = blocks.abs()
@@ -80,10 +74,9 @@ _fns: dict[tuple, object] = rt.register_cache({})
 
 
 def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch.Tensor:
-    """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride (a 2-D view of it)
-    on a usable CUDA device; ``amax`` a one-element fp32 tensor there. Returns a contiguous tensor:
-    the fake quantization of ``act(x)`` (``act`` None, ``"gelu_tanh"`` or ``"silu"``: torch's
-    ``F.gelu(x, approximate="tanh")`` / ``F.silu(x)`` in x's dtype, then quantized)."""
+    """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride on a usable CUDA device;
+    ``amax`` a one-element fp32 tensor there. Returns the fake quantization of ``act(x)`` (None, ``"gelu_tanh"`` or
+    ``"silu"``, in x's dtype), contiguous."""
     if type(x) is not torch.Tensor:
         raise TypeError(f"qwen_absorb kernels take plain tensors; got {type(x).__name__}")
     a = ACTIVATIONS.get(act)
@@ -113,7 +106,7 @@ def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch
 
 
 def _expression(traits: str, vec: int, act: int) -> str:
-    # act 0 keeps the two-argument name (the template's default), as before the activations
+    # act 0 keeps the two-argument name (the template's default)
     return f"quantize_nvfp4_kernel<{traits}, {vec}>" if act == 0 else f"quantize_nvfp4_kernel<{traits}, {vec}, {act}>"
 
 
@@ -123,15 +116,13 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
 
 
 def emit_reasons(D: int) -> list[str]:
-    """Why a kernel cannot emit the NVFP4 input of a linear as its second output (``nvfp4_amax`` of the
-    LayerNorm and SwiGLU launchers) for rows of ``D`` elements (empty: it can). The fused kernels hold a
-    16-element block in adjacent lanes of one slot layout, so a block must not straddle two rows."""
+    """Why a fused kernel cannot emit NVFP4 values as its second output (``nvfp4_amax``) for rows of ``D``
+    elements (empty: it can): a 16-element block sits in adjacent lanes and must not straddle two rows."""
     return [] if D % BLOCK == 0 else [f"D = {D} is not a multiple of {BLOCK} (NVFP4 blocks of a fused output)"]
 
 
 def check_emit(x: torch.Tensor, fp8_amax: torch.Tensor | None, nvfp4_amax: torch.Tensor) -> None:
-    """The checks of a launcher asked for an NVFP4 second output (``nvfp4_amax`` given): raises with the
-    reason. Only that path pays for them (the launchers are checked-once entries otherwise)."""
+    """The checks of a launcher asked for an NVFP4 second output (only that path pays for them)."""
     if fp8_amax is not None:
         raise ValueError("fp8_amax and nvfp4_amax are exclusive: a kernel emits e4m3 codes or NVFP4 values, "
                          "not both")
@@ -155,8 +146,8 @@ def _check_x(x: torch.Tensor) -> None:
         raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
 
 
-def quantize_nvfp4_not_supported_reasons(x: torch.Tensor, amax: torch.Tensor, force_reference: bool = False
-                                         ) -> list[str]:
+def quantize_nvfp4_not_supported_reasons(x: torch.Tensor, amax: torch.Tensor,
+                                         force_reference: bool = False) -> list[str]:
     """Why :func:`quantize_nvfp4` would run its reference rather than its kernel (empty: the kernel)."""
     reasons = common_reasons([x], force_reference)
     if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
@@ -180,21 +171,18 @@ def _amax1(a: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None,
                    force_reference: bool = False) -> torch.Tensor:
-    """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under
-    the per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype. With
-    ``activation`` (``"gelu_tanh"`` or ``"silu"``) the input is that activation of x in x's dtype, as
-    ``F.gelu(x, approximate="tanh")`` / ``F.silu(x)`` leave it (the kernel computes it in the same launch)."""
+    """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under the
+    per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype. With ``activation``
+    (``"gelu_tanh"`` or ``"silu"``) the input is that activation of x in x's dtype (computed in the same launch)."""
     _check_x(x)
     check_amax("amax", amax, x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-    return dispatch(
-        quantize_nvfp4_not_supported_reasons(x, amax, force_reference),
-        lambda: quantize_nvfp4_reference(activation_reference(x, activation), amax),
-        # the custom op quantizes only; under compile the activation stays a traced torch op
-        lambda: torch.ops.qwen_absorb.quantize_nvfp4(activation_reference(x, activation), amax),
-        lambda: launch(x, _amax1(amax), activation),
-    )
+    return dispatch(quantize_nvfp4_not_supported_reasons(x, amax, force_reference),
+                    lambda: quantize_nvfp4_reference(activation_reference(x, activation), amax),
+                    # the custom op quantizes only; under compile the activation stays a traced torch op
+                    lambda: torch.ops.qwen_absorb.quantize_nvfp4(activation_reference(x, activation), amax),
+                    lambda: launch(x, _amax1(amax), activation))
 
 
 @torch.library.custom_op("qwen_absorb::quantize_nvfp4", mutates_args=())

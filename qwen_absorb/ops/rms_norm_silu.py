@@ -1,10 +1,9 @@
 """rms_norm_silu: the Qwen-Image VAE's channel RMS norm (``QwenImageRMS_norm``) and SiLU of a channels-last image
-in one kernel (one read, one write, instead of eager's eight passes with an fp32 copy).
+in one kernel.
 
-The rounding points of diffusers' expression ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma``, then
-``F.silu``, are kept, each an fp32 operation rounded to the tensor dtype; the norm's sum of squares runs in the
-kernel's own order, so an output may differ from eager's by one rounding where the norm's last bit differs: not
-bit-identical, covered by the VAE room's fidelity gate (:mod:`qwen_absorb.vae`). bf16/fp16, C even, C <= 1024.
+The rounding points of ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma``, then ``F.silu``, are kept; the
+norm's sum of squares runs in the kernel's own order, so an output may differ from eager's by one rounding: not
+bit-identical, covered by the VAE's fidelity gate (:mod:`qwen_absorb.vae`). bf16/fp16, C even, C <= 1024.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """swiglu: ``silu(a) * b`` (Qwen-Image-2.1's SwiGLU FFN, ``a = gate_layer(x)``, ``b = proj(x)``), one kernel.
 
 Rounding points reproduced, each in the tensor dtype: ``silu(a)`` (PyTorch's CUDA SiLU: ``x / (1 + exp(-x))`` in
-fp32) and the product. :func:`swiglu_fp8` also (or only) writes the e4m3 codes of the product under the ``out``
-linear's input amax (as :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference`). Elementwise: any shape, ``a`` and
-``b`` of the same shape, dtype and device.
+fp32) and the product. :func:`swiglu_fp8` also (or only) writes the e4m3 codes of the product (as
+:func:`~qwen_absorb.ops.fp8.quantize_fp8_reference`). Any shape, ``a`` and ``b`` of one shape, dtype and device.
 """
 
 from __future__ import annotations
@@ -12,13 +11,15 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._launch import codes_or_empty, fake_codes
+from ._launch import amax_fp32 as _amax1
 from ._validate import SUPPORTED_DTYPES, check_amax, check_same, check_tensor
 from .fp8 import quantize_fp8_reference
 from .quantize_nvfp4 import check_emit
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
-UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store (1: fastest on the H200, results/ops/bench_stream_kernels.md)
+UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store
 MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
 
 # SwigluParams in the .cu: a, b, out, out2, out2_amax (pointers); n (int64); vec (int32)
@@ -30,7 +31,8 @@ def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(a) * b
 
 
-def swiglu_fp8_reference(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_fp8_reference(a: torch.Tensor, b: torch.Tensor,
+                         fp8_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, out)``: the eager output and the reference quantizer applied to it."""
     out = swiglu_reference(a, b)
     return quantize_fp8_reference(out, fp8_amax), out
@@ -39,13 +41,10 @@ def swiglu_fp8_reference(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tenso
 _fns: dict[tuple, object] = rt.register_cache({})
 
 
-def launch(
-    a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
-    nvfp4_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def launch(a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
+           nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
-    excludes ``fp8_amax``, a's last dim % 16 == 0 checked here); a, b contiguous, same shape, dtype and usable CUDA
-    device; amaxes fp32, one element."""
+    excludes ``fp8_amax``); a, b contiguous, same shape, dtype and usable CUDA device; amaxes fp32, one element."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # a DTensor: its data_ptr is not the data
         raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (a, b)))
     q4 = nvfp4_amax is not None
@@ -111,10 +110,6 @@ def _reasons(a, b, force_reference) -> list[str]:
     return reasons
 
 
-def _amax1(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.float().reshape(1) if t is not None else None
-
-
 def swiglu_not_supported_reasons(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(a, b)
@@ -124,20 +119,16 @@ def swiglu_not_supported_reasons(a: torch.Tensor, b: torch.Tensor, *, force_refe
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
     """``silu(a) * b``, fused on CUDA; bit-identical to the eager expression."""
     _validate(a, b)
-    return dispatch(
-        _reasons(a, b, force_reference),
-        lambda: swiglu_reference(a, b),
-        lambda: torch.ops.qwen_absorb.swiglu(a, b, None)[0],
-        lambda: launch(a.contiguous(), b.contiguous())[0],
-    )
+    return dispatch(_reasons(a, b, force_reference),
+                    lambda: swiglu_reference(a, b),
+                    lambda: torch.ops.qwen_absorb.swiglu(a, b, None)[0],
+                    lambda: launch(a.contiguous(), b.contiguous())[0])
 
 
-def swiglu_fp8(
-    a: torch.Tensor, b: torch.Tensor, *, fp8_amax: torch.Tensor, also_output: bool = False,
-    force_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(codes, out)``: the e4m3 codes of :func:`swiglu`'s output under a per-tensor ``fp8_amax``,
-    and the output itself when ``also_output`` (else None: the kernel skips writing it)."""
+def swiglu_fp8(a: torch.Tensor, b: torch.Tensor, *, fp8_amax: torch.Tensor, also_output: bool = False,
+               force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(codes, out)``: the e4m3 codes of :func:`swiglu`'s output under a per-tensor ``fp8_amax``, and the output
+    itself when ``also_output`` (else None: the kernel skips writing it)."""
     _validate(a, b, fp8_amax)
 
     def reference():
@@ -157,17 +148,15 @@ def swiglu_fp8(
 
 @torch.library.custom_op("qwen_absorb::swiglu", mutates_args=())
 def _custom_op(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes
-    empty without ``fp8_amax``)."""
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes or empty)``."""
     if kernel_usable_now(a):
         out, codes = launch(a.contiguous(), b.contiguous(), fp8_amax=_amax1(fp8_amax))
     else:
         out = swiglu_reference(a, b)
         codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
-    return out, codes if codes is not None else a.new_empty(0, dtype=torch.float8_e4m3fn)
+    return out, codes_or_empty(codes, a)
 
 
 @_custom_op.register_fake
 def _(a, b, fp8_amax):
-    codes = torch.empty(a.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=a.device)
-    return torch.empty_like(a, memory_format=torch.contiguous_format), codes
+    return torch.empty_like(a, memory_format=torch.contiguous_format), fake_codes(a, fp8_amax)

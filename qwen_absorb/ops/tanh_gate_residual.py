@@ -14,25 +14,23 @@ from ._launch import Kernels, contiguous_or_none, outputs, ptr
 from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
 from ._validate import check_residual
 
-# TanhGateResidualParams in the .cu: residual, x, gate, out, mask (pointers); gate_rs, B, L (int64);
-# D, clip, vec_flags (int32). 128 threads: QA_TGR_THREADS.
+# TanhGateResidualParams in the .cu: residual, x, gate, out, mask (pointers); gate_rs, B, L (int64); D, clip,
+# vec_flags (int32). 128 threads: QA_TGR_THREADS.
 KERNELS = Kernels("tanh_gate_residual.cu", "tanh_gate_residual_kernel", "5P3qiii", 128, (1, 2, 3, 4, 5, 6, 8))
+all_kernel_expressions = KERNELS.expressions
 
 
 def tanh_gate_residual_reference(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
-    clip_fp16: bool = False,
-) -> torch.Tensor:
+    clip_fp16: bool = False) -> torch.Tensor:
     """The diffusers eager expression, op for op."""
     return clip_reference(residual + select_rows(gate, target_token_mask).tanh() * x, clip_fp16)
 
 
-def launch(
-    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
-    clip_fp16: bool = False,
-) -> torch.Tensor:
-    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate
-    [B (+1), D] rows with unit last stride, target_token_mask contiguous bool [L] or None."""
+def launch(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
+           clip_fp16: bool = False) -> torch.Tensor:
+    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate [B (+1), D] rows with
+    unit last stride, target_token_mask contiguous bool [L] or None."""
     out, _ = outputs(x, (residual, x, gate))
     if x.numel() == 0:
         return out
@@ -45,9 +43,6 @@ def launch(
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
     launcher(B * L, rp, xp, gp, out.data_ptr(), ptr(target_token_mask), grs, B, L, D, clip, flags)
     return out
-
-
-all_kernel_expressions = KERNELS.expressions
 
 
 def _validate(residual, x, gate, mask, clip_fp16) -> bool:
@@ -64,8 +59,7 @@ def _kernel(residual, x, gate, mask, clip_fp16):
 
 def tanh_gate_residual_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
-    clip_fp16: bool = False, force_reference: bool = False,
-) -> list[str]:
+    clip_fp16: bool = False, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(residual, x, gate, target_token_mask, clip_fp16)
     return common_reasons([x, residual, gate], force_reference)
@@ -73,11 +67,9 @@ def tanh_gate_residual_not_supported_reasons(
 
 def tanh_gate_residual(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
-    clip_fp16: bool = False, force_reference: bool = False,
-) -> torch.Tensor:
-    """``residual + tanh(gate) * x`` (then the fp16 clip if asked), fused on CUDA; bit-identical to
-    the eager expression. residual, x: [B, L, D]; gate: [B, D], or [B + 1, D] with
-    ``target_token_mask`` (bool [L])."""
+    clip_fp16: bool = False, force_reference: bool = False) -> torch.Tensor:
+    """``residual + tanh(gate) * x`` (then the fp16 clip if asked), fused on CUDA; bit-identical to the eager
+    expression. residual, x: [B, L, D]; gate: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L])."""
     clip_fp16 = _validate(residual, x, gate, target_token_mask, clip_fp16)
     m = target_token_mask
     return dispatch(
@@ -89,10 +81,8 @@ def tanh_gate_residual(
 
 
 @torch.library.custom_op("qwen_absorb::tanh_gate_residual", mutates_args=())
-def _custom_op(
-    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
-    clip_fp16: bool,
-) -> torch.Tensor:
+def _custom_op(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
+               clip_fp16: bool) -> torch.Tensor:
     if kernel_usable_now(x):
         return _kernel(residual, x, gate, target_token_mask, clip_fp16)
     return tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=target_token_mask,

@@ -4,11 +4,11 @@
     modulated    = LayerNorm(new_residual) * (1 + scale)
 
 ``x`` is the attention output (``to_out``). ``C`` is the identity, or with ``clip_fp16=True`` and float16 tensors
-the block's final ``clip(-65504, 65504)`` (the same op then runs the FFN residual and the next block's norm1).
-Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the
-LayerNorm output (PyTorch's CUDA order, ``csrc/layer_norm.cuh``), ``1 + scale`` and the product. ``gate``/``scale``:
-``[B, D]`` chunks of the shared modulation, or ``[B + 1, D]`` with ``target_token_mask``
-(:mod:`qwen_absorb.ops._target_rows`). The ``_fp8`` variant also (or only) writes the e4m3 codes of ``modulated``.
+the block's final ``clip(-65504, 65504)`` (the op then runs the FFN residual and the next block's norm1). Rounding
+points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the LayerNorm
+output (PyTorch's CUDA order), ``1 + scale`` and the product. ``gate``/``scale``: ``[B, D]`` chunks, or
+``[B + 1, D]`` with ``target_token_mask`` (:mod:`._target_rows`). The ``_fp8`` variant also (or only) writes the
+codes of ``modulated``.
 """
 
 from __future__ import annotations
@@ -23,37 +23,28 @@ from ._validate import check_eps, check_fp8_amax, check_residual
 from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
 from .quantize_nvfp4 import check_emit
 
-# TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out,
-# out2, mask, out2_amax, amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float),
-# clip, quant_mode, vec_flags (int32)
+# TanhGateResidualLayerNormScaleParams in the .cu: residual, x, gate, scale, new_residual, out, out2, mask, out2_amax,
+# amax (pointers); gate_rs, scale_rs, B, L (int64); D (int32), eps (float), clip, quant_mode, vec_flags (int32)
 KERNELS = Kernels("tanh_gate_residual_layer_norm_scale.cu", "tanh_gate_residual_layer_norm_scale_kernel", "10P4qifiii",
                    nvfp4=True)
-
-
-# ---------------------------------------------------------------------------- references
+all_kernel_expressions = KERNELS.expressions
 
 
 def tanh_gate_residual_layer_norm_scale_reference(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The diffusers eager expressions, op for op."""
     h = clip_reference(residual + select_rows(gate, target_token_mask).tanh() * x, clip_fp16)
     return h, layer_norm(h, eps) * (1 + select_rows(scale, target_token_mask))
-
-
-# ---------------------------------------------------------------------------- the launcher
 
 
 def launch(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
     target_token_mask: torch.Tensor | None, clip_fp16: bool = False,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
-    nvfp4_amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (``second``: as in
-    :func:`.layer_norm_scale.launch`). residual, x: contiguous [B, L, D] on a usable CUDA device; gate/scale
-    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None. norm_input_quant:
+    nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (as in
+    :func:`.layer_norm_scale.launch`); residual, x: contiguous [B, L, D]. norm_input_quant:
     ``modulated = LayerNorm(Q(new_residual)) * (1 + scale)`` (new_residual itself not quantized)."""
     q4 = nvfp4_amax is not None
     if q4:
@@ -78,12 +69,6 @@ def launch(
     return h, o, f8
 
 
-all_kernel_expressions = KERNELS.expressions
-
-
-# ---------------------------------------------------------------------------- public ops
-
-
 def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> tuple[float, bool]:
     check_residual(residual, x)
     eps = check_eps(eps)
@@ -102,8 +87,7 @@ def _kernel(residual, x, gate, scale, eps, mask, clip_fp16, *, out=True, fp8_ama
 
 def tanh_gate_residual_layer_norm_scale_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False,
-) -> list[str]:
+    target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
     _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16)
     return common_reasons([x, residual, gate, scale], force_reference)
@@ -135,8 +119,7 @@ def tanh_gate_residual_layer_norm_scale(
 def tanh_gate_residual_layer_norm_scale_fp8(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor,
     eps: float = 1e-6, target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False,
-    also_output: bool = False, force_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    also_output: bool = False, force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(new_residual, codes, modulated or None)``: :func:`tanh_gate_residual_layer_norm_scale` plus the e4m3
     codes of ``modulated`` under ``fp8_amax`` (as the reference quantizer's); ``modulated`` with ``also_output``."""
     eps, clip_fp16 = _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax)
@@ -159,16 +142,11 @@ def tanh_gate_residual_layer_norm_scale_fp8(
     return dispatch(common_reasons([x, residual, gate, scale], force_reference), reference, compiled, kernel)
 
 
-# ---------------------------------------------------------------------------- custom op
-
-
 @torch.library.custom_op("qwen_absorb::tanh_gate_residual_layer_norm_scale", mutates_args=())
-def _custom_op(
-    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
-    target_token_mask: torch.Tensor | None, clip_fp16: bool, fp8_amax: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes)``
-    (codes empty without ``fp8_amax``)."""
+def _custom_op(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
+               target_token_mask: torch.Tensor | None, clip_fp16: bool,
+               fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes or empty)``."""
     if kernel_usable_now(x):
         h, o, codes = _kernel(residual, x, gate, scale, eps, target_token_mask, clip_fp16, fp8_amax=fp8_amax)
     else:

@@ -1,16 +1,15 @@
 """taylor_seer: one step of diffusers' TaylorSeer cache on factors held in place (graph-replayable).
 
 diffusers' ``TaylorSeerState.update`` (divided differences over ``delta_step``) and ``predict`` (``sum factor_k *
-offset^k / k!``) allocate and take host scalars, which a CUDA graph cannot replay. These kernels do the same
-arithmetic with diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory:
+offset^k / k!``) take host scalars, which a CUDA graph cannot replay. These kernels do the same arithmetic with
+diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory:
 
 - :func:`update_`: ``f_0..f_nprev`` (in place) from features ``x``, previous ``f_0..f_{nprev-1}``
   and ``coef[0] = 1 / delta_step`` (fp32, as PyTorch's CUDA division by a host scalar uses it);
 - :func:`predict`: ``sum_k D(D(f_k) * c_k)`` accumulated from zero, ``c_0 = 1``, ``c_k = coef[k - 1]``.
 
-``D`` is the module's output dtype, ``F`` the factor dtype (bf16, fp16 or fp32 each). The references
-(:func:`update_reference_`, :func:`predict_reference`) are diffusers' expressions op for op with the
-coefficients as host scalars; they run wherever the kernel cannot (CPU, no CuPy).
+``D`` is the module's output dtype (bf16, fp16 or fp32). The references (:func:`update_reference_`,
+:func:`predict_reference`) are diffusers' expressions op for op; they run wherever the kernel cannot.
 """
 
 from __future__ import annotations
