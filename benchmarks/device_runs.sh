@@ -158,10 +158,10 @@ round32_c() {  # the 8-step LoRA, a new prompt length, and the 50-step true-CFG 
 
 round32_d() {  # the whole GPU suite on the final tree, then a new prompt length (patched and unpatched) profiled
   local t0=$SECONDS
-  suite 200
-  timeout $((420 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 3 --sections none \
-    --cases 4step_bf16_unpatched_newlen,4step_fp8,4step_fp8_newlen --profile 4step_fp8_newlen \
-    --budget-s $((400 - (SECONDS - t0))) > "$OUT/pipeline_newlen.log" 2>&1
+  suite 190
+  timeout $((335 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 3 --sections none \
+    --cases 4step_bf16_unpatched_newlen,4step_fp8_newlen --profile 4step_fp8_newlen \
+    --budget-s $((320 - (SECONDS - t0))) > "$OUT/pipeline_newlen.log" 2>&1
   grep -E "median|done in" "$OUT/pipeline_newlen.log" | cut -c1-300 | tail -8
 }
 
