@@ -165,4 +165,13 @@ round32_d() {  # the whole GPU suite on the final tree, then a new prompt length
   grep -E "median|done in" "$OUT/pipeline_newlen.log" | cut -c1-300 | tail -8
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round32_e() {  # what the device time left allows: the GPU files that reach this round's code changes
+  { echo "# python3 -m pytest -q -n 6 <files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout 130 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 6 --dist load tests/test_cuda_graph_gpu.py \
+      tests/test_offload_gpu.py tests/test_text_encoder_gpu.py tests/test_vae_gpu.py tests/test_lane_gpu.py \
+      tests/test_ops_gpu.py tests/test_qwenimage21_gpu.py tests/test_qwenimage21_fp8_gpu.py
+    echo "# exit code $?"; } > "$OUT/gpu_tests_round32_e.log" 2>&1
+  tail -4 "$OUT/gpu_tests_round32_e.log"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
