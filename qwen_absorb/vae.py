@@ -133,6 +133,7 @@ def _static_reasons(vae: nn.Module) -> list[str]:
 
 
 _CONV = ("QwenImageCausalConv3d",)
+_CONV_GEOMETRY = ("stride", "padding", "_padding", "dilation", "groups")
 # what the 2-D path reads in each slot (Weights2d.decode): any other module there runs diffusers' decode
 _SLOTS = {
     "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
@@ -171,6 +172,8 @@ def _watch(vae: nn.Module) -> Watch:
     entries += [(m, "__dict__", "forward") for m in mods[1:]]
     entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "QwenImageRMS_norm" for a in _NORM_ATTRS]
     entries += [(m, "__dict__", "mode") for m in mods if type(m).__name__ == "QwenImageResample"]
+    entries += [(m, "__dict__", a) for m in mods if type(m).__name__ in ("QwenImageCausalConv3d", "Conv2d")
+                for a in _CONV_GEOMETRY if a in m.__dict__]  # Weights2d keeps each convolution's geometry
     entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "Dropout" for a in ("training", "p")]
     sized = [(m, "__dict__", h) for m in mods[1:] for h in ("_forward_hooks", "_forward_pre_hooks")]
     return Watch(entries=entries, tensors=tensors, sized=sized, typed=mods)
@@ -228,8 +231,10 @@ class Weights2d:
         return F.conv2d(x, w, b, stride, pad)
 
     def norm(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-        # diffusers' QwenImageRMS_norm: normalize in fp32, round to x's dtype, then * scale * gamma (+ 0.0 dropped)
-        y = F.normalize(x.float(), dim=1).to(x.dtype) * m.scale * self.gamma[id(m)]
+        # diffusers' QwenImageRMS_norm: normalize in fp32 (16-bit and narrower dtypes; others in their own), round
+        # to x's dtype, then * scale * gamma (+ 0.0 dropped)
+        low = x.dtype in (torch.float16, torch.bfloat16) or any(t in str(x.dtype) for t in ("float4_", "float8_"))
+        y = F.normalize(x.float() if low else x, dim=1).to(x.dtype) * m.scale * self.gamma[id(m)]
         if isinstance(m.bias, torch.Tensor):
             y = y + m.bias.detach().reshape(-1, 1, 1)
         elif m.bias:  # a number set in place of diffusers' 0.0
@@ -256,7 +261,9 @@ class Weights2d:
         if r.mode == "none":
             return x
         up, conv = r.resample[0], r.resample[1]
-        # nearest-exact copies values: diffusers' fp32 round trip gives the same bits
+        # nearest-exact copies values: diffusers' fp32 round trip gives the same bits, but for fp64 (rounded there)
+        if x.dtype == torch.float64:
+            x = x.float().double()
         x = F.interpolate(x, up.size, up.scale_factor, up.mode, up.align_corners,
                           recompute_scale_factor=up.recompute_scale_factor)
         return self.conv2d(x, conv)

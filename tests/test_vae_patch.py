@@ -37,6 +37,20 @@ def test_fp32_matches_diffusers_and_unpatch_is_exact(seed):
     assert torch.equal(vae.decode(z).sample, ref)
 
 
+@torch.no_grad()
+def test_fp64_normalizes_in_fp64_as_diffusers_does(seed):
+    """diffusers' RMS norm normalizes 16-bit inputs in fp32 and fp64 inputs in fp64: an fp64 decode normalized in
+    fp32 would be off by ~1e-7 (relative), far beyond fp64's convolution reordering (~1e-15)."""
+    vae = builders.tiny_vae(seed=seed % 1000).double()
+    z = _z(seed, dtype=torch.float64)
+    ref = vae.decode(z).sample
+    vae_room.patch(vae, cpu=True)
+    out = vae.decode(z).sample
+    assert vae._decode.report.fast_calls == 1 and out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
+    vae_room.unpatch(vae)
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_bf16_within_the_fidelity_gate(seed):
@@ -151,7 +165,8 @@ def test_decoder_edits_after_patch_are_diffusers_decode(seed):
     """Edits a user makes to the decoder after a call, each against the unpatched twin (fp32 tolerance): a module
     replaced and then loaded into (the watch is made anew with it), a bias set to None (crashed every decode), a
     norm's number bias (dropped), an ablation with nn.Identity (crashed: the 2-D path reads each slot's module), an
-    empty latent (returned an empty image where diffusers raises)."""
+    empty latent (returned an empty image where diffusers raises), a convolution's padding set anew (its old
+    geometry was kept)."""
     vae = builders.tiny_vae(seed=seed % 1000)
     twin = copy.deepcopy(vae)
     vae_room.patch(vae, cpu=True)
@@ -170,6 +185,10 @@ def test_decoder_edits_after_patch_are_diffusers_decode(seed):
     assert vae_room.report_of(vae).on
     both(lambda v: setattr(v.decoder.conv_out, "bias", None))
     both(lambda v: setattr(v.decoder.norm_out, "bias", 0.25))
+    pad, side = vae.decoder.conv_out._padding, vae.decode(z).sample.shape[-1]
+    wider = (pad[0] + 1, pad[1] + 1, pad[2] + 1, pad[3] + 1, *pad[4:])
+    both(lambda v: setattr(v.decoder.conv_out, "_padding", wider))  # a larger image (the 2-D path kept the old one)
+    assert vae.decode(z).sample.shape[-1] == twin.decode(z).sample.shape[-1] == side + 2
     assert vae_room.report_of(vae).on and vae_room.report_of(vae).fast_calls >= 4
     both(lambda v: setattr(v.decoder.mid_block.resnets[0], "norm1", torch.nn.Identity()))
     assert not vae_room.report_of(vae).on and "norm1" in vae_room.report_of(vae).reasons[0]
