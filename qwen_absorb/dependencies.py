@@ -92,7 +92,9 @@ _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.
                   "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
 _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
-_PLAIN_ATTRS = ("eps",)  # plain attributes of watched modules that decisions copy (NormInfo.eps, plan.qk_eps)
+# plain attributes of watched modules that decisions copy or check (NormInfo.eps, plan.qk_eps; GELU's approximate:
+# the FP8 path fuses GELU(tanh) into the codes of net.2's input)
+_PLAIN_ATTRS = ("eps", "approximate")
 
 
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:

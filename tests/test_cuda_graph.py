@@ -1269,7 +1269,7 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
 @pytest.mark.parametrize("patched", [False, True])
 def test_a_norm_eps_set_anew_is_a_change(seed, patched):
     """A graph holds the eps its LayerNorm / RMSNorm kernels were launched with: ``norm.eps = ...`` (no tensor moves)
-    is a change the scan sees, an equal value is none."""
+    is a change the scan sees, an equal value is none; so are GELU's ``approximate`` and the RoPE's ``scale_rope``."""
     model = T.tiny_transformer(seed=seed)
     if patched:
         qwen_absorb.patch(model, cuda_graph=False)
@@ -1280,6 +1280,11 @@ def test_a_norm_eps_set_anew_is_a_change(seed, patched):
         assert scan.changed() is None
         norm.eps = 0.05
         assert scan.changed() == F.SWITCHED and "eps" in scan.which()
+    # the other plain attributes a graph bakes in: GELU's approximation, the RoPE's scale_rope
+    for m, k, v in ((blk.img_mlp.net[0], "approximate", "none"), (model.pos_embed, "scale_rope", None)):
+        scan = F.Scan(model)
+        setattr(m, k, (not getattr(m, k)) if v is None else v)
+        assert scan.changed() == F.SWITCHED and k in scan.which(), k
 
 
 @pytest.mark.parametrize("edit", ["bias_none", "parameters_slot", "class_swap", "modulelist_del", "modulelist_insert"])

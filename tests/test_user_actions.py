@@ -466,6 +466,24 @@ def test_tuning_is_one_record_through_the_api(seed):
 # ---------------------------------------------------------------------------- plain attributes set anew
 
 
+@pytest.mark.parametrize("stream", ["img_mlp", "txt_mlp"])
+def test_gelu_approximation_set_after_a_call_is_used(seed, stream):
+    """``net[0].approximate = "none"`` after patch and a call: the real-FP8 path fused GELU(tanh) into the FP8
+    codes of net.2's input at its decision; the next call computes exact GELU, as a twin patched after the same
+    edit does (the block watch holds GELU's ``approximate``)."""
+    model, inp = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    before = T.run_transformer(model, inp)
+
+    def edit(m):
+        for blk in m.transformer_blocks:  # every block: a text-stream change reaches the image through attention
+            getattr(blk, stream).net[0].approximate = "none"
+
+    _twin_after(model, twin, inp, [edit])
+    assert not torch.equal(T.run_transformer(model, inp), before)
+
+
 @pytest.mark.parametrize("path", ["img_norm1", "txt_norm2", "attn.norm_q", "attn.norm_added_k"])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_norm_eps_set_after_a_call_is_used(seed, path, quantized):

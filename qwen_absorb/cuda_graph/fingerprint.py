@@ -31,7 +31,7 @@ from .signature import patch_tuning
 WATCH_KEYS = (
     *hooks.WRAPPER_ATTRS, "processor",
     "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize", "_num_bits",
-    "_disable_adapters", "_active_adapter", "eps",
+    "_disable_adapters", "_active_adapter", "eps", "approximate", "scale_rope",
 )
 
 SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
