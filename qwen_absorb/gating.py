@@ -64,8 +64,7 @@ class Tuning:
     # gated (block.WEIGHT_HOOK_FALLBACK). False: that hook's calls run eager, with the reason
     model_offload_graphs: bool = True
     # host-kept originals cross to the GPU at a decision through two pinned 64 MiB buffers (staging.py) rather than
-    # from pageable memory (6.7 against 54.6 GB/s on the H100 host); the same bits. An 8-step true-CFG run under
-    # model offload: 9.56 s against 13.18 s from pageable memory, one process (journey_offload_h100.json, round 32)
+    # from pageable memory, several times faster (journey_offload_h100.json); the same bits
     pinned_staging: bool = True
 
     def __post_init__(self) -> None:

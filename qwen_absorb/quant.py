@@ -81,8 +81,10 @@ def quantizer_format(q: Any) -> str | None:
         if blocks.get(-1) == 16 and scale_bits == (4, 3):
             return NVFP4
         return MXFP4 if scale_bits == (8, 0) else OTHER
-    if bits == 8 or bits == 4:
-        return INT8 if bits == 8 else INT4
+    if bits == 8:
+        return INT8
+    if bits == 4:
+        return INT4
     return OTHER
 
 

@@ -34,8 +34,9 @@ def recording(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     ``torch.cuda.graph`` empties torch's device cache and its pinned host cache before every capture. Each capture
     then gives every cached block back to the driver (``cudaFree`` waits for the device), and the calls after it
     (the decode after a new prompt length's capture, the next eager call, a pinned staging buffer) allocate them
-    again. The capture needs no such room: it allocates from ``pool``, and torch's allocator frees cached blocks
-    itself where an allocation would not fit. Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
+    again. The capture allocates from ``pool``; only near the memory limit could the emptied caches have made the
+    room it needs, and there a capture fails and its signature runs eager (counted, as any capture failure).
+    Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
     """
     torch.cuda.synchronize(stream.device)
     with torch.cuda.stream(stream):
