@@ -174,4 +174,13 @@ round32_e() {  # what the device time left allows: the GPU files that reach this
   tail -4 "$OUT/gpu_tests_round32_e.log"
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round33_a() {  # the whole GPU suite on round 32's tree, then a new prompt length and the 4-step FP8 image profiled
+  local t0=$SECONDS
+  suite 220
+  timeout $((590 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 5 --sections none \
+    --cases 4step_bf16_unpatched_newlen,4step_fp8_newlen,4step_fp8 --profile 4step_fp8_newlen,4step_fp8 \
+    --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline_profiled.log" 2>&1
+  grep -E "median|done in" "$OUT/pipeline_profiled.log" | cut -c1-300 | tail -8
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|round33_a|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
