@@ -174,13 +174,39 @@ round32_e() {  # what the device time left allows: the GPU files that reach this
   tail -4 "$OUT/gpu_tests_round32_e.log"
 }
 
-round33_a() {  # the whole GPU suite on round 32's tree, then a new prompt length and the 4-step FP8 image profiled
+round33_a() {  # round 32's GPU files (round32_e), then a new prompt length and the 4-step FP8 image profiled
   local t0=$SECONDS
-  suite 220
+  round32_e
   timeout $((590 - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 5 --sections none \
     --cases 4step_bf16_unpatched_newlen,4step_fp8_newlen,4step_fp8 --profile 4step_fp8_newlen,4step_fp8 \
     --budget-s $((570 - (SECONDS - t0))) > "$OUT/pipeline_profiled.log" 2>&1
   grep -E "median|done in" "$OUT/pipeline_profiled.log" | cut -c1-300 | tail -8
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|round33_a|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round33_b() {  # the whole GPU suite on the final tree, then model offload with the FP8 codes kept on the host (A/B)
+  local t0=$SECONDS
+  suite "${SUITE_S:-230}"
+  timeout $((${LIMIT_S:-585} - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT" --runs 2 \
+    --sections resident,offload_model,offload_model_rebuild --budget-s $((${LIMIT_S:-585} - 15 - (SECONDS - t0))) \
+    > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+}
+
+round33_c() {  # what 7 minutes allow: the GPU files the ops helper's run left out, then the offload A/B at 20 layers
+  local t0=$SECONDS
+  { echo "# python3 -m pytest -q -n 6 <the GPU files outside ops/>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout "${SUITE_S:-170}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 6 --dist load \
+      tests/test_cuda_graph_blocks21_gpu.py tests/test_cuda_graph_gpu.py tests/test_first_block_cache_graphs_gpu.py \
+      tests/test_fp8_follows_model_gpu.py tests/test_fp8_hooked_attention_gpu.py tests/test_joint_qkv_gpu.py \
+      tests/test_nvfp4_rows_gpu.py tests/test_offload_gpu.py tests/test_offload_graphs_gpu.py \
+      tests/test_qwenimage21_attention_gpu.py tests/test_qwenimage21_fp8_gpu.py tests/test_qwenimage21_gpu.py \
+      tests/test_step_caches_gpu.py tests/test_text_encoder_gpu.py tests/test_vae_gpu.py
+    echo "# exit code $?"; } > "$OUT/gpu_tests_rest.log" 2>&1
+  tail -4 "$OUT/gpu_tests_rest.log"
+  timeout $((${LIMIT_S:-330} - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT" --runs 2 \
+    --num-layers 20 --sections resident,offload_model,offload_model_rebuild \
+    --budget-s $((${LIMIT_S:-330} - 10 - (SECONDS - t0))) > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|round33_a|round33_b|round33_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -14,6 +14,9 @@ first call on the GPU) and stays patched through the three modes, in this order:
   ``offload_model_peak_gib`` (``max_memory_allocated`` over the timed runs), ``offload_model_graph_replays`` (graph
   replays during the timed runs, from the runner's counters: it sits inside accelerate's hook, captures each
   signature once per run, after the hook moved the weights in, and replays the other steps);
+- ``offload_model_rebuild``, ``offload_model_pageable``: the same mode patched again with
+  ``Tuning(host_fp8_codes=False)`` (each return makes the FP8 codes from the originals, through pinned buffers) and
+  also ``pinned_staging=False`` (from pageable memory), then the defaults back: ``details.<section>_8step_s``;
 - ``offload_group``: hooks removed, ``transformer.enable_group_offload(block_level, 1 block per group,
   use_stream=True)``, the VAE on the GPU; one timed run (no warm-up: each run streams every weight 16 times):
   ``offload_group_8step_s``, its peak and graph refusals (expected: "offloading hook").
@@ -45,7 +48,7 @@ import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
 
-SECTIONS = ("resident", "offload_model", "offload_model_pageable", "offload_group")
+SECTIONS = ("resident", "offload_model", "offload_model_rebuild", "offload_model_pageable", "offload_group")
 KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
         "resident_8step_s")
 
@@ -155,12 +158,18 @@ class OffloadJourney(H.Bench):
         """One more run under cProfile: where the host spends a run (functions by own time)."""
         return H.python_top(self.run_once, by=2, n=25)
 
-    def offload_model_pinned(self) -> None:
-        """The same mode with ``Tuning(pinned_staging=True)`` (patch() again: decided anew), then the default back."""
-        self.report = qwen_absorb.patch(self.pipe, tuning=qwen_absorb.Tuning(pinned_staging=True))
-        d = self.timed("offload_model_pageable", self.a.runs, 1)
-        self.R.put("details.offload_model_pinned_8step_s", d["median_s"])
+    def _variant(self, name: str, tuning: Any) -> None:
+        """The model-offload mode with another ``Tuning`` (patch() again: decided anew), then the default back."""
+        self.report = qwen_absorb.patch(self.pipe, tuning=tuning)
+        d = self.timed(name, self.a.runs, 1)
+        self.R.put(f"details.{name}_8step_s", d["median_s"])
         self.report = qwen_absorb.patch(self.pipe)
+
+    def offload_model_pageable(self) -> None:  # the originals cross from pageable memory at a rebuild
+        self._variant("offload_model_pageable", qwen_absorb.Tuning(pinned_staging=False, host_fp8_codes=False))
+
+    def offload_model_rebuild(self) -> None:  # each return makes the FP8 codes again from the originals (round 32)
+        self._variant("offload_model_rebuild", qwen_absorb.Tuning(host_fp8_codes=False))
 
     def _tiny_model_offload(self) -> None:
         self.pipe.enable_model_cpu_offload(device="cpu")
@@ -186,7 +195,7 @@ class OffloadJourney(H.Bench):
         if not s("build", self.build, [(R, k) for k in KEYS]):
             return 1
         fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]),
-                 "offload_model_pageable": [], "offload_group": [KEYS[3]]}
+                 "offload_model_rebuild": [], "offload_model_pageable": [], "offload_group": [KEYS[3]]}
         for sec in self.a.sections:
             s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
         R.put("details.report", str(self.report)[:3000])

@@ -1,9 +1,6 @@
-"""The joint attention of a patched block: q/k RMSNorm + RoPE fused, linears as real FP8 GEMMs.
-
-diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step (its backend and context-parallel config), except: the
-four RMSNorm + RoPE chains are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are written straight into the
-joint tensors (``Tuning.joint_outputs``); each planned linear is an FP8 GEMM fed by e4m3 codes.
-"""
+"""The joint attention of a patched block: diffusers' ``QwenDoubleStreamAttnProcessor2_0`` step for step, except:
+the four RMSNorm + RoPE chains are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are written straight into
+the joint tensors (``Tuning.joint_outputs``); each planned linear is an FP8 GEMM fed by e4m3 codes."""
 
 from __future__ import annotations
 
@@ -16,26 +13,25 @@ from .ops import lane
 from .ops.qk_norm_rope import launch as qkr_launch
 from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, nvfp4_linear, run_module,
                          tp_linear, tp_shard_for, wait, writes_into)
+from .attention21 import rope_fits
 from .sites import IMG_QKV, TXT_QKV, attention_functions
 
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
             works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
     """One attention linear: real FP8 (``x`` the codes), NVFP4, on TP shards (all-reduce to ``works``), or module."""
-    lp = plan.linears[path]
-    m = _module(attn, path)
+    lp, m = plan.linears[path], _module(attn, path)
     if lp.fp8_gemm:
         return fp8_linear(x, lp, plan, None, act, m, branches, defer)
     if lp.nvfp4 is not None and not compiling:  # x: the NVFP4 fake quantization its producer emitted
         return nvfp4_linear(x, lp)
-    if not compiling:
-        shard = tp_shard_for(plan, path, m, x)
-        if shard is not None:
-            y, work = tp_linear(m, shard, x)
-            if work is not None:
-                works.append(work)
-            return y
-    return run_module(plan, compiling, m, x)
+    shard = None if compiling else tp_shard_for(plan, path, m, x)
+    if shard is None:
+        return run_module(plan, compiling, m, x)
+    y, work = tp_linear(m, shard, x)
+    if work is not None:
+        works.append(work)
+    return y
 
 
 def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tensor | None) -> dict | None:
@@ -52,7 +48,7 @@ def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tenso
     return None if rows is None else dict(zip(lora_paths, rows))
 
 
-def _module(attn: nn.Module, path: str) -> nn.Module:
+def _module(attn: nn.Module, path: str) -> nn.Module:  # "attn.to_q" -> attn.to_q
     name = path.split(".", 1)[1]
     return attn.to_out[0] if name == "to_out.0" else attn._modules[name]
 
@@ -158,14 +154,10 @@ def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
     f_img, f_txt = rope
     if any(type(t) is not torch.Tensor for t in (img_q, txt_q, f_img, f_txt)):
         return False
-    half = img_q.shape[-1] // 2
+    half, dev = img_q.shape[-1] // 2, img_q.device
     rows = min(img_q.numel(), txt_q.numel()) // img_q.shape[-1]
     return (rows >= min_rows and img_q.dtype == txt_q.dtype
-            and f_img.dtype == torch.complex64 and f_txt.dtype == torch.complex64
-            and f_img.device == img_q.device and f_txt.device == img_q.device
-            and tuple(f_img.shape) == (img_q.shape[1], half) and tuple(f_txt.shape) == (txt_q.shape[1], half)
-            and f_img.stride(-1) == 1 and f_txt.stride(-1) == 1
-            and img_q.stride(-1) == 1 and txt_q.stride(-1) == 1)
+            and rope_fits(img_q, f_img, dev, half) and rope_fits(txt_q, f_txt, dev, half))
 
 
 def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):

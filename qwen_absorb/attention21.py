@@ -1,9 +1,6 @@
-"""The attention of a patched Qwen-Image-2.1 block, its q/k RMSNorm + RoPE as one kernel launch.
-
-diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v called as modules, so their hooks and real-FP8 forwards
-run), except ``norm_q`` / ``norm_k`` and both RoPE calls (~22 eager kernels) as one ``qk_norm_rope`` launch. Used
-only where :func:`reasons` and, per call, :func:`call_ok` find nothing; else ``block.attn(...)``.
-"""
+"""The attention of a patched Qwen-Image-2.1 block: diffusers' ``QwenImage21AttnProcessor`` step for step (q/k/v
+called as modules: their hooks and real-FP8 forwards run), ``norm_q`` / ``norm_k`` and both RoPE calls (~22 eager
+kernels) as one ``qk_norm_rope`` launch. Used where :func:`reasons` and, per call, :func:`call_ok` find nothing."""
 
 from __future__ import annotations
 
@@ -21,20 +18,21 @@ NORMS = ("norm_q", "norm_k")
 LINEARS = ("to_q", "to_k", "to_v")
 
 
-class QkPlan(NamedTuple):
-    """What :func:`reasons` decided for the q/k kernel."""
-
+class QkPlan(NamedTuple):  # what reasons() decided for the q/k kernel
     kernel: bool
     eps: tuple[float, float]
     min_rows: int
     why_not: tuple[str, ...]
 
 
+_NO_QK = QkPlan(False, (0.0, 0.0), 0, ())
+
+
 def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[str], QkPlan]:
     """``(why the attention cannot run here, the q/k kernel plan)``, decided once per block and device."""
     fns = attention21_functions()
     if fns is None:
-        return ["diffusers has no Qwen-Image-2.1 attention"], QkPlan(False, (0.0, 0.0), 0, ())
+        return ["diffusers has no Qwen-Image-2.1 attention"], _NO_QK
     _, _, attn_cls, proc_cls, rms = fns
     r: list[str] = []
     if type(attn) is not attn_cls:
@@ -55,7 +53,7 @@ def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[
         if not isinstance(attn._modules.get(name), nn.Module):
             r.append(f"attn.{name}: missing")
     if r:
-        return r, QkPlan(False, (0.0, 0.0), 0, ())
+        return r, _NO_QK
     nq, nk = attn.norm_q, attn.norm_k
     why: list[str] = []
     if not kernels:
@@ -87,15 +85,19 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
     return True
 
 
+def rope_fits(q: torch.Tensor, f: torch.Tensor, device: torch.device, half: int) -> bool:
+    """The ``qk_norm_rope`` kernel's layout: complex64 ``f`` [seq, half] on ``device``, unit last strides."""
+    return (f.dtype == torch.complex64 and f.device == device and tuple(f.shape) == (q.shape[1], half)
+            and f.stride(-1) == 1 and q.stride(-1) == 1)
+
+
 def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
     """Per call: plain tensors of the norms' dtype (``.to(value.dtype)`` is then the identity), rope as needed."""
     w = attn.norm_q.weight
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
         return False
-    return (q.dtype == w.dtype == k.dtype == v.dtype == attn.norm_k.weight.dtype
-            and q.device == w.device and rope.device == q.device and rope.dtype == torch.complex64
-            and tuple(rope.shape) == (q.shape[1], HEAD_DIM // 2) and rope.stride(-1) == 1
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape == k.shape
+    return (q.dtype == w.dtype == k.dtype == v.dtype == attn.norm_k.weight.dtype and q.device == w.device
+            and rope_fits(q, rope, q.device, HEAD_DIM // 2) and k.stride(-1) == 1 and q.shape == k.shape
             and q.numel() // HEAD_DIM >= min_rows and q.numel() // HEAD_DIM < 2**31)
 
 
@@ -110,18 +112,15 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
         projected = [f.gemm(codes) for f in qkv]
     else:  # to_q, to_k, to_v in diffusers' order
         projected = [getattr(attn, n)(hidden_states) for n in LINEARS]
-    head_dim = attn.inner_dim // attn.heads
-    query, key, value = (t.unflatten(-1, (-1, head_dim)) for t in projected)
+    query, key, value = (t.unflatten(-1, (-1, attn.inner_dim // attn.heads)) for t in projected)
     if use_kernel and plan.qk_fused and rotary_emb is not None \
             and _kernel_ok(query, key, value, rotary_emb, attn, plan.qk_min_rows):
         query, key = qkr_launch((query, key), (attn.norm_q.weight, attn.norm_k.weight), (rotary_emb, rotary_emb),
                                 plan.qk_eps)
     else:
-        query = attn.norm_q(query).to(value.dtype)
-        key = attn.norm_k(key).to(value.dtype)
+        query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
         if rotary_emb is not None:
-            query = apply_rotary_emb_qwen(query, rotary_emb, use_real=False)
-            key = apply_rotary_emb_qwen(key, rotary_emb, use_real=False)
+            query, key = (apply_rotary_emb_qwen(t, rotary_emb, use_real=False) for t in (query, key))
 
     if layer_cache is not None:
         if kv_cache_mode == "extract" and cache_write_slice is not None:
@@ -129,11 +128,8 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
             layer_cache.store(key[:, cache_write_slice].clone(), value[:, cache_write_slice].clone())
         elif kv_cache_mode == "cached":
             cached_k, cached_v = layer_cache.get()
-            key = torch.cat([cached_k, key], dim=1)
-            value = torch.cat([cached_v, value], dim=1)
-    seq_len_q = query.shape[1]
-
-    proc = attn.processor
+            key, value = torch.cat([cached_k, key], dim=1), torch.cat([cached_v, value], dim=1)
+    seq_len_q, proc = query.shape[1], attn.processor
     if segments is None:  # decode: the target rows against [cached prefix, target]
         out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                     backend=proc._attention_backend, parallel_config=proc._parallel_config)
@@ -157,7 +153,5 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
                                              attn_mask=None if key_valid is None else key_valid[:, None, None, :],
                                              dropout_p=0.0, backend=None, parallel_config=proc._parallel_config))
         out = torch.cat(outputs, dim=1)
-    out = out[:, :seq_len_q]
-    out = out.flatten(2, 3).type_as(query)
-    out = attn.to_out[0](out)
-    return attn.to_out[1](out)
+    out = out[:, :seq_len_q].flatten(2, 3).type_as(query)
+    return attn.to_out[1](attn.to_out[0](out))

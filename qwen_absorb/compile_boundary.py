@@ -47,25 +47,17 @@ def call(block: nn.Module, hidden_states: Any, encoder_hidden_states: Any, encod
          temb: Any, image_rotary_emb: Any, joint_attention_kwargs: Any,
          modulate_index: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Under ``torch.compile``: the block's outputs from the op, or None where it cannot carry the call (traced)."""
-    if joint_attention_kwargs:
+    h, rope = handle(block), image_rotary_emb
+    if (joint_attention_kwargs or h is None
+            or not all(isinstance(t, torch.Tensor) for t in (hidden_states, encoder_hidden_states, temb))
+            or any(t is not None and not isinstance(t, torch.Tensor) for t in (encoder_hidden_states_mask,
+                                                                                modulate_index))
+            or not (rope is None or isinstance(rope, (tuple, list)) and len(rope) == 2
+                    and all(isinstance(f, torch.Tensor) for f in rope))):
         return None
-    h = handle(block)
-    tensors = (hidden_states, encoder_hidden_states, temb)
-    if h is None or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    dt = hidden_states.dtype
-    if encoder_hidden_states.dtype != dt or temb.dtype != dt:
+    if encoder_hidden_states.dtype != hidden_states.dtype or temb.dtype != hidden_states.dtype:
         return None  # the outputs' dtype would follow diffusers' type promotion: traced instead
-    for t in (encoder_hidden_states_mask, modulate_index):
-        if t is not None and not isinstance(t, torch.Tensor):
-            return None
-    if image_rotary_emb is None:
-        f_img = f_txt = None
-    elif (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2
-          and all(isinstance(f, torch.Tensor) for f in image_rotary_emb)):
-        f_img, f_txt = image_rotary_emb
-    else:
-        return None
+    f_img, f_txt = (None, None) if rope is None else rope
     txt, img = torch.ops.qwen_absorb.qwen_image_block(h, hidden_states, encoder_hidden_states,
                                                       encoder_hidden_states_mask, temb, f_img, f_txt, modulate_index)
     return txt, img

@@ -44,11 +44,9 @@ def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
 def attention_cache_kind(block: nn.Module) -> str | None:
     """The cache, ``block.attn``'s only hook, the block runs around its own attention (TaylorSeer, PAB), or None."""
     attn = block._modules.get("attn")
-    if attn is None:
-        return None
-    if taylorseer.supported_hook(attn) is not None:
+    if attn is not None and taylorseer.supported_hook(attn) is not None:
         return "TaylorSeer"
-    return step_caches.PAB if step_caches.attention_hook(attn) is not None else None
+    return step_caches.PAB if attn is not None and step_caches.attention_hook(attn) is not None else None
 
 
 def attention_cache(block: nn.Module) -> bool:
@@ -64,10 +62,8 @@ def attention_hook_refusal(block: nn.Module) -> list[str]:
 def weight_moving_hook(block: nn.Module) -> tuple[str, nn.Module, str] | None:
     """``(path, module, category)`` of a module in ``block`` whose weights a hook moves or casts only around its own
     call (leaf offloading, layerwise casting), or None: the fused path reads weights without calling their module."""
-    for path, m in block.named_modules():
-        if path and (category := hooks.weight_moving(m)) is not None:
-            return path, m, category
-    return None
+    return next(((path, m, kind) for path, m in block.named_modules()
+                 if path and (kind := hooks.weight_moving(m)) is not None), None)
 
 
 def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:

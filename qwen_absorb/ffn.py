@@ -25,9 +25,7 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
     s_down = tp_shard_for(plan, f"{mlp_name}.net.2", net[2], x) if s_up is not None else None
     if s_down is None:
         return None
-    h = tp_linear(up, s_up, x)[0]
-    h = net[1](net[0].gelu(h))
-    y, work = tp_linear(net[2], s_down, h)
+    y, work = tp_linear(net[2], s_down, net[1](net[0].gelu(tp_linear(up, s_up, x)[0])))
     if work is not None:
         works.append(work)
     return y

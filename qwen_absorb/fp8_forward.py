@@ -1,11 +1,8 @@
-"""Real FP8 GEMMs for ModelOpt FP8 linears called by code other than the block's own, in each linear's forward slot.
+"""Real FP8 GEMMs for ModelOpt FP8 linears called as modules (Qwen-Image-2.1's processor, a hooked attention's).
 
-Linears called as modules by diffusers' processors (Qwen-Image-2.1's, a hooked attention's) get an
-:class:`Fp8LinearForward` as instance ``forward`` (:func:`install`; torch hooks still run around it): it quantizes
-its input, or a runner calling no hook in between takes its ``gemm`` of the codes its fused op emitted. Its plan is
-rebuilt when its own :class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since
-runs as ModelOpt runs it. *Gated* forwards run ModelOpt's forward except while :class:`opened` (per thread).
-"""
+Each gets an :class:`Fp8LinearForward` as instance ``forward`` (torch hooks still run around it), rebuilt when its
+:class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since runs as ModelOpt runs
+it. *Gated* forwards run ModelOpt's forward except while :class:`opened` (per thread)."""
 
 from __future__ import annotations
 
@@ -38,6 +35,7 @@ INFERENCE_REFUSAL = ("its weight or amax is an inference tensor (made under torc
                      "it cannot be seen): runs as its module")
 WRAPPED_REFUSAL = "its forward is replaced on the instance (a hook library or user code): runs as its module"
 
+TP_REFUSAL = "tensor parallelism (DTensor weight): the module runs it"
 OnState = Callable[[int, str, bool, list], None]  # block index, path, real FP8, reasons
 
 
@@ -48,7 +46,7 @@ def refusals(linear: nn.Module, device: torch.device, options: Options) -> list[
     r = quant.fp8_linear_refusals(linear, gating.fp8_device_refusals(device, options.fp8_gemm,
                                                                      options.fp8_capabilities))
     if is_dtensor(linear._parameters.get("weight")):
-        r.append("tensor parallelism (DTensor weight): the module runs it")
+        r.append(TP_REFUSAL)
     if hooks.offload_hooked(linear):
         r.append("an offloading hook manages its weights (group offloading / accelerate): the module runs them")
     wq = getattr(linear, "weight_quantizer", None)
@@ -72,31 +70,26 @@ def _device_of(linear: nn.Module) -> torch.device:
 
 
 class Fp8LinearForward:
-    """The instance ``forward`` of one ModelOpt FP8 linear: its :class:`LinearPlan` (``lp``) and how it runs. A plain
-    object holding the linear (a deep copy rebinds it, deciding anew). ``slot``: the parent's ``_modules`` dict and key
-    it was installed under; ``gated``: real FP8 only while :class:`opened` in this thread (``gate``: its id)."""
+    """The instance ``forward`` of one ModelOpt FP8 linear and its :class:`LinearPlan` (``lp``); a deep copy decides
+    anew. ``slot``: ``(parent._modules, key, parent)``; ``gate``: the thread id :class:`opened` it for."""
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "lp",
                  "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "parts", "__weakref__")
     __qwen_absorb__ = True
 
-    def __init__(self, linear: nn.Module, slot: tuple[dict, str], path: str, index: int, options: Options,
+    def __init__(self, linear: nn.Module, slot: tuple[dict, str, nn.Module], path: str, index: int, options: Options,
                  counter: Counter, rebuilds: Counter, on_state: OnState | None, gated: bool = False) -> None:
         self.linear, self.slot, self.path, self.index, self.options = linear, slot, path, index, options
         self.counter, self.rebuilds, self.on_state = counter, rebuilds, on_state
-        self.gated, self.gate = gated, 0
-        # bumped whenever the derived tensors are dropped or replaced: a graph that read them must not replay after
-        self.generation = 0
+        # generation: bumped whenever the derived tensors are dropped or replaced (a graph reading them must not replay)
+        self.gated, self.gate, self.generation = gated, 0, 0
         self._clear()
 
     def _clear(self) -> None:
         self.generation += 1
-        self.lp = LinearPlan(self.path)
-        self.amax_value = 0.0
-        self.fast_accum = False
-        self.device: torch.device | None = None
-        self.watch: Watch | None = None
-        self.parts: torch.Tensor | None = None  # the weight's content fingerprint the codes were made from
+        self.lp, self.amax_value, self.fast_accum = LinearPlan(self.path), 0.0, False
+        # parts: the content fingerprint of the weight the codes were made from
+        self.device = self.watch = self.parts = None
 
     @property
     def weight(self) -> quant.Fp8Weight | None:
@@ -104,7 +97,7 @@ class Fp8LinearForward:
 
     # -- deciding
     def ready(self, device: torch.device) -> bool:
-        """Whether the real FP8 GEMM runs for inputs on ``device`` now, rebuilt first if a source changed."""
+        """Whether the real FP8 GEMM runs for inputs on ``device`` now (rebuilt first if a source changed)."""
         w = self.watch
         if w is None or w.changed():
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -133,18 +126,15 @@ class Fp8LinearForward:
             self.amax_value = float(lp.weight.input_amax.reshape(()))  # one sync per rebuild: compared on the host
             self.fast_accum = gating.fast_accum(self.options.use_fast_accum, dev)
         switches, tensors = quant.watch_pairs(lin)
-        # the class too: ModelOpt converts modules in place (mtq.compress: QuantLinear -> RealQuantQuantLinear)
-        self.watch = Watch(switches + [self.slot_entry()], tensors + [(lin, "_parameters", "weight"),
-                                                                      (lin, "_parameters", "bias")], typed=[lin])
+        # the parent's slot (a linear wrapped or replaced there decides anew) and the class too: ModelOpt converts
+        # modules in place (mtq.compress: QuantLinear -> RealQuantQuantLinear)
+        self.watch = Watch(switches + [(self.slot[2], "_modules", self.slot[1])],
+                           tensors + [(lin, "_parameters", "weight"), (lin, "_parameters", "bias")], typed=[lin])
         if not first:
             self.rebuilds[f"real-FP8 linear {self.path}: its weight, quantizers or device changed"] += 1
             log.info("block %d %s: FP8 weight decided anew (%s)", self.index, self.path,
                      "real FP8" if lp.fp8_gemm else "; ".join(lp.fp8_reasons))
         self._tell()
-
-    def slot_entry(self) -> tuple:
-        """The watch entry of the parent's slot: a linear wrapped (PEFT) or replaced there decides anew."""
-        return (self.slot[2], "_modules", self.slot[1]) if len(self.slot) > 2 else (self.linear, "__dict__", "forward")
 
     def content_changed(self) -> bool:
         """Whether the codes' sources moved where no version shows it (writes through ``.data``); it syncs."""
@@ -167,8 +157,7 @@ class Fp8LinearForward:
         if self.on_state is not None:
             self.on_state(self.index, self.path, self.lp.fp8_gemm, list(self.lp.fp8_reasons))
 
-    def _displaced(self, why: str) -> None:
-        """The linear runs as ModelOpt's from now on (``why``): its derived state goes, the report hears it."""
+    def _displaced(self, why: str) -> None:  # runs as ModelOpt's from now on: derived state goes, the report hears it
         self.counter[why] += 1
         if self.lp.fp8_gemm or not self.lp.fp8_reasons:
             self.generation += 1
@@ -198,8 +187,7 @@ class Fp8LinearForward:
             return module(lin, input)
         return self.gemm(self.quantize(input))
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """The e4m3 codes of ``x`` under the input amax: the kernel on CUDA, the reference elsewhere."""
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:  # the e4m3 codes of x under the input amax
         x3 = x if x.dim() == 3 else x.reshape(1, -1, x.shape[-1])
         if x3.shape[-1] > 1 and x3.stride(-1) != 1:
             x3 = x3.contiguous()
@@ -211,19 +199,19 @@ class Fp8LinearForward:
 
     def direct(self) -> bool:
         """Whether a runner may call :meth:`gemm` instead of the linear: no hook around it, not moved."""
-        lin = self.linear
-        d = lin.__dict__
+        lin, d = self.linear, self.linear.__dict__
         return (d.get("forward") is self and not hooks.has_hooks(lin) and self.slot[0].get(self.slot[1]) is lin
                 and "_forward_pre_dm" not in d)
 
     # -- copies
+    _STATE = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "gated")
+
     def __getstate__(self) -> tuple:
-        return (self.linear, self.slot, self.path, self.index, self.options, self.counter, self.rebuilds,
-                self.on_state, self.gated)
+        return tuple(getattr(self, n) for n in self._STATE)
 
     def __setstate__(self, state: tuple) -> None:
-        (self.linear, self.slot, self.path, self.index, self.options, self.counter, self.rebuilds,
-         self.on_state, self.gated) = state
+        for n, v in zip(self._STATE, state):
+            setattr(self, n, v)
         self.gate, self.generation = 0, 0  # a copy starts closed
         self._clear()  # derived state is rebuilt from the copy's own tensors at its first call
 
@@ -234,22 +222,16 @@ class Fp8LinearForward:
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
             on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False,
             ) -> dict[str, Fp8LinearForward]:
-    """An :class:`Fp8LinearForward` on each eligible ModelOpt linear at ``paths``, by path (``gated``: closed)."""
+    """An :class:`Fp8LinearForward` on each eligible ModelOpt linear at ``paths``, by path."""
     installed: dict[str, Fp8LinearForward] = {}
     for path in paths:
         m = resolve(block, path)
         base, wrappers = unwrap_peft(m)
         if base is None or not quant.is_modelopt_quantizer(getattr(base, "weight_quantizer", None)):
             continue  # not ModelOpt-quantized: nothing of ours to do (not counted as a ModelOpt linear)
-        why = []
-        if options.fp8_gemm is False:
-            why = ["fp8_gemm=False"]
-        elif wrappers:
-            why = [PEFT_REFUSAL]
-        elif "forward" in m.__dict__:
-            why = [WRAPPED_REFUSAL]
-        elif gated and is_dtensor(m._parameters.get("weight")):
-            why = ["tensor parallelism (DTensor weight): the module runs it"]
+        why = (["fp8_gemm=False"] if options.fp8_gemm is False else [PEFT_REFUSAL] if wrappers
+               else [WRAPPED_REFUSAL] if "forward" in m.__dict__
+               else [TP_REFUSAL] if gated and is_dtensor(m._parameters.get("weight")) else [])
         if why:
             if on_state is not None:
                 on_state(index, path, False, why)
@@ -293,8 +275,7 @@ def remove(block: nn.Module, elsewhere: Sequence[Fp8LinearForward] = ()) -> None
 
 
 class opened:  # noqa: N801  (a context manager, named for the with statement)
-    """``with opened(fwds):`` the gated forwards run real FP8 GEMMs for this thread's calls (other threads get
-    ModelOpt's forward); closed after, whatever happens (nesting restores the outer state)."""
+    """``with opened(fwds):`` the gated forwards run real FP8 GEMMs for this thread's calls (nesting restores)."""
 
     __slots__ = ("fwds", "prev")
 
@@ -321,8 +302,7 @@ def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | 
     """The real-FP8 forward installed on ``module``, if any; ``converted``: also one kept as ``_forward_pre_dm``."""
     d = module.__dict__ if module is not None else {}
     f = d.get("forward")
-    if type(f) is not Fp8LinearForward and converted:
-        f = d.get("_forward_pre_dm")
+    f = d.get("_forward_pre_dm") if type(f) is not Fp8LinearForward and converted else f
     return f if type(f) is Fp8LinearForward else None
 
 

@@ -17,27 +17,17 @@ from torch import nn
 from .parallel import tp_defer_refusals
 from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, ProjectionInfo
 
-# (major, minor) -> GPU and date of the passing fidelity run; an entry only from a committed passing run.
-VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {
-    # 60 blocks, 4096 image tokens, ModelOpt FP8: deferred-bias error 0.9969x (forward) and
-    # 0.9996x (4-step latents) of the unpatched FP8 error: benchmarks/results/transformer/fidelity.md
-    (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
-}
-
-# (major, minor) -> GPU and date of the passing fidelity run of the real FP8 GEMM path
-# (benchmarks/transformer_suite.py: real-FP8 error <= 1.05x ModelOpt fake-quant error, 60 blocks).
-VALIDATED_FP8_CAPABILITIES: dict[tuple[int, int], str] = {
-    # 60 blocks, 4096 image + 128 text tokens: real-FP8 error 0.9997x (forward) and 0.9985x (4-step
-    # latents) of the ModelOpt fake-quant error: benchmarks/results/transformer/fp8_gemm.json
-    (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
-}
-
-# (major, minor) -> the passing fidelity run of torch._scaled_mm's fast accumulation (use_fast_accum="auto"):
-# 60 blocks, 4096 image + 128 text tokens, error against fp32 1.0025x (forward) and 0.9999x (4-step
-# latents) of ModelOpt fake quant's, gate <= 1.05x: benchmarks/results/transformer/fp8_gemm.json, "fast_accum"
-VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {
-    (9, 0): "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30",
-}
+# (major, minor) -> GPU and date of the passing fidelity run (gate <= 1.05x); an entry only from a committed run.
+_H200 = "NVIDIA H200 (driver 580.159.04, torch 2.11, CuPy 14.2), 2026-11-30"
+# 60 blocks, 4096 image tokens, ModelOpt FP8: deferred-bias error 0.9969x (forward) and 0.9996x (4-step latents) of
+# the unpatched FP8 error: benchmarks/results/transformer/fidelity.md
+VALIDATED_DEFER_CAPABILITIES: dict[tuple[int, int], str] = {(9, 0): _H200}
+# the real FP8 GEMM path, 60 blocks, 4096 image + 128 text tokens: error 0.9997x (forward) and 0.9985x (4-step
+# latents) of ModelOpt fake quant's: benchmarks/results/transformer/fp8_gemm.json (benchmarks/transformer_suite.py)
+VALIDATED_FP8_CAPABILITIES: dict[tuple[int, int], str] = {(9, 0): _H200}
+# torch._scaled_mm's fast accumulation (use_fast_accum="auto"), the same run: error against fp32 1.0025x (forward)
+# and 0.9999x (4-step latents) of ModelOpt fake quant's: fp8_gemm.json, "fast_accum"
+VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {(9, 0): _H200}
 
 LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 
@@ -59,13 +49,15 @@ class Tuning:
     lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
     lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
     # graphs inside accelerate's CpuOffload hook (enable_model_cpu_offload(): captured once per run, replayed by the
-    # other steps; 42 replays in benchmarks/results/journey_offload_h200.json). On since the offload GPU tests pass
-    # again (gpu_tests_h100_round29.log): their illegal memory access (rounds 25-27) was leaf-level offloading, now
-    # gated (block.WEIGHT_HOOK_FALLBACK). False: that hook's calls run eager, with the reason
+    # other steps; journey_offload_h200.json); leaf-level offloading, which crashed them, is gated
+    # (block.WEIGHT_HOOK_FALLBACK). False: that hook's calls run eager, with the reason
     model_offload_graphs: bool = True
     # host-kept originals cross to the GPU at a decision through two pinned 64 MiB buffers (staging.py) rather than
     # from pageable memory, several times faster (journey_offload_h100.json); the same bits
     pinned_staging: bool = True
+    # a model back on the GPU takes its FP8 codes from a host copy made at its first departure when their sources
+    # are unchanged (host_codes.py), rather than quantizing the host-kept originals again; the same bits
+    host_fp8_codes: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -154,8 +146,7 @@ def defer_refusals(
         r.append(f"{info.name} is {info.weight_format or 'not weight-quantized'}; deferral is for FP8 "
                  "(an NVFP4 bias stays in its GEMM: bit for bit ModelOpt)")
     key = capability_key(device)
-    cpu_like_override = isinstance(key, str) and key in capabilities
-    if kernel_reasons and not cpu_like_override:
+    if kernel_reasons and not (isinstance(key, str) and key in capabilities):  # {"cpu"}: the references, on purpose
         r.append("fused CUDA path unavailable: " + "; ".join(kernel_reasons))
     if key not in capabilities:
         if isinstance(key, tuple):
@@ -205,12 +196,10 @@ def fp8_device_refusals(device: torch.device, mode: str | bool,
     if mode is False:
         return ["fp8_gemm=False"]
     if device.type != "cuda":
-        if mode is True and device.type in fp8_capabilities:
-            return []
-        return [f"tensors are on {device.type}; real FP8 GEMMs need CUDA"]
-    cap = capability_key(device)
-    if cap < FP8_GEMM_MIN_CAPABILITY:
-        need = FP8_GEMM_MIN_CAPABILITY
+        return [] if mode is True and device.type in fp8_capabilities else \
+            [f"tensors are on {device.type}; real FP8 GEMMs need CUDA"]
+    cap, need = capability_key(device), FP8_GEMM_MIN_CAPABILITY
+    if cap < need:
         return [f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs {need[0]}.{need[1]})"]
     if mode == "auto" and cap not in fp8_capabilities:
         return [f"GPU sm_{cap[0]}{cap[1]} is not in the FP8-validated set {describe_capabilities(fp8_capabilities)}"]

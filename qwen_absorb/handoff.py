@@ -1,10 +1,8 @@
-"""Cross-block fusion: block i's FFN residual and block i+1's norm1 as one kernel.
+"""Cross-block fusion: block i computes block i+1's modulation and norm1 with its FFN residual in one kernel.
 
-Block i computes block i+1's modulation and norm1 with its residual (``bias_residual_layer_norm_scale_shift``) and
-*hands them over*. Safe only if nothing touches ``hidden_states`` in between: no forward hooks on either block, both
-called from the transformer's forward loop frame, block i+1 with the very tensors block i returned and the same
-``temb`` and ``modulate_index``; else it computes its norm1 itself (counted). The record is thread-local.
-"""
+Safe only if nothing touches ``hidden_states`` in between: no forward hooks on either block, both called from the
+transformer's forward loop frame, block i+1 with the very tensors block i returned and the same ``temb`` and
+``modulate_index``; else it computes its norm1 itself (counted). The record is thread-local."""
 
 from __future__ import annotations
 
@@ -64,13 +62,11 @@ def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module
 
 
 @functools.lru_cache(maxsize=None)
-def _loop_code(cls: type) -> Any:
-    """The code object of ``cls.forward`` (unwrapped): the frame the block loop runs in."""
+def _loop_code(cls: type) -> Any:  # the code of cls.forward (unwrapped): the frame the block loop runs in
     return getattr(inspect.unwrap(cls.forward), "__code__", None)
 
 
-def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
-    """Why this block cannot take its norm1 from the previous block's residual op."""
+def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:  # why it cannot take its norm1 from block i-1
     r = []
     for stream in ("img", "txt"):
         sp = plan.site(stream, "norm1")
@@ -87,7 +83,7 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:
 
 
 def _caller_frame(code: Any) -> int | None:
-    """id() of the nearest enclosing frame running the transformer's forward loop (deeper under torch.compile)."""
+    """id() of the nearest enclosing frame running ``code``, the forward loop (deeper under torch.compile)."""
     f = sys._getframe(2)
     for _ in range(40):
         if f is None:
@@ -130,11 +126,8 @@ def give(rec: Handoff) -> None:
 def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
          index: torch.Tensor | None) -> Handoff | None:
     """The record handed to this block, if it applies to this very call; any record is dropped."""
-    rec: Handoff | None = getattr(_local, "rec", None)
-    if rec is None:
-        return None
-    _local.rec = None
-    if rec.to is not plan:
+    rec, _local.rec = getattr(_local, "rec", None), None
+    if rec is None or rec.to is not plan:
         return None
     if (h is rec.img and txt is rec.txt and temb is rec.temb and index is rec.index
             and _caller_frame(rec.code) == rec.frame):
@@ -152,6 +145,5 @@ def vouched(plan: BlockPlan) -> bool:
     return rec is not None and rec.to is plan and rec.generation == plan.rt.generation
 
 
-def drop() -> None:
-    """Forget the thread's record (a patched block ran another path)."""
+def drop() -> None:  # a patched block ran another path
     _local.rec = None

@@ -1,13 +1,9 @@
-"""ModelOpt's Hugging Face exports of a Qwen-Image transformer, loaded back into diffusers: FP8 and NVFP4.
+"""ModelOpt's Hugging Face exports of a Qwen-Image transformer (FP8, NVFP4, or a mix), loaded back into diffusers.
 
-:func:`load_hf_export` reads what ``export_hf_checkpoint`` writes (``config.json`` with a ``quantization_config``
-or a ``hf_quant_config.json`` beside it, and safetensors), per linear: **FP8**: ``weight`` float8_e4m3fn, fp32
-per-tensor ``weight_scale`` = amax / 448, optional ``input_scale``; **NVFP4**: ``weight`` uint8 [out, in / 2], two
-e2m1 codes a byte (even column in the low nibble), ``weight_scale`` float8_e4m3fn [out, in / 16], fp32
-``weight_scale_2`` = amax / (6 * 448), ``input_scale`` = input amax / (6 * 448); ``MIXED_PRECISION``: linear by
-linear. Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises with ModelOpt >= 0.44 and has no place
-for the scales.
-"""
+Per linear: **FP8** ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` = amax / 448, optional
+``input_scale``; **NVFP4** ``weight`` uint8 [out, in / 2] (two e2m1 codes a byte, even column in the low nibble),
+``weight_scale`` float8_e4m3fn [out, in / 16], ``weight_scale_2`` = amax / (6 * 448), ``input_scale`` likewise.
+Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises with ModelOpt >= 0.44 and has no place for scales."""
 
 from __future__ import annotations
 
@@ -76,14 +72,11 @@ def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
     differing = total = 0
     modules = dict(transformer.named_modules())
     with torch.no_grad():
-        for name in quantized_linear_names(transformer):
-            lin = modules[name]
+        for lin in (modules[n] for n in quantized_linear_names(transformer)):
             q = lin.weight_quantizer
             amax = getattr(q, "amax", None)
-            if amax is None or amax.numel() != 1 or q.block_sizes is not None or q.num_bits != (4, 3):
-                continue
-            differing += _code_mismatches(lin.weight, amax)
-            total += lin.weight.numel()
+            if amax is not None and amax.numel() == 1 and q.block_sizes is None and q.num_bits == (4, 3):
+                differing, total = differing + _code_mismatches(lin.weight, amax), total + lin.weight.numel()
     return differing, total
 
 
@@ -100,10 +93,8 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
     from safetensors.torch import load_file  # noqa: PLC0415
 
     index = sorted(folder.glob("*.safetensors.index.json"))
-    if index:
-        files = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    files = (sorted(set(json.loads(index[0].read_text())["weight_map"].values())) if index
+             else sorted(p.name for p in folder.glob("*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
     return {k: t for f in files for k, t in load_file(str(folder / f), device=str(device)).items()}
@@ -111,8 +102,7 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
 
 def read_quant_algo(folder: Path) -> str | None:
     """The export's ``quant_algo`` from ``config.json`` or ``hf_quant_config.json``; None if neither says."""
-    cfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    algo = cfg.get("quant_algo")
+    algo = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("quant_algo")
     side = folder / "hf_quant_config.json"
     if algo is None and side.is_file():
         algo = (json.loads(side.read_text()).get("quantization") or {}).get("quant_algo")
@@ -125,12 +115,10 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, ma
     an ulp now and then, a neighbour meets it); in ``dtype`` where it represents one exactly. ``cuda_first``
     (NVFP4): first the division as ModelOpt's NVFP4 fake quantization does it on CUDA (times the reciprocal)."""
     s = scale.detach().to(torch.float32).reshape(())
-    guess = s * maxbound
+    guess = up = down = s * maxbound
     candidates = [guess]
-    up, down = guess, guess
-    for _ in range(3):
-        up = torch.nextafter(up, torch.full_like(up, float("inf")))
-        down = torch.nextafter(down, torch.zeros_like(down))
+    for _ in range(3):  # the guess, then its neighbours outwards
+        up, down = torch.nextafter(up, torch.full_like(up, float("inf"))), torch.nextafter(down, torch.zeros_like(down))
         candidates += [up, down]
     inv = float(torch.tensor(1.0 / maxbound, dtype=torch.float32))
     ways = [lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()]  # the ways ModelOpt divides
@@ -145,14 +133,9 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, ma
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n] (even element in the low nibble)."""
+    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n]."""
     p = packed.view(torch.uint8)
     return torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """float32 values of packed e2m1 codes [..., n / 2] -> [..., n]."""
-    return torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)[_codes(packed).long()]
 
 
 def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -167,47 +150,42 @@ class _Entry:
     __slots__ = ("name", "fmt", "weight", "scale", "scale_2", "input_scale")
 
     def __init__(self, name: str, state: dict[str, torch.Tensor]) -> None:
-        self.name = name
-        self.weight = state.pop(f"{name}.weight", None)
-        self.scale = state.pop(f"{name}.weight_scale")
-        self.scale_2 = state.pop(f"{name}.weight_scale_2", None)
-        self.input_scale = state.pop(f"{name}.input_scale", None)
+        self.name, self.scale = name, state.pop(f"{name}.weight_scale")
+        self.weight, self.scale_2, self.input_scale = (state.pop(f"{name}.{k}", None)
+                                                       for k in ("weight", "weight_scale_2", "input_scale"))
         self.fmt = "nvfp4" if self.scale_2 is not None else "fp8"
 
     def problems(self, shape: torch.Size | None) -> list[str]:
         """Why this entry cannot be the weight of a linear of ``shape`` (empty: it can)."""
-        n = self.name
+        n, w = self.name, self.weight
         if shape is None:
             return [f"{n}: the export quantizes it, the model built from config.json has no such linear"]
-        if self.weight is None:
+        if w is None:
             return [f"{n}: weight_scale without a weight"]
         if self.input_scale is not None and self.input_scale.numel() != 1:
             return [f"{n}: input_scale has {self.input_scale.numel()} values (per-tensor expected)"]
         if self.fmt == "fp8":
-            if self.weight.dtype != torch.float8_e4m3fn:
-                return [f"{n}: FP8 weight of dtype {self.weight.dtype} (float8_e4m3fn expected)"]
+            if w.dtype != torch.float8_e4m3fn:
+                return [f"{n}: FP8 weight of dtype {w.dtype} (float8_e4m3fn expected)"]
             if self.scale.numel() != 1:
                 return [f"{n}: a per-channel FP8 weight_scale of {self.scale.numel()} values is not supported "
                         "(per-tensor FP8 only)"]
-            if tuple(self.weight.shape) != tuple(shape):
-                return [f"{n}: weight {tuple(self.weight.shape)}, the model's linear is {tuple(shape)}"]
-            return []
+            ok = tuple(w.shape) == tuple(shape)
+            return [] if ok else [f"{n}: weight {tuple(w.shape)}, the model's linear is {tuple(shape)}"]
         out_f, in_f = shape
-        if self.weight.dtype != torch.uint8 or self.scale.dtype != torch.float8_e4m3fn or self.scale_2.numel() != 1:
-            return [f"{n}: NVFP4 tensors of dtypes {self.weight.dtype} / {self.scale.dtype} / "
+        if w.dtype != torch.uint8 or self.scale.dtype != torch.float8_e4m3fn or self.scale_2.numel() != 1:
+            return [f"{n}: NVFP4 tensors of dtypes {w.dtype} / {self.scale.dtype} / "
                     f"{self.scale_2.numel()} scale_2 values (uint8 / float8_e4m3fn / 1 expected)"]
         if in_f % NVFP4_BLOCK:
             return [f"{n}: in_features {in_f} is not a multiple of {NVFP4_BLOCK}"]
         want_w, want_s = (out_f, in_f // 2), (out_f, in_f // NVFP4_BLOCK)
-        if tuple(self.weight.shape) != want_w or tuple(self.scale.shape) != want_s:
-            return [f"{n}: NVFP4 weight {tuple(self.weight.shape)} / weight_scale {tuple(self.scale.shape)}, "
-                    f"the model's linear {tuple(shape)} needs {want_w} / {want_s} (a padded or swizzled "
-                    "single-file layout is not supported)"]
-        return []
+        if tuple(w.shape) == want_w and tuple(self.scale.shape) == want_s:
+            return []
+        return [f"{n}: NVFP4 weight {tuple(w.shape)} / weight_scale {tuple(self.scale.shape)}, the model's linear "
+                f"{tuple(shape)} needs {want_w} / {want_s} (a padded or swizzled single-file layout is not supported)"]
 
     def bad_scale(self) -> str | None:
-        """Why a stored scale cannot be ModelOpt's: a per-tensor scale not finite and positive, a block scale not
-        finite and non-negative (ModelOpt asserts on a NaN amax). Else None."""
+        """Why a stored scale cannot be ModelOpt's (not finite and positive; block scales: non-negative), else None."""
         per_tensor = [("input_scale", self.input_scale), ("weight_scale_2", self.scale_2)]
         per_tensor += [("weight_scale", self.scale)] if self.fmt == "fp8" else []
         for what, t in per_tensor:
@@ -221,7 +199,7 @@ class _Entry:
         """The float32 weight the checkpoint stores: codes times their scales (ModelOpt's order)."""
         if self.fmt == "fp8":
             return self.weight.to(torch.float32) * self.scale.to(torch.float32)
-        vals = unpack_e2m1(self.weight)
+        vals = torch.tensor(_E2M1, dtype=torch.float32, device=self.weight.device)[_codes(self.weight).long()]
         out_f, in_f = vals.shape
         block = self.scale.to(torch.float32) * self.scale_2.to(torch.float32).reshape(())
         return (vals.view(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK) * block.unsqueeze(-1)).view(out_f, in_f)
@@ -271,12 +249,10 @@ def load_hf_export(
     export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
     compress: bool = False,
 ) -> nn.Module:
-    """Load ModelOpt's Hugging Face export (FP8, NVFP4 or both; ``export_dir`` may be a pipeline folder) into a
-    diffusers ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: built from
-    ``config.json`` (``ValueError`` "does not match" if a stored tensor has no place), each quantized weight loaded
-    as codes times scales (then ``dtype``, default the unquantized weights'), ``mtq.quantize`` without calibration
-    with amaxes giving exactly the stored scales, every quantized linear checked to quantize back to the
-    checkpoint's codes. ``compress`` (FP8 only): ``mtq.compress`` (float8 storage, ModelOpt's own FP8 GEMM)."""
+    """ModelOpt's Hugging Face export (``export_dir`` may be a pipeline folder) as a diffusers
+    ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: weights loaded as codes
+    times scales (then ``dtype``, default the unquantized weights'), amaxes giving exactly the stored scales, every
+    quantized linear checked to quantize back to the checkpoint's codes. ``compress`` (FP8 only): ``mtq.compress``."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
     mtq = import_modelopt()
@@ -287,8 +263,7 @@ def load_hf_export(
     config = dict(QwenImageTransformer2DModel.load_config(str(folder)))
     device = torch.device(device)
     state = _read_safetensors(folder, device)
-    names = sorted(k[: -len(".weight_scale")] for k in state if k.endswith(".weight_scale"))
-    entries = [_Entry(n, state) for n in names]
+    entries = [_Entry(n, state) for n in sorted(k[:-13] for k in state if k.endswith(".weight_scale"))]
     if dtype is None:
         dtype = next((t.dtype for k, t in state.items() if t.is_floating_point() and t.dtype.itemsize > 1
                       and k.endswith(".weight")), torch.float32)
@@ -345,8 +320,7 @@ def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state:
             problems.append(f"{k}: not in the model built from config.json")
         elif tuple(own[k].shape) != tuple(t.shape):
             problems.append(f"{k}: stored {tuple(t.shape)}, the model's is {tuple(own[k].shape)}")
-    missing = sorted(k for k in own if k not in state and k not in quantized)
-    problems += [f"{k}: missing from the export" for k in missing]
+    problems += [f"{k}: missing from the export" for k in sorted(own) if k not in state and k not in quantized]
     if problems:
         raise ValueError(f"{folder}: the export does not match the transformer built from its config.json "
                          f"({len(problems)} problems; first: {'; '.join(problems[:4])})")
@@ -360,12 +334,11 @@ def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | 
     )
 
     config = {k: v for k, v in dict(config).items() if not k.startswith("_") and k != "quantization_config"}
-    device = torch.device(device)
     with torch.device("meta"):
         model = QwenImageTransformer2DModel.from_config(config)
     # nn.Module's cast: diffusers' ModelMixin.to would log modules "should be kept in float32" (it has none)
     nn.Module.to(model, dtype=dtype)
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device(device))
     rope = QwenEmbedLayer3DRope if config.get("use_layer3d_rope", False) else QwenEmbedRope
     model.pos_embed = rope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
     return model.eval()

@@ -7,6 +7,7 @@ instance attribute: patching must put its forward where the *original* one is ke
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -208,7 +209,24 @@ class HeldGlobalHooks:
     def _drop(self, key: int) -> None:
         with self._lock:
             self._holders.discard(key)
-            if not self._holders and self._handles:
+            # a holder collected while torch walks its registration hooks (garbage collection inside a module's
+            # registration): removing one now breaks that walk ("OrderedDict mutated during iteration"). They stay,
+            # holding nothing, until the next drop outside one (or a hold takes them again)
+            if not self._holders and self._handles and not _inside_registration():
                 for h in self._handles:
                     h.remove()
                 self._handles = []
+
+
+# torch's functions that walk the global registration hook dicts (Module.__setattr__ walks the module ones inline)
+_REGISTERING = frozenset(f.__code__ for f in (nn.Module.__setattr__, nn.Module.register_module, nn.Module.add_module,
+                                              nn.Module.register_parameter, nn.Module.register_buffer))
+
+
+def _inside_registration() -> bool:
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in _REGISTERING:
+            return True
+        f = f.f_back
+    return False

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks, quant
+from . import hooks, host_codes, quant
 from .parallel import is_dtensor
 from .plan import PLAN_ATTR, BlockPlan, refresh
 from .sites import LINEAR_TABLE, resolve, unwrap_peft
@@ -69,6 +69,7 @@ def _release(block: nn.Module, device: torch.device) -> None:
     if plan is None or plan.rt.device is None or plan.rt.device == device:
         return
     with plan.rt.lock:
+        host_codes.keep(plan, block)  # before the codes go: a return with unchanged sources copies them back
         for lp in plan.linears.values():
             lp.weight, lp.cache_key = None, ()
         plan.rt.device = None  # the next call decides for its own device (qwen_absorb.block._call_check)
@@ -180,7 +181,10 @@ def _adapters_to(module: nn.Module | None, device: torch.device) -> bool:
 
 
 def restore(block: nn.Module) -> None:
-    """Every host-kept weight of ``block`` back on the model's device (``unpatch``)."""
+    """Every host-kept weight of ``block`` back on the model's device, and no codes kept on the host (``unpatch``)."""
+    plan = block.__dict__.get(PLAN_ATTR)
+    if plan is not None:
+        plan.rt.host_codes.clear()
     for h in block.__dict__.pop(HOST_ATTR, []):
         _put_back(h)
 

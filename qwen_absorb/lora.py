@@ -1,9 +1,8 @@
 """PEFT LoRA layers as the real-FP8 path sees them: the one reader of PEFT's per-layer state.
 
-PEFT adds ``lora_B(lora_A(dropout(x))) * scaling`` per active adapter to ``base_layer(x)``. On the real-FP8 path
-:func:`add_branches` adds them to the FP8 GEMM's output: with one dtype and identity dropout as
-``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)``, else PEFT's expression op for op.
-"""
+PEFT adds ``lora_B(lora_A(dropout(x))) * scaling`` per active adapter to ``base_layer(x)``; the FP8 path adds them to
+its GEMM's output as ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)`` (one dtype, identity dropout), else as
+PEFT's expression op for op."""
 
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+Products = list[tuple[torch.Tensor, torch.Tensor, Any]]  # [(x @ A.T, lora_B.weight, scaling)]
+
 
 def is_lora_layer(module: nn.Module | None) -> bool:
     """A PEFT LoRA layer (it wraps the original module as ``base_layer``)."""
@@ -19,15 +20,12 @@ def is_lora_layer(module: nn.Module | None) -> bool:
             and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
 
 
-def _flag_dict(layer: nn.Module, name: str) -> bool:
+def _flag_dict(layer: nn.Module, name: str) -> bool:  # a flag, or {adapter: flag} (peft >= 0.14's lora_bias)
     v = getattr(layer, name, None)
-    if isinstance(v, dict):
-        return any(bool(x) for x in v.values())
-    return bool(v)
+    return any(bool(x) for x in v.values()) if isinstance(v, dict) else bool(v)
 
 
 def has_lora_bias(layer: nn.Module) -> bool:
-    """peft >= 0.14 keeps ``lora_bias`` as ``{adapter: bool}``."""
     return _flag_dict(layer, "lora_bias")
 
 
@@ -66,8 +64,7 @@ def state(layer: nn.Module) -> tuple:
             tuple(layer.lora_A._modules), tuple(getattr(layer, "lora_variant", None) or ()))
 
 
-def output_state(layer: nn.Module) -> tuple:
-    """:func:`state` and each adapter's ``scaling``: what a kept output of the layer was computed with."""
+def output_state(layer: nn.Module) -> tuple:  # state() and scaling: what a kept output was computed with
     scaling = layer.__dict__.get("scaling")
     return state(layer), tuple(sorted(scaling.items())) if isinstance(scaling, dict) else scaling
 
@@ -75,9 +72,8 @@ def output_state(layer: nn.Module) -> tuple:
 def call_refusal(layer: nn.Module) -> str | None:
     """Why this call cannot take the FP8 path: PEFT's forward unmerges a disabled, merged layer first."""
     d = layer.__dict__
-    if d.get("_disable_adapters") and d.get("merged_adapters"):
-        return "a PEFT layer with merged adapters was disabled (PEFT unmerges inside its forward)"
-    return None
+    return ("a PEFT layer with merged adapters was disabled (PEFT unmerges inside its forward)"
+            if d.get("_disable_adapters") and d.get("merged_adapters") else None)
 
 
 def active_branches(layer: nn.Module) -> list[tuple[nn.Linear, nn.Linear, nn.Module, Any]]:
@@ -102,10 +98,9 @@ def _plain_branch(a: nn.Linear, b: nn.Linear, drop: nn.Module, dtype: torch.dtyp
     return _identity_dropout(drop) and wa.dtype == dtype == wb.dtype and wa.device == device == wb.device
 
 
-def shared_input_branches(layers: list[nn.Module], x: torch.Tensor,
-                          out_dtype: torch.dtype) -> list[list[tuple[torch.Tensor, torch.Tensor, Any]]] | None:
-    """Per layer ``[(x @ A.T, lora_B.weight, scaling)]`` of LoRA layers reading one input, the ``lora_A`` products
-    from one GEMM; None for fewer than two branches or no fast path. Never cached: hotswap writes through ``.data``."""
+def shared_input_branches(layers: list[nn.Module], x: torch.Tensor, out_dtype: torch.dtype) -> list[Products] | None:
+    """Per layer :data:`Products` of LoRA layers reading one input, the ``lora_A`` products from one GEMM; None for
+    fewer than two branches or no fast path. Never cached: hotswap writes through ``.data``."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
     if len(flat) < 2:
@@ -126,20 +121,17 @@ def foldable_branch(layer: nn.Module, dtype: torch.dtype,
     if len(branches) != 1:
         return None
     a, b, drop, s = branches[0]
-    if not (_plain_branch(a, b, drop, dtype, device) and type(a.weight.data) is torch.Tensor):
-        return None
-    return a.weight, b.weight, s
+    ok = _plain_branch(a, b, drop, dtype, device) and type(a.weight.data) is torch.Tensor
+    return (a.weight, b.weight, s) if ok else None
 
 
-def add_products(y: torch.Tensor, branches: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
+def add_products(y: torch.Tensor, branches: Products) -> torch.Tensor:
     """``y`` plus ``scaling * (x @ A.T) @ B.T`` in place: one fp32-accumulated ``addmm_`` each."""
     y2 = y.view(-1, y.shape[-1])
     for t, wb, s in branches:
         y2.addmm_(t, wb.t(), alpha=s)
     return y
 
-
-Products = list[tuple[torch.Tensor, torch.Tensor, Any]]  # [(x @ A.T, lora_B.weight, scaling)]
 
 
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:

@@ -1,17 +1,11 @@
-"""The ModelOpt FP8 (and NVFP4) recipe for Qwen-Image, from quantization to a patched model, with ModelOpt's own API::
+"""The ModelOpt FP8 (and NVFP4) recipe for Qwen-Image, from quantization to a patched model (README.md)::
 
-    from qwen_absorb import modelopt_recipe as recipe
-
-    cfg = recipe.fp8_recipe_config(pipe.transformer)                 # ModelOpt config, Qwen-Image recipe
+    cfg = recipe.fp8_recipe_config(pipe.transformer)
     recipe.quantize(pipe.transformer, cfg, recipe.pipeline_forward_loop(pipe, prompts))   # mtq.quantize
-    recipe.export_hf(pipe.transformer, "qwen-image-fp8")             # ModelOpt's Hugging Face export
+    recipe.export_hf(pipe.transformer, "qwen-image-fp8")   # or save / restore (mto); both round trips are bit-exact
     transformer = recipe.load_hf_export("qwen-image-fp8", dtype=torch.bfloat16, device="cuda")
-    qwen_absorb.patch(transformer, fp8_gemm=True, cuda_graph=True)   # the FP8 linears as real FP8 GEMMs
 
-or :func:`save` / :func:`restore` (``mto.save`` / ``mto.restore``); both round trips give back the saved model
-bit for bit. Quantizing, calibrating, saving and exporting are ModelOpt's; this module builds the config, runs the
-calibration data through the pipeline, and loads the export back (:mod:`qwen_absorb.hf_export`).
-"""
+Quantizing, calibrating, saving and exporting are ModelOpt's; this module builds the config and the calibration loop."""
 
 from __future__ import annotations
 
@@ -31,14 +25,10 @@ from .hf_export import (  # noqa: F401  (re-exported: the public names of the re
 
 logger = logging.getLogger("qwen_absorb")
 
-# ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization) quantizes only the linears of
-# ``transformer_blocks``, keeping the first 2 and last 2 blocks in the original precision.
-DEFAULT_KEEP_FIRST = 2
-DEFAULT_KEEP_LAST = 2
-
-# SGLang's validated FP8 Qwen-Image checkpoints keep these block-relative linears in bf16.
+# ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization): only ``transformer_blocks``, the first 2 and
+# last 2 kept in the original precision; SGLang's validated FP8 checkpoints keep these linears in bf16 too.
+DEFAULT_KEEP_FIRST = DEFAULT_KEEP_LAST = 2
 SENSITIVE_LAYERS: tuple[str, ...] = ("img_mod", "txt_mod", "img_mlp.net.2")
-
 
 # top-level children besides transformer_blocks (diffusers 0.42.1), for a config built from a layer count alone
 _TOP_LEVEL = ("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out",
@@ -46,7 +36,6 @@ _TOP_LEVEL = ("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in", "n
 
 
 def _layout(transformer_or_num_layers: nn.Module | int) -> tuple[int, list[str]]:
-    """The number of blocks and the top-level children besides ``transformer_blocks``."""
     if isinstance(transformer_or_num_layers, int):
         return transformer_or_num_layers, list(_TOP_LEVEL)
     t = transformer_or_num_layers
@@ -58,11 +47,10 @@ def fp8_recipe_config(
     keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = SENSITIVE_LAYERS,
     quantize_norm_inputs: bool = False, base_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """ModelOpt's config for the Qwen-Image FP8 recipe: ``mtq.FP8_DEFAULT_CFG`` (e4m3 W8A8, per-tensor, max
-    calibration; ``base_config`` replaces it) on the linears of ``transformer_blocks`` only, except the first
-    ``keep_first`` and last ``keep_last`` blocks and, in every block, the ``sensitive_layers`` (block-relative
-    paths): ``{"enable": False}`` entries appended to its ``quant_cfg`` list (later entries win). The block
-    LayerNorms' input quantizers are off unless ``quantize_norm_inputs``: the Hugging Face export drops them."""
+    """ModelOpt's config for the Qwen-Image FP8 recipe: ``mtq.FP8_DEFAULT_CFG`` (or ``base_config``) with
+    ``{"enable": False}`` entries appended (later entries win) for everything outside ``transformer_blocks``, the
+    first ``keep_first`` and last ``keep_last`` blocks, the ``sensitive_layers`` (block-relative) and, unless
+    ``quantize_norm_inputs``, the block LayerNorms' input quantizers (the Hugging Face export drops them)."""
     mtq = import_modelopt()
     n, outside = _layout(transformer_or_num_layers)
     if keep_first < 0 or keep_last < 0:
@@ -97,8 +85,7 @@ def embeds_forward_loop(
     pipe: Any, prompt_embeds: Iterable[dict[str, Any]], num_inference_steps: int = 2, height: int | None = None,
     width: int | None = None, seed: int = 0,
 ) -> Callable[[nn.Module], None]:
-    """A ModelOpt ``forward_loop`` running the pipeline once per dict of call arguments (``prompt_embeds``,
-    ``prompt_embeds_mask``, ...): for pipelines without a text encoder, or precomputed embeddings."""
+    """A ModelOpt ``forward_loop`` running the pipeline once per dict of call arguments (precomputed embeddings)."""
     return _pipeline_loop(pipe, [dict(kw) for kw in prompt_embeds], num_inference_steps, height, width, seed)
 
 
@@ -106,8 +93,7 @@ def pipeline_forward_loop(
     pipe: Any, prompts: Iterable[str], num_inference_steps: int = 4, height: int | None = None,
     width: int | None = None, true_cfg_scale: float = 4.0, negative_prompt: str = " ", seed: int = 0,
 ) -> Callable[[nn.Module], None]:
-    """A ModelOpt ``forward_loop`` generating one image per prompt (a few steps each, true CFG on so that both
-    branches calibrate), as ModelOpt's diffusers example does."""
+    """A ModelOpt ``forward_loop`` generating one image per prompt (true CFG on: both branches calibrate)."""
     calls = [dict(prompt=p, negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale) for p in prompts]
     return _pipeline_loop(pipe, calls, num_inference_steps, height, width, seed)
 
@@ -133,8 +119,7 @@ def nvfp4_recipe_config(
     transformer_or_num_layers: nn.Module | int, keep_first: int = DEFAULT_KEEP_FIRST,
     keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """:func:`fp8_recipe_config` on ``mtq.NVFP4_DEFAULT_CFG`` (e2m1 values, dynamic e4m3 scales per 16 inputs,
-    a calibrated per-tensor second scale): NVIDIA's Qwen-Image NVFP4 layout."""
+    """:func:`fp8_recipe_config` on ``mtq.NVFP4_DEFAULT_CFG``: NVIDIA's Qwen-Image NVFP4 layout."""
     return fp8_recipe_config(transformer_or_num_layers, keep_first, keep_last, sensitive_layers,
                              base_config=import_modelopt().NVFP4_DEFAULT_CFG)
 
@@ -145,7 +130,7 @@ def quantize(transformer: nn.Module, config: dict[str, Any], forward_loop: Calla
 
 
 def save(transformer: nn.Module, path: str | Path) -> None:
-    """``mto.save``: ModelOpt's checkpoint (its state plus the full state dict, quantizer amaxes included)."""
+    """``mto.save``: ModelOpt's checkpoint (its state plus the full state dict)."""
     import_modelopt("modelopt.torch.opt").save(transformer, str(path))
 
 
@@ -156,7 +141,7 @@ def restore(transformer: nn.Module, path: str | Path) -> nn.Module:
 
 def export_hf(transformer: nn.Module, export_dir: str | Path) -> Path:
     """ModelOpt's Hugging Face checkpoint, converted in float32 (in bf16 ``weight / scale`` rounds first, moving
-    codes). **In place**: ``transformer`` then holds float8 weights; load it back with :func:`load_hf_export`."""
+    codes). **In place**: ``transformer`` then holds float8 weights."""
     export = import_modelopt("modelopt.torch.export")
     export.export_hf_checkpoint(transformer, dtype=torch.float32, export_dir=Path(export_dir))
     return Path(export_dir)

@@ -1,11 +1,9 @@
 """An NVFP4 linear on Hopper at bf16 speed: ModelOpt's NVFP4 fake quantization without its per-call cost.
 
-A ModelOpt W4A4 NVFP4 linear computes on CUDA ``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)``, ``fq``
-ModelOpt's Triton NVFP4 fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the
-same bits: ``fq(W)`` made once, remade when its sources change, not held where it equals ``W`` bit for bit;
-``fq(x)`` by the kernel, then one bf16 GEMM. In a patched model the fused op producing a linear's input emits
-``fq(x)`` where it can (:func:`decide_rows`); a linear no producer can feed keeps its runner.
-"""
+A ModelOpt W4A4 NVFP4 linear computes ``F.linear(fq(x, input_amax), fq(W, weight_amax), bias)``, ``fq`` ModelOpt's
+Triton fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4Linear` computes the same bits with
+``fq(W)`` cached (not held where it equals ``W``); in a patched model the fused op producing a linear's input emits
+``fq(x)`` where it can (:func:`decide_rows`)."""
 
 from __future__ import annotations
 
@@ -29,26 +27,23 @@ logger = logging.getLogger("qwen_absorb")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # where ModelOpt's NVFP4 fake quantization is the Triton kernel reproduced here
 
+
 def _quantizer_reasons(q, what: str) -> list[str]:
     if quant.quantizer_format(q) != quant.NVFP4:
         return [f"{what} is not an enabled NVFP4 quantizer ({quant.quantizer_format(q)})"]
-    r = []
-    blocks = getattr(q, "block_sizes", None) or {}
-    if blocks.get("type", "static") != "dynamic":
-        r.append(f"{what}: static block scales (only ModelOpt's dynamic NVFP4 is emulated)")
-    if blocks.get("four_over_six", False):
-        r.append(f"{what}: four-over-six scale selection")
-    for attr, why in (("pre_quant_scale", "pre_quant_scale is set"), ("backend", "custom backend")):
-        if getattr(q, attr, None) is not None:
-            r.append(f"{what}: {why}")
-    if getattr(q, "rotate_is_enabled", False):
-        r.append(f"{what}: rotation enabled")
-    if getattr(q, "_if_calib", False) or not getattr(q, "_if_quant", True) or not getattr(q, "_fake_quant", True):
-        r.append(f"{what}: calibrating, switched off, or real quantization")
-    amax = getattr(q, "_amax", None)
-    if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or amax.device.type == "meta":
-        r.append(f"{what}: no single calibrated amax")
-    return r
+    blocks, amax = getattr(q, "block_sizes", None) or {}, getattr(q, "_amax", None)
+    checks = (
+        (blocks.get("type", "static") != "dynamic", "static block scales (only ModelOpt's dynamic NVFP4 is emulated)"),
+        (blocks.get("four_over_six", False), "four-over-six scale selection"),
+        (getattr(q, "pre_quant_scale", None) is not None, "pre_quant_scale is set"),
+        (getattr(q, "backend", None) is not None, "custom backend"),
+        (getattr(q, "rotate_is_enabled", False), "rotation enabled"),
+        (getattr(q, "_if_calib", False) or not getattr(q, "_if_quant", True) or not getattr(q, "_fake_quant", True),
+         "calibrating, switched off, or real quantization"),
+        (not isinstance(amax, torch.Tensor) or amax.numel() != 1 or amax.device.type == "meta",
+         "no single calibrated amax"),
+    )
+    return [f"{what}: {why}" for bad, why in checks if bad]
 
 
 def nvfp4_linear_reasons(lin: nn.Module) -> list[str]:
@@ -106,14 +101,10 @@ class Nvfp4Linear:
         reasons = nvfp4_linear_reasons(lin)
         if reasons:
             raise ValueError("not a ModelOpt W4A4 NVFP4 linear: " + "; ".join(reasons))
-        self.lin, self.use_kernel, self.watched = lin, use_kernel, watched
-        self._amax_key: tuple | None = None
-        self._amax32: torch.Tensor | None = None
-        self._key: tuple | None = None
-        self._weight: torch.Tensor | None = None
-        self._parts: torch.Tensor | None = None  # the content fingerprint of the weight fq(W) was made from
-        self._weight_amax: torch.Tensor | None = None  # and the weight amax's value (a copy)
-        self.shares_weight = False
+        self.lin, self.use_kernel, self.watched, self.shares_weight = lin, use_kernel, watched, False
+        self._amax_key = self._amax32 = self._key = self._weight = None
+        # the content fingerprint of the weight fq(W) was made from, and a copy of the weight amax's value
+        self._parts = self._weight_amax = None
 
     def weight_key(self) -> tuple:
         """What ``fq(W)`` depends on: identity, pointer and version of the weight and its amax. An inference tensor's
@@ -154,8 +145,7 @@ class Nvfp4Linear:
         amax = self.lin.input_quantizer._amax
         key = _tensor_key(amax, self.watched)
         if key != self._amax_key or self._amax32 is None:
-            self._amax32 = amax.detach().float().reshape(1)
-            self._amax_key = key
+            self._amax32, self._amax_key = amax.detach().float().reshape(1), key
         return self._amax32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +155,7 @@ class Nvfp4Linear:
             xq = _fake_quant(x, self.lin.input_quantizer._amax, self.use_kernel)
         return F.linear(xq, self.weight(), self.lin.bias)
 
-    def extra_bytes(self) -> int:
-        """Device memory this runner holds beyond the model's own weight (0 where it shares it)."""
+    def extra_bytes(self) -> int:  # device memory held beyond the model's own weight
         return 0 if self._weight is None or self.shares_weight else self._weight.numel() * self._weight.element_size()
 
 
@@ -174,9 +163,7 @@ def block_runners(block: nn.Module, paths, use_kernel: bool) -> dict[nn.Module, 
     """The NVFP4 runners at ``paths`` by module; none below sm_89 (ModelOpt runs another kernel there)."""
     linears: dict[nn.Module, Nvfp4Linear] = {}
     for p in paths:
-        try:
-            m = block.get_submodule(p)
-        except AttributeError:
+        if (m := resolve(block, p)) is None:
             continue
         dev = m.weight.device if isinstance(getattr(m, "weight", None), torch.Tensor) else None
         if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < MIN_CAPABILITY:

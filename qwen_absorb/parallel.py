@@ -1,11 +1,8 @@
 """Tensor and context parallelism (diffusers 0.42.1) as the patched block sees it (``tests/parallel_worker.py``).
 
-**TP**: the Parameters of q/k/v and ``net.0.proj`` (column-wise) and of ``to_out.0``, ``to_add_out`` and ``net.2``
-(row-wise) are *replaced* by DTensors; a row-wise ``F.linear`` adds ``b / N`` **before** the all-reduce, and the
-attention and FFN outputs are ``AsyncCollectiveTensor``s (``data_ptr()`` 0). The block runs the sharded linears on
-their local shards (:func:`tp_shard`); every fused-op operand goes through :func:`local_view`. **CP**: inputs split
-on dim 1, every tensor in the block plain and rank-local. Nothing here imports ``torch.distributed.tensor``.
-"""
+**TP**: q/k/v and ``net.0.proj`` (column-wise), ``to_out.0``, ``to_add_out`` and ``net.2`` (row-wise: ``b / N`` added
+**before** the all-reduce) get DTensor Parameters; attention and FFN outputs are ``AsyncCollectiveTensor``s
+(``data_ptr()`` 0). **CP**: inputs split on dim 1, all plain. Nothing here imports ``torch.distributed.tensor``."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ from torch import nn
 from .hooks import global_forward_hooks
 from .sites import unwrap_peft
 
-def _is_loaded_instance(t: Any, module: str, name: str) -> bool:
-    """``t`` is a ``module.name``, never importing it (without ``module`` no such object can exist)."""
+
+def _is_loaded_instance(t: Any, module: str, name: str) -> bool:  # never imports module: unloaded, t cannot be one
     if is_plain_tensor(t):
         return False
     cls = getattr(sys.modules.get(module), name, None)
@@ -49,6 +46,11 @@ def _placements(t: Any) -> tuple:
     return tuple(getattr(t, "placements", ()))
 
 
+def _shard_dim(p: Any, ndim: int) -> int:
+    """The non-negative dim of a ``Shard`` placement on a tensor of ``ndim`` dims."""
+    return p.dim % ndim if ndim else p.dim
+
+
 def describe_tensor(t: Any) -> str:
     """E.g. ``DTensor[64] (Replicate(),) local [64] float32`` or ``Tensor[1, 16, 64] float32``."""
     if not isinstance(t, torch.Tensor):
@@ -60,9 +62,8 @@ def describe_tensor(t: Any) -> str:
 
 
 def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, str | None]:
-    """``(plain tensor, None)`` when the per-token math on it is complete on this rank, else ``(None, reason)``: an
-    ``AsyncCollectiveTensor`` is waited for, an all-``Replicate`` DTensor gives its local tensor; ``Shard(d)`` is
-    refused unless ``d`` is in ``shard_ok_dims`` (a token dim every operand shares), as are ``Partial`` and others."""
+    """``(plain tensor, None)`` when the per-token math on it is complete on this rank, else ``(None, reason)``;
+    ``shard_ok_dims``: token dims every operand shares (a ``Shard`` there is fine)."""
     if is_plain_tensor(t):
         return t, None
     if not isinstance(t, torch.Tensor):
@@ -77,7 +78,7 @@ def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Te
             if p.is_replicate():
                 continue
             if p.is_shard():
-                d = p.dim % ndim if ndim else p.dim
+                d = _shard_dim(p, ndim)
                 if ndim and d in {k % ndim for k in shard_ok_dims}:
                     continue
                 return None, (f"DTensor sharded on dim {d} (global {list(t.shape)}, local "
@@ -105,17 +106,11 @@ def _weight(linear: nn.Module) -> Any:
 
 
 def projection_tp_style(linear: nn.Module) -> str | None:
-    """``"colwise"`` (weight ``Shard(0)``), ``"rowwise"`` (``Shard(1)``) or None, PEFT wrappers looked through. Read
-    at call time: TP applied after patching replaces the parameters."""
+    """``"colwise"`` (weight ``Shard(0)``), ``"rowwise"`` (``Shard(1)``) or None, read at call time."""
     w = _weight(linear)
-    if not is_dtensor(w):
-        return None
-    ndim = w.dim()
-    for p in _placements(w):
-        if p.is_shard():
-            d = p.dim % ndim if ndim else p.dim
-            return "colwise" if d == 0 else "rowwise" if d == 1 else None
-    return None
+    p = next((p for p in _placements(w) if p.is_shard()), None) if is_dtensor(w) else None
+    d = _shard_dim(p, w.dim()) if p is not None else None
+    return "colwise" if d == 0 else "rowwise" if d == 1 else None
 
 
 def _tp_output_layouts(linear: nn.Module) -> tuple | None:
@@ -130,8 +125,7 @@ def _tp_output_layouts(linear: nn.Module) -> tuple | None:
 
 def tp_defer_refusals(linear: nn.Module) -> list[str]:
     """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Row-wise only, with a
-    ``Replicate`` bias and output: the fused op adds the full bias once after the all-reduce (unpatched adds
-    ``b / N`` per rank before it: equal up to rounding, as deferral is anyway)."""
+    ``Replicate`` bias and output: the fused op adds it once after the all-reduce (unpatched: ``b / N`` before)."""
     m = unwrap_peft(linear)[0]
     style = projection_tp_style(m)
     b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
@@ -164,10 +158,6 @@ def parallel_kind(transformer: nn.Module) -> str | None:
 # Local shards: DTensor's host work per linear dominated the TP forward. The local computation is the one DTensor
 # dispatches to (bit-identical): column-wise ``F.linear(x, W_local, b_local)``; row-wise
 # ``F.linear(x_local, W_local, b / N)``, then the output hook's all-reduce on the same group.
-_COLWISE = "ColwiseParallel"
-_ROWWISE = "RowwiseParallel"
-
-
 class TpShard:
     """One ``nn.Linear`` under torch's stock TP styles: what its local computation needs and was recognised from."""
 
@@ -175,8 +165,7 @@ class TpShard:
 
     def __init__(self, style: str, weight: Any, bias: Any, pre: tuple, post: tuple, group: Any, world: int):
         self.style, self.weight, self.bias, self.pre, self.post = style, weight, bias, pre, post
-        self.group, self.world = group, world
-        self._scaled: tuple | None = None  # (local bias, its _version, local bias / world)
+        self.group, self.world, self._scaled = group, world, None  # _scaled: (local bias, its _version, / world)
 
     def current(self, linear: nn.Module) -> bool:
         p = linear._parameters
@@ -215,14 +204,13 @@ _LAST_SHARD = (lambda p: p.is_shard() and p.dim == -1,)
 _SHARD0 = (lambda p: p.is_shard() and p.dim == 0,)
 _SHARD1 = (lambda p: p.is_shard() and p.dim in (1, -1),)
 # input layouts, desired input layouts, output layouts, weight and bias placements of the styles' defaults
-_DEFAULTS = {_COLWISE: (_REPLICATE, _REPLICATE, _LAST_SHARD, _SHARD0, _SHARD0),
-             _ROWWISE: (_LAST_SHARD, _LAST_SHARD, _REPLICATE, _SHARD1, _REPLICATE)}
+_DEFAULTS = {"ColwiseParallel": (_REPLICATE, _REPLICATE, _LAST_SHARD, _SHARD0, _SHARD0),
+             "RowwiseParallel": (_LAST_SHARD, _LAST_SHARD, _REPLICATE, _SHARD1, _REPLICATE)}
 
 
 def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[TpShard | None, list[str]]:
     """``(record, [])`` when ``linear`` is under exactly torch's ``ColwiseParallel()`` or ``RowwiseParallel()`` on a
-    1-D mesh and no other hook, so it may run on its local shards; else ``(None, reasons)``. ``own_forward=False``:
-    the caller computes it (a real FP8 GEMM): any ``nn.Linear`` subclass; else exactly ``nn.Linear``."""
+    1-D mesh and no other hook; else ``(None, reasons)``. ``own_forward=False``: any ``nn.Linear`` subclass."""
     r: list[str] = []
     if (type(linear) is not nn.Linear) if own_forward else not isinstance(linear, nn.Linear):
         return None, [f"{type(linear).__name__}, not torch.nn.Linear"]
@@ -258,7 +246,7 @@ def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[Tp
         r.append("use_local_output=False (the output stays a DTensor)")
     if r:
         return None, r
-    return TpShard("colwise" if style == _COLWISE else "rowwise", w, b, tuple(linear._forward_pre_hooks),
+    return TpShard("colwise" if style == "ColwiseParallel" else "rowwise", w, b, tuple(linear._forward_pre_hooks),
                    tuple(linear._forward_hooks), mesh.get_group(), mesh.size()), []
 
 
@@ -266,10 +254,9 @@ _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
-    """``(record, None)``: it may run on its local shards now; ``(None, why not)``: through DTensor; ``(None, None)``:
-    a plain weight. Cached, checked by identity."""
+    """``(record, None)``: on its local shards; ``(None, why not)``: through DTensor; ``(None, None)``: plain weight."""
     w = linear._parameters.get("weight") if hasattr(linear, "_parameters") else None
-    if w is None or type(w) is nn.Parameter or type(w) is torch.Tensor:
+    if w is None or is_plain_tensor(w):
         return None, None
     rec = _SHARDS.get(linear)
     if rec is not None and rec.current(linear):
@@ -288,8 +275,7 @@ def allow_cpu_parallelism() -> Iterator[None]:
     ``rank % torch.accelerator.device_count()`` (0 on a CPU) and rejects "cpu" for TP. Process-global."""
     import diffusers.hooks.tensor_parallel as tpmod  # noqa: PLC0415
 
-    orig_count = torch.accelerator.device_count
-    orig_devices = tpmod._SUPPORTED_TP_DEVICES
+    orig_count, orig_devices = torch.accelerator.device_count, tpmod._SUPPORTED_TP_DEVICES
     torch.accelerator.device_count = lambda: orig_count() or 1
     if "cpu" not in orig_devices:
         tpmod._SUPPORTED_TP_DEVICES = (*orig_devices, "cpu")

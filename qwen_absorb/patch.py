@@ -53,11 +53,8 @@ class _PatchState:
     active: bool = True
 
     def dtype(self) -> str:
-        for b in self.blocks:
-            p0 = next(b.parameters(), None)
-            if p0 is not None:
-                return str(p0.dtype).replace("torch.", "")
-        return "?"
+        p0 = next((p for b in self.blocks for p in b.parameters()), None)
+        return str(p0.dtype).replace("torch.", "") if p0 is not None else "?"
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -122,11 +119,15 @@ def _strip(block: nn.Module) -> None:
             _remove_forward(block, fn, had_instance_forward=where != "forward")
 
 
-def _new_report(transformer: nn.Module, options: Options, cuda_graph: str | bool, **kw: Any) -> PatchReport:
-    return PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
-                       capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
-                       force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
-                       tuning=options.tuning.describe(), **kw)
+def _new_state(transformer: nn.Module, options: Options, cuda_graph: str | bool, blocks: list,
+               **kw: Any) -> _PatchState:
+    report = PatchReport(transformer_class=type(transformer).__name__, defer_bias=options.defer_bias,
+                         capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
+                         force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
+                         tuning=options.tuning.describe(), **kw)
+    state = _PatchState(report, options, cuda_graph, blocks, [])
+    report.bind(state)
+    return state
 
 
 def patch(
@@ -140,39 +141,36 @@ def patch(
 
     target: a diffusers Qwen-Image (or 2.1) pipeline or its transformer; any device, before or after offloading,
         caches, parallelism, LoRA or ``compile_repeated_blocks()``.
-    defer_bias: ``"auto"`` defers an output-projection bias into the following fused op exactly when the
-        projection is ModelOpt FP8 without an enabled output quantizer, the kernels are available and the
-        capability is validated (:mod:`qwen_absorb.gating`); ``True`` wherever it is not wrong; ``False`` never.
-    fp8_gemm: run ModelOpt FP8 (e4m3, per-tensor, static) linears, PEFT LoRA layers around them included, as
-        real FP8 ``torch._scaled_mm`` fed by FP8-emitting fused kernels: ``"auto"`` on validated capabilities,
-        ``True`` wherever possible (sm_89+), ``False`` never; other linears run as their modules (reason in the
-        report).
-    cuda_graph: capture the transformer call per input signature and replay it (:mod:`qwen_absorb.cuda_graph`),
-        refused per call where replay would be wrong. ``"auto"``: decided at the first call on a GPU; a signature
-        is captured when seen the second time; eager calls are counted in ``report.graph_fallbacks``. ``True``:
-        capture at first sight, refusals in ``report.runtime_fallbacks``. ``False``: never.
-    offload_original_weights: ``"auto"`` / ``True``: the original weights of real-FP8 linears stay in host
-        memory while their codes run on a GPU (same ``Parameter`` objects; a fallback call brings them over,
-        :func:`unpatch` puts them back); ``False``: they stay beside the codes (about 1.5x the bf16 memory).
+    defer_bias: ``"auto"`` defers an output-projection bias into the next fused op where the projection is ModelOpt
+        FP8 without an enabled output quantizer, the kernels run and the capability is validated
+        (:mod:`qwen_absorb.gating`); ``True`` wherever it is not wrong; ``False`` never.
+    fp8_gemm: ModelOpt FP8 (e4m3, per-tensor, static) linears, PEFT LoRA layers around them included, as real FP8
+        ``torch._scaled_mm`` fed by FP8-emitting fused kernels: ``"auto"`` on validated capabilities, ``True``
+        wherever possible (sm_89+), ``False`` never; other linears run as their modules (reason in the report).
+    cuda_graph: replay the transformer call per input signature (:mod:`qwen_absorb.cuda_graph`), refused per call
+        where replay would be wrong. ``"auto"``: decided at the first call on a GPU, a signature captured at its
+        second call, eager calls in ``report.graph_fallbacks``; ``True``: captured at first sight, refusals in
+        ``report.runtime_fallbacks``; ``False``: never.
+    offload_original_weights: ``"auto"`` / ``True``: real-FP8 linears' original weights stay in host memory while
+        their codes run on a GPU (same ``Parameter`` objects; a fallback call brings them over, :func:`unpatch`
+        puts them back); ``False``: beside the codes (about 1.5x the bf16 memory).
     capabilities: replaces the validated capability sets, e.g. ``{(9, 0)}``, or ``{"cpu"}`` to exercise the
         decisions on the CPU with the ops' references.
     force_reference: the fused ops run their torch references (debugging).
     kernels_under_compile: what ``torch.compile`` sees of a patched Qwen-Image block: ``"auto"`` one opaque op
-        running the eager patched forward, checks included (:mod:`qwen_absorb.compile_boundary`); ``True`` the
-        forward traced with the kernels as custom ops; ``False`` traced with the references.
+        running the eager patched forward (:mod:`qwen_absorb.compile_boundary`); ``True`` the forward traced with
+        the kernels as custom ops; ``False`` traced with the references.
     use_fast_accum: ``torch._scaled_mm``'s fast accumulation: ``"auto"`` on GPUs that passed the fidelity gate
         (:data:`qwen_absorb.gating.VALIDATED_FAST_ACCUM_CAPABILITIES`), ``True`` / ``False`` everywhere.
     cross_block: each block's FFN residual op also computes the next block's norm1 (:mod:`qwen_absorb.handoff`).
     tuning: a :class:`qwen_absorb.Tuning` of measurement switches (None: the measured defaults).
-    vae / text_encoder: for a pipeline, also its VAE decode (:mod:`qwen_absorb.vae`) and prompt encoding
-        (:mod:`qwen_absorb.text_encoder`), in ``report.parts``.
-    pipeline_walks: for a pipeline, diffusers' per-call walks over every module done once each
-        (:mod:`qwen_absorb.pipeline_walks`: the pipeline's class becomes a subclass of the same name), in
-        ``report.parts["pipeline"]``.
+    vae / text_encoder / pipeline_walks: for a pipeline, also its VAE decode (:mod:`qwen_absorb.vae`), prompt
+        encoding (:mod:`qwen_absorb.text_encoder`) and diffusers' per-call module walks (the pipeline's class
+        becomes a subclass of the same name, :mod:`qwen_absorb.pipeline_walks`), in ``report.parts``.
 
-    Patching again with the same arguments returns the current report; with other arguments, or after blocks
-    were replaced, added or removed, it patches anew. Changes inside a block (weights, quantizers, LoRA, dtype,
-    device) are seen at that block's next call, which decides again.
+    Patching again with the same arguments returns the current report; with others, or after blocks were replaced,
+    added or removed, it patches anew. Changes inside a block (weights, quantizers, LoRA, dtype, device) are seen
+    at that block's next call, which decides again.
     """
     transformer = resolve_transformer(target)
     tri = gating.check_tristate
@@ -189,24 +187,26 @@ def patch(
         offload_original_weights=tri("offload_original_weights", offload_original_weights),
         use_fast_accum=tri("use_fast_accum", use_fast_accum), cross_block=bool(cross_block),
         tuning=gating.check_tuning(tuning))
+    report = _patch_transformer(transformer, options, cuda_graph)
+    return _rooms(target, transformer, report, cuda_graph, vae, text_encoder, pipeline_walks)
+
+
+def _patch_transformer(transformer: nn.Module, options: Options, cuda_graph: str | bool) -> PatchReport:
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is not None:
         stale = _stale(state, transformer)
         if state.options == options and state.cuda_graph == cuda_graph and stale is None:
             _catch_up(state)
             log.debug("already patched with these arguments; returning the current report")
-            return _rooms(target, transformer, state.report, cuda_graph, vae, text_encoder, pipeline_walks)
+            return state.report
         log.info("patching again (%s)", stale or "other arguments")
         unpatch(transformer)
-    blocks = list(getattr(transformer, "transformer_blocks", []))
+    blocks, device = list(getattr(transformer, "transformer_blocks", [])), _decision_device(transformer)
     if classes21() is not None and isinstance(transformer, classes21()[0]):
-        return _rooms(target, transformer, _patch21(transformer, blocks, options, cuda_graph), cuda_graph, vae,
-                      text_encoder, pipeline_walks)
-    report = _new_report(transformer, options, cuda_graph, offload_original_weights=options.offload_original_weights)
-    device = _decision_device(transformer)
-    block_cls = classes()[1]
-    announced: set = set()
-    plans: list[BlockPlan] = []
+        return _patch21(transformer, _new_state(transformer, options, cuda_graph, blocks), device)
+    state = _new_state(transformer, options, cuda_graph, blocks,
+                       offload_original_weights=options.offload_original_weights)
+    report, plans, block_cls, announced = state.report, state.plans, classes()[1], set()
     for i, block in enumerate(blocks):
         plan = BlockPlan(index=i, options=options, rt=BlockRuntime(
             counter=report.runtime_fallbacks, rebuilds=report.rebuilds, handoffs=report.handoffs,
@@ -227,8 +227,6 @@ def patch(
             for b in blocks[: i + 1]:
                 fp8_forward.remove(b)
             raise
-    state = _PatchState(report, options, cuda_graph, blocks, plans)
-    report.bind(state)
     try:
         for block, plan in zip(blocks, plans):
             if not plan.reasons:
@@ -253,9 +251,13 @@ def patch(
         raise
     for plan in plans:
         report.record(plan)  # after installing: patched, install slot, links
+    return _activate(transformer, state)
+
+
+def _activate(transformer: nn.Module, state: _PatchState) -> PatchReport:
     object.__setattr__(transformer, _STATE_ATTR, state)
-    log.info("%s", report)  # whether kernels run is said at the first call on a device (qwen_absorb.block)
-    return _rooms(target, transformer, report, cuda_graph, vae, text_encoder, pipeline_walks)
+    log.info("%s", state.report)  # whether kernels run is said at the first call on a device (qwen_absorb.block)
+    return state.report
 
 
 def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda_graph: str | bool, vae: bool,
@@ -274,8 +276,7 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
         parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
         parts["vae"].postprocess = vae_room.patch_postprocess(target)
     else:
-        if isinstance(pipe_vae, nn.Module):
-            vae_room.unpatch(pipe_vae)
+        vae_room.unpatch(pipe_vae)
         vae_room.unpatch_postprocess(target)
     if text_encoder:
         # "auto" (a key's second call) even under cuda_graph=True: a prompt length seen once costs no capture
@@ -290,6 +291,8 @@ def _catch_up(state: _PatchState) -> None:
     """``patch()`` again on a model changed inside its blocks: they decide now, so the report is current."""
     for rec in state.records:
         plan = rec.block.__dict__.get(PLAN_ATTR)
+        if plan is not None:
+            plan.rt.host_codes.clear()  # trusted by identity and version only: a ``.data`` write is seen from here
         if plan is None or plan.rt.device is None:
             continue
         if content_changed(plan, rec.block):
@@ -311,16 +314,12 @@ GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on
                   "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
 
 
-def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, cuda_graph: str | bool) -> PatchReport:
+def _patch21(transformer: nn.Module, state: _PatchState, device: torch.device) -> PatchReport:
     """Qwen-Image-2.1: the same install, report and unpatch (no deferral or hand-off; real FP8 in the linears' forward
     slots). Its model forward syncs with the host before the blocks, so ``cuda_graph=True`` graphs each block."""
-    report = _new_report(transformer, options, cuda_graph)
-    device = _decision_device(transformer)
-    block_cls = classes21()[1]
-    state = _PatchState(report, options, cuda_graph, blocks, [])
-    report.bind(state)
+    report, options, cuda_graph, block_cls = state.report, state.options, state.cuda_graph, classes21()[1]
     try:
-        for i, block in enumerate(blocks):
+        for i, block in enumerate(state.blocks):
             if not isinstance(block, block_cls):
                 continue
             _strip(block)
@@ -346,9 +345,7 @@ def _patch21(transformer: nn.Module, blocks: list[nn.Module], options: Options, 
     except BaseException:
         _undo(state)
         raise
-    object.__setattr__(transformer, _STATE_ATTR, state)
-    log.info("%s", report)
-    return report
+    return _activate(transformer, state)
 
 
 def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> None:

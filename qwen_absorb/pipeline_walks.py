@@ -2,13 +2,10 @@
 
 A diffusers pipeline call walks every module of every component three to five times (``_execution_device``,
 ``device``, ``maybe_free_model_hooks``), each visit a ``hasattr(module, "_diffusers_hook")`` that raises and catches
-an ``AttributeError`` for nearly every module, through ModelOpt's Python ``__getattr__`` for quantized ones.
-
-:func:`patch` gives the pipeline a subclass of its own class (same name and module) whose ``_execution_device``
-and ``maybe_free_model_hooks`` give the same answers with the same side effects, walking each component once and
-reading the hook attributes from ``module.__dict__`` (a class with its own ``__getattr__`` is asked with
-``hasattr``). The mirrored diffusers code is pinned by a hash of its source: where it changed, the pipeline keeps
-its class and the report says why.
+an ``AttributeError`` (through ModelOpt's Python ``__getattr__`` for quantized modules). :func:`patch` gives the
+pipeline a subclass of its class (same name and module) whose two methods give the same answers with the same side
+effects, walking each component once and reading hook attributes from ``module.__dict__``. The mirrored diffusers
+code is pinned by a hash of its source: where it changed, the pipeline keeps its class and the report says why.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ MIRRORED_SHA256 = "3e75ec209c2ead6f"
 
 
 def source_hash(functions: Iterable[Any]) -> str | None:
-    """sha256 (16 hex digits) of the dedented sources of ``functions`` (None: one is not there or not readable):
-    the pin of the diffusers code a room of the pipeline mirrors."""
+    """sha256 (16 hex digits) of the dedented sources of ``functions`` (None: one is missing or unreadable)."""
     try:
         text = "".join(textwrap.dedent(inspect.getsource(f)) for f in functions)
     except (AttributeError, OSError, TypeError):
@@ -68,7 +64,7 @@ def source_sha256() -> str:
         return ""
 
 
-_DICT, _ASK, _COMPILED = 0, 1, 2
+_DICT, _ASK, _COMPILED = 1, 2, 3  # all true: ``kinds.get(cls) or _kind(cls, kinds)``
 
 
 def _kind(cls: type, kinds: dict[type, int]) -> int:
@@ -83,10 +79,9 @@ def _kind(cls: type, kinds: dict[type, int]) -> int:
 
 
 def _own(module: nn.Module, name: str, kinds: dict[type, int]) -> Any:
-    """``getattr(module, name, _MISSING)`` without the exception a miss costs ``nn.Module.__getattr__``."""
-    if _kind(type(module), kinds) == _DICT:
-        return module.__dict__.get(name, _MISSING)
-    return getattr(module, name, _MISSING)
+    """``getattr(module, name, _MISSING)`` without the exception a miss costs."""
+    return module.__dict__.get(name, _MISSING) if _kind(type(module), kinds) == _DICT else \
+        getattr(module, name, _MISSING)
 
 
 def _walk(root: nn.Module, name: str, skip_root: bool = False, unwrap: bool = False) -> list[tuple[nn.Module, Any]]:
@@ -104,9 +99,7 @@ def _walk(root: nn.Module, name: str, skip_root: bool = False, unwrap: bool = Fa
             stack.extend(reversed([c for c in kids.values() if c is not None]))
         if skip_root and m is root:
             continue
-        kind = kinds.get(type(m))
-        if kind is None:
-            kind = _kind(type(m), kinds)
+        kind = kinds.get(type(m)) or _kind(type(m), kinds)
         if unwrap and kind == _COMPILED:
             m = m._orig_mod
             d, kind = m.__dict__, _kind(type(m), kinds)
@@ -120,11 +113,8 @@ def _group_offload_hook(module: nn.Module) -> Any:
     """diffusers' ``_get_top_level_group_offload_hook``."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING  # noqa: PLC0415
 
-    for _, reg in _walk(module, "_diffusers_hook"):
-        hook = reg.get_hook(_GROUP_OFFLOADING)
-        if hook is not None:
-            return hook
-    return None
+    return next((hook for _, reg in _walk(module, "_diffusers_hook")
+                 if (hook := reg.get_hook(_GROUP_OFFLOADING)) is not None), None)
 
 
 def _device(module: nn.Module, no_group_hooks: set[int]) -> torch.device:
@@ -201,13 +191,12 @@ class FastWalks:
                 reset_stateful_hooks(component)
             elif hasattr(component, "_reset_stateful_cache"):
                 component._reset_stateful_cache()
-        if not hasattr(self, "_all_hooks") or len(self._all_hooks) == 0:
-            return
-        self.enable_model_cpu_offload(device=getattr(self, "_offload_device", get_device()))
+        if hasattr(self, "_all_hooks") and len(self._all_hooks) > 0:
+            self.enable_model_cpu_offload(device=getattr(self, "_offload_device", get_device()))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copies and pickles are of the original class (a class made at run time cannot be pickled by name), made by
-        :func:`_remade`: pickle checks ``copyreg.__newobj__``'s class against ``type(self)``."""
+        """Copies and pickles are of the original class (one made at run time cannot be pickled by name), made by
+        :func:`_remade` (pickle checks ``copyreg.__newobj__``'s class against ``type(self)``)."""
         rv = list(super().__reduce_ex__(protocol))
         if len(rv) > 1 and isinstance(rv[1], tuple) and rv[1] and rv[1][0] is type(self):
             rv[0], rv[1] = _remade, (original_class(self), *rv[1][1:])
@@ -230,11 +219,6 @@ class WalksReport(PartReport):
         if self.on:
             return "pipeline call: diffusers' module walks done once each (_execution_device, maybe_free_model_hooks)"
         return f"pipeline call: diffusers' module walks ({self.reason})"
-
-
-def _subclass(cls: type) -> type:
-    return type(cls.__name__, (FastWalks, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                "__doc__": cls.__doc__})
 
 
 def original_class(pipe: Any) -> type:
@@ -265,7 +249,9 @@ def patch(pipe: Any) -> WalksReport:
         log.info("pipeline call: keeping diffusers' module walks: %s", why)
         return WalksReport(False, why)
     if not isinstance(pipe, FastWalks):
-        pipe.__class__ = _subclass(type(pipe))
+        cls = type(pipe)
+        pipe.__class__ = type(cls.__name__, (FastWalks, cls), {"__module__": cls.__module__,
+                                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
     return WalksReport(True)
 
 

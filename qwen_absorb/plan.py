@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import dependencies as dep
-from . import attention21, gating, hooks, lora, nvfp4, ops, parallel, quant
+from . import attention21, gating, hooks, host_codes, lora, nvfp4, ops, parallel, quant
 from . import site_runners as R
 from .ops.qk_norm_rope import probe_variance_order
 from .quant import NormInfo, ProjectionInfo
@@ -122,6 +122,7 @@ class BlockRuntime:
     attn_fwds: dict = field(default_factory=dict)  # the attention linears' gated real-FP8 forwards, by path
     linear_fwds: dict = field(default_factory=dict)  # Qwen-Image-2.1: its linears' real-FP8 forwards, by path
     lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
+    host_codes: dict = field(default_factory=dict)  # FP8 codes kept on the host while the model is away (host_codes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "lock": None}  # a lock is not copyable
@@ -447,20 +448,26 @@ def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: t
 
 def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
     """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears (reused where their key is unchanged)."""
+    back = host_codes.take(plan, block, plan.rt.device)  # back from the host with unchanged sources: no rebuild
     for p, lp in plan.linears.items():
         if not lp.fp8_gemm:
             continue
         m = resolve(block, p)
-        # a host-kept weight: one copy, read on the device
-        staged = quant.staged_weight(m, plan.rt.device, plan.options.tuning.pinned_staging)
-        key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
-        prev = old.get(p)
-        if prev is not None and prev.cache_key == key and prev.weight is not None:
-            lp.weight, lp.offloaded = prev.weight, prev.offloaded
+        if p in back:
+            codes, content = back[p]
+            lp.weight = quant.make_fp8_weight(m, plan.rt.device, codes=codes)
+            lp.cache_key = _fp8_cache_key(block, p, plan.rt.device, content)
         else:
-            lp.weight = quant.make_fp8_weight(m, plan.rt.device, staged)
-        del staged
-        lp.cache_key = key
+            # a host-kept weight: one copy, read on the device
+            staged = quant.staged_weight(m, plan.rt.device, plan.options.tuning.pinned_staging)
+            key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
+            prev = old.get(p)
+            if prev is not None and prev.cache_key == key and prev.weight is not None:
+                lp.weight, lp.offloaded = prev.weight, prev.offloaded
+            else:
+                lp.weight = quant.make_fp8_weight(m, plan.rt.device, staged)
+            del staged
+            lp.cache_key = key
         lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
         lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)
     for s in SITE_TABLE.values():

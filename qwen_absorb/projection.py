@@ -1,9 +1,8 @@
-"""How one linear of a patched block runs: as its module (:func:`run_module`), as a real FP8 ``torch._scaled_mm``
-plus its PEFT LoRA branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`tp_linear`).
+"""How one linear of a patched block runs: as its module, as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA
+branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`tp_linear`).
 
 ``torch._scaled_mm``: ``scale_a * scale_b * (a @ b) + bias`` in fp32, the scales ``amax / 448`` as one-element fp32
-device tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after.
-"""
+device tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) 
 
 def nvfp4_linear(fq: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
     """ModelOpt's NVFP4 ``F.linear(fq(x), fq(W), bias)`` from ``fq(x)``, its producer's emission."""
-    r = lp.nvfp4
-    return torch.nn.functional.linear(fq, r.weight(), r.lin.bias)
+    return torch.nn.functional.linear(fq, lp.nvfp4.weight(), lp.nvfp4.lin.bias)
 
 
 def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list | None = None,
@@ -53,8 +51,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     """``linear(x)`` from the e4m3 codes of ``x`` ([..., K]) -> [..., N] in the linear's dtype. A LoRA linear's
     (``module`` the PEFT layer, ``x`` the unquantized input) active branches are added as PEFT adds them, or from
     ``branches``; ``defer`` collects them for :func:`add_deferred`. Row-wise TP: all-reduced (async into ``works``)."""
-    w = lp.weight
-    lead = codes.shape[:-1]
+    w, lead = lp.weight, codes.shape[:-1]
     if (lp.lora or branches is not None) and writes_into(lp) and codes.numel():
         # the LoRA tail is fp8_linear_into's; a plain GEMM lets torch._scaled_mm allocate (cheaper on the host)
         out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
@@ -157,9 +154,8 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
             or torch.compiler.is_compiling():
         return None
     amax, act_out = down.weight.input_amax, down.lora and down.lora_active
-    w = lp.weight
+    w, lead = lp.weight, codes.shape[:-1]
     n = w.codes.shape[0]
-    lead = codes.shape[:-1]
     out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
     prods = branch_products(plan, lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
     if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
@@ -177,41 +173,25 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     return c.view(*lead, n), (g.view(*lead, n) if g is not None else None), None
 
 
-def fp8_linear_reference(codes: torch.Tensor, lp: LinearPlan) -> torch.Tensor:
-    """What :func:`fp8_linear` computes, in fp32."""
-    w = lp.weight
-    x = codes.float() * lp.input_scale
-    y = x @ (w.codes.float() * w.scale).t()
-    if lp.bias is not None:
-        y = y + lp.bias.float()
-    return y.to(w.out_dtype)
-
-
 def tp_shard_for(plan: BlockPlan, path: str, linear: nn.Module, x: Any) -> TpShard | None:
     """The local-shard record of a TP linear that may skip DTensor for input ``x``, else None (counted with why)."""
     if not plan.options.tuning.tp_local:
         return None
     shard, why = tp_shard(linear)
-    if shard is None:
-        if why is not None:
-            plan.count(f"{path}: tensor-parallel linear runs through DTensor ({why})")
-        return None
-    if type(x) is not torch.Tensor:
-        plan.count(f"{path}: tensor-parallel linear runs through DTensor (input is a {type(x).__name__})")
-        return None
+    if shard is not None and type(x) is not torch.Tensor:
+        shard, why = None, f"input is a {type(x).__name__}"
+    if shard is None and why is not None:
+        plan.count(f"{path}: tensor-parallel linear runs through DTensor ({why})")
     return shard
 
 
 def tp_linear(linear: nn.Module, shard: TpShard, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """``linear(x)`` as DTensor computes it, on the local shards: ``(output, all-reduce work or None)``."""
     y = torch.nn.functional.linear(x, shard.weight.to_local(), shard.local_bias(linear))
-    if shard.style == "colwise":
-        return y, None
-    return y, torch.distributed.all_reduce(y, group=shard.group, async_op=True)
+    return y, None if shard.style == "colwise" else torch.distributed.all_reduce(y, group=shard.group, async_op=True)
 
 
-def wait(works: list) -> None:
-    """Wait for the all-reduces :func:`tp_linear` started (on CUDA the stream waits, not the host)."""
+def wait(works: list) -> None:  # on CUDA the stream waits, not the host
     for w in works:
         w.wait()
     works.clear()

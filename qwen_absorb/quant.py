@@ -331,6 +331,7 @@ class Fp8Weight:
     input_amax: torch.Tensor
     reused_storage: bool  # the codes are ModelOpt's own compressed weight (mtq.compress)
     out_dtype: torch.dtype  # the dtype the linear computes in (its original weight's)
+    amax: torch.Tensor | None = None  # the weight amax the codes were made with (fp32 [1]; None: reused storage)
 
 
 def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False) -> torch.Tensor | None:
@@ -344,8 +345,10 @@ def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False)
     return staging.to_device(w.detach(), device) if pinned else w.detach().to(device, non_blocking=w.is_pinned())
 
 
-def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None) -> Fp8Weight:
-    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons` (``staged``: :func:`staged_weight`)."""
+def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None,
+                    codes: torch.Tensor | None = None) -> Fp8Weight:
+    """The FP8 weight of a linear that passed :func:`fp8_gemm_reasons` (``staged``: :func:`staged_weight`;
+    ``codes``: its codes already made, on ``device``, from the same sources: :mod:`qwen_absorb.host_codes`)."""
     base, _ = unwrap_peft(module)
     wq, iq = base.weight_quantizer, base.input_quantizer
     w = base._parameters["weight"]
@@ -358,9 +361,11 @@ def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tenso
     if is_dtensor(w):
         # this rank's shard; the amax was calibrated over the whole tensor, so these are the shard of the codes
         w = w.to_local().contiguous()
-    with torch.no_grad():
-        codes = quantize_fp8_reference(w.detach().to(device) if staged is None else staged, wq._amax)
-    return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype)
+    if codes is None:
+        with torch.no_grad():
+            codes = quantize_fp8_reference(w.detach().to(device) if staged is None else staged, wq._amax)
+    amax = wq._amax.detach().float().reshape(1).to(device).clone()
+    return Fp8Weight(codes, dequant_scale(wq._amax, device), input_amax, False, w.dtype, amax)
 
 
 def fp8_sources_moved(module: nn.Module, weight: Fp8Weight, device: torch.device) -> bool:

@@ -10,11 +10,9 @@ diffusers' block (one stream, modulation shared by all blocks and sliced per blo
     y  = img_mlp.out(silu(img_mlp.gate_layer(x2)) * img_mlp.proj(x2))  # "swiglu": ops.swiglu
     h  = h + tanh(gate2) * y;  fp16: h.clip(-65504, 65504)  # "ffn_residual": ops.tanh_gate_residual
 
-The sites are rows of :data:`qwen_absorb.sites.SITE21_TABLE`; only ``img_norm1``, ``img_norm2`` (a ModelOpt FP8
-``QuantLayerNorm`` too) and ``img_mlp``'s forward are bypassed, where unhooked. A site whose consumers are real-FP8
-GEMMs under one input amax (:func:`qwen_absorb.fp8_forward.group`) also writes the codes they read. What the plan
-cannot vouch for per call runs diffusers' forward or the eager expression, counted in ``runtime_fallbacks``.
-"""
+Only ``img_norm1``, ``img_norm2`` (a ModelOpt ``QuantLayerNorm`` too) and ``img_mlp``'s forward are bypassed, where
+unhooked; a site whose consumers are real-FP8 GEMMs under one input amax also writes the codes they read. What the
+plan cannot vouch for per call runs diffusers' forward or the eager expression, counted in ``runtime_fallbacks``."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ _hooked = hooks.hooked  # torch / diffusers / accelerate hooks, or a forward rep
 
 
 class Patched21Forward(PatchedForward):
-    """The forward slot of a patched ``QwenImage21TransformerBlock``: its :class:`BlockPlan` (decided again on another
-    device) and :func:`patched_forward`. :meth:`linear_decided` is its linears' ``on_state``."""
+    """The forward slot of a patched ``QwenImage21TransformerBlock``; :meth:`linear_decided`: its linears' on_state."""
 
     __slots__ = ("plan",)
 
@@ -48,9 +45,7 @@ class Patched21Forward(PatchedForward):
         super().__init__(block)
         self.plan = plan
 
-    @property
-    def index(self) -> int:
-        return self.plan.index
+    index = property(lambda self: self.plan.index)
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         plan = self.plan
@@ -95,17 +90,12 @@ def patched_forward(
         plan.count(f"activations on {hidden_states.device}, kernels decided for {plan.rt.device}: torch references")
     x, mask = hidden_states, target_token_mask
     if mode == R.KERNEL:
-        x = x.contiguous()
-        if mask is not None:
-            mask = mask.contiguous()
+        x, mask = x.contiguous(), (mask.contiguous() if mask is not None else None)
     scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)  # rows checked to be [.., 4 * D]
     site_norm1, site_res1, site_norm2, site_swiglu, site_res2 = plan.sites
     eps1, eps2 = plan.norms["img_norm1"].eps, plan.norms["img_norm2"].eps
 
-    # Real FP8 GEMMs (qwen_absorb.fp8_forward) run eagerly; under torch.compile the linears are ModelOpt's.
-    fp8 = mode != R.COMPILED
-    dev = x.device
-    attn = block.attn
+    fp8, dev, attn = mode != R.COMPILED, x.device, block.attn  # under torch.compile the linears are ModelOpt's
 
     # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v where the block calls them itself
     norm1 = site_norm1.fused and _norm_ok(block, "img_norm1", eps1, plan)
@@ -196,10 +186,9 @@ def _call_reason(plan: BlockPlan, x: Any, modulation: Any, mask: Any) -> str | N
     if modulation.dim() != 2 or tuple(modulation.shape) != (rows, 4 * D) or (D > 1 and modulation.stride(-1) != 1):
         return (f"modulation {tuple(modulation.shape)} is not [{rows}, {4 * D}] with unit last stride "
                 "(diffusers would broadcast it): original diffusers forward")
-    if mask is not None:
-        if type(mask) is not torch.Tensor or mask.dtype != torch.bool or tuple(mask.shape) != (L,) \
-                or mask.device != x.device:
-            return "target_token_mask is not a bool [L] tensor on the activations' device: original diffusers forward"
+    if mask is not None and (type(mask) is not torch.Tensor or mask.dtype != torch.bool or tuple(mask.shape) != (L,)
+                             or mask.device != x.device):
+        return "target_token_mask is not a bool [L] tensor on the activations' device: original diffusers forward"
     return None
 
 
@@ -213,8 +202,8 @@ def _norm_ok(block: nn.Module, name: str, eps: float, plan: BlockPlan) -> bool:
 
 
 def _swiglu_ok(mlp: nn.Module, plan: BlockPlan) -> bool:
-    ok = not _hooked(mlp) and type(mlp._modules.get("activation_fn")) is nn.SiLU \
-        and not _hooked(mlp._modules["activation_fn"])
+    act = mlp._modules.get("activation_fn")
+    ok = not _hooked(mlp) and type(act) is nn.SiLU and not _hooked(act)
     if not ok:
         plan.count("img_mlp changed or hooked since patching: img_mlp(x)")
     return ok
@@ -236,10 +225,8 @@ def _pair_ok(a: Any, b: Any) -> bool:
 def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:
     """What the norm's LayerNorm sees: ``x``, or a QuantLayerNorm's ``input_quantizer(x)`` (the module itself)."""
     q = norm._modules.get("input_quantizer")
-    if q is None:
-        return x
-    qx = q(x)
-    return qx.contiguous() if mode == R.KERNEL else qx
+    qx = x if q is None else q(x)
+    return qx.contiguous() if q is not None and mode == R.KERNEL else qx
 
 
 def _fused_quant(norm: nn.Module, mode: int, device: torch.device):

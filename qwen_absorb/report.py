@@ -11,10 +11,10 @@ import json
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .plan import BlockPlan, LinearPlan, SitePlan
+from .plan import BlockPlan, LinearPlan
 from .quant import NormInfo, ProjectionInfo
 from .sites import SITES, STREAMS  # noqa: F401  (re-exported)
 
@@ -33,6 +33,12 @@ def counts(counter: Counter, most: int | None = None) -> str:
     return "; ".join(f"{n} x {r}" for r, n in counter.most_common(most))
 
 
+def _copied(cls: type, src: Any, **given: Any) -> Any:
+    """A ``cls`` of ``src``'s attributes of its fields' names (lists copied), but for those ``given``."""
+    return cls(**{f.name: given[f.name] if f.name in given else
+                  (list(v) if isinstance(v := getattr(src, f.name), list) else v) for f in fields(cls)})
+
+
 @dataclass
 class SiteReport:
     block: int
@@ -48,10 +54,6 @@ class SiteReport:
     fp8_out: bool
     act_out: bool
 
-    @classmethod
-    def of(cls, sp: SitePlan) -> SiteReport:
-        return cls(sp.block, sp.stream, sp.site, sp.fused, list(sp.reasons), sp.runner, sp.projection,
-                   sp.bias_deferred, list(sp.defer_reasons), sp.norm_quantizer, sp.fp8_out, sp.act_out)
 
 
 @dataclass
@@ -65,8 +67,8 @@ class LinearReport:
 
     @classmethod
     def of(cls, lp: LinearPlan) -> LinearReport:
-        return cls(lp.path, lp.fp8_gemm, list(lp.fp8_reasons), lp.lora,
-                   bool(lp.weight is not None and lp.weight.reused_storage), lp.offloaded)
+        return _copied(cls, lp, reused_compressed_storage=bool(lp.weight is not None and lp.weight.reused_storage),
+                       original_weight_offloaded=lp.offloaded)
 
 
 @dataclass
@@ -99,14 +101,13 @@ class BlockReport:
 
     @classmethod
     def of(cls, p: BlockPlan) -> BlockReport:
-        return cls(
-            p.index, p.patched, list(p.reasons), p.install, p.device, p.kernels, list(p.kernel_reasons),
-            [SiteReport.of(s) for s in p.sites], {k: LinearReport.of(v) for k, v in p.linears.items()},
-            {k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
-            {k: NormInfo(**asdict(v)) for k, v in p.norms.items()}, p.qk_fused, list(p.qk_reasons),
-            {k: list(v) for k, v in p.tp_reasons.items()}, p.rt.handoff_to is not None, list(p.handoff_reasons),
-            list(p.handoff_in_reasons), 0, p.fast_accum, p.attn_forwards, attn_cache=p.attn_cache,
-            attn_cache_kind=p.attn_cache_kind)
+        return _copied(
+            cls, p, sites=[_copied(SiteReport, s) for s in p.sites],
+            linears={k: LinearReport.of(v) for k, v in p.linears.items()},
+            projections={k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
+            norms={k: NormInfo(**asdict(v)) for k, v in p.norms.items()},
+            tp_reasons={k: list(v) for k, v in p.tp_reasons.items()}, handoff=p.rt.handoff_to is not None,
+            handoffs_used=0, fp8_forward_linears=0)
 
     def site(self, stream: str, name: str) -> SiteReport:
         for s in self.sites:
@@ -207,7 +208,6 @@ class PatchReport:
         self._live()
         return {**self.__dict__, "_state": None}
 
-    # -- reading
     def _decided(self, blocks: list[BlockReport]) -> BlockReport | None:
         return next((b for b in blocks if b.patched), blocks[0] if blocks else None)
 
@@ -234,13 +234,7 @@ class PatchReport:
     def _summary(self, blocks: list[BlockReport]) -> dict[str, Any]:
         sites = [s for b in blocks for s in b.sites]
         patched = [b for b in blocks if b.patched]
-        formats: Counter = Counter()
-        compressed = 0
-        for b in blocks:
-            for p in b.projections.values():
-                if p.modelopt:
-                    formats[p.weight_format or "none"] += 1
-                    compressed += p.compressed
+        projections = [p for b in blocks for p in b.projections.values() if p.modelopt]
         runners = Counter(s.runner for b in patched for s in b.sites if s.fused)
         linears = [lp for b in patched for lp in b.linears.values()]
         d = self._decided(blocks)
@@ -250,7 +244,8 @@ class PatchReport:
             "sites_on_kernels": runners["kernel"], "sites_on_references": runners["reference"],
             "biases_deferrable_sites": sum(s.projection is not None for s in sites),
             "biases_deferred": sum(s.bias_deferred for s in sites),
-            "quantized_projections": dict(formats), "compressed_projections": compressed,
+            "quantized_projections": dict(Counter(p.weight_format or "none" for p in projections)),
+            "compressed_projections": sum(p.compressed for p in projections),
             "quantized_norms": sum(n.input_quantizer_enabled for b in blocks for n in b.norms.values()),
             "fp8_gemm_linears": sum(lp.fp8_gemm for lp in linears),
             "fp8_gemm_lora_linears": sum(lp.fp8_gemm and lp.lora for lp in linears),
@@ -274,19 +269,10 @@ class PatchReport:
         return self._summary(self.blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        blocks = self.blocks
-        out = {
-            "transformer_class": self.transformer_class, "device": self.device,
-            "dtype": self.dtype, "defer_bias": self.defer_bias, "capabilities": list(self.capabilities),
-            "kernels_available": self.kernels_available, "kernel_unavailable_reasons": self.kernel_unavailable_reasons,
-            "fp8_gemm": self.fp8_gemm, "offload_original_weights": self.offload_original_weights,
-            "force_reference": self.force_reference, "active": self.active, "tuning": self.tuning,
-            "summary": self._summary(blocks), "runtime_fallbacks": dict(self.runtime_fallbacks),
-            "rebuilds": dict(self.rebuilds), "cuda_graph_mode": self.cuda_graph_mode, "cuda_graph": self.cuda_graph,
-            "cuda_graph_refused": self.cuda_graph_refused, "graph_fallbacks": dict(self.graph_fallbacks),
-            "blocks": [b.to_dict() for b in blocks],
-            **{name: part.to_dict() for name, part in self.parts.items()},
-        }
+        out = {k: getattr(self, k) for k in _TOP_FIELDS}
+        out.update({k: dict(v) for k, v in out.items() if isinstance(v, Counter)}, capabilities=list(self.capabilities))
+        out["blocks"] = [b.to_dict() for b in self.blocks]
+        out.update((name, part.to_dict()) for name, part in self.parts.items())
         json.dumps(out)  # fail here, not in the caller's serialiser, if something is not JSON-able
         return out
 
@@ -380,6 +366,11 @@ class PatchReport:
 
 
 _NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
+# PatchReport.to_dict's keys before "blocks", in order
+_TOP_FIELDS = ("transformer_class", "device", "dtype", "defer_bias", "capabilities", "kernels_available",
+               "kernel_unavailable_reasons", "fp8_gemm", "offload_original_weights", "force_reference", "active",
+               "tuning", "summary", "runtime_fallbacks", "rebuilds", "cuda_graph_mode", "cuda_graph",
+               "cuda_graph_refused", "graph_fallbacks")
 
 
 def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, namedtuple
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -19,11 +19,17 @@ import torch
 log = logging.getLogger("qwen_absorb")
 
 
-def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:  # containers keep their types
     if isinstance(x, torch.Tensor):
         return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map(v, fn) for v in x)
+    if type(x) is tuple or type(x) is list:
+        return type(x)(map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        items = {k: map_tensors(v, fn) for k, v in x.items()}
+        try:
+            return type(x)(**items)  # diffusers BaseOutput (a dataclass + OrderedDict)
+        except TypeError:
+            return type(x)(items)
     return x
 
 
@@ -33,10 +39,9 @@ def recording(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
 
     ``torch.cuda.graph`` empties torch's device cache and its pinned host cache before every capture. Each capture
     then gives every cached block back to the driver (``cudaFree`` waits for the device), and the calls after it
-    (the decode after a new prompt length's capture, the next eager call, a pinned staging buffer) allocate them
-    again. The capture allocates from ``pool``; only near the memory limit could the emptied caches have made the
-    room it needs, and there a capture fails and its signature runs eager (counted, as any capture failure).
-    Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
+    allocate them again. The capture allocates from ``pool``; only near the memory limit could the emptied caches
+    have made the room it needs, and there a capture fails and its signature runs eager (counted, as any capture
+    failure). Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
     """
     torch.cuda.synchronize(stream.device)
     with torch.cuda.stream(stream):
@@ -47,23 +52,13 @@ def recording(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
             graph.capture_end()
 
 
-def _static_like(x: torch.Tensor) -> torch.Tensor:
-    """A buffer of ``x``'s shape, strides and dtype on its device (the graph reads these strides)."""
-    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
-
-
-class _Graph:
-    __slots__ = ("graph", "statics", "out", "aid")
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, statics: list[torch.Tensor], out: Any, aid: Any) -> None:
-        self.graph, self.statics, self.out, self.aid = graph, statics, out, aid  # aid: what the graph reads, kept
+_Graph = namedtuple("_Graph", "graph statics out aid")  # aid: what the graph reads, kept with it
 
 
 class ShapeGraphs:
-    """``fn(*tensors)`` captured per key at the key's ``capture_after + 1``-th call, at most ``limit`` graphs (least
-    recently used dropped), one memory pool (calls serialized by a lock, outputs cloned before it is released).
-    ``aid``: made per capture; its ``warmup()`` and ``capture()`` context managers surround the two runs (host
-    decisions taken in the warm-up and replayed under capture), kept with the graph."""
+    """``fn(*tensors)`` captured per key at its ``capture_after + 1``-th call, at most ``limit`` graphs (LRU), one pool
+    (calls serialized by a lock, outputs cloned before it is released). ``aid``: made per capture; its ``warmup()``
+    and ``capture()`` contexts surround the two runs (host decisions replayed under capture), kept with the graph."""
 
     def __init__(self, fn: Callable[..., Any], capture_after: int = 1, limit: int = 4,
                  aid: Callable[[], Any] | None = None) -> None:
@@ -75,8 +70,7 @@ class ShapeGraphs:
         self.lock = threading.Lock()
         self.pool: Any = None
 
-    def clear(self) -> None:
-        """Drop every graph (what they read moved or changed); the next calls count again."""
+    def clear(self) -> None:  # drop every graph (what they read moved or changed); the next calls count again
         with self.lock:
             self.graphs.clear()
             self.seen.clear()
@@ -95,10 +89,7 @@ class ShapeGraphs:
                 if key in self.refused:
                     return None
                 self.seen[key] += 1
-                if self.seen[key] <= self.capture_after:
-                    return None
-                g = self._capture(key, args)
-                if g is None:
+                if self.seen[key] <= self.capture_after or (g := self._capture(key, args)) is None:
                     return None
             else:
                 self.graphs.move_to_end(key)
@@ -106,10 +97,11 @@ class ShapeGraphs:
                     s.copy_(a)
             g.graph.replay()
             self.counts["replays"] += 1
-            return _map(g.out, torch.clone)
+            return map_tensors(g.out, torch.clone)
 
     def _capture(self, key: Hashable, args: tuple[torch.Tensor, ...]) -> _Graph | None:
-        statics = [_static_like(a) for a in args]
+        # static inputs with the inputs' shapes, strides and dtypes: the graph reads these strides
+        statics = [torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device) for a in args]
         for s, a in zip(statics, args):
             s.copy_(a)
         side = torch.cuda.Stream(device=args[0].device)
@@ -128,8 +120,7 @@ class ShapeGraphs:
             self.refused[key] = f"capture failed: {type(e).__name__}: {e}"[:300]
             log.warning("CUDA graph of %s not kept: %s", key, self.refused[key])
             return None
-        g = _Graph(graph, statics, out, aid)
-        self.graphs[key] = g
+        g = self.graphs[key] = _Graph(graph, statics, out, aid)
         self.counts["captures"] += 1
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)

@@ -1,8 +1,7 @@
 """Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears.
 
 The only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers. Paths (``"attn.to_out.0"``)
-are resolved at call time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one.
-"""
+are resolved at call time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one."""
 
 from __future__ import annotations
 
@@ -122,25 +121,21 @@ def family_of(block: nn.Module) -> Family | None:
     return next((f for f in FAMILIES if f.block_class in names), None)
 
 
+# diffusers' modules are imported once, lazily (a slow import); Qwen-Image-2.1's may be missing (None).
 @functools.lru_cache(maxsize=1)
 def classes() -> tuple[type, type, type]:
-    """diffusers' Qwen-Image model, block and processor classes, imported once, lazily (a slow import)."""
-    from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415  (lazy: a heavy import)
-        QwenDoubleStreamAttnProcessor2_0,
-        QwenImageTransformer2DModel,
-        QwenImageTransformerBlock,
-    )
+    """diffusers' Qwen-Image model, block and processor classes."""
+    from diffusers.models.transformers import transformer_qwenimage as m  # noqa: PLC0415
 
-    return QwenImageTransformer2DModel, QwenImageTransformerBlock, QwenDoubleStreamAttnProcessor2_0
+    return m.QwenImageTransformer2DModel, m.QwenImageTransformerBlock, m.QwenDoubleStreamAttnProcessor2_0
 
 
 @functools.lru_cache(maxsize=1)
 def classes21() -> tuple[type, type] | None:
-    """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``, or None without them."""
+    """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``."""
     try:
         from diffusers.models.transformers.transformer_qwenimage21 import (  # noqa: PLC0415
-            QwenImage21Transformer2DModel,
-            QwenImage21TransformerBlock,
+            QwenImage21Transformer2DModel, QwenImage21TransformerBlock,
         )
     except ImportError:
         return None
@@ -155,7 +150,7 @@ def model_classes() -> tuple[type, ...]:
 
 @functools.lru_cache(maxsize=1)
 def attention21_functions() -> tuple | None:
-    """What Qwen-Image-2.1's processor uses (dispatch, rope, attention and processor classes, RMSNorm), or None."""
+    """What Qwen-Image-2.1's processor uses (dispatch, rope, attention and processor classes, RMSNorm)."""
     try:
         from diffusers.models.normalization import RMSNorm  # noqa: PLC0415
         from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415

@@ -1,13 +1,11 @@
 """diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FasterCache and
 FirstBlockCache are not whole-model graphed (:func:`refusal`).
 
-Both caches decide each call's work on the host from their own counters, before any tensor is read. The runner
-asks :func:`begin` before a call: each state's decision is predicted on a copy of it (diffusers' expressions on the
-same values) and keys the graph. The tensor a state carries between calls (attention output, residual) lives in a
-kept tensor per (hook, cache context). A warm-up and a capture run diffusers' hooks with the timestep callback
+Both decide each call's work on the host from their own counters: :func:`begin` predicts each state's decision on a
+copy of it (diffusers' expressions on the same values), which keys the graph. The tensor a state carries between
+calls is kept in place per (hook, cache context). A warm-up and a capture run the hooks with the timestep callback
 answering the decided comparison (no device read inside a capture); a replay runs no hook: the predicted state is
-applied after it. A PAB hook that is its attention's only hook is run by the patched block around its own attention
-(:func:`run`).
+applied after it. :class:`CallSteps`: the runner's view of one call's steps (also TaylorSeer's).
 """
 
 from __future__ import annotations
@@ -39,7 +37,13 @@ _EAGER = {
         "cond/uncond inputs: QwenImagePipeline runs them as separate calls (is_guidance_distilled=False raises "
         "on Qwen-Image, patched or not); its attention approximation runs eager, exact"),
 }
-_serials = itertools.count(1)
+_serials = itertools.count(1)  # a new serial per kept allocation: keys the graphs that read it
+# hook -> {cache context: kept tensors (also taylorseer's)}; by hook: diffusers drops its states after every run
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release(hook: Any) -> None:  # forget the tensors kept for ``hook`` (graphs holding them keep theirs until dropped)
+    _kept.pop(hook, None)
 
 
 def _diffusers(obj: Any, names: dict) -> Any:
@@ -52,8 +56,7 @@ def is_fbc_config(config: Any) -> bool:
     return _diffusers(config, {"FirstBlockCacheConfig": True}) is not None
 
 
-def is_fbc_hook(hook: Any) -> bool:
-    """``hook`` is one of FirstBlockCache's block hooks (its head's or the others')."""
+def is_fbc_hook(hook: Any) -> bool:  # ``hook`` is one of FirstBlockCache's block hooks (its head's or the others')
     return _diffusers(hook, {"FBCHeadBlockHook": True, "FBCBlockHook": True}) is not None
 
 
@@ -80,12 +83,10 @@ def attention_hook(module: nn.Module) -> Any | None:
     """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' own, the
     module's only hook, wrapping the class forward, with the identity pre/post steps (the block calls neither)."""
     hook = hooks.sole_registry_hook(module, PAB_HOOK_NAME)
-    cls = type(hook)
-    if hook is None or _diffusers(hook, _HOOKS) != PAB or "pre_forward" in cls.__dict__ \
-            or "post_forward" in cls.__dict__:
-        return None
     orig = getattr(getattr(hook, "fn_ref", None), "original_forward", None)
-    if getattr(orig, "__self__", None) is not module or getattr(orig, "__func__", None) is not type(module).forward:
+    own = getattr(orig, "__self__", None) is module and getattr(orig, "__func__", None) is type(module).forward
+    if hook is None or _diffusers(hook, _HOOKS) != PAB or {"pre_forward", "post_forward"} & vars(type(hook)).keys() \
+            or not own:
         return None
     return hook
 
@@ -107,9 +108,8 @@ class _Around:
 
 
 def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
-    """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's own attention) as its forward:
-    diffusers' own ``new_forward`` runs on a stand-in of the hook, not on the hook with its ``fn_ref`` swapped (that
-    reference is shared with every other caller of the module)."""
+    """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's attention) as its forward:
+    diffusers' ``new_forward`` on a stand-in of the hook (its ``fn_ref`` is shared with the module's other callers)."""
     hook = attention_hook(module)
     if hook is None:
         raise RuntimeError("qwen_absorb: the PyramidAttentionBroadcast hook this block was decided for is gone")
@@ -126,9 +126,7 @@ def _copy(v: Any) -> Any:  # what a snapshot holds: 0-d tensors diffusers update
     return list(v) if isinstance(v, list) else v
 
 
-class _Kept:
-    """The tensors a state carries from call to call, kept in place for graphs; a new ``serial`` on a new shape."""
-
+class _Kept:  # the tensors a state carries from call to call, kept in place for graphs
     __slots__ = ("serial", "bufs", "box")
 
     def __init__(self, v: Any) -> None:
@@ -143,14 +141,8 @@ class _Kept:
     def value(self) -> Any:  # the kept tensors as the state holds them
         return self.bufs[0] if self.box is None else self.box(self.bufs)
 
-
-# hook -> {cache context: _Kept}; keyed by the hook, as diffusers drops its states at the end of every run
-_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def release(hook: Any) -> None:
-    """Forget the kept tensors of ``hook`` (graphs holding them keep theirs until dropped)."""
-    _kept.pop(hook, None)
+    def tensors(self) -> list[torch.Tensor]:
+        return self.bufs
 
 
 class _Step:
@@ -163,8 +155,7 @@ class _Step:
                  reset: bool = False) -> None:
         self.hook, self.state, self.name, self.field = hook, state, name, field
         self.compute, self.post, self.reset = compute, post, reset
-        self.changed = False
-        self.before = self.after = None
+        self.changed, self.before, self.after = False, None, None
         self.kept = self._adopt()
 
     def _adopt(self) -> _Kept | None:
@@ -208,16 +199,13 @@ class _Step:
     def restore(self, snap: dict) -> None:
         vars(self.state).update({k: _copy(v) for k, v in snap.items()})
 
-    def apply(self) -> None:
-        """The state after a replay: what diffusers' hooks leave."""
+    def apply(self) -> None:  # the state after a replay: what diffusers' hooks leave
         vars(self.state).update(self.post)
         if self.compute:
             setattr(self.state, self.field, None if self.reset else self.kept.value())
 
 
-class _Decided:
-    """What a PAB hook's timestep callback answers in a warm-up or capture: ``lo < x < hi`` is the decision."""
-
+class _Decided:  # what a PAB hook's timestep callback answers in a warm-up or capture: ``lo < x < hi`` is the decision
     __slots__ = ("inside",)
 
     def __init__(self, inside: bool) -> None:
@@ -273,8 +261,7 @@ def _mag(head: Any) -> _Step | str:
 
 
 def begin(config: Any, hook_list: list[Any]) -> Steps | str | None:
-    """This call's steps, decided now without touching the states' counters; a refusal when it must run eager;
-    None when ``hook_list`` has none of this cache's hooks."""
+    """This call's steps, decided without touching the states' counters; a refusal (eager); None: none of its hooks."""
     if kind(config) == PAB:
         pab = [h for h in hook_list if _diffusers(h, _HOOKS) == PAB]
         return Steps(*_pab(pab), PAB) if pab else None
@@ -285,19 +272,17 @@ def begin(config: Any, hook_list: list[Any]) -> Steps | str | None:
     return step if isinstance(step, str) else Steps([step], [], MAG)
 
 
-class Steps:
-    """One call's decisions, with the runner's interface (that of :class:`qwen_absorb.taylorseer.Steps`)."""
+class CallSteps:
+    """One call's steps as the runner uses them: ``key`` (its part of the graph key), ``first`` (the refusal while
+    not :attr:`capturable`), entered around the call, :meth:`wrap` (the forward for a warm-up and a capture),
+    :meth:`apply` after it, :meth:`abandon` when it raised. Its steps have ``hook``, ``compute``, ``kept``."""
 
-    __slots__ = ("steps", "shadows", "key", "first")
-
-    def __init__(self, steps: list[_Step], shadows: list[tuple[Any, _Decided]], name: str) -> None:
-        self.steps, self.shadows = steps, shadows
-        self.key = (name, tuple(s.key() for s in steps))
-        self.first = f"{name} cache: first computed step of its state"
+    __slots__ = ()
+    HOOKS = "step_hooks"  # the runner's snapshot's list of the hooks these steps are decided for
 
     @property
     def capturable(self) -> bool:
-        """Every state has its kept tensors (a first compute step makes them) and none moved meanwhile."""
+        """Every step has its kept tensors (a first compute step makes them) and none was reallocated meanwhile."""
         return all(s.kept is not None and not s.changed for s in self.steps)
 
     @property
@@ -305,13 +290,33 @@ class Steps:
         return any(s.compute for s in self.steps)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [b for s in self.steps if s.kept is not None for b in s.kept.bufs]
+        """What a graph of this call reads and writes outside its pool: kept alive with the graph."""
+        return [t for s in self.steps if s.kept is not None for t in s.kept.tensors()]
 
-    def __enter__(self) -> Steps:
+    def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
+        return {id(s.hook) for s in self.steps} <= set(map(id, getattr(scan, self.HOOKS)))
+
+    def __enter__(self) -> CallSteps:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:  # the call raised
+            self.abandon()
+
+    def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        return inner
+
+    def abandon(self) -> None:  # a raising call ran diffusers' hooks: they left the states as they do eager
         pass
+
+
+class Steps(CallSteps):  # one call's PAB or MagCache decisions
+    __slots__ = ("steps", "shadows", "key", "first")
+
+    def __init__(self, steps: list[_Step], shadows: list[tuple[Any, _Decided]], name: str) -> None:
+        self.steps, self.shadows = steps, shadows
+        self.key = (name, tuple(s.key() for s in steps))
+        self.first = f"{name} cache: first computed step of its state"
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         """``inner`` for a warm-up (first call) and a capture (second, from the state of before the call, put back
@@ -344,13 +349,7 @@ class Steps:
 
         return run
 
-    def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
-        return {id(s.hook) for s in self.steps} <= set(map(id, scan.step_hooks))
-
     def apply(self, replayed: bool) -> None:  # after the call: a replay ran no hook
         if replayed:
             for s in self.steps:
                 s.apply()
-
-    def abandon(self) -> None:  # a raising call ran diffusers' hooks: they left the states as they do eager
-        pass

@@ -9,28 +9,25 @@ offset). Anything else stays diffusers' hooked module, which graph mode refuses.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import hooks
+from . import hooks, step_caches
 from .ops import kernel_runtime_reasons
 from .ops import taylor_seer as ts_ops
 
 log = logging.getLogger("qwen_absorb")
 
 HOOK_NAME = "taylorseer_cache"
-_serials = itertools.count(1)
 _local = threading.local()
 
 
-def _capturing() -> bool:
+def capturing() -> bool:  # the current stream is capturing a CUDA graph
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
@@ -57,19 +54,17 @@ def supported_hook(module: nn.Module) -> Any | None:
     return hook
 
 
-def graph_reasons(device: torch.device) -> list[str]:
-    """Why the steps cannot be replayed on ``device`` (their kernels read the step sizes from device memory)."""
+def graph_reasons(device: torch.device) -> list[str]:  # why the steps' kernels cannot run on ``device``
     return kernel_runtime_reasons(device)
 
 
 class _Record:
-    """The factors of one (hook, cache context), in place: ``bufs[i][k]`` is order k of output i; a new ``serial``
-    when shapes or dtypes change."""
+    """The factors of one (hook, cache context) in place: ``bufs[i][k]`` is order k of output i."""
 
     __slots__ = ("serial", "bufs", "dtypes")
 
     def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, orders: int) -> None:
-        self.serial = next(_serials)
+        self.serial = next(step_caches._serials)
         self.dtypes = tuple(x.dtype for x in like)  # the module's output dtypes (what predictions are made in)
         self.bufs = [[torch.empty(x.shape, dtype=dtype, device=x.device) for _ in range(orders)] for x in like]
 
@@ -81,32 +76,20 @@ class _Record:
         return [t for b in self.bufs for t in b]
 
 
-# hook -> {context name: _Record}; keyed by the hook: diffusers drops its states after every pipeline call
-_records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _record(hook: Any, name: str) -> _Record | None:
-    per = _records.get(hook)
+def _record(hook: Any, name: str) -> _Record | None:  # in step_caches' per-hook store (its release forgets it)
+    per = step_caches._kept.get(hook)
     return per.get(name) if per is not None else None
 
 
 def _new_record(hook: Any, name: str, like: list[torch.Tensor], dtype: torch.dtype, orders: int) -> _Record:
-    rec = _Record(like, dtype, orders)
-    _records.setdefault(hook, {})[name] = rec
+    rec = step_caches._kept.setdefault(hook, {})[name] = _Record(like, dtype, orders)
     log.debug("TaylorSeer factors kept for %r: %d tensors, %.1f MiB", name, len(rec.tensors()),
               sum(t.numel() * t.element_size() for t in rec.tensors()) / 2**20)
     return rec
 
 
-def release(hook: Any) -> None:
-    """Forget the kept factors of ``hook`` (graphs holding them keep theirs until dropped)."""
-    _records.pop(hook, None)
-
-
-class Step:
-    """One hook's step in one call, decided before the call (graph mode)."""
-
-    __slots__ = ("hook", "state", "name", "compute", "n", "delta", "offset", "coef", "record", "orders", "changed",
+class Step:  # one hook's step in one call, decided before the call (graph mode)
+    __slots__ = ("hook", "state", "name", "compute", "n", "delta", "offset", "coef", "kept", "orders", "changed",
                  "entered", "ran")
 
     def __init__(self, hook: Any, state: Any, compute: bool) -> None:
@@ -125,16 +108,15 @@ class Step:
                 raise ValueError("Delta step cannot be zero for TaylorSeer update.")
             # diffusers differences each order it holds (up to max_order) against the new features
             self.n = 0 if first else min(int(state.max_order), len(facs.get(0, {})))
+        elif state.last_update_step is None or not facs:
+            self.n = -1  # diffusers raises; run() raises the same
         else:
-            if state.last_update_step is None or not facs:
-                self.n = -1  # diffusers raises; run() raises the same
-            else:
-                self.offset = state.current_step - state.last_update_step
-                self.n = len(facs[0])
-        self.record = self._adopt()
+            self.offset = state.current_step - state.last_update_step
+            self.n = len(facs[0])
+        self.kept = self._adopt()
 
     def key(self) -> tuple:
-        return (self.compute, self.n, self.record.serial if self.record is not None else None)
+        return (self.compute, self.n, self.kept.serial if self.kept is not None else None)
 
     def coefficients(self) -> list[float]:
         if self.compute:
@@ -170,17 +152,18 @@ class Step:
         if not self.compute:
             if self.n < 0:
                 raise ValueError("Cannot predict without prior initialization/update.")
-            outs = [self._predict(b, dt) for b, dt in zip(self.record.bufs, st.module_dtypes)]
+            outs = [ts_ops.predict_reference(b, self.n, self.offset, dt) if ts_ops.reasons(b[0], b)
+                    else ts_ops.predict(b, self.n, self.coef, dt) for b, dt in zip(self.kept.bufs, st.module_dtypes)]
             self.ran = True
             return outs[0] if len(outs) == 1 else tuple(outs)
         out = compute()
         feats = [out] if isinstance(out, torch.Tensor) else list(out)
         fdtype = st.taylor_factors_dtype
-        rec = self.record
+        rec = self.kept
         if rec is None or not rec.fits(feats, fdtype):
-            if _capturing():
+            if capturing():
                 raise RuntimeError("TaylorSeer factors reallocated during a CUDA-graph capture")
-            self.record = rec = _new_record(self.hook, self.name, feats, fdtype, self.orders)
+            self.kept = rec = _new_record(self.hook, self.name, feats, fdtype, self.orders)
             self.changed, self.n = True, 0  # diffusers restarts its expansion on a shape change too
         rec.dtypes = tuple(x.dtype for x in feats)
         for x, b in zip(feats, rec.bufs):
@@ -191,20 +174,15 @@ class Step:
         self.ran = True
         return out
 
-    def _predict(self, bufs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        if ts_ops.reasons(bufs[0], bufs):
-            return ts_ops.predict_reference(bufs, self.n, self.offset, dtype)
-        return ts_ops.predict(bufs, self.n, self.coef, dtype)
-
     def apply(self) -> None:
         """The state's Python side after this step ran (replayed or not): what diffusers' update leaves."""
-        if not self.compute or self.record is None:
+        if not self.compute or self.kept is None:
             return
         st = self.state
-        for i, b in enumerate(self.record.bufs):
+        for i, b in enumerate(self.kept.bufs):
             st.taylor_factors[i] = {k: b[k] for k in range(self.n + 1)}
-        st.module_dtypes = self.record.dtypes
-        st.device = self.record.bufs[0][0].device
+        st.module_dtypes = self.kept.dtypes
+        st.device = self.kept.bufs[0][0].device
         st.last_update_step = st.current_step
 
 
@@ -216,30 +194,23 @@ class GraphSteps:
 
     def __init__(self) -> None:
         self._dev: torch.Tensor | None = None
-        self._host: list[torch.Tensor] = []
-        self._events: list[Any] = []
-        self._next = 0
+        self._host, self._events, self._next = [], [], 0  # the pinned ring, its copies' events, the next slot
 
     def _rows(self, n: int, device: torch.device) -> torch.Tensor:
         dev = self._dev
         if dev is None or dev.shape[0] < n or dev.device != device:
             self._dev = dev = torch.zeros(max(n, 1), ts_ops.MAX_ORDER, dtype=torch.float32, device=device)
-            pin = device.type == "cuda"
-            self._host = [torch.zeros(dev.shape, dtype=torch.float32, pin_memory=pin) for _ in range(self.RING)]
+            self._host = [torch.zeros(dev.shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+                          for _ in range(self.RING)]
             self._events = [None] * self.RING
         return dev
 
     def begin(self, hooks: list[Any], device: torch.device) -> Steps:
         """Each hook's step for this call (the hooks' own counters advance, as their eager calls would)."""
-        steps = []
-        for h in hooks:
-            should, state = h._measure_should_compute()
-            steps.append(Step(h, state, bool(should)))
+        steps = [Step(h, state, bool(should)) for h in hooks for should, state in [h._measure_should_compute()]]
         dev = self._rows(len(steps), device)
-        r = self._next
-        self._next = (r + 1) % self.RING
-        ev = self._events[r]
-        if ev is not None:
+        r, self._next = self._next, (self._next + 1) % self.RING
+        if (ev := self._events[r]) is not None:
             ev.synchronize()  # the copy that last read this pinned slot has run (never waits in practice)
         m = ts_ops.MAX_ORDER
         flat = []
@@ -262,29 +233,20 @@ class GraphSteps:
         return [self._dev] if self._dev is not None else []
 
 
-class Steps:
-    """One call's steps: the graph key part, the context :func:`run` finds them in, the Python side after."""
+class Steps(step_caches.CallSteps):
+    """One call's steps; entered, the context :func:`run` finds them in. The blocks run them: nothing to stage."""
 
     __slots__ = ("steps", "by_hook", "key", "owner", "_prev")
-    first = "TaylorSeer cache: first update of its factors"  # the runner's refusal while not capturable
+    first = "TaylorSeer cache: first update of its factors"
+    HOOKS = "cache_hooks"
 
     def __init__(self, steps: list[Step], owner: GraphSteps) -> None:
         self.steps, self.owner = steps, owner
         self.by_hook = {id(s.hook): s for s in steps}
         self.key = tuple(s.key() for s in steps)
 
-    @property
-    def capturable(self) -> bool:
-        """Every step's factors exist (a first update allocates them) and none moved while running."""
-        return all(s.record is not None and not s.changed for s in self.steps)
-
-    @property
-    def writes(self) -> bool:
-        return any(s.compute for s in self.steps)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """What a graph of this call reads and writes outside its pool: kept alive with the graph."""
-        return [t for s in self.steps if s.record is not None for t in s.record.tensors()] + self.owner.tensors()
+    def tensors(self) -> list[torch.Tensor]:  # the factors, and the step sizes the kernels read
+        return super().tensors() + self.owner.tensors()
 
     def __enter__(self) -> Steps:
         self._prev = getattr(_local, "steps", None)
@@ -293,19 +255,13 @@ class Steps:
 
     def __exit__(self, *exc: Any) -> None:
         _local.steps = self._prev
+        super().__exit__(*exc)
 
     def apply(self, replayed: bool = False) -> None:  # (each step ran, or its launch marked it: :func:`replayed`)
         for s in self.steps:
             s.apply()
 
-    def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:  # the blocks run the steps: nothing to stage
-        return inner
-
-    def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
-        return self.by_hook.keys() <= set(map(id, scan.cache_hooks))
-
-    def replayed(self) -> None:
-        """A graph ran every step of this call (no Python of the steps runs in a replay)."""
+    def replayed(self) -> None:  # a graph ran every step of this call (no Python of the steps runs in a replay)
         for s in self.steps:
             s.entered = s.ran = True
 
@@ -319,8 +275,7 @@ class Steps:
                 s.state.current_step -= 1  # what _measure_should_compute added
 
 
-def replayed() -> None:
-    """The runner launched a graph for the call whose steps are current in this thread (if any)."""
+def replayed() -> None:  # the runner launched a graph for the call whose steps are current in this thread (if any)
     steps = getattr(_local, "steps", None)
     if steps is not None:
         steps.replayed()
@@ -336,7 +291,7 @@ def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
     step = steps.by_hook.get(id(hook)) if steps is not None else None
     if step is not None:
         out = step.run(compute)
-        if not _capturing():
+        if not capturing():
             step.apply()
         return out
     should, state = hook._measure_should_compute()

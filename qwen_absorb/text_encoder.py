@@ -1,28 +1,20 @@
 """Qwen-Image's prompt encoding off the host: a cache of prompt embeddings and CUDA graphs of the text encoder.
 
 :class:`PromptEncoder`, the pipeline's instance ``_get_qwen_prompt_embeds``, computes what diffusers 0.42.1's
-method computes, bit for bit, with three changes of where the work runs:
-- the tokens are keyed on the host: exact inputs encoded before (ids, mask, template, drop index, dtype,
-  device; the encoder's weights by the watch) return clones of the kept embeddings (true CFG's empty negative
-  prompt is encoded once);
-- on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232
-  kernels for 7.4 ms of GPU work at 110 tokens). ``"auto"`` captures a key at its second call (a prompt length
-  seen once costs no capture), ``True`` at its first; a capture that fails leaves that key eager. Under capture
-  transformers would build the attention mask another way (an explicit mask instead of SDPA's causal flag), so
-  the warm-up's masks are replayed there (:class:`MaskConstants`; bit for bit on the H200,
-  tests/test_text_encoder_gpu.py);
-- the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask
-  syncs); the same rows.
-A :class:`~qwen_absorb.watch.Watch` of the encoder, asked at every call, empties the cache and drops the
-graphs when a weight is replaced, loaded in place or given new ``.data``, a norm's eps or a PEFT adapter's state or
-scale is set anew. Hooked encoders (offloading) run
-eager; the cache still applies.
+method computes, bit for bit, moving where the work runs:
+- exact inputs encoded before (host tokens and mask, template, drop index, dtype, device; the encoder by a watch)
+  return clones of the kept embeddings (true CFG's empty negative prompt is encoded once);
+- on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232 kernels
+  for 7.4 ms of GPU work at 110 tokens). Under capture transformers would build an explicit attention mask instead
+  of SDPA's causal flag, so the warm-up's masks are replayed there (:class:`MaskConstants`);
+- the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask syncs).
+The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) empties the cache and
+drops the graphs. Hooked encoders (offloading) run eager; the cache still applies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 from collections import Counter, OrderedDict
@@ -33,39 +25,32 @@ import torch
 from torch import nn
 
 from . import lora
+from .component_patch import HOOK_DICTS, ComponentReport, Slot, install, remove, slot_report
 from .gating import check_tristate
 from .pipeline_walks import source_hash
-from .report import PartReport, counts
-from .shape_graphs import ShapeGraphs
+from .report import counts
 from .watch import Watch
-
-log = logging.getLogger("qwen_absorb")
 
 CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations; cache keyed on the exact inputs)"
 
 
 @dataclass
-class TextEncoderReport(PartReport):
+class TextEncoderReport(ComponentReport):
     """The ``text_encoder`` section of a patch report."""
 
-    on: bool
-    reasons: list[str]
     contract: str = CONTRACT
-    cuda_graph: str | bool = "auto"
     cache_size: int = 8
     graphs_off: str | None = None  # "cuda_graph=False": the encoder runs eager on CUDA
     cache_hits: int = 0
     cache_misses: int = 0
     encoder_changes: int = 0
     graph_refusals: Counter = field(default_factory=Counter)  # encoder calls run eager on CUDA, by reason
-    graphs: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
         if not self.on:
             return "prompt encoding: diffusers' (" + "; ".join(self.reasons) + ")"
-        g = self.graphs
-        s = (f"prompt encoding: cache {self.cache_hits} hits / {self.cache_misses} misses"
-             + (f", CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else ""))
+        g = self.graph_counts()
+        s = f"prompt encoding: cache {self.cache_hits} hits / {self.cache_misses} misses" + (", " + g if g else "")
         if self.graph_refusals:
             s += "; eager encoder: " + counts(self.graph_refusals, 3)
         return s
@@ -102,8 +87,7 @@ _PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_c
 
 def _watch(te: nn.Module) -> Watch:
     mods = list(te.modules())
-    tensors = [(m, "_parameters", n) for m in mods for n in m._parameters]
-    tensors += [(m, "_buffers", n) for m in mods for n in m._buffers]
+    tensors = [(m, d, n) for m in mods for d in ("_parameters", "_buffers") for n in m.__dict__[d]]
     entries = [(m, "_modules", n) for m in mods for n in m._modules]
     entries += [(m, "__dict__", "forward") for m in mods]
     entries += [(m, "__dict__", k) for m in mods for k in _PLAIN_ATTRS if k in m.__dict__]
@@ -111,11 +95,6 @@ def _watch(te: nn.Module) -> Watch:
     # plain state: each seen through the layer's own state
     stateful = [(m, lora.output_state) for m in mods if lora.is_lora_layer(m)]
     return Watch(entries=entries, tensors=tensors, stateful=stateful, typed=mods)
-
-
-def _hook_watch(te: nn.Module) -> Watch:
-    """The hook dicts by length (a hook added or removed: :func:`_foreign_hooks` says whether it matters)."""
-    return Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in ("_forward_hooks", "_forward_pre_hooks")])
 
 
 # hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
@@ -160,84 +139,74 @@ class MaskConstants:
                         and any(callable(sys.modules[n].__dict__.get(f)) for f in self.NAMES)]
         self.recorded: list[tuple[str, Any]] = []
 
+    def warmup(self) -> Any:
+        return self._swap(None)
+
+    def capture(self) -> Any:
+        return self._swap(iter(list(self.recorded)))
+
     @contextlib.contextmanager
-    def _swap(self, make: Any) -> Any:
+    def _swap(self, answers: Any) -> Any:
+        """The mask builders replaced, for this thread: recording their answers (``answers`` None) or giving them."""
         owner = threading.get_ident()
-        saved = []
-        for mod in self.modules:
-            for name in self.NAMES:
-                real = mod.__dict__.get(name)
-                if callable(real):
-                    saved.append((mod, name, real))
-                    mod.__dict__[name] = make(name, real, owner)
+
+        def wrap(name: str, real: Any) -> Any:
+            def builder(*a: Any, **k: Any) -> Any:
+                if threading.get_ident() != owner:
+                    return real(*a, **k)
+                if answers is None:
+                    out = real(*a, **k)
+                    self.recorded.append((name, out))
+                    return out
+                got, out = next(answers, (None, None))
+                if got != name:
+                    raise RuntimeError(f"{name} called out of the warm-up's order under capture")
+                return out
+            return builder
+
+        saved = [(mod, name, mod.__dict__.get(name)) for mod in self.modules for name in self.NAMES]
+        saved = [x for x in saved if callable(x[2])]
+        for mod, name, real in saved:
+            mod.__dict__[name] = wrap(name, real)
         try:
             yield
         finally:
             for mod, name, real in saved:
                 mod.__dict__[name] = real
 
-    def warmup(self) -> Any:
-        def make(name: str, real: Any, owner: int) -> Any:
-            def record(*a: Any, **k: Any) -> Any:
-                out = real(*a, **k)
-                if threading.get_ident() == owner:
-                    self.recorded.append((name, out))
-                return out
-            return record
-        return self._swap(make)
-
-    def capture(self) -> Any:
-        answers = iter(list(self.recorded))
-
-        def make(name: str, real: Any, owner: int) -> Any:
-            def replay(*a: Any, **k: Any) -> Any:
-                if threading.get_ident() != owner:
-                    return real(*a, **k)
-                got, out = next(answers, (None, None))
-                if got != name:
-                    raise RuntimeError(f"{name} called out of the warm-up's order under capture")
-                return out
-            return replay
-        return self._swap(make)
-
 
 def _key_of(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
-class PromptEncoder:
+class PromptEncoder(Slot):
     """The pipeline's instance ``_get_qwen_prompt_embeds`` (see the module docstring)."""
 
-    __qwen_absorb_text_encoder__ = True
+    ATTR, REPORT = "_get_qwen_prompt_embeds", TextEncoderReport
 
-    def __init__(self, pipe: Any, report: TextEncoderReport, cuda_graph: str | bool, had_instance: Any) -> None:
-        self.pipe, self.report, self.mode, self.had_instance = pipe, report, cuda_graph, had_instance
+    def __init__(self, pipe: Any, report: TextEncoderReport, had_instance: Any) -> None:
+        self.pipe = pipe
         self.encoder = pipe.text_encoder
         self._watch_encoder()
         self.cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.graphs = self._new_graphs()
-        report.graphs_off = "cuda_graph=False" if cuda_graph is False else None
+        super().__init__(report, had_instance)
+        report.graphs_off = "cuda_graph=False" if self.mode is False else None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy of the pipeline (deepcopy / pickle) carries the patch without the kept embeddings (possibly
-        # autograd non-leaves, which deepcopy refuses) or graphs (a lock): made again in the copy
-        return {**self.__dict__, "cache": OrderedDict(), "graphs": None}
+    def _uncopied(self) -> dict[str, Any]:
+        # the kept embeddings may be autograd non-leaves, which deepcopy refuses
+        return {"cache": OrderedDict()}
 
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-        self.graphs = self._new_graphs()
+    def _aid(self) -> MaskConstants:
+        return MaskConstants(self.encoder)
 
-    def _new_graphs(self) -> ShapeGraphs:
-        return ShapeGraphs(self._last_hidden, capture_after=0 if self.mode is True else 1,
-                           aid=lambda: MaskConstants(self.encoder))
-
-    def _last_hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        return out.hidden_states[-1]
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
     def _watch_encoder(self) -> None:
         te = self.encoder
-        self.watch, self.hook_watch, self.hooks = _watch(te), _hook_watch(te), _foreign_hooks(te)
+        self.watch, self.hooks = _watch(te), _foreign_hooks(te)
+        # the hook dicts by length: a hook added or removed (_foreign_hooks says whether it matters)
+        self.hook_watch = Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in HOOK_DICTS])
         self.hooked = _hooked(te)  # why a replay would skip something (None: nothing)
 
     def _check_encoder(self) -> None:
@@ -261,13 +230,11 @@ class PromptEncoder:
         pipe = self.pipe
         self._check_encoder()
         te = self.encoder
-        device = device or pipe._execution_device
-        dtype = dtype or te.dtype
+        device, dtype = device or pipe._execution_device, dtype or te.dtype
         prompt = [prompt] if isinstance(prompt, str) else prompt
         template, drop_idx = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
-        txt = [template.format(e) for e in prompt]
-        tok = pipe.tokenizer(txt, max_length=pipe.tokenizer_max_length + drop_idx, padding=True, truncation=True,
-                             return_tensors="pt")
+        tok = pipe.tokenizer([template.format(e) for e in prompt], max_length=pipe.tokenizer_max_length + drop_idx,
+                             padding=True, truncation=True, return_tensors="pt")
         ids, mask = tok.input_ids, tok.attention_mask
         if ids.device.type != "cpu" or mask.device.type != "cpu":
             raise ValueError("the tokenizer returned tensors off the host; the prompt cache keys host tokens")
@@ -293,15 +260,14 @@ class PromptEncoder:
         ids_d, mask_d = ids.to(device), mask.to(device)
         hidden = None
         if ids_d.device.type == "cuda" and self.mode is not False:
-            why = self.hooked or (None if torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
-                                            else "autograd")
-            if why is None:
+            why = self.hooked or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and "autograd")
+            if not why:
                 hidden = self.graphs((tuple(ids.shape), _key_of(mask), ids_d.device), (ids_d, mask_d))
                 self.report.graphs = self.graphs.describe()
             else:
                 self.report.graph_refusals[why] += 1
         if hidden is None:
-            hidden = self._last_hidden(ids_d, mask_d)
+            hidden = self._run(ids_d, mask_d)
         # diffusers' _extract_masked_hidden, the rows chosen by the host mask (the same rows, no device sync)
         bool_mask = mask.bool()
         rows = [bool_mask[b].nonzero().flatten() for b in range(mask.shape[0])]
@@ -322,36 +288,13 @@ def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) ->
         raise ValueError(f"cache_size must be an int >= 0, not {cache_size!r}")
     if not hasattr(pipe, "__dict__") or pipe is None:
         raise TypeError(f"text_encoder.patch needs a diffusers pipeline, got {type(pipe).__name__}")
-    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
-    if isinstance(cur, PromptEncoder):
-        if cur.mode == cuda_graph and cur.report.cache_size == cache_size:
-            cur.renew()  # patch() again catches up with writes no watch sees (a user's in-place .data write)
-            return cur.report
-        unpatch(pipe)
-        cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
-    reasons = _static_reasons(pipe)
-    report = TextEncoderReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cache_size=cache_size)
-    if reasons:
-        log.info("prompt encoding left to diffusers: %s", "; ".join(reasons))
-    else:
-        pipe.__dict__["_get_qwen_prompt_embeds"] = PromptEncoder(pipe, report, cuda_graph, cur)
-    return report
+    return install(pipe, PromptEncoder, _static_reasons, "prompt encoding", cuda_graph, cache_size=cache_size)
 
 
 def unpatch(pipe: Any) -> None:
     """Restore diffusers' ``_get_qwen_prompt_embeds`` and release the cache and graphs; a no-op if not patched."""
-    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
-    if not isinstance(cur, PromptEncoder):
-        return
-    cur.cache.clear()
-    cur.graphs.clear()
-    del pipe.__dict__["_get_qwen_prompt_embeds"]
-    if cur.had_instance is not None:
-        pipe.__dict__["_get_qwen_prompt_embeds"] = cur.had_instance
-    cur.report.on = False
-    cur.report.reasons = ["unpatched"]
+    remove(pipe, PromptEncoder)
 
 
 def report_of(pipe: Any) -> TextEncoderReport | None:
-    cur = pipe.__dict__.get("_get_qwen_prompt_embeds")
-    return cur.report if isinstance(cur, PromptEncoder) else None
+    return slot_report(pipe, PromptEncoder)

@@ -1,20 +1,16 @@
 """The Qwen-Image VAE's decode (``AutoencoderKLQwenImage``) as the 2-D network it computes for one frame.
 
-diffusers decodes one frame with every causal 3-D convolution padded by two zero frames in front, so only the last
-temporal slice of each kernel meets data: a 2-D convolution at a third of the work. :class:`FastDecode` runs that
-network in 2-D, channels-last, on CUDA replayed from a graph per shape.
-
-Contract: the 2-D convolutions take other cuDNN kernels (sums reordered, not bit-identical), gated by
-:func:`fidelity`; each RMS norm + SiLU is one kernel (eager's rounding points); every other op is the same torch op
-on the same values, except the RMS norm's dropped ``+ 0.0`` bias. The replicated diffusers code is pinned by a hash
-(:data:`REPLICATED`). Installed as the VAE's instance ``_decode`` (``decode``'s hooks, slicing and accelerate keep
-working); calls it cannot take run diffusers' ``_decode``, counted by reason. A watch of the decoder remakes the 2-D
-weights (copies: parameters are never touched) and drops the graphs on a change.
+diffusers pads every causal 3-D convolution with two zero frames, so for one frame only the last temporal slice of
+each kernel meets data: a 2-D convolution at a third of the work. :class:`FastDecode` (the VAE's instance
+``_decode``: ``decode``'s hooks, slicing and accelerate keep working) runs it channels-last, on CUDA from a graph per
+shape. Contract: other cuDNN kernels reorder the convolutions' sums (gated by :func:`fidelity`); each RMS norm +
+SiLU is one kernel with eager's rounding points; every other op is the same torch op on the same values. The
+replicated diffusers code is pinned by :data:`REPLICATED`; a watch of the decoder remakes the 2-D weights (copies).
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,32 +23,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hooks
+from .component_patch import HOOK_DICTS, ComponentReport, Slot, install, remove, slot_report
 from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
 from .pipeline_walks import source_hash
-from .report import PartReport, counts
-from .shape_graphs import ShapeGraphs
+from .report import counts
 from .watch import Watch
-
-log = logging.getLogger("qwen_absorb")
 
 GATE = 1.05  # patched error vs fp32 <= GATE x unpatched error vs fp32 (issue 40)
 CONTRACT = ("fidelity-gated: 2-D channels-last convolutions reorder sums; error vs an fp32 decode <= "
             f"{GATE}x the unpatched decode's (vae.fidelity)")
-_KNOWN = {"QwenImageDecoder3d", "QwenImageCausalConv3d", "QwenImageRMS_norm", "QwenImageMidBlock",
-          "QwenImageResidualBlock", "QwenImageAttentionBlock", "QwenImageUpBlock", "QwenImageResample",
-          "QwenImageUpsample", "ModuleList", "Sequential", "Identity", "Dropout", "Conv2d", "SiLU"}
-_NORM_ATTRS = ("scale", "bias", "channel_first")
+# the decoder's classes whose forwards the 2-D path computes (their order: the hash's)
+_DECODER = ("QwenImageDecoder3d", "QwenImageMidBlock", "QwenImageUpBlock", "QwenImageResidualBlock",
+            "QwenImageAttentionBlock", "QwenImageResample", "QwenImageRMS_norm", "QwenImageCausalConv3d",
+            "QwenImageUpsample")
+_KNOWN = {*_DECODER, "ModuleList", "Sequential", "Identity", "Dropout", "Conv2d", "SiLU"}
+# plain attributes the 2-D path reads, by class (and each convolution's geometry, kept by Weights2d)
+_PLAIN_ATTRS = {"QwenImageRMS_norm": ("scale", "bias", "channel_first"), "QwenImageResample": ("mode",),
+                "Dropout": ("training", "p")}
 
 
 @dataclass
-class VaeReport(PartReport):
+class VaeReport(ComponentReport):
     """The ``vae`` section of a patch report."""
 
-    on: bool
-    reasons: list[str]
     contract: str = CONTRACT
-    cuda_graph: str | bool = "auto"
     cpu: bool = False  # the 2-D path on the CPU too (off by default: measured and gated on CUDA only)
     postprocess: bool = False  # the pipeline's PIL conversion on the device (FastPostprocess)
     fuse_norm: bool = True  # asked: the norm + SiLU chains as one kernel each (ops.rms_norm_silu)
@@ -61,17 +56,14 @@ class VaeReport(PartReport):
     fast_calls: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # calls run by diffusers' _decode, by reason
     rebuilds: int = 0
-    graphs: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
         if not self.on:
             return "VAE decode: diffusers' (" + "; ".join(self.reasons) + ")"
-        g = self.graphs
         fused = ", norm + SiLU as one kernel" if self.norm_silu_kernel else ""
         where = " on CUDA" + (" and the CPU" if self.cpu else "")
-        parts = [f"VAE decode: 2-D channels-last path{where}{fused} ({self.fast_calls} calls",
-                 f"CUDA graphs {g.get('graphs', 0)} kept, {g.get('replays', 0)} replays" if g else "no CUDA graphs"]
-        s = ", ".join(parts) + ")"
+        s = (f"VAE decode: 2-D channels-last path{where}{fused} ({self.fast_calls} calls, "
+             f"{self.graph_counts() or 'no CUDA graphs'})")
         if self.postprocess:
             s += "; PIL conversion on the device"
         if self.fallbacks:
@@ -81,28 +73,20 @@ class VaeReport(PartReport):
 
 # source_hash of the diffusers 0.42.1 methods the 2-D path computes
 REPLICATED = frozenset({"7f9c2b764c273595"})
-_REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), ("QwenImageDecoder3d", "forward"),
-                       ("QwenImageMidBlock", "forward"), ("QwenImageUpBlock", "forward"),
-                       ("QwenImageResidualBlock", "forward"), ("QwenImageAttentionBlock", "forward"),
-                       ("QwenImageResample", "forward"), ("QwenImageRMS_norm", "forward"),
-                       ("QwenImageCausalConv3d", "forward"), ("QwenImageUpsample", "forward"))
-_code_keys: dict[str, str | None] = {}
+_REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), *((c, "forward") for c in _DECODER))
 
 
-def _code_key(vae: nn.Module) -> str | None:
+@functools.cache
+def _code_key(module: str) -> str | None:
     """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS`."""
-    name = type(vae).__module__
-    if name not in _code_keys:
-        mod = sys.modules.get(name)
-        _code_keys[name] = source_hash(getattr(getattr(mod, c), m) for c, m in _REPLICATED_METHODS)
-    return _code_keys[name]
+    return source_hash(getattr(getattr(sys.modules.get(module), c), m) for c, m in _REPLICATED_METHODS)
 
 
 def _static_reasons(vae: nn.Module) -> list[str]:
     """Why the decoder cannot run the 2-D path at all (empty: it can)."""
     if type(vae).__name__ != "AutoencoderKLQwenImage":
         return [f"{type(vae).__name__} is not AutoencoderKLQwenImage"]
-    if _code_key(vae) not in REPLICATED:
+    if _code_key(type(vae).__module__) not in REPLICATED:
         return ["this diffusers' Qwen-Image VAE code is not the one the 2-D path replicates (diffusers 0.42.1)"]
     dec = getattr(vae, "decoder", None)
     if dec is None or type(dec).__name__ != "QwenImageDecoder3d":
@@ -167,16 +151,13 @@ def _modules(vae: nn.Module) -> list[nn.Module]:
 
 def _watch(vae: nn.Module) -> Watch:
     mods = _modules(vae)
-    tensors = [(m, "_parameters", n) for m in mods[1:] for n in m._parameters]
     entries = [(m, "_modules", n) for m in mods for n in m._modules]
     entries += [(m, "__dict__", "forward") for m in mods[1:]]
-    entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "QwenImageRMS_norm" for a in _NORM_ATTRS]
-    entries += [(m, "__dict__", "mode") for m in mods if type(m).__name__ == "QwenImageResample"]
+    entries += [(m, "__dict__", a) for m in mods for a in _PLAIN_ATTRS.get(type(m).__name__, ())]
     entries += [(m, "__dict__", a) for m in mods if type(m).__name__ in ("QwenImageCausalConv3d", "Conv2d")
-                for a in _CONV_GEOMETRY if a in m.__dict__]  # Weights2d keeps each convolution's geometry
-    entries += [(m, "__dict__", a) for m in mods if type(m).__name__ == "Dropout" for a in ("training", "p")]
-    sized = [(m, "__dict__", h) for m in mods[1:] for h in ("_forward_hooks", "_forward_pre_hooks")]
-    return Watch(entries=entries, tensors=tensors, sized=sized, typed=mods)
+                for a in _CONV_GEOMETRY if a in m.__dict__]
+    return Watch(entries=entries, tensors=[(m, "_parameters", n) for m in mods[1:] for n in m._parameters],
+                 sized=[(m, "__dict__", h) for m in mods[1:] for h in HOOK_DICTS], typed=mods)
 
 
 class Weights2d:
@@ -288,23 +269,19 @@ class Weights2d:
         return out
 
 
-class FastDecode:
+class FastDecode(Slot):
     """The VAE's instance ``_decode``: the 2-D path where it applies, diffusers' ``_decode`` elsewhere."""
 
-    __qwen_absorb_vae__ = True
+    ATTR, REPORT = "_decode", VaeReport
 
-    def __init__(self, vae: nn.Module, report: VaeReport, cuda_graph: str | bool, had_instance: Any) -> None:
-        self.vae, self.report, self.mode = vae, report, cuda_graph
+    def __init__(self, vae: nn.Module, report: VaeReport, had_instance: Any) -> None:
+        self.vae = vae
         self.original = type(vae)._decode.__get__(vae)
         # diffusers' DecoderOutput, as the VAE's own module names it (no diffusers import here)
         self.output_class = getattr(sys.modules[type(vae).__module__], "DecoderOutput")
-        self.had_instance = had_instance  # an instance _decode found at install (put back by unpatch)
         self.watch = _watch(vae)
         self.weights: Weights2d | None = None
-        self.graphs = self._new_graphs()
-
-    def _new_graphs(self) -> ShapeGraphs:
-        return ShapeGraphs(self._run, capture_after=0 if self.mode is True else 1)
+        super().__init__(report, had_instance)
 
     def _run(self, z: torch.Tensor) -> torch.Tensor:
         return self.weights.decode(self.vae, z)
@@ -334,7 +311,7 @@ class FastDecode:
 
     def __call__(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         if self.watch.changed():
-            self._rebuild()
+            self.renew()
         why = self.report.reasons[0] if self.report.reasons else self._why_not(z)
         if why is not None:
             self.report.fallbacks[why] += 1
@@ -352,25 +329,21 @@ class FastDecode:
                 out = self._run(z2)
         self.report.fast_calls += 1
         self.report.graphs = self.graphs.describe()
-        if not return_dict:
-            return (out,)
-        return self.output_class(sample=out)
+        return self.output_class(sample=out) if return_dict else (out,)
 
-    def _rebuild(self) -> None:
+    def renew(self) -> None:
         self.report.rebuilds += 1
         self.weights = None
         self.graphs.clear()
-        self.report.reasons = _static_reasons(self.vae)
-        self.report.on = not self.report.reasons
+        self.report.reasons = reasons = _static_reasons(self.vae)
+        self.report.on = not reasons
         self.watch = _watch(self.vae)  # anew: modules replaced since are the ones to watch now
 
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy of the VAE (deepcopy / pickle) carries the patch without graphs or 2-D weights: made again
-        return {**self.__dict__, "weights": None, "graphs": None}
+    def _uncopied(self) -> dict[str, Any]:
+        return {"weights": None}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-        self.graphs = self._new_graphs()
+        super().__setstate__(d)
         self.original = type(self.vae)._decode.__get__(self.vae)
 
 
@@ -383,38 +356,16 @@ def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False,
         raise TypeError(f"vae.patch needs a diffusers VAE module, got {type(vae).__name__}")
     if not isinstance(cpu, bool) or not isinstance(fuse_norm, bool):
         raise ValueError(f"cpu and fuse_norm must be True or False, got {cpu!r} and {fuse_norm!r}")
-    cur = vae.__dict__.get("_decode")
-    if isinstance(cur, FastDecode):
-        if cur.mode == cuda_graph and cur.report.cpu == cpu and cur.report.fuse_norm == fuse_norm:
-            cur._rebuild()  # patch() again catches up with writes no watch sees (a user's in-place .data write)
-            return cur.report
-        unpatch(vae)
-        cur = vae.__dict__.get("_decode")
-    reasons = _static_reasons(vae)
-    report = VaeReport(on=not reasons, reasons=reasons, cuda_graph=cuda_graph, cpu=bool(cpu), fuse_norm=bool(fuse_norm))
-    if reasons:
-        log.info("VAE decode left to diffusers: %s", "; ".join(reasons))
-    else:
-        vae.__dict__["_decode"] = FastDecode(vae, report, cuda_graph, cur)
-    return report
+    return install(vae, FastDecode, _static_reasons, "VAE decode", cuda_graph, cpu=cpu, fuse_norm=fuse_norm)
 
 
 def unpatch(vae: nn.Module) -> None:
     """Restore diffusers' ``_decode`` (or the instance one found at patch time); a no-op if not patched."""
-    cur = getattr(vae, "__dict__", {}).get("_decode")
-    if not isinstance(cur, FastDecode):
-        return
-    cur.graphs.clear()
-    cur.weights = None
-    del vae.__dict__["_decode"]
-    if cur.had_instance is not None:
-        vae.__dict__["_decode"] = cur.had_instance
-    cur.report.on, cur.report.reasons = False, ["unpatched"]
+    remove(vae, FastDecode)
 
 
 def report_of(vae: nn.Module) -> VaeReport | None:
-    cur = getattr(vae, "__dict__", {}).get("_decode")
-    return cur.report if isinstance(cur, FastDecode) else None
+    return slot_report(vae, FastDecode)
 
 
 def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
@@ -424,7 +375,7 @@ def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
         twin = type(vae).from_config(vae.config).to(z.device).eval()
         twin.load_state_dict({k: v.float() for k, v in vae.state_dict().items()})
         ref = twin._decode(z.float()).sample.double()
-        del twin
+        del twin  # its memory back before the two decodes
         fast = vae._decode(z).sample.double()
         eager = type(vae)._decode(vae, z).sample.double()
     err_fast = (fast - ref).abs().mean().item()
@@ -441,12 +392,11 @@ class FastPostprocess:
     Other output types, host images, grayscale and non-finite values (numpy's and torch's uint8 casts of NaN differ)
     run diffusers' method."""
 
-    __qwen_absorb_postprocess__ = True
+    ATTR = "postprocess"
 
     def __init__(self, processor: Any, had_instance: Any) -> None:
-        self.processor, self.had_instance = processor, had_instance
+        self.processor, self.had_instance, self.calls = processor, had_instance, Counter()
         self.original = type(processor).postprocess.__get__(processor)
-        self.calls = Counter()
 
     def __call__(self, image: torch.Tensor, output_type: str = "pil", do_denormalize: list[bool] | None = None) -> Any:
         images = None
@@ -483,9 +433,4 @@ def patch_postprocess(pipe: Any) -> bool:
 
 
 def unpatch_postprocess(pipe: Any) -> None:
-    proc = getattr(pipe, "image_processor", None)
-    cur = None if proc is None else proc.__dict__.get("postprocess")
-    if isinstance(cur, FastPostprocess):
-        del proc.__dict__["postprocess"]
-        if cur.had_instance is not None:
-            proc.__dict__["postprocess"] = cur.had_instance
+    remove(getattr(pipe, "image_processor", None), FastPostprocess)

@@ -290,3 +290,121 @@ def test_pinned_staging_is_the_tunings_choice(fake_gpu, seed, monkeypatch):
     x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     y = staging.to_device(x, torch.device("cpu"), chunk=256)
     assert torch.equal(y, x) and y.dtype == x.dtype
+
+
+def _away_and_back(model):
+    """What a model offload does between pipeline calls, for the decisions: the model leaves its device (the FP8
+    codes are released, ``host_originals._release``) and its next call decides for the device again. The weights
+    stay where they are (a CPU test cannot leave the host and come back with values)."""
+    for block in model.transformer_blocks:
+        H._release(block, torch.device("meta"))
+
+
+def _quantizations(monkeypatch):
+    from qwen_absorb import quant
+
+    made = []
+    real = quant.quantize_fp8_reference
+    monkeypatch.setattr(quant, "quantize_fp8_reference", lambda x, amax: made.append(x.shape) or real(x, amax))
+    return made
+
+
+def test_a_model_back_on_its_device_takes_its_codes_from_the_host(fake_gpu, seed, monkeypatch):
+    """Model offload: the first departure copies each real-FP8 linear's codes to the host, a return with unchanged
+    sources copies them back and quantizes nothing, with the bits of a twin that rebuilds them
+    (``Tuning(host_fp8_codes=False)``). A second departure copies nothing again."""
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    want = T.run_transformer(twin, kw)
+    assert torch.equal(T.run_transformer(model, kw), want)
+    codes = {(i, p): lp.weight.codes for i, b in enumerate(model.transformer_blocks)
+             for p, lp in b.__dict__[PLAN_ATTR].linears.items() if lp.fp8_gemm}
+    _away_and_back(model), _away_and_back(twin)
+    stores = [b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks]
+    assert {(i, p) for i, s in enumerate(stores) for p in s} == set(codes)
+    assert all(torch.equal(s[p].codes.view(torch.uint8), codes[i, p].view(torch.uint8)) and s[p].codes.device.type == "cpu"
+               for i, s in enumerate(stores) for p in s)
+    assert not any(b.__dict__[PLAN_ATTR].rt.host_codes for b in twin.transformer_blocks)
+    made = _quantizations(monkeypatch)
+    for _ in range(2):
+        assert torch.equal(T.run_transformer(model, kw), want)
+        assert not made  # every code came back from the host
+        held = [dict(s) for s in stores]
+        _away_and_back(model)
+        assert all(s[p] is h[p] for s, h in zip(stores, held) for p in h)  # nothing copied again
+    assert torch.equal(T.run_transformer(twin, kw), want) and len(made) == len(codes)  # the twin rebuilt them
+
+
+def test_host_codes_follow_their_sources(fake_gpu, seed, monkeypatch):
+    """Away from the device, an in-place write to a host-kept original (its version) and a new weight amax (its
+    value) each make that linear's codes again on return, as the twin's; the others still come from the host."""
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    _away_and_back(model), _away_and_back(twin)
+    for m in (model, twin):
+        with torch.no_grad():
+            m.transformer_blocks[0].attn.to_k.weight.mul_(0.5)
+            m.transformer_blocks[1].img_mlp.net[2].weight_quantizer._amax.mul_(0.75)
+    made = _quantizations(monkeypatch)
+    assert torch.equal(T.run_transformer(model, kw), T.run_transformer(twin, kw))
+    n_twin = sum(lp.fp8_gemm for b in twin.transformer_blocks for lp in b.__dict__[PLAN_ATTR].linears.values())
+    assert len(made) == 2 + n_twin  # the two changed linears here, every linear in the twin
+    store = model.transformer_blocks[0].__dict__[PLAN_ATTR].rt.host_codes
+    assert "attn.to_k" not in store and "attn.to_q" in store  # the changed one is forgotten until it leaves again
+
+
+def test_host_codes_are_forgotten_by_patch_and_unpatch(fake_gpu, seed):
+    """``patch()`` again forgets them (a ``.data`` write shows to neither key: patch() is where it is seen), and
+    ``unpatch()`` frees them with the rest of the patch; ``host_fp8_codes=False`` keeps none."""
+    model, kw = _fp8(seed)
+    qwen_absorb.patch(model, **REAL)
+    T.run_transformer(model, kw)
+    _away_and_back(model)
+    rts = [b.__dict__[PLAN_ATTR].rt for b in model.transformer_blocks]
+    assert all(rt.host_codes for rt in rts)
+    qwen_absorb.patch(model, **REAL)
+    assert not any(rt.host_codes for rt in rts)
+    T.run_transformer(model, kw)
+    _away_and_back(model)
+    rts = [b.__dict__[PLAN_ATTR].rt for b in model.transformer_blocks]
+    assert all(rt.host_codes for rt in rts)
+    qwen_absorb.unpatch(model)
+    assert not any(rt.host_codes for rt in rts)
+    qwen_absorb.patch(model, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    T.run_transformer(model, kw)
+    _away_and_back(model)
+    assert not any(b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks)
+
+
+@pytest.mark.slow
+def test_a_lora_baked_in_while_away_is_served_on_return(fake_gpu, seed):
+    """diffusers' "bake a LoRA" recipe while the model is offloaded: add, fuse, unload. PEFT merges through
+    ``.data`` (no version moves), but the wrap and unwrap are registrations into watched slots: the return makes the
+    codes from the merged originals, as a twin patched after the same recipe."""
+    peft = pytest.importorskip("peft")
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    before = T.run_transformer(model, kw)
+    _away_and_back(model)
+    assert all(b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks)
+    for m in (model, twin):
+        torch.manual_seed(seed)
+        m.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                      target_modules=["to_q", "img_mlp.net.2"]), adapter_name="x")
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # gaussian init leaves lora_B at zero: give every branch a value
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        m.fuse_lora()
+        m.unload_lora()
+    out = T.run_transformer(model, kw)
+    qwen_absorb.patch(twin, **REAL)
+    want = T.run_transformer(twin, kw)
+    assert torch.equal(out, want) and not torch.equal(out, before)

@@ -89,11 +89,12 @@ def test_fp8_default_keeps_originals_on_the_host():
 def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     """Model offload's move out and back: the block decides anew, and each host-kept weight is copied to the GPU
     once and fingerprinted and quantized there (no CPU read of the originals), giving the resident twin's bits; an
-    in-place ``.data`` write made while the model was on the CPU (a PEFT merge's way) is still seen."""
+    in-place ``.data`` write made while the model was on the CPU (a PEFT merge's way) is still seen. Without the
+    codes kept on the host (``host_fp8_codes=False``): with them, the next test."""
     model = _model(5)
     twin = copy.deepcopy(model)
     qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    qwen_absorb.patch(model, cuda_graph=False)
+    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
     kw = _inputs(model, 6)
     want = T.run_transformer(twin, kw)
     for w in HO.host_weights(model):  # patch() again compares a fingerprint taken on the host with these
@@ -121,6 +122,51 @@ def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     assert torch.equal(out, want) and not torch.equal(out, before)  # the edit changed the output, and was seen
 
 
+@pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
+def test_codes_come_back_from_the_host_after_a_round_trip(monkeypatch):
+    """The default: the first move to the CPU copies each real-FP8 linear's codes to the host; each return copies
+    them back, with no fingerprint or quantization of the originals, giving the resident twin's bits. A ``.data``
+    write made while away shows to no key: ``patch()`` again forgets the host codes, and the next return serves it."""
+    from qwen_absorb import quant
+
+    model = _model(15)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    qwen_absorb.patch(model, cuda_graph=False)
+    kw = _inputs(model, 16)
+    want = T.run_transformer(twin, kw)
+    assert torch.equal(T.run_transformer(model, kw), want)
+    n = sum(lp.fp8_gemm for b in model.transformer_blocks for lp in b.__dict__[P.PLAN_ATTR].linears.values())
+    model.to("cpu")
+    stores = [b.__dict__[P.PLAN_ATTR].rt.host_codes for b in model.transformer_blocks]
+    assert sum(map(len, stores)) == n and n >= 14 * 3
+    assert all(hc.codes.device.type == "cpu" and hc.codes.dtype == torch.float8_e4m3fn for s in stores
+               for hc in s.values())
+    read = []
+    real_fp, real_q = P.content_fingerprint, quant.quantize_fp8_reference
+    monkeypatch.setattr(P, "content_fingerprint", lambda t: read.append(t.device.type) or real_fp(t))
+    monkeypatch.setattr(quant, "quantize_fp8_reference", lambda x, a: read.append("q") or real_q(x, a))
+    for _ in range(2):
+        model.to(DEV)
+        assert torch.equal(T.run_transformer(model, kw), want)
+        assert not read, read
+        model.to("cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    w = HO.host_weights(model)[5]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(17), dtype=w.dtype) * 0.02
+    with torch.no_grad():
+        w.data += delta  # no version bump
+        dict(twin.named_parameters())[names[id(w)]].data += delta.to(DEV)
+    qwen_absorb.unpatch(twin)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    changed = T.run_transformer(twin, kw)
+    qwen_absorb.patch(model, cuda_graph=False)  # on the CPU: forgets the host codes
+    assert not any(stores)
+    model.to(DEV)
+    out = T.run_transformer(model, kw)
+    assert torch.equal(out, changed) and not torch.equal(out, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
 @pytest.mark.parametrize("numel", [1, 4096, 4097, 3 * 4096 + 5, 40_000])
 def test_pinned_staging_copies_the_same_bits(dtype, numel):
@@ -139,12 +185,13 @@ def test_pinned_staging_copies_the_same_bits(dtype, numel):
 
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
-@pytest.mark.parametrize("pinned", [True, False])  # the default (pinned buffers), and the originals' pageable copy
-def test_round_trip_with_staging_matches_the_resident_twin(pinned):
+# the default (pinned buffers, codes kept on the host), pageable copies, and the originals crossing every time
+@pytest.mark.parametrize("pinned,host", [(True, True), (False, True), (True, False), (False, False)])
+def test_round_trip_with_staging_matches_the_resident_twin(pinned, host):
     model = _model(8)
     twin = copy.deepcopy(model)
     qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(pinned_staging=pinned))
+    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(pinned_staging=pinned, host_fp8_codes=host))
     kw = _inputs(model, 9)
     want = T.run_transformer(twin, kw)
     for _ in range(2):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import qwen_absorb.ops as ops
 from qwen_absorb.ops import _launch, _runtime
-from qwen_absorb.ops._layer_norm import LN_MODES, layout
+from qwen_absorb.ops._launch import LN_MODES, layout
 
 from .test_ops_cpu import _struct_kinds  # the parameter structs read from the CUDA sources, one way
 

@@ -250,3 +250,40 @@ def test_global_registration_hooks_live_only_while_patched(fake_cuda, seed):
     del model
     gc.collect()
     assert {d: dict(getattr(M, d)) for d in dicts} == before
+
+
+def test_a_holder_collected_inside_a_module_registration_leaves_torch_walking():
+    """A watch collected by a garbage collection that runs inside torch's walk of its registration hooks (a module
+    assigned while garbage is pending) drops the global hook it held later, not inside that walk: removing it there
+    raised "OrderedDict mutated during iteration" from the user's ``module.child = ...``."""
+    import gc
+
+    from torch.nn.modules import module as M
+
+    from qwen_absorb import hooks
+
+    held = hooks.HeldGlobalHooks(lambda: [M.register_module_module_registration_hook(lambda *a: None)])
+
+    class Holder:
+        pass
+
+    box = [Holder()]
+    held.hold(box[0])
+    before = dict(M._global_module_registration_hooks)
+
+    def collect_inside(module, name, sub):
+        box.clear()
+        gc.collect()  # the holder's finalizer runs here, inside torch's walk
+
+    handle = M.register_module_module_registration_hook(collect_inside)
+    try:
+        parent = torch.nn.Module()
+        parent.child = torch.nn.Linear(2, 2)
+    finally:
+        handle.remove()
+    assert isinstance(parent.child, torch.nn.Linear) and held._handles  # still there, holding nothing
+    other = Holder()
+    held.hold(other)  # taken again, not registered twice
+    assert dict(M._global_module_registration_hooks) == before
+    held.release(other)
+    assert not held._handles and len(M._global_module_registration_hooks) == len(before) - 1

@@ -2,24 +2,20 @@
 
 Eager Qwen-Image is host-bound (thousands of launches per call); a replayed graph runs the same kernels with no
 Python in between. :func:`install` puts a :class:`GraphedCall` where the transformer's forward is called from
-(``GraphedCall.remove()`` restores it). Per call it **refuses** (runs the wrapped forward, counted in
-``fallbacks`` as ``"cuda_graph: <reason>"``) when a replay could differ from eager (grad, training, hooks that
-move or cast weights inside the call, forward hooks, calibration, inputs off the GPU, Python numbers that would
-be baked in); **drops** every graph when what they baked in changed (:mod:`.fingerprint`); **captures** a new
-signature (:mod:`.capture`) or **replays** its graph and returns a clone of the static output (true CFG's two
-calls may share a signature, and graphs share one pool). Outputs are bit-identical to the wrapped forward run
-eagerly. Not seen by the fingerprint (call ``invalidate()`` after them): ``del`` of a submodule or parameter,
-direct writes into ``_parameters`` / ``_modules``.
-
-Under accelerate's model offload: :func:`install` (inside the hook); per block (Qwen-Image-2.1):
-:func:`install_blocks`; under diffusers' FirstBlockCache: :mod:`.first_block_cache`. The modules are in
-ARCHITECTURE.md's "face" floor; hook chains are read through :mod:`qwen_absorb.hooks`.
+(``remove()`` restores it). Per call it **refuses** (runs the wrapped forward, counted in ``fallbacks`` as
+``"cuda_graph: <reason>"``) when a replay could differ from eager (grad, training, hooks that move or cast weights
+inside the call, forward hooks, calibration, inputs off the GPU, Python numbers that would be baked in); **drops**
+every graph when what they baked in changed (:mod:`.fingerprint`); **captures** a new signature (:mod:`.capture`) or
+**replays** its graph and returns a clone of the static output (graphs share one pool). Outputs are bit-identical
+to eager. Not seen by the fingerprint (call ``invalidate()`` after them): ``del`` of a submodule or parameter, direct
+writes into ``_parameters`` / ``_modules``. Per block (Qwen-Image-2.1): :func:`install_blocks`; under diffusers'
+FirstBlockCache: :mod:`.first_block_cache`.
 """
 
 from __future__ import annotations
 
-from .blocks import BlockGraphs, install_blocks
 from .attach import install
+from .blocks import BlockGraphs, install_blocks
 from .first_use import FirstUse
 from .runner import GraphedCall
 from .shared import Shared

@@ -20,19 +20,12 @@ log = logging.getLogger("qwen_absorb")
 def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
             host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
             shared: Shared | None = None, warn_first: bool = False) -> GraphedCall:
-    """Put CUDA-graph mode on ``transformer`` (a ``QwenImageTransformer2DModel`` or a pipeline holding one) and
-    return its :class:`GraphedCall`.
-
-    fallbacks: the ``Counter`` refused calls are counted in, by reason (``"cuda_graph: grad enabled"``, ...).
-    max_graphs: graphs kept at most (one per signature; least recently used dropped first).
-    host_tensors: a callable returning the tensors allowed off the GPU (read at every scan: fingerprinted, left
-        out of the device check; the forward must not read them).
-    capture_after: eager calls a signature must have had before it is captured (1: a one-off call never pays
-        a capture). shared: a :class:`~.shared.Shared`. warn_first: a refusal of the first call is a warning.
-
-    Under accelerate's ``CpuOffload`` hook (``enable_model_cpu_offload()``) the runner goes in the hook's
-    ``_old_forward``, so the model is on its device when it looks. Installing twice returns the installed runner.
-    """
+    """Put CUDA-graph mode on ``transformer`` (or a pipeline's) and return its :class:`GraphedCall` (the installed one
+    if any). fallbacks: refused calls counted by reason. max_graphs: least recently used dropped first. host_tensors:
+    a callable returning the tensors allowed off the GPU (fingerprinted, left out of the device check; the forward
+    must not read them). capture_after: eager calls a signature has before its capture. warn_first: a refusal of the
+    first call is a warning. Under accelerate's ``CpuOffload`` the runner goes in ``_old_forward`` (the model is on
+    its device when it looks)."""
     if max_graphs < 1:
         raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
     if not isinstance(fallbacks, collections.Counter):
@@ -52,7 +45,7 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     runner.warn_first = bool(warn_first)
     if shared is None and under_model_offload(t):
         inner = t.__dict__["_old_forward"]
-        runner._inner, runner._prev, runner._prev_present = inner, inner, True
+        runner._inner, runner._prev_present = inner, True
         object.__setattr__(t, "_old_forward", runner)
     else:
         object.__setattr__(t, "forward", runner)

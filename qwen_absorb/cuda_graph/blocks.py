@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .attach import install
-from .group import BlockGraphs, install_each
+from .group import BlockGraphs
 from .runner import GraphedCall
 from .shared import Shared
 
@@ -23,10 +23,9 @@ log = logging.getLogger("qwen_absorb")
 def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counter, parent: nn.Module | None = None,
                    max_graphs: int = 8, capture_after: int = 0,
                    indices: Sequence[int] | None = None) -> BlockGraphs:
-    """Put a :class:`GraphedCall` on each of ``blocks``, all sharing one :class:`Shared`, and return the group.
-    ``parent``: the module around the blocks, whose hooks refuse the blocks' calls too; ``indices``: the blocks'
-    indices in the model (default 0, 1, ...); the rest as :func:`install`'s. A block that already carries a runner
-    of its own keeps it and is left out; an exception removes the runners already installed."""
+    """A :class:`GraphedCall` on each of ``blocks``, sharing one :class:`Shared`, as a group. ``parent``: the module
+    around the blocks, whose hooks refuse the blocks' calls too; ``indices``: the blocks' indices in the model. A block
+    that already carries a runner of its own keeps it and is left out."""
     idx = list(indices) if indices is not None else list(range(len(blocks)))
     if len(idx) != len(blocks):
         raise ValueError(f"indices: {len(idx)} for {len(blocks)} blocks")
@@ -39,7 +38,7 @@ def install_blocks(blocks: Sequence[nn.Module], *, fallbacks: collections.Counte
         log.warning("block %d already carries a CUDA-graph runner of its own; it is left as it is", i)
         return None
 
-    runners, kept = install_each(shared, zip(idx, blocks), put)
-    log.info("CUDA graphs per block installed on %d blocks (max %d graphs each%s)", len(runners), max_graphs,
+    group = BlockGraphs.install(shared, zip(idx, blocks), put, parent, max_graphs, capture_after)
+    log.info("CUDA graphs per block installed on %d blocks (max %d graphs each%s)", len(group.runners), max_graphs,
              f", capture after {capture_after} eager calls" if capture_after else "")
-    return BlockGraphs(runners, kept, shared, parent, max_graphs, capture_after)
+    return group

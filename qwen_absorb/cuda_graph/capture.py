@@ -16,16 +16,13 @@ import torch
 from torch import nn
 
 from .. import hooks
-from ..shape_graphs import recording
+from ..shape_graphs import map_tensors, recording
 from ..ops import lane
 from . import settings
 from .signature import ATOMS, Call, freeze, thaw_call
 
 # diffusers' RoPE caches (QwenEmbedRope / QwenEmbedLayer3DRope) whose tensors a graph reads: see KeepRope.
 ROPE_METHODS = ("_compute_video_freqs", "_compute_condition_freqs", "_get_device_freqs")
-
-
-# ---------------------------------------------------------------------------------------------- host constants
 
 
 def freeze_data(x: Any) -> Any:
@@ -46,13 +43,11 @@ def freeze_data(x: Any) -> Any:
 
 
 class HostConstants:
-    """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable.
-
-    Such a call (diffusers' ``modulate_index`` of ``zero_cond_t`` models, the text length next to a mask) is a
-    pageable copy and a sync, which a capture refuses. ``"record"`` (the warm-up) keeps a copy of each result
-    under an exact key; ``"replay"`` (the capture) answers the same call with a device clone of it. The
-    functions are swapped on the ``torch`` module itself, for the warm-up and the capture only (swapping a
-    module's ``torch`` global would break torch.compile's guards on it).
+    """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable: such a call
+    (diffusers' ``modulate_index`` of ``zero_cond_t`` models, the text length next to a mask) is a pageable copy and a
+    sync, which a capture refuses. ``"record"`` (the warm-up) keeps a copy of each result under an exact key;
+    ``"replay"`` (the capture) answers the same call with a device clone of it. Swapped on the ``torch`` module
+    itself, for the warm-up and the capture only (swapping a module's ``torch`` global breaks torch.compile's guards).
     """
 
     _lock = threading.RLock()
@@ -81,18 +76,12 @@ class HostConstants:
             return None
         if dev.type == "cuda" and dev.index is None:  # "cuda" is the calling thread's current device
             dev = torch.device("cuda", torch.cuda.current_device())
+        # None is the default: the same call as without it
+        rest = tuple((k, type(v), v) for k, v in sorted(kw.items()) if k != "device" and v is not None)
         frozen = freeze_data(data)
-        if frozen is None:
+        if frozen is None or any(tv not in ATOMS for _, tv, _ in rest):
             return None
-        rest = []
-        for k in sorted(kw):
-            v = kw[k]
-            if k == "device" or v is None:  # None is the default: the same call as without it
-                continue
-            if type(v) not in ATOMS:
-                return None
-            rest.append((k, type(v), v))
-        return (fname, frozen, dev, tuple(rest))
+        return (fname, frozen, dev, rest)
 
     def _wrap(self, fname: str, real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -143,9 +132,7 @@ class KeepRope:
     the graph reads): instance attributes shadow the cached methods for the capture only."""
 
     def __init__(self, transformer: nn.Module, keep: list[torch.Tensor]) -> None:
-        self.pe = getattr(transformer, "pos_embed", None)
-        self.keep = keep
-        self.names: list[str] = []
+        self.pe, self.keep, self.names = getattr(transformer, "pos_embed", None), keep, []
 
     def __enter__(self) -> None:
         pe = self.pe
@@ -171,23 +158,6 @@ class KeepRope:
             self.pe.__dict__.pop(name, None)
 
 
-# ---------------------------------------------------------------------------------------------- buffers, outputs
-
-
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:  # containers keep their types
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if type(x) is tuple or type(x) is list:
-        return type(x)(map_tensors(v, fn) for v in x)
-    if isinstance(x, dict):
-        items = {k: map_tensors(v, fn) for k, v in x.items()}
-        try:
-            return type(x)(**items)  # diffusers BaseOutput (a dataclass + OrderedDict)
-        except TypeError:
-            return type(x)(items)
-    return x
-
-
 def tensors_in(x: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     map_tensors(x, out.append)
@@ -195,9 +165,8 @@ def tensors_in(x: Any) -> list[torch.Tensor]:
 
 
 def static_like(x: torch.Tensor) -> torch.Tensor:
-    """An empty tensor with ``x``'s shape, strides, dtype, device and address modulo ``settings.ALIGN``:
-    kernels pick vectorized or scalar paths by alignment, so a static buffer aligned differently could change
-    the bits."""
+    """An empty tensor with ``x``'s shape, strides, dtype, device and address modulo ``settings.ALIGN``: kernels pick
+    vectorized or scalar paths by alignment, so a static buffer aligned differently could change the bits."""
     if x.numel() == 0:
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     align = settings.ALIGN
@@ -214,30 +183,19 @@ class Graph:  # one captured signature
     def __init__(self, graph: Any, statics: list[torch.Tensor], out: Any, keep: list[torch.Tensor], desc: str,
                  capture_ms: float) -> None:
         self.graph, self.statics, self.out, self.keep, self.desc = graph, statics, out, keep, desc
-        self.replays = 0
-        self.capture_ms = capture_ms
+        self.replays, self.capture_ms = 0, capture_ms
 
 
-# ---------------------------------------------------------------------------------------------- the capture
-
-
-class Captured:  # the warm-up's output (the call's answer), and the graph or the error
-    __slots__ = ("warm", "graph", "error", "host_constants")
-
-    def __init__(self, warm: Any, graph: Graph | None, error: BaseException | None, host_constants: int) -> None:
-        self.warm, self.graph, self.error, self.host_constants = warm, graph, error, host_constants
+# the warm-up's output (the call's answer), and the graph or the error
+Captured = collections.namedtuple("Captured", "warm graph error host_constants")
 
 
 def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc: str, streams: dict,
             pools: dict, statics: list[torch.Tensor] | None = None) -> Captured:
-    """Warm up and capture ``inner`` (the wrapped forward) for ``call``'s signature.
-
-    ``streams`` / ``pools``: the runner's side streams and graph memory pools by device (created here when
-    missing). ``statics``: the static buffers to capture from, one per tensor of ``call`` (a group's shared
-    ones, :mod:`.shared`); made here with :func:`static_like` when None. An exception of the warm-up propagates
-    (the eager call would raise it too); one of the capture is returned in ``Captured.error``. The caller keeps
-    ``inner`` from re-entering the runner meanwhile.
-    """
+    """Warm up and capture ``inner`` (the wrapped forward) for ``call``'s signature. ``streams`` / ``pools``: by
+    device, made here when missing. ``statics``: one per tensor of ``call`` (a group's shared ones), else made here.
+    An exception of the warm-up propagates (the eager call would raise it too); one of the capture is returned in
+    ``Captured.error``. The caller keeps ``inner`` from re-entering the runner meanwhile."""
     dev = call.device
     with torch.cuda.device(dev):
         cur = torch.cuda.current_stream()
@@ -246,8 +204,7 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         for s, x in zip(statics, call.tensors):
             s.copy_(x)
         s_args, s_kwargs = thaw_call(call.spec, statics)
-        side = streams.get(dev)
-        if side is None:
+        if (side := streams.get(dev)) is None:
             side = streams[dev] = torch.cuda.Stream(dev)
         consts = HostConstants()
         # Warm-up on the side stream the capture will use (lazy per-stream state such as cuBLAS workspaces
@@ -268,8 +225,7 @@ def capture(inner: Callable[..., Any], transformer: nn.Module, call: Call, desc:
         warm = map_tensors(warm, own)
         graph = torch.cuda.CUDAGraph()
         keep: list[torch.Tensor] = []
-        pool = pools.get(dev)
-        if pool is None:
+        if (pool := pools.get(dev)) is None:
             pool = pools[dev] = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         # No cyclic garbage collection while capturing: a collected CUDAGraph (an evicted one, or one of

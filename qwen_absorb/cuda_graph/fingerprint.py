@@ -2,10 +2,9 @@
 
 A :class:`Scan` walks the transformer once and records what a replay depends on: parameters and buffers
 (``data_ptr``, ``_version``), tensor attributes, the attributes holding forwards, hooks, processors, ModelOpt and
-PEFT switches (plain values by value, the rest by identity), dict lengths, and PEFT LoRA state (against copies).
-It is compared per call with C-level ``map``s: a Python loop per item would cost more than a replay saves (a
-60-block FP8 model has ~20,000 quantizer switches). The same walk gives the verdict: a refusal, or the device.
-torch's global registration hooks (:func:`watch`) drop a runner's snapshot on an assignment inside its model.
+PEFT switches (plain values by value, the rest by identity), dict lengths, and PEFT LoRA state. It is compared per
+call with C-level ``map``s: a Python loop per item would cost more than a replay saves (a 60-block FP8 model has
+~20,000 quantizer switches). torch's registration hooks (:func:`watch`) drop a snapshot on an assignment inside it.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def _same_ptrs(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int])
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-def _on_registration(module: nn.Module, name: str, value: Any) -> None:
-    """torch's global registration hook: every watched runner is told (``module_assigned``); never raises."""
+def _on_registration(module: nn.Module, name: str, value: Any) -> None:  # every watched runner is told
     try:
         mid = id(module)
         for runner in list(_LIVE):
@@ -82,18 +80,17 @@ def unwatch(runner: Any) -> None:
     _REGISTRATIONS.release(runner)
 
 
+_HOOK_WHY = {"offloading hook": "weights move during the call",
+             "layerwise casting hook": "weights are cast anew inside every call"}
+
+
 def registry_reason(module: nn.Module, skip: Callable[[Any], bool] | None = None) -> tuple[str, str] | None:
     """(category, detail) for the first diffusers hook on ``module`` that ``skip`` does not pass, or None."""
     for name, hook in hooks.registry_hooks(module).items():
         if skip is None or not skip(hook):
-            cat = hooks.hook_category(name, hook)
-            why = _HOOK_WHY.get(cat)
+            why = _HOOK_WHY.get(cat := hooks.hook_category(name, hook))
             return cat, f"diffusers hook {name!r} ({type(hook).__name__})" + (f": {why}" if why else "")
     return None
-
-
-_HOOK_WHY = {"offloading hook": "weights move during the call",
-             "layerwise casting hook": "weights are cast anew inside every call"}
 
 
 def under_model_offload(t: nn.Module) -> bool:
@@ -104,9 +101,8 @@ def under_model_offload(t: nn.Module) -> bool:
 
 
 def model_offload_around(t: nn.Module, runner: Any) -> bool:
-    """Whether ``runner`` sits inside accelerate's ``CpuOffload`` hook on ``t`` (``enable_model_cpu_offload()``):
-    the hook moves the model before the call and nothing during it; a move between calls is seen by
-    :meth:`Scan.moved`."""
+    """Whether ``runner`` sits inside accelerate's ``CpuOffload`` hook on ``t``: it moves the model before the call
+    and nothing during it (a move between calls is seen by :meth:`Scan.moved`)."""
     if runner is None or t.__dict__.get("_old_forward") is not runner or not under_model_offload(t):
         return False
     return bool(getattr(patch_tuning(t), "model_offload_graphs", True))  # Tuning(model_offload_graphs=False): off
@@ -115,10 +111,9 @@ def model_offload_around(t: nn.Module, runner: Any) -> bool:
 def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
                 fbc_outside: bool = False) -> tuple[str, str] | None:
     """O(1) refusals read on the transformer itself (offload and cache hooks sit there or announce themselves).
-    ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its
-    steps); per-block runners refuse it here. ``runner``: the runner asking; a model-offload hook around it is no
-    refusal (:func:`model_offload_around`). A FirstBlockCache block runner (``Shared.fbc``) is not refused by the
-    cache's hook on its block (:func:`fbc_block_reason`), nor by its config on the transformer (``fbc_outside``)."""
+    ``cache_steps``: a TaylorSeer, PAB or MagCache cache is left to the walk (whole-model runners replay its steps).
+    ``runner``: the runner asking (a model-offload hook around it is no refusal). A FirstBlockCache block runner is
+    not refused by the cache's hook on its block (:func:`fbc_block_reason`), nor by its config (``fbc_outside``)."""
     fbc_block = runner is not None and getattr(runner._shared, "fbc", False)
     if hooks.offload_hooked(t) and not model_offload_around(t, runner):
         if under_model_offload(t):
@@ -197,11 +192,10 @@ class Scan:
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
         self.refusal: str | None = None
-        self.detail = ""
-        self.sticky = False  # a refusal that weight moves cannot lift (hooks, calibration)
+        self.detail, self.sticky = "", False  # sticky: a refusal that weight moves cannot lift (hooks, calibration)
         self.modules, self.len_dicts, self.hook_dicts = [], [], []
         self.watched: list[tuple[dict, str]] = []  # (dict, key): compared by value or identity (see take())
-        watched = self.watched
+        watched, self.host_count = self.watched, 0
         self.tensors, self.names, self.vtensors, self.vnames = [], [], [], []
         self.peft, self.peft_dicts, self.peft_names = [], [], []
         self.owners: list[Any] = []  # plans' runtimes and FP8 forwards: ``generation`` moves on a rebuild
@@ -211,10 +205,7 @@ class Scan:
         self.step_hooks: list[Any] = []  # PAB / MagCache hooks, decided by the runner (step_caches)
         cache_ok: set[int] = set()  # the attention modules of blocks whose plan runs their cache
         host = [x for x in host if isinstance(x, torch.Tensor)]
-        host_ids = set(map(id, host))
-        self.host_count = 0
-        seen: set[int] = set()
-        devices: set[torch.device] = set()
+        host_ids, seen, devices = set(map(id, host)), set(), set()
 
         def refuse(reason: str, detail: str, sticky: bool = True) -> None:
             if self.refusal is None:
@@ -263,10 +254,9 @@ class Scan:
                 r = registry_reason(m)
                 if r is not None:
                     h = taylorseer.supported_hook(m) if id(m) in cache_ok else None
-                    owned = step_caches.owned(m) if h is None else []
                     if h is not None:
                         self.cache_hooks.append(h)
-                    elif owned:
+                    elif owned := step_caches.owned(m):
                         self.step_hooks.extend(owned)
                     else:
                         refuse(r[0], f"{r[1]} on {label}")
@@ -324,8 +314,7 @@ class Scan:
         self.stensors, self.snames = [x for x, _ in src], [n for _, n in src]
         self.take()
 
-    def take(self) -> None:
-        """Record the values ``changed()`` compares against (strong references keep ids unique)."""
+    def take(self) -> None:  # record the values ``changed()`` compares against (strong references keep ids unique)
         self.lens = list(map(len, self.len_dicts))
         self.types = list(map(type, self.modules))  # a class swapped in place (a conversion, ``__class__ = ...``)
         self.hook_lens = list(map(len, self.hook_dicts))
@@ -372,8 +361,7 @@ class Scan:
 
     def moved(self) -> str | None:
         """What a replay must not run past: memory the graph reads may be gone (a tensor moved or replaced, a block
-        decided anew, an FP8 forward rebuilt). Left to :meth:`stale`, as the memory a graph reads survives them:
-        the tensors only derived state is made from and the identities of forwards, processors and plans."""
+        decided anew, an FP8 forward rebuilt). Derived state's sources and identities are left to :meth:`stale`."""
         if list(map(_generation, self.owners)) != self.gens:
             return "a block decided anew or an FP8 forward rebuilt its derived tensors"
         if not _same_ptrs(self.tensors, self.ptrs, self.indices):
@@ -408,8 +396,7 @@ class Scan:
                 return "LoRA adapter state changed"
         return None
 
-    def which(self) -> str:
-        """The first changed item, by name (slow; for the log only)."""
+    def which(self) -> str:  # the first changed item, by name (slow; for the log only)
         for x, n, p in zip(self.tensors + self.stensors, self.names + self.snames, self.ptrs + self.sptrs):
             if _data_ptr(x) != p:
                 return n

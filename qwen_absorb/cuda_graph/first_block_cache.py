@@ -1,25 +1,22 @@
-"""diffusers' FirstBlockCache under CUDA graphs per block.
-
-FirstBlockCache's head hook decides on the host (``.item()``) whether the blocks after block 0 run: no graph of the
-whole call can take that branch, but each block can be graphed. While ``_cache_config`` is a FirstBlockCache, the
-whole-model runner runs the call eager (counted) and keeps a :class:`~.group.BlockGraphs` (:func:`follow`): each
-block runner is the hook's ``fn_ref.original_forward``, so the hooks run on the host as eager and each computed block
-replays its graph. A hooked block takes part in no hand-off (:mod:`qwen_absorb.handoff`). Decided at each model call:
-a cache disabled or replaced removes the group.
+"""diffusers' FirstBlockCache under CUDA graphs per block: its head hook decides on the host (``.item()``) whether
+the blocks after block 0 run, which no graph of the whole call can take. The whole-model runner runs the call eager
+(counted) and keeps a :class:`~.group.BlockGraphs` (:func:`follow`) whose runners are the hooks' ``original_forward``:
+the hooks run on the host, each computed block replays its graph. A cache disabled or replaced removes the group.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import nn
 
 from .. import hooks, host_originals, step_caches
 from ..block import PatchedForward
 from . import settings
-from .group import BlockGraphs, install_each
+from .group import BlockGraphs
 from .shared import Shared
 
 log = logging.getLogger("qwen_absorb")
@@ -35,18 +32,6 @@ class Follow:
     def __init__(self) -> None:
         self.group: BlockGraphs | None = None
         self.why: str | None = None
-
-
-class _BlockHost:
-    """A block runner's ``host_tensors``: :func:`qwen_absorb.host_originals.host_weights` of that block only."""
-
-    __slots__ = ("transformer_blocks",)
-
-    def __init__(self, block: nn.Module) -> None:
-        self.transformer_blocks = (block,)
-
-    def __call__(self) -> list[torch.Tensor]:
-        return host_originals.host_weights(self)
 
 
 def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
@@ -99,19 +84,20 @@ def _make(runner: Any, f: Follow) -> str | None:
             return None  # runs diffusers' forward (see its report entry): eager inside the hooks
         set_, fwd = found
         # the whole-model runner's class: importing it here would close an import cycle (it imports this module)
-        r = type(runner)(block, runner.fallbacks, runner.max_graphs, _BlockHost(block), runner.capture_after, shared)
-        r._inner = r._prev = fwd  # what it wraps and puts back: the patched forward, in the slot found
-        r._prev_present = True
+        host = functools.partial(host_originals.host_weights, SimpleNamespace(transformer_blocks=(block,)))
+        r = type(runner)(block, runner.fallbacks, runner.max_graphs, host, runner.capture_after, shared)
+        r._inner, r._prev_present = fwd, True  # what it wraps and puts back: the patched forward, in the slot found
         set_(r)
         return r
 
-    runners, kept = install_each(shared, enumerate(getattr(t, "transformer_blocks", None) or ()), put)
-    if not runners:
+    group = BlockGraphs.install(shared, enumerate(getattr(t, "transformer_blocks", None) or ()), put, t,
+                                runner.max_graphs, runner.capture_after)
+    if not group.runners:
         shared.clear()
         return "no block runs the patched forward"
-    f.group = BlockGraphs(runners, kept, shared, t, runner.max_graphs, runner.capture_after)
+    f.group = group
     log.info("FirstBlockCache on %s: CUDA graphs per block on %d blocks (its hooks decide on the host between "
-             "them)", type(t).__name__, len(runners))
+             "them)", type(t).__name__, len(group.runners))
     return None
 
 
@@ -120,8 +106,7 @@ def _remove(f: Follow, why: str) -> None:
     log.info("FirstBlockCache per-block CUDA graphs removed: %s", why)
 
 
-def remove(runner: Any) -> None:
-    """The whole-model ``runner`` is being removed: its group with it."""
+def remove(runner: Any) -> None:  # the whole-model ``runner`` is being removed: its group with it
     f, runner._fbc = runner._fbc, None
     if f is not None and f.group is not None and f.group.installed:
         _remove(f, "the CUDA-graph runner was removed")

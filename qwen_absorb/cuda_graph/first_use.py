@@ -1,7 +1,7 @@
 """Graphs decided at the transformer's first call on a GPU, not where it sat when it was patched (a model patched on
 the CPU is usually moved next). :class:`FirstUse` sits where the runner would, passes calls on other devices through,
-uncounted, and at the first call on a graph device installs the :class:`~.runner.GraphedCall`, which answers it (a
-refusal there is logged once as a warning). ``describe()``, ``invalidate()`` and ``remove()`` go to that runner.
+uncounted, and at the first call on a graph device installs the :class:`~.runner.GraphedCall`, which answers it and
+then ``describe()``, ``invalidate()`` and ``remove()`` (a refusal of that call is logged once as a warning).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .. import hooks
 from . import settings
 from .attach import install
 from .fingerprint import under_model_offload
-from .runner import GraphedCall
+from .runner import GraphedCall, bound_inner, put_back
 
 log = logging.getLogger("qwen_absorb")
 _DECIDING = threading.Lock()  # two threads' first calls on a GPU: one installs the runner, both use it
@@ -35,8 +35,6 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
 
 
 class FirstUse:
-    """In the transformer's forward slot until its first call on a graph device (see the module doc)."""
-
     __qwen_absorb_graph__ = False  # not a per-block runner: qwen_absorb.patch's _strip leaves it
     __slots__ = ("__weakref__", "_transformer", "_inner", "_prev_present", "_slot", "_options", "runner",
                  "_removed")
@@ -77,18 +75,11 @@ class FirstUse:
         except (TypeError, ValueError, RuntimeError):
             return inspect.Signature()
 
-    def _take_out(self) -> None:
-        """Put the wrapped forward back in the slot holding this object (wherever a hook put it since)."""
+    def _take_out(self) -> None:  # the wrapped forward back in the slot holding this object (wherever that is now)
         t = self._transformer
-        for where, get, set_ in hooks.forward_slots(t):
-            if get() is self:
-                if where == "forward" and not (self._prev_present and self._slot == "forward"):
-                    del t.__dict__["forward"]
-                else:
-                    set_(self._inner)
-                return
-        log.warning("the CUDA-graph decision of %s was not found in its forward chain; it stays as a "
-                    "pass-through", type(t).__name__)
+        if not put_back(t, self, self._inner, self._prev_present and self._slot == "forward"):
+            log.warning("the CUDA-graph decision of %s was not found in its forward chain; it stays as a "
+                        "pass-through", type(t).__name__)
 
     def remove(self) -> None:
         if self.runner is not None:
@@ -110,9 +101,8 @@ class FirstUse:
 
     def __getstate__(self) -> dict[str, Any]:
         t = self._transformer
-        cls_forward = getattr(self._inner, "__func__", None) is type(t).forward and self._inner.__self__ is t
         opts = dict(self._options, host_tensors=None)  # a closure over this model: neither copied nor saved
-        return {"t": t, "inner": None if cls_forward else self._inner, "prev_present": self._prev_present,
+        return {"t": t, "inner": bound_inner(t, self._inner), "prev_present": self._prev_present,
                 "slot": self._slot, "options": opts, "runner": self.runner, "removed": self._removed}
 
     def __setstate__(self, st: dict[str, Any]) -> None:

@@ -1,7 +1,5 @@
-"""A group of per-block CUDA-graph runners as one: :class:`BlockGraphs` removes, invalidates and describes them
-together. Made by :func:`.blocks.install_blocks` and :mod:`.first_block_cache`; it imports no runner (runner imports
-first_block_cache, which imports this module).
-"""
+"""A group of per-block CUDA-graph runners as one (:class:`BlockGraphs`), for :mod:`.blocks` and
+:mod:`.first_block_cache`; it imports no runner (runner imports first_block_cache, which imports this module)."""
 
 from __future__ import annotations
 
@@ -23,30 +21,7 @@ _SUMMED = ("graphs", "captures", "replays", "eager_calls", "new_signature_calls"
 _MERGED = ("refusals", "invalidations", "capture_failures")
 
 
-def install_each(shared: Shared, blocks: Iterable[tuple[int, nn.Module]],
-                 put: Callable[[int, nn.Module], Any]) -> tuple[list[Any], list[int]]:
-    """The runners ``put`` installs on ``blocks`` (None: left out) and their indices. An exception removes the
-    runners already installed and clears ``shared``, then propagates."""
-    runners: list[Any] = []
-    kept: list[int] = []
-    try:
-        for i, block in blocks:
-            r = put(i, block)
-            if r is not None:
-                runners.append(r)
-                kept.append(i)
-    except BaseException:
-        for r in runners:
-            r.remove()
-        shared.clear()
-        raise
-    return runners, kept
-
-
-class BlockGraphs:
-    """The per-block runners of one model and what they share. After :meth:`remove` it holds only the last
-    description, nothing of the model."""
-
+class BlockGraphs:  # the per-block runners of one model and what they share; removed, only their last description
     __slots__ = ("runners", "indices", "shared", "max_graphs", "capture_after", "_parent", "_last", "__weakref__")
 
     def __init__(self, runners: list[Any], indices: list[int], shared: Shared, parent: nn.Module | None,
@@ -56,6 +31,24 @@ class BlockGraphs:
         self._parent = weakref.ref(parent) if parent is not None else None
         self._last: dict[str, Any] | None = None  # the description as of remove()
 
+    @classmethod
+    def install(cls, shared: Shared, blocks: Iterable[tuple[int, nn.Module]], put: Callable[[int, nn.Module], Any],
+                parent: nn.Module | None, max_graphs: int, capture_after: int) -> BlockGraphs:
+        """The group of what ``put`` installs on ``blocks`` (None: left out); an exception undoes it all."""
+        runners: list[Any] = []
+        kept: list[int] = []
+        try:
+            for i, block in blocks:
+                if (r := put(i, block)) is not None:
+                    runners.append(r)
+                    kept.append(i)
+        except BaseException:
+            for r in runners:
+                r.remove()
+            shared.clear()
+            raise
+        return cls(runners, kept, shared, parent, max_graphs, capture_after)
+
     @property
     def installed(self) -> bool:
         return self._last is None
@@ -64,8 +57,7 @@ class BlockGraphs:
         for r in self.runners:
             r.invalidate(reason)
 
-    def remove(self) -> None:
-        """Remove every runner (each block's previous forward back in place), then what they shared."""
+    def remove(self) -> None:  # every runner (each block's previous forward back in place), then what they shared
         if self._last is not None:
             return
         try:
@@ -78,8 +70,7 @@ class BlockGraphs:
             self.runners, self._parent = [], None
         log.info("CUDA graphs per block removed from %d blocks", len(self.indices))
 
-    def describe(self) -> dict[str, Any]:
-        """:meth:`GraphedCall.describe`'s keys summed over the blocks, and each block's counts."""
+    def describe(self) -> dict[str, Any]:  # GraphedCall.describe()'s keys summed over the blocks, each block's counts
         if self._last is not None:
             return dict(self._last)
         ds = [r.describe() for r in self.runners]

@@ -1,17 +1,15 @@
-""":class:`GraphedCall` sits where the transformer's forward is called from and decides per call whether to refuse
-(eager, counted), replay, or capture.
+""":class:`GraphedCall`: per call, refuse (eager, counted), replay or capture.
 
 Around a replay the fingerprint is asked ``Scan.moved`` before the launch (memory the graph reads may be gone) and
 ``Scan.stale`` while the GPU runs it: a change found after the launch discards the replay (``discarded_replays``),
-drops the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the lock, pools, side streams, static
-inputs and the parent's refusals come from the group.
+drops the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the group's lock, pools, streams and
+static inputs are used.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import inspect
 import logging
 import threading
@@ -50,17 +48,31 @@ def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[
     return lambda: fn
 
 
-def _capturing() -> bool:  # the caller's own torch.cuda.graph captures the current stream: run straight through
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+def put_back(t: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool:
+    """Put ``inner`` back in the slot of ``t`` holding ``me`` (``forward`` deleted where there was none); found?"""
+    for where, get, set_ in hooks.forward_slots(t):
+        if get() is me:
+            if where == "forward" and not prev_present:
+                del t.__dict__["forward"]
+            else:
+                set_(inner)
+            return True
+    return False
+
+
+def bound_inner(t: nn.Module | None, inner: Any) -> Any:
+    """``inner`` for a state: None for ``t``'s class forward bound to ``t`` (made again on load)."""
+    cls_forward = (t is not None and getattr(inner, "__func__", None) is type(t).forward
+                   and getattr(inner, "__self__", None) is t)
+    return None if cls_forward else inner
 
 
 class GraphedCall:
-    """The transformer's ``forward`` in CUDA-graph mode (see :mod:`qwen_absorb.cuda_graph`); made by
-    :func:`install`. After :meth:`remove` it holds only plain counters and passes calls to the forward it wrapped."""
+    """The transformer's ``forward`` in CUDA-graph mode, made by :func:`install`; removed, only counters."""
 
     __qwen_absorb_graph__ = True  # qwen_absorb.patch recognises its per-block runners by it (not a hook library's)
     __slots__ = (
-        "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev", "_prev_present", "_positional",
+        "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev_present", "_positional",
         "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
         "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
         "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations", "warn_first",
@@ -75,8 +87,8 @@ class GraphedCall:
         self.fallbacks, self.max_graphs, self.capture_after = fallbacks, int(max_graphs), int(capture_after)
         self._host_tensors = host_tensors
         d = transformer.__dict__
-        self._prev_present, self._prev = "forward" in d, d.get("forward")
-        self._inner = self._prev if self._prev_present else type(transformer).forward.__get__(transformer)
+        self._prev_present = "forward" in d  # _inner is also what remove() puts back
+        self._inner = d["forward"] if self._prev_present else type(transformer).forward.__get__(transformer)
         self._weak_inner = _dead
         self._setup()
 
@@ -86,8 +98,7 @@ class GraphedCall:
         self._positional = positional_names(type(t)) if t is not None else ()
         self._graphs: collections.OrderedDict[Any, Graph] = collections.OrderedDict()
         sh = self._shared
-        self._pools: dict[torch.device, Any] = sh.pools if sh is not None else {}
-        self._streams: dict[torch.device, Any] = sh.streams if sh is not None else {}
+        self._pools, self._streams = (sh.pools, sh.streams) if sh is not None else ({}, {})  # by device
         self._scan: Scan | None = None
         self._dirty: str | None = None
         self._failed: dict[Any, str] = {}
@@ -97,8 +108,7 @@ class GraphedCall:
         self._logged: set[str] = sh.logged if sh is not None else set()
         self.captures = self.replays = self.eager_calls = self.new_signature_calls = self.evictions = 0
         self._unreplayed = self.discarded_replays = self._host_n = 0
-        self.refusals, self.invalidations = collections.Counter(), collections.Counter()
-        self.capture_failures: collections.Counter = collections.Counter()
+        self.refusals, self.invalidations, self.capture_failures = (collections.Counter() for _ in range(3))
         self._host_us = self._check_us = self._launch_us = 0.0  # replayed calls' host time (see describe())
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
         self._gens: list[tuple[Any, int]] | None = None  # the owners' generations as the capture began
@@ -112,7 +122,7 @@ class GraphedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
             return self._wrapped()(*args, **kwargs)
-        if self._busy or torch.compiler.is_compiling() or _capturing():
+        if self._busy or torch.compiler.is_compiling() or taylorseer.capturing():
             return self._inner(*args, **kwargs)  # inside our capture, a compile, or the caller's own capture
         if not self._lock.acquire(blocking=False):  # another thread is in the static buffers
             return self._eager("another thread is using the CUDA-graph runner", "", args, kwargs)
@@ -147,18 +157,13 @@ class GraphedCall:
             return self._keyed(call, args, kwargs, t0, None)
         call.key = (call.key, steps.key)  # one graph per kind of step (taylorseer, step_caches)
         replays = self.replays
-        with steps:
-            try:
-                out = self._keyed(call, args, kwargs, t0, steps)
-            except BaseException:
-                steps.abandon()  # the states as diffusers' hooks leave them when a forward raises
-                raise
+        with steps:  # (a raising call: the states as diffusers' hooks leave them, Steps.abandon)
+            out = self._keyed(call, args, kwargs, t0, steps)
         steps.apply(self.replays != replays)  # the states' Python side (a replay ran none of it; eager runs did)
         return out
 
     def _cache_steps(self, call: Call) -> taylorseer.Steps | step_caches.Steps | str | None:
-        """This call's cache steps (:mod:`qwen_absorb.taylorseer`, :mod:`qwen_absorb.step_caches`); None without
-        them; a refusal when they cannot be replayed here."""
+        """This call's cache steps; None without them; a refusal when they cannot be replayed here."""
         cfg = getattr(self._transformer, "_cache_config", None)
         if cfg is None or not (taylorseer.is_config(cfg) or step_caches.kind(cfg)):
             return None
@@ -203,7 +208,6 @@ class GraphedCall:
             self._launch(entry, call)
             out = self._served(entry, call)
             self._host_us += (time.perf_counter() - t0) * 1e6
-            self._host_n += 1
             return out
         if call.key in self._failed:
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
@@ -215,8 +219,7 @@ class GraphedCall:
         return self._capture(call, steps)
 
     def _fast_replay(self, call: Call, t0: float, writes: bool = False) -> Any:
-        """Replay ``call``'s graph on an unchanged snapshot (see the module doc); ``_MISS`` when there is none or
-        the snapshot changed: the caller takes the full path, which drops the graphs."""
+        """Replay ``call``'s graph on an unchanged snapshot; ``_MISS``: none, or changed (the full path drops them)."""
         scan = self._scan
         if scan is None or scan.refusal is not None or self._unstable or scan.device != call.device:
             return _MISS
@@ -233,10 +236,8 @@ class GraphedCall:
             self.discarded_replays += 1  # its output is never read; _current_scan drops the graphs after it ran
             return _MISS
         out = self._served(entry, call)
-        t2 = time.perf_counter()
         self._host_us += (t1 - t0) * 1e6
-        self._check_us += (t2 - t1) * 1e6
-        self._host_n += 1
+        self._check_us += (time.perf_counter() - t1) * 1e6
         return out
 
     def _wrapped(self) -> Callable[..., Any]:  # the forward this runner wraps (after remove(), held weakly)
@@ -258,17 +259,19 @@ class GraphedCall:
         self.new_signature_calls += 1
         return True
 
-    def _eager(self, reason: str, detail: str, args: tuple, kwargs: dict) -> Any:
+    def _count(self, reason: str) -> None:  # an eager call, for ``reason``
         self.fallbacks[settings.PREFIX + reason] += 1
         self.refusals[reason] += 1
         self.eager_calls += 1
+
+    def _eager(self, reason: str, detail: str, args: tuple, kwargs: dict) -> Any:
+        self._count(reason)
         if self.warn_first:
             self.warn_first = False
             self._logged.add(reason)
             log.warning("CUDA graphs cannot be used for this %s (%s%s); its calls run eager, counted in the patch "
                         "report's graph_fallbacks", self._name, reason, f": {detail}" if detail else "")
-        elif reason not in self._logged:
-            self._logged.add(reason)
+        elif self._first(reason):
             log.info("CUDA graph refused, running eager: %s%s", reason, f" ({detail})" if detail else "")
         return self._inner(*args, **kwargs)
 
@@ -276,8 +279,7 @@ class GraphedCall:
         try:
             return list(self._host_tensors()) if self._host_tensors is not None else []
         except Exception as e:  # noqa: BLE001 - a failing callable must not fail the call: none allowed
-            if "host_tensors" not in self._logged:
-                self._logged.add("host_tensors")
+            if self._first("host_tensors"):
                 log.warning("host_tensors() raised %s: %s; no tensor may live off the GPU", type(e).__name__, e)
             return []
 
@@ -320,6 +322,7 @@ class GraphedCall:
         self.warn_first = False
         entry.replays += 1
         self.replays += 1
+        self._host_n += 1
         self._unreplayed = 0
         return map_tensors(entry.out, torch.Tensor.clone)
 
@@ -328,19 +331,15 @@ class GraphedCall:
         sh = self._shared
         self._busy = True
         try:
-            statics = None
             if sh is not None:
                 sh.order(call.device)
-                statics = sh.statics(call.tensors)
             got = capture(self._staged(call.key, steps), self._transformer, call, desc, self._streams, self._pools,
-                          statics)
-            del statics
+                          sh.statics(call.tensors) if sh is not None else None)
         finally:
             self._busy = False
-        if got.error is None and got.graph is not None:
-            got.error = self._after_capture(call.key)
-        if got.error is not None:
-            self._capture_failed(call, desc, got.error)
+        error = got.error if got.error is not None or got.graph is None else self._after_capture(call.key)
+        if error is not None:
+            self._capture_failed(call, desc, error)
             return got.warm
         if steps is not None:
             if not steps.capturable:  # the warm-up reallocated cache factors: the graph read the old ones
@@ -373,10 +372,8 @@ class GraphedCall:
         if it changed, older graphs are dropped."""
         scan = self._scan
         if (scan.changed() if scan is not None else "changed during the warm-up") is not None:
-            for k in [k for k in self._graphs if k != key]:
-                self._evict(k, count=False)
-            if scan is None or not scan.redecided():  # (blocks deciding on weights moved in: the same scan)
-                self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
+            # (blocks deciding on weights moved in: the same scan)
+            self._only(key, rescan=scan is None or not scan.redecided())
         self._gens = [(o, o.generation) for o in self._scan.owners]
 
     def _after_capture(self, key: Any) -> BaseException | None:
@@ -393,22 +390,23 @@ class GraphedCall:
                 self._scan, self._dirty = None, "the model changed during a capture"
                 return RuntimeError(f"the model changed during the capture ({moved})")
         if (scan.stale() if gens is not None else scan.changed()) if scan is not None else True:
-            for k in [k for k in self._graphs if k != key]:
-                self._evict(k, count=False)
-            self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
+            self._only(key)
         return None
+
+    def _only(self, key: Any, rescan: bool = True) -> None:
+        """The model changed under a capture: every graph but ``key``'s dropped, and (``rescan``) a new snapshot."""
+        for k in [k for k in self._graphs if k != key]:
+            self._evict(k, count=False)
+        if rescan:
+            self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
 
     def _capture_failed(self, call: Call, desc: str, e: BaseException) -> None:
         self._failed[call.key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         self.capture_failures[type(e).__name__] += 1
-        reason = "capture failed (this signature runs eager)"
-        self.fallbacks[settings.PREFIX + reason] += 1
-        self.refusals[reason] += 1
-        self.eager_calls += 1
+        self._count("capture failed (this signature runs eager)")
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(call.device)  # the failed capture's device, whichever is current
-        first = "capture failed" not in self._logged
-        self._logged.add("capture failed")
+        first = self._first("capture failed")
         log.log(logging.WARNING if first else logging.DEBUG, "CUDA graph capture failed for %s (%s)%s", desc,
                 self._failed[call.key], "; this signature runs eager from now on" if first else "")
 
@@ -452,12 +450,13 @@ class GraphedCall:
 
     def _level(self, what: str) -> int:
         """INFO for a private runner; in a group, INFO the first time any of its runners logs ``what``."""
-        if self._shared is None:
-            return logging.INFO
+        return logging.INFO if self._shared is None or self._first(what) else logging.DEBUG
+
+    def _first(self, what: str) -> bool:  # True the first time ``what`` is logged (per group)
         if what in self._logged:
-            return logging.DEBUG
+            return False
         self._logged.add(what)
-        return logging.INFO
+        return True
 
     def invalidate(self, reason: str = "invalidate() called") -> None:
         """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
@@ -467,25 +466,12 @@ class GraphedCall:
         self._unstable, self._unreplayed, self._scan, self._dirty = False, 0, None, reason
 
     def remove(self) -> None:
-        """Put the previous forward back where this runner sits, and drop graphs, buffers, pools, streams, the
-        snapshot and every reference to the model."""
+        """The previous forward back where this runner sits; graphs, pools, the snapshot and the model dropped."""
         if self._removed:
             return
         first_block_cache.remove(self)  # a FirstBlockCache group's runners: each patched forward back in its slot
         t = self._transformer
-        d, restored = t.__dict__, False
-        if d.get("forward") is self:
-            if self._prev_present:
-                object.__setattr__(t, "forward", self._prev)
-            else:
-                del d["forward"]
-            restored = True
-        else:  # something wrapped us after install: we sit inside its chain
-            for desc, get, set_ in hooks.forward_slots(t):
-                if desc != "forward" and get() is self:
-                    set_(self._inner)
-                    restored = True
-                    break
+        restored = put_back(t, self, self._inner, self._prev_present)  # (or inside a chain that wrapped us since)
         if not restored:
             log.warning("the CUDA-graph forward of %s was not found in its hook chain; it stays as "
                         "a pass-through", self._name)
@@ -497,15 +483,13 @@ class GraphedCall:
             self._shared = None
         for x in (self._pools, self._failed, self._seen, self._streams):
             x.clear()
-        for h in self._scan.cache_hooks if self._scan is not None else ():
-            taylorseer.release(h)  # the TaylorSeer factors kept for graphs (the states keep what they hold)
-        for h in self._scan.step_hooks if self._scan is not None else ():
-            step_caches.release(h)
+        for h in self._scan.cache_hooks + self._scan.step_hooks if self._scan is not None else ():
+            step_caches.release(h)  # the cache tensors kept for graphs (the states keep what they hold)
         self._cache = self._scan = None
         self._removed = True
         unwatch(self)
         self._weak_inner = _weak_forward(self._inner, t, held_elsewhere=restored)
-        self._inner = self._prev = self._transformer = self._host_tensors = None
+        self._inner = self._transformer = self._host_tensors = None
 
     def describe(self) -> dict[str, Any]:
         """JSON-able status: graphs held, captures, replays, refusals, invalidations, limits."""
@@ -535,20 +519,12 @@ class GraphedCall:
         return (f"<qwen_absorb GraphedCall on {self._name}: {len(self._graphs)}/{self.max_graphs} graphs, "
                 f"{self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
 
-    def __deepcopy__(self, memo: dict) -> "GraphedCall":
-        new = GraphedCall.__new__(GraphedCall)
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
-
-    def __getstate__(self) -> dict[str, Any]:
-        t, inner = self._transformer, self._inner
-        cls_forward = (t is not None and getattr(inner, "__func__", None) is type(t).forward
-                       and getattr(inner, "__self__", None) is t)
+    def __getstate__(self) -> dict[str, Any]:  # (deepcopy too: the copy is in the memo before its state is copied)
+        t = self._transformer
         return {
             "transformer": t, "name": self._name, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
             "capture_after": self.capture_after,  # host_tensors: a closure over this model, neither copied nor saved
-            "prev_present": self._prev_present, "prev": self._prev, "inner": None if cls_forward else inner,
+            "prev_present": self._prev_present, "inner": bound_inner(t, self._inner),
             "removed": self._removed, "shared": self._shared,  # a Shared copies fresh and empty, once per group
         }
 
@@ -557,7 +533,7 @@ class GraphedCall:
         self._name = state.get("name") or type(t).__name__
         self.fallbacks, self.max_graphs = state["fallbacks"], state["max_graphs"]
         self.capture_after, self._host_tensors = state.get("capture_after", 0), None
-        self._prev_present, self._prev, inner = state["prev_present"], state["prev"], state["inner"]
+        self._prev_present, inner = state["prev_present"], state["inner"]
         self._inner = inner if inner is not None or t is None else type(t).forward.__get__(t)
         self._weak_inner = _dead
         self._shared = None if state["removed"] else state.get("shared")

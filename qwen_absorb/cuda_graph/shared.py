@@ -1,15 +1,12 @@
-"""What a group of CUDA-graph runners shares: one graph memory pool and one side stream per device, one lock,
-the static input buffers, and the stream the buffers were last used on.
+"""What a group of CUDA-graph runners shares: per device a graph memory pool and a side stream, one lock, the static
+input buffers, and the stream the buffers were last used on.
 
-The runners of a group (per-block runners, :mod:`.blocks`) run one after another on one stream, never inside each
-other, so their graphs share what a graph needs only while it runs: the pool (its output is cloned right after a
-replay; a handle is reused only while some runner holds a graph, as the allocator refuses a handle whose graphs are
-all gone), one static input buffer per (position, tensor metadata, inference mode), held weakly, and the lock (a
-second thread runs eager, counted). A replay on another stream than the last one waits for it (:meth:`Shared.order`).
-
-``parent`` (the transformer around the blocks): its O(1) refusals refuse the group's calls too. ``fbc``: a
-FirstBlockCache group (:mod:`.first_block_cache`); ``outer``, the whole-model runner that made it, under whose
-model-offload hook the parent is judged. Copies and pickles are fresh and empty (``fbc`` kept).
+The runners of a group run one after another on one stream, never inside each other, so their graphs share what a
+graph needs only while it runs: the pool (outputs are cloned right after a replay; a handle is reused only while some
+runner holds a graph, as the allocator refuses a handle whose graphs are all gone), one static input per (position,
+tensor metadata, inference mode), held weakly, and the lock (a second thread runs eager, counted). ``parent``: its
+O(1) refusals refuse the group's calls too. ``fbc``: a FirstBlockCache group, made by the whole-model runner ``outer``
+(the parent is judged under its model-offload hook). Copies and pickles are fresh and empty (``fbc`` kept).
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ from .fingerprint import root_reason
 from .signature import tensor_meta
 
 
-class Shared:
-    """What the runners of one group share (see the module doc); pass it as ``shared=`` to :func:`.install`."""
-
+class Shared:  # pass it as ``shared=`` to :func:`.install`
     __slots__ = ("lock", "pools", "streams", "logged", "_statics", "members", "_last", "_parent", "fbc", "_outer",
                  "__weakref__")
 
@@ -42,7 +37,7 @@ class Shared:
         self._statics: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (position, meta) -> buffer
         self.members: weakref.WeakSet = weakref.WeakSet()  # the runners (they join and leave it themselves)
         self._last: dict[torch.device, Any] = {}  # the stream the buffers were last used on
-        self._parent = weakref.ref(parent) if parent is not None else None
+        self.set_parent(parent)
 
     def parent_reason(self) -> tuple[str, str] | None:  # the parent's O(1) refusal (an offloading or cache hook)
         p = self._parent() if self._parent is not None else None
@@ -52,8 +47,8 @@ class Shared:
         r = root_reason(p, cache_steps=False, runner=outer, fbc_outside=self.fbc)
         return (r[0], f"{r[1]} (on the {type(p).__name__} around the blocks)") if r is not None else None
 
-    def order(self, device: torch.device) -> None:
-        """Before a replay or capture: the current stream waits for the one the shared buffers were last used on."""
+    def order(self, device: torch.device) -> None:  # before a replay or capture
+        """The current stream waits for the one the shared buffers were last used on."""
         cur = torch.cuda.current_stream(device)
         last = self._last.get(device)
         if last is not None and not last == cur:  # Stream.__eq__ compares the CUDA streams
@@ -63,14 +58,10 @@ class Shared:
     def statics(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The group's static buffers for a call's ``tensors`` (made where none is alive); inference-mode buffers
         are kept apart (no copy outside inference mode may write them)."""
-        out = []
-        inference = torch.is_inference_mode_enabled()
+        out, inference = [], torch.is_inference_mode_enabled()
         for i, x in enumerate(tensors):
-            key = (i, tensor_meta(x), inference)
-            s = self._statics.get(key)
-            if s is None:
-                s = self._statics[key] = static_like(x)
-            out.append(s)
+            s = self._statics.get(key := (i, tensor_meta(x), inference))
+            out.append(s if s is not None else self._statics.setdefault(key, static_like(x)))
         return out
 
     def forget_pools(self) -> None:
@@ -85,7 +76,6 @@ class Shared:
         self.members = weakref.WeakSet()
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able: pools, side streams, static input buffers alive and their bytes."""
         bufs = list(self._statics.values())
         storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in bufs}
         return {"pools": len(self.pools), "streams": len(self.streams), "static_inputs": len(bufs),

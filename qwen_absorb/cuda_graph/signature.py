@@ -40,7 +40,7 @@ class _TensorSlot:  # a tensor's place in a frozen argument structure
     def __repr__(self) -> str:
         return "<tensor>"
 
-    def __reduce__(self) -> str:
+    def __reduce__(self) -> str:  # pickled as the module's singleton
         return "TENSOR"
 
 
@@ -97,14 +97,12 @@ def thaw(spec: Any, it: Iterator[torch.Tensor]) -> Any:
 
 
 def thaw_call(spec: Any, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:  # (args, kwargs) of Call.spec
-    it = iter(tensors)
-    return thaw(spec[0], it), {k: thaw(v, it) for k, v in spec[1]}
+    return thaw(spec[0], it := iter(tensors)), {k: thaw(v, it) for k, v in spec[1]}
 
 
 def align_class(ptr: int) -> int:
     """The largest power of two dividing ``ptr``, capped at ``settings.ALIGN``: what kernels' alignment checks see."""
-    cap = settings.ALIGN
-    return min(ptr & -ptr, cap) if ptr else cap
+    return min(ptr & -ptr, settings.ALIGN) if ptr else settings.ALIGN
 
 
 def tensor_meta(x: torch.Tensor) -> tuple:
@@ -134,8 +132,7 @@ def global_flags() -> tuple:
     )
 
 
-def _blas_library() -> str:
-    """cuBLAS or cuBLASLt for the GEMMs (``torch.backends.cuda.preferred_blas_library``)."""
+def _blas_library() -> str:  # cuBLAS or cuBLASLt for the GEMMs
     try:
         return str(torch.backends.cuda.preferred_blas_library())
     except Exception:  # noqa: BLE001 - a build without it

@@ -1,27 +1,14 @@
 """qwen_absorb.ops: fused CUDA kernels (CuPy/NVRTC) for Qwen-Image block chains, with exact torch references (the
 diffusers eager expressions), run where an op's ``*_not_supported_reasons`` is not empty.
 
-- :func:`layer_norm_scale_shift`                 LayerNorm(x) * (1 + scale) + shift
-- :func:`bias_residual_layer_norm_scale_shift`   r + gate * (x + bias), then LayerNorm(Q(.)) * (1 + scale) + shift
-- :func:`bias_gate_residual`                     r + gate * (x + bias)
-- :func:`quantize_fp8`, :func:`quantize_fp8_split`  FP8 e4m3 codes of an activation (optionally GELU'd)
-- :func:`quantize_nvfp4`                         ModelOpt's dynamic NVFP4 fake quantization of an activation
-- ``*_fp8`` variants of the two LayerNorm ops also emit the e4m3 codes of their output; their launchers (and
-  those of the 2.1 LayerNorm ops and ``swiglu``) take ``nvfp4_amax`` instead to emit the NVFP4 fake-quantized
-  output (``quantize_nvfp4``'s arithmetic, csrc/nvfp4.cuh) for NVFP4 linears; not through the custom ops.
-- :func:`qk_norm_rope`, :func:`qk_norm_rope_multi`  q/k RMSNorm + RoPE of the joint attention (up to 4 tensors a launch)
-- ``lora_add``                                   a LoRA branch added to its linear's output (tensor cores), fused
-                                                 into net[0]'s GELU + e4m3 quantization, or alone
-
-Qwen-Image-2.1 (scale-only modulation, tanh gates, per-token rows by ``target_token_mask``):
-
-- :func:`layer_norm_scale`                       LayerNorm(x) * (1 + scale)
-- :func:`tanh_gate_residual_layer_norm_scale`    r + tanh(gate) * x, then LayerNorm(.) * (1 + scale)
-- :func:`tanh_gate_residual`                     r + tanh(gate) * x (optionally the block's fp16 clip)
-- :func:`swiglu`                                 silu(a) * b; ``*_fp8`` variants emit e4m3 codes
-
-Force the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``. One op is one module
-(reference, checked-once ``launch`` for the block runners, reasons, custom op for ``torch.compile``) and one ``.cu``.
+One op is one module (reference, checked-once ``launch`` for the block runners, reasons, custom op for
+``torch.compile``) and one ``.cu``; its docstring says what it fuses: the LayerNorm + modulation chains
+(``layer_norm_scale_shift``, ``bias_residual_layer_norm_scale_shift`` and 2.1's ``layer_norm_scale``,
+``tanh_gate_residual_layer_norm_scale``), the residual sites (``bias_gate_residual``, ``tanh_gate_residual``),
+``swiglu``, ``quantize_fp8`` / ``quantize_nvfp4``, ``qk_norm_rope``, and ``lora_add`` / ``lora_fold``,
+``taylor_seer``, ``rms_norm_silu`` (called directly). ``*_fp8`` variants also emit the e4m3 codes of their output;
+the LayerNorm ops' and ``swiglu``'s launchers take ``nvfp4_amax`` instead to emit its NVFP4 fake quantization. Force
+the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``.
 """
 
 from types import ModuleType as _ModuleType

@@ -1,5 +1,6 @@
 """Why the CUDA kernel of a fused op cannot run, as readable reasons (empty: it runs); any sends the call to the op's
-torch reference. Machine reasons are cached per device; the public ops add the per-call ones.
+torch reference. Machine reasons are cached per device; the public ops add the per-call ones. Also the dispatch the
+public ops and their custom ops share.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from . import _runtime
 from ._validate import SUPPORTED_DTYPES
+from .fp8 import quantize_fp8_reference
 
 FORCE_REFERENCE_ENV = "QWEN_ABSORB_FORCE_REFERENCE"
 MAX_D = 1 << 24  # the Welford count is a float, exact up to 2^24 (PyTorch has the same bound)
@@ -74,3 +76,44 @@ def dispatch(reasons: list[str], reference, custom_op, kernel):
 def kernel_usable_now(x: torch.Tensor) -> bool:
     """What a custom op body checks when it runs (eagerly, inside a compiled graph)."""
     return x.device.type == "cuda" and not force_reference_requested() and not kernel_runtime_reasons(x.device)
+
+
+def _tuple(r) -> tuple:
+    return r if isinstance(r, tuple) else (r,)
+
+
+def dispatch_fp8(reasons: list[str], fp8_amax: torch.Tensor, also_output: bool, reference, custom_op, kernel):
+    """Every ``*_fp8`` op's dispatch, returning ``(*head, codes, out if also_output else None)``: ``reference()``
+    gives the plain op's outputs (the reference quantizer codes the last), ``custom_op()`` the custom op's
+    ``(*head, out, codes)``, ``kernel(also_output)`` the launch's (it writes ``out`` only if asked)."""
+
+    def ref():
+        *head, out = _tuple(reference())
+        return (*head, quantize_fp8_reference(out, fp8_amax), out if also_output else None)
+
+    def compiled():
+        *head, out, codes = custom_op()
+        return (*head, codes, out if also_output else None)
+
+    def kern():
+        *head, out, codes = kernel(also_output)
+        return (*head, codes, out)
+
+    return dispatch(reasons, ref, compiled, kern)
+
+
+def custom_op_result(x: torch.Tensor, fp8_amax: torch.Tensor | None, kernel, reference) -> tuple:
+    """A codes-emitting custom op's body: ``kernel()`` where usable now, else ``reference()`` and the reference codes
+    of its last output; codes empty without ``fp8_amax`` (custom ops need fixed output types)."""
+    if kernel_usable_now(x):
+        *outs, codes = kernel()
+    else:
+        outs = _tuple(reference())
+        codes = quantize_fp8_reference(outs[-1], fp8_amax) if fp8_amax is not None else None
+    return (*outs, codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn))
+
+
+def fake_outputs(x: torch.Tensor, n: int, fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The fake of :func:`custom_op_result`: ``n`` contiguous tensors like x, then the codes."""
+    like = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    return (*like, torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device))

@@ -3,7 +3,8 @@
 An op's :class:`Kernels` names its ``csrc`` file, template and parameter struct, caches one compiled
 :class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant, device) and lists every template instance for
 the compile test. The launches compute the structs' ``vec_flags`` inline, the same bits everywhere (1: activation
-rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned), and stay small (host cost).
+rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned), and stay small (host cost). The two
+LayerNorm launch modes are csrc/layer_norm.cuh's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,27 @@ import math
 import torch
 
 from . import _runtime as rt
-from ._layer_norm import LN_MODES, NV_CHOICES, layout, pick_nv
+from ._validate import SUPPORTED_DTYPES
 
 ptr = rt.ptr
+# LayerNorm mode -> (threads per row, elements per slot): 0 is PyTorch's vectorized path, 1 its rowwise path; the
+# kernel takes the one eager PyTorch would take for the same input
+LN_MODES = {0: (128, 4), 1: (512, 1)}
+NV_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+NVFP4_BLOCK = 16  # elements under one NVFP4 scale
+
+
+def pick_nv(per_thread: int, choices: tuple[int, ...] = NV_CHOICES) -> int:
+    """The smallest register-slot count that holds ``per_thread`` slots (0: streaming variant)."""
+    return next((nv for nv in choices if nv >= per_thread), 0)
+
+
+def layout(D: int, vectorized: bool) -> tuple[int, int, int, int]:
+    """(mode, threads, elements per slot, slots per thread) of a LayerNorm row of ``D`` elements; ``vectorized``:
+    eager PyTorch would take its vectorized path (4-element aligned input), which also needs D % 4 == 0."""
+    mode = 0 if (vectorized and D % 4 == 0) else 1
+    threads, ch = LN_MODES[mode]
+    return mode, threads, ch, pick_nv(math.ceil((D // ch) / threads))
 
 
 def require_plain(*ts: torch.Tensor) -> None:
@@ -30,15 +49,32 @@ def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: b
     """A launch's outputs, once the tensors its kernel ``reads`` are known plain: ``(new_residual, out, second)``
     with ``new_residual``, else ``(out, second)``; None where not asked for. ``second``: the e4m3 codes of the output
     (``codes``) or its NVFP4 fake quantization in x's dtype (``nvfp4``: ``quantize_nvfp4.launch(out, nvfp4_amax)``)."""
-    for t in reads:
-        if type(t) is not torch.Tensor:
-            require_plain(*reads)  # raises, naming them
+    require_plain(*reads)
     o = torch.empty_like(x) if out else None
-    if nvfp4:
-        f8 = torch.empty_like(x)
-    else:
-        f8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if codes else None
+    f8 = (torch.empty_like(x) if nvfp4
+          else torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if codes else None)
     return (torch.empty_like(x), o, f8) if new_residual else (o, f8)
+
+
+def emit_reasons(D: int) -> list[str]:
+    """Why a fused kernel cannot emit NVFP4 values as its second output (``nvfp4_amax``) for rows of ``D``
+    elements (empty: it can): a 16-element block sits in adjacent lanes and must not straddle two rows."""
+    return [] if D % NVFP4_BLOCK == 0 else [f"D = {D} is not a multiple of 16 (NVFP4 blocks of a fused output)"]
+
+
+def check_emit(x: torch.Tensor, fp8_amax: torch.Tensor | None, nvfp4_amax: torch.Tensor) -> None:
+    """The checks of a launcher asked for an NVFP4 second output (only that path pays for them)."""
+    if fp8_amax is not None:
+        raise ValueError("fp8_amax and nvfp4_amax are exclusive: a kernel emits e4m3 codes or NVFP4 values, not both")
+    why = emit_reasons(x.shape[-1])
+    if why:
+        raise ValueError(f"nvfp4_amax: {why[0]}; quantize the output with quantize_nvfp4 instead")
+    if not isinstance(nvfp4_amax, torch.Tensor) or nvfp4_amax.dtype != torch.float32 or nvfp4_amax.numel() != 1:
+        raise TypeError("nvfp4_amax must be a one-element float32 tensor (the kernels read one fp32 value)")
+    if nvfp4_amax.device != x.device:
+        raise ValueError(f"nvfp4_amax is on {nvfp4_amax.device} but x is on {x.device}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; NVFP4 emission supports bfloat16, float16, float32")
 
 
 def index_kind(index: torch.Tensor | None) -> int:
@@ -55,19 +91,9 @@ def amax_fp32(a: torch.Tensor | None) -> torch.Tensor | None:
     return a.float().reshape(1) if a is not None else None
 
 
-def codes_or_empty(codes: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """A custom op's codes output: the codes, or an empty e4m3 tensor (custom ops need fixed output types)."""
-    return codes if codes is not None else x.new_empty(0, dtype=torch.float8_e4m3fn)
-
-
-def fake_codes(x: torch.Tensor, fp8_amax: torch.Tensor | None) -> torch.Tensor:
-    """What a custom op's fake returns for its codes output."""
-    return torch.empty(x.shape if fp8_amax is not None else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-
-
 class Kernels:
     """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``. LayerNorm kernels
-    (:meth:`ln`): A is the mode of :func:`._layer_norm.layout`; with ``nvfp4=True`` the NVFP4-emitting instance
+    (:meth:`ln`): A is the mode of :func:`layout`; with ``nvfp4=True`` the NVFP4-emitting instance
     ``name<traits, A, NV, 1>`` exists too. Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1
     where D does not divide), ``threads`` per row."""
 
@@ -79,13 +105,9 @@ class Kernels:
         self.threads, self.nv_choices, self.nvfp4 = threads, nv_choices, nvfp4
         self._cache: dict[tuple, tuple[rt.Launcher, int]] = rt.register_cache({})
 
-    def _expression(self, traits: str, a: int, nv: int, nvfp4: bool) -> str:
-        # the plain instance keeps the three-argument name (the template's default NVFP4 = 0)
-        return f"{self.name}<{traits}, {a}, {nv}, 1>" if nvfp4 else f"{self.name}<{traits}, {a}, {nv}>"
-
     def _compile(self, key: tuple, x: torch.Tensor, a: int, nv: int, threads: int, nbytes: int, nvfp4: bool = False):
         dev = key[-1]
-        fn = rt.function(self.cu, self._expression(rt.TRAITS[x.dtype], a, nv, nvfp4), dev)
+        fn = rt.function(self.cu, rt.template(self.name, rt.TRAITS[x.dtype], a, nv, optional=int(nvfp4)), dev)
         hit = self._cache[key] = (rt.Launcher(fn, threads, self.layout, dev), nbytes)
         return hit
 
@@ -101,6 +123,20 @@ class Kernels:
             hit = self._compile(key, x, mode, nv, threads, ch * x.element_size(), nvfp4)
         return hit
 
+    def start(self, x: torch.Tensor, reads: tuple[torch.Tensor, ...], out: bool, fp8_amax: torch.Tensor | None,
+              nvfp4_amax: torch.Tensor | None, fresh: bool, new_residual: bool = False) -> tuple[tuple, tuple | None]:
+        """A LayerNorm launch's :func:`outputs` and, unless x is empty, ``(launcher, slot bytes, second output's
+        amax)`` (``fp8_amax`` and ``nvfp4_amax`` are exclusive: one struct field). Eager's norm takes PyTorch's
+        vectorized path on a ``fresh`` (allocated, aligned) input, else as x's alignment says (rowwise if not)."""
+        q4 = nvfp4_amax is not None
+        if q4:
+            check_emit(x, fp8_amax, nvfp4_amax)
+        outs = outputs(x, reads, new_residual=new_residual, out=out, codes=fp8_amax is not None, nvfp4=q4)
+        if x.numel() == 0:
+            return outs, None
+        launcher, a = self.ln(x, x.shape[2], fresh or x.data_ptr() % (4 * x.element_size()) == 0, q4)
+        return outs, (launcher, a, nvfp4_amax if q4 else fp8_amax)
+
     def vec(self, x: torch.Tensor, D: int) -> tuple[rt.Launcher, int]:
         """(launcher, bytes of one vector) of the elementwise kernel for x's rows of D elements."""
         key = (x.dtype, D, x.get_device())
@@ -114,9 +150,7 @@ class Kernels:
 
     def expressions(self) -> list[tuple[str, str]]:
         """Every template instance :meth:`ln` or :meth:`vec` can ask for (the compile test builds them)."""
-        out = []
-        for dtype, t in rt.TRAITS.items():
-            widths = LN_MODES if not self.threads else (1, 16 // torch.empty(0, dtype=dtype).element_size())
-            out += [(self.cu, self._expression(t, a, nv, q)) for q in (False, True)[:1 + self.nvfp4]
-                    for a in widths for nv in (*self.nv_choices, 0)]
-        return out
+        return [(self.cu, rt.template(self.name, t, a, nv, optional=q)) for d, t in rt.TRAITS.items()
+                for q in (0, 1)[:1 + self.nvfp4]
+                for a in (LN_MODES if not self.threads else (1, 16 // torch.empty(0, dtype=d).element_size()))
+                for nv in (*self.nv_choices, 0)]

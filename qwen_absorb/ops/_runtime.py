@@ -16,6 +16,7 @@ import struct
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -117,6 +118,19 @@ def function(filename: str, expr: str, device_idx: int, dynamic_smem: int = 0):
     return fn
 
 
+def template(name: str, *args, optional: int = 0) -> str:
+    """The instance ``name<args...>``, ``optional`` appended where non-zero (0 is the template's default: the plain
+    instance keeps its shorter name)."""
+    return f"{name}<{', '.join(map(str, args + ((optional,) if optional else ())))}>"
+
+
+def launcher(cache: dict, key: tuple, filename: str, expr: str, device_idx: int, block: int, layout: str,
+             smem: int = 0) -> Launcher:
+    """A cache miss: the :class:`Launcher` of :func:`function` ``(filename, expr)``, stored under ``key``."""
+    hit = cache[key] = Launcher(function(filename, expr, device_idx, smem), block, layout, device_idx, smem)
+    return hit
+
+
 def register_cache(cache: dict) -> dict:
     """Register an op's per-signature cache of compiled kernels (see :func:`set_defines`)."""
     _caches.append(cache)
@@ -133,20 +147,12 @@ def set_defines(defines: dict[str, int] | None = None) -> None:
         c.clear()
 
 
-class _Stream:
-    """What CuPy's low-level launch needs of a stream: its ``ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
-def _stream(device_idx: int) -> _Stream:
+def _stream(device_idx: int) -> SimpleNamespace:
+    """What CuPy's low-level launch needs of torch's current stream: an object with its ``ptr``."""
     ptr = torch._C._cuda_getCurrentRawStream(device_idx)
     s = _streams.get(ptr)
     if s is None:
-        s = _streams[ptr] = _Stream(ptr)
+        s = _streams[ptr] = SimpleNamespace(ptr=ptr)
     return s
 
 
@@ -185,8 +191,5 @@ def ptr(t: torch.Tensor | None) -> int:
 
 def aligned(t: torch.Tensor | None, nbytes: int, row_stride: int | None = None) -> bool:
     """Whether vector loads of ``nbytes`` are legal on ``t`` (and on each row start)."""
-    if t is None:
-        return True
-    if t.data_ptr() % nbytes:
-        return False
-    return row_stride is None or (row_stride * t.element_size()) % nbytes == 0
+    return t is None or (t.data_ptr() % nbytes == 0
+                         and (row_stride is None or (row_stride * t.element_size()) % nbytes == 0))

@@ -10,12 +10,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
-def _values_check_enabled(t: torch.Tensor) -> bool:
-    # Index values cost a device->host sync on CUDA: checked there only with QWEN_ABSORB_VALIDATE=1. Kernels and
-    # reference both follow diffusers' torch.where(index == 0, set0, set1): any non-zero value selects the second set.
-    return t.device.type == "cpu" or os.environ.get("QWEN_ABSORB_VALIDATE", "") == "1"
-
-
 def is_dtensor(t: object) -> bool:
     """A torch.distributed DTensor (its storage is a shard; a raw kernel must never read it)."""
     return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
@@ -68,9 +62,11 @@ def check_index(index: torch.Tensor | None, x: torch.Tensor) -> None:
     B, L = x.shape[0], x.shape[1]
     if tuple(index.shape) != (B, L):
         raise ValueError(f"index must have shape [B, L] = [{B}, {L}], got {tuple(index.shape)}")
-    if index.numel() and not torch.compiler.is_compiling() and _values_check_enabled(index):
-        bad = (index != 0) & (index != 1)
-        if bool(bad.any()):
+    # Index values cost a device->host sync on CUDA: checked there only with QWEN_ABSORB_VALIDATE=1. Kernels and
+    # reference both follow diffusers' torch.where(index == 0, set0, set1): any non-zero value selects the second set.
+    if index.numel() and not torch.compiler.is_compiling() and (
+            index.device.type == "cpu" or os.environ.get("QWEN_ABSORB_VALIDATE", "") == "1"):
+        if bool(((index != 0) & (index != 1)).any()):
             raise ValueError("index must contain only 0 and 1")
 
 
@@ -79,13 +75,9 @@ def check_param(name: str, p: torch.Tensor, x: torch.Tensor, index: torch.Tensor
     check_same(name, p, x, "x")
     B, D = x.shape[0], x.shape[2]
     rows = 2 * B if index is not None else B
-    ok_shape = (p.dim() == 2 and tuple(p.shape) == (rows, D)) or (
-        p.dim() == 3 and tuple(p.shape) == (rows, 1, D)
-    )
-    if not ok_shape:
-        want = f"[{rows}, {D}] or [{rows}, 1, {D}]"
+    if tuple(p.shape) not in ((rows, D), (rows, 1, D)):
         why = " (2B rows because index is given)" if index is not None else ""
-        raise ValueError(f"{name} must have shape {want}{why}, got {tuple(p.shape)}")
+        raise ValueError(f"{name} must have shape [{rows}, {D}] or [{rows}, 1, {D}]{why}, got {tuple(p.shape)}")
     if D > 1 and p.stride(-1) != 1:
         raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {p.stride()}")
 

@@ -1,8 +1,5 @@
-"""bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel.
-
-``x`` is the FFN output projection (``net[2]``) without its bias when the bias is deferred (``bias`` given), or with
-it (``bias=None``: then ``residual + gate * x``).
-"""
+"""bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel. ``x`` is ``net[2]``'s
+output without its bias when the bias is deferred (``bias`` given), or with it (``bias=None``)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,8 @@ def bias_gate_residual_reference(residual: torch.Tensor, x: torch.Tensor, *, bia
 
 def launch(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
            index: torch.Tensor | None) -> torch.Tensor:
-    """Checked-once entry; residual and x contiguous [B, L, D] on a usable CUDA device, gate rows with unit last
-    stride, index contiguous."""
+    """Checked-once entry; residual, x contiguous [B, L, D] on a usable CUDA device, gate rows with unit last stride,
+    index contiguous."""
     out, _ = outputs(x, (x, residual))
     if x.numel() == 0:
         return out
@@ -82,6 +79,5 @@ def _custom_op(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | Non
     return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
 
 
-@_custom_op.register_fake
-def _(residual, x, bias, gate, index):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+_custom_op.register_fake(
+    lambda residual, x, bias, gate, index: torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -3,24 +3,22 @@
     new_residual = residual + gate * (x + bias)
     modulated    = LayerNorm(Q(new_residual)) * (1 + scale) + shift
 
-``x`` is the attention output projection (``to_out[0]`` / ``to_add_out``) without its bias when the bias is deferred
-(``bias`` given), or with it (``bias=None``). ``Q`` is the identity, or the FP8 fake quantization ModelOpt's
-``QuantLayerNorm.input_quantizer`` applies before the norm (``norm_input_quant``, an
-:class:`~qwen_absorb.ops.fp8.Fp8PerTensorQuant`); ``new_residual`` is never quantized. The ``_fp8`` variant also (or
-only) writes the e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
+``x`` is ``to_out[0]`` / ``to_add_out``'s output without its bias when the bias is deferred (``bias`` given), or with
+it (``bias=None``). ``Q`` is the identity, or the FP8 fake quantization of ModelOpt's ``QuantLayerNorm`` before the
+norm (``norm_input_quant``, an :class:`~.fp8.Fp8PerTensorQuant`); ``new_residual`` is never quantized. The ``_fp8``
+variant also (or only) writes the e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, amax_fp32, codes_or_empty, contiguous_or_none, fake_codes, index_kind, outputs, ptr
+from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
+from ._launch import Kernels, amax_fp32, contiguous_or_none, index_kind, ptr
 from ._modulation import expand_param, layer_norm
 from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
-from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quantize_fp8_reference
-from .quantize_nvfp4 import check_emit
+from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quant_args
 
 _FORMULA = {1: "cuda_ext", 2: "eager"}
 
@@ -51,16 +49,13 @@ def launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(new_residual, modulated or None, second or None)`` (as in
     :func:`.layer_norm_scale_shift.launch`); residual, x: contiguous [B, L, D]; gate rows like shift's."""
-    q4 = nvfp4_amax is not None
-    if q4:
-        check_emit(x, fp8_amax, nvfp4_amax)
-    h, o, f8 = outs = outputs(x, (x, residual), new_residual=True, out=out, codes=fp8_amax is not None, nvfp4=q4)
-    if x.numel() == 0:
-        return outs
+    # eager's norm2 sees a freshly allocated tensor
+    (h, o, f8), run = KERNELS.start(x, (x, residual), out, fp8_amax, nvfp4_amax, True, new_residual=True)
+    if run is None:
+        return h, o, f8
+    launcher, a, amax2 = run
     B, L, D = x.shape
     esize = x.element_size()
-    # eager's norm2 sees a freshly allocated (aligned) tensor: PyTorch's vectorized path
-    launcher, a = KERNELS.ln(x, D, True, q4)
     grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
     bp = ptr(bias)
@@ -68,7 +63,6 @@ def launch(
         ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
         | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
     )
-    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
     launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(amax2),
              grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)
     return h, o, f8
@@ -89,14 +83,9 @@ def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quan
     return eps, quant
 
 
-def _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, *, out=True, fp8_amax=None):
-    amax, mode = _quant_args(quant, x.device)
+def _kernel(residual, x, bias, gate, shift, scale, eps, index, amax, mode, out=True, fp8_amax=None):
     return launch(residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
                   contiguous_or_none(index), amax, mode, out=out, fp8_amax=amax_fp32(fp8_amax))
-
-
-def _quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
-    return (quant.amax_fp32(device), quant.mode_for(device)) if quant is not None else (None, 0)
 
 
 def bias_residual_layer_norm_scale_shift_not_supported_reasons(
@@ -115,22 +104,7 @@ def bias_residual_layer_norm_scale_shift(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(new_residual, modulated)`` (module docstring). residual, x: [B, L, D]; bias: [D] or None; gate, shift,
     scale: [B, D] or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1); norm_input_quant: an Fp8PerTensorQuant."""
-    eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
-
-    def compiled():
-        amax, mode = _quant_args(quant, x.device)
-        h, o, _ = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(
-            residual, x, bias, gate, shift, scale, eps, index, amax, mode, None)
-        return h, o
-
-    return dispatch(
-        common_reasons([x, residual, bias, gate, shift, scale], force_reference),
-        lambda: bias_residual_layer_norm_scale_shift_reference(
-            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-            norm_input_quant=quant),
-        compiled,
-        lambda: _kernel(residual, x, bias, gate, shift, scale, eps, index, quant)[:2],
-    )
+    return _dispatch(False, residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference)
 
 
 def bias_residual_layer_norm_scale_shift_fp8(
@@ -140,27 +114,27 @@ def bias_residual_layer_norm_scale_shift_fp8(
     also_output: bool = False, force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(new_residual, codes, modulated or None)``: :func:`bias_residual_layer_norm_scale_shift` plus the e4m3
     codes of ``modulated`` under ``fp8_amax`` (as the reference quantizer's); ``modulated`` with ``also_output``."""
+    return _dispatch(True, residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference,
+                     fp8_amax, also_output)
+
+
+def _dispatch(fp8, residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference,
+              fp8_amax=None, also_output=False):
     eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax)
+    reasons = common_reasons([x, residual, bias, gate, shift, scale], force_reference)
+    op = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift
+
+    def args(*more):  # the custom op's and _kernel's leading arguments (no amax conversion on the reference path)
+        return (residual, x, bias, gate, shift, scale, eps, index, *quant_args(quant, x.device), *more)
 
     def reference():
-        h, o = bias_residual_layer_norm_scale_shift_reference(
-            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-            norm_input_quant=quant)
-        return h, quantize_fp8_reference(o, fp8_amax), (o if also_output else None)
+        return bias_residual_layer_norm_scale_shift_reference(
+            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index, norm_input_quant=quant)
 
-    def compiled():
-        amax, mode = _quant_args(quant, x.device)
-        h, o, codes = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift(
-            residual, x, bias, gate, shift, scale, eps, index, amax, mode, fp8_amax)
-        return h, codes, (o if also_output else None)
-
-    def kernel():
-        h, o, codes = _kernel(residual, x, bias, gate, shift, scale, eps, index, quant, out=also_output,
-                              fp8_amax=fp8_amax)
-        return h, codes, o
-
-    return dispatch(common_reasons([x, residual, bias, gate, shift, scale], force_reference),
-                    reference, compiled, kernel)
+    if not fp8:
+        return dispatch(reasons, reference, lambda: op(*args(None))[:2], lambda: _kernel(*args())[:2])
+    return dispatch_fp8(reasons, fp8_amax, also_output, reference, lambda: op(*args(fp8_amax)),
+                        lambda out: _kernel(*args(out, fp8_amax)))
 
 
 @torch.library.custom_op("qwen_absorb::bias_residual_layer_norm_scale_shift", mutates_args=())
@@ -169,18 +143,13 @@ def _custom_op(
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
     fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes or empty)``."""
-    if kernel_usable_now(x):
-        h, o, codes = launch(residual.contiguous(), x.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
-                             contiguous_or_none(index), amax, quant_mode, fp8_amax=amax_fp32(fp8_amax))
-    else:
-        quant = Fp8PerTensorQuant(amax, formula=_FORMULA[quant_mode]) if quant_mode else None
-        h, o = bias_residual_layer_norm_scale_shift_reference(
-            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index, norm_input_quant=quant)
-        codes = quantize_fp8_reference(o, fp8_amax) if fp8_amax is not None else None
-    return h, o, codes_or_empty(codes, x)
+    return custom_op_result(
+        x, fp8_amax,
+        lambda: _kernel(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax=fp8_amax),
+        lambda: bias_residual_layer_norm_scale_shift_reference(
+            residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
+            norm_input_quant=Fp8PerTensorQuant(amax, formula=_FORMULA[quant_mode]) if quant_mode else None))
 
 
-@_custom_op.register_fake
-def _(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax):
-    like = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return like, torch.empty_like(like), fake_codes(x, fp8_amax)
+_custom_op.register_fake(lambda residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax:
+                         fake_outputs(x, 2, fp8_amax))

@@ -63,9 +63,7 @@ class Fp8PerTensorQuant:
     def formula_for(self, device: torch.device) -> str:
         """The formula in force on ``device``: ``"auto"`` is ModelOpt's default by device type
         (:func:`qwen_absorb.quant.norm_input_fp8` passes the one ModelOpt really uses)."""
-        if self.formula != "auto":
-            return self.formula
-        return "cuda_ext" if device.type == "cuda" else "eager"
+        return self.formula if self.formula != "auto" else "cuda_ext" if device.type == "cuda" else "eager"
 
     def mode_for(self, device: torch.device) -> int:
         """The kernels' quant_mode for this formula (1: cuda_ext, 2: eager)."""
@@ -103,10 +101,13 @@ class Fp8PerTensorQuant:
         return (q.to(torch.float32) * inv).to(x.dtype)
 
 
+def quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """A norm-input quantizer as the kernels take it: ``(amax_fp32, quant_mode)``, ``(None, 0)`` without one."""
+    return (quant.amax_fp32(device), quant.mode_for(device)) if quant is not None else (None, 0)
+
+
 def check_norm_input_quant(norm_input_quant: object) -> Fp8PerTensorQuant | None:
     if norm_input_quant is None or isinstance(norm_input_quant, Fp8PerTensorQuant):
         return norm_input_quant
-    raise TypeError(
-        "norm_input_quant must be None or an Fp8PerTensorQuant (qwen_absorb.quant.norm_input_fp8 builds one "
-        f"from a ModelOpt quantizer), got {type(norm_input_quant).__name__}"
-    )
+    raise TypeError("norm_input_quant must be None or an Fp8PerTensorQuant (qwen_absorb.quant.norm_input_fp8 builds "
+                    f"one from a ModelOpt quantizer), got {type(norm_input_quant).__name__}")

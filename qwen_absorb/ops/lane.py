@@ -1,10 +1,8 @@
 """Second CUDA streams beside the caller's ("lanes"), for work that need not wait in line behind a GEMM.
 
-- ``"branch"``: kernels that read what a GEMM reads and are needed only after it (the next block's image modulation
-  beside the image FFN; with ``Tuning.lora_products_aside`` a LoRA ``lora_A`` product beside its base GEMM):
-  :func:`aside` runs the work there, :func:`settle` makes the caller's stream wait before the result is read.
-- ``"txt"``: a block's text stream (128 rows, latency-bound) beside the image stream, from after the attention to
-  the next block's q/k/v (:func:`region`).
+- ``"branch"``: kernels that read what a GEMM reads and are needed only after it (the next block's image modulation,
+  a LoRA ``lora_A`` product): :func:`aside` runs them there, :func:`settle` waits before the result is read.
+- ``"txt"``: a block's text stream (128 rows, latency-bound) beside the image stream (:func:`region`).
 
 Same kernels, same inputs: the same bits. Work inside a lane runs any other lane in line. Only while a CUDA graph is
 captured (and its eager warm-up, :func:`active` entered by ``cuda_graph.capture``): in a graph a fork and a join are
@@ -18,11 +16,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-_local = threading.local()
 NAMES = ("branch", "txt")  # which of them a patched model uses: its Tuning.lanes, asked by the callers
 
 
@@ -63,17 +60,17 @@ class Lane:
         self.lane_released.clear()
 
 
-class _State:
+class _State(threading.local):
     def __init__(self) -> None:
         self.lanes: dict[tuple[torch.device, str], Lane] = {}
         self.depth = 0
 
 
+_local = _State()  # each thread gets its own on first use
+
+
 def _state() -> _State:
-    st = getattr(_local, "state", None)
-    if st is None:
-        st = _local.state = _State()
-    return st
+    return _local
 
 
 @contextlib.contextmanager
@@ -100,34 +97,22 @@ def active(enabled: bool = True) -> Iterator[None]:
                 lane.reset()
 
 
-def _device_of(tensors: tuple[Any, ...]) -> torch.device | None:
-    t = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
-    return t.device if t is not None and t.is_cuda else None
-
-
 def lane_for(device: torch.device | None, name: str) -> Lane | None:
     """The lane ``name`` of ``device`` where lanes are active and the caller is on no lane (else None: in line)."""
     st = _state()
     if st.depth == 0 or device is None or device.type != "cuda" or torch.compiler.is_compiling():
         return None
     cur = torch.cuda.current_stream(device)
-    for (dev, _), other in st.lanes.items():
-        if dev == device and other.stream == cur:
-            return None
-    lane = st.lanes.get((device, name))
-    if lane is None:
-        lane = st.lanes[(device, name)] = Lane(device)
-    return lane
+    if any(dev == device and other.stream == cur for (dev, _), other in st.lanes.items()):
+        return None
+    return st.lanes.get((device, name)) or st.lanes.setdefault((device, name), Lane(device))
 
 
 def _tensors(x: Any, out: list) -> list:
     if isinstance(x, torch.Tensor):
         out.append(x)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _tensors(v, out)
-    elif isinstance(x, dict):
-        for v in x.values():
+    elif isinstance(x, (list, tuple, dict)):
+        for v in x.values() if isinstance(x, dict) else x:
             _tensors(v, out)
     return out
 
@@ -136,7 +121,8 @@ def aside(fn: Callable[[], Any], *reads: Any) -> Any:
     """``fn()`` on the branch lane where one is active (its result is ready on the caller's stream after
     :func:`settle`), else in line. ``reads``: the caller's tensors ``fn`` reads (the first CUDA one names the
     device)."""
-    lane = lane_for(_device_of(reads), "branch")
+    t = next((x for x in reads if isinstance(x, torch.Tensor)), None)
+    lane = lane_for(t.device if t is not None else None, "branch")
     if lane is None:
         return fn()
     lane.fork()
@@ -147,14 +133,11 @@ def aside(fn: Callable[[], Any], *reads: Any) -> Any:
     return out
 
 
-class Region:
+class Region(NamedTuple):
     """What :func:`region` yields: :meth:`hold` a caller tensor the work reads, :meth:`give` a lane tensor the
     caller will read (after :func:`settle`)."""
 
-    __slots__ = ("lane",)
-
-    def __init__(self, lane: Lane | None) -> None:
-        self.lane = lane
+    lane: Lane | None
 
     @property
     def on_lane(self) -> bool:
@@ -203,10 +186,7 @@ def pending(device: torch.device, name: str) -> bool:
 def settle(device: torch.device | None = None, name: str | None = None) -> None:
     """The caller's stream waits for the work so far of lane ``name`` (every lane where None) of ``device`` (of
     every device where None): call before reading what a lane made. Nothing to do where none is pending."""
-    st = _state()
-    if not st.lanes:
-        return
-    for (dev, n), lane in st.lanes.items():
+    for (dev, n), lane in _state().lanes.items():
         if (device is None or dev == device) and (name is None or n == name):
             lane.join()
 

@@ -1,24 +1,22 @@
 """layer_norm_scale: ``LayerNorm(x) * (1 + scale)`` (Qwen-Image-2.1's norm1 + ``_modulate``, no shift), one kernel.
 
-Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA order,
-``csrc/layer_norm.cuh``), ``1 + scale``, the product. ``scale``: a ``[B, D]`` chunk of the modulation, or
-``[B + 1, D]`` with ``target_token_mask`` (:mod:`qwen_absorb.ops._target_rows`). :func:`layer_norm_scale_fp8` also
-(or only) writes the e4m3 codes of that output for real FP8 GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
+Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA order), ``1 + scale``, the
+product. ``scale``: [B, D], or [B + 1, D] with ``target_token_mask`` (:mod:`._target_rows`). The ``_fp8`` variant
+also (or only) writes the e4m3 codes of that output for the FP8 GEMMs of to_q/to_k/to_v (:mod:`.fp8`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import Kernels, codes_or_empty, fake_codes, outputs, ptr
+from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
+from ._launch import Kernels, ptr
 from ._launch import amax_fp32 as _amax1
 from ._launch import contiguous_or_none as _contig
 from ._modulation import layer_norm
 from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
 from ._validate import check_activation, check_eps, check_fp8_amax
-from .fp8 import Fp8PerTensorQuant, quantize_fp8_reference
-from .quantize_nvfp4 import check_emit
+from .fp8 import Fp8PerTensorQuant, quant_args, quantize_fp8_reference
 
 # LayerNormScaleParams in the .cu: x, out, out2, scale, mask, out2_amax, amax (pointers); scale_rs, B, L (int64);
 # D (int32), eps (float), quant_mode, vec_flags (int32)
@@ -46,23 +44,18 @@ def launch(
     """Checked-once entry: ``(out or None, second or None)`` (as :func:`.layer_norm_scale_shift.launch`'s). scale:
     [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None; norm_input_quant: a
     QuantLayerNorm's input fake quantizer, applied inside (``LayerNorm(Q(x))``)."""
-    q4 = nvfp4_amax is not None
-    if q4:
-        check_emit(x, fp8_amax, nvfp4_amax)
-    o, f8 = outs = outputs(x, (x, scale), out=out, codes=fp8_amax is not None, nvfp4=q4)
-    if x.numel() == 0:
-        return outs
+    # eager's norm1 sees x, or the input quantizer's fresh output
+    (o, f8), run = KERNELS.start(x, (x, scale), out, fp8_amax, nvfp4_amax, norm_input_quant is not None)
+    if run is None:
+        return o, f8
+    launcher, a, amax2 = run
     B, L, D = x.shape
     esize = x.element_size()
-    # eager's norm1 sees x (misaligned: PyTorch's rowwise path) or the input quantizer's fresh, aligned output
     xp = x.data_ptr()
-    nq = norm_input_quant
-    launcher, a = KERNELS.ln(x, D, nq is not None or xp % (4 * esize) == 0, q4)
     crs = row_stride(scale)
     cp = scale.data_ptr()
     flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
-    amax, mode = (nq.amax_fp32(x.device), nq.mode_for(x.device)) if nq is not None else (None, 0)
-    amax2 = nvfp4_amax if q4 else fp8_amax  # the second output's amax (one struct field: they are exclusive)
+    amax, mode = quant_args(norm_input_quant, x.device)
     launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(amax2), ptr(amax), crs, B, L, D, eps,
              mode, flags)
     return o, f8
@@ -85,6 +78,10 @@ def layer_norm_scale_not_supported_reasons(x: torch.Tensor, *, scale: torch.Tens
     return common_reasons([x, scale], force_reference)
 
 
+def _kernel(x, scale, eps, mask, out=True, fp8_amax=None):
+    return launch(x.contiguous(), scale, eps, _contig(mask), out=out, fp8_amax=_amax1(fp8_amax))
+
+
 def layer_norm_scale(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
                      target_token_mask: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale)``, fused on CUDA; bit-identical to the eager expression.
@@ -94,7 +91,7 @@ def layer_norm_scale(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
     return dispatch(common_reasons([x, scale], force_reference),
                     lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
                     lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, None)[0],
-                    lambda: launch(x.contiguous(), scale, eps, _contig(m))[0])
+                    lambda: _kernel(x, scale, eps, m)[0])
 
 
 def layer_norm_scale_fp8(
@@ -105,35 +102,19 @@ def layer_norm_scale_fp8(
     quantizer's), and the output itself with ``also_output`` (else None: the kernel skips writing it)."""
     eps = _validate(x, scale, eps, target_token_mask, fp8_amax)
     m = target_token_mask
-
-    def reference():
-        codes, out = layer_norm_scale_fp8_reference(x, scale=scale, fp8_amax=fp8_amax, eps=eps, target_token_mask=m)
-        return codes, (out if also_output else None)
-
-    def compiled():
-        out, codes = torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, fp8_amax)
-        return codes, (out if also_output else None)
-
-    def kernel():
-        out, codes = launch(x.contiguous(), scale, eps, _contig(m), out=also_output, fp8_amax=_amax1(fp8_amax))
-        return codes, out
-
-    return dispatch(common_reasons([x, scale], force_reference), reference, compiled, kernel)
+    return dispatch_fp8(common_reasons([x, scale], force_reference), fp8_amax, also_output,
+                        lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
+                        lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, fp8_amax),
+                        lambda out: _kernel(x, scale, eps, m, out, fp8_amax))
 
 
 @torch.library.custom_op("qwen_absorb::layer_norm_scale", mutates_args=())
 def _custom_op(x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
                fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(out, codes)`` (codes empty without
-    ``fp8_amax``)."""
-    if kernel_usable_now(x):
-        out, codes = launch(x.contiguous(), scale, eps, _contig(target_token_mask), fp8_amax=_amax1(fp8_amax))
-    else:
-        out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
-        codes = quantize_fp8_reference(out, fp8_amax) if fp8_amax is not None else None
-    return out, codes_or_empty(codes, x)
+    """Opaque to the compiler; kernel or reference when it runs: ``(out, codes or empty)``."""
+    m = target_token_mask
+    return custom_op_result(x, fp8_amax, lambda: _kernel(x, scale, eps, m, fp8_amax=fp8_amax),
+                            lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m))
 
 
-@_custom_op.register_fake
-def _(x, scale, eps, target_token_mask, fp8_amax):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), fake_codes(x, fp8_amax)
+_custom_op.register_fake(lambda x, scale, eps, target_token_mask, fp8_amax: fake_outputs(x, 1, fp8_amax))

@@ -64,13 +64,9 @@ def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles
     key = (act, dtype, ks, idx, tiles)
     hit = _cache.get(key)
     if hit is None:
-        if tiles:
-            smem = tile_smem_bytes(ks)
-            fn = rt.function(TILES_CU, f"lora_add_tiles_kernel<{DTYPE_TRAITS[dtype]}, {act}, {ks}>", idx, smem)
-        else:
-            smem = 0
-            fn = rt.function("lora_add.cu", f"lora_add_kernel<{DTYPE_TRAITS[dtype]}, {act}, {ks}>", idx)
-        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx, smem)
+        cu, name = (TILES_CU, "lora_add_tiles_kernel") if tiles else ("lora_add.cu", "lora_add_kernel")
+        expr = f"{name}<{DTYPE_TRAITS[dtype]}, {act}, {ks}>"
+        hit = rt.launcher(_cache, key, cu, expr, idx, _THREADS, _LAYOUT, tile_smem_bytes(ks) if tiles else 0)
     return hit
 
 
@@ -88,8 +84,7 @@ def configure_tiles(rows: int | None = None, stages: int | None = None, min_bloc
     registers must allow), for measurements; no arguments: the defaults. Resets every op's compile-time defines."""
     global TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS
     d = TILE_DEFAULTS
-    TILE_ROWS, TILE_STAGES = rows or d["rows"], stages or d["stages"]
-    TILE_MIN_BLOCKS = min_blocks or d["min_blocks"]
+    TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = rows or d["rows"], stages or d["stages"], min_blocks or d["min_blocks"]
     if TILE_ROWS not in (32, 64) or TILE_STAGES < 2 or TILE_MIN_BLOCKS < 1:
         raise ValueError(f"tile geometry rows={TILE_ROWS} stages={TILE_STAGES} min_blocks={TILE_MIN_BLOCKS}")
     _slots.clear()
@@ -173,26 +168,24 @@ def _tile_fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
             tiles_n, begin, 3, TILE_COLS, float(alpha)], -(-m // TILE_ROWS) * tiles_n
 
 
-def _launch_tiles(act: int, chunk: Sequence[Problem], ks: int, codes: int = 0, act_out: int = 0,
-                  amax: int = 0, tiles: bool = True) -> bool:
-    """The tiled kernel over ``chunk`` (<= MAX_PROBLEMS problems); False (nothing launched) where ``tiles`` is off,
-    a problem does not suit it or a block does not fit the device's shared memory."""
+def _launch(act: int, chunk: Sequence[Problem], ks: int, tiles: bool, codes: int = 0, act_out: int = 0,
+            amax: int = 0) -> None:
+    """One launch over ``chunk`` (<= MAX_PROBLEMS problems): the tiled kernel where ``tiles`` is on, every problem
+    suits it and a block fits the device's shared memory (a balanced run of tiles per block), else lora_add_kernel."""
     y0 = chunk[0][0]
-    if not tiles or any(tile_reasons(y, t, b) for y, t, b, _ in chunk):
-        return False
-    slots = tile_slots(y0.device, ks)
-    if not slots:
-        return False
+    slots = tiles and not any(tile_reasons(y, t, b) for y, t, b, _ in chunk) and tile_slots(y0.device, ks)
     fields, units = [], 0
     for y, t, b, alpha in chunk:
-        f, tiles = _tile_fields(y, t, b, alpha, units)
+        f, n = _tile_fields(y, t, b, alpha, units) if slots else _fields(y, t, b, alpha, units, ks)
         fields += f
-        units += tiles
-    blocks, per = tile_grid(units, slots)
+        units += n
     fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
-    _launcher(act, y0.dtype, ks, y0.device, tiles=True)(blocks, *fields, len(chunk), units, per, codes, act_out,
-                                                        amax)
-    return True
+    if slots:
+        blocks, per = tile_grid(units, slots)
+        _launcher(act, y0.dtype, ks, y0.device, tiles=True)(blocks, *fields, len(chunk), units, per, codes, act_out,
+                                                            amax)
+    else:
+        _launcher(act, y0.dtype, ks, y0.device)(units, *fields, len(chunk), 0, 0, codes, act_out, amax)
 
 
 def add_(problems: Sequence[Problem], tiles: bool = True) -> None:
@@ -200,19 +193,8 @@ def add_(problems: Sequence[Problem], tiles: bool = True) -> None:
     up to :data:`MAX_PROBLEMS` per launch (``tiles``: the tiled kernel where the layout allows)."""
     for i in range(0, len(problems), MAX_PROBLEMS):
         chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
-        if not chunk:
-            continue
-        ks = max(ksteps(t.shape[1]) for _, t, _, _ in chunk)  # a smaller rank is zero-padded
-        if _launch_tiles(0, chunk, ks, tiles=tiles):
-            continue
-        fields, total = [], 0
-        for y, t, b, alpha in chunk:
-            f, tiles = _fields(y, t, b, alpha, total, ks)
-            fields += f
-            total += tiles
-        fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
-        y0 = chunk[0][0]
-        _launcher(0, y0.dtype, ks, y0.device)(total, *fields, len(chunk), 0, 0, 0, 0, 0)
+        if chunk:  # a smaller rank is zero-padded to the launch's k steps
+            _launch(0, chunk, max(ksteps(t.shape[1]) for _, t, _, _ in chunk), tiles)
 
 
 def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
@@ -224,12 +206,8 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
     codes = torch.empty(y.shape, dtype=torch.float8_e4m3fn, device=y.device)
     g = torch.empty_like(y) if act_out else None
     if y.numel():
-        ks = ksteps(t.shape[1])
-        a = amax.float().reshape(1)
-        if not _launch_tiles(1, [(y, t, b, alpha)], ks, codes.data_ptr(), rt.ptr(g), a.data_ptr(), tiles):
-            f, tiles = _fields(y, t, b, alpha, 0, ks)
-            _launcher(1, y.dtype, ks, y.device)(tiles, *f, *(_EMPTY * (MAX_PROBLEMS - 1)), 1, 0, 0, codes.data_ptr(),
-                                                rt.ptr(g), a.data_ptr())
+        a = amax.float().reshape(1)  # held until the launch is queued
+        _launch(1, [(y, t, b, alpha)], ksteps(t.shape[1]), tiles, codes.data_ptr(), rt.ptr(g), a.data_ptr())
     return codes, g
 
 

@@ -1,11 +1,11 @@
-"""lora_fold: net[0]'s last LoRA branch + GELU(tanh) + e4m3 quantization (:func:`qwen_absorb.ops.lora_add.add_gelu_fp8`)
-with net[2]'s ``lora_A`` product folded in, one pass over net[0]'s output.
+"""lora_fold: :func:`.lora_add.add_gelu_fp8` (net[0]'s last LoRA branch + GELU(tanh) + e4m3 quantization) with
+net[2]'s ``lora_A`` product folded in, one pass over net[0]'s output.
 
 Without it, net[2]'s LoRA branch needs the GELU output ``g`` written and read back by a GEMM. Here the kernel
-multiplies ``g`` by net[2]'s lora_A weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once).
-The codes are :func:`~qwen_absorb.ops.lora_add.add_gelu_fp8`'s bit for bit; ``t2`` is PEFT's ``lora_A(g)`` summed in
-another order than cuBLAS's (it may differ in its last bit). Blocks walk row bands, each split into ``S`` column
-segments whose fp32 partial sums a second kernel adds.
+multiplies ``g`` by net[2]'s lora_A weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once;
+PEFT's ``lora_A(g)`` summed in another order than cuBLAS's: it may differ in its last bit), the codes bit for bit
+add_gelu_fp8's. Blocks walk row bands, each split into ``S`` column segments whose fp32 partial sums a second kernel
+adds.
 """
 
 from __future__ import annotations
@@ -90,24 +90,13 @@ def segments(tiles_m: int, tiles_n: int, sms: int) -> int:
     return min(divisors, key=lambda s: (-(-tiles_m * s // max(sms, 1)) * (tiles_n // s), s))
 
 
-def segments_for(m: int, n: int, device: torch.device) -> int:
-    """:func:`segments` of an ``[m, n]`` launch on ``device``."""
-    return segments(-(-m // _BM), n // _BN, _device_limits(device)[0])
-
-
 def _launchers(dtype: torch.dtype, ks: int, na: int, device: torch.device) -> tuple[rt.Launcher, rt.Launcher]:
     idx = rt.device_index(device)
-    key = (dtype, ks, na, idx)
-    hit = _cache.get(key)
-    if hit is None:
-        ty = lora_add.DTYPE_TRAITS[dtype]
-        smem = smem_bytes(ks, na)
-        fold = rt.Launcher(rt.function(CU, f"lora_gelu_fold_kernel<{ty}, {ks}, {na}>", idx, smem), _THREADS,
-                           _LAYOUT, idx, smem)
-        red = rt.Launcher(rt.function(CU, f"lora_fold_reduce_kernel<{ty}>", idx), _REDUCE_THREADS, _REDUCE_LAYOUT,
-                          idx)
-        hit = _cache[key] = (fold, red)
-    return hit
+    key, ty = (dtype, ks, na, idx), lora_add.DTYPE_TRAITS[dtype]
+    fold = _cache.get(key) or rt.launcher(_cache, key, CU, f"lora_gelu_fold_kernel<{ty}, {ks}, {na}>", idx, _THREADS,
+                                          _LAYOUT, smem_bytes(ks, na))
+    return fold, _cache.get((dtype, idx)) or rt.launcher(_cache, (dtype, idx), CU, f"lora_fold_reduce_kernel<{ty}>",
+                                                         idx, _REDUCE_THREADS, _REDUCE_LAYOUT)
 
 
 def add_gelu_fp8_fold(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
@@ -123,7 +112,7 @@ def add_gelu_fp8_fold(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: 
     ks, na = lora_add.ksteps(t.shape[1]), _ntiles(r2)
     fold, red = _launchers(y.dtype, ks, na, y.device)
     tiles_m, tiles_n = -(-m // _BM), n // _BN
-    s = segments_for(m, n, y.device)
+    s = segments(tiles_m, tiles_n, _device_limits(y.device)[0])
     part = torch.empty((s, m, r2), dtype=torch.float32, device=y.device)
     a = amax.float().reshape(1)
     fold(tiles_m * s, y.data_ptr(), t.data_ptr(), b.data_ptr(), a2.data_ptr(), part.data_ptr(), codes.data_ptr(),

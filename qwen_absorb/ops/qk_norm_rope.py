@@ -1,9 +1,8 @@
 """qk_norm_rope: the q/k RMSNorm + RoPE of Qwen-Image's joint attention, one kernel.
 
-Each of img/txt query/key ([B, L, H, DH]) goes through diffusers' ``RMSNorm(DH, eps=1e-6)``, then
-``apply_rotary_emb_qwen(x, freqs, use_real=False)``; one launch does up to four tensors (:func:`qk_norm_rope`,
-:func:`qk_norm_rope_multi`, and :func:`launch`, the patched attention's checked-once entry). Output: a new contiguous
-[B, L, H, DH] tensor in the weight's dtype; ``x`` may be any view with unit stride inside a head.
+Each of img/txt query/key ([B, L, H, DH], any view with unit stride inside a head) goes through diffusers'
+``RMSNorm(DH, eps=1e-6)``, then ``apply_rotary_emb_qwen(x, freqs, use_real=False)``, into a new contiguous tensor in
+the weight's dtype; one launch does up to four tensors.
 
 Exactness (csrc/qk_norm_rope.cu): everything after the variance is reproduced op for op. The fp32 variance of 128
 squares rounds by the order PyTorch's reduction adds them in, which differs between versions: the kernel implements
@@ -16,8 +15,9 @@ half-warp, 8 elements per lane with 16-byte loads (``WIDE_ORDERS``).
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Sequence
+from functools import reduce
+from operator import add
 from typing import NamedTuple
 
 import torch
@@ -33,7 +33,7 @@ ROWS_PER_WARP = 4  # the kernel's RPW: consecutive rows a warp loads before redu
 WIDE_ORDERS = (0, 10)  # the orders the wide form implements (groups of 4 elements)
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
-_FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+_FLT_MAX = torch.finfo(torch.float32).max
 
 # QkNormRopeJob in the .cu: x, weight, freqs, out (pointers); stride_b, stride_l, stride_h, freqs_stride (int64);
 # L, H, rows, block_start (int32), eps (float), vec_flags (int32). QkNormRopeParams: MAX_JOBS jobs, then njobs.
@@ -88,16 +88,8 @@ def variance_in_order(x: torch.Tensor, order: int) -> torch.Tensor:
     lanes, groups = _lane_groups(order % 10)
     xf = x.float()
     sq = xf * xf  # torch's pow(x, 2) is x * x
-    parts = []
-    for u in range(lanes):
-        acc = None
-        for g in groups[u]:
-            a = sq[..., g[0]]
-            for i in g[1:]:
-                a = a + sq[..., i]
-            acc = a if acc is None else acc + a
-        parts.append(acc)
-    p = torch.stack(parts, dim=-1)
+    # each lane: its groups' sums, left to right, each group's elements left to right
+    p = torch.stack([reduce(add, [reduce(add, [sq[..., i] for i in g]) for g in groups[u]]) for u in range(lanes)], -1)
     while p.shape[-1] > 1:
         if order >= 10:  # shfl_down at offsets n/2, ..., 1: lane i adds lane i + n/2
             half = p.shape[-1] // 2
@@ -122,8 +114,7 @@ _orders: dict[int, VarianceOrder] = rt.register_cache({})
 def probe_variance_order(device: torch.device | int) -> VarianceOrder:
     """Which kernel order PyTorch's ``x.float().pow(2).mean(-1)`` uses on this device, probed once (cached) on
     random rows at several row counts. Not inside a CUDA-graph capture (it syncs)."""
-    idx = torch.device("cuda", device) if isinstance(device, int) else device
-    idx = rt.device_index(idx)
+    idx = device if isinstance(device, int) else rt.device_index(device)
     hit = _orders.get(idx)
     if hit is not None:
         return hit
@@ -168,17 +159,14 @@ def order_reasons(device: torch.device, rows: int) -> list[str]:
 
 
 _fns: dict[tuple, object] = rt.register_cache({})
-_PAD_JOB = (0,) * 11  # an unused job: pointers, strides, L, H, rows; then block_start, eps, flags
 
 
 def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
     eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True) -> list[torch.Tensor]:
     """Checked-once entry: ``out[i] = qk_norm_rope(xs[i], weights[i], freqs[i], eps[i])`` for up to four tensors
-    in ONE launch, into new contiguous [B, L, H, 128] tensors or ``into`` (contiguous views, e.g. the text and image
-    rows of one joint tensor: no concatenation follows). The caller guarantees: all xs on one usable CUDA device in
-    one dtype, [B, L, H, 128] with unit last stride and B*L*H < 2**31; weights [128] contiguous in that dtype; freqs
-    complex64 [L, 64] with unit last stride; finite fp32 eps; :func:`order_reasons` empty for every x."""
+    in ONE launch, into new tensors or ``into`` (contiguous views, e.g. the text and image rows of one joint tensor).
+    The caller guarantees what :func:`qk_norm_rope_multi` checks and finds no reason against."""
     n = len(xs)
     if n > MAX_JOBS:
         raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
@@ -217,9 +205,7 @@ def launch(
                  | ((wp % a == 0) << 1) | (((fp | fs * 4) % 16 == 0) << 2))
         vals += (xp, wp, fp, out.data_ptr(), sb, sl, sh, fs, L, H, rows, blocks, eps[i], flags)
         blocks += (rows + WARPS * rpw - 1) // (WARPS * rpw)
-    for _ in range(n, MAX_JOBS):
-        vals += _PAD_JOB
-        vals += (blocks, 0.0, 0)
+    vals += ((0,) * 11 + (blocks, 0.0, 0)) * (MAX_JOBS - n)  # unused jobs: no pointers, no rows, block_start last
     if blocks:
         launcher(blocks, *vals, n)
     return outs
@@ -230,8 +216,8 @@ def _expression(traits: str, order: int, rpw: int, wide: bool) -> str:
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    narrow = [(CU, _expression(t, o, ROWS_PER_WARP, False)) for t in rt.TRAITS.values() for o in ORDERS]
-    return narrow + [(CU, _expression(t, o, ROWS_PER_WARP, True)) for t in rt.TRAITS.values() for o in WIDE_ORDERS]
+    return [(CU, _expression(t, o, ROWS_PER_WARP, w)) for w, orders in ((False, ORDERS), (True, WIDE_ORDERS))
+            for t in rt.TRAITS.values() for o in orders]
 
 
 def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
@@ -291,42 +277,6 @@ def _input_reasons(x, weight, freqs, eps) -> list[str]:
     return reasons
 
 
-def _as_list(eps, n: int) -> list[float]:
-    if isinstance(eps, (list, tuple)):
-        if len(eps) != n:
-            raise ValueError(f"eps must be one float or {n} floats, got {len(eps)}")
-        return [float(check_eps(e)) for e in eps]
-    return [check_eps(eps)] * n
-
-
-def _check_multi(xs, weights, freqs, eps) -> list[float]:
-    for nm, seq in (("xs", xs), ("weights", weights), ("freqs", freqs)):
-        if not isinstance(seq, (list, tuple)):
-            raise TypeError(f"{nm} must be a list or tuple of tensors, got {type(seq).__name__}")
-    n = len(xs)
-    if not 1 <= n <= MAX_JOBS:
-        raise ValueError(f"xs must hold 1 to {MAX_JOBS} tensors, got {n}")
-    if len(weights) != n or len(freqs) != n:
-        raise ValueError(f"xs, weights and freqs must have the same length, got {n}, {len(weights)}, {len(freqs)}")
-    eps_l = _as_list(eps, n)
-    for i in range(n):
-        _validate(xs[i], weights[i], freqs[i], eps_l[i], i)
-        if i and xs[i].device != xs[0].device:
-            raise ValueError(f"xs[{i}] is on {xs[i].device} but xs[0] is on {xs[0].device}")
-    return eps_l
-
-
-def _multi_reasons(xs, weights, freqs, eps_l, force_reference) -> list[str]:
-    reasons: list[str] = []
-    for i in range(len(xs)):
-        for r in _kernel_reasons(xs[i], weights[i], freqs[i], eps_l[i], force_reference):
-            if r not in reasons:
-                reasons.append(r)
-    if any(x.dtype != xs[0].dtype for x in xs):
-        reasons.append("one launch needs all tensors in one dtype")
-    return reasons
-
-
 def qk_norm_rope_not_supported_reasons(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *,
                                        eps: float = 1e-6, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
@@ -355,9 +305,27 @@ def qk_norm_rope_multi(
     eps: float | Sequence[float] = 1e-6, force_reference: bool = False) -> list[torch.Tensor]:
     """:func:`qk_norm_rope` of up to four tensors in one launch (``xs=[img_q, img_k, txt_q, txt_k]``,
     ``freqs=[img_f, img_f, txt_f, txt_f]``): the kernel only when every tensor qualifies, in one dtype."""
-    eps_l = _check_multi(xs, weights, freqs, eps)
+    for nm, seq in (("xs", xs), ("weights", weights), ("freqs", freqs)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{nm} must be a list or tuple of tensors, got {type(seq).__name__}")
+    n = len(xs)
+    if not 1 <= n <= MAX_JOBS:
+        raise ValueError(f"xs must hold 1 to {MAX_JOBS} tensors, got {n}")
+    if len(weights) != n or len(freqs) != n:
+        raise ValueError(f"xs, weights and freqs must have the same length, got {n}, {len(weights)}, {len(freqs)}")
+    if isinstance(eps, (list, tuple)) and len(eps) != n:
+        raise ValueError(f"eps must be one float or {n} floats, got {len(eps)}")
+    eps_l = [float(check_eps(e)) for e in eps] if isinstance(eps, (list, tuple)) else [check_eps(eps)] * n
+    for i in range(n):
+        _validate(xs[i], weights[i], freqs[i], eps_l[i], i)
+        if i and xs[i].device != xs[0].device:
+            raise ValueError(f"xs[{i}] is on {xs[i].device} but xs[0] is on {xs[0].device}")
     xs, weights, freqs = list(xs), list(weights), list(freqs)
-    return dispatch(_multi_reasons(xs, weights, freqs, eps_l, force_reference),
+    reasons = list(dict.fromkeys(r for i in range(len(xs))  # each reason once, in order
+                                 for r in _kernel_reasons(xs[i], weights[i], freqs[i], eps_l[i], force_reference)))
+    if any(x.dtype != xs[0].dtype for x in xs):
+        reasons.append("one launch needs all tensors in one dtype")
+    return dispatch(reasons,
                     lambda: _reference_multi(xs, weights, freqs, eps_l),
                     lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
                     lambda: launch(xs, weights, freqs, eps_l))

@@ -1,12 +1,8 @@
-"""quantize_fp8: the FP8 e4m3 codes of an activation, for the real FP8 GEMM that consumes it.
-
-- :func:`quantize_fp8` ``(x, amax, activation=None | "gelu_tanh" | "silu")``: codes of ``x``, or of its GELU(tanh)
-  (net[2]'s input) or SiLU (the modulation linears' input) rounded to x's dtype;
-- :func:`quantize_fp8_split` ``(x, split, amax_a, amax_b)``: rows ``[:, :split]`` and ``[:, split:]`` under two
-  scales in one launch (the joint attention output as the inputs of ``to_add_out`` and ``to_out[0]``); ``x`` may be
-  the [B, S, H, DH] tensor the attention returns (unit stride inside a head): no flatten copy.
-
-Codes are bit-identical to :func:`~qwen_absorb.ops.fp8.quantize_fp8_reference` of the (activated, rounded) value.
+"""quantize_fp8: the FP8 e4m3 codes of an activation, or of its GELU(tanh) (net[2]'s input) or SiLU (the modulation
+linears' input) rounded to x's dtype, for the real FP8 GEMM that consumes it. :func:`quantize_fp8_split` codes the
+joint attention output's two row ranges (the inputs of ``to_add_out`` and ``to_out[0]``) under two scales in one
+launch, from the [B, S, H, DH] tensor the attention returns (no flatten copy). Codes are bit-identical to
+:func:`~.fp8.quantize_fp8_reference` of the (activated, rounded) value.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import torch
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import amax_fp32 as _amax1
+from ._launch import ptr, require_plain
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
 from .fp8 import quantize_fp8_reference
 
@@ -35,11 +32,6 @@ def activation_reference(x: torch.Tensor, activation: str | None) -> torch.Tenso
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-def quantize_fp8_reference_op(x: torch.Tensor, amax: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-    """The reference of :func:`quantize_fp8`: the activation in x's dtype, then the quantizer."""
-    return quantize_fp8_reference(activation_reference(x, activation), amax)
-
-
 _fns: dict[tuple, object] = rt.register_cache({})
 
 
@@ -48,50 +40,34 @@ def launch(
     act_out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Checked-once entry. ``x``: [B, S, H, DH] (unit last stride) or [B, S, D] on a usable CUDA device; amax fp32
     one-element tensors. Returns ``(codes[:, :split], codes[:, split:], act or None)``, codes contiguous [B, n, D]."""
-    if type(x) is not torch.Tensor:  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
-        raise TypeError("qwen_absorb kernels take plain tensors; got " + ", ".join(type(t).__name__ for t in (x,)))
-    if x.dim() == 3:
-        B, S, D = x.shape
-        H, DH = 1, D
-        sb, ss = x.stride(0), x.stride(1)
-        sh = D
-    else:
-        B, S, H, DH = x.shape
-        D = H * DH
-        sb, ss, sh = x.stride(0), x.stride(1), x.stride(2)
+    require_plain(x)
+    B, S, H, DH = x.shape if x.dim() == 4 else (*x.shape[:2], 1, x.shape[2])  # [B, S, D]: one head of D
+    D = H * DH
+    sb, ss, sh = x.stride(0), x.stride(1), x.stride(2) if x.dim() == 4 else D
     dev = x.get_device()
     e4m3 = torch.float8_e4m3fn
     out_a = torch.empty((B, split, D), dtype=e4m3, device=x.device) if split else None
     out_b = torch.empty((B, S - split, D), dtype=e4m3, device=x.device)
+    out_a = out_b[:, :0] if out_a is None else out_a  # no rows: its pointer is out_b's
     act = torch.empty((B, S, D), dtype=x.dtype, device=x.device) if act_out else None
     if B * S * D == 0:
-        return out_a if out_a is not None else out_b[:, :0], out_b, act
+        return out_a, out_b, act
     esize = x.element_size()
     xp = x.data_ptr()
     vec = 16 // esize
     if DH % vec or (xp | sb * esize | ss * esize | sh * esize) % 16:
         vec = 1
     key = (x.dtype, ACTIVATIONS[activation], vec, dev)
-    launcher = _fns.get(key)
-    if launcher is None:
-        fn = rt.function(CU, f"quantize_fp8_kernel<{rt.TRAITS[x.dtype]}, {key[1]}, {vec}>", dev)
-        launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
-    bp = out_b.data_ptr()
-    launcher(
-        B * S, xp, out_a.data_ptr() if out_a is not None else bp, bp, act.data_ptr() if act is not None else 0,
-        (amax_a if split else amax_b).data_ptr(), amax_b.data_ptr(), sb, ss, sh, B, S, split, H, DH, int(vec > 1),
-    )
-    if out_a is None:
-        out_a = out_b[:, :0]
+    launcher = _fns.get(key) or rt.launcher(
+        _fns, key, CU, f"quantize_fp8_kernel<{rt.TRAITS[x.dtype]}, {key[1]}, {vec}>", dev, THREADS, LAYOUT)
+    launcher(B * S, xp, out_a.data_ptr(), out_b.data_ptr(), ptr(act), (amax_a if split else amax_b).data_ptr(),
+             amax_b.data_ptr(), sb, ss, sh, B, S, split, H, DH, int(vec > 1))
     return out_a, out_b, act
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [
-        (CU, f"quantize_fp8_kernel<{t}, {a}, {v}>")
-        for dtype, t in rt.TRAITS.items() for a in ACTIVATIONS.values()
-        for v in (1, 16 // torch.empty(0, dtype=dtype).element_size())
-    ]
+    return [(CU, f"quantize_fp8_kernel<{t}, {a}, {v}>") for dtype, t in rt.TRAITS.items() for a in ACTIVATIONS.values()
+            for v in (1, 16 // torch.empty(0, dtype=dtype).element_size())]
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -115,7 +91,7 @@ def quantize_fp8(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None 
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     flat = x if x.dim() == 3 else x.flatten(2)
     return dispatch(common_reasons([flat], force_reference),
-                    lambda: quantize_fp8_reference_op(flat, amax, activation),
+                    lambda: quantize_fp8_reference(activation_reference(flat, activation), amax),
                     lambda: torch.ops.qwen_absorb.quantize_fp8(x, 0, amax, amax, activation or "")[1],
                     lambda: launch(x, 0, None, _amax1(amax), activation)[1])
 
@@ -129,16 +105,13 @@ def quantize_fp8_split(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b
     if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= x.shape[1]:
         raise ValueError(f"split must be an int in [0, {x.shape[1]}], got {split!r}")
     flat = x if x.dim() == 3 else x.flatten(2)
+    return dispatch(common_reasons([flat], force_reference), lambda: _split_reference(flat, split, amax_a, amax_b),
+                    lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""),
+                    lambda: launch(x, split, _amax1(amax_a), _amax1(amax_b))[:2])
 
-    def reference():
-        return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
 
-    def kernel():
-        a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b))
-        return a, b
-
-    return dispatch(common_reasons([flat], force_reference), reference,
-                    lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""), kernel)
+def _split_reference(flat, split, amax_a, amax_b):
+    return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
 
 
 @torch.library.custom_op("qwen_absorb::quantize_fp8", mutates_args=())
@@ -146,15 +119,11 @@ def _custom_op(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.
                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     act = activation or None
     if kernel_usable_now(x):
-        a, b, _ = launch(x, split, _amax1(amax_a), _amax1(amax_b), act)
-        return a, b
-    flat = activation_reference(x if x.dim() == 3 else x.flatten(2), act)
-    return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
+        return launch(x, split, _amax1(amax_a), _amax1(amax_b), act)[:2]
+    return _split_reference(activation_reference(x if x.dim() == 3 else x.flatten(2), act), split, amax_a, amax_b)
 
 
 @_custom_op.register_fake
 def _(x, split, amax_a, amax_b, activation):
-    B, S = x.shape[:2]
-    D = x.shape[2] if x.dim() == 3 else x.shape[2] * x.shape[3]
-    e4m3 = torch.float8_e4m3fn
+    B, S, D, e4m3 = x.shape[0], x.shape[1], x.shape[2] * (x.shape[3] if x.dim() == 4 else 1), torch.float8_e4m3fn
     return x.new_empty((B, split, D), dtype=e4m3), x.new_empty((B, S - split, D), dtype=e4m3)

@@ -18,12 +18,13 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
+from ._launch import NVFP4_BLOCK as BLOCK
+from ._launch import check_emit, emit_reasons, require_plain  # noqa: F401  (emit_reasons, check_emit: re-exported)
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
 from .quantize_fp8 import activation_reference
 
 CU = "quantize_nvfp4.cu"
 THREADS = 256  # QA_NVFP4_THREADS
-BLOCK = 16
 GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
 # torch on CUDA divides by a Python scalar as a product with its float32 reciprocal; ModelOpt's scale is the CUDA one
 INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
@@ -77,8 +78,7 @@ def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch
     """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride on a usable CUDA device;
     ``amax`` a one-element fp32 tensor there. Returns the fake quantization of ``act(x)`` (None, ``"gelu_tanh"`` or
     ``"silu"``, in x's dtype), contiguous."""
-    if type(x) is not torch.Tensor:
-        raise TypeError(f"qwen_absorb kernels take plain tensors; got {type(x).__name__}")
+    require_plain(x)
     a = ACTIVATIONS.get(act)
     if a is None:
         raise ValueError(f"act must be one of {list(ACTIVATIONS)}, got {act!r}")
@@ -90,60 +90,20 @@ def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch
         return y.view(x.shape)
     esize = x.element_size()
     stride = x2.stride(0)
-    vec = 16 // esize
-    if (x2.data_ptr() | stride * esize | D * esize) % 16:
-        vec = 1
+    vec = 1 if (x2.data_ptr() | stride * esize | D * esize) % 16 else 16 // esize
     dev = x.get_device()
     key = (x.dtype, vec, a, dev)
-    launcher = _fns.get(key)
-    if launcher is None:
-        fn = rt.function(CU, _expression(rt.TRAITS[x.dtype], vec, a), dev)
-        launcher = _fns[key] = rt.Launcher(fn, THREADS, LAYOUT, dev)
+    launcher = _fns.get(key) or rt.launcher(
+        _fns, key, CU, rt.template("quantize_nvfp4_kernel", rt.TRAITS[x.dtype], vec, optional=a), dev, THREADS, LAYOUT)
     nblk = (D + BLOCK - 1) // BLOCK
     launcher((rows * nblk + THREADS - 1) // THREADS, x2.data_ptr(), y.data_ptr(), amax.data_ptr(),
              rows, stride, D, nblk)
     return y.view(x.shape)
 
 
-def _expression(traits: str, vec: int, act: int) -> str:
-    # act 0 keeps the two-argument name (the template's default)
-    return f"quantize_nvfp4_kernel<{traits}, {vec}>" if act == 0 else f"quantize_nvfp4_kernel<{traits}, {vec}, {act}>"
-
-
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, _expression(t, v, a)) for dtype, t in rt.TRAITS.items()
+    return [(CU, rt.template("quantize_nvfp4_kernel", t, v, optional=a)) for dtype, t in rt.TRAITS.items()
             for v in (1, 16 // torch.empty(0, dtype=dtype).element_size()) for a in ACTIVATIONS.values()]
-
-
-def emit_reasons(D: int) -> list[str]:
-    """Why a fused kernel cannot emit NVFP4 values as its second output (``nvfp4_amax``) for rows of ``D``
-    elements (empty: it can): a 16-element block sits in adjacent lanes and must not straddle two rows."""
-    return [] if D % BLOCK == 0 else [f"D = {D} is not a multiple of {BLOCK} (NVFP4 blocks of a fused output)"]
-
-
-def check_emit(x: torch.Tensor, fp8_amax: torch.Tensor | None, nvfp4_amax: torch.Tensor) -> None:
-    """The checks of a launcher asked for an NVFP4 second output (only that path pays for them)."""
-    if fp8_amax is not None:
-        raise ValueError("fp8_amax and nvfp4_amax are exclusive: a kernel emits e4m3 codes or NVFP4 values, "
-                         "not both")
-    why = emit_reasons(x.shape[-1])
-    if why:
-        raise ValueError(f"nvfp4_amax: {why[0]}; quantize the output with quantize_nvfp4 instead")
-    if not isinstance(nvfp4_amax, torch.Tensor) or nvfp4_amax.dtype != torch.float32 or nvfp4_amax.numel() != 1:
-        raise TypeError("nvfp4_amax must be a one-element float32 tensor (the kernels read one fp32 value)")
-    if nvfp4_amax.device != x.device:
-        raise ValueError(f"nvfp4_amax is on {nvfp4_amax.device} but x is on {x.device}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; NVFP4 emission supports bfloat16, float16, float32")
-
-
-def _check_x(x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or is_dtensor(x):
-        raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
 
 
 def quantize_nvfp4_not_supported_reasons(x: torch.Tensor, amax: torch.Tensor,
@@ -174,7 +134,12 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | Non
     """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under the
     per-tensor ``amax`` (its calibrated ``input_quantizer.amax``); same shape and dtype. With ``activation``
     (``"gelu_tanh"`` or ``"silu"``) the input is that activation of x in x's dtype (computed in the same launch)."""
-    _check_x(x)
+    if not isinstance(x, torch.Tensor) or is_dtensor(x):
+        raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
     check_amax("amax", amax, x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
@@ -192,6 +157,4 @@ def _custom_op(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return quantize_nvfp4_reference(x, amax)
 
 
-@_custom_op.register_fake
-def _(x, amax):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+_custom_op.register_fake(lambda x, amax: torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -1,5 +1,4 @@
-"""rms_norm_silu: the Qwen-Image VAE's channel RMS norm (``QwenImageRMS_norm``) and SiLU of a channels-last image
-in one kernel.
+"""rms_norm_silu: the Qwen-Image VAE's channel RMS norm (``QwenImageRMS_norm``) and SiLU of a channels-last image.
 
 The rounding points of ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma``, then ``F.silu``, are kept; the
 norm's sum of squares runs in the kernel's own order, so an output may differ from eager's by one rounding: not
@@ -57,18 +56,12 @@ def launch(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True
         return out
     dev = x.get_device()
     key = (x.dtype, dev)
-    launcher = _fns.get(key)
-    if launcher is None:
-        fn = rt.function(CU, _expression(rt.TRAITS[x.dtype]), dev)
-        launcher = _fns[key] = rt.Launcher(fn, WARPS * 32, LAYOUT, dev)
+    launcher = _fns.get(key) or rt.launcher(_fns, key, CU, f"rms_norm_silu_kernel<{rt.TRAITS[x.dtype]}>", dev,
+                                            WARPS * 32, LAYOUT)
     launcher((rows + WARPS - 1) // WARPS, x.data_ptr(), gamma.data_ptr(), out.data_ptr(), rows, x.shape[1] // 2,
              float(scale), EPS, int(bool(silu)))
     return out
 
 
-def _expression(traits: str) -> str:
-    return f"rms_norm_silu_kernel<{traits}>"
-
-
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    return [(CU, _expression(rt.TRAITS[d])) for d in (torch.bfloat16, torch.float16)]
+    return [(CU, f"rms_norm_silu_kernel<{rt.TRAITS[d]}>") for d in (torch.bfloat16, torch.float16)]

@@ -1,8 +1,7 @@
-"""tanh_gate_residual: ``residual + tanh(gate) * x`` (Qwen-Image-2.1's FFN residual site), one kernel.
+"""tanh_gate_residual: ``residual + tanh(gate) * x`` (Qwen-Image-2.1's FFN residual site, ``x = img_mlp.out``).
 
-``x`` is the FFN output (``img_mlp.out``). Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``,
-the product, the sum; with ``clip_fp16=True`` and float16 tensors the block's final ``clip(-65504, 65504)``.
-``gate``: a ``[B, D]`` chunk of the modulation, or ``[B + 1, D]`` with ``target_token_mask`` (``ops._target_rows``).
+Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum; with ``clip_fp16=True``
+and float16 tensors the block's final ``clip(-65504, 65504)``. ``gate``: [B, D], or [B + 1, D] (``_target_rows``).
 """
 
 from __future__ import annotations
@@ -89,6 +88,5 @@ def _custom_op(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, targ
                                         clip_fp16=clip_fp16)
 
 
-@_custom_op.register_fake
-def _(residual, x, gate, target_token_mask, clip_fp16):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+_custom_op.register_fake(
+    lambda residual, x, gate, target_token_mask, clip_fp16: torch.empty_like(x, memory_format=torch.contiguous_format))

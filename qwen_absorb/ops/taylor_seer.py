@@ -2,14 +2,10 @@
 
 diffusers' ``TaylorSeerState.update`` (divided differences over ``delta_step``) and ``predict`` (``sum factor_k *
 offset^k / k!``) take host scalars, which a CUDA graph cannot replay. These kernels do the same arithmetic with
-diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory:
-
-- :func:`update_`: ``f_0..f_nprev`` (in place) from features ``x``, previous ``f_0..f_{nprev-1}``
-  and ``coef[0] = 1 / delta_step`` (fp32, as PyTorch's CUDA division by a host scalar uses it);
-- :func:`predict`: ``sum_k D(D(f_k) * c_k)`` accumulated from zero, ``c_0 = 1``, ``c_k = coef[k - 1]``.
-
-``D`` is the module's output dtype (bf16, fp16 or fp32). The references (:func:`update_reference_`,
-:func:`predict_reference`) are diffusers' expressions op for op; they run wherever the kernel cannot.
+diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory: :func:`update_`
+(``coef[0] = 1 / delta_step`` in fp32, as PyTorch's CUDA division by a host scalar uses it) and :func:`predict`
+(``sum_k D(D(f_k) * c_k)`` from zero in the output dtype ``D``, ``c_0 = 1``, ``c_k = coef[k - 1]``). The references,
+diffusers' expressions op for op, run wherever the kernels cannot.
 """
 
 from __future__ import annotations
@@ -63,19 +59,15 @@ def reasons(x: torch.Tensor, factors: list[torch.Tensor]) -> list[str]:
         r.append(f"more than {MAX_ORDER} Taylor orders")
     if any(f.shape != x.shape or not f.is_contiguous() or f.device != x.device for f in factors):
         r.append("factors not contiguous with the features' shape and device")
-    if r:
-        return r
-    return kernel_runtime_reasons(x.device)
+    return r or kernel_runtime_reasons(x.device)
 
 
 def _launcher(kind: str, d: torch.dtype, f: torch.dtype, n: int, device: torch.device) -> rt.Launcher:
     idx = rt.device_index(device)
     key = (kind, d, f, n, idx)
-    hit = _cache.get(key)
-    if hit is None:
-        fn = rt.function("taylor_seer.cu", f"taylor_seer_{kind}_kernel<{rt.TRAITS[d]}, {rt.TRAITS[f]}, {n}>", idx)
-        hit = _cache[key] = rt.Launcher(fn, _THREADS, _LAYOUT, idx)
-    return hit
+    return _cache.get(key) or rt.launcher(_cache, key, "taylor_seer.cu",
+                                          f"taylor_seer_{kind}_kernel<{rt.TRAITS[d]}, {rt.TRAITS[f]}, {n}>", idx,
+                                          _THREADS, _LAYOUT)
 
 
 def _grid(n: int) -> int:
@@ -90,26 +82,22 @@ def _pointers(factors: list[torch.Tensor]) -> list[int]:
 def update_(x: torch.Tensor, factors: list[torch.Tensor], nprev: int, coef: torch.Tensor) -> None:
     """Kernel: ``factors[0..nprev]`` updated in place (``len(factors) >= nprev + 1``; x contiguous; ``coef``
     fp32 on x's device, ``coef[0] = 1 / delta_step``). Callers check :func:`reasons` first."""
-    launch = _launcher("update", x.dtype, factors[0].dtype, nprev, x.device)
     n = x.numel()
-    launch(_grid(n), x.data_ptr(), 0, *_pointers(factors), coef.data_ptr(), n)
+    _launcher("update", x.dtype, factors[0].dtype, nprev, x.device)(_grid(n), x.data_ptr(), 0, *_pointers(factors),
+                                                                    coef.data_ptr(), n)
 
 
 def predict(factors: list[torch.Tensor], orders: int, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Kernel: the prediction from ``factors[:orders]`` as a new ``dtype`` tensor (``coef[k - 1] = c_k``)."""
     f0 = factors[0]
     out = torch.empty(f0.shape, dtype=dtype, device=f0.device)
-    launch = _launcher("predict", dtype, f0.dtype, orders, f0.device)
     n = f0.numel()
-    launch(_grid(n), 0, out.data_ptr(), *_pointers(factors[:orders]), coef.data_ptr(), n)
+    _launcher("predict", dtype, f0.dtype, orders, f0.device)(_grid(n), 0, out.data_ptr(), *_pointers(factors[:orders]),
+                                                             coef.data_ptr(), n)
     return out
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:
-    out = []
-    for d in rt.TRAITS.values():
-        for f in rt.TRAITS.values():
-            out += [("taylor_seer.cu", f"taylor_seer_update_kernel<{d}, {f}, {n}>") for n in range(MAX_ORDER + 1)]
-            out += [("taylor_seer.cu", f"taylor_seer_predict_kernel<{d}, {f}, {n}>")
-                    for n in range(1, MAX_ORDER + 2)]
-    return out
+    counts = (("update", range(MAX_ORDER + 1)), ("predict", range(1, MAX_ORDER + 2)))
+    return [("taylor_seer.cu", f"taylor_seer_{kind}_kernel<{d}, {f}, {n}>") for d in rt.TRAITS.values()
+            for f in rt.TRAITS.values() for kind, ns in counts for n in ns]
