@@ -209,4 +209,13 @@ round33_c() {  # what 7 minutes allow: the GPU files the ops helper's run left o
   grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|round33_a|round33_b|round33_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round33_d() {  # the last minutes: the GPU files of this round's graph, offload and pipeline-room changes
+  { echo "# python3 -m pytest -q -n 6 <files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout "${SUITE_S:-120}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 6 --dist load \
+      tests/test_offload_gpu.py tests/test_cuda_graph_gpu.py tests/test_vae_gpu.py tests/test_text_encoder_gpu.py \
+      tests/test_step_caches_gpu.py tests/test_first_block_cache_graphs_gpu.py tests/test_offload_graphs_gpu.py
+    echo "# exit code $?"; } > "$OUT/gpu_tests_round33_d.log" 2>&1
+  tail -6 "$OUT/gpu_tests_round33_d.log"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round29_a|round29_b|round29_c|round30_a|round30_offload|round30_caches|round31_offload|round32_a|round32_b|round32_c|round32_d|round32_e|round33_a|round33_b|round33_c|round33_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -85,6 +85,20 @@ def test_fp8_default_keeps_originals_on_the_host():
     assert all(torch.equal(sa[k], sb[k]) and sa[k].device == sb[k].device for k in sa)
 
 
+def _write_through_data(model, twin, kw, seed):
+    """One host-kept original changed through ``.data`` (no version moves, a PEFT merge's way), the twin's weight
+    alike; the twin patched again: its output, which the model must give once it sees the write."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    w = HO.host_weights(model)[5]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed), dtype=w.dtype) * 0.02
+    with torch.no_grad():
+        w.data += delta
+        dict(twin.named_parameters())[names[id(w)]].data += delta.to(DEV)
+    qwen_absorb.unpatch(twin)
+    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
+    return T.run_transformer(twin, kw)
+
+
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
 def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     """Model offload's move out and back: the block decides anew, and each host-kept weight is copied to the GPU
@@ -108,15 +122,7 @@ def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     assert len(read) >= 14 * 3 and set(read) == {"cuda"}, read
     model.to("cpu")
     before = want
-    names = {id(p): n for n, p in model.named_parameters()}
-    w = HO.host_weights(model)[5]
-    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(7), dtype=w.dtype) * 0.02
-    with torch.no_grad():
-        w.data += delta  # no version bump
-        dict(twin.named_parameters())[names[id(w)]].data += delta.to(DEV)
-    qwen_absorb.unpatch(twin)
-    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    want = T.run_transformer(twin, kw)
+    want = _write_through_data(model, twin, kw, 7)
     model.to(DEV)
     out = T.run_transformer(model, kw)
     assert torch.equal(out, want) and not torch.equal(out, before)  # the edit changed the output, and was seen
@@ -151,15 +157,7 @@ def test_codes_come_back_from_the_host_after_a_round_trip(monkeypatch):
         assert torch.equal(T.run_transformer(model, kw), want)
         assert not read, read
         model.to("cpu")
-    names = {id(p): n for n, p in model.named_parameters()}
-    w = HO.host_weights(model)[5]
-    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(17), dtype=w.dtype) * 0.02
-    with torch.no_grad():
-        w.data += delta  # no version bump
-        dict(twin.named_parameters())[names[id(w)]].data += delta.to(DEV)
-    qwen_absorb.unpatch(twin)
-    qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    changed = T.run_transformer(twin, kw)
+    changed = _write_through_data(model, twin, kw, 17)
     qwen_absorb.patch(model, cuda_graph=False)  # on the CPU: forgets the host codes
     assert not any(stores)
     model.to(DEV)
