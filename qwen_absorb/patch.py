@@ -8,6 +8,7 @@ intact; block class, signature and return order never change. All blocks are pla
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,24 @@ from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 log = logging.getLogger("qwen_absorb")
 
 _STATE_ATTR = "_qwen_absorb_state"
+_VAE_ATTR = "_qwen_absorb_vae"  # on a pipeline: the VAE its patch changed (_PatchedVae)
+
+
+class _PatchedVae:
+    """A weak reference to the VAE a pipeline's patch changed: one swapped out since (``pipe.vae = other``) is put
+    back by the next ``patch`` or ``unpatch`` of the pipeline, not left patched. A copy or pickle of the pipeline
+    holds none (its VAE is its own)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, vae: nn.Module | None = None) -> None:
+        self.ref = weakref.ref(vae) if vae is not None else None
+
+    def __reduce__(self) -> tuple:
+        return (_PatchedVae, ())
+
+    def get(self) -> nn.Module | None:
+        return self.ref() if self.ref is not None else None
 
 
 @dataclass
@@ -272,9 +291,14 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
         walks_room.unpatch(target)
         parts.pop("pipeline", None)
     pipe_vae = getattr(target, "vae", None)
+    held = target.__dict__.pop(_VAE_ATTR, None)
+    old = held.get() if isinstance(held, _PatchedVae) else None
+    if old is not None and old is not pipe_vae:
+        vae_room.unpatch(old)  # swapped out of the pipeline since its patch
     if vae and isinstance(pipe_vae, nn.Module):
         parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
         parts["vae"].postprocess = vae_room.patch_postprocess(target)
+        target.__dict__[_VAE_ATTR] = _PatchedVae(pipe_vae)
     else:
         vae_room.unpatch(pipe_vae)
         vae_room.unpatch_postprocess(target)

@@ -243,3 +243,26 @@ def test_bad_arguments_are_clear_errors():
             vae_room.patch(vae, **kw)
     assert vae_room.report_of(None) is None
     vae_room.unpatch(None)  # a no-op, as for anything not patched
+
+
+def test_a_vae_swapped_out_after_patch_is_put_back(seed):
+    """``pipe.vae = other`` after ``patch(pipe)``: the next ``unpatch(pipe)`` (or ``patch(pipe)``) puts the old
+    VAE's decode back too, so that code still holding it gets diffusers' decode; a pickled or copied pipeline
+    carries no reference to it."""
+    import pickle
+
+    pipe = builders.tiny_pipeline()
+    qwen_absorb.patch(pipe)
+    old = pipe.vae
+    assert "_decode" in old.__dict__
+    pipe.vae = builders.tiny_vae(seed=seed % 1000)
+    qwen_absorb.unpatch(pipe)
+    assert "_decode" not in old.__dict__ and "_decode" not in pipe.vae.__dict__
+    qwen_absorb.patch(pipe)
+    swapped, pipe.vae = pipe.vae, old
+    qwen_absorb.patch(pipe)  # again, with the first VAE back: the second one put back, the first patched
+    assert "_decode" not in swapped.__dict__ and "_decode" in old.__dict__
+    copied = pickle.loads(pickle.dumps(pipe))
+    assert copied.__dict__["_qwen_absorb_vae"].get() is None and copy.deepcopy(pipe).vae is not old
+    qwen_absorb.unpatch(pipe)
+    assert "_decode" not in old.__dict__ and "_qwen_absorb_vae" not in pipe.__dict__
