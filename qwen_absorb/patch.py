@@ -461,6 +461,26 @@ def unpatch(target: Any) -> None:
 
 
 def patch_report(target: Any) -> PatchReport | None:
-    """The report of the active patch on ``target``, or None."""
-    state = resolve_transformer(target).__dict__.get(_STATE_ATTR)
-    return state.report if state is not None else None
+    """The report of the active patch on ``target``, or None. For a pipeline, its sections are read from that
+    pipeline as it is now (pipelines made by ``from_pipe`` share the transformer and so its report)."""
+    transformer = resolve_transformer(target)
+    state = transformer.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return None
+    if target is not transformer and hasattr(target, "transformer"):
+        _read_sections(target, state.report.parts)
+    return state.report
+
+
+NOT_PATCHED_HERE = "not patched on this pipeline (a copy, an unpickled pipeline or one made by from_pipe: patch() it)"
+
+
+def _read_sections(pipe: Any, parts: dict[str, Any]) -> None:
+    """The pipeline's sections that ``patch`` wrote, as ``pipe`` has them now."""
+    if "pipeline" in parts:
+        on = isinstance(pipe, walks_room.FastWalks)
+        parts["pipeline"] = walks_room.WalksReport(on, "" if on else walks_room.refusal(pipe) or NOT_PATCHED_HERE)
+    for name, now, cls in (("vae", vae_room.report_of(getattr(pipe, "vae", None)), vae_room.VaeReport),
+                           ("text_encoder", text_encoder_room.report_of(pipe), text_encoder_room.TextEncoderReport)):
+        if name in parts:
+            parts[name] = now if now is not None else cls(on=False, reasons=[NOT_PATCHED_HERE])

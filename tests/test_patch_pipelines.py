@@ -106,3 +106,31 @@ def test_qwen_image_pipeline_quantized_deferred(seed):
     assert (out - ref).abs().max().item() <= 2e-2  # images in [0, 1]; fp32, FP8 rounding flips only
     qwen_absorb.unpatch(pipe)
     assert torch.equal(_run(pipe, seed + 2, **kw), ref)
+
+
+def test_pipeline_sections_read_true_for_copies_and_shared_transformers(seed):
+    """``patch_report(pipe)`` reads the pipeline's own sections: a deep copy of a patched pipeline is of diffusers'
+    class (its walks are not patched: it said on), and two pipelines sharing a transformer through ``from_pipe``
+    each see their own prompt-encoding section (the second patch overwrote the first's)."""
+    import copy
+
+    from diffusers import QwenImagePipeline
+
+    from .test_text_encoder_patch import tiny_text_pipeline
+
+    pipe = tiny_text_pipeline(seed=seed % 1000)
+    qwen_absorb.patch(pipe)
+    assert qwen_absorb.patch_report(pipe).parts["pipeline"].on
+    twin = copy.deepcopy(pipe)
+    sec = qwen_absorb.patch_report(twin).parts["pipeline"]
+    assert not sec.on and "patch() it" in sec.reason
+    assert qwen_absorb.patch_report(pipe).parts["pipeline"].on  # the original's own again
+    other = QwenImagePipeline.from_pipe(pipe)
+    assert other.transformer is pipe.transformer
+    qwen_absorb.patch(other, text_encoder=False)
+    te = qwen_absorb.patch_report(other).parts["text_encoder"]
+    assert not te.on and "patch() it" in te.reasons[0]
+    assert qwen_absorb.patch_report(pipe).parts["text_encoder"].on
+    assert qwen_absorb.patch_report(pipe).parts["vae"] is qwen_absorb.patch_report(other).parts["vae"]  # one VAE
+    qwen_absorb.unpatch(other)
+    qwen_absorb.unpatch(pipe)
