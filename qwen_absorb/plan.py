@@ -125,7 +125,8 @@ class BlockRuntime:
     host_codes: dict = field(default_factory=dict)  # FP8 codes kept on the host while the model is away (host_codes)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "lock": None}  # a lock is not copyable
+        # a lock is not copyable; a copy's FP8 codes on the host would match none of its weights (another identity)
+        return {**self.__dict__, "lock": None, "host_codes": {}}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d, lock=threading.RLock())
