@@ -70,6 +70,7 @@ class _PatchState:
     records: list[_BlockRecord] = field(default_factory=list)
     graph: Any = None
     active: bool = True
+    model: Any = None  # the transformer (the report compares its blocks now with ``blocks``)
 
     def dtype(self) -> str:
         p0 = next((p for b in self.blocks for p in b.parameters()), None)
@@ -144,7 +145,7 @@ def _new_state(transformer: nn.Module, options: Options, cuda_graph: str | bool,
                          capabilities=sorted(str(c) for c in options.capabilities), fp8_gemm=options.fp8_gemm,
                          force_reference=options.force_reference, cuda_graph_mode=cuda_graph,
                          tuning=options.tuning.describe(), **kw)
-    state = _PatchState(report, options, cuda_graph, blocks, [])
+    state = _PatchState(report, options, cuda_graph, blocks, [], model=transformer)
     report.bind(state)
     return state
 

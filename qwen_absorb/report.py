@@ -11,7 +11,7 @@ import json
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .plan import BlockPlan, LinearPlan
@@ -122,6 +122,28 @@ class BlockReport:
         return d
 
 
+REPLACED = "replaced in the model after patch(): the new block runs diffusers' forward until patch() again"
+
+
+def _replaced_blocks(state: Any) -> set[int]:
+    """The indexes whose patched block is no longer at its place in the model (the patch's state, live)."""
+    now = getattr(getattr(state, "model", None), "transformer_blocks", None)
+    if now is None:
+        return set()
+    now = list(now)
+    return {i for i, b in enumerate(state.blocks) if i >= len(now) or now[i] is not b}
+
+
+def _as_replaced(b: BlockReport) -> BlockReport:
+    """What runs at a replaced block's place: diffusers' forward, every site eager, every linear its module."""
+    why = [REPLACED]
+    return replace(b, patched=False, reasons=why, install="", qk_fused=False, handoff=False, attn_forwards=False,
+                   attn_cache=False, fp8_forward_linears=0,
+                   sites=[replace(s, fused=False, runner="eager", bias_deferred=False, reasons=why, fp8_out=False,
+                                  act_out=False) for s in b.sites],
+                   linears={k: replace(v, fp8_gemm=False, fp8_reasons=why) for k, v in b.linears.items()})
+
+
 # BlockReport.to_dict's names of the fields it renames
 _DICT_NAMES = {"qk_fused": "qk_norm_rope_fused", "qk_reasons": "qk_norm_rope_reasons", "tp_reasons": "tp_local_reasons",
                "handoff": "cross_block_handoff", "handoff_reasons": "cross_block_reasons",
@@ -184,12 +206,12 @@ class PatchReport:
 
     @property
     def blocks(self) -> list[BlockReport]:
-        out = []
+        out, gone = [], _replaced_blocks(self._live())
         for b in self._blocks:
             if b is not None:
                 b.handoffs_used = self.handoffs[b.index]
                 b.fp8_forward_linears = sum(self._fwd.get(b.index, {}).values()) if b.patched else 0
-                out.append(b)
+                out.append(_as_replaced(b) if b.index in gone else b)
         return out
 
     @property

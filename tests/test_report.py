@@ -141,3 +141,25 @@ def test_fp8_linear_reasons_are_grouped_and_bounded(seed):
     json.dumps(d)
     assert len(d["blocks"]) == 2 and set(d["blocks"][0]["linears"]) >= {"attn.to_q", "img_mlp.net.2"}
     assert d["blocks"][0]["linears"]["attn.to_q"]["fp8_reasons"]
+
+
+def test_a_block_replaced_after_patch_reads_as_what_runs(seed):
+    """``transformer_blocks[i] = other`` after ``patch()``: the new block runs diffusers' forward (the outputs were
+    right), and the report says so now (it said every block was patched until ``patch()`` again)."""
+    import copy
+
+    model = T.tiny_transformer(seed=seed, num_layers=3)
+    twin = copy.deepcopy(model)
+    kw = T.transformer_inputs(model, seed=seed + 1)
+    report = qwen_absorb.patch(model)
+    n = len(model.transformer_blocks)
+    assert report.summary["blocks_patched"] == n
+    fused = report.summary["sites_fused"]
+    model.transformer_blocks[1] = copy.deepcopy(twin.transformer_blocks[1])
+    assert torch.equal(T.run_transformer(model, kw), T.run_transformer(twin, kw))
+    b1 = report.blocks[1]
+    assert report.summary["blocks_patched"] == n - 1 and not b1.patched and "replaced" in b1.reasons[0]
+    assert not any(s.fused for s in b1.sites) and report.summary["sites_fused"] == fused - len(b1.sites)
+    assert "blocks patched 2/3" in str(report)
+    report = qwen_absorb.patch(model)  # patched again: the new block too
+    assert report.summary["blocks_patched"] == n and report.blocks[1].patched
