@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from . import hooks, host_codes, quant
+from .host_codes import HOST
 from .parallel import is_dtensor
 from .plan import PLAN_ATTR, BlockPlan, refresh
 from .sites import LINEAR_TABLE, resolve, unwrap_peft
 
-HOST = torch.device("cpu")
 # Device types whose memory the originals are kept out of; the CPU tests add "cpu" to exercise the logic.
 ACCELERATOR_TYPES: tuple[str, ...] = ("cuda",)
 # The block's list of its HostWeight objects (the modules whose weight this patch keeps on the host).
