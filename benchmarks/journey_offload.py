@@ -9,7 +9,8 @@ be: the hook moves a call's inputs only when it moves the model, see .devrun/rea
 patched once with the defaults (graphs inside the model-offload hook, originals on the host, graphs decided at the
 first call on the GPU) and stays patched through the three modes, in this order:
 
-- ``resident``: the pipeline on the GPU; a warm-up run, then ``--runs`` timed runs: ``resident_8step_s`` (median);
+- ``resident``: the pipeline on the GPU; a warm-up run, then ``--runs`` timed runs: ``resident_8step_s`` (median),
+  then one run under torch.profiler for ``details.<section>.gpu_busy_s`` (as in every section but the last);
 - ``offload_model``: ``pipe.enable_model_cpu_offload()``; a warm-up run, then timed runs: ``offload_model_8step_s``,
   ``offload_model_peak_gib`` (``max_memory_allocated`` over the timed runs), ``offload_model_graph_replays`` (graph
   replays during the timed runs, from the runner's counters: it sits inside accelerate's hook, captures each
@@ -22,8 +23,8 @@ first call on the GPU) and stays patched through the three modes, in this order:
   ``offload_group_8step_s``, its peak and graph refusals (expected: "offloading hook").
 
 A run: ``pipe(prompt_embeds=..., true_cfg_scale=4.0, height=1024, width=1024, num_inference_steps=8,
-output_type="pt")``, synchronized, wall seconds. Writes ``<out>/journey_offload_h200.json`` + ``.md`` (``journey.py``
-merges its keys).
+output_type="pt")``, synchronized, wall seconds. Writes ``<out>/journey_offload_<card>.json`` + ``.md`` (``h200``,
+``h100``: ``harness_io.gpu_file_tag``; ``journey.py --offload-json`` merges its keys).
 
     python benchmarks/journey_offload.py --out $OUT          # H200: about 3 min (+55 s ModelOpt's first build)
     python benchmarks/journey_offload.py --tiny              # CPU smoke run (offload modes with a CPU device)
@@ -57,7 +58,7 @@ class OffloadJourney(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
         cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
-        self.R = H.Results(a.out, "journey_offload_tiny" if a.tiny else "journey_offload_h200", {
+        self.R = H.Results(a.out, "journey_offload_tiny" if a.tiny else f"journey_offload_{H.gpu_file_tag(a.device)}", {
             **H.head("benchmarks/journey_offload.py (issue 39)", self.env, cfg), **dict.fromkeys(KEYS),
             "details": {}}, markdown)
         self.steps = H.Steps([self.R], a.budget_s)
@@ -114,7 +115,9 @@ class OffloadJourney(H.Bench):
                 return r.describe()
         return dict(self.report.cuda_graph or {})
 
-    def timed(self, name: str, runs: int, warmup: int) -> dict[str, Any]:
+    def timed(self, name: str, runs: int, warmup: int, busy: bool = True) -> dict[str, Any]:
+        """Median wall of ``runs`` runs, their peak and graph counters; with ``busy``, one more run under
+        torch.profiler for its GPU busy time (the sum of kernel durations; the weights' copies are not kernels)."""
         for _ in range(warmup):
             self.run_once()
         gc.collect()
@@ -133,6 +136,10 @@ class OffloadJourney(H.Bench):
              "graph_capture_failures": after.get("capture_failures", {}),
              "graph_fallbacks": dict(self.report.graph_fallbacks), "rebuilds": dict(self.report.rebuilds),
              "runtime_fallbacks": dict(self.report.runtime_fallbacks)}
+        if busy:
+            prof, why = H.profile_call(self.run_once, self.dev, top=8)
+            d["gpu_busy_s"] = prof and round(prof["gpu_busy_ms"] / 1e3, 3)
+            d["profile"] = prof or why
         self.R.put(f"details.{name}", H.json_safe(d))
         H.log(f"{name}: {d['median_s']} s median of {runs}, peak {d['peak_gib']} GiB, "
               f"{d['graph_replays']} replays, fallbacks {d['graph_fallbacks']}")
@@ -187,7 +194,7 @@ class OffloadJourney(H.Bench):
         t = self.pipe.transformer
         t.enable_group_offload(onload_device=self.dev, offload_device=torch.device("cpu"), offload_type="block_level",
                                num_blocks_per_group=1, use_stream=self.cuda)
-        d = self.timed("offload_group", 1, 0)
+        d = self.timed("offload_group", 1, 0, busy=False)  # a run streams every weight 16 times: ~46 s
         self.R.put("offload_group_8step_s", d["median_s"])
 
     def run(self) -> int:
@@ -215,14 +222,13 @@ def h2d_rates(dev: torch.device, n: int = 2**30) -> dict[str, float]:
 
 def markdown(d: dict[str, Any]) -> str:
     det = d.get("details", {})
-    rows = [[name, (det.get(name) or {}).get("median_s"), (det.get(name) or {}).get("peak_gib"),
-             (det.get(name) or {}).get("graph_replays"), (det.get(name) or {}).get("graph_fallbacks")]
-            for name in SECTIONS]
+    cols = ("median_s", "gpu_busy_s", "peak_gib", "graph_replays", "graph_fallbacks")
+    rows = [[name, *((det.get(name) or {}).get(c) for c in cols)] for name in SECTIONS]
     lines = H.md_head("Offloaded pipelines keep graphs (issue 39 C)", d) + [
         "", "Patched FP8 (ModelOpt FP8_DEFAULT_CFG, defaults) 60-layer random transformer, full VAE, prompt "
         "embeddings given, 1024^2, 8 steps, true CFG 4.0; seconds: one synchronized pipeline run.", "",
         *H.md_table(["key", "value"], [[k, d.get(k)] for k in KEYS]), "",
-        *H.md_table(["mode", "median s", "peak GiB", "graph replays", "graph refusals"], rows)]
+        *H.md_table(["mode", "median s", "GPU busy s", "peak GiB", "graph replays", "graph refusals"], rows)]
     return H.md_document(lines, d)
 
 
