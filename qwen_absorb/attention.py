@@ -16,6 +16,8 @@ from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_i
 from .attention21 import rope_fits
 from .sites import IMG_QKV, TXT_QKV, attention_functions
 
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # img q, img k, txt q, txt k
+
 
 def _linear(attn: nn.Module, plan, path: str, x: torch.Tensor, act: torch.Tensor | None, compiling: bool,
             works: list, branches: list | None = None, defer: list | None = None) -> torch.Tensor:
@@ -59,11 +61,10 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     ``txt_lane``: the text stream's q/k/v and output projection run on the ``"txt"`` lane."""
     dispatch_attention_fn, _ = attention_functions()
     (img_in, img_act), (txt_in, txt_act) = img_in, txt_in
-    proc = attn.processor
-    B, seq_img, seq_txt = img_in.shape[0], img_in.shape[1], txt_in.shape[1]
+    B, seq_img, seq_txt, dev = img_in.shape[0], img_in.shape[1], txt_in.shape[1], img_in.device
     attention_mask = None
     if encoder_hidden_states_mask is not None:
-        image_mask = torch.ones((B, seq_img), dtype=torch.bool, device=img_in.device)
+        image_mask = torch.ones((B, seq_img), dtype=torch.bool, device=dev)
         attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
 
     head_dim = attn.inner_dim // attn.heads
@@ -76,10 +77,9 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     if joint and all(writes_into(plan.linears[p]) for p in (IMG_QKV[2], TXT_QKV[2])):
         w_img, w_txt = plan.linears[IMG_QKV[2]].weight, plan.linears[TXT_QKV[2]].weight
         if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
-            jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=img_in.device)
+            jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=dev)
     qkv = {}
     deferred: list = []  # the six q/k/v LoRA branch sums, added in one launch once every GEMM is written
-    dev = img_in.device
     streams = (("img", IMG_QKV, img_in, img_act, slice(seq_txt, None)),
                ("txt", TXT_QKV, txt_in, txt_act, slice(0, seq_txt)))
     for name, paths, x, act, rows in streams[::-1] if txt_lane else streams:  # the lane's work first: it forks
@@ -89,11 +89,11 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
             defer = own if pre else None
             ys = []
             for p in paths:
+                br = pre.get(p) if pre else None
                 if jv is not None and p == paths[2]:
-                    y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p),
-                                        pre.get(p) if pre else None, defer).unsqueeze(0)
+                    y = fp8_linear_into(x, plan.linears[p], plan, jv[rows], act, _module(attn, p), br, defer)[None]
                 else:
-                    y = _linear(attn, plan, p, x, act, compiling, works, pre.get(p) if pre else None, defer)
+                    y = _linear(attn, plan, p, x, act, compiling, works, br, defer)
                 ys.append(y.unflatten(-1, (-1, head_dim)))
             if r.on_lane and own:
                 add_deferred(plan, own)
@@ -104,42 +104,36 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     if txt_lane:
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
+    qk = (img_q, img_k, txt_q, txt_k)
+    freqs = None if image_rotary_emb is None else (image_rotary_emb[0],) * 2 + (image_rotary_emb[1],) * 2
     joint_q = joint_k = None
-    if (plan.qk_fused and kernels and image_rotary_emb is not None
-            and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows)):
-        img_freqs, txt_freqs = image_rotary_emb
+    if plan.qk_fused and kernels and freqs is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         outs = None
         if joint:
             shape = (1, seq_txt + seq_img, img_q.shape[2], head_dim)
             dt = attn.norm_q.weight.dtype  # the kernel's output dtype (RMSNorm returns the weight's)
-            joint_q = torch.empty(shape, dtype=dt, device=img_q.device)
-            joint_k = torch.empty(shape, dtype=dt, device=img_q.device)
+            joint_q, joint_k = (torch.empty(shape, dtype=dt, device=img_q.device) for _ in range(2))
             outs = (joint_q[:, seq_txt:], joint_k[:, seq_txt:], joint_q[:, :seq_txt], joint_k[:, :seq_txt])
-        img_q, img_k, txt_q, txt_k = qkr_launch(
-            (img_q, img_k, txt_q, txt_k),
-            (attn.norm_q.weight, attn.norm_k.weight, attn.norm_added_q.weight, attn.norm_added_k.weight),
-            (img_freqs, img_freqs, txt_freqs, txt_freqs), plan.qk_eps, outs, wide=plan.options.tuning.qk_wide)
+        weights = tuple(getattr(attn, n).weight for n in _NORMS)
+        img_q, img_k, txt_q, txt_k = qkr_launch(qk, weights, freqs, plan.qk_eps, outs, wide=plan.options.tuning.qk_wide)
     else:
-        img_q, img_k, txt_q, txt_k = _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb)
+        img_q, img_k, txt_q, txt_k = _qk_eager(attn, qk, freqs)
     if joint_q is None:
         joint_q, joint_k = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
     joint_v = jv.view(1, seq_txt + seq_img, -1, head_dim) if jv is not None else torch.cat([txt_v, img_v], dim=1)
-    out = dispatch_attention_fn(
-        joint_q, joint_k, joint_v,
-        attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-        backend=proc._attention_backend, parallel_config=proc._parallel_config,
-    )
+    proc = attn.processor
+    out = dispatch_attention_fn(joint_q, joint_k, joint_v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                backend=proc._attention_backend, parallel_config=proc._parallel_config)
     out = out.to(joint_q.dtype)  # [B, S, H, D]
+    flat = out.flatten(2, 3)
     img_lp, txt_lp = plan.linears["attn.to_out.0"], plan.linears["attn.to_add_out"]
     if img_lp.fp8_gemm and txt_lp.fp8_gemm:
         txt_codes, img_codes = R.quantize_fp8_split(mode, out, seq_txt, txt_lp.weight.input_amax,
                                                     img_lp.weight.input_amax)
-        flat = out.flatten(2, 3)
         with lane.region(dev, "txt", reads=(out, txt_codes), on=txt_lane):  # forked: it reads the quantized output
             txt_out = fp8_linear(txt_codes, txt_lp, plan, works, flat[:, :seq_txt], attn.to_add_out)
         img_out = fp8_linear(img_codes, img_lp, plan, works, flat[:, seq_txt:], attn.to_out[0])
     else:
-        flat = out.flatten(2, 3)
         with lane.region(dev, "txt", reads=(out,), on=txt_lane):
             txt_out = _out_projection(attn, plan, "attn.to_add_out", flat[:, :seq_txt], mode, compiling, works)
         img_out = _out_projection(attn, plan, "attn.to_out.0", flat[:, seq_txt:], mode, compiling, works)
@@ -160,18 +154,13 @@ def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
             and rope_fits(img_q, f_img, dev, half) and rope_fits(txt_q, f_txt, dev, half))
 
 
-def _qk_eager(attn, img_q, img_k, txt_q, txt_k, image_rotary_emb):
+def _qk_eager(attn, qk: tuple, freqs: tuple | None) -> list:
     """diffusers' own RMSNorm modules and apply_rotary_emb_qwen, as its processor calls them."""
     _, apply_rotary_emb_qwen = attention_functions()
-    qk = [img_q, img_k, txt_q, txt_k]
-    for i, name in enumerate(("norm_q", "norm_k", "norm_added_q", "norm_added_k")):
-        if (norm := getattr(attn, name)) is not None:
-            qk[i] = norm(qk[i])
-    if image_rotary_emb is not None:
-        img_freqs, txt_freqs = image_rotary_emb
-        freqs = (img_freqs, img_freqs, txt_freqs, txt_freqs)
+    qk = [x if (norm := getattr(attn, n)) is None else norm(x) for n, x in zip(_NORMS, qk)]
+    if freqs is not None:
         qk = [apply_rotary_emb_qwen(x, f, use_real=False) for x, f in zip(qk, freqs)]
-    return tuple(qk)
+    return qk
 
 
 def _out_projection(attn, plan, path, x, mode, compiling, works):

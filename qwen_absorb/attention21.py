@@ -60,8 +60,7 @@ def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[
         why.append("the fused kernels cannot run here")
     if attn.inner_dim // attn.heads != HEAD_DIM:
         why.append(f"head_dim {attn.inner_dim // attn.heads} != {HEAD_DIM}")
-    if nq.weight.dtype != nk.weight.dtype or type(nq.weight.data) is not torch.Tensor \
-            or type(nk.weight.data) is not torch.Tensor:
+    if nq.weight.dtype != nk.weight.dtype or any(type(n.weight.data) is not torch.Tensor for n in (nq, nk)):
         why.append("attn.norm_q / norm_k weights differ in dtype or are not plain tensors")
     min_rows = 0
     if not why:
@@ -77,12 +76,8 @@ def call_ok(attn: nn.Module, plan_eps: tuple[float, float]) -> bool:
     fns = attention21_functions()
     if fns is None or type(attn) is not fns[2] or type(attn.processor) is not fns[3] or hooks.hooked(attn):
         return False  # (the attention module itself may have been replaced since deciding)
-    rms = fns[4]
-    for name, eps in zip(NORMS, plan_eps):
-        n = attn._modules.get(name)
-        if type(n) is not rms or n.weight is None or hooks.hooked(n) or n.eps != eps:
-            return False
-    return True
+    return all(type(n := attn._modules.get(name)) is fns[4] and n.weight is not None and not hooks.hooked(n)
+               and n.eps == eps for name, eps in zip(NORMS, plan_eps))
 
 
 def rope_fits(q: torch.Tensor, f: torch.Tensor, device: torch.device, half: int) -> bool:
@@ -133,10 +128,9 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
     if segments is None:  # decode: the target rows against [cached prefix, target]
         out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
                                     backend=proc._attention_backend, parallel_config=proc._parallel_config)
-    else:  # prefill: each prefix segment sees the keys [0, end) (text: causal over its own), then the target
-        prefix_len = segments[-1][1] if segments else 0
+    else:  # prefill: each prefix segment sees the keys [0, end) (text: causal over its own), then the target all
         outputs = []
-        for start, end, is_text in segments:
+        for start, end, is_text in [*segments, (segments[-1][1] if segments else 0, None, False)]:
             seg_mask = None
             if is_text:
                 n = end - start
@@ -149,9 +143,6 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
             outputs.append(dispatch_attention_fn(query[:, start:end], key[:, :end], value[:, :end],
                                                  attn_mask=seg_mask, dropout_p=0.0, backend=None,
                                                  parallel_config=proc._parallel_config))
-        outputs.append(dispatch_attention_fn(query[:, prefix_len:], key, value,
-                                             attn_mask=None if key_valid is None else key_valid[:, None, None, :],
-                                             dropout_p=0.0, backend=None, parallel_config=proc._parallel_config))
         out = torch.cat(outputs, dim=1)
     out = out[:, :seq_len_q].flatten(2, 3).type_as(query)
     return attn.to_out[1](attn.to_out[0](out))
