@@ -1,10 +1,8 @@
-"""The patched ``QwenImageTransformerBlock.forward``: the block's math, through the fused ops.
-
-:class:`PatchedForward` binds :func:`patched_forward` to the block, run by its :class:`~qwen_absorb.plan.BlockPlan`
-(its watch asked first: a change decides again). What the plan cannot vouch for in a call (grad, calibration, a user
-hook on a skipped module, a PEFT layer that must unmerge) runs diffusers' forward, counted in the report. A deferred
-bias ``Parameter`` never moves: only during the attention / FFN call does an instance-``__dict__`` ``bias = None``
-shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``), under the plan's lock; one on meta is not shadowed.
+"""The patched ``QwenImageTransformerBlock.forward``: the block's math through the fused ops, run by its
+:class:`~qwen_absorb.plan.BlockPlan` (its watch asked first). What the plan cannot vouch for in a call (grad,
+calibration, a user hook on a skipped module, a PEFT layer that must unmerge) runs diffusers' forward, counted in the
+report. A deferred bias ``Parameter`` never moves: only during the attention / FFN call, under the plan's lock, does an
+instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``); not one on meta.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, compile_boundary, ffn, fp8_forward, handoff, hooks, host_originals, lora, quant
+from . import attention, compile_boundary, ffn, handoff, hooks, host_originals, lora, quant
 from . import step_caches, taylorseer
 from . import site_runners as R
 from .ops import _validate, lane
@@ -281,19 +279,23 @@ class _Deferred:
 
 @contextlib.contextmanager
 def _gated_forwards(plan: BlockPlan, block: nn.Module):
-    """The plan's gated real-FP8 forwards in their linears' slots for one hooked-attention call only (never
-    between calls: ``mtq.compress`` would keep one as ``_forward_pre_dm`` and recurse)."""
+    """The plan's gated real-FP8 forwards in their linears' slots, open for this thread (their GEMMs run), for one
+    hooked-attention call only (never between calls: ``mtq.compress`` would keep one as ``_forward_pre_dm`` and
+    recurse). Nested, the gates are restored."""
     placed = []
     for p, f in plan.rt.attn_fwds.items():
         m = resolve(block, p)
         if m is f.linear and "forward" not in m.__dict__:  # a linear replaced or wrapped since runs as its module
             object.__setattr__(m, "forward", f)
             placed.append(f)
+    prev = [f.gate for f in placed]
     try:
-        with fp8_forward.opened(placed):
-            yield
-    finally:
         for f in placed:
+            f.gate = threading.get_ident()
+        yield
+    finally:
+        for f, g in zip(placed, prev):
+            f.gate = g
             if f.linear.__dict__.get("forward") is f:
                 del f.linear.__dict__["forward"]
 
@@ -321,9 +323,9 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
         deferred = _Deferred(plan, self, ("img.attn_residual", "txt.attn_residual"))
         with _GLOBAL_SWAP_LOCK if swaps else contextlib.nullcontext(), deferred:
             if plan.attn_cache and not compiling:  # diffusers' TaylorSeer / PAB hook, run around our attention
-                img_attn, txt_attn = _cache_run(plan)(self.attn, lambda: attention.run(
-                    self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.mode,
-                    compiling))
+                run = step_caches.run if plan.attn_cache_kind == step_caches.PAB else taylorseer.run
+                img_attn, txt_attn = run(self.attn, lambda: attention.run(
+                    self.attn, plan, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, c.mode, compiling))
             elif (plan.own_attention and not plan.attn_cache) or (
                     not compiling and _tp_attention(plan, self.attn, joint_attention_kwargs)):
                 img_attn, txt_attn = attention.run(self.attn, plan, img_in, txt_in, encoder_hidden_states_mask,
@@ -383,11 +385,6 @@ def _fused_forward(self, plan, compiling, hidden_states, encoder_hidden_states, 
     lane.settle(hidden_states.device, "txt")  # the block's text output is read after it
     return tuple(t.clip(-65504, 65504) if t.dtype == torch.float16 else t  # as diffusers
                  for t in (encoder_hidden_states, hidden_states))
-
-
-def _cache_run(plan: BlockPlan):
-    """How the cache hook around the block's own attention runs (PAB's or TaylorSeer's); no bias deferred there."""
-    return step_caches.run if plan.attn_cache_kind == step_caches.PAB else taylorseer.run
 
 
 def _residual_reason(h: torch.Tensor, y, params: tuple, index: torch.Tensor | None, what: str) -> tuple:

@@ -2,7 +2,7 @@
 
 Each gets an :class:`Fp8LinearForward` as instance ``forward`` (torch hooks still run around it), rebuilt when its
 :class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since runs as ModelOpt runs
-it. *Gated* forwards run ModelOpt's forward except while :class:`opened` (per thread)."""
+it. *Gated* forwards run ModelOpt's forward except for the thread their gate is open for (``block._gated_forwards``)."""
 
 from __future__ import annotations
 
@@ -57,10 +57,6 @@ def refusals(linear: nn.Module, device: torch.device, options: Options) -> list[
     return r
 
 
-def _class_forward(linear: nn.Module, *args: Any, **kwargs: Any) -> Any:  # the module's own forward, as unpatched
-    return type(linear).forward(linear, *args, **kwargs)
-
-
 def _device_of(linear: nn.Module) -> torch.device:
     w = linear._parameters.get("weight")
     dev = w.device if isinstance(w, torch.Tensor) else torch.device("cpu")
@@ -71,7 +67,7 @@ def _device_of(linear: nn.Module) -> torch.device:
 
 class Fp8LinearForward:
     """The instance ``forward`` of one ModelOpt FP8 linear and its :class:`LinearPlan` (``lp``); a deep copy decides
-    anew. ``slot``: ``(parent._modules, key, parent)``; ``gate``: the thread id :class:`opened` it for."""
+    anew. ``slot``: ``(parent._modules, key, parent)``; ``gate``: the thread id it is open for."""
 
     __slots__ = ("linear", "slot", "path", "index", "options", "counter", "rebuilds", "on_state", "lp",
                  "amax_value", "fast_accum", "device", "watch", "gated", "gate", "generation", "parts", "__weakref__")
@@ -168,7 +164,7 @@ class Fp8LinearForward:
     def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         lin = self.linear
         # kept by mtq.compress as _forward_pre_dm: its class forward quantized the input and calls this for the GEMM
-        module = quant.modelopt_inner_forward if lin.__dict__.get("_forward_pre_dm") is self else _class_forward
+        module = quant.modelopt_inner_forward if lin.__dict__.get("_forward_pre_dm") is self else type(lin).forward
         if torch.compiler.is_compiling() or (self.gated and self.gate != threading.get_ident()):
             # closed, or compiling (ModelOpt's modules as before patching): exactly the module, nothing counted
             return module(lin, input, *args, **kwargs)
@@ -272,30 +268,6 @@ def remove(block: nn.Module, elsewhere: Sequence[Fp8LinearForward] = ()) -> None
             if type(f) is Fp8LinearForward:
                 del m.__dict__[slot]
                 f._clear()
-
-
-class opened:  # noqa: N801  (a context manager, named for the with statement)
-    """``with opened(fwds):`` the gated forwards run real FP8 GEMMs for this thread's calls (nesting restores)."""
-
-    __slots__ = ("fwds", "prev")
-
-    def __init__(self, fwds: Sequence[Fp8LinearForward]) -> None:
-        self.fwds, self.prev = fwds, []
-
-    def __enter__(self) -> None:
-        me = threading.get_ident()
-        self.prev = [f.gate for f in self.fwds]
-        for f in self.fwds:
-            f.gate = me
-
-    def __exit__(self, *exc: object) -> None:
-        for f, g in zip(self.fwds, self.prev):
-            f.gate = g
-
-
-def gated(block: nn.Module, paths: Sequence[str] = ATTN_LINEARS) -> list[Fp8LinearForward]:
-    """The gated forwards on ``block``'s linears ``paths`` now (one replaced or wrapped since runs as its module)."""
-    return [f for p in paths if (f := of(resolve(block, p))) is not None and f.gated]
 
 
 def of(module: nn.Module | None, converted: bool = False) -> Fp8LinearForward | None:

@@ -1,10 +1,6 @@
-"""Plans: what a patched block does, decided from the site table, stored once.
-
-A :class:`BlockPlan` per block keeps apart **decisions** (with their reasons), **derived state** (FP8 weights and
-scales, amax records) and **runtime** (:class:`BlockRuntime`, with the :class:`~qwen_absorb.watch.Watch` of what the
-decisions depend on: a change decides again). It is an instance attribute of the block: a copy of the model decides
-anew for its own modules.
-"""
+"""Plans: what a patched block does, decided from the site table, stored once (an instance attribute: a copy of the
+model decides anew). Decisions with their reasons, derived state (FP8 weights, scales, amaxes) and runtime
+(:class:`BlockRuntime`, whose watch of what the decisions depend on decides again on a change) are kept apart."""
 
 from __future__ import annotations
 
@@ -261,16 +257,17 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
     _build_fp8(plan, block, old)
     plan.qk_fused, plan.qk_eps, plan.qk_reasons = _decide_qk(plan, block)
     plan.own_attention = any(plan.linears[p].fp8_gemm or (resolve(block, p) in plan.nvfp4 and not _fp8_context_reasons(
-        block, p)) for p in LINEAR_TABLE if p.startswith("attn.")) or plan.qk_fused
+        block, p)) for p in ATTN_LINEARS) or plan.qk_fused
     plan.attn_cache_kind = (dep.attention_cache_kind(block) or "") if plan.own_attention else ""
     plan.attn_cache = bool(plan.attn_cache_kind)
     plan.attn_forwards = (not plan.own_attention and o.fp8_gemm is not False and not _attention_reasons(block)
                           and dep.hooked(block, "attn") is not None)
-    for p in LINEAR_TABLE if plan.attn_forwards else ():
-        if p.startswith("attn.") and plan.linears[p].fp8_reasons:
+    for p in ATTN_LINEARS if plan.attn_forwards else ():
+        if plan.linears[p].fp8_reasons:
             plan.linears[p].fp8_reasons[-1] += " (inside it, its gated forward runs a real FP8 GEMM where it can)"
     plan.tp_reasons = _decide_tp(block)
-    plan.modelopt = any(_has_quantizers(m) for m in block.modules())
+    plan.modelopt = any(quant.is_modelopt_quantizer(getattr(m, q, None)) for m in block.modules()
+                        for q in ("input_quantizer", "weight_quantizer"))
     plan.quant_attention = quant.is_modelopt_object(block.attn)
     plan.calibrating = any(quant.calibrating(m) for p in (*LINEAR_TABLE, *NORMS) if (m := resolve(block, p)) is not None)
     plan.bypassed = dep.bypassed(plan, block)
@@ -300,19 +297,12 @@ def content_changed(plan: BlockPlan, block: nn.Module) -> bool:
         return True
 
 
-def _has_quantizers(m: nn.Module | None) -> bool:
-    return m is not None and (quant.is_modelopt_quantizer(getattr(m, "input_quantizer", None))
-                              or quant.is_modelopt_quantizer(getattr(m, "weight_quantizer", None)))
-
-
 def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options) -> LinearPlan:
-    lp, m = LinearPlan(path), resolve(block, path)
-    if o.fp8_gemm is False:
-        return LinearPlan(path, fp8_reasons=["fp8_gemm=False"])
-    dev = gating.fp8_device_refusals(device, o.fp8_gemm, o.fp8_capabilities)
-    r = ["not found"] + dev if m is None else quant.fp8_linear_refusals(m, dev)
-    if r == ["not ModelOpt-quantized"]:
-        lp.fp8_reasons = r
+    m = resolve(block, path)
+    dev = gating.fp8_device_refusals(device, o.fp8_gemm, o.fp8_capabilities)  # fp8_gemm=False: that alone
+    r = dev if o.fp8_gemm is False else ["not found"] + dev if m is None else quant.fp8_linear_refusals(m, dev)
+    lp = LinearPlan(path, fp8_reasons=list(r))
+    if o.fp8_gemm is False or r == ["not ModelOpt-quantized"]:
         return lp
     base, wrappers = unwrap_peft(m)
     if wrappers:
@@ -334,14 +324,6 @@ def _decide_linear(block: nn.Module, path: str, device: torch.device, o: Options
     else:
         lp.fp8_gemm = True
     return lp
-
-
-def _epilogue_bias(b: torch.Tensor | None, tp: Any) -> torch.Tensor | None:
-    """The bias a real FP8 GEMM adds: the Parameter, or DTensor's per rank (local shard, or row-wise ``b / N``)."""
-    if b is None or tp is None:
-        return b
-    local = b.to_local()
-    return local if tp.style == "colwise" else local / tp.world
 
 
 def _fp8_context_reasons(block: nn.Module, path: str) -> list[str]:
@@ -408,27 +390,23 @@ def _decide_fp8_inputs(plan: BlockPlan, block: nn.Module) -> None:
     for s in SITE_TABLE.values():
         if not s.feeds:
             continue
-        sp = plan.site_plan(s.key)
-        lps = [plan.linears[p] for p in s.feeds]
-        if not all(lp.fp8_gemm for lp in lps):
-            for lp in lps:
-                if lp.fp8_gemm:
-                    _refuse(lp, f"{s.key} feeds {', '.join(s.feeds)}, not all of which run as FP8 GEMMs")
-            continue
-        amaxes = [quant.input_amax(resolve(block, p)) for p in s.feeds]
-        why = None
-        if not sp.fused:
+        sp, lps = plan.site_plan(s.key), [plan.linears[p] for p in s.feeds]
+        fp8 = all(lp.fp8_gemm for lp in lps)
+        amaxes = [quant.input_amax(resolve(block, p)).float() for p in s.feeds] if fp8 else []
+        if not fp8:
+            why = f"{s.key} feeds {', '.join(s.feeds)}, not all of which run as FP8 GEMMs"
+        elif not sp.fused:
             why = f"{s.key} is not fused, so it cannot emit FP8"
         elif sp.norm_quantizer == "applied-before-op":
             why = "norm2's input quantizer cannot be reproduced inside the op"
-        elif any(not torch.equal(a.float(), amaxes[0].float()) for a in amaxes[1:]):
+        elif any(not torch.equal(a, amaxes[0]) for a in amaxes[1:]):
             why = f"{', '.join(s.feeds)} have different input amax: one FP8 emission cannot serve all"
-        if why is not None:
-            for lp in lps:
-                _refuse(lp, why)
+        else:
+            sp.fp8_out, sp.act_out = True, any(lp.lora and lp.lora_active for lp in lps)
             continue
-        sp.fp8_out = True
-        sp.act_out = any(lp.lora and lp.lora_active for lp in lps)
+        for lp in lps:
+            if lp.fp8_gemm:
+                _refuse(lp, why)
 
 
 def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: tuple | None = None,
@@ -470,7 +448,9 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
             del staged
             lp.cache_key = key
         lp.input_scale = ops.dequant_scale(lp.weight.input_amax)
-        lp.bias = _epilogue_bias(unwrap_peft(m)[0]._parameters.get("bias"), lp.tp)
+        # the bias the GEMM adds: the Parameter, or DTensor's per rank (local shard, or row-wise b / N)
+        b, tp = unwrap_peft(m)[0]._parameters.get("bias"), lp.tp
+        lp.bias = b if b is None or tp is None else b.to_local() if tp.style == "colwise" else b.to_local() / tp.world
     for s in SITE_TABLE.values():
         sp = plan.site_plan(s.key)
         if sp.fp8_out:

@@ -81,11 +81,7 @@ def quantizer_format(q: Any) -> str | None:
         if blocks.get(-1) == 16 and scale_bits == (4, 3):
             return NVFP4
         return MXFP4 if scale_bits == (8, 0) else OTHER
-    if bits == 8:
-        return INT8
-    if bits == 4:
-        return INT4
-    return OTHER
+    return INT8 if bits == 8 else INT4 if bits == 4 else OTHER
 
 
 # (attribute, its value refuses, why) of fp8_quantizer_reasons, in the order it says them
@@ -271,7 +267,8 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
     if w is None or w.dim() != 2:
         r.append("no 2-D weight")
     else:
-        n, k = _weight_shape(base)
+        shape = getattr(w, "metadata", {}).get("shape") if type(w).__name__ == "QTensorWrapper" else None
+        n, k = tuple(shape) if shape is not None else tuple(w.shape)
         if k % 16 or n % 16:
             r.append(f"weight {n}x{k}: _scaled_mm needs both dims multiples of 16")
     if is_dtensor(w):
@@ -314,12 +311,6 @@ def modelopt_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if cls.__dict__.get("forward") is qf:
             return super(cls, module).forward(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
-
-
-def _weight_shape(base: nn.Module) -> tuple[int, int]:
-    w = base._parameters["weight"]
-    shape = getattr(w, "metadata", {}).get("shape") if type(w).__name__ == "QTensorWrapper" else None
-    return tuple(shape) if shape is not None else tuple(w.shape)  # type: ignore[return-value]
 
 
 @dataclass
