@@ -170,8 +170,7 @@ class _Entry:
             if self.scale.numel() != 1:
                 return [f"{n}: a per-channel FP8 weight_scale of {self.scale.numel()} values is not supported "
                         "(per-tensor FP8 only)"]
-            ok = tuple(w.shape) == tuple(shape)
-            return [] if ok else [f"{n}: weight {tuple(w.shape)}, the model's linear is {tuple(shape)}"]
+            return [] if w.shape == shape else [f"{n}: weight {tuple(w.shape)}, the model's linear is {tuple(shape)}"]
         out_f, in_f = shape
         if w.dtype != torch.uint8 or self.scale.dtype != torch.float8_e4m3fn or self.scale_2.numel() != 1:
             return [f"{n}: NVFP4 tensors of dtypes {w.dtype} / {self.scale.dtype} / "
@@ -245,10 +244,8 @@ def _quant_cfg(entries: list[_Entry]) -> dict[str, Any]:
     return cfg
 
 
-def load_hf_export(
-    export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-    compress: bool = False,
-) -> nn.Module:
+def load_hf_export(export_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                   compress: bool = False) -> nn.Module:
     """ModelOpt's Hugging Face export (``export_dir`` may be a pipeline folder) as a diffusers
     ``QwenImageTransformer2DModel`` with ModelOpt quantizers, ready for ``qwen_absorb.patch``: weights loaded as codes
     times scales (then ``dtype``, default the unquantized weights'), amaxes giving exactly the stored scales, every

@@ -133,7 +133,6 @@ def add_products(y: torch.Tensor, branches: Products) -> torch.Tensor:
     return y
 
 
-
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:
     """``[(x @ A.T, lora_B.weight, scaling)]`` of the active branches, or None where PEFT's own expression must run."""
     branches = active_branches(layer)

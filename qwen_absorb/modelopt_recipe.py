@@ -35,24 +35,16 @@ _TOP_LEVEL = ("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in", "n
               "addition_t_embedding")
 
 
-def _layout(transformer_or_num_layers: nn.Module | int) -> tuple[int, list[str]]:
-    if isinstance(transformer_or_num_layers, int):
-        return transformer_or_num_layers, list(_TOP_LEVEL)
-    t = transformer_or_num_layers
-    return len(t.transformer_blocks), [name for name, _ in t.named_children() if name != "transformer_blocks"]
-
-
-def fp8_recipe_config(
-    transformer_or_num_layers: nn.Module | int, keep_first: int = DEFAULT_KEEP_FIRST,
-    keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = SENSITIVE_LAYERS,
-    quantize_norm_inputs: bool = False, base_config: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def fp8_recipe_config(transformer_or_num_layers: nn.Module | int, keep_first: int = DEFAULT_KEEP_FIRST,
+                      keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = SENSITIVE_LAYERS,
+                      quantize_norm_inputs: bool = False, base_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """ModelOpt's config for the Qwen-Image FP8 recipe: ``mtq.FP8_DEFAULT_CFG`` (or ``base_config``) with
     ``{"enable": False}`` entries appended (later entries win) for everything outside ``transformer_blocks``, the
     first ``keep_first`` and last ``keep_last`` blocks, the ``sensitive_layers`` (block-relative) and, unless
     ``quantize_norm_inputs``, the block LayerNorms' input quantizers (the Hugging Face export drops them)."""
-    mtq = import_modelopt()
-    n, outside = _layout(transformer_or_num_layers)
+    mtq, t = import_modelopt(), transformer_or_num_layers
+    n, outside = (t, _TOP_LEVEL) if isinstance(t, int) else (
+        len(t.transformer_blocks), [name for name, _ in t.named_children() if name != "transformer_blocks"])
     if keep_first < 0 or keep_last < 0:
         raise ValueError(f"keep_first and keep_last must be >= 0, got {keep_first}, {keep_last}")
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if base_config is None else base_config)
@@ -60,39 +52,30 @@ def fp8_recipe_config(
     if not isinstance(entries, list):
         raise TypeError("this recipe needs ModelOpt >= 0.44 (quant_cfg as a list of entries); "
                         f"got {type(entries).__name__}")
-
-    def off(pattern: str) -> None:
-        entries.append({"quantizer_name": pattern, "enable": False})
-
     # fnmatch wildcards over quantizer names (module path + ".weight_quantizer" ...): nothing outside the blocks
-    for name in outside:
-        off(f"{name}.*")
+    off = [f"{name}.*" for name in outside]
     kept = sorted(set(range(min(keep_first, n))) | set(range(max(0, n - keep_last), n)))
-    for i in kept:
-        off(f"transformer_blocks.{i}.*")  # the dot after the index: block 1 must not match blocks 10-19
-    for layer in sensitive_layers:
-        layer = layer.strip(".")
+    off += [f"transformer_blocks.{i}.*" for i in kept]  # the dot after the index: block 1 must not match blocks 10-19
+    for layer in (name.strip(".") for name in sensitive_layers):
         if not layer:
             raise ValueError("an empty name in sensitive_layers would match whole blocks")
-        off(f"transformer_blocks.*.{layer}.*")
-    if not quantize_norm_inputs:
-        for norm in ("norm1", "norm2"):  # img_norm1, txt_norm1, img_norm2, txt_norm2
-            off(f"transformer_blocks.*_{norm}.input_quantizer")
+        off.append(f"transformer_blocks.*.{layer}.*")
+    if not quantize_norm_inputs:  # img_norm1, txt_norm1, img_norm2, txt_norm2
+        off += [f"transformer_blocks.*_{norm}.input_quantizer" for norm in ("norm1", "norm2")]
+    entries += [{"quantizer_name": pattern, "enable": False} for pattern in off]
     return cfg
 
 
-def embeds_forward_loop(
-    pipe: Any, prompt_embeds: Iterable[dict[str, Any]], num_inference_steps: int = 2, height: int | None = None,
-    width: int | None = None, seed: int = 0,
-) -> Callable[[nn.Module], None]:
+def embeds_forward_loop(pipe: Any, prompt_embeds: Iterable[dict[str, Any]], num_inference_steps: int = 2,
+                        height: int | None = None, width: int | None = None,
+                        seed: int = 0) -> Callable[[nn.Module], None]:
     """A ModelOpt ``forward_loop`` running the pipeline once per dict of call arguments (precomputed embeddings)."""
     return _pipeline_loop(pipe, [dict(kw) for kw in prompt_embeds], num_inference_steps, height, width, seed)
 
 
-def pipeline_forward_loop(
-    pipe: Any, prompts: Iterable[str], num_inference_steps: int = 4, height: int | None = None,
-    width: int | None = None, true_cfg_scale: float = 4.0, negative_prompt: str = " ", seed: int = 0,
-) -> Callable[[nn.Module], None]:
+def pipeline_forward_loop(pipe: Any, prompts: Iterable[str], num_inference_steps: int = 4, height: int | None = None,
+                          width: int | None = None, true_cfg_scale: float = 4.0, negative_prompt: str = " ",
+                          seed: int = 0) -> Callable[[nn.Module], None]:
     """A ModelOpt ``forward_loop`` generating one image per prompt (true CFG on: both branches calibrate)."""
     calls = [dict(prompt=p, negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale) for p in prompts]
     return _pipeline_loop(pipe, calls, num_inference_steps, height, width, seed)
@@ -115,10 +98,8 @@ def _pipeline_loop(pipe, calls, steps, height, width, seed):
     return forward_loop
 
 
-def nvfp4_recipe_config(
-    transformer_or_num_layers: nn.Module | int, keep_first: int = DEFAULT_KEEP_FIRST,
-    keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = (),
-) -> dict[str, Any]:
+def nvfp4_recipe_config(transformer_or_num_layers: nn.Module | int, keep_first: int = DEFAULT_KEEP_FIRST,
+                        keep_last: int = DEFAULT_KEEP_LAST, sensitive_layers: Sequence[str] = ()) -> dict[str, Any]:
     """:func:`fp8_recipe_config` on ``mtq.NVFP4_DEFAULT_CFG``: NVIDIA's Qwen-Image NVFP4 layout."""
     return fp8_recipe_config(transformer_or_num_layers, keep_first, keep_last, sensitive_layers,
                              base_config=import_modelopt().NVFP4_DEFAULT_CFG)

@@ -80,12 +80,6 @@ def _tensor_key(t: torch.Tensor, watched: bool = False) -> tuple:
     return (id(t), t.data_ptr(), version, t.dtype)
 
 
-def _launchable(x: torch.Tensor) -> bool:
-    """What a call alone can change about the kernel's eligibility (the plan decided the rest)."""
-    return (type(x) is torch.Tensor and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
-            and not (x.requires_grad and torch.is_grad_enabled()))
-
-
 def _fake_quant(t: torch.Tensor, amax: torch.Tensor, use_kernel: bool) -> torch.Tensor:
     return quantize_nvfp4(t, amax) if use_kernel else quantize_nvfp4_reference(t, amax)
 
@@ -102,19 +96,14 @@ class Nvfp4Linear:
         if reasons:
             raise ValueError("not a ModelOpt W4A4 NVFP4 linear: " + "; ".join(reasons))
         self.lin, self.use_kernel, self.watched, self.shares_weight = lin, use_kernel, watched, False
-        self._amax_key = self._amax32 = self._key = self._weight = None
-        # the content fingerprint of the weight fq(W) was made from, and a copy of the weight amax's value
-        self._parts = self._weight_amax = None
-
-    def weight_key(self) -> tuple:
-        """What ``fq(W)`` depends on: identity, pointer and version of the weight and its amax. An inference tensor's
-        copy is remade at every call, unless ``watched`` (the plan's watch compares its content before every call)."""
-        w = self.watched
-        return (*_tensor_key(self.lin.weight, w), *_tensor_key(self.lin.weight_quantizer._amax, w))
+        # _parts: the content fingerprint of the weight fq(W) was made from; _weight_amax: a copy of its amax's value
+        self._amax_key = self._amax32 = self._key = self._weight = self._parts = self._weight_amax = None
 
     def weight(self) -> torch.Tensor:
-        """``fq(W)``: the linear's own weight where that is exact, else a cached fake-quantized copy."""
-        key = self.weight_key()
+        """``fq(W)``: the linear's own weight where that is exact, else a copy cached by identity, pointer and version
+        of the weight and its amax (an inference tensor's remade at every call, unless ``watched``: the plan's watch
+        compares its content before every call)."""
+        key = (*_tensor_key(self.lin.weight, self.watched), *_tensor_key(self.lin.weight_quantizer._amax, self.watched))
         if key != self._key or self._weight is None:
             with torch.no_grad():
                 w = self.lin.weight.detach()
@@ -149,8 +138,10 @@ class Nvfp4Linear:
         return self._amax32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and _launchable(x):
-            xq = launch_nvfp4(x, self.input_amax32())  # the checked-once launch: the plan decided the kernel
+        # the checked-once launch where what a call alone can change allows it (the plan decided the rest)
+        if (self.use_kernel and type(x) is torch.Tensor and x.is_cuda and x.dtype in _KERNEL_DTYPES
+                and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())):
+            xq = launch_nvfp4(x, self.input_amax32())
         else:
             xq = _fake_quant(x, self.lin.input_quantizer._amax, self.use_kernel)
         return F.linear(xq, self.weight(), self.lin.bias)

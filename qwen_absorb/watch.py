@@ -9,6 +9,7 @@ rebuilt on the copy's own objects). It compares ``entries`` by identity; ``tenso
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -81,12 +82,12 @@ def fingerprint_parts(t: Any) -> torch.Tensor | None:
         return None
 
 
-def tensor_key(t: Any, content: bool = False) -> tuple | None:
-    """Identity, version, address, dtype and (asked, or without a version counter) content fingerprint of a tensor."""
+def tensor_key(t: Any) -> tuple | None:
+    """Identity, version, address, dtype and (without a version counter) content fingerprint of a tensor."""
     if not isinstance(t, torch.Tensor):
         return None
     v = tensor_version(t)
-    return (id(t), v, t.data_ptr(), t.dtype, content_fingerprint(t) if content or v < 0 else None)
+    return (id(t), v, t.data_ptr(), t.dtype, content_fingerprint(t) if v < 0 else None)
 
 
 # module -> the watches holding one of its ``_modules`` slots: a registration there (PEFT's wrap and unwrap) is a change
@@ -97,12 +98,9 @@ _slots_lock = threading.Lock()
 
 def _on_module_registered(module: nn.Module, name: str, submodule: Any) -> None:
     """torch's global module registration hook (while a watch of a ``_modules`` slot lives: ``_REGISTRATIONS``)."""
-    try:
-        watches = _SLOT_WATCHES.get(module)
-        for w in list(watches) if watches else ():
+    with contextlib.suppress(Exception):  # a registration must never fail because of us
+        for w in list(_SLOT_WATCHES.get(module) or ()):
             w.dirty = True
-    except Exception:  # noqa: BLE001 - a registration must never fail because of us
-        pass
 
 
 _REGISTRATIONS = HeldGlobalHooks(
