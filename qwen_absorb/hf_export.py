@@ -70,9 +70,8 @@ def _code_mismatches(weight: torch.Tensor, amax: torch.Tensor) -> int:
 def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
     """``(differing, total)`` FP8 weight codes between fake quantization and the export; call before exporting."""
     differing = total = 0
-    modules = dict(transformer.named_modules())
     with torch.no_grad():
-        for lin in (modules[n] for n in quantized_linear_names(transformer)):
+        for lin in map(dict(transformer.named_modules()).__getitem__, quantized_linear_names(transformer)):
             q = lin.weight_quantizer
             amax = getattr(q, "amax", None)
             if amax is not None and amax.numel() == 1 and q.block_sizes is None and q.num_bits == (4, 3):

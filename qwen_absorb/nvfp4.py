@@ -100,9 +100,8 @@ class Nvfp4Linear:
         self._amax_key = self._amax32 = self._key = self._weight = self._parts = self._weight_amax = None
 
     def weight(self) -> torch.Tensor:
-        """``fq(W)``: the linear's own weight where that is exact, else a copy cached by identity, pointer and version
-        of the weight and its amax (an inference tensor's remade at every call, unless ``watched``: the plan's watch
-        compares its content before every call)."""
+        """``fq(W)``: the linear's own weight where exact, else a copy kept per identity, pointer and version of the
+        weight and its amax (an inference tensor's remade per call unless ``watched``: the plan's watch checks it)."""
         key = (*_tensor_key(self.lin.weight, self.watched), *_tensor_key(self.lin.weight_quantizer._amax, self.watched))
         if key != self._key or self._weight is None:
             with torch.no_grad():

@@ -113,16 +113,6 @@ def projection_tp_style(linear: nn.Module) -> str | None:
     return "colwise" if d == 0 else "rowwise" if d == 1 else None
 
 
-def _tp_output_layouts(linear: nn.Module) -> tuple | None:
-    """The output layouts of a torch ``ParallelStyle`` output hook (``partial(_prepare_output_fn, layouts, ...)``)."""
-    for hook in getattr(linear, "_forward_hooks", {}).values():
-        obj = _hook_partial(hook, "_prepare_output_fn")
-        if obj is not None and len(obj.args) >= 2:
-            layouts = obj.args[0]
-            return tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)
-    return None
-
-
 def tp_defer_refusals(linear: nn.Module) -> list[str]:
     """Why an output projection's bias must stay in its GEMM under TP ([]: fine, or not TP). Row-wise only, with a
     ``Replicate`` bias and output: the fused op adds it once after the all-reduce (unpatched: ``b / N`` before)."""
@@ -142,9 +132,13 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
             out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
         elif not all(p.is_replicate() for p in _placements(b)):
             out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
-    layouts = _tp_output_layouts(m)
-    if layouts is not None and not all(p.is_replicate() for p in layouts):
-        out.append(f"row-wise TP projection whose output stays {layouts} (not reduced to Replicate)")
+    for hook in getattr(m, "_forward_hooks", {}).values():  # a torch ParallelStyle's partial(_prepare_output_fn, ...)
+        pout = _hook_partial(hook, "_prepare_output_fn")
+        if pout is not None and len(pout.args) >= 2:
+            layouts = tuple(pout.args[0]) if isinstance(pout.args[0], (tuple, list)) else (pout.args[0],)
+            if not all(p.is_replicate() for p in layouts):
+                out.append(f"row-wise TP projection whose output stays {layouts} (not reduced to Replicate)")
+            break
     return out
 
 
