@@ -49,9 +49,7 @@ def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[
             r.append(f"attn.{name} is not an RMSNorm with weight and no bias")
         elif hooks.hooked(n):
             r.append(f"attn.{name} has a hook or a wrapped forward")
-    for name in LINEARS:
-        if not isinstance(attn._modules.get(name), nn.Module):
-            r.append(f"attn.{name}: missing")
+    r += [f"attn.{name}: missing" for name in LINEARS if not isinstance(attn._modules.get(name), nn.Module)]
     if r:
         return r, _NO_QK
     nq, nk = attn.norm_q, attn.norm_k
