@@ -18,7 +18,7 @@ def test_cpu_work_runs_in_line_and_nothing_is_held():
         lane.settle(torch.device("cpu"))
     assert torch.equal(t, x @ a.t())
     assert lane.forks() == n
-    st = lane._state()
+    st = lane._local
     assert st.depth == 0
     assert all(not ln.pending and not ln.caller_held and not ln.lane_held for ln in st.lanes.values())
 

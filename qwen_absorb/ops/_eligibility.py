@@ -87,19 +87,15 @@ def dispatch_fp8(reasons: list[str], fp8_amax: torch.Tensor, also_output: bool, 
     gives the plain op's outputs (the reference quantizer codes the last), ``custom_op()`` the custom op's
     ``(*head, out, codes)``, ``kernel(also_output)`` the launch's (it writes ``out`` only if asked)."""
 
-    def ref():
-        *head, out = _tuple(reference())
-        return (*head, quantize_fp8_reference(out, fp8_amax), out if also_output else None)
-
-    def compiled():
-        *head, out, codes = custom_op()
+    def reorder(r: tuple) -> tuple:
+        *head, out, codes = r
         return (*head, codes, out if also_output else None)
 
-    def kern():
-        *head, out, codes = kernel(also_output)
-        return (*head, codes, out)
+    def ref():
+        r = _tuple(reference())
+        return reorder((*r, quantize_fp8_reference(r[-1], fp8_amax)))
 
-    return dispatch(reasons, ref, compiled, kern)
+    return dispatch(reasons, ref, lambda: reorder(custom_op()), lambda: reorder(kernel(also_output)))
 
 
 def custom_op_result(x: torch.Tensor, fp8_amax: torch.Tensor | None, kernel, reference) -> tuple:

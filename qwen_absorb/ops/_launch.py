@@ -1,10 +1,7 @@
-"""What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row).
+"""What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row): :class:`Kernels`.
 
-An op's :class:`Kernels` names its ``csrc`` file, template and parameter struct, caches one compiled
-:class:`~qwen_absorb.ops._runtime.Launcher` per (dtype, D, variant, device) and lists every template instance for
-the compile test. The launches compute the structs' ``vec_flags`` inline, the same bits everywhere (1: activation
-rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned), and stay small (host cost). The two
-LayerNorm launch modes are csrc/layer_norm.cuh's.
+The launches compute the structs' ``vec_flags`` inline and stay small (host cost), the same bits everywhere (1:
+activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import math
 import torch
 
 from . import _runtime as rt
-from ._validate import SUPPORTED_DTYPES
+from ._validate import SUPPORTED_DTYPES, check_device
 
 ptr = rt.ptr
 # LayerNorm mode -> (threads per row, elements per slot): 0 is PyTorch's vectorized path, 1 its rowwise path; the
@@ -46,9 +43,8 @@ def require_plain(*ts: torch.Tensor) -> None:
 
 def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: bool = False, out: bool = True,
             codes: bool = False, nvfp4: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """A launch's outputs, once the tensors its kernel ``reads`` are known plain: ``(new_residual, out, second)``
-    with ``new_residual``, else ``(out, second)``; None where not asked for. ``second``: the e4m3 codes of the output
-    (``codes``) or its NVFP4 fake quantization in x's dtype (``nvfp4``: ``quantize_nvfp4.launch(out, nvfp4_amax)``)."""
+    """A launch's ``([new_residual,] out, second)`` (None where not asked for), once the tensors its kernel ``reads``
+    are known plain. ``second``: the e4m3 codes of the output or its NVFP4 fake quantization in x's dtype."""
     require_plain(*reads)
     o = torch.empty_like(x) if out else None
     f8 = (torch.empty_like(x) if nvfp4
@@ -57,8 +53,8 @@ def outputs(x: torch.Tensor, reads: tuple[torch.Tensor, ...], *, new_residual: b
 
 
 def emit_reasons(D: int) -> list[str]:
-    """Why a fused kernel cannot emit NVFP4 values as its second output (``nvfp4_amax``) for rows of ``D``
-    elements (empty: it can): a 16-element block sits in adjacent lanes and must not straddle two rows."""
+    """Why a fused kernel cannot emit NVFP4 values (``nvfp4_amax``) for rows of ``D`` elements (empty: it can): a
+    16-element block sits in adjacent lanes and must not straddle two rows."""
     return [] if D % NVFP4_BLOCK == 0 else [f"D = {D} is not a multiple of 16 (NVFP4 blocks of a fused output)"]
 
 
@@ -71,8 +67,7 @@ def check_emit(x: torch.Tensor, fp8_amax: torch.Tensor | None, nvfp4_amax: torch
         raise ValueError(f"nvfp4_amax: {why[0]}; quantize the output with quantize_nvfp4 instead")
     if not isinstance(nvfp4_amax, torch.Tensor) or nvfp4_amax.dtype != torch.float32 or nvfp4_amax.numel() != 1:
         raise TypeError("nvfp4_amax must be a one-element float32 tensor (the kernels read one fp32 value)")
-    if nvfp4_amax.device != x.device:
-        raise ValueError(f"nvfp4_amax is on {nvfp4_amax.device} but x is on {x.device}")
+    check_device("nvfp4_amax", nvfp4_amax, x)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; NVFP4 emission supports bfloat16, float16, float32")
 
@@ -88,14 +83,14 @@ def contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def amax_fp32(a: torch.Tensor | None) -> torch.Tensor | None:
     """A per-tensor amax as the kernels read it: one fp32 element (or None)."""
-    return a.float().reshape(1) if a is not None else None
+    return a.detach().float().reshape(1) if a is not None else None
 
 
 class Kernels:
-    """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``. LayerNorm kernels
-    (:meth:`ln`): A is the mode of :func:`layout`; with ``nvfp4=True`` the NVFP4-emitting instance
-    ``name<traits, A, NV, 1>`` exists too. Elementwise kernels (:meth:`vec`): A is the vector width (16 bytes, or 1
-    where D does not divide), ``threads`` per row."""
+    """The template ``name<traits, A, NV>`` of ``csrc/cu`` whose parameter struct is ``layout``, one compiled
+    launcher per (dtype, D, variant, device). LayerNorm kernels (:meth:`ln`): A is the mode of :func:`layout`; with
+    ``nvfp4=True`` the NVFP4-emitting ``name<traits, A, NV, 1>`` too. Elementwise kernels (:meth:`vec`): A is the
+    vector width (16 bytes, or 1 where D does not divide), ``threads`` per row."""
 
     __slots__ = ("cu", "name", "layout", "threads", "nv_choices", "nvfp4", "_cache")
 
@@ -106,10 +101,8 @@ class Kernels:
         self._cache: dict[tuple, tuple[rt.Launcher, int]] = rt.register_cache({})
 
     def _compile(self, key: tuple, x: torch.Tensor, a: int, nv: int, threads: int, nbytes: int, nvfp4: bool = False):
-        dev = key[-1]
-        fn = rt.function(self.cu, rt.template(self.name, rt.TRAITS[x.dtype], a, nv, optional=int(nvfp4)), dev)
-        hit = self._cache[key] = (rt.Launcher(fn, threads, self.layout, dev), nbytes)
-        return hit
+        fn = rt.function(self.cu, rt.template(self.name, rt.TRAITS[x.dtype], a, nv, optional=int(nvfp4)), key[-1])
+        return self._cache.setdefault(key, (rt.Launcher(fn, threads, self.layout, key[-1]), nbytes))
 
     def ln(self, x: torch.Tensor, D: int, vectorized: bool, nvfp4: bool = False) -> tuple[rt.Launcher, int]:
         """(launcher, bytes of one slot) of the LayerNorm kernel for rows of D elements; ``vectorized``: whether

@@ -10,6 +10,7 @@ on the device and never synchronise.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import re
 import struct
@@ -43,30 +44,26 @@ NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in _env_defines().items()
 
 _cupy = None
 _cpointer = None
-_cupy_reason: str | None = None
-_cupy_checked = False
 _functions: dict[tuple[str, str, int], object] = {}
 _caches: list[dict] = [_functions]  # every per-signature kernel cache (cleared by set_defines)
 _streams: dict[int, object] = {}
 _capability: dict[int, tuple[int, int]] = {}
 
 
+@functools.cache
 def cupy_unavailable_reason() -> str | None:
     """None when CuPy imports, sees a GPU and can pass a struct argument; else why not (memoised)."""
-    global _cupy, _cpointer, _cupy_reason, _cupy_checked
-    if not _cupy_checked:
-        _cupy_checked = True
-        try:
-            import cupy  # noqa: PLC0415
-            from cupy.cuda.function import CPointer  # noqa: PLC0415
+    global _cupy, _cpointer
+    try:
+        import cupy  # noqa: PLC0415
+        from cupy.cuda.function import CPointer  # noqa: PLC0415
 
-            if cupy.cuda.runtime.getDeviceCount() < 1:
-                _cupy_reason = "CuPy sees no CUDA device"
-            else:
-                _cupy, _cpointer = cupy, CPointer
-        except Exception as e:  # ImportError, CUDARuntimeError, missing libraries
-            _cupy_reason = f"CuPy is not usable: {type(e).__name__}: {e}".strip()
-    return _cupy_reason
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+        _cupy, _cpointer = cupy, CPointer
+    except Exception as e:  # ImportError, CUDARuntimeError, missing libraries
+        return f"CuPy is not usable: {type(e).__name__}: {e}".strip()
+    return None
 
 
 def device_index(device: torch.device) -> int:
@@ -127,8 +124,7 @@ def template(name: str, *args, optional: int = 0) -> str:
 def launcher(cache: dict, key: tuple, filename: str, expr: str, device_idx: int, block: int, layout: str,
              smem: int = 0) -> Launcher:
     """A cache miss: the :class:`Launcher` of :func:`function` ``(filename, expr)``, stored under ``key``."""
-    hit = cache[key] = Launcher(function(filename, expr, device_idx, smem), block, layout, device_idx, smem)
-    return hit
+    return cache.setdefault(key, Launcher(function(filename, expr, device_idx, smem), block, layout, device_idx, smem))
 
 
 def register_cache(cache: dict) -> dict:

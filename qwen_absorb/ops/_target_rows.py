@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_same, check_tensor
+from ._validate import check_device, check_same, check_tensor
 
 
 def select_rows(params: torch.Tensor, target_token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -31,8 +31,7 @@ def check_target_token_mask(mask: torch.Tensor | None, x: torch.Tensor) -> None:
     L = x.shape[1]
     if tuple(mask.shape) != (L,):
         raise ValueError(f"target_token_mask must have shape [L] = [{L}], got {tuple(mask.shape)}")
-    if mask.device != x.device:
-        raise ValueError(f"target_token_mask is on {mask.device} but x is on {x.device}")
+    check_device("target_token_mask", mask, x)
 
 
 def check_rows(name: str, p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -33,12 +33,16 @@ def check_activation(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} needs B >= 1 and D >= 1, got {tuple(t.shape)}")
 
 
+def check_device(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str = "x") -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
 def check_same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
     check_tensor(name, t)
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+    check_device(name, t, ref, ref_name)
 
 
 def check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
@@ -57,8 +61,7 @@ def check_index(index: torch.Tensor | None, x: torch.Tensor) -> None:
         raise TypeError(f"index must be a torch.Tensor or None, got {type(index).__name__}")
     if index.dtype not in _INDEX_DTYPES:
         raise TypeError(f"index must be an integer (or bool) tensor of 0/1, got dtype {index.dtype}")
-    if index.device != x.device:
-        raise ValueError(f"index is on {index.device} but x is on {x.device}")
+    check_device("index", index, x)
     B, L = x.shape[0], x.shape[1]
     if tuple(index.shape) != (B, L):
         raise ValueError(f"index must have shape [B, L] = [{B}, {L}], got {tuple(index.shape)}")
@@ -94,8 +97,7 @@ def check_amax(name: str, amax: torch.Tensor, x: torch.Tensor) -> None:
     """A per-tensor FP8 amax: one floating-point value on x's device (read there by the kernel)."""
     if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or not amax.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor holding one value")
-    if amax.device != x.device:
-        raise ValueError(f"{name} is on {amax.device} but x is on {x.device}")
+    check_device(name, amax, x)
 
 
 def check_fp8_amax(fp8_amax: torch.Tensor | None, x: torch.Tensor) -> None:

@@ -59,10 +59,8 @@ def launch(
     grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
     bp = ptr(bias)
-    flags = (
-        ((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
-        | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
-    )
+    flags = (((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
+             | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4))
     launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(amax2),
              grs, srs, crs, B, L, D, eps, index_kind(index), quant_mode, flags)
     return h, o, f8

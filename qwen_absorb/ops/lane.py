@@ -24,8 +24,7 @@ NAMES = ("branch", "txt")  # which of them a patched model uses: its Tuning.lane
 
 
 class Lane:
-    """One lane of one device: its stream, whether the caller's stream has yet to wait for it, and the tensors held
-    for the other stream."""
+    """One lane of one device: its stream, whether the caller's stream must still wait for it, the tensors held."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
@@ -69,37 +68,32 @@ class _State(threading.local):
 _local = _State()  # each thread gets its own on first use
 
 
-def _state() -> _State:
-    return _local
-
-
 @contextlib.contextmanager
 def active(enabled: bool = True) -> Iterator[None]:
     """Within: :func:`aside` and :func:`region` use the lanes of their inputs' device (this thread only). On exit
     every lane joins the caller's stream (a capture must end with its forks joined) and drops what it held."""
-    st = _state()
     if not enabled:
         yield
         return
-    st.depth += 1
+    _local.depth += 1
     try:
         yield
     finally:
-        st.depth -= 1
-        if st.depth == 0:
-            for key, lane in list(st.lanes.items()):
+        _local.depth -= 1
+        if _local.depth == 0:
+            for key, lane in list(_local.lanes.items()):
                 try:
                     if lane.pending:
                         with torch.cuda.stream(lane.caller):
                             lane.join()
                 except RuntimeError:  # a capture already invalidated (its error propagates): a fresh lane next time
-                    del st.lanes[key]
+                    del _local.lanes[key]
                 lane.reset()
 
 
 def lane_for(device: torch.device | None, name: str) -> Lane | None:
     """The lane ``name`` of ``device`` where lanes are active and the caller is on no lane (else None: in line)."""
-    st = _state()
+    st = _local
     if st.depth == 0 or device is None or device.type != "cuda" or torch.compiler.is_compiling():
         return None
     cur = torch.cuda.current_stream(device)
@@ -118,9 +112,8 @@ def _tensors(x: Any, out: list) -> list:
 
 
 def aside(fn: Callable[[], Any], *reads: Any) -> Any:
-    """``fn()`` on the branch lane where one is active (its result is ready on the caller's stream after
-    :func:`settle`), else in line. ``reads``: the caller's tensors ``fn`` reads (the first CUDA one names the
-    device)."""
+    """``fn()`` on the branch lane where one is active (its result ready on the caller's stream after :func:`settle`),
+    else in line. ``reads``: the caller's tensors ``fn`` reads (the first CUDA one names the device)."""
     t = next((x for x in reads if isinstance(x, torch.Tensor)), None)
     lane = lane_for(t.device if t is not None else None, "branch")
     if lane is None:
@@ -134,8 +127,7 @@ def aside(fn: Callable[[], Any], *reads: Any) -> Any:
 
 
 class Region(NamedTuple):
-    """What :func:`region` yields: :meth:`hold` a caller tensor the work reads, :meth:`give` a lane tensor the
-    caller will read (after :func:`settle`)."""
+    """What :func:`region` yields: hold a caller tensor the work reads, give a lane tensor the caller will read."""
 
     lane: Lane | None
 
@@ -152,18 +144,16 @@ class Region(NamedTuple):
             self.lane.lane_held.extend(_tensors(tensors, []))
 
 
-_NO_LANE = Region(None)
 # what region returns where the work runs in line: entered on every block call of an eager model, so one shared
 # object, not a generator per call
-_IN_LINE = contextlib.nullcontext(_NO_LANE)
+_IN_LINE = contextlib.nullcontext(Region(None))
 
 
 def region(device: torch.device, name: str, fork: bool = True, reads: tuple = (),
            on: bool = True) -> contextlib.AbstractContextManager[Region]:
     """Run the body on lane ``name`` of ``device`` where ``on`` and lanes are active (else in line): after the
     caller's work so far (``fork``), or after the lane's own work only (``fork=False``: the body reads nothing of
-    the caller's stream that was not there, or held, when the lane last forked). ``reads`` are held
-    (:meth:`Region.hold`)."""
+    the caller's stream that was not there, or held, when the lane last forked). ``reads`` are held."""
     lane = lane_for(device, name) if on else None
     return _IN_LINE if lane is None else _on_lane(lane, fork, reads)
 
@@ -179,18 +169,18 @@ def _on_lane(lane: Lane, fork: bool, reads: tuple) -> Iterator[Region]:
 
 
 def pending(device: torch.device, name: str) -> bool:
-    lane = _state().lanes.get((device, name))
+    lane = _local.lanes.get((device, name))
     return lane is not None and lane.pending
 
 
 def settle(device: torch.device | None = None, name: str | None = None) -> None:
     """The caller's stream waits for the work so far of lane ``name`` (every lane where None) of ``device`` (of
     every device where None): call before reading what a lane made. Nothing to do where none is pending."""
-    for (dev, n), lane in _state().lanes.items():
+    for (dev, n), lane in _local.lanes.items():
         if (device is None or dev == device) and (name is None or n == name):
             lane.join()
 
 
 def forks(name: str | None = None) -> int:
     """How many times this thread's lanes (named ``name``, or all) forked (tests: a lane was used)."""
-    return sum(lane.forks for (_, n), lane in _state().lanes.items() if name is None or n == name)
+    return sum(lane.forks for (_, n), lane in _local.lanes.items() if name is None or n == name)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
-from ._launch import Kernels, ptr
-from ._launch import amax_fp32 as _amax1
-from ._launch import contiguous_or_none as _contig
+from ._launch import Kernels, amax_fp32, contiguous_or_none, ptr
 from ._modulation import layer_norm
 from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
 from ._validate import check_activation, check_eps, check_fp8_amax
@@ -41,20 +39,16 @@ def launch(
     x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
     *, out: bool = True, fp8_amax: torch.Tensor | None = None, norm_input_quant: Fp8PerTensorQuant | None = None,
     nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checked-once entry: ``(out or None, second or None)`` (as :func:`.layer_norm_scale_shift.launch`'s). scale:
-    [B (+1), D] rows with unit last stride; target_token_mask contiguous bool [L] or None; norm_input_quant: a
-    QuantLayerNorm's input fake quantizer, applied inside (``LayerNorm(Q(x))``)."""
+    """Checked-once entry: ``(out or None, second or None)`` (as :func:`.layer_norm_scale_shift.launch`'s); scale
+    rows with unit last stride, mask contiguous or None; a QuantLayerNorm's ``norm_input_quant``: LayerNorm(Q(x))."""
     # eager's norm1 sees x, or the input quantizer's fresh output
     (o, f8), run = KERNELS.start(x, (x, scale), out, fp8_amax, nvfp4_amax, norm_input_quant is not None)
     if run is None:
         return o, f8
     launcher, a, amax2 = run
     B, L, D = x.shape
-    esize = x.element_size()
-    xp = x.data_ptr()
-    crs = row_stride(scale)
-    cp = scale.data_ptr()
-    flags = (xp % a == 0) | (((cp | crs * esize) % a == 0) << 2)
+    xp, cp, crs = x.data_ptr(), scale.data_ptr(), row_stride(scale)
+    flags = (xp % a == 0) | (((cp | crs * x.element_size()) % a == 0) << 2)
     amax, mode = quant_args(norm_input_quant, x.device)
     launcher(B * L, xp, ptr(o), ptr(f8), cp, ptr(target_token_mask), ptr(amax2), ptr(amax), crs, B, L, D, eps,
              mode, flags)
@@ -79,7 +73,7 @@ def layer_norm_scale_not_supported_reasons(x: torch.Tensor, *, scale: torch.Tens
 
 
 def _kernel(x, scale, eps, mask, out=True, fp8_amax=None):
-    return launch(x.contiguous(), scale, eps, _contig(mask), out=out, fp8_amax=_amax1(fp8_amax))
+    return launch(x.contiguous(), scale, eps, contiguous_or_none(mask), out=out, fp8_amax=amax_fp32(fp8_amax))
 
 
 def layer_norm_scale(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,

@@ -1,18 +1,14 @@
 """layer_norm_scale_shift: ``LayerNorm(x) * (1 + scale) + shift`` (norm1 + ``_modulate`` of
-QwenImageTransformerBlock), one kernel. :func:`layer_norm_scale_shift_fp8` also (or only) writes the e4m3 codes of
-that output for the real FP8 GEMMs of to_q/to_k/to_v (:mod:`qwen_absorb.ops.fp8`).
-"""
+QwenImageTransformerBlock), one kernel; the ``_fp8`` variant also (or only) writes the e4m3 codes of that output."""
 
 from __future__ import annotations
 
 import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
-from ._launch import Kernels, amax_fp32, index_kind, ptr
-from ._launch import contiguous_or_none as _contig
+from ._launch import Kernels, amax_fp32, contiguous_or_none, index_kind, ptr
 from ._modulation import expand_param, layer_norm
-from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param
-from ._validate import param_rows as _as_rows
+from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param, param_rows
 from .fp8 import quantize_fp8_reference
 
 # LayerNormScaleShiftParams in the .cu: x, out, out2, shift, scale, index, out2_amax, amax (pointers);
@@ -49,9 +45,7 @@ def launch(
     launcher, a, amax2 = run
     B, L, D = x.shape
     esize = x.element_size()
-    xp = x.data_ptr()
-    srs, crs = shift.stride(0), scale.stride(0)
-    sp, cp = shift.data_ptr(), scale.data_ptr()
+    xp, sp, cp, srs, crs = x.data_ptr(), shift.data_ptr(), scale.data_ptr(), shift.stride(0), scale.stride(0)
     flags = (xp % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
     launcher(B * L, xp, ptr(o), ptr(f8), sp, cp, ptr(index), ptr(amax2), ptr(amax), srs, crs, B, L, D, eps,
              index_kind(index), quant_mode, flags)
@@ -77,7 +71,7 @@ def layer_norm_scale_shift_not_supported_reasons(x: torch.Tensor, *, shift: torc
 
 
 def _kernel(x, shift, scale, eps, index, out=True, fp8_amax=None):
-    return launch(x.contiguous(), _as_rows(shift), _as_rows(scale), eps, _contig(index), out=out,
+    return launch(x.contiguous(), param_rows(shift), param_rows(scale), eps, contiguous_or_none(index), out=out,
                   fp8_amax=amax_fp32(fp8_amax))
 
 

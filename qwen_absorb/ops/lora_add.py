@@ -26,7 +26,6 @@ MAX_RANK = 16 * KSTEPS[-1]
 _PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
 _LAYOUT = _PROBLEM * MAX_PROBLEMS + "iiiPPP"  # nprob, units, per_block; codes, act_out, amax
 DTYPE_TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
-_MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16 operands
 _cache: dict[tuple, rt.Launcher] = rt.register_cache({})
 
 Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]  # (y, t, B, alpha)
@@ -47,12 +46,7 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
         r.append(f"rank {t.shape[1]}: the kernel takes even ranks up to {MAX_RANK} with 4-byte aligned lora_A rows")
     if not (y.device == t.device == b.device):
         r.append("tensors on different devices")
-    if r:
-        return r
-    r = kernel_runtime_reasons(y.device)
-    if not r and rt.device_capability(y.device) < _MIN_CAPABILITY:
-        r.append("tensor-core bf16 / fp16 mma needs compute capability 8.0")
-    return r
+    return r or kernel_runtime_reasons(y.device)  # (its sm_80 floor is also mma.sync m16n8k16's with bf16)
 
 
 def ksteps(rank: int) -> int:
@@ -146,26 +140,23 @@ def columns_per_block(m: int, ks: int) -> int:
     return bnb
 
 
-def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int, ks: int) -> tuple[list, int]:
+def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int, ks: int,
+            tiled: bool = False) -> tuple[list, int]:
+    """One problem's struct fields and tile count, for the tiled kernel (its fixed geometry) or lora_add_kernel."""
     m, n = y.shape
     r = t.shape[1]
-    bnb = columns_per_block(m, ks)
+    if tiled:
+        bnb, rows, vec = TILE_COLS, TILE_ROWS, 3
+    else:
+        bnb, rows = columns_per_block(m, ks), _BM
+        vec = int(r % 8 == 0 and rt.aligned(b, 16, b.stride(0)))
+        vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16, y.stride(0)))
     tiles_n = -(-n // bnb)
-    tiles = -(-m // _BM) * tiles_n
-    vec = int(r % 8 == 0 and rt.aligned(b, 16, b.stride(0)))
-    vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16, y.stride(0)))
     return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, r, tiles_n,
-            begin, vec, bnb, float(alpha)], tiles
+            begin, vec, bnb, float(alpha)], -(-m // rows) * tiles_n
 
 
 _EMPTY = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 << 30, 0, 64, 0.0]
-
-
-def _tile_fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int) -> tuple[list, int]:
-    m, n = y.shape
-    tiles_n = -(-n // TILE_COLS)
-    return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, t.shape[1],
-            tiles_n, begin, 3, TILE_COLS, float(alpha)], -(-m // TILE_ROWS) * tiles_n
 
 
 def _launch(act: int, chunk: Sequence[Problem], ks: int, tiles: bool, codes: int = 0, act_out: int = 0,
@@ -176,16 +167,13 @@ def _launch(act: int, chunk: Sequence[Problem], ks: int, tiles: bool, codes: int
     slots = tiles and not any(tile_reasons(y, t, b) for y, t, b, _ in chunk) and tile_slots(y0.device, ks)
     fields, units = [], 0
     for y, t, b, alpha in chunk:
-        f, n = _tile_fields(y, t, b, alpha, units) if slots else _fields(y, t, b, alpha, units, ks)
+        f, n = _fields(y, t, b, alpha, units, ks, bool(slots))
         fields += f
         units += n
     fields += _EMPTY * (MAX_PROBLEMS - len(chunk))
-    if slots:
-        blocks, per = tile_grid(units, slots)
-        _launcher(act, y0.dtype, ks, y0.device, tiles=True)(blocks, *fields, len(chunk), units, per, codes, act_out,
-                                                            amax)
-    else:
-        _launcher(act, y0.dtype, ks, y0.device)(units, *fields, len(chunk), 0, 0, codes, act_out, amax)
+    blocks, per = tile_grid(units, slots) if slots else (units, 0)  # lora_add_kernel: one block per tile
+    _launcher(act, y0.dtype, ks, y0.device, tiles=bool(slots))(blocks, *fields, len(chunk), units if slots else 0, per,
+                                                               codes, act_out, amax)
 
 
 def add_(problems: Sequence[Problem], tiles: bool = True) -> None:

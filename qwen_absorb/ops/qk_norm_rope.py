@@ -24,7 +24,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._validate import SUPPORTED_DTYPES, check_eps, check_tensor
+from ._validate import SUPPORTED_DTYPES, check_device, check_eps, check_tensor
 
 log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
@@ -235,8 +235,7 @@ def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
         raise TypeError(f"{wn} has dtype {weight.dtype}; supported: bfloat16, float16, float32")
     if tuple(weight.shape) != (DH,):
         raise ValueError(f"{wn} must have shape [DH] = [{DH}], got {tuple(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"{wn} is on {weight.device} but {name} is on {x.device}")
+    check_device(wn, weight, x, name)
     check_tensor(fn, freqs)
     if not freqs.is_complex():
         raise TypeError(f"{fn} must be a complex tensor (torch.polar(...), as diffusers' QwenEmbedRope makes it), "
@@ -244,8 +243,7 @@ def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
     L = x.shape[1]
     if tuple(freqs.shape) != (L, DH // 2):
         raise ValueError(f"{fn} must have shape [L, DH/2] = [{L}, {DH // 2}], got {tuple(freqs.shape)}")
-    if freqs.device != x.device:
-        raise ValueError(f"{fn} is on {freqs.device} but {name} is on {x.device}")
+    check_device(fn, freqs, x, name)
     check_eps(eps)
 
 
@@ -318,8 +316,7 @@ def qk_norm_rope_multi(
     eps_l = [float(check_eps(e)) for e in eps] if isinstance(eps, (list, tuple)) else [check_eps(eps)] * n
     for i in range(n):
         _validate(xs[i], weights[i], freqs[i], eps_l[i], i)
-        if i and xs[i].device != xs[0].device:
-            raise ValueError(f"xs[{i}] is on {xs[i].device} but xs[0] is on {xs[0].device}")
+        check_device(f"xs[{i}]", xs[i], xs[0], "xs[0]")
     xs, weights, freqs = list(xs), list(weights), list(freqs)
     reasons = list(dict.fromkeys(r for i in range(len(xs))  # each reason once, in order
                                  for r in _kernel_reasons(xs[i], weights[i], freqs[i], eps_l[i], force_reference)))

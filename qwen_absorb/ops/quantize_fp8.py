@@ -11,8 +11,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._launch import amax_fp32 as _amax1
-from ._launch import ptr, require_plain
+from ._launch import amax_fp32, ptr, require_plain
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
 from .fp8 import quantize_fp8_reference
 
@@ -93,7 +92,7 @@ def quantize_fp8(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None 
     return dispatch(common_reasons([flat], force_reference),
                     lambda: quantize_fp8_reference(activation_reference(flat, activation), amax),
                     lambda: torch.ops.qwen_absorb.quantize_fp8(x, 0, amax, amax, activation or "")[1],
-                    lambda: launch(x, 0, None, _amax1(amax), activation)[1])
+                    lambda: launch(x, 0, None, amax_fp32(amax), activation)[1])
 
 
 def quantize_fp8_split(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.Tensor, *,
@@ -107,7 +106,7 @@ def quantize_fp8_split(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b
     flat = x if x.dim() == 3 else x.flatten(2)
     return dispatch(common_reasons([flat], force_reference), lambda: _split_reference(flat, split, amax_a, amax_b),
                     lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""),
-                    lambda: launch(x, split, _amax1(amax_a), _amax1(amax_b))[:2])
+                    lambda: launch(x, split, amax_fp32(amax_a), amax_fp32(amax_b))[:2])
 
 
 def _split_reference(flat, split, amax_a, amax_b):
@@ -119,7 +118,7 @@ def _custom_op(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.
                activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     act = activation or None
     if kernel_usable_now(x):
-        return launch(x, split, _amax1(amax_a), _amax1(amax_b), act)[:2]
+        return launch(x, split, amax_fp32(amax_a), amax_fp32(amax_b), act)[:2]
     return _split_reference(activation_reference(x if x.dim() == 3 else x.flatten(2), act), split, amax_a, amax_b)
 
 

@@ -3,7 +3,7 @@
 :func:`quantize_nvfp4`: ``x`` (or its GELU-tanh / SiLU) fake-quantized as ModelOpt's NVFP4 input quantizer does on
 CUDA (e2m1 values, dynamic e4m3 scales per 16 elements, second-level scale ``amax / (6 * 448)``; csrc/quantize_nvfp4.cu
 gives the arithmetic). Fused kernels emit the same as a second output (``nvfp4_amax``, csrc/nvfp4.cuh):
-:func:`emit_reasons` says when they can, :func:`check_emit` checks a launch.
+:func:`emit_reasons` says when they can.
 
 The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block``: its fp32 divisions are PTX ``div.full.f32``,
 not correctly rounded; the CUDA kernel issues the same instruction and is bit-identical. The reference divides with
@@ -19,7 +19,7 @@ import torch
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import NVFP4_BLOCK as BLOCK
-from ._launch import check_emit, emit_reasons, require_plain  # noqa: F401  (emit_reasons, check_emit: re-exported)
+from ._launch import amax_fp32, emit_reasons, require_plain  # noqa: F401  (emit_reasons: re-exported)
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
 from .quantize_fp8 import activation_reference
 
@@ -125,10 +125,6 @@ def _rows_uniform(x: torch.Tensor) -> bool:
         return False
 
 
-def _amax1(a: torch.Tensor) -> torch.Tensor:
-    return a.detach().float().reshape(1)
-
-
 def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | None = None,
                    force_reference: bool = False) -> torch.Tensor:
     """``x`` [..., D] fake-quantized to NVFP4 as ModelOpt's dynamic input quantizer does on CUDA, under the
@@ -147,13 +143,13 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | Non
                     lambda: quantize_nvfp4_reference(activation_reference(x, activation), amax),
                     # the custom op quantizes only; under compile the activation stays a traced torch op
                     lambda: torch.ops.qwen_absorb.quantize_nvfp4(activation_reference(x, activation), amax),
-                    lambda: launch(x, _amax1(amax), activation))
+                    lambda: launch(x, amax_fp32(amax), activation))
 
 
 @torch.library.custom_op("qwen_absorb::quantize_nvfp4", mutates_args=())
 def _custom_op(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     if kernel_usable_now(x) and x.stride(-1) == 1 and _rows_uniform(x):
-        return launch(x, _amax1(amax))
+        return launch(x, amax_fp32(amax))
     return quantize_nvfp4_reference(x, amax)
 
 

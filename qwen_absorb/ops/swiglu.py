@@ -11,8 +11,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
-from ._launch import amax_fp32 as _amax1
-from ._launch import check_emit, ptr, require_plain
+from ._launch import amax_fp32, check_emit, outputs, ptr
 from ._validate import SUPPORTED_DTYPES, check_fp8_amax, check_same, check_tensor
 from .fp8 import quantize_fp8_reference
 
@@ -44,15 +43,12 @@ def launch(a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torc
            nvfp4_amax: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Checked-once entry: ``(out or None, second or None)`` (``second``: :func:`._launch.outputs`; ``nvfp4_amax``
     excludes ``fp8_amax``); a, b contiguous, same shape, dtype and usable CUDA device; amaxes fp32, one element."""
-    require_plain(a, b)
     q4 = nvfp4_amax is not None
     if q4:
         if a.dim() < 1:
             raise ValueError("nvfp4_amax: a needs rows (at least one dimension)")
         check_emit(a, fp8_amax, nvfp4_amax)
-    o = torch.empty_like(a, memory_format=torch.contiguous_format) if out else None
-    f8 = (torch.empty_like(a, memory_format=torch.contiguous_format) if q4
-          else torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device) if fp8_amax is not None else None)
+    o, f8 = outputs(a, (a, b), out=out, codes=fp8_amax is not None, nvfp4=q4)
     n = a.numel()
     if n == 0:
         return o, f8
@@ -101,7 +97,7 @@ def swiglu_not_supported_reasons(a: torch.Tensor, b: torch.Tensor, *, force_refe
 
 
 def _kernel(a, b, out=True, fp8_amax=None):
-    return launch(a.contiguous(), b.contiguous(), out=out, fp8_amax=_amax1(fp8_amax))
+    return launch(a.contiguous(), b.contiguous(), out=out, fp8_amax=amax_fp32(fp8_amax))
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
