@@ -208,8 +208,7 @@ class _Mod:
 
     @classmethod
     def of(cls, half: torch.Tensor, index: torch.Tensor | None) -> _Mod:
-        shift, scale, gate = half.chunk(3, dim=-1)
-        return cls(shift, scale, gate, half, index)
+        return cls(*half.chunk(3, dim=-1), half, index)
 
 
 def _params_reason(x: torch.Tensor, params: tuple[torch.Tensor, ...], index: torch.Tensor | None) -> str | None:

@@ -1,8 +1,7 @@
-"""Real FP8 GEMMs for ModelOpt FP8 linears called as modules (Qwen-Image-2.1's processor, a hooked attention's).
-
-Each gets an :class:`Fp8LinearForward` as instance ``forward`` (torch hooks still run around it), rebuilt when its
-:class:`~qwen_absorb.watch.Watch` sees a change; a linear wrapped, replaced or converted since runs as ModelOpt runs
-it. *Gated* forwards run ModelOpt's forward except for the thread their gate is open for (``block._gated_forwards``)."""
+"""Real FP8 GEMMs for ModelOpt FP8 linears called as modules (Qwen-Image-2.1's processor, a hooked attention's): each
+gets an :class:`Fp8LinearForward` as instance ``forward`` (torch hooks still run around it), rebuilt when its watch
+sees a change; a linear wrapped, replaced or converted since runs as ModelOpt runs it. *Gated* forwards run ModelOpt's
+forward except for the thread their gate is open for (``block._gated_forwards``)."""
 
 from __future__ import annotations
 
@@ -75,11 +74,7 @@ class Fp8LinearForward:
 
     def __init__(self, linear: nn.Module, slot: tuple[dict, str, nn.Module], path: str, index: int, options: Options,
                  counter: Counter, rebuilds: Counter, on_state: OnState | None, gated: bool = False) -> None:
-        self.linear, self.slot, self.path, self.index, self.options = linear, slot, path, index, options
-        self.counter, self.rebuilds, self.on_state = counter, rebuilds, on_state
-        # generation: bumped whenever the derived tensors are dropped or replaced (a graph reading them must not replay)
-        self.gated, self.gate, self.generation = gated, 0, 0
-        self._clear()
+        self.__setstate__((linear, slot, path, index, options, counter, rebuilds, on_state, gated))
 
     def _clear(self) -> None:
         self.generation += 1
@@ -98,8 +93,7 @@ class Fp8LinearForward:
         if w is None or w.changed():
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 # building an FP8 weight syncs: the module runs (what the graph records); the next eager call decides
-                self.lp, self.watch = LinearPlan(self.path), None
-                self.generation += 1
+                self._clear()
                 return False
             self._decide(first=w is None)
         return self.lp.fp8_gemm and self.device == device
@@ -208,8 +202,10 @@ class Fp8LinearForward:
     def __setstate__(self, state: tuple) -> None:
         for n, v in zip(self._STATE, state):
             setattr(self, n, v)
-        self.gate, self.generation = 0, 0  # a copy starts closed
-        self._clear()  # derived state is rebuilt from the copy's own tensors at its first call
+        # closed; generation: bumped whenever the derived tensors are dropped or replaced (a graph reading them must
+        # not replay); derived state is rebuilt from its own tensors (a copy's) at its first call
+        self.gate, self.generation = 0, 0
+        self._clear()
 
     def __repr__(self) -> str:
         return f"<qwen_absorb real-FP8 forward of block {self.index} {self.path}>"

@@ -1,10 +1,8 @@
 """Policy as data: when a bias may be deferred, where real FP8 GEMMs and fast accumulation run, the tuning record.
-
 Every decision is a function returning readable reasons (empty: yes). Deferral moves a bf16 rounding point (the bias
 is added in fp32 inside the fused op), so ``"auto"`` defers only where ``benchmarks/fidelity.py`` (patched error <=
-1.05x unpatched) passed. Capabilities are ``(major, minor)`` for CUDA, else the device type (``{"cpu"}`` lets CPU
-tests exercise deferral on the ops' torch references).
-"""
+1.05x unpatched) passed. Capabilities are ``(major, minor)`` for CUDA, else the device type (``{"cpu"}`` lets CPU tests
+exercise deferral on the ops' torch references)."""
 
 from __future__ import annotations
 

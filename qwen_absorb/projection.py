@@ -1,8 +1,7 @@
 """How one linear of a patched block runs: as its module, as a real FP8 ``torch._scaled_mm`` plus its PEFT LoRA
-branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`tp_linear`).
-
-``torch._scaled_mm``: ``scale_a * scale_b * (a @ b) + bias`` in fp32, the scales ``amax / 448`` as one-element fp32
-device tensors (no host sync). The bias rides in the epilogue when it has the output's dtype, else is added after."""
+branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`tp_linear`). ``torch._scaled_mm``:
+``scale_a * scale_b * (a @ b) + bias`` in fp32, the scales ``amax / 448`` as one-element fp32 device tensors (no host
+sync). The bias rides in the epilogue when it has the output's dtype, else is added after."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""ModelOpt, per layer: quantizer formats, the one FP8 eligibility check, FP8 weights, what a plan watches.
-
-Detection is per module, never per model (configs exclude layers, AutoQuantize mixes formats): a module is
-ModelOpt-quantized when it carries a ModelOpt quantizer, however it was made (quantize, compress, restore).
-"""
+"""ModelOpt, per layer: quantizer formats, the one FP8 eligibility check, FP8 weights, what a plan watches. Detection
+is per module, never per model (configs exclude layers, AutoQuantize mixes formats): a module is ModelOpt-quantized
+when it carries a ModelOpt quantizer, however it was made (quantize, compress, restore)."""
 
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ from .sites import unwrap_peft
 
 
 def _quant_input_forward() -> Any:
-    """ModelOpt's ``QuantInputBase.forward`` if ModelOpt is imported (never imported here: a model holds ModelOpt
-    modules only then, and an import in a call holding the model keeps it alive: ``hf_export.import_modelopt``)."""
+    """ModelOpt's ``QuantInputBase.forward`` if imported (else no module is ModelOpt's); never imported here (why:
+    ``hf_export.import_modelopt``)."""
     mod = sys.modules.get("modelopt.torch.quantization.nn.modules.quant_module")
     return getattr(getattr(mod, "QuantInputBase", None), "forward", None)
 

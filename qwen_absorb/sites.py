@@ -1,7 +1,6 @@
-"""Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears.
-
-The only module that names diffusers' Qwen-Image classes and looks through PEFT wrappers. Paths (``"attn.to_out.0"``)
-are resolved at call time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one."""
+"""Both block families as rows (:data:`QWENIMAGE`, :data:`QWENIMAGE21`): their sites and linears. The only module that
+names diffusers' Qwen-Image classes and looks through PEFT wrappers. Paths (``"attn.to_out.0"``) are resolved at call
+time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one."""
 
 from __future__ import annotations
 
@@ -66,12 +65,9 @@ LINEAR_TABLE: dict[str, Linear] = {
     **{p: Linear(p, "txt", "txt.norm1") for p in TXT_QKV},
     "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
     "attn.to_add_out": Linear("attn.to_add_out", "txt", "attention"),
-    "img_mlp.net.0.proj": Linear("img_mlp.net.0.proj", "img", "img.attn_residual"),
-    "txt_mlp.net.0.proj": Linear("txt_mlp.net.0.proj", "txt", "txt.attn_residual"),
-    "img_mlp.net.2": Linear("img_mlp.net.2", "img", "gelu"),
-    "txt_mlp.net.2": Linear("txt_mlp.net.2", "txt", "gelu"),
-    "img_mod.1": Linear("img_mod.1", "img", "temb"),
-    "txt_mod.1": Linear("txt_mod.1", "txt", "temb"),
+    **{f"{s}_mlp.net.0.proj": Linear(f"{s}_mlp.net.0.proj", s, f"{s}.attn_residual") for s in STREAMS},
+    **{f"{s}_mlp.net.2": Linear(f"{s}_mlp.net.2", s, "gelu") for s in STREAMS},
+    **{f"{s}_mod.1": Linear(f"{s}_mod.1", s, "temb") for s in STREAMS},
 }
 
 NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
