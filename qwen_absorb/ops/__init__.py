@@ -2,13 +2,10 @@
 diffusers eager expressions), run where an op's ``*_not_supported_reasons`` is not empty.
 
 One op is one module (reference, checked-once ``launch`` for the block runners, reasons, custom op for
-``torch.compile``) and one ``.cu``; its docstring says what it fuses: the LayerNorm + modulation chains
-(``layer_norm_scale_shift``, ``bias_residual_layer_norm_scale_shift`` and 2.1's ``layer_norm_scale``,
-``tanh_gate_residual_layer_norm_scale``), the residual sites (``bias_gate_residual``, ``tanh_gate_residual``),
-``swiglu``, ``quantize_fp8`` / ``quantize_nvfp4``, ``qk_norm_rope``, and ``lora_add`` / ``lora_fold``,
-``taylor_seer``, ``rms_norm_silu`` (called directly). ``*_fp8`` variants also emit the e4m3 codes of their output;
-the LayerNorm ops' and ``swiglu``'s launchers take ``nvfp4_amax`` instead to emit its NVFP4 fake quantization. Force
-the references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``.
+``torch.compile``) and one ``.cu``; its docstring says what it fuses (``lora_add`` / ``lora_fold``, ``taylor_seer``,
+``rms_norm_silu`` are called directly). ``*_fp8`` variants also emit the e4m3 codes of their output; the LayerNorm
+ops' and ``swiglu``'s launchers take ``nvfp4_amax`` instead to emit its NVFP4 fake quantization. Force the
+references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``.
 """
 
 from types import ModuleType as _ModuleType

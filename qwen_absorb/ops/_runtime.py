@@ -185,7 +185,6 @@ def ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def aligned(t: torch.Tensor | None, nbytes: int, row_stride: int | None = None) -> bool:
-    """Whether vector loads of ``nbytes`` are legal on ``t`` (and on each row start)."""
-    return t is None or (t.data_ptr() % nbytes == 0
-                         and (row_stride is None or (row_stride * t.element_size()) % nbytes == 0))
+def aligned(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether vector loads of ``nbytes`` are legal on each row start of the 2-D ``t``."""
+    return t.data_ptr() % nbytes == 0 and (t.stride(0) * t.element_size()) % nbytes == 0

@@ -31,11 +31,9 @@ def launch(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, g
     if x.numel() == 0:
         return out
     B, L, D = x.shape
-    esize = x.element_size()
     launcher, a = KERNELS.vec(x, D)
-    grs = gate.stride(0)
-    xp, rp, gp, bp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), ptr(bias)
-    flags = ((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4)
+    xp, rp, gp, bp, grs = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), ptr(bias), gate.stride(0)
+    flags = ((xp | rp) % a == 0) | (((gp | grs * x.element_size()) % a == 0) << 3) | ((bp % a == 0) << 4)
     launcher(B * L, rp, xp, bp, gp, out.data_ptr(), ptr(index), grs, B, L, D, index_kind(index), flags)
     return out
 

@@ -140,7 +140,6 @@ def _custom_op(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, shift: torch.Tensor,
     scale: torch.Tensor, eps: float, index: torch.Tensor | None, amax: torch.Tensor | None, quant_mode: int,
     fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes or empty)``."""
     return custom_op_result(
         x, fp8_amax,
         lambda: _kernel(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax=fp8_amax),

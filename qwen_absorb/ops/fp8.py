@@ -66,7 +66,6 @@ class Fp8PerTensorQuant:
         return self.formula if self.formula != "auto" else "cuda_ext" if device.type == "cuda" else "eager"
 
     def mode_for(self, device: torch.device) -> int:
-        """The kernels' quant_mode for this formula (1: cuda_ext, 2: eager)."""
         return QUANT_MODE[self.formula_for(device)]
 
     def amax_fp32(self, device: torch.device) -> torch.Tensor:

@@ -105,7 +105,6 @@ def layer_norm_scale_fp8(
 @torch.library.custom_op("qwen_absorb::layer_norm_scale", mutates_args=())
 def _custom_op(x: torch.Tensor, scale: torch.Tensor, eps: float, target_token_mask: torch.Tensor | None,
                fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs: ``(out, codes or empty)``."""
     m = target_token_mask
     return custom_op_result(x, fp8_amax, lambda: _kernel(x, scale, eps, m, fp8_amax=fp8_amax),
                             lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m))

@@ -102,7 +102,6 @@ def layer_norm_scale_shift_fp8(
 @torch.library.custom_op("qwen_absorb::layer_norm_scale_shift", mutates_args=())
 def _custom_op(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, index: torch.Tensor | None,
                fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs: ``(out, codes or empty)``."""
     return custom_op_result(x, fp8_amax, lambda: _kernel(x, shift, scale, eps, index, fp8_amax=fp8_amax),
                             lambda: layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index))
 

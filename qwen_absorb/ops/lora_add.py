@@ -42,7 +42,7 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
         r.append(f"shapes {tuple(y.shape)}, {tuple(t.shape)}, {tuple(b.shape)} do not chain")
     elif any(u.stride(1) != 1 for u in (y, t, b)) or y.numel() >= 1 << 31 or y.shape[0] >= 1 << 30:
         r.append("inner dimensions not contiguous, or too large for 32-bit tile indices")
-    elif t.shape[1] % 2 or t.shape[1] > MAX_RANK or not rt.aligned(t, 4, t.stride(0)):
+    elif t.shape[1] % 2 or t.shape[1] > MAX_RANK or not rt.aligned(t, 4):
         r.append(f"rank {t.shape[1]}: the kernel takes even ranks up to {MAX_RANK} with 4-byte aligned lora_A rows")
     if not (y.device == t.device == b.device):
         r.append("tensors on different devices")
@@ -99,7 +99,7 @@ def tile_reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]
     r = []
     if y.shape[1] % 8 or t.shape[1] % 8:
         r.append(f"width {y.shape[1]} / rank {t.shape[1]} not multiples of 8 (16-byte pieces)")
-    if not (rt.aligned(y, 16, y.stride(0)) and rt.aligned(t, 16, t.stride(0)) and rt.aligned(b, 16, b.stride(0))):
+    if not all(rt.aligned(u, 16) for u in (y, t, b)):
         r.append("rows not 16-byte aligned")
     return r
 
@@ -149,8 +149,8 @@ def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, beg
         bnb, rows, vec = TILE_COLS, TILE_ROWS, 3
     else:
         bnb, rows = columns_per_block(m, ks), _BM
-        vec = int(r % 8 == 0 and rt.aligned(b, 16, b.stride(0)))
-        vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16, y.stride(0)))
+        vec = int(r % 8 == 0 and rt.aligned(b, 16))
+        vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16))
     tiles_n = -(-n // bnb)
     return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, r, tiles_n,
             begin, vec, bnb, float(alpha)], -(-m // rows) * tiles_n

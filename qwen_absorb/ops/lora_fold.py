@@ -61,7 +61,7 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, a2: torch.Tensor)
     if a2.dtype != y.dtype or a2.device != y.device or a2.dim() != 2 or a2.shape[1] != y.shape[1] \
             or a2.stride(1) != 1:
         r.append("net[2]'s lora_A weight is not a [R2, N] row-major tensor of y's dtype and device")
-    elif a2.shape[0] % 8 or not 0 < a2.shape[0] <= MAX_RANK or not rt.aligned(a2, 16, a2.stride(0)):
+    elif a2.shape[0] % 8 or not 0 < a2.shape[0] <= MAX_RANK or not rt.aligned(a2, 16):
         r.append(f"net[2]'s rank {a2.shape[0]}: the fold takes multiples of 8 up to {MAX_RANK}, 16-byte aligned rows")
     if t.shape[1] > MAX_RANK:
         r.append(f"net[0]'s rank {t.shape[1]} above {MAX_RANK}")

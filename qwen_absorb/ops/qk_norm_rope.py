@@ -139,9 +139,7 @@ def probe_variance_order(device: torch.device | int) -> VarianceOrder:
                                          else f"orders {hits} all match: the probe cannot tell") + f" ({counts})")
     else:
         o, v = hits[0], ok[hits[0]]
-        first = len(v)
-        while first > 0 and v[first - 1]:
-            first -= 1
+        first = max((i + 1 for i, hit in enumerate(v) if not hit), default=0)  # after the last batch it missed
         result = VarianceOrder(o, _PROBE_ROWS[first], f"order {o} ({ORDERS[o]}) from {_PROBE_ROWS[first]} rows on")
     log.debug("qk_norm_rope variance order on cuda:%d: %s", idx, result.detail)
     _orders[idx] = result
@@ -188,8 +186,7 @@ def launch(
     vals: list = []
     outs = []
     blocks = 0
-    for i in range(n):
-        x, w, f = xs[i], weights[i], freqs[i]
+    for i, (x, w, f) in enumerate(zip(xs, weights, freqs, strict=True)):
         if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
                 or type(f) is not torch.Tensor):  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
             raise TypeError("qwen_absorb kernels take plain tensors; got "
@@ -256,7 +253,6 @@ def _kernel_reasons(x, weight, freqs, eps, force_reference: bool) -> list[str]:
 
 
 def _input_reasons(x, weight, freqs, eps) -> list[str]:
-    """The op-specific part: shapes, dtypes, strides, eps."""
     reasons = []
     if x.shape[3] != HEAD_DIM:
         reasons.append(f"head dim {x.shape[3]} != {HEAD_DIM} (the kernel's row width)")

@@ -119,7 +119,6 @@ def swiglu_fp8(a: torch.Tensor, b: torch.Tensor, *, fp8_amax: torch.Tensor, also
 
 @torch.library.custom_op("qwen_absorb::swiglu", mutates_args=())
 def _custom_op(a: torch.Tensor, b: torch.Tensor, fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs: ``(out, codes or empty)``."""
     return custom_op_result(a, fp8_amax, lambda: _kernel(a, b, fp8_amax=fp8_amax), lambda: swiglu_reference(a, b))
 
 

@@ -34,11 +34,9 @@ def launch(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_t
     if x.numel() == 0:
         return out
     B, L, D = x.shape
-    esize = x.element_size()
     launcher, a = KERNELS.vec(x, D)
-    grs = row_stride(gate)
-    xp, rp, gp = x.data_ptr(), residual.data_ptr(), gate.data_ptr()
-    flags = ((xp | rp) % a == 0) | (((gp | grs * esize) % a == 0) << 3)
+    xp, rp, gp, grs = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), row_stride(gate)
+    flags = ((xp | rp) % a == 0) | (((gp | grs * x.element_size()) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
     launcher(B * L, rp, xp, gp, out.data_ptr(), ptr(target_token_mask), grs, B, L, D, clip, flags)
     return out

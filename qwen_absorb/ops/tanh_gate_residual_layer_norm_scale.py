@@ -122,7 +122,6 @@ def _dispatch(fp8, residual, x, gate, scale, eps, m, clip_fp16, force_reference,
 def _custom_op(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float,
                target_token_mask: torch.Tensor | None, clip_fp16: bool,
                fp8_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Opaque to the compiler; kernel or reference when it runs. Always ``(h, modulated, codes or empty)``."""
     m = target_token_mask
     return custom_op_result(
         x, fp8_amax, lambda: _kernel(residual, x, gate, scale, eps, m, clip_fp16, fp8_amax=fp8_amax),
