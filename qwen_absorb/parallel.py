@@ -90,15 +90,6 @@ def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Te
     return None, f"tensor subclass {type(t).__name__} (no storage of its own for a raw kernel)"
 
 
-def kernel_arg_refusal(*tensors: Any) -> str | None:
-    """Why a raw kernel must not be handed these arguments (the fused ops' second line of defence), or None."""
-    for t in tensors:
-        if t is not None and not is_plain_tensor(t):
-            return (f"argument is a {type(t).__name__} (a tensor subclass under distributed parallelism; "
-                    "data_ptr() is not its values), the kernels need plain tensors")
-    return None
-
-
 def _weight(linear: nn.Module) -> Any:
     m = unwrap_peft(linear)[0]
     w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
