@@ -344,9 +344,8 @@ def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tenso
     # a copy: the emitting kernels and the GEMM's scale must agree (the watch sees the amax change: decided anew)
     input_amax = iq._amax.detach().float().reshape(1).to(device).clone()
     if type(w).__name__ == "QTensorWrapper":
-        codes = w.as_subclass(torch.Tensor).detach()
-        scale = wq._scale.detach().float().reshape(1)
-        return Fp8Weight(codes.to(device), scale.to(device), input_amax, True, w.metadata["dtype"])
+        scale = wq._scale.detach().float().reshape(1).to(device)
+        return Fp8Weight(w.as_subclass(torch.Tensor).detach().to(device), scale, input_amax, True, w.metadata["dtype"])
     if is_dtensor(w):
         # this rank's shard; the amax was calibrated over the whole tensor, so these are the shard of the codes
         w = w.to_local().contiguous()
