@@ -57,11 +57,6 @@ def current(owner: Any, cls: type) -> Any:
     return cur if isinstance(cur, cls) else None
 
 
-def slot_report(owner: Any, cls: type[Slot]) -> Any:
-    cur = current(owner, cls)
-    return None if cur is None else cur.report
-
-
 def install(owner: Any, cls: type[Slot], reasons_of: Any, what: str, cuda_graph: str | bool, **settings: Any) -> Any:
     """``cls`` in ``owner``'s slot, and its report (``on`` False with reasons, nothing installed, where
     ``reasons_of(owner)`` gives some). The same settings again renew the installed one; others replace it."""

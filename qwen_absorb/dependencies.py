@@ -16,18 +16,24 @@ from .sites import LINEAR_TABLE, NORMS, SITE_TABLE, containers, resolve, unwrap_
 from .watch import Watch
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
-
-
-def tp_style_hooks(x: nn.Module) -> int:
-    """1 when ``x`` carries exactly torch's tensor-parallel style hooks (one pre-hook, one hook), else 0."""
-    return int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
-               and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None)
+_WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
+                  "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
+_HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
+# plain attributes of watched modules that decisions copy or check (NormInfo.eps, plan.qk_eps; GELU's approximate:
+# the FP8 path fuses GELU(tanh) into the codes of net.2's input)
+_PLAIN_ATTRS = ("eps", "approximate")
+_BLOCK_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BLOCK_LOCKS_GUARD = threading.Lock()
 
 
 def _layers(block: nn.Module, path: str) -> list[tuple[nn.Module, int]]:
-    """The module at ``path``, its PEFT wrappers and base, each with its count of TP style hooks."""
+    """The module at ``path``, its PEFT wrappers and base, each with its count of torch's tensor-parallel style
+    hooks (1: exactly one pre-hook and one hook)."""
     base, wrappers = unwrap_peft(resolve(block, path))
-    return [(x, tp_style_hooks(x)) for x in (*wrappers, base) if x is not None]
+    return [(x, int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
+                    and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None))
+            for x in (*wrappers, base) if x is not None]
 
 
 def hooked(block: nn.Module, *paths: str) -> str | None:
@@ -84,15 +90,6 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
     return tuple({id(x.__dict__): (x.__dict__, n, n) for p in paths for x, n in _layers(block, p)}.values())
 
 
-_WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
-                  "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
-_HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
-# plain attributes of watched modules that decisions copy or check (NormInfo.eps, plan.qk_eps; GELU's approximate:
-# the FP8 path fuses GELU(tanh) into the codes of net.2's input)
-_PLAIN_ATTRS = ("eps", "approximate")
-
-
 def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
     """The tensors only derived state is made from (FP8 linears' weights, amaxes; unaliased): no graph reads them."""
     derived, sources = set(), []
@@ -118,10 +115,6 @@ def _storage_ptr(t: Any) -> int | None:
         return t.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - tensor subclasses without storage
         return None
-
-
-_BLOCK_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_BLOCK_LOCKS_GUARD = threading.Lock()
 
 
 def block_lock(block: nn.Module) -> threading.RLock:

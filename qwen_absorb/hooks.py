@@ -23,6 +23,11 @@ _global = nn.modules.module
 # Instance attributes where a wrapper of a module's forward lives (torch.compile's ``module.compile()``,
 # diffusers' registry, accelerate's hook): their identity decides what calling the module runs.
 WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_hook", "_hf_hook")
+# diffusers hook kinds that move or cast weights around a module's call and never look at its values
+_TRANSPARENT = ("offloading hook", "layerwise casting hook")
+# torch's functions that walk the global registration hook dicts (Module.__setattr__ walks the module ones inline)
+_REGISTERING = frozenset(f.__code__ for f in (nn.Module.__setattr__, nn.Module.register_module, nn.Module.add_module,
+                                              nn.Module.register_parameter, nn.Module.register_buffer))
 
 
 def forward_slots(module: nn.Module) -> Iterator[Slot]:
@@ -54,16 +59,12 @@ def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
     d = module.__dict__
     if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
         return None
-    named = getattr(d.get("_diffusers_hook"), "hooks", None)
-    if not named or len(named) != 1 or not _registry_forward(d.get("forward")):
+    named, fwd = getattr(d.get("_diffusers_hook"), "hooks", None), d.get("forward")
+    # the instance forward diffusers' HookRegistry installs: a partial of its new_forward
+    if not named or len(named) != 1 or not isinstance(fwd, functools.partial) \
+            or "create_new_forward" not in getattr(fwd.func, "__qualname__", ""):
         return None
     return named.get(name)
-
-
-def _registry_forward(fwd: Any) -> bool:
-    """The instance ``forward`` diffusers' ``HookRegistry`` installs (a partial of its ``new_forward``)."""
-    f = getattr(fwd, "func", None)
-    return isinstance(fwd, functools.partial) and "create_new_forward" in getattr(f, "__qualname__", "")
 
 
 def torch_hook_dicts(module: nn.Module) -> list[dict]:
@@ -97,10 +98,6 @@ def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs anything besides its class forward (or ours)."""
     d = module.__dict__
     return has_hooks(module) or ("forward" in d and not ours(d["forward"]))
-
-
-# diffusers hook kinds that move or cast weights around a module's call and never look at its values
-_TRANSPARENT = ("offloading hook", "layerwise casting hook")
 
 
 def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
@@ -166,17 +163,13 @@ def as_device(spec: Any) -> torch.device:
     return torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec)
 
 
-def unwrap_compiled(obj: Any) -> Any:
-    """``torch.compile``'s wrapper looked through (its ``_orig_mod``)."""
-    return getattr(obj, "_orig_mod", obj)
-
-
 def resolve_transformer(target: Any, classes: tuple[type, ...]) -> nn.Module:
     """``target`` or its ``.transformer``, whichever is one of ``classes`` (``torch.compile`` looked through)."""
-    target = unwrap_compiled(target)
+    target = getattr(target, "_orig_mod", target)
     if isinstance(target, classes):
         return target
-    inner = unwrap_compiled(getattr(target, "transformer", None))
+    inner = getattr(target, "transformer", None)
+    inner = getattr(inner, "_orig_mod", inner)
     if isinstance(inner, classes):
         return inner
     names = " or ".join(c.__name__ for c in classes)
@@ -218,15 +211,8 @@ class HeldGlobalHooks:
                 self._handles = []
 
 
-# torch's functions that walk the global registration hook dicts (Module.__setattr__ walks the module ones inline)
-_REGISTERING = frozenset(f.__code__ for f in (nn.Module.__setattr__, nn.Module.register_module, nn.Module.add_module,
-                                              nn.Module.register_parameter, nn.Module.register_buffer))
-
-
 def _inside_registration() -> bool:
     f = sys._getframe(1)
-    while f is not None:
-        if f.f_code in _REGISTERING:
-            return True
+    while f is not None and f.f_code not in _REGISTERING:
         f = f.f_back
-    return False
+    return f is not None

@@ -98,9 +98,8 @@ def take(plan: Any, block: nn.Module, device: torch.device) -> dict[str, tuple[t
     out = {}
     pinned = plan.options.tuning.pinned_staging
     for (p, hc, _), amax in zip(todo, now.split(1)):
-        if not torch.equal(amax, hc.amax):
+        if torch.equal(amax, hc.amax):
+            out[p] = (staging.to_device(hc.codes, device) if pinned else hc.codes.to(device), hc.source[4])
+        else:
             del store[p]
-            continue
-        codes = staging.to_device(hc.codes, device) if pinned else hc.codes.to(device)
-        out[p] = (codes, hc.source[4])
     return out

@@ -153,20 +153,12 @@ def _set_data(m: nn.Module, w: nn.Parameter, new: torch.Tensor) -> None:
         m._parameters["weight"] = nn.Parameter(new, requires_grad=w.requires_grad)
 
 
-class AfterDecide:
-    """A patched block's ``BlockRuntime.on_decide``: :func:`place` (once ``plan.patched``), then the report's record.
-    A plain object holding the block, so that a copy of the model rebinds it."""
-
-    __slots__ = ("record", "block")
-
-    def __init__(self, record: Any, block: nn.Module) -> None:
-        self.record, self.block = record, block
-
-    def __call__(self, plan: BlockPlan) -> None:
-        if plan.patched:
-            place(plan, self.block)
-        if self.record is not None:
-            self.record(plan)
+def after_decide(record: Any, block: nn.Module, plan: BlockPlan) -> None:
+    """A patched block's ``BlockRuntime.on_decide`` (a ``functools.partial``, which a copy of the model rebinds):
+    :func:`place` once ``plan.patched``, then the report's ``record``."""
+    if plan.patched:
+        place(plan, block)
+    record(plan)
 
 
 def _adapters_to(module: nn.Module | None, device: torch.device) -> bool:
@@ -207,10 +199,5 @@ def onloaded(block: nn.Module, device: torch.device) -> Iterator[None]:
 
 def host_weights(transformer: nn.Module) -> list[torch.Tensor]:
     """The weights the patch keeps on the host now (the CUDA-graph runner allows them off the GPU)."""
-    out = []
-    for block in getattr(transformer, "transformer_blocks", []):
-        for h in block.__dict__.get(HOST_ATTR, ()):
-            w = h.module._parameters.get("weight")
-            if w is not None and w.device == HOST:
-                out.append(w)
-    return out
+    return [w for block in getattr(transformer, "transformer_blocks", []) for h in block.__dict__.get(HOST_ATTR, ())
+            if (w := h.module._parameters.get("weight")) is not None and w.device == HOST]

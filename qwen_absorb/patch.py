@@ -7,6 +7,7 @@ intact; block class, signature and return order never change. All blocks are pla
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Collection
@@ -31,23 +32,20 @@ log = logging.getLogger("qwen_absorb")
 
 _STATE_ATTR = "_qwen_absorb_state"
 _VAE_ATTR = "_qwen_absorb_vae"  # on a pipeline: the VAE its patch changed (_PatchedVae)
+GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
+                  "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 "
+                  "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
+NOT_PATCHED_HERE = "not patched on this pipeline (a copy, an unpickled pipeline or one made by from_pipe: patch() it)"
 
 
-class _PatchedVae:
-    """A weak reference to the VAE a pipeline's patch changed: one swapped out since (``pipe.vae = other``) is put
-    back by the next ``patch`` or ``unpatch`` of the pipeline, not left patched. A copy or pickle of the pipeline
-    holds none (its VAE is its own)."""
+class _PatchedVae(weakref.ref):
+    """The VAE a pipeline's patch changed, weakly: one swapped out since (``pipe.vae = other``) is put back by the
+    next ``patch`` or ``unpatch`` of the pipeline. A copy or pickle of the pipeline holds None (its VAE is its own)."""
 
-    __slots__ = ("ref",)
-
-    def __init__(self, vae: nn.Module | None = None) -> None:
-        self.ref = weakref.ref(vae) if vae is not None else None
+    __slots__ = ()
 
     def __reduce__(self) -> tuple:
-        return (_PatchedVae, ())
-
-    def get(self) -> nn.Module | None:
-        return self.ref() if self.ref is not None else None
+        return type(None), ()
 
 
 @dataclass
@@ -79,11 +77,6 @@ class _PatchState:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self.report.bind(self)  # a copy of the model reports on its own patch
-
-
-def resolve_transformer(target: Any) -> nn.Module:
-    """The Qwen-Image (or 2.1) transformer of a pipeline, or ``target`` itself."""
-    return hooks.resolve_transformer(target, model_classes())
 
 
 def _decision_device(transformer: nn.Module) -> torch.device:
@@ -192,7 +185,7 @@ def patch(
     added or removed, it patches anew. Changes inside a block (weights, quantizers, LoRA, dtype, device) are seen
     at that block's next call, which decides again.
     """
-    transformer = resolve_transformer(target)
+    transformer = hooks.resolve_transformer(target, model_classes())
     tri = gating.check_tristate
     cuda_graph = tri("cuda_graph", cuda_graph)
     if not all(isinstance(x, bool) for x in (vae, text_encoder, pipeline_walks, cross_block)):  # before patching
@@ -229,8 +222,8 @@ def _patch_transformer(transformer: nn.Module, options: Options, cuda_graph: str
     report, plans, block_cls, announced = state.report, state.plans, classes()[1], set()
     for i, block in enumerate(blocks):
         plan = BlockPlan(index=i, options=options, rt=BlockRuntime(
-            counter=report.runtime_fallbacks, rebuilds=report.rebuilds, handoffs=report.handoffs,
-            announced=announced, on_decide=host_originals.AfterDecide(report.record, block), lock=block_lock(block)))
+            counter=report.runtime_fallbacks, rebuilds=report.rebuilds, handoffs=report.handoffs, announced=announced,
+            on_decide=functools.partial(host_originals.after_decide, report.record, block), lock=block_lock(block)))
         plans.append(plan)
         if not isinstance(block, block_cls):
             plan.reasons.append(f"{type(block).__name__} is not a QwenImageTransformerBlock")
@@ -293,7 +286,7 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
         parts.pop("pipeline", None)
     pipe_vae = getattr(target, "vae", None)
     held = target.__dict__.pop(_VAE_ATTR, None)
-    old = held.get() if isinstance(held, _PatchedVae) else None
+    old = held() if isinstance(held, _PatchedVae) else None
     if old is not None and old is not pipe_vae:
         vae_room.unpatch(old)  # swapped out of the pipeline since its patch
     if vae and isinstance(pipe_vae, nn.Module):
@@ -305,8 +298,7 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
         vae_room.unpatch_postprocess(target)
     if text_encoder:
         # "auto" (a key's second call) even under cuda_graph=True: a prompt length seen once costs no capture
-        te_graphs = False if cuda_graph is False else "auto"
-        parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=te_graphs)
+        parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=False if cuda_graph is False else "auto")
     else:
         text_encoder_room.unpatch(target)
     return report
@@ -332,11 +324,6 @@ def _cuda_graph() -> Any:
     from . import cuda_graph  # noqa: PLC0415  (the one lazy import: graph mode is optional and large)
 
     return cuda_graph
-
-
-GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
-                  "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 "
-                  "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
 
 
 def _patch21(transformer: nn.Module, state: _PatchState, device: torch.device) -> PatchReport:
@@ -425,8 +412,7 @@ def _undo(state: _PatchState) -> None:
                 if base is not None:
                     base.__dict__.pop("bias", None)  # only set during a call; cleared in case one was interrupted
             rec.block.__dict__.pop(PLAN_ATTR, None)
-        installed = rec.installed
-        fwds = installed.plan.rt.linear_fwds.values() if isinstance(installed, Patched21Forward) else ()
+        fwds = rec.installed.plan.rt.linear_fwds.values() if isinstance(rec.installed, Patched21Forward) else ()
         fp8_forward.remove(rec.block, list(fwds))  # with them, their FP8 weights
         if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
@@ -440,13 +426,12 @@ def unpatch(target: Any) -> None:
     if hasattr(target, "transformer") and getattr(target, "transformer") is None and not isinstance(target, nn.Module):
         _rooms(target, None, None, False, vae=False, text_encoder=False, walks=False)  # a pipeline's own, still
         return
-    transformer = resolve_transformer(target)
-    active = transformer.__dict__.get(_STATE_ATTR)
-    parts = active.report.parts if active is not None else {}
+    transformer = hooks.resolve_transformer(target, model_classes())
     _rooms(target, transformer, None, False, vae=False, text_encoder=False, walks=False)
-    if target is not transformer and "pipeline" in parts:  # (the VAE and prompt sections say so themselves)
-        parts["pipeline"].on, parts["pipeline"].reason = False, "unpatched"
     state = transformer.__dict__.pop(_STATE_ATTR, None)
+    walks = state.report.parts.get("pipeline") if state is not None and target is not transformer else None
+    if walks is not None:  # (the VAE and prompt sections say so themselves)
+        walks.on, walks.reason = False, "unpatched"
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):
             _strip(block)
@@ -464,16 +449,13 @@ def unpatch(target: Any) -> None:
 def patch_report(target: Any) -> PatchReport | None:
     """The report of the active patch on ``target``, or None. For a pipeline, its sections are read from that
     pipeline as it is now (pipelines made by ``from_pipe`` share the transformer and so its report)."""
-    transformer = resolve_transformer(target)
+    transformer = hooks.resolve_transformer(target, model_classes())
     state = transformer.__dict__.get(_STATE_ATTR)
     if state is None:
         return None
     if target is not transformer and hasattr(target, "transformer"):
         _read_sections(target, state.report.parts)
     return state.report
-
-
-NOT_PATCHED_HERE = "not patched on this pipeline (a copy, an unpickled pipeline or one made by from_pipe: patch() it)"
 
 
 def _read_sections(pipe: Any, parts: dict[str, Any]) -> None:

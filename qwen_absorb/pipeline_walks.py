@@ -29,8 +29,9 @@ from .report import PartReport
 log = logging.getLogger("qwen_absorb")
 
 _MISSING = object()
-# source_hash of the mirrored functions (_mirrored), as diffusers 0.42.1 has them
+# source_sha256() as diffusers 0.42.1 has it
 MIRRORED_SHA256 = "3e75ec209c2ead6f"
+_DICT, _ASK, _COMPILED = 1, 2, 3  # _kind's answers, all true: ``kinds.get(cls) or _kind(cls, kinds)``
 
 
 def source_hash(functions: Iterable[Any]) -> str | None:
@@ -42,29 +43,23 @@ def source_hash(functions: Iterable[Any]) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _mirrored() -> list[Any]:
-    """The diffusers functions whose behaviour :class:`FastWalks` reproduces."""
-    from diffusers import DiffusionPipeline  # noqa: PLC0415
-    from diffusers.hooks import HookRegistry, group_offloading  # noqa: PLC0415
-    from diffusers.models import cache_utils, modeling_utils  # noqa: PLC0415
+@functools.cache
+def source_sha256() -> str:
+    """The :func:`source_hash` of this diffusers' functions whose behaviour :class:`FastWalks` reproduces ("" where
+    they cannot be read)."""
+    try:
+        from diffusers import DiffusionPipeline  # noqa: PLC0415
+        from diffusers.hooks import HookRegistry, group_offloading  # noqa: PLC0415
+        from diffusers.models import cache_utils, modeling_utils  # noqa: PLC0415
 
-    return [DiffusionPipeline._execution_device.fget, DiffusionPipeline.device.fget,
+        return source_hash([
+            DiffusionPipeline._execution_device.fget, DiffusionPipeline.device.fget,
             DiffusionPipeline.maybe_free_model_hooks, cache_utils.CacheMixin._reset_stateful_cache,
             HookRegistry.reset_stateful_hooks, HookRegistry.check_if_exists_or_initialize,
             group_offloading._get_top_level_group_offload_hook, group_offloading._get_group_onload_device,
-            modeling_utils.get_parameter_device]
-
-
-@functools.cache
-def source_sha256() -> str:
-    """The :func:`source_hash` of this diffusers' mirrored functions ("" where they cannot be read)."""
-    try:
-        return source_hash(_mirrored()) or ""
+            modeling_utils.get_parameter_device]) or ""
     except (ImportError, AttributeError):
         return ""
-
-
-_DICT, _ASK, _COMPILED = 1, 2, 3  # all true: ``kinds.get(cls) or _kind(cls, kinds)``
 
 
 def _kind(cls: type, kinds: dict[type, int]) -> int:

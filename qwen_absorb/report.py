@@ -7,6 +7,7 @@ counting, dtype and graph are read through a weak reference to the active patch 
 
 from __future__ import annotations
 
+import itertools
 import json
 import weakref
 from collections import Counter
@@ -14,9 +15,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .plan import BlockPlan, LinearPlan
+from .plan import BlockPlan
 from .quant import NormInfo, ProjectionInfo
 from .sites import SITES, STREAMS  # noqa: F401  (re-exported)
+
+REPLACED = "replaced in the model after patch(): the new block runs diffusers' forward until patch() again"
+# BlockReport.to_dict's names of the fields it renames
+_DICT_NAMES = {"qk_fused": "qk_norm_rope_fused", "qk_reasons": "qk_norm_rope_reasons", "tp_reasons": "tp_local_reasons",
+               "handoff": "cross_block_handoff", "handoff_reasons": "cross_block_reasons",
+               "handoff_in_reasons": "cross_block_receive_reasons", "handoffs_used": "cross_block_handoffs_taken",
+               "fast_accum": "fp8_fast_accum", "attn_forwards": "hooked_attention_fp8",
+               "attn_cache": "cache_around_own_attention", "attn_cache_kind": "cache_around_own_attention_kind"}
+_NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
+# PatchReport.to_dict's keys before "blocks", in order
+_TOP_FIELDS = ("transformer_class", "device", "dtype", "defer_bias", "capabilities", "kernels_available",
+               "kernel_unavailable_reasons", "fp8_gemm", "offload_original_weights", "force_reference", "active",
+               "tuning", "summary", "runtime_fallbacks", "rebuilds", "cuda_graph_mode", "cuda_graph",
+               "cuda_graph_refused", "graph_fallbacks")
 
 
 class PartReport:
@@ -55,7 +70,6 @@ class SiteReport:
     act_out: bool
 
 
-
 @dataclass
 class LinearReport:
     path: str
@@ -64,11 +78,6 @@ class LinearReport:
     lora: bool
     reused_compressed_storage: bool
     original_weight_offloaded: bool
-
-    @classmethod
-    def of(cls, lp: LinearPlan) -> LinearReport:
-        return _copied(cls, lp, reused_compressed_storage=bool(lp.weight is not None and lp.weight.reused_storage),
-                       original_weight_offloaded=lp.offloaded)
 
 
 @dataclass
@@ -103,7 +112,8 @@ class BlockReport:
     def of(cls, p: BlockPlan) -> BlockReport:
         return _copied(
             cls, p, sites=[_copied(SiteReport, s) for s in p.sites],
-            linears={k: LinearReport.of(v) for k, v in p.linears.items()},
+            linears={k: _copied(LinearReport, v, original_weight_offloaded=v.offloaded, reused_compressed_storage=bool(
+                v.weight is not None and v.weight.reused_storage)) for k, v in p.linears.items()},
             projections={k: ProjectionInfo(**asdict(v)) for k, v in p.projections.items()},
             norms={k: NormInfo(**asdict(v)) for k, v in p.norms.items()},
             tp_reasons={k: list(v) for k, v in p.tp_reasons.items()}, handoff=p.rt.handoff_to is not None,
@@ -120,9 +130,6 @@ class BlockReport:
         for lin in d["linears"].values():
             lin["lora_branch"] = lin.pop("lora")
         return d
-
-
-REPLACED = "replaced in the model after patch(): the new block runs diffusers' forward until patch() again"
 
 
 def _replaced_blocks(state: Any) -> set[int]:
@@ -142,14 +149,6 @@ def _as_replaced(b: BlockReport) -> BlockReport:
                    sites=[replace(s, fused=False, runner="eager", bias_deferred=False, reasons=why, fp8_out=False,
                                   act_out=False) for s in b.sites],
                    linears={k: replace(v, fp8_gemm=False, fp8_reasons=why) for k, v in b.linears.items()})
-
-
-# BlockReport.to_dict's names of the fields it renames
-_DICT_NAMES = {"qk_fused": "qk_norm_rope_fused", "qk_reasons": "qk_norm_rope_reasons", "tp_reasons": "tp_local_reasons",
-               "handoff": "cross_block_handoff", "handoff_reasons": "cross_block_reasons",
-               "handoff_in_reasons": "cross_block_receive_reasons", "handoffs_used": "cross_block_handoffs_taken",
-               "fast_accum": "fp8_fast_accum", "attn_forwards": "hooked_attention_fp8",
-               "attn_cache": "cache_around_own_attention", "attn_cache_kind": "cache_around_own_attention_kind"}
 
 
 @dataclass
@@ -303,9 +302,9 @@ class PatchReport:
         s = self._summary(blocks)
         d = self._decided(blocks)
         device = d.device if d is not None else "?"
-        state = "active" if self.active else "unpatched"
         kernel_why = "; ".join(d.kernel_reasons) if d is not None else ""
         plain = _plainer(device, kernel_why)
+        state = "active" if self.active else "unpatched"
         lines = [f"qwen_absorb PatchReport ({state}): {self.transformer_class} on {device}, {self.dtype}",
                  f"  blocks patched {s['blocks_patched']}/{s['blocks']}", "  " + _sites_line(s, device, kernel_why)]
         if self.tuning:
@@ -387,14 +386,6 @@ class PatchReport:
     __repr__ = __str__
 
 
-_NOT_MODELOPT = ("not ModelOpt-quantized", "fp8_gemm=False")
-# PatchReport.to_dict's keys before "blocks", in order
-_TOP_FIELDS = ("transformer_class", "device", "dtype", "defer_bias", "capabilities", "kernels_available",
-               "kernel_unavailable_reasons", "fp8_gemm", "offload_original_weights", "force_reference", "active",
-               "tuning", "summary", "runtime_fallbacks", "rebuilds", "cuda_graph_mode", "cuda_graph",
-               "cuda_graph_refused", "graph_fallbacks")
-
-
 def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
     """What the sites ran on, counts adding up to all sites: the word "fused" only where kernels ran."""
     total, kernels, refs = s["sites"], s["sites_on_kernels"], s["sites_on_references"]
@@ -447,10 +438,5 @@ def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], plain: C
 
 def _ranges(ix: list[int]) -> str:
     """``0-3,7``: sorted indices as runs."""
-    runs: list[list[int]] = []
-    for i in sorted(ix):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    runs = [[i for _, i in g] for _, g in itertools.groupby(enumerate(sorted(ix)), lambda t: t[1] - t[0])]
+    return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

@@ -25,13 +25,22 @@ import torch
 from torch import nn
 
 from . import lora
-from .component_patch import HOOK_DICTS, ComponentReport, Slot, install, remove, slot_report
+from .component_patch import HOOK_DICTS, ComponentReport, Slot, current, install, remove
 from .gating import check_tristate
 from .pipeline_walks import source_hash
 from .report import counts
 from .watch import Watch
 
 CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations; cache keyed on the exact inputs)"
+# source_hash of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds (copied in Img2Img, Inpaint,
+# ControlNet). Edit and Layered pipelines and other versions' are left alone.
+REPLICATED = frozenset({"a4173bdc2ad8840d"})
+# plain attributes the encoder's arithmetic reads (RMSNorm eps, RoPE and attention scales, causality): set anew,
+# the kept embeddings and graphs were made with the old values
+_PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_causal")
+# hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
+# decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
+_CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
 
 
 @dataclass
@@ -75,16 +84,6 @@ def _static_reasons(pipe: Any) -> list[str]:
     return reasons
 
 
-# source_hash of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds (copied in Img2Img, Inpaint,
-# ControlNet). Edit and Layered pipelines and other versions' are left alone.
-REPLICATED = frozenset({"a4173bdc2ad8840d"})
-
-
-# plain attributes the encoder's arithmetic reads (RMSNorm eps, RoPE and attention scales, causality): set anew,
-# the kept embeddings and graphs were made with the old values
-_PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_causal")
-
-
 def _watch(te: nn.Module) -> Watch:
     mods = list(te.modules())
     tensors = [(m, d, n) for m in mods for d in ("_parameters", "_buffers") for n in m.__dict__[d]]
@@ -95,11 +94,6 @@ def _watch(te: nn.Module) -> Watch:
     # plain state: each seen through the layer's own state
     stateful = [(m, lora.output_state) for m in mods if lora.is_lora_layer(m)]
     return Watch(entries=entries, tensors=tensors, stateful=stateful, typed=mods)
-
-
-# hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
-# decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
-_CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
 
 
 def _foreign(m: nn.Module) -> list:
@@ -186,8 +180,7 @@ class PromptEncoder(Slot):
 
     def __init__(self, pipe: Any, report: TextEncoderReport, had_instance: Any) -> None:
         self.pipe = pipe
-        self.encoder = pipe.text_encoder
-        self._watch_encoder()
+        self._take_encoder()
         self.cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         super().__init__(report, had_instance)
         report.graphs_off = "cuda_graph=False" if self.mode is False else None
@@ -202,33 +195,29 @@ class PromptEncoder(Slot):
     def _run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
-    def _watch_encoder(self) -> None:
-        te = self.encoder
+    def _take_encoder(self) -> None:
+        te = self.encoder = self.pipe.text_encoder
         self.watch, self.hooks = _watch(te), _foreign_hooks(te)
         # the hook dicts by length: a hook added or removed (_foreign_hooks says whether it matters)
         self.hook_watch = Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in HOOK_DICTS])
         self.hooked = _hooked(te)  # why a replay would skip something (None: nothing)
 
-    def _check_encoder(self) -> None:
-        changed = self.pipe.text_encoder is not self.encoder or self.watch.changed()
-        if not changed and self.hook_watch.changed():
-            self.hook_watch.take()
-            changed = _foreign_hooks(self.encoder) != self.hooks  # transformers' own recording hooks: no change
-        if changed:
-            self.report.encoder_changes += 1
-            self.renew()
-
     def renew(self) -> None:
         """Forget what was made from the encoder (kept embeddings, graphs) and watch the pipeline's encoder anew."""
-        self.encoder = self.pipe.text_encoder
-        self._watch_encoder()
+        self._take_encoder()
         self.cache.clear()
         self.graphs.clear()
 
     def __call__(self, prompt: str | list[str] = None, device: torch.device | None = None,
                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         pipe = self.pipe
-        self._check_encoder()
+        changed = pipe.text_encoder is not self.encoder or self.watch.changed()
+        if not changed and self.hook_watch.changed():
+            self.hook_watch.take()
+            changed = _foreign_hooks(self.encoder) != self.hooks  # transformers' own recording hooks: no change
+        if changed:
+            self.report.encoder_changes += 1
+            self.renew()
         te = self.encoder
         device, dtype = device or pipe._execution_device, dtype or te.dtype
         prompt = [prompt] if isinstance(prompt, str) else prompt
@@ -297,4 +286,4 @@ def unpatch(pipe: Any) -> None:
 
 
 def report_of(pipe: Any) -> TextEncoderReport | None:
-    return slot_report(pipe, PromptEncoder)
+    return getattr(current(pipe, PromptEncoder), "report", None)

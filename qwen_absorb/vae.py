@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hooks
-from .component_patch import HOOK_DICTS, ComponentReport, Slot, install, remove, slot_report
+from .component_patch import HOOK_DICTS, ComponentReport, Slot, current, install, remove
 from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
 from .pipeline_walks import source_hash
@@ -41,6 +41,21 @@ _KNOWN = {*_DECODER, "ModuleList", "Sequential", "Identity", "Dropout", "Conv2d"
 # plain attributes the 2-D path reads, by class (and each convolution's geometry, kept by Weights2d)
 _PLAIN_ATTRS = {"QwenImageRMS_norm": ("scale", "bias", "channel_first"), "QwenImageResample": ("mode",),
                 "Dropout": ("training", "p")}
+# source_hash of the diffusers 0.42.1 methods the 2-D path computes
+REPLICATED = frozenset({"7f9c2b764c273595"})
+_REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), *((c, "forward") for c in _DECODER))
+_CONV = ("QwenImageCausalConv3d",)
+_CONV_GEOMETRY = ("stride", "padding", "_padding", "dilation", "groups")
+# what the 2-D path reads in each slot (Weights2d.decode): any other module there runs diffusers' decode
+_SLOTS = {
+    "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
+                               "conv2": _CONV, "conv_shortcut": (*_CONV, "Identity")},
+    "QwenImageAttentionBlock": {"norm": ("QwenImageRMS_norm",), "to_qkv": ("Conv2d",), "proj": ("Conv2d",)},
+    "QwenImageDecoder3d": {"conv_in": _CONV, "norm_out": ("QwenImageRMS_norm",), "conv_out": _CONV,
+                           "mid_block": ("QwenImageMidBlock",)},
+    "QwenImageUpBlock": {"resnets": ("ModuleList",)},
+    "QwenImageMidBlock": {"resnets": ("ModuleList",), "attentions": ("ModuleList",)},
+}
 
 
 @dataclass
@@ -71,11 +86,6 @@ class VaeReport(ComponentReport):
         return s
 
 
-# source_hash of the diffusers 0.42.1 methods the 2-D path computes
-REPLICATED = frozenset({"7f9c2b764c273595"})
-_REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), *((c, "forward") for c in _DECODER))
-
-
 @functools.cache
 def _code_key(module: str) -> str | None:
     """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS`."""
@@ -95,9 +105,9 @@ def _static_reasons(vae: nn.Module) -> list[str]:
     for name, m in [("post_quant_conv", vae.post_quant_conv), *(("decoder." + n, m) for n, m in dec.named_modules())]:
         cls = type(m).__name__
         if cls not in _KNOWN:
-            reasons.append(f"{name or 'decoder'}: {cls} is not a module the 2-D path knows")
+            reasons.append(f"{name}: {cls} is not a module the 2-D path knows")
         if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-            reasons.append(f"{name or 'decoder'}: carries hooks or a replaced forward")
+            reasons.append(f"{name}: carries hooks or a replaced forward")
         if cls == "QwenImageCausalConv3d":
             kt = m.kernel_size[0]
             if m.stride[0] != 1 or m.dilation != (1, 1, 1) or m.groups != 1 or kt != m._padding[4] + 1 or m._padding[5]:
@@ -108,26 +118,12 @@ def _static_reasons(vae: nn.Module) -> list[str]:
             reasons.append(f"{name}: a channel-last RMS norm")
         if cls == "Dropout" and m.p and m.training:
             reasons.append(f"{name}: dropout active")
-        reasons += _slot_reasons(name or "decoder", m)
+        reasons += _slot_reasons(name, m)
     for m in (dec, *dec.mid_block.resnets, *(r for u in dec.up_blocks for r in u.resnets)):
         if type(getattr(m, "nonlinearity", None)).__name__ != "SiLU":
             reasons.append(f"{type(m).__name__}: non-linearity is not SiLU")
             break
     return reasons
-
-
-_CONV = ("QwenImageCausalConv3d",)
-_CONV_GEOMETRY = ("stride", "padding", "_padding", "dilation", "groups")
-# what the 2-D path reads in each slot (Weights2d.decode): any other module there runs diffusers' decode
-_SLOTS = {
-    "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
-                               "conv2": _CONV, "conv_shortcut": (*_CONV, "Identity")},
-    "QwenImageAttentionBlock": {"norm": ("QwenImageRMS_norm",), "to_qkv": ("Conv2d",), "proj": ("Conv2d",)},
-    "QwenImageDecoder3d": {"conv_in": _CONV, "norm_out": ("QwenImageRMS_norm",), "conv_out": _CONV,
-                           "mid_block": ("QwenImageMidBlock",)},
-    "QwenImageUpBlock": {"resnets": ("ModuleList",)},
-    "QwenImageMidBlock": {"resnets": ("ModuleList",), "attentions": ("ModuleList",)},
-}
 
 
 def _slot_reasons(name: str, m: nn.Module) -> list[str]:
@@ -181,23 +177,17 @@ class Weights2d:
                     if isinstance(m.bias, torch.Tensor):
                         self.fused_reasons.append("an RMS norm with a bias tensor")
         self.fused_reasons += [] if fuse else ["fuse_norm=False"]
-        if not self.fused_reasons:
-            self._try_kernel(vae)
-
-    def _try_kernel(self, vae: nn.Module) -> None:
-        """The fused norm + SiLU kernel where it can run (compiled here, outside any graph capture)."""
-        norm = vae.decoder.norm_out
-        w = norm.gamma
-        probe = torch.randn(1, w.numel(), 2, 2, device=w.device).to(w.dtype)
-        probe = probe.contiguous(memory_format=torch.channels_last)
-        gamma = self.gamma[id(norm)].reshape(-1)
-        why = norm_op.not_supported_reasons(probe, gamma)
-        if not why:
-            try:
-                norm_op.launch(probe, gamma, norm.scale)
-            except Exception as e:  # noqa: BLE001  (a kernel that does not compile leaves the torch ops)
-                why = [f"the kernel failed: {type(e).__name__}: {e}"[:200]]
-        self.fused_reasons += why
+        if not self.fused_reasons:  # the fused kernel where it runs (compiled here, outside any graph capture)
+            norm = vae.decoder.norm_out
+            probe = torch.randn(1, norm.gamma.numel(), 2, 2, device=norm.gamma.device).to(norm.gamma.dtype)
+            probe = probe.contiguous(memory_format=torch.channels_last)
+            gamma = self.gamma[id(norm)].reshape(-1)
+            self.fused_reasons += norm_op.not_supported_reasons(probe, gamma)
+            if not self.fused_reasons:
+                try:
+                    norm_op.launch(probe, gamma, norm.scale)
+                except Exception as e:  # noqa: BLE001  (a kernel that does not compile leaves the torch ops)
+                    self.fused_reasons.append(f"the kernel failed: {type(e).__name__}: {e}"[:200])
 
     def norm_silu(self, x: torch.Tensor, m: nn.Module, silu: bool = True) -> torch.Tensor:
         gamma = self.gamma[id(m)]
@@ -365,7 +355,7 @@ def unpatch(vae: nn.Module) -> None:
 
 
 def report_of(vae: nn.Module) -> VaeReport | None:
-    return slot_report(vae, FastDecode)
+    return getattr(current(vae, FastDecode), "report", None)
 
 
 def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
