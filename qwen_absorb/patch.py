@@ -7,6 +7,7 @@ intact; block class, signature and return order never change. All blocks are pla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -31,16 +32,18 @@ from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 log = logging.getLogger("qwen_absorb")
 
 _STATE_ATTR = "_qwen_absorb_state"
-_VAE_ATTR = "_qwen_absorb_vae"  # on a pipeline: the VAE its patch changed (_PatchedVae)
+# on a pipeline: the VAE and the image processor its patch changed (_Patched), by the undo for each
+_PATCHED_PARTS = {"_qwen_absorb_vae": vae_room.unpatch, "_qwen_absorb_image_processor": vae_room.unpatch_postprocess}
 GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
                   "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 "
                   "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
 NOT_PATCHED_HERE = "not patched on this pipeline (a copy, an unpickled pipeline or one made by from_pipe: patch() it)"
 
 
-class _PatchedVae(weakref.ref):
-    """The VAE a pipeline's patch changed, weakly: one swapped out since (``pipe.vae = other``) is put back by the
-    next ``patch`` or ``unpatch`` of the pipeline. A copy or pickle of the pipeline holds None (its VAE is its own)."""
+class _Patched(weakref.ref):
+    """A part a pipeline's patch changed (its VAE, its image processor), weakly: one swapped out since
+    (``pipe.vae = other``) is put back by the next ``patch`` or ``unpatch`` of the pipeline. A copy or pickle of the
+    pipeline holds None (its parts are its own)."""
 
     __slots__ = ()
 
@@ -284,18 +287,21 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
     else:
         walks_room.unpatch(target)
         parts.pop("pipeline", None)
-    pipe_vae = getattr(target, "vae", None)
-    held = target.__dict__.pop(_VAE_ATTR, None)
-    old = held() if isinstance(held, _PatchedVae) else None
-    if old is not None and old is not pipe_vae:
-        vae_room.unpatch(old)  # swapped out of the pipeline since its patch
+    pipe_vae, proc = getattr(target, "vae", None), getattr(target, "image_processor", None)
+    for (attr, undo), now in zip(_PATCHED_PARTS.items(), (pipe_vae, proc)):
+        held = target.__dict__.pop(attr, None)
+        old = held() if isinstance(held, _Patched) else None
+        if old is not None and old is not now:
+            undo(old)  # swapped out of the pipeline since its patch
     if vae and isinstance(pipe_vae, nn.Module):
         parts["vae"] = vae_room.patch(pipe_vae, cuda_graph=cuda_graph)
-        parts["vae"].postprocess = vae_room.patch_postprocess(target)
-        target.__dict__[_VAE_ATTR] = _PatchedVae(pipe_vae)
+        parts["vae"].postprocess = vae_room.patch_postprocess(proc)
+        for attr, part in zip(_PATCHED_PARTS, (pipe_vae, proc)):
+            with contextlib.suppress(TypeError):  # a part that takes no weak reference is not followed
+                target.__dict__[attr] = _Patched(part)
     else:
         vae_room.unpatch(pipe_vae)
-        vae_room.unpatch_postprocess(target)
+        vae_room.unpatch_postprocess(proc)
     if text_encoder:
         # "auto" (a key's second call) even under cuda_graph=True: a prompt length seen once costs no capture
         parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=False if cuda_graph is False else "auto")

@@ -410,9 +410,8 @@ class FastPostprocess:
         return [PIL.Image.fromarray(p) for p in np.asarray(pixels.numpy())]
 
 
-def patch_postprocess(pipe: Any) -> bool:
-    """Install :class:`FastPostprocess` on ``pipe.image_processor`` (True when installed or already there)."""
-    proc = getattr(pipe, "image_processor", None)
+def patch_postprocess(proc: Any) -> bool:
+    """Install :class:`FastPostprocess` on a pipeline's ``image_processor`` (True when installed or already there)."""
     if proc is None or not callable(getattr(type(proc), "postprocess", None)) \
             or not hasattr(proc, "_denormalize_conditionally"):
         return False
@@ -422,5 +421,5 @@ def patch_postprocess(pipe: Any) -> bool:
     return True
 
 
-def unpatch_postprocess(pipe: Any) -> None:
-    remove(getattr(pipe, "image_processor", None), FastPostprocess)
+def unpatch_postprocess(proc: Any) -> None:
+    remove(proc, FastPostprocess)

@@ -76,14 +76,14 @@ def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
     from . import builders
 
     pipe = builders.tiny_pipeline()
-    vae_room.patch_postprocess(pipe)
+    vae_room.patch_postprocess(pipe.image_processor)
     g = torch.Generator("cuda").manual_seed(seed)
     img = (torch.rand(1, 3, 1024, 1024, device="cuda", generator=g) * 2.2 - 1.1).to(torch.bfloat16)
     got = pipe.image_processor.postprocess(img, output_type="pil")
     ref = type(pipe.image_processor).postprocess(pipe.image_processor, img, output_type="pil")
     assert pipe.image_processor.postprocess.calls["device"] == 1
     assert np.array_equal(np.asarray(got[0]), np.asarray(ref[0])) and got[0].mode == ref[0].mode
-    vae_room.unpatch_postprocess(pipe)
+    vae_room.unpatch_postprocess(pipe.image_processor)
 
 
 @pytest.mark.parametrize("c", [96, 192, 384])

@@ -132,7 +132,7 @@ def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
     import numpy as np
 
     pipe = builders.tiny_pipeline()
-    assert vae_room.patch_postprocess(pipe)
+    assert vae_room.patch_postprocess(pipe.image_processor)
     fast = pipe.image_processor.postprocess
     g = torch.Generator().manual_seed(seed)
     img = (torch.rand(2, 3, 40, 24, generator=g) * 2.4 - 1.2).to(torch.bfloat16)  # past both clamps too
@@ -145,7 +145,7 @@ def test_pil_conversion_on_the_device_gives_diffusers_bytes(seed):
     assert fast.pil_images(img, None) is None
     out = pipe.image_processor.postprocess(img[:1], output_type="pil")  # a host image: diffusers' method
     assert fast.calls["diffusers"] == 1 and np.array_equal(np.asarray(out[0]), np.asarray(ref[0]))
-    vae_room.unpatch_postprocess(pipe)
+    vae_room.unpatch_postprocess(pipe.image_processor)
     assert "postprocess" not in pipe.image_processor.__dict__
 
 
@@ -266,3 +266,26 @@ def test_a_vae_swapped_out_after_patch_is_put_back(seed):
     assert copied.__dict__["_qwen_absorb_vae"] is None and copy.deepcopy(pipe).vae is not old
     qwen_absorb.unpatch(pipe)
     assert "_decode" not in old.__dict__ and "_qwen_absorb_vae" not in pipe.__dict__
+
+
+def test_an_image_processor_swapped_out_after_patch_is_put_back():
+    """``pipe.image_processor = other`` after ``patch(pipe)``: the next ``patch`` or ``unpatch`` gives the old one
+    diffusers' ``postprocess`` back (code still holding it is left as unpatched), and patches the new one."""
+    import pickle
+
+    pipe = builders.tiny_pipeline()
+    qwen_absorb.patch(pipe)
+    old = pipe.image_processor
+    assert "postprocess" in old.__dict__
+    pipe.image_processor = copy.deepcopy(old)
+    del pipe.image_processor.__dict__["postprocess"]  # a fresh processor, as a user would build one
+    qwen_absorb.unpatch(pipe)
+    assert "postprocess" not in old.__dict__ and "postprocess" not in pipe.image_processor.__dict__
+    qwen_absorb.patch(pipe)
+    swapped, pipe.image_processor = pipe.image_processor, old
+    assert "postprocess" in swapped.__dict__ and "postprocess" not in old.__dict__
+    qwen_absorb.patch(pipe)  # the first one back: the second put back, the first patched
+    assert "postprocess" not in swapped.__dict__ and "postprocess" in old.__dict__
+    assert pickle.loads(pickle.dumps(pipe)).__dict__["_qwen_absorb_image_processor"] is None
+    qwen_absorb.unpatch(pipe)
+    assert "postprocess" not in old.__dict__ and "_qwen_absorb_image_processor" not in pipe.__dict__
