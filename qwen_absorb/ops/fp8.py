@@ -89,12 +89,11 @@ class Fp8PerTensorQuant:
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Exactly what ModelOpt's quantizer returns for ``x`` (torch ops)."""
-        safe = _amax32(self.amax, x.device)
         if self.formula_for(x.device) == "cuda_ext":
-            scale = torch.full_like(safe, E4M3_MAX).div_(safe)
+            scale = quant_scale(self.amax, x.device)
             inv = torch.full_like(scale, 1.0).div_(scale)
         else:
-            scale = safe.reciprocal() * E4M3_MAX
+            scale = _amax32(self.amax, x.device).reciprocal() * E4M3_MAX
             inv = scale.reciprocal() * 1.0
         q = (x.to(torch.float32) * scale).clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
         return (q.to(torch.float32) * inv).to(x.dtype)
