@@ -35,14 +35,11 @@ def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:  # containers
 
 @contextlib.contextmanager
 def recording(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
-    """Capture into ``graph`` on ``stream``: ``torch.cuda.graph`` without its cache emptying.
-
-    ``torch.cuda.graph`` empties torch's device cache and its pinned host cache before every capture. Each capture
-    then gives every cached block back to the driver (``cudaFree`` waits for the device), and the calls after it
-    allocate them again. The capture allocates from ``pool``; only near the memory limit could the emptied caches
-    have made the room it needs, and there a capture fails and its signature runs eager (counted, as any capture
-    failure). Errors as in ``torch.cuda.graph``: ``capture_end`` runs either way.
-    """
+    """Capture into ``graph`` on ``stream``: ``torch.cuda.graph`` without its emptying of torch's device and pinned
+    host caches before every capture (each cached block given back to the driver, ``cudaFree`` waiting for the device,
+    and allocated again by the calls after it). Only near the memory limit could the emptied caches have made the room
+    the capture needs (from ``pool``); there it fails and its signature runs eager, counted. ``capture_end`` runs
+    either way, as in ``torch.cuda.graph``."""
     torch.cuda.synchronize(stream.device)
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")

@@ -550,14 +550,14 @@ def test_install_blocks_arguments(fake_cuda, seed):
 
 def test_install_blocks_failing_midway_removes_the_runners_it_installed(fake_cuda, monkeypatch, seed):
     model = tiny_model(seed=_seed(seed), layers=3)
-    real, cleared = CG.blocks.install, []
+    real, cleared = CG.attach.install, []
 
     def install(block, **kw):
         if block is model.transformer_blocks[2]:
             raise RuntimeError("install failed")
         return real(block, **kw)
 
-    monkeypatch.setattr(CG.blocks, "install", install)
+    monkeypatch.setattr(CG.attach, "install", install)
     monkeypatch.setattr(CG.Shared, "clear", lambda self: cleared.append(self))
     with pytest.raises(RuntimeError, match="install failed"):
         CG.install_blocks(list(model.transformer_blocks), fallbacks=collections.Counter(), parent=model)

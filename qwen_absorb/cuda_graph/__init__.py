@@ -14,10 +14,8 @@ FirstBlockCache: :mod:`.first_block_cache`.
 
 from __future__ import annotations
 
-from .attach import install
-from .blocks import BlockGraphs, install_blocks
-from .first_use import FirstUse
+from .attach import FirstUse, install, install_blocks
 from .runner import GraphedCall
-from .shared import Shared
+from .shared import BlockGraphs, Shared
 
 __all__ = ["BlockGraphs", "FirstUse", "GraphedCall", "Shared", "install", "install_blocks"]

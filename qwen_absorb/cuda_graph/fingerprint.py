@@ -145,10 +145,6 @@ def fbc_block_reason(block: nn.Module) -> tuple[str, str] | None:
     return r
 
 
-def _is_lora_layer(d: dict) -> bool:
-    return isinstance(d.get("merged_adapters"), list) and isinstance(d.get("scaling"), dict)
-
-
 def _plain(v: Any) -> bool:  # compared by value: a plain scalar, or a tuple of them (``_num_bits = (4, 3)``)
     tv = type(v)
     return tv in _PLAIN or (tv is tuple and all(type(x) in _PLAIN for x in v))
@@ -158,11 +154,6 @@ def lora_state(dicts: list[dict]) -> list[tuple]:
     """PEFT state that changes what runs without a registration (``fuse_lora`` writes ``.data``, unseen by
     ``_version``; ``set_adapters``; ``disable_adapters``): one tuple per layer."""
     return list(map(_peft_get, dicts))
-
-
-def lora_snapshot(dicts: list[dict]) -> list[tuple]:
-    """Copies of :func:`lora_state` (PEFT mutates the lists and dicts in place)."""
-    return [(list(m), dict(s), dis, list(a) if isinstance(a, list) else a) for m, s, dis, a in lora_state(dicts)]
 
 
 @functools.cache
@@ -242,7 +233,7 @@ class Scan:
                     self.hook_dicts.append(hd)
                     if hd:
                         refuse("forward hook on a submodule", f"forward hook or pre-hook on {label}")
-            peft_layer = _is_lora_layer(d)
+            peft_layer = isinstance(d.get("merged_adapters"), list) and isinstance(d.get("scaling"), dict)
             watched.extend((d, k) for k in WATCH_KEYS
                            if k in d and not (root and k == "forward") and not (peft_layer and k in _PEFT_KEYS))
             for k, v in d.items():
@@ -338,7 +329,8 @@ class Scan:
         self.sptrs = list(map(_data_ptr, self.stensors))
         self.sindices = list(range(len(self.stensors)))
         self.vers = list(map(_version_of, self.vtensors))
-        self.peft_state = lora_snapshot(self.peft_dicts)
+        self.peft_state = [(list(m), dict(s), dis, list(a) if isinstance(a, list) else a)  # PEFT mutates them in place
+                           for m, s, dis, a in lora_state(self.peft_dicts)]
         self.gens = list(map(_generation, self.owners))
         self.global_hooks = hooks.global_hook_count()
 

@@ -16,41 +16,30 @@ from torch import nn
 from .. import hooks, host_originals, step_caches
 from ..block import PatchedForward
 from . import settings
-from .group import BlockGraphs
-from .shared import Shared
+from .shared import BlockGraphs, Shared
 
 log = logging.getLogger("qwen_absorb")
 
 NO_GROUP = "FirstBlockCache: eager (no per-block CUDA graphs)"
 
 
-class Follow:
-    """A whole-model runner's ``_fbc``: its group (kept after removal, for its description) and why none was made."""
-
-    __slots__ = ("group", "why")
-
-    def __init__(self) -> None:
-        self.group: BlockGraphs | None = None
-        self.why: str | None = None
-
-
 def follow(runner: Any, root: tuple[str, str] | None) -> tuple[str, str] | None:
     """Make or remove the FirstBlockCache group of a whole-model ``runner`` to match the transformer's cache now,
-    and return the call's refusal (``root``, or why no group could be made)."""
+    and return the call's refusal (``root``, or why no group could be made). ``runner._fbc``, once the cache was
+    met: its group (kept after removal, for its description) and why none was made."""
     f = runner._fbc
     if runner._shared is not None or (root is None and f is None):
         return root
     cfg = getattr(runner._transformer, "_cache_config", None)
     if not step_caches.is_fbc_config(cfg):
-        if f is not None and f.group is not None and f.group.installed:
-            _remove(f, "the transformer's cache is no longer FirstBlockCache")
+        _remove(f, "the transformer's cache is no longer FirstBlockCache")
         return root
     eager = step_caches.refusal(cfg)
     if root is None or eager is None or root[0] != eager[0]:
         return root  # refused before the cache's turn (an offloading hook): a group's runners refuse it too
     if f is None:
-        f = runner._fbc = Follow()
-    if f.group is None or not f.group.installed:
+        f = runner._fbc = SimpleNamespace(group=None, why=None)
+    if _installed(f) is None:
         f.why = _make(runner, f)
         if f.why is not None:
             return NO_GROUP, f.why
@@ -71,7 +60,7 @@ def _patched_slot(block: nn.Module) -> tuple[Any, PatchedForward] | None:
     return None
 
 
-def _make(runner: Any, f: Follow) -> str | None:
+def _make(runner: Any, f: Any) -> str | None:
     """Put a runner in the patched forward's slot of every patched block; None when made, else why not."""
     t = runner._transformer
     if not any(p.device.type in settings.GRAPH_DEVICE_TYPES for p in t.parameters()):
@@ -101,21 +90,24 @@ def _make(runner: Any, f: Follow) -> str | None:
     return None
 
 
-def _remove(f: Follow, why: str) -> None:
-    f.group.remove()
-    log.info("FirstBlockCache per-block CUDA graphs removed: %s", why)
+def _installed(f: Any) -> BlockGraphs | None:
+    return f.group if f is not None and f.group is not None and f.group.installed else None
+
+
+def _remove(f: Any, why: str) -> None:
+    if (group := _installed(f)) is not None:
+        group.remove()
+        log.info("FirstBlockCache per-block CUDA graphs removed: %s", why)
 
 
 def remove(runner: Any) -> None:  # the whole-model ``runner`` is being removed: its group with it
     f, runner._fbc = runner._fbc, None
-    if f is not None and f.group is not None and f.group.installed:
-        _remove(f, "the CUDA-graph runner was removed")
+    _remove(f, "the CUDA-graph runner was removed")
 
 
 def invalidate(runner: Any, reason: str) -> None:
-    f = runner._fbc
-    if f is not None and f.group is not None and f.group.installed:
-        f.group.invalidate(reason)
+    if (group := _installed(runner._fbc)) is not None:
+        group.invalidate(reason)
 
 
 def describe(runner: Any) -> dict[str, Any]:

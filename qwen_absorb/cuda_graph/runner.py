@@ -33,10 +33,6 @@ log = logging.getLogger("qwen_absorb")
 _MISS = object()  # _fast_replay: no replay served
 
 
-def _dead() -> None:  # a removed runner's forward, once its model is gone
-    return None
-
-
 def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[], Any]:
     """A reference to ``fn`` that does not keep ``owner`` alive where safe: weak for a method of ``owner``, or
     when something else (a hook slot) holds it."""
@@ -89,12 +85,12 @@ class GraphedCall:
         d = transformer.__dict__
         self._prev_present = "forward" in d  # _inner is also what remove() puts back
         self._inner = d["forward"] if self._prev_present else type(transformer).forward.__get__(transformer)
-        self._weak_inner = _dead
         self._setup()
 
     def _setup(self) -> None:
         """Fresh runtime state (also after deepcopy and unpickling: graphs are never shared or saved)."""
         t = self._transformer
+        self._weak_inner: Callable[[], Any] = lambda: None  # a removed runner's forward, once its model is gone
         self._positional = positional_names(type(t)) if t is not None else ()
         self._graphs: collections.OrderedDict[Any, Graph] = collections.OrderedDict()
         sh = self._shared
@@ -112,8 +108,8 @@ class GraphedCall:
         self._host_us = self._check_us = self._launch_us = 0.0  # replayed calls' host time (see describe())
         self._cache: taylorseer.GraphSteps | None = None  # TaylorSeer step sizes on the device (made on first use)
         self._gens: list[tuple[Any, int]] | None = None  # the owners' generations as the capture began
-        self.warn_first = False  # a refusal of the next call is a warning (set by .first_use), once
-        self._fbc: first_block_cache.Follow | None = None  # the FirstBlockCache group, once the cache was met
+        self.warn_first = False  # a refusal of the next call is a warning (set by .attach.FirstUse), once
+        self._fbc: Any = None  # the FirstBlockCache group, once the cache was met (first_block_cache.follow)
         if t is not None:
             watch(self)
             if sh is not None:
@@ -535,7 +531,6 @@ class GraphedCall:
         self.capture_after, self._host_tensors = state.get("capture_after", 0), None
         self._prev_present, inner = state["prev_present"], state["inner"]
         self._inner = inner if inner is not None or t is None else type(t).forward.__get__(t)
-        self._weak_inner = _dead
         self._shared = None if state["removed"] else state.get("shared")
         self._setup()
         self._removed = state["removed"]

@@ -109,10 +109,6 @@ def tensor_meta(x: torch.Tensor) -> tuple:
     return (tuple(x.shape), x.stride(), x.dtype, x.device, align_class(x.data_ptr()))
 
 
-def attention_backend() -> Any:
-    return getattr(_AttentionBackendRegistry, "_active_backend", None) if _AttentionBackendRegistry else None
-
-
 def global_flags() -> tuple:
     """Process-wide switches that change which kernels a call picks (and so what a graph baked in)."""
     m = torch.backends.cuda.matmul
@@ -127,7 +123,7 @@ def global_flags() -> tuple:
         torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(), getattr(torch.backends.cuda, "cudnn_sdp_enabled", bool)(),
         torch.are_deterministic_algorithms_enabled(), os.environ.get("QWEN_ABSORB_FORCE_REFERENCE"),
-        str(attention_backend()), getattr(m, "allow_fp16_accumulation", None),
+        str(getattr(_AttentionBackendRegistry, "_active_backend", None)), getattr(m, "allow_fp16_accumulation", None),
         getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", bool)(), _blas_library(),
     )
 
@@ -155,18 +151,13 @@ def describe_arg(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_slot(name: str, v: Any) -> None:
-    if name in TENSOR_SLOTS and type(v) in (int, float):
-        raise Refusal("python number argument (would be baked into the graph)", f"{name}={v!r}")
-
-
 def signature(args: tuple, kwargs: dict, positional: tuple[str, ...]) -> tuple[Any, list[torch.Tensor], tuple]:
     """``(spec, tensors, key)`` of a call: its frozen arguments, its tensors, and the graphs' key (structure,
     per-tensor metadata, global switches). Raises :class:`Refusal` for arguments a graph cannot take."""
-    for i, v in enumerate(args):
-        check_slot(positional[i] if i < len(positional) else f"arg{i}", v)
-    for k, v in kwargs.items():
-        check_slot(k, v)
+    names = (positional[i] if i < len(positional) else f"arg{i}" for i in range(len(args)))
+    for name, v in (*zip(names, args), *kwargs.items()):
+        if name in TENSOR_SLOTS and type(v) in (int, float):
+            raise Refusal("python number argument (would be baked into the graph)", f"{name}={v!r}")
     tensors: list[torch.Tensor] = []
     spec = (freeze(args, tensors), tuple((k, freeze(v, tensors)) for k, v in kwargs.items()))
     return spec, tensors, (spec, tuple(map(tensor_meta, tensors)), global_flags())
