@@ -7,7 +7,9 @@ Triton fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4L
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,22 @@ def decide_rows(plan, block: nn.Module, context_reasons) -> None:
         src, r = LINEAR_TABLE[p].input_from, plan.nvfp4.get(resolve(block, p))
         if isinstance(r, Nvfp4Linear) and src in ("gelu", "temb", "attention") and _row_ok(block, p, context_reasons):
             lp.nvfp4 = r
+
+
+@contextlib.contextmanager
+def modelopt_fake_quant_on_cpu() -> Iterator[None]:
+    """ModelOpt's NVFP4 fake quantization on CPU (where it has none) through :func:`quantize_nvfp4_reference`
+    (the tests' and the benchmarks' CPU runs)."""
+    tq = import_modelopt("modelopt.torch.quantization.tensor_quant")
+    original = tq.dynamic_block_quantize_op
+
+    def op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
+        if (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == (4, 2, 8, 4) and amax is not None:
+            return quantize_nvfp4_reference(inputs, amax)
+        return original(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+
+    tq.dynamic_block_quantize_op = op
+    try:
+        yield
+    finally:
+        tq.dynamic_block_quantize_op = original

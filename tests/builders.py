@@ -35,10 +35,9 @@ whose stack holds nothing of the caller's (tests/test_modelopt_journey.py checks
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -502,24 +501,3 @@ def qwenimage21_prompt_embeds(
         mask[1:, seq_len - padded:] = 0
         embeds[1:, seq_len - padded:] = 0.0
     return embeds.to(device, dtype), mask.to(device)
-
-
-@contextlib.contextmanager
-def modelopt_fake_quant_on_cpu() -> Iterator[None]:
-    """ModelOpt's NVFP4 fake quantization on CPU (where it has none) through ``quantize_nvfp4_reference``, the
-    emulation the GPU tests prove bit-identical to ModelOpt's own kernel."""
-    from qwen_absorb.ops import quantize_nvfp4_reference  # noqa: PLC0415
-
-    tq = import_modelopt("modelopt.torch.quantization.tensor_quant")
-    original = tq.dynamic_block_quantize_op
-
-    def op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
-        if (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == (4, 2, 8, 4) and amax is not None:
-            return quantize_nvfp4_reference(inputs, amax)
-        return original(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
-
-    tq.dynamic_block_quantize_op = op
-    try:
-        yield
-    finally:
-        tq.dynamic_block_quantize_op = original

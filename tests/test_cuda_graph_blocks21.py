@@ -1,4 +1,4 @@
-"""Issue 21, item 5: CUDA graphs per block for Qwen-Image-2.1 (qwen_absorb.cuda_graph.blocks / shared), on the CPU.
+"""Issue 21, item 5: CUDA graphs per block for Qwen-Image-2.1 (qwen_absorb.cuda_graph.attach.install_blocks / shared), on the CPU.
 
 The capture / replay path runs with the stand-ins of tests/cuda_graph_fakes.py (``fake_cuda``): a block's "graph"
 replays by running its patched forward on the static buffers and writing into its static output. Outputs are

@@ -96,7 +96,7 @@ def test_modelopt_nvfp4_model_runs_on_cpu_with_the_reference_kernel():
     assert names and all(n.startswith(("transformer_blocks.1.", "transformer_blocks.2.")) for n in names)
     with pytest.raises(AssertionError):  # ModelOpt alone has no CPU NVFP4 path
         T.run_transformer(model, inputs)
-    with T.modelopt_fake_quant_on_cpu():
+    with nvfp4.modelopt_fake_quant_on_cpu():
         y = T.run_transformer(model, inputs)
     assert torch.isfinite(y).all()
     with pytest.raises(AssertionError):  # restored afterwards
@@ -110,7 +110,7 @@ def test_nvfp4_linear_is_bit_identical_to_the_modelopt_linear():
     for name in nvfp4.nvfp4_linear_names(model):
         lin = modules[name]
         x = (torch.randn(2, 9, lin.in_features, generator=g) * 2).bfloat16()
-        with T.modelopt_fake_quant_on_cpu(), torch.no_grad():
+        with nvfp4.modelopt_fake_quant_on_cpu(), torch.no_grad():
             want = lin(x)
             runner = nvfp4.Nvfp4Linear(lin, use_kernel=False)
             got = runner(x)
@@ -121,7 +121,7 @@ def test_nvfp4_linear_is_bit_identical_to_the_modelopt_linear():
         assert runner.weight() is w0
         with torch.no_grad():
             lin.weight.mul_(1.5)
-        with T.modelopt_fake_quant_on_cpu(), torch.no_grad():
+        with nvfp4.modelopt_fake_quant_on_cpu(), torch.no_grad():
             assert torch.equal(runner(x), lin(x))
         assert runner.weight() is not w0
 
@@ -141,7 +141,7 @@ def test_patched_nvfp4_model_is_bit_identical_to_modelopt_and_follows_weight_cha
     import qwen_absorb  # noqa: PLC0415
 
     model, inputs = _nvfp4_model()
-    with T.modelopt_fake_quant_on_cpu():
+    with nvfp4.modelopt_fake_quant_on_cpu():
         want = T.run_transformer(model, inputs)
     qwen_absorb.patch(model, capabilities={"cpu"})
     try:
@@ -158,7 +158,7 @@ def test_patched_nvfp4_model_is_bit_identical_to_modelopt_and_follows_weight_cha
         assert torch.equal(got, want)
         with torch.no_grad():  # a weight edited after patch: the plan's watch remakes the fake-quantized weight
             model.transformer_blocks[1].txt_mlp.net[2].weight.mul_(-1)
-        with T.modelopt_fake_quant_on_cpu():
+        with nvfp4.modelopt_fake_quant_on_cpu():
             qwen_absorb.unpatch(model)
             want2 = T.run_transformer(model, inputs)
             qwen_absorb.patch(model, capabilities={"cpu"})

@@ -36,7 +36,7 @@ def _nvfp4_model(num_layers=4, seed=0, keep=1):
 
 
 def _modelopt(model, inputs):
-    with T.modelopt_fake_quant_on_cpu():
+    with nvfp4.modelopt_fake_quant_on_cpu():
         return T.run_transformer(model, inputs)
 
 
@@ -103,7 +103,7 @@ def test_a_hook_keeps_the_linears_it_sees_out_of_the_rows(hooked, site, linears,
     seen.clear()
     qwen_absorb.patch(model, capabilities={"cpu"})
     plan = model.transformer_blocks[1].__dict__[PLAN_ATTR]
-    with T.modelopt_fake_quant_on_cpu():  # what runs as its module is ModelOpt's
+    with nvfp4.modelopt_fake_quant_on_cpu():  # what runs as its module is ModelOpt's
         got = T.run_transformer(model, inputs)
     assert torch.equal(got, want) and seen == [1]
     if site is not None:
@@ -214,7 +214,7 @@ def test_lora_on_an_nvfp4_linear_is_unpatched_bit_for_bit(seed):
     inputs = T.transformer_inputs(model, seed=seed + 1)
     want = _modelopt(model, inputs)
     qwen_absorb.patch(model, capabilities={"cpu"}, defer_bias=False)
-    with T.modelopt_fake_quant_on_cpu():
+    with nvfp4.modelopt_fake_quant_on_cpu():
         got = T.run_transformer(model, inputs)
     assert torch.equal(got, want)
     plan = _quantized_blocks(model)[0].__dict__[PLAN_ATTR]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import qwen_absorb
-from qwen_absorb import attention, dependencies, step_caches
+from qwen_absorb import attention, dependencies, nvfp4, step_caches
 from qwen_absorb.plan import PLAN_ATTR
 
 from . import builders as T
@@ -267,7 +267,7 @@ def test_nvfp4_with_pab_bit_identical_to_unpatched(request, counted, which, grap
     got = _loop(model, pos, neg, clock, runs=3)
     assert [p.attn_cache for p in _plans(model)] == [False, True, False]
     assert counted["own"] > 0
-    with T.modelopt_fake_quant_on_cpu():  # ModelOpt's NVFP4 fake quantization has no CPU path of its own
+    with nvfp4.modelopt_fake_quant_on_cpu():  # ModelOpt's NVFP4 fake quantization has no CPU path of its own
         want = _loop(plain, pos, neg, clock, runs=3)
     assert len(got) == 3 * 2 * len(TIMESTEPS)
     for i, (a, b) in enumerate(zip(got, want)):
