@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hooks import global_forward_hooks, has_hooks
+from .hooks import global_hook_count, has_hooks
 from .plan import PLAN_ATTR, BlockPlan
 
 _local = threading.local()
@@ -108,7 +108,7 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
         return None
     if h.dtype == torch.float16:
         return None  # diffusers clips fp16 block outputs after the residual (fp16 blocks do not receive)
-    if has_hooks(block) or has_hooks(nb) or global_forward_hooks():
+    if has_hooks(block) or has_hooks(nb) or global_hook_count():
         plan.count("cross-block hand-off not made: a forward hook on this or the next block (or a global one) "
                    "could change hidden_states in between")
         return None

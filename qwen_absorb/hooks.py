@@ -46,6 +46,19 @@ def forward_slots(module: nn.Module) -> Iterator[Slot]:
                (lambda f: object.__setattr__(module, "_old_forward", f)))
 
 
+
+def put_back(module: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool:
+    """Put ``inner`` back in the slot of ``module`` holding ``me`` (``forward`` deleted where there was none, the
+    class forward running again); False where no slot holds ``me``."""
+    for where, get, set_ in forward_slots(module):
+        if get() is me:
+            if where == "forward" and not prev_present:
+                del module.__dict__["forward"]
+            else:
+                set_(inner)
+            return True
+    return False
+
 def registry_hooks(module: nn.Module) -> dict[str, Any]:
     """diffusers' hooks on ``module`` by name (empty when it has no ``HookRegistry``)."""
     reg = module.__dict__.get("_diffusers_hook")
@@ -73,12 +86,8 @@ def torch_hook_dicts(module: nn.Module) -> list[dict]:
     return [hd for hd in (d.get("_forward_hooks"), d.get("_forward_pre_hooks")) if isinstance(hd, dict)]
 
 
-def global_forward_hooks() -> bool:
-    """A global module forward (pre-)hook is registered: it would run inside any module call skipped."""
-    return bool(_global._global_forward_hooks or _global._global_forward_pre_hooks)
-
-
 def global_hook_count() -> int:
+    """Global module forward (pre-)hooks registered (any: each would run inside a module call skipped)."""
     return len(_global._global_forward_hooks) + len(_global._global_forward_pre_hooks)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hooks import global_forward_hooks
+from .hooks import global_hook_count
 from .sites import unwrap_peft
 
 
@@ -156,7 +156,7 @@ class TpShard:
         p = linear._parameters
         return (p.get("weight") is self.weight and p.get("bias") is self.bias
                 and tuple(linear._forward_pre_hooks) == self.pre and tuple(linear._forward_hooks) == self.post
-                and "forward" not in linear.__dict__ and not global_forward_hooks())
+                and "forward" not in linear.__dict__ and not global_hook_count())
 
     def local_bias(self, linear: nn.Module) -> torch.Tensor | None:
         """None while deferred, the local shard (column-wise), or ``b / N`` (row-wise, cached per value)."""
@@ -210,7 +210,7 @@ def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[Tp
     if len(linear._forward_pre_hooks) != 1 or len(linear._forward_hooks) != 1:
         r.append(f"{len(linear._forward_pre_hooks)} forward pre-hooks and {len(linear._forward_hooks)} forward "
                  "hooks (torch's TP style registers one of each)")
-    if global_forward_hooks():
+    if global_hook_count():
         r.append("a global module forward hook is registered")
     if r:
         return None, r

@@ -110,14 +110,7 @@ def _install(block: nn.Module, fwd: PatchedForward | Patched21Forward) -> _Block
 
 def _remove_forward(block: nn.Module, fwd: Any, had_instance_forward: bool) -> bool:
     """Take ``fwd`` out of the slot that holds it (the class forward again); False if none does."""
-    for where, get, set_ in hooks.forward_slots(block):
-        if get() is fwd:
-            if where == "forward" and not had_instance_forward:
-                del block.__dict__["forward"]
-            else:
-                set_(type(block).forward.__get__(block))
-            return True
-    return False
+    return hooks.put_back(block, fwd, type(block).forward.__get__(block), had_instance_forward)
 
 
 def _strip(block: nn.Module) -> None:

@@ -190,7 +190,7 @@ class BlockPlan:
 
     def hooked(self) -> bool:
         """A user's forward hook on a module the fused path skips or changes, or a global one."""
-        return any(hooks.user_hooked(d, a, b) for d, a, b in self.bypassed) or hooks.global_forward_hooks()
+        return any(hooks.user_hooked(d, a, b) for d, a, b in self.bypassed) or hooks.global_hook_count() > 0
 
 
 def _kernel_reasons(device: torch.device, options: Options) -> list[str]:

@@ -170,7 +170,7 @@ def _call_reason(plan: BlockPlan, x: Any, modulation: Any, mask: Any) -> str | N
         return "block not fused: diffusers' forward"
     if torch.is_grad_enabled():
         return "grad enabled: original diffusers forward (the kernels have no backward)"
-    if hooks.global_forward_hooks():
+    if hooks.global_hook_count():
         return "a global module forward hook is registered: original diffusers forward"
     if type(x) is not torch.Tensor or type(modulation) is not torch.Tensor:
         return "activations or modulation are not plain tensors (DTensor?): original diffusers forward"

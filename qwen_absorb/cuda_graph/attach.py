@@ -20,7 +20,7 @@ from torch import nn
 from .. import hooks
 from . import settings
 from .fingerprint import under_model_offload
-from .runner import GraphedCall, bound_inner, put_back
+from .runner import GraphedCall, bound_inner
 from .shared import BlockGraphs, Shared
 
 log = logging.getLogger("qwen_absorb")
@@ -139,7 +139,7 @@ class FirstUse:  # passes calls off a graph device through, uncounted; the first
 
     def _take_out(self) -> None:  # the wrapped forward back in the slot holding this object (wherever that is now)
         t = self._transformer
-        if not put_back(t, self, self._inner, self._prev_present and self._slot == "forward"):
+        if not hooks.put_back(t, self, self._inner, self._prev_present and self._slot == "forward"):
             log.warning("the CUDA-graph decision of %s was not found in its forward chain; it stays as a "
                         "pass-through", type(t).__name__)
 

@@ -44,18 +44,6 @@ def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[
     return lambda: fn
 
 
-def put_back(t: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool:
-    """Put ``inner`` back in the slot of ``t`` holding ``me`` (``forward`` deleted where there was none); found?"""
-    for where, get, set_ in hooks.forward_slots(t):
-        if get() is me:
-            if where == "forward" and not prev_present:
-                del t.__dict__["forward"]
-            else:
-                set_(inner)
-            return True
-    return False
-
-
 def bound_inner(t: nn.Module | None, inner: Any) -> Any:
     """``inner`` for a state: None for ``t``'s class forward bound to ``t`` (made again on load)."""
     cls_forward = (t is not None and getattr(inner, "__func__", None) is type(t).forward
@@ -467,7 +455,7 @@ class GraphedCall:
             return
         first_block_cache.remove(self)  # a FirstBlockCache group's runners: each patched forward back in its slot
         t = self._transformer
-        restored = put_back(t, self, self._inner, self._prev_present)  # (or inside a chain that wrapped us since)
+        restored = hooks.put_back(t, self, self._inner, self._prev_present)  # (or inside a chain that wrapped us since)
         if not restored:
             log.warning("the CUDA-graph forward of %s was not found in its hook chain; it stays as "
                         "a pass-through", self._name)
