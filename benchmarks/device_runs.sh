@@ -77,12 +77,12 @@ suite() {  # the whole GPU suite in 6 pytest-xdist processes on the one GPU (~9 
   tail -4 "$OUT/gpu_tests_h200.log"
 }
 
-round34_a() {  # the whole GPU suite on the final tree of rounds 33-34, then model offload with the FP8 codes kept
-  # on the host against rebuilding them (A/B, 60 layers; journey_offload_<card>.json)
+round34_a() {  # the whole GPU suite on the final tree, then model offload rebuilding the FP8 codes at each return (the
+  # default) against copying them back from the host (A/B, 60 layers; journey_offload_<card>.json)
   local t0=$SECONDS
   suite "${SUITE_S:-240}"
   timeout $((${LIMIT_S:-585} - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT" --runs 2 \
-    --sections resident,offload_model,offload_model_rebuild --budget-s $((${LIMIT_S:-585} - 15 - (SECONDS - t0))) \
+    --sections resident,offload_model,offload_model_host_codes --budget-s $((${LIMIT_S:-585} - 15 - (SECONDS - t0))) \
     > "$OUT/journey_offload.log" 2>&1
   grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
 }

@@ -15,9 +15,10 @@ first call on the GPU) and stays patched through the three modes, in this order:
   ``offload_model_peak_gib`` (``max_memory_allocated`` over the timed runs), ``offload_model_graph_replays`` (graph
   replays during the timed runs, from the runner's counters: it sits inside accelerate's hook, captures each
   signature once per run, after the hook moved the weights in, and replays the other steps);
-- ``offload_model_rebuild``, ``offload_model_pageable``: the same mode patched again with
-  ``Tuning(host_fp8_codes=False)`` (each return makes the FP8 codes from the originals, through pinned buffers) and
-  also ``pinned_staging=False`` (from pageable memory), then the defaults back: ``details.<section>_8step_s``;
+- ``offload_model_host_codes``, ``offload_model_pageable``: the same mode patched again with
+  ``Tuning(host_fp8_codes=True)`` (each return copies the FP8 codes back from the host, kept at the first
+  departure; off by default since round 34) and with ``pinned_staging=False`` (the originals cross from pageable
+  memory at each rebuild), then the defaults back: ``details.<section>_8step_s``;
 - ``offload_group``: hooks removed, ``transformer.enable_group_offload(block_level, 1 block per group,
   use_stream=True)``, the VAE on the GPU; one timed run (no warm-up: each run streams every weight 16 times):
   ``offload_group_8step_s``, its peak and graph refusals (expected: "offloading hook").
@@ -49,7 +50,7 @@ import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
 
-SECTIONS = ("resident", "offload_model", "offload_model_rebuild", "offload_model_pageable", "offload_group")
+SECTIONS = ("resident", "offload_model", "offload_model_host_codes", "offload_model_pageable", "offload_group")
 KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
         "resident_8step_s")
 
@@ -173,10 +174,10 @@ class OffloadJourney(H.Bench):
         self.report = qwen_absorb.patch(self.pipe)
 
     def offload_model_pageable(self) -> None:  # the originals cross from pageable memory at a rebuild
-        self._variant("offload_model_pageable", qwen_absorb.Tuning(pinned_staging=False, host_fp8_codes=False))
+        self._variant("offload_model_pageable", qwen_absorb.Tuning(pinned_staging=False))
 
-    def offload_model_rebuild(self) -> None:  # each return makes the FP8 codes again from the originals (round 32)
-        self._variant("offload_model_rebuild", qwen_absorb.Tuning(host_fp8_codes=False))
+    def offload_model_host_codes(self) -> None:  # each return copies the FP8 codes back from the host (opt-in)
+        self._variant("offload_model_host_codes", qwen_absorb.Tuning(host_fp8_codes=True))
 
     def _tiny_model_offload(self) -> None:
         self.pipe.enable_model_cpu_offload(device="cpu")
@@ -202,7 +203,7 @@ class OffloadJourney(H.Bench):
         if not s("build", self.build, [(R, k) for k in KEYS]):
             return 1
         fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]),
-                 "offload_model_rebuild": [], "offload_model_pageable": [], "offload_group": [KEYS[3]]}
+                 "offload_model_host_codes": [], "offload_model_pageable": [], "offload_group": [KEYS[3]]}
         for sec in self.a.sections:
             s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
         R.put("details.report", str(self.report)[:3000])

@@ -13,8 +13,9 @@ Unchanged means two things:
 
 A write through ``weight.data`` shows in neither, just as it does not show to a resident model's codes between
 decisions (PEFT's merges do show: a LoRA wrap or unwrap since the last decision forgets the block's codes).
-``patch()`` again catches up: it forgets these codes. ``Tuning.host_fp8_codes=False`` makes each return
-rebuild the codes from the originals.
+``patch()`` again catches up: it forgets these codes. Opt-in (``Tuning(host_fp8_codes=True)``): measured on an
+H100 it saved the GPU work but not the run's time, which the blocks' decisions at each return bound, for 19 GiB
+more host memory (``benchmarks/NOTES.md``, "Tuning defaults"); by default each return rebuilds the codes.
 """
 
 from __future__ import annotations

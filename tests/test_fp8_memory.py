@@ -300,6 +300,9 @@ def _away_and_back(model):
         H._release(block, torch.device("meta"))
 
 
+HOST_CODES = qwen_absorb.Tuning(host_fp8_codes=True)  # opt-in (off by default: benchmarks/NOTES.md)
+
+
 def _quantizations(monkeypatch):
     from qwen_absorb import quant
 
@@ -312,11 +315,11 @@ def _quantizations(monkeypatch):
 def test_a_model_back_on_its_device_takes_its_codes_from_the_host(fake_gpu, seed, monkeypatch):
     """Model offload: the first departure copies each real-FP8 linear's codes to the host, a return with unchanged
     sources copies them back and quantizes nothing, with the bits of a twin that rebuilds them
-    (``Tuning(host_fp8_codes=False)``). A second departure copies nothing again."""
+    (the default, ``host_fp8_codes=False``). A second departure copies nothing again."""
     model, kw = _fp8(seed)
     twin = copy.deepcopy(model)
-    qwen_absorb.patch(model, **REAL)
-    qwen_absorb.patch(twin, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
+    qwen_absorb.patch(twin, **REAL)  # the default: each return rebuilds the codes
     want = T.run_transformer(twin, kw)
     assert torch.equal(T.run_transformer(model, kw), want)
     codes = {(i, p): lp.weight.codes for i, b in enumerate(model.transformer_blocks)
@@ -342,8 +345,8 @@ def test_host_codes_follow_their_sources(fake_gpu, seed, monkeypatch):
     value) each make that linear's codes again on return, as the twin's; the others still come from the host."""
     model, kw = _fp8(seed)
     twin = copy.deepcopy(model)
-    qwen_absorb.patch(model, **REAL)
-    qwen_absorb.patch(twin, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
+    qwen_absorb.patch(twin, **REAL)  # the default: each return rebuilds the codes
     T.run_transformer(model, kw), T.run_transformer(twin, kw)
     _away_and_back(model), _away_and_back(twin)
     for m in (model, twin):
@@ -360,14 +363,14 @@ def test_host_codes_follow_their_sources(fake_gpu, seed, monkeypatch):
 
 def test_host_codes_are_forgotten_by_patch_and_unpatch(fake_gpu, seed):
     """``patch()`` again forgets them (a ``.data`` write shows to neither key: patch() is where it is seen), and
-    ``unpatch()`` frees them with the rest of the patch; ``host_fp8_codes=False`` keeps none."""
+    ``unpatch()`` frees them with the rest of the patch; the default (``host_fp8_codes=False``) keeps none."""
     model, kw = _fp8(seed)
-    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
     T.run_transformer(model, kw)
     _away_and_back(model)
     rts = [b.__dict__[PLAN_ATTR].rt for b in model.transformer_blocks]
     assert all(rt.host_codes for rt in rts)
-    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
     assert not any(rt.host_codes for rt in rts)
     T.run_transformer(model, kw)
     _away_and_back(model)
@@ -375,7 +378,7 @@ def test_host_codes_are_forgotten_by_patch_and_unpatch(fake_gpu, seed):
     assert all(rt.host_codes for rt in rts)
     qwen_absorb.unpatch(model)
     assert not any(rt.host_codes for rt in rts)
-    qwen_absorb.patch(model, **REAL, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    qwen_absorb.patch(model, **REAL)
     T.run_transformer(model, kw)
     _away_and_back(model)
     assert not any(b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks)
@@ -389,7 +392,7 @@ def test_a_lora_baked_in_while_away_is_served_on_return(fake_gpu, seed):
     peft = pytest.importorskip("peft")
     model, kw = _fp8(seed)
     twin = copy.deepcopy(model)
-    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
     before = T.run_transformer(model, kw)
     _away_and_back(model)
     assert all(b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks)
@@ -414,7 +417,7 @@ def test_a_copy_carries_no_host_codes(fake_gpu, seed):
     """A deep copy (or pickle) of a model whose codes are kept on the host starts without them: they would match
     none of the copy's weights, and for the 60-layer model they are 19 GiB. The copy still computes the same."""
     model, kw = _fp8(seed)
-    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(model, **REAL, tuning=HOST_CODES)
     want = T.run_transformer(model, kw)
     _away_and_back(model)
     assert all(b.__dict__[PLAN_ATTR].rt.host_codes for b in model.transformer_blocks)

@@ -104,11 +104,11 @@ def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
     """Model offload's move out and back: the block decides anew, and each host-kept weight is copied to the GPU
     once and fingerprinted and quantized there (no CPU read of the originals), giving the resident twin's bits; an
     in-place ``.data`` write made while the model was on the CPU (a PEFT merge's way) is still seen. Without the
-    codes kept on the host (``host_fp8_codes=False``): with them, the next test."""
+    codes kept on the host (the default, ``host_fp8_codes=False``): with them, the next test."""
     model = _model(5)
     twin = copy.deepcopy(model)
     qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    qwen_absorb.patch(model, cuda_graph=False, tuning=qwen_absorb.Tuning(host_fp8_codes=False))
+    qwen_absorb.patch(model, cuda_graph=False)
     kw = _inputs(model, 6)
     want = T.run_transformer(twin, kw)
     for w in HO.host_weights(model):  # patch() again compares a fingerprint taken on the host with these
@@ -130,15 +130,17 @@ def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
 def test_codes_come_back_from_the_host_after_a_round_trip(monkeypatch):
-    """The default: the first move to the CPU copies each real-FP8 linear's codes to the host; each return copies
-    them back, with no fingerprint or quantization of the originals, giving the resident twin's bits. A ``.data``
-    write made while away shows to no key: ``patch()`` again forgets the host codes, and the next return serves it."""
+    """Opted in (``host_fp8_codes=True``): the first move to the CPU copies each real-FP8 linear's codes to the
+    host; each return copies them back, with no fingerprint or quantization of the originals, giving the resident
+    twin's bits. A ``.data`` write made while away shows to no key: ``patch()`` again forgets the host codes, and
+    the next return serves it."""
     from qwen_absorb import quant
 
     model = _model(15)
     twin = copy.deepcopy(model)
     qwen_absorb.patch(twin, offload_original_weights=False, cuda_graph=False)
-    qwen_absorb.patch(model, cuda_graph=False)
+    on = qwen_absorb.Tuning(host_fp8_codes=True)
+    qwen_absorb.patch(model, cuda_graph=False, tuning=on)
     kw = _inputs(model, 16)
     want = T.run_transformer(twin, kw)
     assert torch.equal(T.run_transformer(model, kw), want)
@@ -158,7 +160,7 @@ def test_codes_come_back_from_the_host_after_a_round_trip(monkeypatch):
         assert not read, read
         model.to("cpu")
     changed = _write_through_data(model, twin, kw, 17)
-    qwen_absorb.patch(model, cuda_graph=False)  # on the CPU: forgets the host codes
+    qwen_absorb.patch(model, cuda_graph=False, tuning=on)  # on the CPU: forgets the host codes
     assert not any(stores)
     model.to(DEV)
     out = T.run_transformer(model, kw)
