@@ -1174,12 +1174,13 @@ def _count_launches(monkeypatch) -> collections.Counter:
     return launches
 
 
-def _graphed_once(runner, model, twin, kw) -> int:
-    """Two calls (capture if needed, then a replay), each equal to the ungraphed twin's; the id of the one graph."""
+def _graphed_once(runner, model, twin, kw) -> tuple[int, object]:
+    """Two calls (capture if needed, then a replay), each equal to the ungraphed twin's; the id of the one graph,
+    and the graph: the caller holds it, so that no later graph can be given the same id."""
     for _ in range(2):
         assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw)))
     (entry,) = runner._graphs.values()
-    return id(entry.graph)
+    return id(entry.graph), entry.graph
 
 
 @pytest.mark.slow
@@ -1204,13 +1205,13 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
         ("processor replaced", lambda b: setattr(b.attn, "processor", type(b.attn.processor)())),
     ]
     for label, step in stale_steps:
-        g = _graphed_once(runner, model, twin, kw)
+        g, held = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             handles = [step(blk), step(tblk)]
         assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
         assert launches[g] == n + 1 and runner.discarded_replays == d + 1, label  # launched, then discarded
-        assert not any(id(e.graph) == g for e in runner._graphs.values()), label
+        assert not any(e.graph is held for e in runner._graphs.values()), label
         for h in handles:
             if isinstance(h, torch.utils.hooks.RemovableHandle):
                 h.remove()  # a hooked submodule refuses graphs: take it off for the next step
@@ -1219,7 +1220,7 @@ def test_checks_around_the_launch_with_fake_graphs(fake_cuda, monkeypatch, seed)
         ("block decided anew", lambda b: qwen_absorb.block.redecide(b._qwen_absorb_plan, b, torch.device("cpu"), "t")),
     ]
     for label, step in moved_steps:
-        g = _graphed_once(runner, model, twin, kw)
+        g, held = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             step(blk)
@@ -1255,14 +1256,14 @@ def test_fp8_sources_are_checked_after_the_launch_with_fake_graphs(fake_cuda, mo
         ("bias moved", lambda b: scaled(b.attn.to_k.bias), False),
     ]
     for label, step, discarded in steps:
-        g = _graphed_once(runner, model, twin, kw)
+        g, held = _graphed_once(runner, model, twin, kw)
         n, d = launches[g], runner.discarded_replays
         with torch.no_grad():
             step(model.transformer_blocks[1])
             step(twin.transformer_blocks[1])
         assert torch.equal(_gcall(runner, model, kw), _first(_run(twin, kw))), label
         assert launches[g] == n + discarded and runner.discarded_replays == d + discarded, label
-        assert not any(id(e.graph) == g for e in runner._graphs.values()), label
+        assert not any(e.graph is held for e in runner._graphs.values()), label
     assert not fb, fb
 
 
