@@ -185,7 +185,7 @@ def test_pinned_staging_copies_the_same_bits(dtype, numel):
 
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
-# the default (pinned buffers, codes kept on the host), pageable copies, and the originals crossing every time
+# pinned buffers or pageable copies, each with the codes kept on the host (opt-in) or remade at each return
 @pytest.mark.parametrize("pinned,host", [(True, True), (False, True), (True, False), (False, False)])
 def test_round_trip_with_staging_matches_the_resident_twin(pinned, host):
     model = _model(8)
