@@ -105,7 +105,10 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
     qk = (img_q, img_k, txt_q, txt_k)
-    freqs = None if image_rotary_emb is None else (image_rotary_emb[0],) * 2 + (image_rotary_emb[1],) * 2
+    freqs = None
+    if image_rotary_emb is not None:  # unpacked as diffusers' processor does (a non-pair raises there too)
+        img_freqs, txt_freqs = image_rotary_emb
+        freqs = (img_freqs, img_freqs, txt_freqs, txt_freqs)
     joint_q = joint_k = None
     if plan.qk_fused and kernels and freqs is not None and _qk_ok(img_q, txt_q, image_rotary_emb, plan.qk_min_rows):
         outs = None

@@ -33,7 +33,8 @@ LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 @dataclass(frozen=True)
 class Tuning:
     """The measurement switches: which of two exact ways runs. In the plan, the graph key and the report (when not
-    default); each default is the faster way on the H200 (``benchmarks/NOTES.md``, "Tuning defaults")."""
+    default); each default is the faster way as measured (the H200; the offload switches on an H100; where two
+    ways tie, the one that holds less memory) (``benchmarks/NOTES.md``, "Tuning defaults")."""
 
     qk_fusion: bool = True  # the four q/k RMSNorm + RoPE chains as one qk_norm_rope launch (where bit-exact)
     qk_wide: bool = True  # qk_norm_rope's wide-lane kernel (16-byte vectors) where the layout allows

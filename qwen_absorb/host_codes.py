@@ -3,8 +3,9 @@
 Under ``enable_model_cpu_offload()`` the transformer leaves the GPU after every pipeline call. Each return is a
 decision, which made every FP8 weight again from its host-kept original: for the 60-layer model, 38 GiB across the
 bus, a content fingerprint and a quantization per linear. The codes depend only on the original and the weight
-quantizer's amax. So the first departure copies them to the host (19 GiB, once), and a return whose sources are
-unchanged copies them back (half the bytes, nothing computed).
+quantizer's amax. So, with ``Tuning(host_fp8_codes=True)`` (opt-in, see below), the first departure copies them to
+the host (19 GiB, once), and a return whose sources are unchanged copies them back (half the bytes, nothing
+computed); with the option off, :func:`keep` and :func:`take` only clear the store.
 
 Unchanged means two things:
 - the same original data: its identity, version counter, address and dtype. Every in-place write,
