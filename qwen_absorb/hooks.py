@@ -46,7 +46,6 @@ def forward_slots(module: nn.Module) -> Iterator[Slot]:
                (lambda f: object.__setattr__(module, "_old_forward", f)))
 
 
-
 def put_back(module: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool:
     """Put ``inner`` back in the slot of ``module`` holding ``me`` (``forward`` deleted where there was none, the
     class forward running again); False where no slot holds ``me``."""
@@ -58,6 +57,7 @@ def put_back(module: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool
                 set_(inner)
             return True
     return False
+
 
 def registry_hooks(module: nn.Module) -> dict[str, Any]:
     """diffusers' hooks on ``module`` by name (empty when it has no ``HookRegistry``)."""
