@@ -105,4 +105,13 @@ round34_c() {  # fewer minutes: the GPU files of the code trimmed in round 34 (o
   tail -6 "$OUT/gpu_tests_round34_c.log"
 }
 
+round35_a() {  # the whole GPU suite on round 34's final tree (the host-codes default flip, the rotary unpack), then
+  # the few-step cases, the VAE and the text encoder for the README's headline table (pipeline_<card>.json)
+  local t0=$SECONDS
+  suite "${SUITE_S:-260}"
+  timeout $((${LIMIT_S:-585} - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --cases 4step,8step \
+    --sections vae,te --budget-s $((${LIMIT_S:-585} - 15 - (SECONDS - t0))) > "$OUT/pipeline_1.log" 2>&1
+  grep -E "median|done in|te:|vae:" "$OUT/pipeline_1.log" | cut -c1-300 | tail -14
+}
+
 "${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round34_a|round34_b|round34_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
