@@ -15,14 +15,12 @@ cuda_graph=True)``. Order of work (keys of ``<out>/fp8_lora.json``):
    ``mem_after_unpatch_gib``;
 3. ``offload_original_weights=True`` + graphs: ``offload_graph_ms``, ``offload_model_gib``; unpatched;
 4. on the patched model ``model.add_adapter(LoraConfig(...))`` with the same LoRA weights, ``patch()`` again:
-   ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (which branches
-   ``ops.lora_add`` adds instead of cuBLAS's ``addmm_``: ``Tuning.lora_*_kernel``), those of ``LANE_VARIANTS``
-   (``ops.lane``'s lanes switched off: ``fp8_lora_no_lanes``, ``fp8_lora_no_branch_lane``; step 2 then also times
-   the no-LoRA call so, ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``), ``fp8_lora_no_fold``
-   (net[2]'s ``lora_A`` products read back from the GELU output, ``ops.lora_fold`` off),
-   ``fp8_lora_products_aside`` (the ``lora_A`` products on the branch lane beside their GEMMs,
-   ``Tuning.lora_products_aside``) and, with ``--tiles``,
-   every branch by the kernel at other tile geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
+   ``fp8_lora_graph_ms`` (the library's defaults), then the variants of ``LORA_VARIANTS`` (``fp8_lora_addmm``:
+   every branch by cuBLAS's ``addmm_``; ``fp8_lora_no_fold``: net[2]'s ``lora_A`` products read back from the GELU
+   output, ``ops.lora_fold`` off), those of ``LANE_VARIANTS`` (``ops.lane``'s lanes switched off:
+   ``fp8_lora_no_lanes``, ``fp8_lora_no_branch_lane``; step 2 then also times the no-LoRA call so,
+   ``fp8_graph_no_lanes_ms``, ``fp8_graph_no_branch_lane_ms``) and, with ``--tiles``, the defaults with
+   ``ops.lora_add``'s tiled kernel at other geometries (``fp8_lora_tiles_<rows>x<stages>x<blocks>_graph_ms``);
    ``results/fp8_lora_2cf64d7.json`` also holds the cuBLASLt epilogue variants measured at 2cf64d7
    (``benchmarks/cublaslt_fp8.py``),
    ``fp8_lora_real_linears`` (= ``report.summary["fp8_gemm_linears"]``, what the patch runs as real FP8);
@@ -49,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -220,22 +217,17 @@ class Bench(H.Bench):
                 for n, p in got.items():
                     p.copy_(self.lora_sd[n])
         self.repatched("fp8_lora", "lora_repatch_returned_the_previous_report")
-        if self.cuda:  # the same call with other switches (qwen_absorb.Tuning: which branches ops.lora_add adds)
+        if self.cuda:  # the same call with other switches (qwen_absorb.Tuning)
             from qwen_absorb.ops import lora_add  # noqa: PLC0415
 
-            names = ("lora_gelu_kernel", "lora_grouped_kernel", "lora_add_kernel")
-            saved = tuple(getattr(qwen_absorb.Tuning(), n) for n in names)
-            cases = [(case, sw, None, ()) for case, sw in LORA_VARIANTS.items() if case in self.a.variants]
-            cases += [(case, saved, None, off) for case, off in LANE_VARIANTS.items()
+            cases = [(case, qwen_absorb.Tuning(**sw), None) for case, sw in LORA_VARIANTS.items()
+                     if case in self.a.variants]
+            cases += [(case, lanes_off(*off), None) for case, off in LANE_VARIANTS.items()
                       if "no_lanes" in self.a.variants]
-            cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", (True, True, True), (r, st, mb), ())
+            cases += [(f"fp8_lora_tiles_{r}x{st}x{mb}", qwen_absorb.Tuning(), (r, st, mb))
                       for r, st, mb in self.a.tiles]
-            flags = {"no_fold": {"lora_fold": False}, "products_aside": {"lora_products_aside": True}}
-            cases += [(f"fp8_lora_{k}", saved, None, ()) for k in flags if k in self.a.variants]
             try:
-                for case, switches, tiles, off in cases:
-                    extra = next((v for k, v in flags.items() if case == f"fp8_lora_{k}"), {})
-                    tuning = dataclasses.replace(lanes_off(*off), **dict(zip(names, switches)), **extra)
+                for case, tuning, tiles in cases:
                     if tiles:
                         lora_add.configure_tiles(*tiles)
                     rep = self.patch(f"{case}_graph", tuning=tuning)
@@ -351,12 +343,10 @@ def markdown(d: dict[str, Any]) -> str:
 
 
 MODEL = {"layers": (60, 2), "side": (64, 4)}  # (default, --tiny)
-# Variants of the LoRA call timed after the default one: Tuning's (lora_gelu_kernel, lora_grouped_kernel, lora_add_kernel)
+# Variants of the LoRA call timed after the default one: the Tuning fields each sets
 LORA_VARIANTS = {
-    "fp8_lora_addmm": (False, False, False),  # every branch by cuBLAS's addmm_
-    "fp8_lora_gelu_kernel": (True, False, False),  # net[0]'s branch inside the GELU quantization
-    "fp8_lora_gelu_grouped_kernel": (True, True, False),  # + q/k/v of both streams in one launch
-    "fp8_lora_all_kernel": (True, True, True),  # every branch by ops.lora_add
+    "fp8_lora_addmm": {"lora_gelu_kernel": False},  # every branch by cuBLAS's addmm_
+    "fp8_lora_no_fold": {"lora_fold": False},  # net[2]'s lora_A products read back from the GELU output
 }
 
 
@@ -384,11 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
     ap.add_argument("--calib", type=int, default=2, help="calibration forwards (1-2)")
     ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v],
-                    default=[*LORA_VARIANTS, "no_lanes", "no_fold", "products_aside"],
-                    help=f"variants to time (comma-separated subset of {','.join(LORA_VARIANTS)},no_lanes,"
-                         "no_fold,products_aside; '' none)")
+                    default=[*LORA_VARIANTS, "no_lanes"],
+                    help=f"variants to time (comma-separated subset of {','.join(LORA_VARIANTS)},no_lanes; '' none)")
     ap.add_argument("--tiles", type=_tile_configs, default=[],
-                    help="also every branch by ops.lora_add with these tile geometries: 'rows,stages,min_blocks;...'")
+                    help="also the defaults with ops.lora_add's tiled kernel at these geometries: "
+                         "'rows,stages,min_blocks;...'")
     a = ap.parse_args(argv)
     if a.iters < 5 or a.warmup < 1:
         ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")

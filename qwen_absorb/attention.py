@@ -11,8 +11,8 @@ from . import lora
 from . import site_runners as R
 from .ops import lane
 from .ops.qk_norm_rope import launch as qkr_launch
-from .projection import (add_deferred, branch_products, fp8_linear, fp8_linear_into, nvfp4_linear, run_module,
-                         tp_linear, tp_shard_for, wait, writes_into)
+from .projection import (add_deferred, fp8_linear, fp8_linear_into, nvfp4_linear, run_module, tp_linear, tp_shard_for,
+                         wait, writes_into)
 from .attention21 import rope_fits
 from .sites import IMG_QKV, TXT_QKV, attention_functions
 
@@ -45,8 +45,7 @@ def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tenso
     if len(dtypes) != 1:
         return None
     out_dtype, layers = dtypes.pop(), [_module(attn, p) for p in lora_paths]
-    active = any(plan.linears[p].lora_active for p in lora_paths)
-    rows = branch_products(plan, lambda: lora.shared_input_branches(layers, act, out_dtype), act, active)
+    rows = lora.shared_input_branches(layers, act, out_dtype)
     return None if rows is None else dict(zip(lora_paths, rows))
 
 
@@ -79,7 +78,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
         if w_img.out_dtype == w_txt.out_dtype and w_img.codes.shape[0] == w_txt.codes.shape[0]:
             jv = torch.empty((seq_txt + seq_img, w_img.codes.shape[0]), dtype=w_img.out_dtype, device=dev)
     qkv = {}
-    deferred: list = []  # the six q/k/v LoRA branch sums, added in one launch once every GEMM is written
+    deferred: list = []  # the q/k/v LoRA branch sums (addmm_, output by output), added once every GEMM is queued
     streams = (("img", IMG_QKV, img_in, img_act, slice(seq_txt, None)),
                ("txt", TXT_QKV, txt_in, txt_act, slice(0, seq_txt)))
     for name, paths, x, act, rows in streams[::-1] if txt_lane else streams:  # the lane's work first: it forks
@@ -96,11 +95,11 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
                     y = _linear(attn, plan, p, x, act, compiling, works, br, defer)
                 ys.append(y.unflatten(-1, (-1, head_dim)))
             if r.on_lane and own:
-                add_deferred(plan, own)
+                add_deferred(own)
             r.give(*ys)
         qkv[name] = ys
     if deferred:
-        add_deferred(plan, deferred)
+        add_deferred(deferred)
     if txt_lane:
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]

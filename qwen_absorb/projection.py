@@ -11,16 +11,10 @@ import torch
 from torch import nn
 
 from . import lora
-from .ops import lane, lora_add, lora_fold
+from .ops import lora_add, lora_fold
 from .ops.quantize_fp8 import launch as qf8_launch
 from .parallel import TpShard, tp_shard
 from .plan import BlockPlan, LinearPlan
-
-
-def branch_products(plan: BlockPlan, fn: Any, x: torch.Tensor | None, active: bool = True) -> Any:
-    """``fn()`` (LoRA ``lora_A`` products of ``x``) on the branch lane where asked and a capture runs, else in line."""
-    t = plan.options.tuning
-    return lane.aside(fn, x) if active and t.lora_products_aside and "branch" in t.lanes else fn()
 
 
 @torch.compiler.disable
@@ -67,8 +61,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
         out = out + bias.to(out.dtype)
     out = out.reshape(*lead, out.shape[-1])
     if branches is not None:
-        out = out.contiguous()
-        add_products(plan, out.view(-1, out.shape[-1]), branches)
+        out = lora.add_products(out.contiguous(), branches)
     elif lp.lora:
         out = lora.add_branches(module, out, x)
     tp = lp.tp
@@ -95,16 +88,14 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     copy); the LoRA branches are added after the GEMM, or handed to ``defer``."""
     w = lp.weight
     a = codes.reshape(-1, codes.shape[-1])
-    prods = branches
-    if prods is None and lp.lora:
-        prods = branch_products(plan, lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
+    prods = lora.products(module, x, w.out_dtype) if branches is None and lp.lora else branches
     torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
         if defer is not None:
             defer.append((out, prods))
         else:
-            add_products(plan, out, prods)
+            lora.add_products(out, prods)
     elif lp.lora:  # PEFT's own expression (not in place): its result, where the view is
         y = lora.add_branches(module, out, x)
         if y is not out:
@@ -112,34 +103,10 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     return out
 
 
-def _kernel_branches(plan: BlockPlan, y: torch.Tensor, prods: lora.Products, switch: bool) -> bool:
-    """Whether :mod:`qwen_absorb.ops.lora_add` adds these branches to ``y`` [M, N] (else ``addmm_``)."""
-    if not (switch and plan.kernels) or torch.compiler.is_compiling():
-        return False
-    return all(type(s) is float and not lora_add.reasons(y, t, b) for t, b, s in prods)
-
-
-def add_products(plan: BlockPlan, y: torch.Tensor, prods: lora.Products) -> None:
-    """``y`` ([M, N]) plus each ``scaling * (x @ A.T) @ B.T`` in place: the kernel where asked, else ``addmm_``."""
-    lane.settle(y.device, "branch")
-    if prods and _kernel_branches(plan, y, prods, plan.options.tuning.lora_add_kernel):
-        for t, b, s in prods:
-            lora_add.add_([(y, t, b, s)], plan.options.tuning.lora_add_tiles)
-    else:
+def add_deferred(deferred: list) -> None:
+    """Add the branches :func:`fp8_linear_into` deferred, output by output, and empty ``deferred``."""
+    for y, prods in deferred:
         lora.add_products(y, prods)
-
-
-def add_deferred(plan: BlockPlan, deferred: list) -> None:
-    """Add the branches :func:`fp8_linear_into` deferred: the i-th branch of every output in one launch where it can."""
-    if deferred:
-        lane.settle(deferred[0][0].device, "branch")
-    if all(_kernel_branches(plan, y, prods, plan.options.tuning.lora_grouped_kernel) for y, prods in deferred):
-        depth = max((len(p) for _, p in deferred), default=0)
-        for i in range(depth):
-            lora_add.add_([(y, *prods[i]) for y, prods in deferred if i < len(prods)], plan.options.tuning.lora_add_tiles)
-    else:
-        for y, prods in deferred:
-            lora.add_products(y, prods)
     deferred.clear()
 
 
@@ -156,13 +123,13 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     w, lead = lp.weight, codes.shape[:-1]
     n = w.codes.shape[0]
     out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
-    prods = branch_products(plan, lambda: lora.products(module, x, w.out_dtype), x, lp.lora_active)
-    if not prods or not _kernel_branches(plan, out, prods, True):  # the two steps, on the products computed
+    prods = lora.products(module, x, w.out_dtype)
+    if not prods or any(type(s) is not float or lora_add.reasons(out, t, b) for t, b, s in prods):
+        # the two steps, on the products computed
         fp8_linear_into(codes, lp, plan, out, x, module, prods)
         _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
         return c, g, None
     fp8_linear_into(codes, lp, plan, out, x, module, prods[:-1])
-    lane.settle(out.device, "branch")
     t, b, s = prods[-1]
     fold = lora.foldable_branch(down_module, out.dtype, out.device) if act_out and down_module is not None else None
     if fold is not None and tuning.lora_fold and tuning.lora_add_tiles and not lora_fold.reasons(out, t, b, fold[0]):

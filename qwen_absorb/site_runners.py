@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from .ops._launch import contiguous_or_none as _c
 from .ops._validate import param_rows as _rows
 from .ops.bias_gate_residual import bias_gate_residual_reference, launch as bgr_launch
 from .ops.bias_residual_layer_norm_scale_shift import bias_residual_layer_norm_scale_shift_reference
 from .ops.bias_residual_layer_norm_scale_shift import launch as brln_launch
-from .ops.fp8 import quantize_fp8_reference
+from .ops.fp8 import quant_args, quantize_fp8_reference
 from .ops.layer_norm_scale import launch as ln_scale_launch, layer_norm_scale_reference
 from .ops.layer_norm_scale_shift import launch as lnss_launch, layer_norm_scale_shift_reference
-from .ops.quantize_fp8 import activation_reference, launch as qf8_launch
+from .ops.quantize_fp8 import activation_reference, launch as qf8_launch, split_reference
 from .ops.quantize_nvfp4 import launch as q4_launch, quantize_nvfp4_reference
 from .ops.swiglu import launch as swiglu_launch, swiglu_reference
 from .ops.tanh_gate_residual import launch as tgr_launch, tanh_gate_residual_reference
@@ -31,22 +32,13 @@ def _codes(out: torch.Tensor, amax: torch.Tensor | None, nvfp4_amax: torch.Tenso
     return quantize_fp8_reference(out, amax) if amax is not None else None
 
 
-def _c(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.contiguous() if t is not None else None
-
-
-def _quant_args(nq, device: torch.device) -> tuple[torch.Tensor | None, int]:
-    """A norm-input ``Fp8PerTensorQuant`` as the kernels' ``(amax, mode)`` (none: ``(None, 0)``)."""
-    return (nq.amax_fp32(device), nq.mode_for(device)) if nq is not None else (None, 0)
-
-
 # ---------------------------------------------------------------------------- Qwen-Image
 
 
 def layer_norm_scale_shift(mode, x, shift, scale, eps, index, fp8_amax=None, want_out=True, nq=None, nvfp4_amax=None):
     """norm1 + modulation: ``(out or None, codes / NVFP4 or None)``; ``nq``: the norm-input quantizer (kernels only)."""
     if mode == KERNEL:
-        amax, qm = _quant_args(nq, x.device)
+        amax, qm = quant_args(nq, x.device)
         return lnss_launch(x.contiguous(), _rows(shift), _rows(scale), eps, _c(index),
                            out=want_out or (fp8_amax is None and nvfp4_amax is None), fp8_amax=fp8_amax, amax=amax,
                            quant_mode=qm, nvfp4_amax=nvfp4_amax)
@@ -58,7 +50,7 @@ def bias_residual_layer_norm_scale_shift(mode, h, y, bias, gate, shift, scale, e
                                          want_out=True, nq=None, nvfp4_amax=None):
     """``h + gate * (y + bias)``, then norm + modulation: ``(new residual, out or None, second or None)``."""
     if mode == KERNEL:
-        amax, qm = _quant_args(nq, h.device)
+        amax, qm = quant_args(nq, h.device)
         return brln_launch(h.contiguous(), y.contiguous(), bias, _rows(gate), _rows(shift), _rows(scale), eps,
                            _c(index), amax, qm, out=want_out or (fp8_amax is None and nvfp4_amax is None),
                            fp8_amax=fp8_amax, nvfp4_amax=nvfp4_amax)
@@ -94,8 +86,7 @@ def quantize_fp8_split(mode, x, split, amax_a, amax_b):
     """The codes of ``x[:, :split]`` and ``x[:, split:]`` ([B, S, H, D] -> [B, n, H * D]) under two amaxes."""
     if mode == KERNEL:
         return qf8_launch(x, split, amax_a, amax_b)[:2]
-    flat = x.flatten(2, 3)
-    return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
+    return split_reference(x.flatten(2, 3), split, amax_a, amax_b)
 
 
 # ---------------------------------------------------------------------------- Qwen-Image-2.1

@@ -7,7 +7,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
 import qwen_absorb.ops as ops
-from qwen_absorb.ops import _runtime
+from qwen_absorb.ops import _runtime, lora_add
 
 EPS = 1e-6
 
@@ -25,6 +25,16 @@ def poison_allocator(nbytes: int, device: str = "cuda") -> None:
     """Fill the next cached blocks with 0xFF (NaN in every float dtype) and give them back."""
     blocks = [torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device).fill_(0xFF) for _ in range(3)]
     del blocks
+
+
+def lora_add_(problems, tiles: bool = True) -> None:
+    """``y += alpha * t @ B.T`` in place for each ``(y, t, B, alpha)`` (distinct ``y``) by ``ops.lora_add``'s kernels,
+    up to ``MAX_PROBLEMS`` a launch: their in-place form (ACT 0), which no library path runs; the sums it writes are
+    what the fused form (ACT 1) quantizes, so the GPU tests check the kernels' arithmetic by it."""
+    for i in range(0, len(problems), lora_add.MAX_PROBLEMS):
+        chunk = [p for p in problems[i:i + lora_add.MAX_PROBLEMS] if p[0].numel()]
+        if chunk:  # a smaller rank is zero-padded to the launch's k steps
+            lora_add._launch(0, chunk, max(lora_add.ksteps(t.shape[1]) for _, t, _, _ in chunk), tiles)
 
 
 def diffusers_modulate(x_normed, mod_params, index=None):

@@ -1,5 +1,5 @@
-"""GPU tests of ops.lane: work beside the caller's stream (LoRA lora_A products beside their FP8 GEMMs in CUDA
-graphs) gives the same bits as in line, and neither stream reuses memory the other may still read."""
+"""GPU tests of ops.lane: work beside the caller's stream (a product beside the caller's GEMMs, in CUDA graphs too)
+gives the same bits as in line, and neither stream reuses memory the other may still read."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 - The launcher's struct layout is the CUDA source's, field for field, and fits 512 bytes.
 - Every instance is registered for the compile test; the kernel refuses what it cannot take, with reasons.
-- The FP8 path's branch additions (``projection.add_products`` / ``add_deferred``) fall back to ``addmm_`` off
-  CUDA, in each output's own branch order, and equal the per-output sums.
+- The FP8 path's deferred branch additions (``projection.add_deferred``) are ``addmm_`` in each output's own
+  branch order: the per-output sums.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import struct
 import pytest
 import torch
 
-from qwen_absorb import lora, ops, projection
+from qwen_absorb import ops, projection
 from qwen_absorb.ops import _runtime
 from qwen_absorb.ops import lora_add
-from qwen_absorb.plan import Options
+
+from .ops_helpers import lora_add_
 
 
 def _kinds(body: str) -> str:
@@ -73,11 +74,6 @@ def test_staged_rows_fit_shared_memory_for_every_launch():
     assert bnb * (16 * 8 + 8) <= lora_add.SMEM_ELEMENTS
 
 
-class _Plan:
-    kernels = False
-    options = Options()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_deferred_branches_equal_per_output_sums(dtype):
     g = torch.Generator().manual_seed(3)
@@ -92,16 +88,10 @@ def test_deferred_branches_equal_per_output_sums(dtype):
         outs.append((y, prods))
         want.append(ref)
     deferred = list(outs)
-    projection.add_deferred(_Plan(), deferred)
+    projection.add_deferred(deferred)
     assert deferred == []
     for (y, _), ref in zip(outs, want):
         assert torch.equal(y, ref)
-    y = torch.randn(5, 8, generator=g).to(dtype)
-    prods = outs[0][1]
-    y2 = y.clone()
-    projection.add_products(_Plan(), y, prods)
-    lora.add_products(y2, prods)
-    assert torch.equal(y, y2)
 
 
 def test_tiled_kernel_constants_and_shared_memory():
@@ -161,7 +151,7 @@ def test_launches_pick_the_tiled_kernel_where_the_layout_allows(monkeypatch):
     y, t, b = torch.zeros(4096, 3072, dtype=bf), torch.zeros(4096, 64, dtype=bf), torch.zeros(3072, 64, dtype=bf)
     y2, t2 = torch.zeros(128, 3072, dtype=bf), torch.zeros(128, 32, dtype=bf)
     b2 = torch.zeros(3072, 32, dtype=bf)
-    lora_add.add_([(y, t, b, 0.5), (y2, t2, b2, 0.25)])
+    lora_add_([(y, t, b, 0.5), (y2, t2, b2, 0.25)])
     act, ks, tiles, grid, v = rec[-1]
     np_ = len(lora_add._PROBLEM)
     units = 64 * 24 + 2 * 24
@@ -169,15 +159,15 @@ def test_launches_pick_the_tiled_kernel_where_the_layout_allows(monkeypatch):
     assert v[np_ + lora_add._PROBLEM.index("i") + 4] == 64 * 24  # the second problem's first tile
     assert v[np_ * lora_add.MAX_PROBLEMS:np_ * lora_add.MAX_PROBLEMS + 3] == (2, units, 6) and grid == 264
     y3, t3, b3 = torch.zeros(77, 130, dtype=bf), torch.zeros(77, 12, dtype=bf), torch.zeros(130, 12, dtype=bf)
-    lora_add.add_([(y3, t3, b3, 1.0)])  # width and rank not multiples of 8: the row kernel
+    lora_add_([(y3, t3, b3, 1.0)])  # width and rank not multiples of 8: the row kernel
     assert rec[-1][2] is False and rec[-1][4][np_ * lora_add.MAX_PROBLEMS + 1:][:2] == (0, 0)
     codes, g = lora_add.add_gelu_fp8(y, t, b, 0.5, torch.tensor([2.0]), act_out=True)
     assert rec[-1][:3] == (1, 4, True) and codes.shape == y.shape and g is not None
     assert rec[-1][4][-3:] == (codes.data_ptr(), g.data_ptr(), rec[-1][4][-1]) and rec[-1][4][-1] != 0
-    lora_add.add_([(y, t, b, 0.5)], tiles=False)  # Tuning(lora_add_tiles=False)
+    lora_add_([(y, t, b, 0.5)], tiles=False)  # the row kernel, as Tuning(lora_add_tiles=False) asks
     assert rec[-1][2] is False
     lora_add.add_gelu_fp8(y, t, b, 0.5, torch.tensor([2.0]), tiles=False)
     assert rec[-1][2] is False
     monkeypatch.setattr(lora_add, "tile_slots", lambda device, ks: 0)  # a block does not fit: the row kernel
-    lora_add.add_([(y, t, b, 0.5)])
+    lora_add_([(y, t, b, 0.5)])
     assert rec[-1][2] is False

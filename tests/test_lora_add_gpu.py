@@ -2,12 +2,13 @@
 
     python -m pytest -q -m gpu tests/test_lora_add_gpu.py
 
-- ``add_``: ``y += alpha * t @ B.T`` against the exact sum (fp64) and cuBLAS's ``addmm_`` of the same operands:
-  never further from the exact value than one rounding of the accumulated sum allows, rarely a different bit
-  from cuBLAS; awkward shapes (ranks that are not multiples of 16 or 8, odd widths, partial tiles, strided views
-  of wider tensors whose other columns must stay untouched, several rank chunks), bf16 and fp16.
+- ``lora_add_`` (the kernels' in-place form): ``y += alpha * t @ B.T`` against the exact sum (fp64) and cuBLAS's
+  ``addmm_`` of the same operands: never further from the exact value than one rounding of the accumulated sum
+  allows, rarely a different bit from cuBLAS; awkward shapes (ranks that are not multiples of 16 or 8, odd widths,
+  partial tiles, strided views of wider tensors whose other columns must stay untouched, several rank chunks), bf16
+  and fp16.
 - Several outputs in one launch give each output's single-launch result bit for bit.
-- ``add_gelu_fp8``: bit for bit what ``add_`` followed by the GELU + e4m3 quantization kernel gives.
+- ``add_gelu_fp8``: bit for bit what ``lora_add_`` followed by the GELU + e4m3 quantization kernel gives.
 - The tiled kernel (``lora_add_tiles.cu``, the default where rows are 16-byte aligned and widths / ranks multiples
   of 8) gives ``lora_add_kernel``'s outputs bit for bit, both forms, on partial tiles, grouped launches and blocks
   that walk across column ranges and problems (few resident blocks forced); poisoned outputs.
@@ -21,7 +22,7 @@ import torch
 from qwen_absorb.ops import lora_add
 from qwen_absorb.ops.quantize_fp8 import quantize_fp8
 
-from .ops_helpers import poison_allocator
+from .ops_helpers import lora_add_, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,7 +72,7 @@ def test_add_is_the_addmm_sum(dtype, shape):
     exact = y.double() + alpha * (t.double() @ b.double().t())
     cublas = y.clone().addmm_(t, b.t(), alpha=alpha)
     before = big.clone()
-    lora_add.add_([(y, t, b, alpha)])
+    lora_add_([(y, t, b, alpha)])
     torch.cuda.synchronize()
     # untouched outside the view (NaN poison stays NaN where it was)
     mask = torch.ones_like(big, dtype=torch.bool)
@@ -99,10 +100,10 @@ def test_several_outputs_in_one_launch_equal_single_launches():
     for i, (m, n, r, wide, off) in enumerate(SHAPES[:6]):
         _, y, t, b = _operands(m, n, r, torch.bfloat16, seed=100 + i, wide=wide, offset=off)
         y1 = y.clone()
-        lora_add.add_([(y1, t, b, 0.5 + i)])
+        lora_add_([(y1, t, b, 0.5 + i)])
         singles.append(y1)
         probs.append((y, t, b, 0.5 + i))
-    lora_add.add_(probs)
+    lora_add_(probs)
     for (y, _, _, _), y1 in zip(probs, singles):
         assert torch.equal(y, y1)
 
@@ -121,7 +122,7 @@ def test_add_gelu_fp8_is_add_then_the_gelu_quantization(dtype, shape):
     codes_only, none = lora_add.add_gelu_fp8(y, t, b, alpha, amax, act_out=False)
     assert none is None and torch.equal(y, y_before)  # y is only read
     h = y.clone()
-    lora_add.add_([(h, t, b, alpha)])
+    lora_add_([(h, t, b, alpha)])
     want_g = torch.nn.functional.gelu(h, approximate="tanh")
     want_codes = quantize_fp8(h.unsqueeze(0), amax, activation="gelu_tanh")[0]
     assert torch.equal(g, want_g)
@@ -163,7 +164,7 @@ def test_tiled_kernel_equals_the_row_kernel(monkeypatch, dtype, shape):
 
     def add(tiles):
         out = y.clone()
-        lora_add.add_([(out, t, b, 0.8125)], tiles)
+        lora_add_([(out, t, b, 0.8125)], tiles)
         return out
 
     tiled, rows = _both_kernels(monkeypatch, add, y.numel() * y.element_size())
@@ -188,7 +189,7 @@ def test_tiled_blocks_walk_across_column_ranges_and_problems(monkeypatch, slots)
 
     def grouped(tiles):
         outs = [y.clone() for y, _, _, _ in probs]
-        lora_add.add_([(o, t, b, a) for o, (_, t, b, a) in zip(outs, probs)], tiles)
+        lora_add_([(o, t, b, a) for o, (_, t, b, a) in zip(outs, probs)], tiles)
         return outs
 
     tiled, rows = _both_kernels(monkeypatch, grouped)

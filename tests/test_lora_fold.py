@@ -190,7 +190,7 @@ def test_the_feedforward_hands_net2_the_folded_products(monkeypatch):
         return c, torch.nn.functional.linear(g, a2)
 
     monkeypatch.setattr(projection, "fp8_linear_into", gemm)
-    monkeypatch.setattr(projection, "_kernel_branches", lambda plan, y, prods, switch: True)
+    monkeypatch.setattr(lora_add, "reasons", lambda y, t, b: [])  # the CPU tensors: as if the kernel took them
     monkeypatch.setattr(lora_add, "add_gelu_fp8", gelu_ref)
     monkeypatch.setattr(lora_fold, "add_gelu_fp8_fold", fold_ref)
     monkeypatch.setattr(lora_fold, "reasons", lambda *a: [])

@@ -20,17 +20,16 @@ from .bias_residual_layer_norm_scale_shift import (
 )
 from .fp8 import Fp8PerTensorQuant, dequant_scale, quant_scale, quantize_fp8_reference
 from .layer_norm_scale import (
-    layer_norm_scale, layer_norm_scale_fp8, layer_norm_scale_fp8_reference, layer_norm_scale_not_supported_reasons,
-    layer_norm_scale_reference,
+    layer_norm_scale, layer_norm_scale_fp8, layer_norm_scale_not_supported_reasons, layer_norm_scale_reference,
 )
 from .layer_norm_scale_shift import (
-    layer_norm_scale_shift, layer_norm_scale_shift_fp8, layer_norm_scale_shift_fp8_reference,
-    layer_norm_scale_shift_not_supported_reasons, layer_norm_scale_shift_reference,
+    layer_norm_scale_shift, layer_norm_scale_shift_fp8, layer_norm_scale_shift_not_supported_reasons,
+    layer_norm_scale_shift_reference,
 )
 from .quantize_fp8 import quantize_fp8, quantize_fp8_split
 from .quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_not_supported_reasons, quantize_nvfp4_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_multi, qk_norm_rope_not_supported_reasons, qk_norm_rope_reference
-from .swiglu import swiglu, swiglu_fp8, swiglu_fp8_reference, swiglu_not_supported_reasons, swiglu_reference
+from .swiglu import swiglu, swiglu_fp8, swiglu_not_supported_reasons, swiglu_reference
 from .tanh_gate_residual import (
     tanh_gate_residual, tanh_gate_residual_not_supported_reasons, tanh_gate_residual_reference,
 )

@@ -1,16 +1,32 @@
-"""Per-token modulation rows of Qwen-Image-2.1 (``target_token_mask``), shared by its fused ops.
+"""Modulation rows as diffusers selects them, and the block norm, shared by the fused ops and their references.
 
-diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a mask every token uses its sample's row
-(``[B, D]``); with the mask (``[L]`` bool, True at target-image tokens) ``params`` has ``B + 1`` rows: target tokens
-use their sample's row, all others the trailing ``t = 0`` row ``B``. The kernels choose per token, without building
-the ``[B, L, D]`` tensor.
+Qwen-Image (:func:`expand_param`): each sample's row, or with ``index`` (2B rows) a per-token choice of two.
+Qwen-Image-2.1 (:func:`select_rows`), diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a
+mask every token uses its sample's row (``[B, D]``); with the mask (``[L]`` bool, True at target-image tokens)
+``params`` has ``B + 1`` rows: target tokens use their sample's row, all others the trailing ``t = 0`` row ``B``. The
+kernels choose per token, without building the ``[B, L, D]`` tensor.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._validate import check_device, check_same, check_tensor
+from ._validate import check_device, check_same, check_tensor, param_rows
+
+
+def expand_param(p: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """What QwenImageTransformerBlock._modulate makes of one chunk of the modulation parameters: ``p.unsqueeze(1)``
+    ([B, 1, D]), or with index (2B rows) ``torch.where(index[..., None] == 0, p[:B, None], p[B:, None])``."""
+    rows = param_rows(p)
+    if index is None:
+        return rows.unsqueeze(1)
+    b = rows.shape[0] // 2
+    return torch.where(index.unsqueeze(-1) == 0, rows[:b].unsqueeze(1), rows[b:].unsqueeze(1))
+
+
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """nn.LayerNorm(D, elementwise_affine=False, eps) as diffusers' block norms compute it."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, eps)
 
 
 def select_rows(params: torch.Tensor, target_token_mask: torch.Tensor | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import Kernels, contiguous_or_none, index_kind, outputs, ptr
-from ._modulation import expand_param
+from ._target_rows import expand_param
 from ._validate import check_bias, check_index, check_param, check_residual, param_rows
 
 # BiasGateResidualParams in the .cu: residual, x, bias, gate, out, index (pointers); gate_rs, B, L (int64); D,

@@ -15,7 +15,7 @@ import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import Kernels, amax_fp32, contiguous_or_none, index_kind, ptr
-from ._modulation import expand_param, layer_norm
+from ._target_rows import expand_param, layer_norm
 from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
 from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quant_args

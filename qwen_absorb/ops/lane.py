@@ -1,7 +1,7 @@
 """Second CUDA streams beside the caller's ("lanes"), for work that need not wait in line behind a GEMM.
 
 - ``"branch"``: kernels that read what a GEMM reads and are needed only after it (the next block's image modulation,
-  a LoRA ``lora_A`` product): :func:`aside` runs them there, :func:`settle` waits before the result is read.
+  beside the image FFN): :func:`aside` runs them there, :func:`settle` waits before the result is read.
 - ``"txt"``: a block's text stream (128 rows, latency-bound) beside the image stream (:func:`region`).
 
 Same kernels, same inputs: the same bits. Work inside a lane runs any other lane in line. Only while a CUDA graph is
@@ -166,11 +166,6 @@ def _on_lane(lane: Lane, fork: bool, reads: tuple) -> Iterator[Region]:
     r.hold(*reads)
     with torch.cuda.stream(lane.stream):
         yield r
-
-
-def pending(device: torch.device, name: str) -> bool:
-    lane = _local.lanes.get((device, name))
-    return lane is not None and lane.pending
 
 
 def settle(device: torch.device | None = None, name: str | None = None) -> None:

@@ -11,10 +11,9 @@ import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import Kernels, amax_fp32, contiguous_or_none, ptr
-from ._modulation import layer_norm
-from ._target_rows import check_rows, check_target_token_mask, row_stride, select_rows
+from ._target_rows import check_rows, check_target_token_mask, layer_norm, row_stride, select_rows
 from ._validate import check_activation, check_eps, check_fp8_amax
-from .fp8 import Fp8PerTensorQuant, quant_args, quantize_fp8_reference
+from .fp8 import Fp8PerTensorQuant, quant_args
 
 # LayerNormScaleParams in the .cu: x, out, out2, scale, mask, out2_amax, amax (pointers); scale_rs, B, L (int64);
 # D (int32), eps (float), quant_mode, vec_flags (int32)
@@ -26,13 +25,6 @@ def layer_norm_scale_reference(x: torch.Tensor, *, scale: torch.Tensor, eps: flo
                                target_token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers eager expression, op for op: ``norm(x) * (1 + _select_modulation_rows(scale))``."""
     return layer_norm(x, eps) * (1 + select_rows(scale, target_token_mask))
-
-
-def layer_norm_scale_fp8_reference(x: torch.Tensor, *, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
-                                   target_token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, out)``: the eager output and the reference quantizer applied to it."""
-    out = layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=target_token_mask)
-    return quantize_fp8_reference(out, fp8_amax), out
 
 
 def launch(

@@ -7,9 +7,8 @@ import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import Kernels, amax_fp32, contiguous_or_none, index_kind, ptr
-from ._modulation import expand_param, layer_norm
+from ._target_rows import expand_param, layer_norm
 from ._validate import check_activation, check_eps, check_fp8_amax, check_index, check_param, param_rows
-from .fp8 import quantize_fp8_reference
 
 # LayerNormScaleShiftParams in the .cu: x, out, out2, shift, scale, index, out2_amax, amax (pointers);
 # shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind, quant_mode, vec_flags (int32)
@@ -21,14 +20,6 @@ def layer_norm_scale_shift_reference(x: torch.Tensor, *, shift: torch.Tensor, sc
                                      index: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers eager expression, op for op."""
     return layer_norm(x, eps) * (1 + expand_param(scale, index)) + expand_param(shift, index)
-
-
-def layer_norm_scale_shift_fp8_reference(
-    x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, fp8_amax: torch.Tensor, eps: float = 1e-6,
-    index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, out)``: the eager output and the reference quantizer applied to it."""
-    out = layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index)
-    return quantize_fp8_reference(out, fp8_amax), out
 
 
 def launch(

@@ -1,12 +1,13 @@
-"""lora_add: a LoRA branch added to its linear's output in place, ``y += alpha * t @ B.T``, on tensor cores.
+"""lora_add: a LoRA branch ``y + alpha * t @ B.T`` on tensor cores; :func:`add_gelu_fp8` adds net[0].proj's last
+branch inside the GELU(tanh) + e4m3 quantization feeding net[2] (the sum never written).
 
 ``t`` = ``x @ A.T`` ([M, R]), ``B`` lora_B's weight ([N, R]), ``y`` the base output ([M, N]), all bf16 or all fp16.
 The sum is accumulated in fp32 and rounded once (``torch.addmm_``'s expression; cuBLAS's ``addmm_`` is not, at rank
->= 32, and the kernel is never further from the exact sum). :func:`add_gelu_fp8`: net[0].proj's last branch fused
-into the GELU(tanh) + e4m3 quantization feeding net[2] (the sum never written); :func:`add_`: in place, up to
-:data:`MAX_PROBLEMS` outputs in one launch. ``lora_add_tiles.cu`` (16-byte aligned rows, widths and ranks multiples
-of 8; faster) and ``lora_add.cu`` (any layout) compute the same sums bit for bit. Where :func:`reasons` refuses,
-callers run the torch expressions.
+>= 32, and the kernel is never further from the exact sum). The kernels' in-place form (ACT 0, up to
+:data:`MAX_PROBLEMS` outputs a launch) runs in no library path (it lost to ``addmm_`` in the call: NOTES.md), only
+in the GPU tests, which check the sums by it (``tests/ops_helpers.lora_add_``). ``lora_add_tiles.cu`` (16-byte
+aligned rows, widths and ranks multiples of 8; faster) and ``lora_add.cu`` (any layout) compute the same sums bit for
+bit. Where :func:`reasons` refuses, callers run the torch expressions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import kernel_runtime_reasons
+from ._launch import amax_fp32
 
 MAX_PROBLEMS = 6
 _THREADS = 256
@@ -176,15 +178,6 @@ def _launch(act: int, chunk: Sequence[Problem], ks: int, tiles: bool, codes: int
                                                                codes, act_out, amax)
 
 
-def add_(problems: Sequence[Problem], tiles: bool = True) -> None:
-    """Kernel: ``y += alpha * t @ B.T`` in place for each ``(y, t, B, alpha)`` (distinct, non-overlapping ``y``),
-    up to :data:`MAX_PROBLEMS` per launch (``tiles``: the tiled kernel where the layout allows)."""
-    for i in range(0, len(problems), MAX_PROBLEMS):
-        chunk = [p for p in problems[i:i + MAX_PROBLEMS] if p[0].numel()]
-        if chunk:  # a smaller rank is zero-padded to the launch's k steps
-            _launch(0, chunk, max(ksteps(t.shape[1]) for _, t, _, _ in chunk), tiles)
-
-
 def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, amax: torch.Tensor,
                  act_out: bool = False, tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel: ``(codes, g or None)`` with ``g = GELU_tanh(y + alpha * t @ B.T)`` (each rounded to y's dtype) and
@@ -194,7 +187,7 @@ def add_gelu_fp8(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float
     codes = torch.empty(y.shape, dtype=torch.float8_e4m3fn, device=y.device)
     g = torch.empty_like(y) if act_out else None
     if y.numel():
-        a = amax.float().reshape(1)  # held until the launch is queued
+        a = amax_fp32(amax)  # held until the launch is queued
         _launch(1, [(y, t, b, alpha)], ksteps(t.shape[1]), tiles, codes.data_ptr(), rt.ptr(g), a.data_ptr())
     return codes, g
 

@@ -14,6 +14,7 @@ import torch
 
 from . import _runtime as rt
 from . import lora_add
+from ._launch import amax_fp32
 
 CU = "lora_gelu_fold.cu"
 _THREADS = 512
@@ -114,7 +115,7 @@ def add_gelu_fp8_fold(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: 
     tiles_m, tiles_n = -(-m // _BM), n // _BN
     s = segments(tiles_m, tiles_n, _device_limits(y.device)[0])
     part = torch.empty((s, m, r2), dtype=torch.float32, device=y.device)
-    a = amax.float().reshape(1)
+    a = amax_fp32(amax)  # held until the launch is queued
     fold(tiles_m * s, y.data_ptr(), t.data_ptr(), b.data_ptr(), a2.data_ptr(), part.data_ptr(), codes.data_ptr(),
          a.data_ptr(), t.stride(0), b.stride(0), a2.stride(0), m, n, t.shape[1], r2, tiles_n, tiles_n // s, s,
          float(alpha))

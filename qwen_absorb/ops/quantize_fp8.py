@@ -104,12 +104,12 @@ def quantize_fp8_split(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b
     if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split <= x.shape[1]:
         raise ValueError(f"split must be an int in [0, {x.shape[1]}], got {split!r}")
     flat = x if x.dim() == 3 else x.flatten(2)
-    return dispatch(common_reasons([flat], force_reference), lambda: _split_reference(flat, split, amax_a, amax_b),
+    return dispatch(common_reasons([flat], force_reference), lambda: split_reference(flat, split, amax_a, amax_b),
                     lambda: torch.ops.qwen_absorb.quantize_fp8(x, split, amax_a, amax_b, ""),
                     lambda: launch(x, split, amax_fp32(amax_a), amax_fp32(amax_b))[:2])
 
 
-def _split_reference(flat, split, amax_a, amax_b):
+def split_reference(flat, split, amax_a, amax_b):  # flat: [B, S, D]; also the site runner's reference
     return quantize_fp8_reference(flat[:, :split], amax_a), quantize_fp8_reference(flat[:, split:], amax_b)
 
 
@@ -119,7 +119,7 @@ def _custom_op(x: torch.Tensor, split: int, amax_a: torch.Tensor, amax_b: torch.
     act = activation or None
     if kernel_usable_now(x):
         return launch(x, split, amax_fp32(amax_a), amax_fp32(amax_b), act)[:2]
-    return _split_reference(activation_reference(x if x.dim() == 3 else x.flatten(2), act), split, amax_a, amax_b)
+    return split_reference(activation_reference(x if x.dim() == 3 else x.flatten(2), act), split, amax_a, amax_b)
 
 
 @_custom_op.register_fake

@@ -21,15 +21,13 @@ from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import NVFP4_BLOCK as BLOCK
 from ._launch import amax_fp32, emit_reasons, require_plain  # noqa: F401  (emit_reasons: re-exported)
 from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
-from .quantize_fp8 import activation_reference
+from .quantize_fp8 import ACTIVATIONS, activation_reference  # the kernel's ACT: quantize_fp8.cu's numbering
 
 CU = "quantize_nvfp4.cu"
 THREADS = 256  # QA_NVFP4_THREADS
 GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
 # torch on CUDA divides by a Python scalar as a product with its float32 reciprocal; ModelOpt's scale is the CUDA one
 INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
-# the kernel's ACT: the activation computed (and rounded to x's dtype) before the quantization
-ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 # QuantizeNvfp4Params in the .cu: x, y, amax (pointers); rows, stride_row (int64); D, nblk (int32)
 LAYOUT = "3P2qii"
 

@@ -13,7 +13,6 @@ from . import _runtime as rt
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import amax_fp32, check_emit, outputs, ptr
 from ._validate import SUPPORTED_DTYPES, check_fp8_amax, check_same, check_tensor
-from .fp8 import quantize_fp8_reference
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
@@ -27,13 +26,6 @@ LAYOUT = "5Pqi"
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The diffusers eager expression: ``self.activation_fn(gate) * proj`` with ``nn.SiLU``."""
     return torch.nn.functional.silu(a) * b
-
-
-def swiglu_fp8_reference(a: torch.Tensor, b: torch.Tensor,
-                         fp8_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, out)``: the eager output and the reference quantizer applied to it."""
-    out = swiglu_reference(a, b)
-    return quantize_fp8_reference(out, fp8_amax), out
 
 
 _fns: dict[tuple, object] = rt.register_cache({})

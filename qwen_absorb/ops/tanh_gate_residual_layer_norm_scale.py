@@ -15,8 +15,8 @@ import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import Kernels, amax_fp32, contiguous_or_none, ptr
-from ._modulation import layer_norm
-from ._target_rows import check_clip, check_rows, check_target_token_mask, clip_reference, row_stride, select_rows
+from ._target_rows import (check_clip, check_rows, check_target_token_mask, clip_reference, layer_norm, row_stride,
+                           select_rows)
 from ._validate import check_eps, check_fp8_amax, check_residual
 from .fp8 import Fp8PerTensorQuant, quant_args
 

@@ -12,7 +12,7 @@
 // kernel's read of it. This kernel takes any layout but reaches only ~1.8-2.1 TB/s (152 against 158 us for addmm_ +
 // the quantization at 4096 x 12288, H200); lora_add_tiles.cu computes the same sums bit for bit at ~3 TB/s where
 // rows are 16-byte aligned and widths and ranks multiples of 8 (the launcher picks it there). Up to QA_LA_MAXP
-// problems with distinct outputs (q, k and v of both streams) share one launch.
+// problems with distinct outputs share one launch (ACT 0, which only the GPU tests run: it lost to addmm_ in the call).
 //
 // Tiles: a block is 8 warps of 16 rows each (128 rows) over a range of bnb columns (256 for ranks <= 64, 128 up to
 // 128; 64 for short problems, which need blocks more than reuse). KS = rank / 16 rounded up (1, 2, 4 or 8): each
