@@ -12,7 +12,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,23 +32,31 @@ from .sites import classes, classes21, model_classes, resolve, unwrap_peft
 log = logging.getLogger("qwen_absorb")
 
 _STATE_ATTR = "_qwen_absorb_state"
+_SECTIONS_ATTR = "_qwen_absorb_sections"  # on a pipeline: the report sections its own patch() wrote
 # on a pipeline: the VAE and the image processor its patch changed (_Patched), by the undo for each
 _PATCHED_PARTS = {"_qwen_absorb_vae": vae_room.unpatch, "_qwen_absorb_image_processor": vae_room.unpatch_postprocess}
 GRAPHS_21_AUTO = ("Qwen-Image-2.1: cuda_graph='auto' leaves the blocks eager: on the H200 per-block graphs were no "
                   "faster than the eager patched call (qwenimage21_h200_3341f42.md: FP8 79.2 vs 78.7 ms, bf16 "
                   "116.2 vs 115.4 ms) and hold one output per block; cuda_graph=True installs them")
-NOT_PATCHED_HERE = "not patched on this pipeline (a copy, an unpickled pipeline or one made by from_pipe: patch() it)"
+NOT_PATCHED_HERE = "not patched on this pipeline (a copy, a from_pipe sibling, a part set since patch(): patch() it)"
 
 
 class _Patched(weakref.ref):
     """A part a pipeline's patch changed (its VAE, its image processor), weakly: one swapped out since
-    (``pipe.vae = other``) is put back by the next ``patch`` or ``unpatch`` of the pipeline. A copy or pickle of the
-    pipeline holds None (its parts are its own)."""
+    (``pipe.vae = other``) is put back by the next ``patch`` or ``unpatch`` of the pipeline. A deep copy of the
+    pipeline follows the part's copy made by the same deep copy (the copy's part is patched too, so the copy's
+    ``unpatch`` must find it after a swap), else holds None, as a pickle does (its parts are its own)."""
 
     __slots__ = ()
 
     def __reduce__(self) -> tuple:
         return type(None), ()
+
+    def __deepcopy__(self, memo: dict) -> _Patched | None:
+        # only a part this deep copy copied: one swapped out before it belongs to the original, not to the copy
+        part = self()
+        copied = memo.get(id(part)) if part is not None else None
+        return type(self)(copied) if copied is not None else None
 
 
 @dataclass
@@ -271,15 +279,15 @@ def _activate(transformer: nn.Module, state: _PatchState) -> PatchReport:
 
 def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda_graph: str | bool, vae: bool,
            text_encoder: bool, walks: bool) -> PatchReport | None:
-    """A pipeline's VAE decode, prompt encoding and module walks; each one asked for False is undone."""
+    """A pipeline's VAE decode, prompt encoding and module walks, their sections in ``report.parts`` and on the
+    pipeline; each one asked for False is undone and has none."""
     if target is transformer or not hasattr(target, "transformer"):
         return report
-    parts = report.parts if report is not None else {}
+    parts: dict[str, Any] = {}
     if walks:
         parts["pipeline"] = walks_room.patch(target)
     else:
         walks_room.unpatch(target)
-        parts.pop("pipeline", None)
     pipe_vae, proc = getattr(target, "vae", None), getattr(target, "image_processor", None)
     for (attr, undo), now in zip(_PATCHED_PARTS.items(), (pipe_vae, proc)):
         held = target.__dict__.pop(attr, None)
@@ -300,6 +308,10 @@ def _rooms(target: Any, transformer: nn.Module, report: PatchReport | None, cuda
         parts["text_encoder"] = text_encoder_room.patch(target, cuda_graph=False if cuda_graph is False else "auto")
     else:
         text_encoder_room.unpatch(target)
+    if report is not None:
+        report.parts = target.__dict__[_SECTIONS_ATTR] = parts
+    elif (own := target.__dict__.pop(_SECTIONS_ATTR, None)) and "pipeline" in own:  # unpatch: a kept report
+        own["pipeline"].on, own["pipeline"].reason = False, "unpatched"  # says so (the rooms' slots mark theirs)
     return report
 
 
@@ -428,9 +440,6 @@ def unpatch(target: Any) -> None:
     transformer = hooks.resolve_transformer(target, model_classes())
     _rooms(target, transformer, None, False, vae=False, text_encoder=False, walks=False)
     state = transformer.__dict__.pop(_STATE_ATTR, None)
-    walks = state.report.parts.get("pipeline") if state is not None and target is not transformer else None
-    if walks is not None:  # (the VAE and prompt sections say so themselves)
-        walks.on, walks.reason = False, "unpatched"
     for block in getattr(transformer, "transformer_blocks", []):
         if state is None or not any(rec.block is block for rec in state.records):
             _strip(block)
@@ -446,23 +455,26 @@ def unpatch(target: Any) -> None:
 
 
 def patch_report(target: Any) -> PatchReport | None:
-    """The report of the active patch on ``target``, or None. For a pipeline, its sections are read from that
-    pipeline as it is now (pipelines made by ``from_pipe`` share the transformer and so its report)."""
+    """The report of the active patch on ``target``, or None. For a pipeline, a view of its transformer's report
+    (shared by ``from_pipe`` siblings) with that pipeline's sections as it is now: what runs there, else the section
+    its own ``patch`` wrote where that says why it is off, else NOT_PATCHED_HERE; for the names its own ``patch``
+    wrote (never patched: those of the transformer's report)."""
     transformer = hooks.resolve_transformer(target, model_classes())
     state = transformer.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return None
-    if target is not transformer and hasattr(target, "transformer"):
-        _read_sections(target, state.report.parts)
-    return state.report
-
-
-def _read_sections(pipe: Any, parts: dict[str, Any]) -> None:
-    """The pipeline's sections that ``patch`` wrote, as ``pipe`` has them now."""
-    if "pipeline" in parts:
-        on = isinstance(pipe, walks_room.FastWalks)
-        parts["pipeline"] = walks_room.WalksReport(on, "" if on else walks_room.refusal(pipe) or NOT_PATCHED_HERE)
-    for name, now, cls in (("vae", vae_room.report_of(getattr(pipe, "vae", None)), vae_room.VaeReport),
-                           ("text_encoder", text_encoder_room.report_of(pipe), text_encoder_room.TextEncoderReport)):
-        if name in parts:
-            parts[name] = now if now is not None else cls(on=False, reasons=[NOT_PATCHED_HERE])
+    if state is None or target is transformer or not hasattr(target, "transformer"):
+        return state.report if state is not None else None
+    own = target.__dict__.get(_SECTIONS_ATTR)
+    vae = vae_room.report_of(getattr(target, "vae", None))
+    proc = getattr(getattr(target, "image_processor", None), "__dict__", {}).get("postprocess")
+    if vae is not None and vae.postprocess != isinstance(proc, vae_room.FastPostprocess):
+        vae = replace(vae, postprocess=not vae.postprocess)  # the VAE's section, this pipeline's processor
+    now = {"pipeline": walks_room.WalksReport(True) if isinstance(target, walks_room.FastWalks) else None,
+           "vae": vae, "text_encoder": text_encoder_room.report_of(target)}
+    off = {"pipeline": walks_room.WalksReport(False, NOT_PATCHED_HERE),
+           "vae": vae_room.VaeReport(on=False, reasons=[NOT_PATCHED_HERE]),
+           "text_encoder": text_encoder_room.TextEncoderReport(on=False, reasons=[NOT_PATCHED_HERE])}
+    parts = {}
+    for name in own if own is not None else state.report.parts:
+        had = (own or {}).get(name)
+        parts[name] = now[name] or (had if had is not None and not had.on else off[name])
+    return replace(state.report, parts=parts)

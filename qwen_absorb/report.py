@@ -190,9 +190,10 @@ class PatchReport:
 
     def _live(self) -> Any:
         st = self._state() if self._state is not None else None
-        if st is None or st.report is not self or not st.active:
+        if st is None or not st.active:
             return None
-        self._seen = {"dtype": st.dtype(), "graph": st.graph.describe() if st.graph is not None else None}
+        # in place: a pipeline's view (patch_report) shares it, and so what was last seen after unpatch
+        self._seen.update(dtype=st.dtype(), graph=st.graph.describe() if st.graph is not None else None)
         return st
 
     def freeze(self) -> None:

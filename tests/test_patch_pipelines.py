@@ -9,6 +9,8 @@ import torch
 from PIL import Image
 
 import qwen_absorb
+from qwen_absorb import pipeline_walks
+from qwen_absorb.patch import NOT_PATCHED_HERE
 from . import builders as T
 
 PIPELINES = [
@@ -108,10 +110,15 @@ def test_qwen_image_pipeline_quantized_deferred(seed):
     assert torch.equal(_run(pipe, seed + 2, **kw), ref)
 
 
+def _lines(report):
+    return {name: part.line() for name, part in report.parts.items()}
+
+
 def test_pipeline_sections_read_true_for_copies_and_shared_transformers(seed):
     """``patch_report(pipe)`` reads the pipeline's own sections: a deep copy of a patched pipeline is of diffusers'
-    class (its walks are not patched: it said on), and two pipelines sharing a transformer through ``from_pipe``
-    each see their own prompt-encoding section (the second patch overwrote the first's)."""
+    class (its walks are not patched: it said on), and a ``from_pipe`` sibling sharing the transformer, patched with
+    ``text_encoder=False``, reads as a pipeline patched alone with that argument (it said "patch() it" for the
+    prompt encoding the user turned off) while the first pipeline keeps its own."""
     import copy
 
     from diffusers import QwenImagePipeline
@@ -120,17 +127,68 @@ def test_pipeline_sections_read_true_for_copies_and_shared_transformers(seed):
 
     pipe = tiny_text_pipeline(seed=seed % 1000)
     qwen_absorb.patch(pipe)
+    mine = _lines(qwen_absorb.patch_report(pipe))
     assert qwen_absorb.patch_report(pipe).parts["pipeline"].on
     twin = copy.deepcopy(pipe)
     sec = qwen_absorb.patch_report(twin).parts["pipeline"]
-    assert not sec.on and "patch() it" in sec.reason
-    assert qwen_absorb.patch_report(pipe).parts["pipeline"].on  # the original's own again
+    assert not sec.on and sec.reason == NOT_PATCHED_HERE
     other = QwenImagePipeline.from_pipe(pipe)
     assert other.transformer is pipe.transformer
+    alone = tiny_text_pipeline(seed=seed % 1000)
     qwen_absorb.patch(other, text_encoder=False)
-    te = qwen_absorb.patch_report(other).parts["text_encoder"]
-    assert not te.on and "patch() it" in te.reasons[0]
-    assert qwen_absorb.patch_report(pipe).parts["text_encoder"].on
+    assert _lines(qwen_absorb.patch_report(other)) == _lines(qwen_absorb.patch(alone, text_encoder=False))
+    assert "text_encoder" not in qwen_absorb.patch_report(other).parts  # the user's choice, as patch() said it
+    assert _lines(qwen_absorb.patch_report(pipe)) == mine
     assert qwen_absorb.patch_report(pipe).parts["vae"] is qwen_absorb.patch_report(other).parts["vae"]  # one VAE
-    qwen_absorb.unpatch(other)
+    for p in (other, pipe, alone):
+        qwen_absorb.unpatch(p)
+
+
+def test_refused_sections_keep_their_reasons(seed, monkeypatch):
+    """A section ``patch()`` refused (the walks of other diffusers code, a VAE with a hook inside, no text encoder)
+    reads as ``patch()`` said it (it read "not patched on this pipeline"), and a section turned off by patching
+    again stays out, as for a pipeline patched so at once (it read "not patched on this pipeline")."""
+    from .test_text_encoder_patch import tiny_text_pipeline
+
+    monkeypatch.setattr(pipeline_walks, "MIRRORED_SHA256", "0" * 16)
+    pipe = T.tiny_pipeline(seed=seed)
+    pipe.vae.decoder.conv_in.register_forward_hook(lambda *a: None)
+    said = _lines(qwen_absorb.patch(pipe))
+    assert set(said) == {"pipeline", "vae", "text_encoder"}
+    assert not any(part.on for part in qwen_absorb.patch_report(pipe).parts.values())
+    assert _lines(qwen_absorb.patch_report(pipe)) == said and NOT_PATCHED_HERE not in str(said)
+    qwen_absorb.unpatch(pipe)
+    pipe, alone = tiny_text_pipeline(seed=seed % 1000), tiny_text_pipeline(seed=seed % 1000)
+    qwen_absorb.patch(pipe)
+    qwen_absorb.patch(pipe, vae=False, text_encoder=False)  # the same transformer arguments: its patch is kept
+    assert _lines(qwen_absorb.patch_report(pipe)) == _lines(qwen_absorb.patch(alone, vae=False, text_encoder=False))
+    qwen_absorb.unpatch(pipe)
+    qwen_absorb.unpatch(alone)
+
+
+def test_a_deep_copy_of_a_pipeline_with_parts_swapped_after_patch(seed):
+    """``pipe.image_processor = other`` and ``pipe.vae = other`` after ``patch(pipe)``, then ``copy.deepcopy(pipe)``:
+    the copy computes as an unpatched twin given the same swaps, holds nothing of the original's, and its report
+    and the original's say what runs there (the VAE section said the PIL conversion ran on the device after the
+    processor was swapped for an unpatched one, in the copy too)."""
+    import copy
+
+    pipe, twin = T.tiny_pipeline(seed=seed), T.tiny_pipeline(seed=seed)
+    qwen_absorb.patch(pipe)
+    proc = copy.deepcopy(twin.image_processor)  # a fresh processor, as a user would build one
+    pipe.image_processor, twin.image_processor = proc, copy.deepcopy(proc)
+    for p in (pipe, copy.deepcopy(pipe)):
+        vae = qwen_absorb.patch_report(p).parts["vae"]
+        assert vae.on and vae.postprocess is ("postprocess" in p.image_processor.__dict__) is False
+    vae = T.tiny_vae(seed=seed + 7)
+    pipe.vae, twin.vae = vae, copy.deepcopy(vae)
+    copied = copy.deepcopy(pipe)
+    assert copied.__dict__["_qwen_absorb_vae"] is copied.__dict__["_qwen_absorb_image_processor"] is None
+    for p in (pipe, copied):
+        assert qwen_absorb.patch_report(p).parts["vae"].reasons == [NOT_PATCHED_HERE]
+    kw = _embeds(seed)
+    assert torch.equal(_run(copied, seed + 2, **kw), _run(twin, seed + 2, **kw))
+    qwen_absorb.unpatch(copied)
+    assert "_decode" not in copied.vae.__dict__ and "postprocess" not in copied.image_processor.__dict__
+    assert torch.equal(_run(copied, seed + 2, **kw), _run(twin, seed + 2, **kw))
     qwen_absorb.unpatch(pipe)

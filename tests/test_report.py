@@ -163,3 +163,28 @@ def test_a_block_replaced_after_patch_reads_as_what_runs(seed):
     assert "blocks patched 2/3" in str(report)
     report = qwen_absorb.patch(model)  # patched again: the new block too
     assert report.summary["blocks_patched"] == n and report.blocks[1].patched
+
+
+@torch.no_grad()
+def test_a_pipeline_view_leaves_what_others_see_and_stays_live(seed):
+    """``patch_report(sibling)`` of a ``from_pipe`` sibling (one transformer, one report) is a view for that
+    pipeline: the first pipeline's report, and ``patch_report(transformer)``, keep their sections (asking about the
+    sibling rewrote them); the view counts what runs and says when the patch ends, as the report does."""
+    from diffusers import QwenImagePipeline
+
+    pipe = T.tiny_pipeline(seed=seed)
+    report = qwen_absorb.patch(pipe)
+    said = {name: part.line() for name, part in report.parts.items()}
+    view = qwen_absorb.patch_report(QwenImagePipeline.from_pipe(pipe))
+    assert not view.parts["pipeline"].on and "module walks (not patched on this pipeline" in str(view)
+    assert {name: part.line() for name, part in report.parts.items()} == said
+    assert qwen_absorb.patch_report(pipe.transformer) is report
+    assert {name: part.line() for name, part in qwen_absorb.patch_report(pipe).parts.items()} == said
+    embeds, mask = T.tiny_prompt_embeds(seed=seed % 1000)
+    pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, num_inference_steps=2, height=32, width=32,
+         output_type="latent")
+    assert view.active and view.runtime_fallbacks == report.runtime_fallbacks and sum(view.runtime_fallbacks.values())
+    assert view.summary == report.summary and view.dtype == report.dtype == "float32"
+    qwen_absorb.unpatch(pipe)
+    assert not view.active and not report.active and view.dtype == "float32"
+    assert str(view).startswith("qwen_absorb PatchReport (unpatched)")

@@ -247,8 +247,8 @@ def test_bad_arguments_are_clear_errors():
 
 def test_a_vae_swapped_out_after_patch_is_put_back(seed):
     """``pipe.vae = other`` after ``patch(pipe)``: the next ``unpatch(pipe)`` (or ``patch(pipe)``) puts the old
-    VAE's decode back too, so that code still holding it gets diffusers' decode; a pickled or copied pipeline
-    carries no reference to it."""
+    VAE's decode back too, so that code still holding it gets diffusers' decode; a pickled pipeline carries no
+    reference to it, a deep copy one to its own copy of the VAE."""
     import pickle
 
     pipe = builders.tiny_pipeline()
@@ -264,9 +264,39 @@ def test_a_vae_swapped_out_after_patch_is_put_back(seed):
     assert "_decode" not in swapped.__dict__ and "_decode" in old.__dict__
     copied = pickle.loads(pickle.dumps(pipe))
     assert copied.__dict__["_qwen_absorb_vae"] is None
-    assert copy.deepcopy(pipe).__dict__["_qwen_absorb_vae"] is None  # a deep copy follows no VAE of ours either
+    twin = copy.deepcopy(pipe)
+    assert twin.__dict__["_qwen_absorb_vae"]() is twin.vae is not old
     qwen_absorb.unpatch(pipe)
     assert "_decode" not in old.__dict__ and "_qwen_absorb_vae" not in pipe.__dict__
+
+
+@torch.no_grad()
+def test_a_deep_copy_unpatched_after_a_swap_gives_its_parts_back(seed):
+    """``patch(pipe)``, ``c = copy.deepcopy(pipe)``, ``c.vae = other`` (or ``c.image_processor = other``),
+    ``unpatch(c)``: the copy's first VAE (image processor) is diffusers' again, as an unpatched twin's given the same
+    actions (the copy's record of it was None, so it stayed patched), and the original keeps its patch."""
+    z = _z(seed)
+    image = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    for name, attr in (("vae", "_decode"), ("image_processor", "postprocess")):
+        pipe, twin = builders.tiny_pipeline(seed=seed % 1000), builders.tiny_pipeline(seed=seed % 1000)
+        qwen_absorb.patch(pipe)
+        copied, twin = copy.deepcopy(pipe), copy.deepcopy(twin)
+        first, twin_first = getattr(copied, name), getattr(twin, name)
+        assert attr in first.__dict__ and first is not getattr(pipe, name) and attr not in twin_first.__dict__
+        other = copy.deepcopy(twin_first)  # a fresh part, never patched
+        for p in (copied, twin):
+            setattr(p, name, copy.deepcopy(other))
+            qwen_absorb.unpatch(p)
+        assert attr not in first.__dict__, name
+        if name == "vae":
+            assert torch.equal(first.decode(z).sample, twin_first.decode(z).sample)
+        else:
+            got, want = (proc.postprocess(image, output_type="pt") for proc in (first, twin_first))
+            assert torch.equal(got, want)
+        kept = getattr(pipe, name)
+        assert attr in kept.__dict__ and pipe.__dict__[f"_qwen_absorb_{name}"]() is kept
+        qwen_absorb.unpatch(pipe)
+        assert attr not in kept.__dict__
 
 
 def test_an_image_processor_swapped_out_after_patch_is_put_back():
