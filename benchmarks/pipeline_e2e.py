@@ -340,6 +340,9 @@ class E2E(H.Bench):
             finally:
                 te_room.unpatch(pipe)
             b, why = H.busy(r)
+            # where the GPU idles in the profiled call: before its first kernel and after its last (host work,
+            # ``idle_outside_span_ms``) or between kernels (``idle_in_span_ms``, a graph's own gaps included)
+            self.R.put(f"details.{key}_idle", (r.get("profile") or {}).get("idle"), why)
             if patched:
                 self.R.put("te_encode_ms", round(r["median_ms"], 4))
                 self.R.put("te_gpu_busy_ms", b and round(b, 4), why)
@@ -348,8 +351,10 @@ class E2E(H.Bench):
                 self.R.put("details.te_encode_unpatched_ms", round(r["median_ms"], 4))
                 self.R.put("details.te_unpatched_gpu_busy_ms", b and round(b, 4), why)
         self.R.put("details.te_bit_identical", torch.equal(outs["te_encode"], outs["te_encode_unpatched"]))
+        idle = self.R.get("details.te_encode_idle") or {}
         H.log(f"  te: {self.R.get('details.te_encode_unpatched_ms')} -> {self.R.get('te_encode_ms')} ms, busy "
-              f"{self.R.get('te_gpu_busy_ms')}, same bits {self.R.get('details.te_bit_identical')}, {graphs}")
+              f"{self.R.get('te_gpu_busy_ms')}, idle in span {idle.get('idle_in_span_ms')} / outside "
+              f"{idle.get('idle_outside_span_ms')} ms, same bits {self.R.get('details.te_bit_identical')}, {graphs}")
 
     def run(self) -> int:
         s, R, cases = self.steps, self.R, self.a.cases

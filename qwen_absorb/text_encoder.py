@@ -7,9 +7,12 @@ method computes, bit for bit, moving where the work runs:
 - on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232 kernels
   for 7.4 ms of GPU work at 110 tokens). Under capture transformers would build an explicit attention mask instead
   of SDPA's causal flag, so the warm-up's masks are replayed there (:class:`MaskConstants`);
-- the masked rows are gathered with lengths from the host mask (diffusers' ``tolist()`` on the device mask syncs).
-The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) empties the cache and
-drops the graphs. Hooked encoders (offloading) run eager; the cache still applies.
+- an unhooked stock encoder runs as its base model: ``lm_head``'s logits (1.1 GB of weights read) go unused;
+- the rows are planned on the host mask and copied with the inputs (diffusers reads the device mask after the
+  encoder): nothing after the replay's launch waits for the device.
+The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) of the modules a text
+prompt runs (not the vision tower) empties the cache and drops the graphs. Hooked encoders (offloading) run eager,
+whole; the cache still applies.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import torch
 from torch import nn
 
 from . import lora
-from .component_patch import HOOK_DICTS, ComponentReport, Slot, current, install, remove
+from .component_patch import ComponentReport, Slot, current, install, remove
+from .hooks import HOOK_DICTS
 from .gating import check_tristate
 from .pipeline_walks import source_hash
 from .report import counts
 from .watch import Watch
 
-CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (same operations; cache keyed on the exact inputs)"
+CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (its logits not made; cache keyed on the exact inputs)"
 # source_hash of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds (copied in Img2Img, Inpaint,
 # ControlNet). Edit and Layered pipelines and other versions' are left alone.
 REPLICATED = frozenset({"a4173bdc2ad8840d"})
@@ -41,6 +45,8 @@ _PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_c
 # hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
 # decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
 _CAPTURED_HOOKS = frozenset({"transformers.utils.output_capturing"})
+# transformers' Qwen2.5-VL forward: ``self.model(...)`` (the hidden states), then ``lm_head`` (the logits)
+_STOCK_FORWARD = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration.forward")
 
 
 @dataclass
@@ -84,8 +90,7 @@ def _static_reasons(pipe: Any) -> list[str]:
     return reasons
 
 
-def _watch(te: nn.Module) -> Watch:
-    mods = list(te.modules())
+def _watch(mods: list[nn.Module]) -> Watch:
     tensors = [(m, d, n) for m in mods for d in ("_parameters", "_buffers") for n in m.__dict__[d]]
     entries = [(m, "_modules", n) for m in mods for n in m._modules]
     entries += [(m, "__dict__", "forward") for m in mods]
@@ -102,17 +107,15 @@ def _foreign(m: nn.Module) -> list:
             if getattr(getattr(fn, "func", fn), "__module__", None) not in _CAPTURED_HOOKS]
 
 
-def _foreign_hooks(te: nn.Module) -> tuple:
-    return tuple((id(m), id(fn)) for m in te.modules() for fn in _foreign(m))
+def _foreign_hooks(mods: list[nn.Module]) -> tuple:
+    return tuple((id(m), id(fn)) for m in mods for fn in _foreign(m))
 
 
-def _hooked(te: nn.Module) -> str | None:
+def _hooked(mods: list[nn.Module]) -> str | None:
     """Why a replay of the encoder would skip something its call runs (None: nothing)."""
-    if hasattr(te, "_hf_hook") or "forward" in te.__dict__:
-        return "the text encoder's forward is wrapped (offloading or another hook)"
-    for m in te.modules():
-        if "forward" in m.__dict__:
-            return f"{type(m).__name__}'s forward is replaced"
+    for m in mods:
+        if hasattr(m, "_hf_hook") or "forward" in m.__dict__:
+            return f"{type(m).__name__}'s forward is wrapped (offloading or another hook)"
         if _foreign(m):
             return f"{type(m).__name__} carries hooks"
     return None
@@ -173,6 +176,21 @@ def _key_of(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
+def _plan(mask: torch.Tensor, drop_idx: int) -> tuple[torch.Tensor, int, bool]:
+    """diffusers' rows (each prompt's masked-in tokens from ``drop_idx`` on, padded to the longest) from the host
+    mask: the output mask (B, W), then each row's index into the flattened hidden states (0 where padded), in one
+    tensor (one copy to the device); W; and whether a row is padded."""
+    keep = mask.bool()
+    col = keep.cumsum(1) - 1 - drop_idx  # each masked-in token's row in its prompt's output
+    keep &= col >= 0
+    lens = keep.sum(1)
+    out_mask = (torch.arange(int(lens.max())) < lens[:, None]).long()
+    rows = torch.zeros_like(out_mask)
+    b, t = keep.nonzero(as_tuple=True)
+    rows[b, col[b, t]] = b * mask.shape[1] + t
+    return torch.cat([out_mask.flatten(), rows.flatten()]), out_mask.shape[1], not bool(out_mask.all())
+
+
 class PromptEncoder(Slot):
     """The pipeline's instance ``_get_qwen_prompt_embeds`` (see the module docstring)."""
 
@@ -193,14 +211,22 @@ class PromptEncoder(Slot):
         return MaskConstants(self.encoder)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        return self.body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
     def _take_encoder(self) -> None:
         te = self.encoder = self.pipe.text_encoder
-        self.watch, self.hooks = _watch(te), _foreign_hooks(te)
+        # the modules a text prompt runs: not the vision tower (pixel inputs only; 363 of the 7B encoder's 735)
+        self.mods = [m for n, m in te.named_modules() if "visual" not in n.split(".")]
+        self.watch, self.hooks = _watch(self.mods), _foreign_hooks(self.mods)
         # the hook dicts by length: a hook added or removed (_foreign_hooks says whether it matters)
-        self.hook_watch = Watch(sized=[(m, "__dict__", h) for m in te.modules() for h in HOOK_DICTS])
-        self.hooked = _hooked(te)  # why a replay would skip something (None: nothing)
+        self.hook_watch = Watch(sized=[(m, "__dict__", h) for m in self.mods for h in HOOK_DICTS])
+        self.hooked = _hooked(self.mods)  # why a replay would skip something (None: nothing)
+        # an unhooked stock encoder whose forward is ``self.model`` (with ``language_model``), then ``lm_head``: the
+        # base model gives the same hidden states without the logits
+        fn = type(te).forward
+        stock = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _STOCK_FORWARD
+        base = getattr(te, "model", None)
+        self.body = base if stock and not self.hooked and "language_model" in getattr(base, "_modules", ()) else te
 
     def renew(self) -> None:
         """Forget what was made from the encoder (kept embeddings, graphs) and watch the pipeline's encoder anew."""
@@ -214,7 +240,7 @@ class PromptEncoder(Slot):
         changed = pipe.text_encoder is not self.encoder or self.watch.changed()
         if not changed and self.hook_watch.changed():
             self.hook_watch.take()
-            changed = _foreign_hooks(self.encoder) != self.hooks  # transformers' own recording hooks: no change
+            changed = _foreign_hooks(self.mods) != self.hooks  # transformers' own recording hooks: no change
         if changed:
             self.report.encoder_changes += 1
             self.renew()
@@ -246,7 +272,9 @@ class PromptEncoder(Slot):
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor, device: Any, dtype: torch.dtype,
                 drop_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids_d, mask_d = ids.to(device), mask.to(device)
+        # every host-to-device copy (each waits for the device) before the encoder is launched: none after it
+        plan, width, padded = _plan(mask, drop_idx)
+        ids_d, mask_d, plan = ids.to(device), mask.to(device), plan.to(device)
         hidden = None
         if ids_d.device.type == "cuda" and self.mode is not False:
             why = self.hooked or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and "autograd")
@@ -257,14 +285,12 @@ class PromptEncoder(Slot):
                 self.report.graph_refusals[why] += 1
         if hidden is None:
             hidden = self._run(ids_d, mask_d)
-        # diffusers' _extract_masked_hidden, the rows chosen by the host mask (the same rows, no device sync)
-        bool_mask = mask.bool()
-        rows = [bool_mask[b].nonzero().flatten() for b in range(mask.shape[0])]
-        split = [hidden[b].index_select(0, r.to(hidden.device))[drop_idx:] for b, r in enumerate(rows)]
-        max_len = max(e.size(0) for e in split)
-        embeds = torch.stack([torch.cat([u, u.new_zeros(max_len - u.size(0), u.size(1))]) for u in split])
-        out_mask = (torch.arange(max_len) < torch.tensor([u.size(0) for u in split])[:, None]).long()
-        return embeds.to(dtype=dtype, device=device), out_mask.to(hidden.device)
+        # diffusers' _extract_masked_hidden, [drop_idx:], zero padding and stack: one gather of the planned rows
+        out_mask = plan[: mask.shape[0] * width].view(mask.shape[0], width)
+        embeds = hidden.flatten(0, 1).index_select(0, plan[out_mask.numel():]).view(*out_mask.shape, hidden.shape[-1])
+        if padded:
+            embeds = embeds.masked_fill(out_mask.unsqueeze(-1) == 0, 0)
+        return embeds.to(dtype=dtype, device=device), out_mask
 
 
 def patch(pipe: Any, *, cuda_graph: str | bool = "auto", cache_size: int = 8) -> TextEncoderReport:

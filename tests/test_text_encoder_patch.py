@@ -1,5 +1,6 @@
 """CPU: the prompt encoding room (qwen_absorb.text_encoder): bit-identical embeddings, the prompt cache (hit, miss,
-a changed prompt, a changed encoder weight in place / via load_state_dict / via .data), unpatch."""
+a changed prompt, a changed encoder weight in place / via load_state_dict / via .data), unpatch; the rows planned on
+the host (nothing moved or read after the encoder), the stock encoder without lm_head, the vision tower unwatched."""
 
 from __future__ import annotations
 
@@ -333,3 +334,144 @@ def test_encodings_with_grad_bypass_the_cache(pipe):
     with torch.no_grad():
         pipe.encode_prompt("a red fox", device="cpu")
     assert rep.cache_hits == hits + 1
+
+
+def _diffusers_rows(pipe, hidden, mask, drop_idx):
+    """diffusers 0.42.1's steps after the encoder (``_get_qwen_prompt_embeds``), on given hidden states."""
+    split = [e[drop_idx:] for e in pipe._extract_masked_hidden(hidden, mask)]
+    width = max(e.size(0) for e in split)
+    embeds = torch.stack([torch.cat([u, u.new_zeros(width - u.size(0), u.size(1))]) for u in split])
+    ones = [torch.ones(e.size(0), dtype=torch.long) for e in split]
+    return embeds, torch.stack([torch.cat([u, u.new_zeros(width - u.size(0))]) for u in ones])
+
+
+@torch.no_grad()
+def test_rows_planned_on_the_host_are_diffusers_rows(pipe, seed):
+    """The host plan and its one gather against diffusers' extraction on the whole encoder's hidden states: right
+    and left padding, holes, prompts shorter than the dropped template (padded rows, or none left at all)."""
+    te_room.patch(pipe)
+    enc = pipe.__dict__["_get_qwen_prompt_embeds"]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 400, (3, 12), generator=gen)
+    right = torch.tensor([[1] * 12, [1] * 7 + [0] * 5, [1] * 3 + [0] * 9])
+    masks = {"right": right, "left": right.flip(1), "holes": (torch.rand(3, 12, generator=gen) < 0.7).long(),
+             "one": right[:1]}
+    masks["holes"][:, 0] = 1
+    for name, mask in masks.items():
+        hidden = pipe.text_encoder(input_ids=ids[: len(mask)], attention_mask=mask,
+                                   output_hidden_states=True).hidden_states[-1]
+        for drop in (0, 2, 5, 12):
+            want = _diffusers_rows(pipe, hidden, mask, drop)
+            got = enc._encode(ids[: len(mask)], mask, "cpu", torch.float32, drop)
+            assert got[0].shape == want[0].shape and torch.equal(got[0], want[0]), (name, drop)
+            assert torch.equal(got[1], want[1]), (name, drop)
+
+
+class _AfterEncoder(torch.overrides.TorchFunctionMode):
+    """The torch calls made between the encoder's return and ``_encode``'s."""
+
+    def __init__(self):
+        super().__init__()
+        self.on, self.calls = False, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_nothing_after_the_encoder_moves_or_reads_host_data(pipe):
+    """On CUDA a host-to-device copy or a read of the device waits for the encoder's replay, and the host work
+    behind it no longer overlaps the GPU: every copy of host data goes before the encoder is called, so after it
+    only the embeddings' own ops run (no integer tensor moved, nothing read back, no tensor made from host data)."""
+    te_room.patch(pipe)
+    enc = pipe.__dict__["_get_qwen_prompt_embeds"]
+    mode = _AfterEncoder()
+    run, encode = enc._run, enc._encode
+
+    def run_then_watch(*a):
+        out = run(*a)
+        mode.on = True
+        return out
+
+    def encode_then_stop(*a):
+        try:
+            return encode(*a)
+        finally:
+            mode.on = False
+
+    enc._run, enc._encode = run_then_watch, encode_then_stop
+    host_reads = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
+                  torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__, torch.tensor, torch.arange}
+    with mode:
+        for p in ("a red fox", ["a cat", "two dogs and a much longer prompt"]):  # unpadded, padded
+            pipe.encode_prompt(p, device="cpu")
+    assert mode.calls and not [f for f, _ in mode.calls if f in host_reads]
+    moved = [a[0] for f, a in mode.calls if f is torch.Tensor.to]
+    assert moved and all(t.is_floating_point() for t in moved)  # the embeddings' cast, as diffusers' last step
+
+
+class _CountingLinear(torch.nn.Linear):
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@torch.no_grad()
+def test_the_stock_encoder_runs_without_its_lm_head(pipe):
+    """The logits are never used: the stock encoder's base model is called (the GEMM of the 152k-row lm_head,
+    ~1.1 GB of weight read per 7B encoding, is skipped), its hidden states bit for bit the whole encoder's."""
+    te = pipe.text_encoder
+    te.lm_head.__class__, te.lm_head.calls = _CountingLinear, 0
+    ref = pipe.encode_prompt("a red fox on a mossy rock", device="cpu")
+    assert te.lm_head.calls == 1  # diffusers runs it
+    te_room.patch(pipe, cache_size=0)
+    assert pipe.__dict__["_get_qwen_prompt_embeds"].body is te.model
+    assert _same(pipe.encode_prompt("a red fox on a mossy rock", device="cpu"), ref)
+    assert te.lm_head.calls == 1
+
+
+@pytest.mark.parametrize("how", ["hook", "subclass"])
+@torch.no_grad()
+def test_a_hooked_or_subclassed_encoder_runs_whole(pipe, how):
+    """A forward hook on the encoder or a subclass's forward may change the hidden states: the whole encoder is
+    called, as diffusers calls it."""
+    te = pipe.text_encoder
+
+    def double(out):
+        out.hidden_states[-1].mul_(2)
+        return out
+
+    if how == "hook":
+        te.register_forward_hook(lambda m, i, o: double(o))
+    else:
+        te.__class__ = type("Doubled", (type(te),), {"forward": lambda self, *a, **k: double(super(
+            type(self), self).forward(*a, **k))})
+    ref = pipe.encode_prompt("a red fox", device="cpu")
+    te_room.patch(pipe, cache_size=0)
+    assert pipe.__dict__["_get_qwen_prompt_embeds"].body is te
+    assert _same(pipe.encode_prompt("a red fox", device="cpu"), ref)
+
+
+@torch.no_grad()
+def test_the_vision_tower_is_not_watched(pipe):
+    """A text prompt never runs the vision tower: a write into it or a hook on it is not an encoder change (the
+    kept embeddings are still diffusers'), and leaves the encoder unhooked (replayed, without its lm_head)."""
+    import copy
+
+    twin = copy.deepcopy(pipe)
+    rep = te_room.patch(pipe)
+    first = pipe.encode_prompt("a red fox", device="cpu")
+    visual = pipe.text_encoder.model.visual
+    next(visual.parameters()).add_(1.0)
+    visual.blocks[0].register_forward_hook(lambda m, i, o: o * 2)
+    got = pipe.encode_prompt("a red fox", device="cpu")
+    assert rep.encoder_changes == 0 and rep.cache_hits == 1 and _same(got, first)
+    assert _same(got, twin.encode_prompt("a red fox", device="cpu"))
+    enc = pipe.__dict__["_get_qwen_prompt_embeds"]
+    enc.renew()
+    assert enc.hooked is None and enc.body is pipe.text_encoder.model
+    pipe.text_encoder.model.language_model.norm.weight.add_(1.0)  # the text path still is watched
+    pipe.encode_prompt("a red fox", device="cpu")
+    assert rep.encoder_changes == 1
