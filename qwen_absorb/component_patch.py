@@ -11,7 +11,6 @@ from .report import PartReport
 from .shape_graphs import ShapeGraphs
 
 log = logging.getLogger("qwen_absorb")
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
 @dataclass

@@ -19,7 +19,6 @@ QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _WATCHED_PATHS = (*LINEAR_TABLE, *NORMS, "img_mod.0", "txt_mod.0", "img_mlp.net.0", "img_mlp.net.1",
                   "txt_mlp.net.0", "txt_mlp.net.1", "attn.to_out.1", *(f"attn.{n}" for n in QK_NORMS))
 _HOOK_HOLDERS = ("attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp")  # containers whose calls a plan may skip
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # with the forward slot: whether the fused path may skip it
 # plain attributes of watched modules that decisions copy or check (NormInfo.eps, plan.qk_eps; GELU's approximate:
 # the FP8 path fuses GELU(tanh) into the codes of net.2's input)
 _PLAIN_ATTRS = ("eps", "approximate")
@@ -168,6 +167,6 @@ def watch(block: nn.Module) -> Watch:
     sized: dict[tuple[int, str, str], tuple] = {}
     for m in modules.values():  # a hook added or removed: decide again
         add(entries, (m, "__dict__", "forward"))
-        add(sized, *((m, "__dict__", name) for name in _HOOK_DICTS))
+        add(sized, *((m, "__dict__", name) for name in hooks.HOOK_DICTS))
     # typed: a class converted in place (mtq.quantize)
     return Watch(entries.values(), tensors.values(), stateful, sized=sized.values(), typed=modules.values())

@@ -11,6 +11,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from traceback import walk_stack
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ _global = nn.modules.module
 # Instance attributes where a wrapper of a module's forward lives (torch.compile's ``module.compile()``,
 # diffusers' registry, accelerate's hook): their identity decides what calling the module runs.
 WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_hook", "_hf_hook")
+# torch's per-module forward hook dicts (the per-call checks below spell them out)
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 # diffusers hook kinds that move or cast weights around a module's call and never look at its values
 _TRANSPARENT = ("offloading hook", "layerwise casting hook")
 # torch's functions that walk the global registration hook dicts (Module.__setattr__ walks the module ones inline)
@@ -83,7 +86,7 @@ def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
 def torch_hook_dicts(module: nn.Module) -> list[dict]:
     """The dicts of ``module``'s forward hooks and pre-hooks (their lengths: a cheap per-call check)."""
     d = module.__dict__
-    return [hd for hd in (d.get("_forward_hooks"), d.get("_forward_pre_hooks")) if isinstance(hd, dict)]
+    return [hd for n in HOOK_DICTS if isinstance(hd := d.get(n), dict)]
 
 
 def global_hook_count() -> int:
@@ -200,7 +203,7 @@ class HeldGlobalHooks:
         with self._lock:
             if id(holder) in self._holders:
                 return
-            if not self._handles:
+            if not self._handles:  # (hooks whose removal waits are taken again)
                 self._handles = self._register()
             self._holders.add(id(holder))
         weakref.finalize(holder, self._drop, id(holder))
@@ -208,20 +211,18 @@ class HeldGlobalHooks:
     def release(self, holder: Any) -> None:
         self._drop(id(holder))
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int | None = None) -> None:
         with self._lock:
             self._holders.discard(key)
-            # a holder collected while torch walks its registration hooks (garbage collection inside a module's
-            # registration): removing one now breaks that walk ("OrderedDict mutated during iteration"). They stay,
-            # holding nothing, until the next drop outside one (or a hold takes them again)
-            if not self._holders and self._handles and not _inside_registration():
-                for h in self._handles:
-                    h.remove()
-                self._handles = []
-
-
-def _inside_registration() -> bool:
-    f = sys._getframe(1)
-    while f is not None and f.f_code not in _REGISTERING:
-        f = f.f_back
-    return f is not None
+            if self._holders or not self._handles:
+                return
+            if any(f.f_code in _REGISTERING for top in sys._current_frames().values() for f, _ in walk_stack(top)):
+                # a thread walks torch's registration hooks (a holder collected inside ``module.child = ...``, or
+                # another thread's): removing one breaks that walk ("OrderedDict mutated during iteration"). Again
+                # from the next garbage collection, which frees ``cycle`` (or from the next hold or release)
+                cycle = lambda: cycle  # noqa: E731  (garbage in a reference cycle of its own)
+                weakref.finalize(cycle, self._drop).atexit = False
+                return
+            handles, self._handles = self._handles, []
+            for h in handles:
+                h.remove()

@@ -82,13 +82,13 @@ PAB_HOOK_NAME = "pyramid_attention_broadcast"  # the name diffusers registers it
 def attention_hook(module: nn.Module) -> Any | None:
     """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' own, the
     module's only hook, wrapping the class forward, with the identity pre/post steps (the block calls neither)."""
-    hook = hooks.sole_registry_hook(module, PAB_HOOK_NAME)
+    hook = hooks.sole_registry_hook(module, PAB_HOOK_NAME)  # (a patched block asks on every call it runs)
+    if hook is None or _diffusers(hook, _HOOKS) != PAB or "pre_forward" in (steps := vars(type(hook))) \
+            or "post_forward" in steps:
+        return None
     orig = getattr(getattr(hook, "fn_ref", None), "original_forward", None)
     own = getattr(orig, "__self__", None) is module and getattr(orig, "__func__", None) is type(module).forward
-    if hook is None or _diffusers(hook, _HOOKS) != PAB or {"pre_forward", "post_forward"} & vars(type(hook)).keys() \
-            or not own:
-        return None
-    return hook
+    return hook if own else None
 
 
 class _Around:

@@ -18,31 +18,27 @@ import torch
 from torch import nn
 
 from . import hooks, step_caches
-from .ops import kernel_runtime_reasons
+from .ops import kernel_runtime_reasons as graph_reasons  # why the steps' kernels cannot run on a device
 from .ops import taylor_seer as ts_ops
 
 log = logging.getLogger("qwen_absorb")
-
-HOOK_NAME = "taylorseer_cache"
 _local = threading.local()
 
 
-def capturing() -> bool:  # the current stream is capturing a CUDA graph
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+def capturing() -> bool:  # the current stream is capturing a CUDA graph (the graph runner asks on every call)
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # (initialized implies available)
 
 
 def is_config(config: Any) -> bool:
     """``config`` (a transformer's ``_cache_config``) is diffusers' TaylorSeer configuration."""
-    t = type(config)
-    return t.__name__ == "TaylorSeerCacheConfig" and t.__module__.startswith("diffusers.")
+    return step_caches._diffusers(config, {"TaylorSeerCacheConfig": True}) is not None
 
 
 def supported_hook(module: nn.Module) -> Any | None:
     """The TaylorSeer hook of ``module`` when a patched block may run it: the only hook, active mode, at most
     ``ts_ops.MAX_ORDER`` orders, factors in bf16 / fp16 / fp32."""
-    hook = hooks.sole_registry_hook(module, HOOK_NAME)
-    t = type(hook)
-    if hook is None or t.__name__ != "TaylorSeerCacheHook" or not t.__module__.startswith("diffusers."):
+    hook = hooks.sole_registry_hook(module, "taylorseer_cache")
+    if step_caches._diffusers(hook, {"TaylorSeerCacheHook": True}) is None:
         return None
     kw = getattr(getattr(hook, "state_manager", None), "_init_kwargs", None)
     if not isinstance(kw, dict) or kw.get("is_inactive", False):
@@ -52,10 +48,6 @@ def supported_hook(module: nn.Module) -> Any | None:
     if kw.get("taylor_factors_dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16, torch.float32):
         return None
     return hook
-
-
-def graph_reasons(device: torch.device) -> list[str]:  # why the steps' kernels cannot run on ``device``
-    return kernel_runtime_reasons(device)
 
 
 class _Record:

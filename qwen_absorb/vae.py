@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hooks
-from .component_patch import HOOK_DICTS, ComponentReport, Slot, current, install, remove
+from .component_patch import ComponentReport, Slot, current, install, remove
+from .hooks import HOOK_DICTS
 from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
 from .pipeline_walks import source_hash

@@ -165,6 +165,19 @@ def test_plan_runs_a_pab_hook_itself(seed):
     assert all(p.attn_cache and p.attn_cache_kind == "TaylorSeer" for p in _plans(model))
 
 
+@pytest.mark.parametrize("step", ["pre_forward", "post_forward"])
+def test_a_pab_hook_class_with_a_step_of_its_own_is_not_run_by_the_block(monkeypatch, step):
+    """The block calls neither of the hook's steps: a PAB class defining one leaves the attention its hooked
+    module (``attention_hook`` None)."""
+    model = T.tiny_transformer(num_layers=1)
+    model.enable_cache(_configs(_Clock())["pab_default"]())
+    attn = model.transformer_blocks[0].attn
+    hook = step_caches.attention_hook(attn)
+    assert hook is _pab_hooks(model)[0]
+    monkeypatch.setattr(type(hook), step, lambda self, module, *a, **k: a, raising=False)
+    assert step_caches.attention_hook(attn) is None
+
+
 def test_attention_residual_keeps_its_bias_under_pab(seed):
     """Output projections that are not FP8 GEMMs and ``defer_bias=True``: deferred without a cache, never while
     PAB hooks the attention (a cached attention output without its bias is not what diffusers' module returns)."""

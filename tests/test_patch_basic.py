@@ -281,7 +281,7 @@ def test_a_holder_collected_inside_a_module_registration_leaves_torch_walking():
         parent.child = torch.nn.Linear(2, 2)
     finally:
         handle.remove()
-    assert isinstance(parent.child, torch.nn.Linear) and held._handles  # still there, holding nothing
+    assert isinstance(parent.child, torch.nn.Linear) and held._handles  # still there until the next collection or hold
     other = Holder()
     held.hold(other)  # taken again, not registered twice
     assert dict(M._global_module_registration_hooks) == before

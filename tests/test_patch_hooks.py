@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import pytest
 import torch
+from torch.nn.modules import module as M
 
 import qwen_absorb
+from qwen_absorb import hooks
 from . import builders as T
 
 
@@ -202,3 +207,70 @@ def test_compile_repeated_blocks_inductor(seed):
     out = T.run_transformer(model, inputs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # inductor fuses and reorders fp32 math
     torch._dynamo.reset()
+
+
+class _Holder:
+    pass
+
+
+def _held():
+    return hooks.HeldGlobalHooks(lambda: [M.register_module_module_registration_hook(lambda *a: None)])
+
+
+def test_a_hook_whose_last_holder_died_in_a_registration_goes_at_the_next_collection():
+    """The last holder collected inside torch's walk of its registration hooks: the hook waits out the walk, then
+    goes at the next garbage collection (it stayed registered until some later hold or release, which may never
+    come: every module built afterwards called into it)."""
+    box = [_Holder()]
+
+    def collect_inside(module, name, sub):
+        box.clear()
+        gc.collect()  # the holder's finalizer runs here, inside torch's walk
+
+    gc.collect()  # models of earlier tests waiting for collection hold hooks until then
+    before = dict(M._global_module_registration_hooks)
+    handle = M.register_module_module_registration_hook(collect_inside)  # walked before the held hook
+    held = _held()
+    held.hold(box[0])
+    try:
+        torch.nn.Module().child = torch.nn.Linear(2, 2)  # (a removal inside the walk raised here)
+    finally:
+        handle.remove()
+    assert len(M._global_module_registration_hooks) == len(before) + 1  # waited out the walk
+    gc.collect()
+    assert dict(M._global_module_registration_hooks) == before and not held._handles
+
+
+def test_a_release_while_another_thread_walks_the_registration_hooks_waits():
+    """The last holder released while another thread is inside torch's walk of the registration hooks: removing
+    the hook then made that thread's ``module.child = ...`` raise "OrderedDict mutated during iteration"."""
+    inside, go, errors = threading.Event(), threading.Event(), []
+
+    def wait_inside(module, name, sub):
+        if name == "walking":
+            inside.set()
+            go.wait(10)
+
+    def assign():
+        try:
+            torch.nn.Module().walking = torch.nn.Linear(2, 2)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    gc.collect()  # models of earlier tests waiting for collection hold hooks until then
+    before = dict(M._global_module_registration_hooks)
+    handle = M.register_module_module_registration_hook(wait_inside)  # walked before the held hook
+    held, holder = _held(), _Holder()
+    held.hold(holder)
+    thread = threading.Thread(target=assign)
+    try:
+        thread.start()
+        assert inside.wait(10)
+        held.release(holder)
+    finally:
+        go.set()
+        thread.join(10)
+        handle.remove()
+    assert not errors
+    gc.collect()
+    assert dict(M._global_module_registration_hooks) == before and not held._handles

@@ -263,6 +263,23 @@ def test_unpatch_releases_nothing_it_did_not_make(seed):
     assert all(taylorseer.supported_hook(b.attn) is h for b, h in zip(model.transformer_blocks, hooks))
 
 
+def test_capturing_asks_no_device_count(monkeypatch):
+    """The graph runner asks ``capturing()`` on every call: an initialized CUDA answers it (it implies an
+    available one), without ``torch.cuda.is_available()`` (a device count, ~0.4 us a call)."""
+
+    def asked():
+        raise AssertionError("asked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", asked)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert taylorseer.capturing() is False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    for now in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda now=now: now)
+        assert taylorseer.capturing() is now
+
+
 def test_kernel_layout_matches_the_c_struct():
     """ops.taylor_seer packs TaylorSeerParams by its layout string: field for field, the pointer array included."""
     import re
