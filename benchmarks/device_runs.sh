@@ -11,9 +11,9 @@
 #   run(command="bash benchmarks/device_runs.sh pipeline_1",  carry=[".whl"])                       # ~3 min
 #   run(command="bash benchmarks/device_runs.sh pipeline_2",  carry=[".whl"])                       # ~5 min
 #
-# The next session's calls, in this order: round34_a (the suite on the final tree + the offload A/B, ~10 min),
-# round34_b (the profiles, ~10 min), round34_c where minutes are short (the trimmed code's GPU files, ~4 min).
-# Round 29-33's one-off calls are in git history (git log -p benchmarks/device_runs.sh).
+# Round 35's calls: round35_a (round 34's tree: the suite + the few-step cases), then on the final tree round35_b
+# (the suite, ~5 min) and round35_c (the offload A/B + the text encoder, ~5 min), back to back.
+# Earlier rounds' one-off calls are in git history (git log -p benchmarks/device_runs.sh).
 #
 # The before tree: `git worktree add .devrun/before 69357ce` (an ignored path) before the one_owner call.
 # Between calls, copy what comes back into benchmarks/results/ (top level: one_owner_h200.*, journey_h200.*,
@@ -77,34 +77,6 @@ suite() {  # the whole GPU suite in 6 pytest-xdist processes on the one GPU (~9 
   tail -4 "$OUT/gpu_tests_h200.log"
 }
 
-round34_a() {  # the whole GPU suite on the final tree, then model offload rebuilding the FP8 codes at each return (the
-  # default) against copying them back from the host (A/B, 60 layers; journey_offload_<card>.json)
-  local t0=$SECONDS
-  suite "${SUITE_S:-240}"
-  timeout $((${LIMIT_S:-585} - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT" --runs 2 \
-    --sections resident,offload_model,offload_model_host_codes --budget-s $((${LIMIT_S:-585} - 15 - (SECONDS - t0))) \
-    > "$OUT/journey_offload.log" 2>&1
-  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
-}
-
-round34_b() {  # a new prompt length and the 4-step FP8 image profiled (torch.profiler, cProfile): where the new
-  # length's 0.78 s and the 4-step image's 42 ms of host time go (pipeline_<card>.json, its own file under $OUT)
-  timeout 590 python3 benchmarks/pipeline_e2e.py --out "$OUT" --runs 5 --sections te \
-    --cases 4step_bf16_unpatched_newlen,4step_fp8_newlen,4step_fp8 --profile 4step_fp8_newlen,4step_fp8 \
-    --budget-s 570 > "$OUT/pipeline_profiled.log" 2>&1
-  grep -E "median|done in|te:" "$OUT/pipeline_profiled.log" | cut -c1-300 | tail -10
-}
-
-round34_c() {  # fewer minutes: the GPU files of the code trimmed in round 34 (ops, graphs, caches, offload, 2.1)
-  { echo "# python3 -m pytest -q -n 6 <files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
-    timeout "${SUITE_S:-200}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 6 --dist load \
-      tests/test_ops_gpu.py tests/test_cuda_graph_gpu.py tests/test_offload_gpu.py tests/test_step_caches_gpu.py \
-      tests/test_first_block_cache_graphs_gpu.py tests/test_qwenimage21_fp8_gpu.py tests/test_vae_gpu.py \
-      tests/test_text_encoder_gpu.py tests/test_fp8_gpu.py tests/test_nvfp4_rows_gpu.py
-    echo "# exit code $?"; } > "$OUT/gpu_tests_round34_c.log" 2>&1
-  tail -6 "$OUT/gpu_tests_round34_c.log"
-}
-
 round35_a() {  # the whole GPU suite on round 34's final tree (the host-codes default flip, the rotary unpack), then
   # the few-step cases, the VAE and the text encoder for the README's headline table (pipeline_<card>.json)
   local t0=$SECONDS
@@ -114,4 +86,21 @@ round35_a() {  # the whole GPU suite on round 34's final tree (the host-codes de
   grep -E "median|done in|te:|vae:" "$OUT/pipeline_1.log" | cut -c1-300 | tail -14
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round34_a|round34_b|round34_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round35_b() {  # the whole GPU suite on round 35's final tree (BlockMove, the retired LoRA switches, the text encoder's
+  # planned rows and skipped lm_head)
+  suite "${SUITE_S:-300}"
+}
+
+round35_c() {  # model offload keeping the blocks' decisions across moves (default) against deciding anew at every
+  # return (A/B, 60 layers, one process; journey_offload_<card>.json), then the text encoder alone (pipeline_<card>)
+  local t0=$SECONDS
+  timeout $((${LIMIT_S:-585} - 75)) python3 benchmarks/journey_offload.py --out "$OUT" --runs 3 \
+    --sections resident,offload_model,offload_model_redecide --budget-s $((${LIMIT_S:-585} - 90)) \
+    > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+  timeout $((${LIMIT_S:-585} - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --sections te \
+    --cases "" --num-layers 2 --budget-s 60 > "$OUT/pipeline_te.log" 2>&1
+  grep -E "te_encode|te:" "$OUT/pipeline_te.log" | cut -c1-300
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round35_a|round35_b|round35_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"

@@ -15,7 +15,8 @@ first call on the GPU) and stays patched through the three modes, in this order:
   ``offload_model_peak_gib`` (``max_memory_allocated`` over the timed runs), ``offload_model_graph_replays`` (graph
   replays during the timed runs, from the runner's counters: it sits inside accelerate's hook, captures each
   signature once per run, after the hook moved the weights in, and replays the other steps);
-- ``offload_model_host_codes``, ``offload_model_pageable``: the same mode patched again with
+- ``offload_model_redecide``, ``offload_model_host_codes``, ``offload_model_pageable``: the same mode patched again
+  with ``Tuning(move_keeps_decisions=False)`` (each return decides every block anew, as before round 35), with
   ``Tuning(host_fp8_codes=True)`` (each return copies the FP8 codes back from the host, kept at the first
   departure; off by default since round 34) and with ``pinned_staging=False`` (the originals cross from pageable
   memory at each rebuild), then the defaults back: ``details.<section>_8step_s``;
@@ -50,7 +51,8 @@ import torch  # noqa: E402
 
 import qwen_absorb  # noqa: E402
 
-SECTIONS = ("resident", "offload_model", "offload_model_host_codes", "offload_model_pageable", "offload_group")
+SECTIONS = ("resident", "offload_model", "offload_model_redecide", "offload_model_host_codes", "offload_model_pageable",
+            "offload_group")
 KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
         "resident_8step_s")
 
@@ -162,9 +164,9 @@ class OffloadJourney(H.Bench):
         if self.cuda:
             self.R.put("details.h2d_gb_per_s", h2d_rates(self.dev))
 
-    def profiled_run(self) -> list[dict[str, Any]]:
-        """One more run under cProfile: where the host spends a run (functions by own time)."""
-        return H.python_top(self.run_once, by=2, n=25)
+    def profiled_run(self) -> dict[str, list[dict[str, Any]]]:
+        """Two more runs under cProfile: where the host spends a run, functions by own and by cumulative time."""
+        return {"self": H.python_top(self.run_once, by=2, n=25), "cumulative": H.python_top(self.run_once, by=3, n=60)}
 
     def _variant(self, name: str, tuning: Any) -> None:
         """The model-offload mode with another ``Tuning`` (patch() again: decided anew), then the default back."""
@@ -172,6 +174,9 @@ class OffloadJourney(H.Bench):
         d = self.timed(name, self.a.runs, 1)
         self.R.put(f"details.{name}_8step_s", d["median_s"])
         self.report = qwen_absorb.patch(self.pipe)
+
+    def offload_model_redecide(self) -> None:  # each return decides every block anew (before round 35)
+        self._variant("offload_model_redecide", qwen_absorb.Tuning(move_keeps_decisions=False))
 
     def offload_model_pageable(self) -> None:  # the originals cross from pageable memory at a rebuild
         self._variant("offload_model_pageable", qwen_absorb.Tuning(pinned_staging=False))
@@ -203,7 +208,8 @@ class OffloadJourney(H.Bench):
         if not s("build", self.build, [(R, k) for k in KEYS]):
             return 1
         fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]),
-                 "offload_model_host_codes": [], "offload_model_pageable": [], "offload_group": [KEYS[3]]}
+                 "offload_model_redecide": [], "offload_model_host_codes": [], "offload_model_pageable": [],
+                 "offload_group": [KEYS[3]]}
         for sec in self.a.sections:
             s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
         R.put("details.report", str(self.report)[:3000])
@@ -212,12 +218,19 @@ class OffloadJourney(H.Bench):
 
 
 def h2d_rates(dev: torch.device, n: int = 2**30) -> dict[str, float]:
-    """Host-to-GPU copy rates (GB/s) of one buffer from pageable and from pinned memory (a weight's way back)."""
+    """Host-to-GPU copy rates (GB/s) of one buffer from pageable memory, from torch's pinned allocator, and from a
+    plain host tensor page-locked where it lives (``cudaHostRegister``: no power-of-two rounding)."""
     dst, out = torch.empty(n, dtype=torch.uint8, device=dev), {}
-    for name, pinned in (("pageable", False), ("pinned", True)):
-        src = torch.ones(n, dtype=torch.uint8, pin_memory=pinned)
-        copy = functools.partial(dst.copy_, src, non_blocking=pinned)
+    for name in ("pageable", "pinned", "registered"):
+        src = torch.ones(n, dtype=torch.uint8, pin_memory=name == "pinned")
+        rt = torch.cuda.cudart()
+        if name == "registered" and int(rt.cudaHostRegister(src.data_ptr(), n, 0)) != 0:
+            out[name] = None
+            continue
+        copy = functools.partial(dst.copy_, src, non_blocking=name != "pageable")
         out[name] = round(n / 1e6 / H.time_calls(copy, dev, warmup=1, iters=3)["wall_median_ms"], 2)
+        if name == "registered":
+            rt.cudaHostUnregister(src.data_ptr())
     return out
 
 

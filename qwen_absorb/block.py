@@ -20,9 +20,9 @@ from . import attention, compile_boundary, ffn, handoff, hooks, host_originals, 
 from . import step_caches, taylorseer
 from . import site_runners as R
 from .ops import _validate, lane
-from .ops._modulation import expand_param
+from .ops._target_rows import expand_param
 from .parallel import is_dtensor, local_view
-from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide
+from .plan import PLAN_ATTR, BlockPlan, SitePlan, decide, rebuild_codes
 from .projection import fp8_linear, nvfp4_linear, run_module, wait
 from .sites import resolve, unwrap_peft
 
@@ -155,6 +155,13 @@ def _call_check(plan: BlockPlan, block: nn.Module, x: torch.Tensor) -> str | Non
         why = f"first call on {x.device}"
     elif not handoff.vouched(plan) and rt.watch.changed():
         why = "the model changed (modules, weights, quantizers or LoRA adapters)"
+    elif rt.codes_gone:  # back where it decided, nothing changed (host_originals.BlockMove)
+        try:
+            with rt.lock:
+                rebuild_codes(plan, block)
+            rt.rebuilds[f"back on {x.device}: decisions kept, FP8 codes made again"] += 1
+        except Exception as e:  # noqa: BLE001 - decided anew instead (which says so if it fails too)
+            why = f"making the FP8 codes again failed ({type(e).__name__}: {e})"
     if why is not None:
         try:
             redecide(plan, block, x.device, why)

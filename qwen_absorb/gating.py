@@ -42,10 +42,7 @@ class Tuning:
     tp_local: bool = True  # tensor-parallel linears on their local shards (False: through DTensor)
     lora_gelu_kernel: bool = True  # net[0]'s last LoRA branch added inside its GELU + e4m3 quantization
     lora_fold: bool = True  # ... with net[2]'s lora_A product out of the same kernel (ops.lora_fold)
-    lora_grouped_kernel: bool = False  # the deferred q/k/v branches of both streams in one ops.lora_add launch
-    lora_add_kernel: bool = False  # a single output's branches by ops.lora_add (else addmm_)
     lora_add_tiles: bool = True  # ops.lora_add's tiled kernel where the layout allows (else its row kernel)
-    lora_products_aside: bool = False  # lora_A products on the branch lane beside their base GEMM (captures)
     lanes: frozenset = frozenset(LANES)  # the ops.lane lanes captures may use ("branch", "txt")
     # graphs inside accelerate's CpuOffload hook (enable_model_cpu_offload(): captured once per run, replayed by the
     # other steps; journey_offload_h200.json); leaf-level offloading, which crashed them, is gated
@@ -59,6 +56,9 @@ class Tuning:
     # faster (H100, 8 steps under model offload: 7.13 against 7.08 s; the run waits on the blocks' decisions, not
     # on the 0.39 s of GPU work it saves) for 19 GiB more host memory (journey_offload_h100.json, round 34)
     host_fp8_codes: bool = False
+    # a block moved to another device and back with nothing changed keeps its decisions, only its FP8 codes made
+    # again (host_originals.BlockMove); False: it decides anew at the first call back, as before round 35
+    move_keeps_decisions: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -100,8 +100,8 @@ def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Modul
     if nb is None:
         return None
     np_: BlockPlan | None = nb.__dict__.get(PLAN_ATTR)
-    if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.handoff_in_reasons
-            or np_.options is not plan.options or np_.calibrating):
+    if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.rt.codes_gone
+            or np_.handoff_in_reasons or np_.options is not plan.options or np_.calibrating):
         return None  # not decided for this device yet, or cannot receive: see its report entry
     if np_.rt.watch.changed():  # it decides again at its own call, and computes its norm1 then
         plan.count("cross-block hand-off not made: the next block changed since it decided (it decides again)")

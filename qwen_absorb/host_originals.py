@@ -20,7 +20,7 @@ from . import hooks, host_codes, quant
 from .host_codes import HOST
 from .parallel import is_dtensor
 from .plan import PLAN_ATTR, BlockPlan, refresh
-from .sites import LINEAR_TABLE, resolve, unwrap_peft
+from .sites import LINEAR_TABLE, QWENIMAGE, family_of, resolve, unwrap_peft
 
 # Device types whose memory the originals are kept out of; the CPU tests add "cpu" to exercise the logic.
 ACCELERATOR_TYPES: tuple[str, ...] = ("cuda",)
@@ -66,14 +66,76 @@ class HostWeight:
 def _release(block: nn.Module, device: torch.device) -> None:
     """The model moved to ``device``: FP8 codes built for another device are dropped; the block decides anew."""
     plan: BlockPlan | None = block.__dict__.get(PLAN_ATTR)
-    if plan is None or plan.rt.device is None or plan.rt.device == device:
-        return
+    if plan is None or plan.rt.device is None or plan.rt.device == device or plan.rt.moving:
+        return  # (moving: the block's own BlockMove decides)
     with plan.rt.lock:
-        host_codes.keep(plan, block)  # before the codes go: a return with unchanged sources copies them back
+        _drop_codes(plan, block)
         for lp in plan.linears.values():
-            lp.weight, lp.cache_key = None, ()
+            lp.cache_key = ()
         plan.rt.device = None  # the next call decides for its own device (qwen_absorb.block._call_check)
-        plan.rt.generation += 1  # graphs that read the dropped codes are stale
+
+
+def _drop_codes(plan: BlockPlan, block: nn.Module) -> None:
+    host_codes.keep(plan, block)  # before the codes go: a return with unchanged sources copies them back
+    for lp in plan.linears.values():
+        lp.weight = lp.input_scale = None
+    plan.rt.generation += 1  # graphs that read the dropped codes are stale
+
+
+class BlockMove:
+    """A patched Qwen-Image block's ``_apply``. A device move alone (``.to(device)``, model offload's hook) with
+    nothing changed since the block's last decision keeps the decisions: leaving the device they were made for drops
+    the FP8 codes (:func:`plan.rebuild_codes` makes them again at the first call back there, the originals'
+    fingerprints carried over); only the watch is taken anew. Anything else (a dtype, a change before the move,
+    NVFP4, tensor-parallel or hooked-attention state, ``Tuning(move_keeps_decisions=False)``) releases the block as
+    before: it decides anew at its next call."""
+
+    __slots__ = ("block", "__weakref__")
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        block = self.block
+        plan: BlockPlan | None = block.__dict__.get(PLAN_ATTR)
+        if plan is None or plan.rt.device is None:
+            return type(block)._apply(block, fn, recurse)
+        rt = plan.rt
+        with rt.lock, torch.no_grad():
+            to, only = _destination(block, fn)
+            keep = only and _keeps(plan) and not rt.watch.changed()
+            rt.moving = keep
+            try:
+                out = type(block)._apply(block, fn, recurse)
+            finally:
+                rt.moving = False
+            if keep:
+                if to != rt.device and not rt.codes_gone:
+                    _drop_codes(plan, block)
+                    rt.codes_gone = True
+                rt.watch.take()
+            elif to is not None:
+                _release(block, to)
+        return out
+
+
+def _destination(block: nn.Module, fn: Any) -> tuple[torch.device | None, bool]:
+    """Where ``fn`` puts the block's tensors, and whether that is all it changes (not their dtype)."""
+    to, only = None, True
+    for dtype in {p.dtype for p in block.parameters()} or {torch.float32}:
+        probe = fn(torch.empty(0, dtype=dtype))
+        if not isinstance(probe, torch.Tensor):
+            return None, False
+        only = only and probe.dtype == dtype and to in (None, probe.device)
+        to = probe.device
+    return to, only
+
+
+def _keeps(plan: BlockPlan) -> bool:
+    """Whether the plan's derived state is its FP8 codes alone (what a move may drop and a return rebuild)."""
+    rt = plan.rt
+    return (plan.options.tuning.move_keeps_decisions and plan.patched and rt.stale is None and not plan.nvfp4
+            and not plan.attn_forwards and not rt.linear_fwds and all(lp.tp is None for lp in plan.linears.values()))
 
 
 def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bool:
@@ -115,7 +177,8 @@ def place(plan: BlockPlan, block: nn.Module) -> None:
             if not any(x is h for x in kept):
                 kept.append(h)
             if w.device != HOST:
-                w.data = w.data.to(HOST)
+                with torch.inference_mode(False):  # a tensor with a version counter: watched without reading it
+                    w.data = w.data.to(HOST)
                 moved = True
             plan.linears[path].offloaded = True
         elif h is not None:
@@ -129,6 +192,8 @@ def place(plan: BlockPlan, block: nn.Module) -> None:
         object.__setattr__(block, HOST_ATTR, kept)
     else:
         block.__dict__.pop(HOST_ATTR, None)
+    if plan.patched and family_of(block) is QWENIMAGE and "_apply" not in block.__dict__:
+        object.__setattr__(block, "_apply", BlockMove(block))
     if moved:
         refresh(plan, block)
 
@@ -179,6 +244,8 @@ def restore(block: nn.Module) -> None:
         plan.rt.host_codes.clear()
     for h in block.__dict__.pop(HOST_ATTR, []):
         _put_back(h)
+    if isinstance(block.__dict__.get("_apply"), BlockMove):
+        del block.__dict__["_apply"]
 
 
 @contextlib.contextmanager

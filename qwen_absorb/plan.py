@@ -119,6 +119,8 @@ class BlockRuntime:
     linear_fwds: dict = field(default_factory=dict)  # Qwen-Image-2.1: its linears' real-FP8 forwards, by path
     lock: Any = field(default_factory=threading.RLock)  # the block's (dependencies.block_lock), shared by its plans
     host_codes: dict = field(default_factory=dict)  # FP8 codes kept on the host while the model is away (host_codes)
+    codes_gone: bool = False  # moved off ``device`` with its decisions kept: the FP8 codes are made at the next call
+    moving: bool = False  # inside the block's own move (host_originals.BlockMove)
 
     def __getstate__(self) -> dict[str, Any]:
         # a lock is not copyable; a copy's FP8 codes on the host would match none of its weights (another identity)
@@ -231,6 +233,7 @@ def decide(plan: BlockPlan, block: nn.Module, device: torch.device) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     o = plan.options
     plan.rt.generation += 1
+    plan.rt.codes_gone = False
     plan.rt.device, plan.device = device, str(device)
     plan.kernel_reasons = _kernel_reasons(device, o)
     plan.kernels = not plan.kernel_reasons
@@ -425,7 +428,15 @@ def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: t
     return (str(device), merged, wk) + tuple(map(tensor_key, ts))
 
 
-def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
+def rebuild_codes(plan: BlockPlan, block: nn.Module) -> None:
+    """The FP8 weights again, back on the device the decisions were made for with nothing changed while away
+    (``host_originals.BlockMove``); an original that stayed put keeps its content fingerprint (no read of it)."""
+    plan.rt.generation += 1
+    _build_fp8(plan, block, {}, carry=True)
+    plan.rt.codes_gone = False
+
+
+def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan], carry: bool = False) -> None:
     """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears (reused where their key is unchanged)."""
     back = host_codes.take(plan, block, plan.rt.device)  # back from the host with unchanged sources: no rebuild
     for p, lp in plan.linears.items():
@@ -439,7 +450,9 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) ->
         else:
             # a host-kept weight: one copy, read on the device
             staged = quant.staged_weight(m, plan.rt.device, plan.options.tuning.pinned_staging)
-            key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
+            w, k = unwrap_peft(m)[0]._parameters["weight"], lp.cache_key
+            same = carry and len(k) > 2 and k[2][:4] == (id(w), tensor_version(w), w.data_ptr(), w.dtype)
+            key = _fp8_cache_key(block, p, plan.rt.device, k[2][4] if same else None, staged=staged)
             prev = old.get(p)
             if prev is not None and prev.cache_key == key and prev.weight is not None:
                 lp.weight, lp.offloaded = prev.weight, prev.offloaded

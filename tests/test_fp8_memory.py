@@ -52,6 +52,10 @@ def _intercepted(model):
     return [m for m in model.modules() if "_apply" in m.__dict__]
 
 
+def _moves(model):  # the patched blocks' own moves (host_originals.BlockMove)
+    return {id(b) for b in model.transformer_blocks if isinstance(b.__dict__.get("_apply"), H.BlockMove)}
+
+
 def _sd_equal(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -71,11 +75,12 @@ def test_originals_kept_on_host_for_real_fp8_linears_only(fake_gpu, seed):
     bases = _real_fp8_bases(model)
     assert len(bases) == 14 * len(model.transformer_blocks)
     assert {id(m) for m in _host_kept(model)} == {id(m) for m in bases}
-    assert {id(m) for m in _intercepted(model)} == {id(m) for m in bases}  # nothing else changed
+    assert len(_moves(model)) == len(model.transformer_blocks)
+    assert {id(m) for m in _intercepted(model)} == {id(m) for m in bases} | _moves(model)  # nothing else changed
     assert {id(w) for w in H.host_weights(model)} == {id(m._parameters["weight"]) for m in bases}
     for block in model.transformer_blocks:
         assert all(lp.offloaded == lp.fp8_gemm for lp in block.__dict__[PLAN_ATTR].linears.values())
-    assert not _intercepted(twin) and not H.host_weights(twin)  # False: today's behaviour
+    assert {id(m) for m in _intercepted(twin)} == _moves(twin) and not H.host_weights(twin)  # False: all on device
     # the report says so per linear
     lin = [x for b in qwen_absorb.patch_report(model).to_dict()["blocks"] for x in b["linears"].values()]
     assert sum(bool(x.get("original_weight_offloaded")) for x in lin) == len(bases)
@@ -83,7 +88,8 @@ def test_originals_kept_on_host_for_real_fp8_linears_only(fake_gpu, seed):
 
 def test_model_moved_to_a_gpu_keeps_originals_on_host(fake_gpu, seed):
     """``.to(<gpu>)`` (what accelerate's model offload does before every call) moves everything but the kept
-    originals; the FP8 codes built for the old device are released; ``unpatch`` puts them where the model is."""
+    originals; the FP8 codes built for the old device are released, the decisions kept for a return
+    (``host_originals.BlockMove``); ``unpatch`` puts the originals where the model is."""
     model, kw = _fp8(seed)
     qwen_absorb.patch(model, **REAL)
     T.run_transformer(model, kw)
@@ -95,7 +101,8 @@ def test_model_moved_to_a_gpu_keeps_originals_on_host(fake_gpu, seed):
     assert all(b.device.type == "meta" for b in model.buffers())
     for block in model.transformer_blocks:
         plan = block.__dict__[PLAN_ATTR]
-        assert plan.rt.device is None and all(lp.weight is None for lp in plan.linears.values())
+        assert plan.rt.device == torch.device("cpu") and plan.rt.codes_gone
+        assert all(lp.weight is None for lp in plan.linears.values())
     qwen_absorb.unpatch(model)
     assert [n for n, _ in model.named_parameters()] == names
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -125,7 +132,7 @@ def test_compressed_model_is_not_duplicated(fake_gpu, seed):
     qwen_absorb.patch(model, **REAL)
     out = T.run_transformer(model, kw)
     bases = _real_fp8_bases(model)
-    assert bases and not _host_kept(model) and not _intercepted(model)
+    assert bases and not _host_kept(model) and {id(m) for m in _intercepted(model)} == _moves(model)
     for block in model.transformer_blocks:
         for p, lp in block.__dict__[PLAN_ATTR].linears.items():
             if lp.fp8_gemm:
@@ -424,3 +431,110 @@ def test_a_copy_carries_no_host_codes(fake_gpu, seed):
     twin = copy.deepcopy(model)
     assert not any(b.__dict__[PLAN_ATTR].rt.host_codes for b in twin.transformer_blocks)
     assert torch.equal(T.run_transformer(twin, kw), want) and torch.equal(T.run_transformer(model, kw), want)
+
+
+def _away(model, monkeypatch):
+    """Model offload's departure as the blocks see it: their tensors in new storage (a clone, on the host: a CPU
+    test cannot leave it and come back with values), announced as a move to another device."""
+    with monkeypatch.context() as m:
+        m.setattr(H, "_destination", lambda block, fn: (torch.device("meta"), True))
+        model._apply(lambda t: t.clone())
+
+
+def _back(model):  # the return: new storage again, on the device the blocks decided for
+    model._apply(lambda t: t.clone())
+
+
+def _decisions(monkeypatch):
+    from qwen_absorb import block as B
+
+    made, real = [], B.decide
+    monkeypatch.setattr(B, "decide", lambda plan, block, device: made.append(block) or real(plan, block, device))
+    return made
+
+
+KEEP_NOT = qwen_absorb.Tuning(move_keeps_decisions=False)
+
+
+def test_a_return_with_nothing_changed_keeps_the_decisions(fake_gpu, seed, monkeypatch):
+    """A move away drops the FP8 codes and keeps the decisions; the first call back makes the codes again from the
+    same originals (their fingerprints carried over, nothing decided) with the bits of a twin that decides anew
+    (``move_keeps_decisions=False``), hand-offs included from the next call."""
+    from qwen_absorb import plan as PL
+
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, tuning=KEEP_NOT)
+    want = T.run_transformer(twin, kw)
+    assert torch.equal(T.run_transformer(model, kw), want)
+    plans = [b.__dict__[PLAN_ATTR] for b in model.transformer_blocks]
+    n_fp8 = sum(lp.fp8_gemm for p in plans for lp in p.linears.values())
+    for m in (model, twin):
+        _away(m, monkeypatch)
+    assert all(p.rt.codes_gone and p.rt.device == torch.device("cpu") for p in plans)
+    assert all(lp.weight is None and lp.input_scale is None for p in plans for lp in p.linears.values())
+    for m in (model, twin):
+        _back(m)
+    decided, made = _decisions(monkeypatch), _quantizations(monkeypatch)
+    reads = []
+    monkeypatch.setattr(PL, "content_fingerprint", lambda t: reads.append(t) or None)
+    assert torch.equal(T.run_transformer(model, kw), want)
+    assert not decided and not reads and len(made) == n_fp8
+    assert not any(p.rt.codes_gone for p in plans)
+    rebuilds = qwen_absorb.patch_report(model).rebuilds
+    assert rebuilds["back on cpu: decisions kept, FP8 codes made again"] == len(plans)
+    handoffs = sum(plans[0].rt.handoffs.values())
+    assert torch.equal(T.run_transformer(model, kw), want)
+    assert sum(plans[0].rt.handoffs.values()) == handoffs + len(plans) - 1
+    monkeypatch.undo()
+    assert torch.equal(T.run_transformer(twin, kw), want)
+    assert not qwen_absorb.patch_report(twin).rebuilds.get("back on cpu: decisions kept, FP8 codes made again")
+    qwen_absorb.unpatch(model)
+    assert not _intercepted(model)
+
+
+@pytest.mark.parametrize("when", ["away", "back"])
+def test_a_change_around_a_move_is_decided_anew(fake_gpu, seed, monkeypatch, when):
+    """An in-place write to a host-kept original, a bias and an input amax, made while the model is away or after it
+    is back but before its next call: the blocks decide anew and compute what a twin patched afterwards does."""
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    T.run_transformer(model, kw)
+    _away(model, monkeypatch)
+
+    def change(m):
+        with torch.no_grad():
+            m.transformer_blocks[0].attn.to_k.weight.mul_(0.5)
+            m.transformer_blocks[1].attn.to_q.bias.add_(0.25)
+            m.transformer_blocks[1].img_mlp.net[2].input_quantizer._amax.mul_(1.5)
+
+    if when == "away":
+        change(model)
+    _back(model)
+    if when == "back":
+        change(model)
+    change(twin)
+    decided = _decisions(monkeypatch)
+    out = T.run_transformer(model, kw)
+    assert {id(b) for b in decided} == {id(b) for b in model.transformer_blocks[:2]}
+    monkeypatch.undo()
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(out, T.run_transformer(twin, kw))
+
+
+def test_a_dtype_move_is_decided_anew(fake_gpu, seed):
+    """``.to(dtype)`` changes more than the device: no decision is kept (the watch sees the new tensors), and the
+    model computes what a twin that keeps none does."""
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    qwen_absorb.patch(twin, **REAL, tuning=KEEP_NOT)
+    T.run_transformer(model, kw), T.run_transformer(twin, kw)
+    for m in (model, twin):
+        m.to(torch.float32)
+    assert not any(b.__dict__[PLAN_ATTR].rt.codes_gone for b in model.transformer_blocks)
+    kw32 = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+    assert torch.equal(T.run_transformer(model, kw32), T.run_transformer(twin, kw32))
+    assert "the model changed (modules, weights, quantizers or LoRA adapters)" in qwen_absorb.patch_report(model).rebuilds
