@@ -103,4 +103,19 @@ round35_c() {  # model offload keeping the blocks' decisions across moves (defau
   grep -E "te_encode|te:" "$OUT/pipeline_te.log" | cut -c1-300
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round35_a|round35_b|round35_c|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round35_bc() {  # round35_b and round35_c in one call where minutes are short: the suite, the offload A/B (no resident
+  # section), the text encoder if time is left
+  local t0=$SECONDS lim=${LIMIT_S:-560}
+  suite "${SUITE_S:-240}"
+  timeout $((lim - (SECONDS - t0))) python3 benchmarks/journey_offload.py --out "$OUT" --runs 3 \
+    --sections offload_model,offload_model_redecide --budget-s $((lim - 60 - (SECONDS - t0))) \
+    > "$OUT/journey_offload.log" 2>&1
+  grep -E "median|SKIP|rror" "$OUT/journey_offload.log" | cut -c1-300
+  if [ $((lim - (SECONDS - t0))) -gt 50 ]; then
+    timeout $((lim - (SECONDS - t0))) python3 benchmarks/pipeline_e2e.py --out "$OUT" --sections te --cases "" \
+      --num-layers 2 --budget-s 40 > "$OUT/pipeline_te.log" 2>&1
+    grep -E "te_encode|te:" "$OUT/pipeline_te.log" | cut -c1-300
+  fi
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round35_a|round35_b|round35_c|round35_bc|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
