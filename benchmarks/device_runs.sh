@@ -118,4 +118,13 @@ round35_bc() {  # round35_b and round35_c in one call where minutes are short: t
   fi
 }
 
-"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round35_a|round35_b|round35_c|round35_bc|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
+round35_d() {  # where minutes are short: the GPU files of round 35's changes (moves, LoRA paths, text encoder)
+  { echo "# python3 -m pytest -q -n 6 <files>: $(date -u +%FT%TZ)"; cat "$OUT/env.txt"
+    timeout "${SUITE_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n 6 --dist load \
+      tests/test_offload_gpu.py tests/test_offload_graphs_gpu.py tests/test_text_encoder_gpu.py \
+      tests/test_fp8_follows_model_gpu.py tests/test_lora_add_gpu.py tests/test_lora_fold_gpu.py tests/test_lane_gpu.py
+    echo "# exit code $?"; } > "$OUT/gpu_tests_round35_d.log" 2>&1
+  tail -6 "$OUT/gpu_tests_round35_d.log"
+}
+
+"${1:?usage: bash benchmarks/device_runs.sh gpu_tests|suite|round35_a|round35_b|round35_c|round35_bc|round35_d|one_owner|journey_offload|journey|journey_nvfp4|pipeline|pipeline_1|pipeline_2}"
