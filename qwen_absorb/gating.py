@@ -58,7 +58,7 @@ class Tuning:
     host_fp8_codes: bool = False
     # a block moved to another device and back with nothing changed keeps its decisions, only its FP8 codes made
     # again (host_originals.BlockMove); False: it decides anew at the first call back, as before round 35. The host's
-    # share of a return 185 against 503 ms on the CPU (60 tiny FP8 blocks, offload_host_cpu.json); GPU A/B to run
+    # share of a return 234 against 493 ms on the CPU (60 tiny FP8 blocks, offload_host_cpu.json); GPU A/B to run
     move_keeps_decisions: bool = True
 
     def __post_init__(self) -> None:

@@ -85,8 +85,8 @@ def _drop_codes(plan: BlockPlan, block: nn.Module) -> None:
 class BlockMove:
     """A patched Qwen-Image block's ``_apply``. A device move alone (``.to(device)``, model offload's hook) with
     nothing changed since the block's last decision keeps the decisions: leaving the device they were made for drops
-    the FP8 codes (:func:`plan.rebuild_codes` makes them again at the first call back there, the originals'
-    fingerprints carried over); only the watch is taken anew. Anything else (a dtype, a change before the move,
+    the FP8 codes (:func:`plan.rebuild_codes` makes them again at the first call back there); only the watch is
+    taken anew. Anything else (a dtype, a change before the move,
     NVFP4, tensor-parallel or hooked-attention state, ``Tuning(move_keeps_decisions=False)``) releases the block as
     before: it decides anew at its next call."""
 

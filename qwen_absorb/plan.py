@@ -430,13 +430,14 @@ def _fp8_cache_key(block: nn.Module, path: str, device: torch.device, content: t
 
 def rebuild_codes(plan: BlockPlan, block: nn.Module) -> None:
     """The FP8 weights again, back on the device the decisions were made for with nothing changed while away
-    (``host_originals.BlockMove``); an original that stayed put keeps its content fingerprint (no read of it)."""
+    (``host_originals.BlockMove``): from the originals as they are now, their keys read anew (a ``.data`` write
+    while away shows in no version; the key must say what the codes were made from)."""
     plan.rt.generation += 1
-    _build_fp8(plan, block, {}, carry=True)
+    _build_fp8(plan, block, {})
     plan.rt.codes_gone = False
 
 
-def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan], carry: bool = False) -> None:
+def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan]) -> None:
     """The FP8 weights, scales and epilogue biases of the FP8-GEMM linears (reused where their key is unchanged)."""
     back = host_codes.take(plan, block, plan.rt.device)  # back from the host with unchanged sources: no rebuild
     for p, lp in plan.linears.items():
@@ -450,9 +451,7 @@ def _build_fp8(plan: BlockPlan, block: nn.Module, old: dict[str, LinearPlan], ca
         else:
             # a host-kept weight: one copy, read on the device
             staged = quant.staged_weight(m, plan.rt.device, plan.options.tuning.pinned_staging)
-            w, k = unwrap_peft(m)[0]._parameters["weight"], lp.cache_key
-            same = carry and len(k) > 2 and k[2][:4] == (id(w), tensor_version(w), w.data_ptr(), w.dtype)
-            key = _fp8_cache_key(block, p, plan.rt.device, k[2][4] if same else None, staged=staged)
+            key = _fp8_cache_key(block, p, plan.rt.device, staged=staged)
             prev = old.get(p)
             if prev is not None and prev.cache_key == key and prev.weight is not None:
                 lp.weight, lp.offloaded = prev.weight, prev.offloaded

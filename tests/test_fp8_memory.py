@@ -458,7 +458,7 @@ KEEP_NOT = qwen_absorb.Tuning(move_keeps_decisions=False)
 
 def test_a_return_with_nothing_changed_keeps_the_decisions(fake_gpu, seed, monkeypatch):
     """A move away drops the FP8 codes and keeps the decisions; the first call back makes the codes again from the
-    same originals (their fingerprints carried over, nothing decided) with the bits of a twin that decides anew
+    originals (each fingerprinted once, nothing decided) with the bits of a twin that decides anew
     (``move_keeps_decisions=False``), hand-offs included from the next call."""
     from qwen_absorb import plan as PL
 
@@ -480,7 +480,7 @@ def test_a_return_with_nothing_changed_keeps_the_decisions(fake_gpu, seed, monke
     reads = []
     monkeypatch.setattr(PL, "content_fingerprint", lambda t: reads.append(t) or None)
     assert torch.equal(T.run_transformer(model, kw), want)
-    assert not decided and not reads and len(made) == n_fp8
+    assert not decided and len(reads) == len(made) == n_fp8
     assert not any(p.rt.codes_gone for p in plans)
     rebuilds = qwen_absorb.patch_report(model).rebuilds
     assert rebuilds["back on cpu: decisions kept, FP8 codes made again"] == len(plans)
@@ -538,3 +538,27 @@ def test_a_dtype_move_is_decided_anew(fake_gpu, seed):
     kw32 = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
     assert torch.equal(T.run_transformer(model, kw32), T.run_transformer(twin, kw32))
     assert "the model changed (modules, weights, quantizers or LoRA adapters)" in qwen_absorb.patch_report(model).rebuilds
+
+
+def test_a_data_write_while_away_is_served_and_keyed(fake_gpu, seed, monkeypatch):
+    """A write through ``.data`` while the model is away (PEFT's way: no version moves, the decisions are kept): the
+    codes made at the return are the written original's (a twin patched afterwards gives the same bits), and their
+    key says so (``patch()`` again finds nothing changed)."""
+    from qwen_absorb import plan as PL
+
+    model, kw = _fp8(seed)
+    twin = copy.deepcopy(model)
+    qwen_absorb.patch(model, **REAL)
+    before = T.run_transformer(model, kw)
+    _away(model, monkeypatch)
+    delta = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16) * 0.05
+    for m in (model, twin):
+        m.transformer_blocks[0].attn.to_k.weight.data += delta
+    _back(model)
+    out = T.run_transformer(model, kw)
+    assert not qwen_absorb.patch_report(model).rebuilds.get("the model changed (modules, weights, quantizers or "
+                                                            "LoRA adapters)")  # decisions kept
+    qwen_absorb.patch(twin, **REAL)
+    assert torch.equal(out, T.run_transformer(twin, kw)) and not torch.equal(out, before)
+    block = model.transformer_blocks[0]
+    assert not PL.content_changed(block.__dict__[PLAN_ATTR], block)

@@ -101,8 +101,8 @@ def _write_through_data(model, twin, kw, seed):
 
 @pytest.mark.skipif(not FP8_OK, reason="FP8 GEMMs need sm_89+")
 def test_codes_after_a_round_trip_are_made_from_device_copies(monkeypatch):
-    """Model offload's move out and back: the block decides anew, and each host-kept weight is copied to the GPU
-    once and fingerprinted and quantized there (no CPU read of the originals), giving the resident twin's bits; an
+    """Model offload's move out and back: the block keeps its decisions (host_originals.BlockMove) and makes its
+    codes again, each host-kept weight copied to the GPU once and fingerprinted and quantized there (no CPU read of the originals), giving the resident twin's bits; an
     in-place ``.data`` write made while the model was on the CPU (a PEFT merge's way) is still seen. Without the
     codes kept on the host (the default, ``host_fp8_codes=False``): with them, the next test."""
     model = _model(5)
