@@ -79,15 +79,6 @@ def export_code_mismatches(transformer: nn.Module) -> tuple[int, int]:
     return differing, total
 
 
-def _find_folder(export_dir: str | Path) -> Path:
-    folder = Path(export_dir)
-    if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
-        folder = folder / "transformer"  # a whole pipeline folder: its transformer
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{export_dir}: no config.json (a ModelOpt Hugging Face export of a transformer)")
-    return folder
-
-
 def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file  # noqa: PLC0415
 
@@ -102,14 +93,12 @@ def _read_safetensors(folder: Path, device: torch.device) -> dict[str, torch.Ten
 def read_quant_algo(folder: Path) -> str | None:
     """The export's ``quant_algo`` from ``config.json`` or ``hf_quant_config.json``; None if neither says."""
     algo = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("quant_algo")
-    side = folder / "hf_quant_config.json"
-    if algo is None and side.is_file():
+    if algo is None and (side := folder / "hf_quant_config.json").is_file():
         algo = (json.loads(side.read_text()).get("quantization") or {}).get("quant_algo")
     return algo
 
 
-def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, maxbound: float = FP8_MAX,
-                     cuda_first: bool = False) -> torch.Tensor:
+def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype, maxbound: float, cuda_first: bool) -> torch.Tensor:
     """An amax for which ``amax / maxbound`` is exactly the stored float32 ``scale`` (``scale * maxbound`` misses by
     an ulp now and then, a neighbour meets it); in ``dtype`` where it represents one exactly. ``cuda_first``
     (NVFP4): first the division as ModelOpt's NVFP4 fake quantization does it on CUDA (times the reciprocal)."""
@@ -120,9 +109,7 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, ma
         up, down = torch.nextafter(up, torch.full_like(up, float("inf"))), torch.nextafter(down, torch.zeros_like(down))
         candidates += [up, down]
     inv = float(torch.tensor(1.0 / maxbound, dtype=torch.float32))
-    ways = [lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()]  # the ways ModelOpt divides
-    if cuda_first:
-        ways.insert(0, lambda c: c * inv)
+    ways = [lambda c: c * inv] * cuda_first + [lambda c: c / maxbound, lambda c: (c.double() / maxbound).float()]
     for divide in ways:
         exact = [c for c in candidates if torch.equal(divide(c), s)]
         if exact:
@@ -132,14 +119,10 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype = torch.float32, ma
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n]."""
+    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n], "-0" (8) as +0: a dequantized weight cannot tell
+    them apart."""
     p = packed.view(torch.uint8)
-    return torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
-
-
-def _canonical_codes(packed: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes, one a byte, with "-0" (8) as +0: a dequantized weight cannot tell them apart."""
-    codes = _codes(packed)
+    codes = torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
     return torch.where(codes == 8, torch.zeros_like(codes), codes)
 
 
@@ -198,9 +181,8 @@ class _Entry:
         if self.fmt == "fp8":
             return self.weight.to(torch.float32) * self.scale.to(torch.float32)
         vals = torch.tensor(_E2M1, dtype=torch.float32, device=self.weight.device)[_codes(self.weight).long()]
-        out_f, in_f = vals.shape
         block = self.scale.to(torch.float32) * self.scale_2.to(torch.float32).reshape(())
-        return (vals.view(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK) * block.unsqueeze(-1)).view(out_f, in_f)
+        return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * block.unsqueeze(-1)).flatten(-2)
 
     def reproduces_codes(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` (the loaded parameter) quantizes back to the checkpoint's bytes."""
@@ -213,10 +195,10 @@ class _Entry:
         # (blocks with a nonzero code only: an all-zero block's stored scale is not recoverable)
         qt, _, _ = nvfp4.quantize(w.clone(), NVFP4_BLOCK, weights_scaling_factor=self.scale,
                                   weights_scaling_factor_2=s2)
-        if not torch.equal(_canonical_codes(qt._quantized_data), _canonical_codes(self.weight)):
+        if not torch.equal(_codes(qt._quantized_data), _codes(self.weight)):
             return False
         scale, _ = nvfp4.get_weights_scaling_factor(w, NVFP4_BLOCK, s2)
-        live = (_canonical_codes(self.weight) != 0).view(w.shape[0], -1, NVFP4_BLOCK).any(-1)
+        live = (_codes(self.weight) != 0).view(w.shape[0], -1, NVFP4_BLOCK).any(-1)
         return torch.equal(scale.view(torch.uint8)[live], self.scale.view(torch.uint8)[live])
 
 
@@ -236,10 +218,9 @@ def _quant_cfg(entries: list[_Entry]) -> dict[str, Any]:
 
     per_fmt = {"fp8": defaults(mtq.FP8_DEFAULT_CFG), "nvfp4": defaults(mtq.NVFP4_DEFAULT_CFG)}
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
-    cfg["quant_cfg"] = [{"quantizer_name": "*", "enable": False}]
-    for e in entries:
-        for q in ("weight_quantizer", "input_quantizer"):
-            cfg["quant_cfg"].append({"quantizer_name": f"{e.name}.{q}", "cfg": per_fmt[e.fmt][q], "enable": True})
+    cfg["quant_cfg"] = [{"quantizer_name": "*", "enable": False}] + [
+        {"quantizer_name": f"{e.name}.{q}", "cfg": per_fmt[e.fmt][q], "enable": True}
+        for e in entries for q in ("weight_quantizer", "input_quantizer")]
     return cfg
 
 
@@ -252,7 +233,11 @@ def load_hf_export(export_dir: str | Path, dtype: torch.dtype | None = None, dev
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
 
     mtq = import_modelopt()
-    folder = _find_folder(export_dir)
+    folder = Path(export_dir)
+    if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"  # a whole pipeline folder: its transformer
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{export_dir}: no config.json (a ModelOpt Hugging Face export of a transformer)")
     algo = read_quant_algo(folder)
     if algo not in (None, "FP8", "NVFP4", "MIXED_PRECISION"):
         raise ValueError(f"{folder}: quant_algo {algo!r} is not supported (FP8, NVFP4 or a mix of them)")
@@ -306,10 +291,7 @@ def load_hf_export(export_dir: str | Path, dtype: torch.dtype | None = None, dev
 def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state: dict[str, torch.Tensor]) -> None:
     """The loader's "does not match" error, naming the first problems, unless stored and model tensors pair up."""
     own = model.state_dict()
-    problems: list[str] = []
-    for e in entries:
-        w = own.get(f"{e.name}.weight")
-        problems += e.problems(None if w is None else w.shape)
+    problems = [p for e in entries for p in e.problems(getattr(own.get(f"{e.name}.weight"), "shape", None))]
     quantized = {f"{e.name}.weight" for e in entries}
     for k, t in state.items():
         if k not in own:
@@ -325,9 +307,7 @@ def _check_matches(folder: Path, model: nn.Module, entries: list[_Entry], state:
 def empty_transformer(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """A ``QwenImageTransformer2DModel`` of ``config``, empty weights, its rope rebuilt (tables not in buffers)."""
     from diffusers import QwenImageTransformer2DModel  # noqa: PLC0415
-    from diffusers.models.transformers.transformer_qwenimage import (  # noqa: PLC0415
-        QwenEmbedLayer3DRope, QwenEmbedRope,
-    )
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedLayer3DRope, QwenEmbedRope  # noqa: PLC0415
 
     config = {k: v for k, v in dict(config).items() if not k.startswith("_") and k != "quantization_config"}
     with torch.device("meta"):

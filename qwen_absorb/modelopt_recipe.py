@@ -10,7 +10,6 @@ Quantizing, calibrating, saving and exporting are ModelOpt's; this module builds
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,8 @@ import torch
 from torch import nn
 
 from .hf_export import (  # noqa: F401  (re-exported: the public names of the recipe; _code_mismatches for tests)
-    _code_mismatches, empty_transformer, export_code_mismatches, import_modelopt, load_hf_export,
-    quantized_linear_names,
+    _code_mismatches, empty_transformer, export_code_mismatches, import_modelopt, load_hf_export, quantized_linear_names
 )
-
-logger = logging.getLogger("qwen_absorb")
 
 # ModelOpt's own Qwen-Image recipe (examples/diffusers/quantization): only ``transformer_blocks``, the first 2 and
 # last 2 kept in the original precision; SGLang's validated FP8 checkpoints keep these linears in bf16 too.
