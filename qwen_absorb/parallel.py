@@ -55,10 +55,9 @@ def describe_tensor(t: Any) -> str:
     """E.g. ``DTensor[64] (Replicate(),) local [64] float32`` or ``Tensor[1, 16, 64] float32``."""
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
-    shape = list(t.shape)
     if is_dtensor(t):
-        return f"DTensor{shape} {_placements(t)} local {list(t.to_local().shape)} {str(t.dtype)[6:]}"
-    return f"{type(t).__name__}{shape} {str(t.dtype)[6:]}"
+        return f"DTensor{list(t.shape)} {_placements(t)} local {list(t.to_local().shape)} {str(t.dtype)[6:]}"
+    return f"{type(t).__name__}{list(t.shape)} {str(t.dtype)[6:]}"
 
 
 def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, str | None]:
@@ -112,17 +111,15 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
     b = m._parameters.get("bias") if hasattr(m, "_parameters") else None
     if style is None:
         w = _weight(m)
-        if is_dtensor(w) or is_dtensor(b):
-            return [f"TP layout not understood (weight {describe_tensor(w)}, bias {describe_tensor(b)})"]
-        return []
+        return [f"TP layout not understood (weight {describe_tensor(w)}, bias {describe_tensor(b)})"] \
+            if is_dtensor(w) or is_dtensor(b) else []
     if style == "colwise":
         return ["tensor parallel column-wise projection: its output is sharded on the hidden dim"]
     out: list[str] = []
-    if b is not None:
-        if not is_dtensor(b):
-            out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
-        elif not all(p.is_replicate() for p in _placements(b)):
-            out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
+    if b is not None and not is_dtensor(b):
+        out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
+    elif b is not None and not all(p.is_replicate() for p in _placements(b)):
+        out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
     for hook in getattr(m, "_forward_hooks", {}).values():  # a torch ParallelStyle's partial(_prepare_output_fn, ...)
         pout = _hook_partial(hook, "_prepare_output_fn")
         if pout is not None and len(pout.args) >= 2:
@@ -188,9 +185,9 @@ _REPLICATE = (lambda p: p.is_replicate(),)
 _LAST_SHARD = (lambda p: p.is_shard() and p.dim == -1,)
 _SHARD0 = (lambda p: p.is_shard() and p.dim == 0,)
 _SHARD1 = (lambda p: p.is_shard() and p.dim in (1, -1),)
-# input layouts, desired input layouts, output layouts, weight and bias placements of the styles' defaults
+_LAYOUTS = ("input layouts", "desired input layouts", "output layouts", "weight placements", "bias placements")
 _DEFAULTS = {"ColwiseParallel": (_REPLICATE, _REPLICATE, _LAST_SHARD, _SHARD0, _SHARD0),
-             "RowwiseParallel": (_LAST_SHARD, _LAST_SHARD, _REPLICATE, _SHARD1, _REPLICATE)}
+             "RowwiseParallel": (_LAST_SHARD, _LAST_SHARD, _REPLICATE, _SHARD1, _REPLICATE)}  # in _LAYOUTS order
 
 
 def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[TpShard | None, list[str]]:
@@ -223,11 +220,10 @@ def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[Tp
         return None, [f"parallel style {style!r} ({_style_of(pout)!r} output), not ColwiseParallel/RowwiseParallel"]
     got = (tuple(pin.args[0]), tuple(pin.args[1]), tuple(pout.args[0]), _placements(w),
            _placements(b) if b is not None else None)
-    names = ("input layouts", "desired input layouts", "output layouts", "weight placements", "bias placements")
-    for name, preds, g in zip(names, _DEFAULTS[style], got):
+    for name, preds, g in zip(_LAYOUTS, _DEFAULTS[style], got):
         if g is not None and (len(g) != len(preds) or not all(f(x) for f, x in zip(preds, g))):  # None: no bias
             r.append(f"{name} {g} are not the {style}() defaults")
-    if not bool(pout.args[1]):
+    if not pout.args[1]:
         r.append("use_local_output=False (the output stays a DTensor)")
     if r:
         return None, r

@@ -89,8 +89,7 @@ def _walk(root: nn.Module, name: str, skip_root: bool = False, unwrap: bool = Fa
             continue
         seen.add(id(m))
         d = m.__dict__
-        kids = d["_modules"]
-        if kids:
+        if kids := d["_modules"]:
             stack.extend(reversed([c for c in kids.values() if c is not None]))
         if skip_root and m is root:
             continue
@@ -119,8 +118,7 @@ def _device(module: nn.Module, no_group_hooks: set[int]) -> torch.device:
 
     if id(module) in no_group_hooks and inspect.getattr_static(type(module), "device", None) is \
             ModelMixin.__dict__["device"]:
-        first = next(itertools.chain(module.parameters(), module.buffers()), None)
-        if first is not None:
+        if (first := next(itertools.chain(module.parameters(), module.buffers()), None)) is not None:
             return first.device
     return module.device
 
@@ -131,8 +129,7 @@ def execution_device(pipe: Any) -> torch.device:
     clean: set[int] = set()
     for model in comps.values():
         if isinstance(model, nn.Module):
-            hook = _group_offload_hook(model)
-            if hook is not None:
+            if (hook := _group_offload_hook(model)) is not None:
                 return hook.config.onload_device
             clean.add(id(model))
     for name, model in comps.items():
@@ -152,8 +149,7 @@ def _pipe_device(pipe: Any, clean: set[int]) -> torch.device:
     names, _ = pipe._get_signature_keys(pipe)
     modules = [m for m in (getattr(pipe, n, None) for n in names) if isinstance(m, nn.Module)]
     for module in modules:
-        dev = _device(module, clean)
-        if dev.type not in ("cpu", "meta"):
+        if (dev := _device(module, clean)).type not in ("cpu", "meta"):
             return dev
     return _device(modules[0], clean) if modules else torch.device("cpu")
 

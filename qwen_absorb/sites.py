@@ -75,17 +75,16 @@ NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
 ATTN_LINEARS = tuple(p for p in LINEAR_TABLE if p.startswith("attn."))
 
 # Qwen-Image-2.1: one stream; norm2's op is the attention residual and img_norm2 together, swiglu img_mlp's forward
-_QKV21 = ("attn.to_q", "attn.to_k", "attn.to_v")
 _AB21 = ("img_mlp.gate_layer", "img_mlp.proj")
 SITE21_TABLE: dict[str, Site] = {s.key: s for s in (
-    Site("img", "norm1", "layer_norm_scale", "img_norm1", None, _QKV21),
+    Site("img", "norm1", "layer_norm_scale", "img_norm1", None, IMG_QKV),
     Site("img", "attn_residual", "tanh_gate_residual", None, None, ()),
     Site("img", "norm2", "tanh_gate_residual_layer_norm_scale", "img_norm2", None, _AB21),
     Site("img", "swiglu", "swiglu", None, None, ("img_mlp.out",)),
     Site("img", "ffn_residual", "tanh_gate_residual", None, None, ()),
 )}
 LINEAR21_TABLE: dict[str, Linear] = {
-    **{p: Linear(p, "img", "img.norm1") for p in _QKV21},
+    **{p: Linear(p, "img", "img.norm1") for p in IMG_QKV},
     "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
     **{p: Linear(p, "img", "img.norm2") for p in _AB21},
     "img_mlp.out": Linear("img_mlp.out", "img", "img.swiglu"),
@@ -189,8 +188,7 @@ def resolve(block: nn.Module, path: str) -> nn.Module | None:
     m: nn.Module | None = block
     for part in path.split("."):
         mods = m.__dict__.get("_modules") if m is not None else None
-        m = mods.get(part) if mods is not None else None
-        if m is None:
+        if mods is None or (m := mods.get(part)) is None:
             return None
     return m
 
