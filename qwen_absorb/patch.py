@@ -116,11 +116,6 @@ def _install(block: nn.Module, fwd: PatchedForward | Patched21Forward) -> _Block
     return None
 
 
-def _remove_forward(block: nn.Module, fwd: Any, had_instance_forward: bool) -> bool:
-    """Take ``fwd`` out of the slot that holds it (the class forward again); False if none does."""
-    return hooks.put_back(block, fwd, type(block).forward.__get__(block), had_instance_forward)
-
-
 def _strip(block: nn.Module) -> None:
     """Remove a patch the block carries that is not this one's (a copied patched block, an earlier patch)."""
     block.__dict__.pop(PLAN_ATTR, None)
@@ -133,7 +128,7 @@ def _strip(block: nn.Module) -> None:
     for where, get, _ in list(hooks.forward_slots(block)):
         fn = get()
         if isinstance(fn, PatchedForward):
-            _remove_forward(block, fn, had_instance_forward=where != "forward")
+            hooks.put_back(block, fn, type(block).forward.__get__(block), where != "forward")
 
 
 def _new_state(transformer: nn.Module, options: Options, cuda_graph: str | bool, blocks: list,
@@ -378,8 +373,7 @@ def _install_block(state: _PatchState, block: nn.Module, plan: BlockPlan) -> Non
         fp8_forward.remove(block)
         plan.attn_forwards = False
         for s in plan.sites:
-            s.fused, s.bias_deferred, s.runner, s.mode = False, False, "eager", None
-            s.reasons = ["block not patched"]
+            s.fused, s.bias_deferred, s.runner, s.mode, s.reasons = False, False, "eager", None, ["block not patched"]
             if s.projection:
                 s.defer_reasons = ["block not patched"]
         for lp in plan.linears.values():
@@ -398,8 +392,7 @@ def _stale(state: _PatchState, transformer: nn.Module) -> str | None:
         return "the model's blocks were replaced, added or removed"
     for rec in state.records:
         if isinstance(rec.installed, Patched21Forward):  # a 2.1 block decides by itself, but for what no call sees
-            why = fp8_forward.stale_reason(rec.block, rec.installed.plan.rt.linear_fwds)
-            if why is not None:
+            if (why := fp8_forward.stale_reason(rec.block, rec.installed.plan.rt.linear_fwds)) is not None:
                 return f"block {rec.installed.index}: {why}"
             continue
         plan = rec.block.__dict__.get(PLAN_ATTR)
@@ -425,7 +418,8 @@ def _undo(state: _PatchState) -> None:
             rec.block.__dict__.pop(PLAN_ATTR, None)
         fwds = rec.installed.plan.rt.linear_fwds.values() if isinstance(rec.installed, Patched21Forward) else ()
         fp8_forward.remove(rec.block, list(fwds))  # with them, their FP8 weights
-        if not _remove_forward(rec.block, rec.installed, rec.had_instance_forward):
+        if not hooks.put_back(rec.block, rec.installed, type(rec.block).forward.__get__(rec.block),
+                              rec.had_instance_forward):
             log.warning("block forward of %s not found in its hook chain; left in place (it runs the "
                         "original forward)", type(rec.block).__name__)
     handoff.drop()  # a record of an interrupted call would keep tensors and plans alive
@@ -473,8 +467,6 @@ def patch_report(target: Any) -> PatchReport | None:
     off = {"pipeline": walks_room.WalksReport(False, NOT_PATCHED_HERE),
            "vae": vae_room.VaeReport(on=False, reasons=[NOT_PATCHED_HERE]),
            "text_encoder": text_encoder_room.TextEncoderReport(on=False, reasons=[NOT_PATCHED_HERE])}
-    parts = {}
-    for name in own if own is not None else state.report.parts:
-        had = (own or {}).get(name)
-        parts[name] = now[name] or (had if had is not None and not had.on else off[name])
-    return replace(state.report, parts=parts)
+    said_off = {n: p for n, p in (own or {}).items() if p is not None and not p.on}  # by its own patch()
+    names = own if own is not None else state.report.parts
+    return replace(state.report, parts={n: now[n] or said_off.get(n, off[n]) for n in names})

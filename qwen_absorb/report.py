@@ -7,6 +7,7 @@ counting, dtype and graph are read through a weak reference to the active patch 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import weakref
@@ -177,8 +178,7 @@ class PatchReport:
     parts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def record(self, plan: BlockPlan) -> None:
-        while len(self._blocks) <= plan.index:
-            self._blocks.append(None)  # type: ignore[arg-type]
+        self._blocks += [None] * (plan.index + 1 - len(self._blocks))  # type: ignore[list-item]
         self._blocks[plan.index] = BlockReport.of(plan)
 
     def record_forward(self, index: int, path: str, fp8: bool, reasons: list[str]) -> None:
@@ -304,14 +304,23 @@ class PatchReport:
         d = self._decided(blocks)
         device = d.device if d is not None else "?"
         kernel_why = "; ".join(d.kernel_reasons) if d is not None else ""
-        plain = _plainer(device, kernel_why)
+        plain = functools.partial(_plain, device=device, why=kernel_why)
         state = "active" if self.active else "unpatched"
         lines = [f"qwen_absorb PatchReport ({state}): {self.transformer_class} on {device}, {self.dtype}",
                  f"  blocks patched {s['blocks_patched']}/{s['blocks']}", "  " + _sites_line(s, device, kernel_why)]
         if self.tuning:
             lines.append(f"  tuning (not the default): {self.tuning}")
-        if s["modelopt_linears"]:
-            lines.append(self._fp8_line(s, blocks, device))
+        if s["modelopt_linears"]:  # the linears inside the blocks (a whole-model count also has those outside)
+            n = s["fp8_gemm_linears"]
+            lora = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
+            fast = " with fast accumulation" if n and any(b.fast_accum for b in blocks if b.patched) else ""
+            where = ""
+            if n and not device.startswith("cuda"):
+                where = (f"; on {device} they run torch._scaled_mm's {device} implementation (fp8_gemm=True with "
+                         f"capabilities={{'{device}'}}): a test of the logic, not a speed path")
+            lines.append(f"  real FP8 GEMMs: {n} of {s['modelopt_linears']} ModelOpt linears in the blocks{lora}"
+                         f"{fast} (fp8_gemm={self.fp8_gemm!r}); sites emitting their FP8 codes: "
+                         f"{s['fp8_emitting_sites']}{where}")
         if s["fp8_forward_linears"] and s["hooked_attention_fp8_blocks"]:  # standby forwards: said only when used
             lines.append(f"  hooked attention (run as its module, e.g. by a diffusers cache): "
                          f"{s['fp8_forward_linears']} attention linears run real FP8 in their forward slots there; "
@@ -372,18 +381,6 @@ class PatchReport:
         lines += [f"  {part.line()}" for part in self.parts.values()]
         return "\n".join(lines)
 
-    def _fp8_line(self, s: dict[str, Any], blocks: list[BlockReport], device: str) -> str:
-        """The real-FP8 count of the linears inside the blocks (a whole-model count also has those outside)."""
-        n = s["fp8_gemm_linears"]
-        lora_part = f", {s['fp8_gemm_lora_linears']} with LoRA branches" if s["fp8_gemm_lora_linears"] else ""
-        fast = " with fast accumulation" if n and any(b.fast_accum for b in blocks if b.patched) else ""
-        where = ""
-        if n and not device.startswith("cuda"):
-            where = (f"; on {device} they run torch._scaled_mm's {device} implementation (fp8_gemm=True with "
-                     f"capabilities={{'{device}'}}): a test of the logic, not a speed path")
-        return (f"  real FP8 GEMMs: {n} of {s['modelopt_linears']} ModelOpt linears in the blocks{lora_part}{fast} "
-                f"(fp8_gemm={self.fp8_gemm!r}); sites emitting their FP8 codes: {s['fp8_emitting_sites']}{where}")
-
     __repr__ = __str__
 
 
@@ -398,23 +395,19 @@ def _sites_line(s: dict[str, Any], device: str, kernel_why: str) -> str:
     return f"{total} sites: " + ", ".join(parts)
 
 
-def _plainer(device: str, why: str) -> Callable[[str], str]:
+def _plain(reason: str, device: str, why: str) -> str:
     """A reason as the report says it: the kernels' unavailability (``why``) is said once, on the sites line;
     reasons repeating it point there instead."""
-
-    def plain(reason: str) -> str:
-        if not why:
-            return reason
-        short = f"no CUDA kernels on {device}"
-        if reason == "fused ops ran their torch references: " + why:
-            return f"ran the torch references ({short})"
-        if reason == f"tensors are on {device}; real FP8 GEMMs need CUDA":
-            # what examples/quantize_fp8.py forces on a CPU, said here so the two read alike
-            return reason + f" (fp8_gemm=True with capabilities={{'{device}'}} runs them here, for tests)"
-        return (reason.replace("fused CUDA path unavailable: " + why, short)
-                .replace("its bias is fused in the GEMM", "its bias is added by the GEMM"))
-
-    return plain
+    if not why:
+        return reason
+    short = f"no CUDA kernels on {device}"
+    if reason == "fused ops ran their torch references: " + why:
+        return f"ran the torch references ({short})"
+    if reason == f"tensors are on {device}; real FP8 GEMMs need CUDA":
+        # what examples/quantize_fp8.py forces on a CPU, said here so the two read alike
+        return reason + f" (fp8_gemm=True with capabilities={{'{device}'}} runs them here, for tests)"
+    return (reason.replace("fused CUDA path unavailable: " + why, short)
+            .replace("its bias is fused in the GEMM", "its bias is added by the GEMM"))
 
 
 def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], plain: Callable[[str], str],
@@ -426,11 +419,10 @@ def _grouped(title: str, noun: str, items: list[tuple[list[str], int]], plain: C
     by: dict[str, list[int]] = {}
     for reasons, block in items:
         by.setdefault("; ".join(map(plain, reasons)), []).append(block)
-    out = [f"{title}:"]
     rows = sorted(by.items(), key=lambda kv: -len(kv[1]))
-    for reason, blocks in rows[:limit or None]:
-        n = len(blocks)
-        out.append(f"    {reason}  [{n} {noun}{'s' if n != 1 else ''}, blocks {_ranges(sorted(set(blocks)))}]")
+    out = [f"{title}:"]
+    out += [f"    {reason}  [{len(b)} {noun}{'s' if len(b) != 1 else ''}, blocks {_ranges(sorted(set(b)))}]"
+            for reason, b in rows[:limit or None]]
     if limit and len(rows) > limit:
         rest = sum(len(b) for _, b in rows[limit:])
         out.append(f"    ... {len(rows) - limit} more reasons for {rest} {noun}s (report.to_dict() has all)")
