@@ -26,9 +26,7 @@ uncached patched run. FasterCache: not run (its batched-CFG split raises on Qwen
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import io
 import sys
 import time
 from pathlib import Path
@@ -74,9 +72,8 @@ def configs(clock: Clock, mag_ratios: list[float] | None, steps: int) -> dict[st
 class Caches(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
         self.R = H.Results(a.out, "caches_tiny" if a.tiny else f"caches_{H.gpu_file_tag(a.device)}", {
-            **H.head("benchmarks/caches.py (issue 40 item 4)", self.env, cfg), "uncached_s": None,
+            **H.head("benchmarks/caches.py (issue 40 item 4)", self.env, self.cfg), "uncached_s": None,
             "uncached_unpatched_s": None, "mag_ratios": None, "cases": {}, "faster_cache": (
                 "not run: its denoiser hook splits batched cond/uncond inputs, QwenImagePipeline calls them apart "
                 "(raises on Qwen-Image, patched or not); with is_guidance_distilled=True its attention "
@@ -168,18 +165,7 @@ class Caches(H.Bench):
         self.R.put("details.uncached", {"first_run_s": round(times[0], 3), **delta})
 
     def calibrate(self) -> None:
-        """MagCache's own calibration run (eager: it reads tensor values); the ratios it prints for "cond"."""
-        from diffusers.hooks import MagCacheConfig  # noqa: PLC0415
-
-        self.model.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=self.a.steps))
-        buf = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(buf):
-                self.denoise()
-        finally:
-            self.model.disable_cache()
-        printed = [ln for ln in buf.getvalue().splitlines() if ln.startswith("[") and not ln.startswith("[Mag")]
-        self.R.put("mag_ratios", [round(float(x), 5) for x in ast.literal_eval(printed[0])])
+        self.R.put("mag_ratios", H.mag_ratios(self.model, self.a.steps, self.denoise))
 
     def case(self, name: str, make: Any, patched: bool = True) -> None:
         # two runs where graphs are captured in the first (FBC: its blocks' graphs); one where every call runs eager
@@ -258,13 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p = H.parser(__doc__, (), budget_s=175.0)
     p.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     defaults = {"num_layers": (60, 2), "side": (64, 4), "text_tokens": (128, 8), "steps": (50, 8)}
-    for k, (full, tiny) in defaults.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
-    a = H.finish_args(p, p.parse_args(argv), (), "caches")
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[1] if a.tiny else v[0])
-    return Caches(a).run()
+    H.add_int_args(p, defaults)
+    return Caches(H.finish_args(p, p.parse_args(argv), (), "caches", defaults)).run()
 
 
 if __name__ == "__main__":

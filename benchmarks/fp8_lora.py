@@ -60,8 +60,6 @@ import torch  # noqa: E402
 import qwen_absorb  # noqa: E402
 from qwen_absorb.ops import lane  # noqa: E402
 
-TARGET_MODULES = H.LORA_TARGETS  # the LoRA's shape and weights: harness (shared with one_owner, pipeline_e2e)
-lora_config, lora_params, seed_lora = H.lora_config, H.lora_params, H.seed_lora
 TIMED = ("fp8_graph_ms", "fast_accum_graph_ms", "offload_graph_ms", "fp8_lora_graph_ms", "fp8_fused_lora_graph_ms")
 KEYS = TIMED + ("fp8_lora_real_linears", "fp8_fused_lora_real_linears", "lora_fidelity_ratio", "mem_before_patch_gib",
                 "mem_patched_gib", "mem_after_unpatch_gib", "mem_after_repatch_gib", "offload_model_gib")
@@ -70,11 +68,9 @@ KEYS = TIMED + ("fp8_lora_real_linears", "fp8_fused_lora_real_linears", "lora_fi
 class Bench(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        env = self.env
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": a.side**2,
-               "lora_target_modules": TARGET_MODULES}
+        cfg = {**self.cfg, "image_tokens": a.side**2, "lora_target_modules": H.LORA_TARGETS}
         self.R = H.Results(a.out, "fp8_lora", {
-            **H.head("benchmarks/fp8_lora.py (issue 18: real FP8 + LoRA, memory, offload with graphs)", env, cfg),
+            **H.head("benchmarks/fp8_lora.py (issue 18: real FP8 + LoRA, memory, offload with graphs)", self.env, cfg),
             **dict.fromkeys(KEYS), "gpu_busy_ms": {}, "wall_ms": {}, "kernels_per_call": {}, "rel_err": {},
             "real_linears": {}, "report_summary": {}, "runtime_fallbacks": {}, "peak_memory_gib": {},
             "details": {}, "targets": {}}, markdown)
@@ -84,15 +80,12 @@ class Bench(H.Bench):
         self.ref: torch.Tensor | None = None
         self.lora_sd: dict[str, torch.Tensor] | None = None
         self.patch_kw = {"fp8_gemm": True, "capabilities": {"cpu"}} if not self.cuda else {}
-        if a.tiny:
-            self.patch_kw["cuda_graph"] = self.cuda
-        else:
-            self.patch_kw["cuda_graph"] = True
+        self.patch_kw["cuda_graph"] = self.cuda or not a.tiny
 
     # ------------------------------------------------------------------ helpers
     def mem(self, key: str) -> None:
         g = H.memory_gib(self.dev)
-        self.R.put(key, None if g is None else round(g, 3), None if g is not None else f"{H.NEEDS_CUDA}")
+        self.R.put(key, None if g is None else round(g, 3), H.NEEDS_CUDA)
         if g is not None:
             H.log(f"  {key}: {g:.3f} GiB")
 
@@ -102,9 +95,7 @@ class Bench(H.Bench):
             torch.cuda.reset_peak_memory_stats(self.dev)
 
     def patch(self, label: str, **kw: Any) -> Any:
-        rep, why = H.patch(self.model, fresh=False, **{**self.patch_kw, **kw})
-        if rep is None:
-            raise RuntimeError(why)
+        rep = H.patched(self.model, fresh=False, **{**self.patch_kw, **kw})
         self.reports.append(rep)
         n = (H.summary(rep) or {}).get("fp8_gemm_linears")
         self.R.put(f"real_linears.{label}", n)
@@ -117,8 +108,8 @@ class Bench(H.Bench):
                       warmup_s=self.a.warmup_s)
         self.R.put(key, round(r["median_ms"], 4))
         self.R.put(f"wall_ms.{key}", round(r["wall_median_ms"], 4))
-        for k, dst in (("gpu_busy_ms", "gpu_busy_ms"), ("kernels_per_call", "kernels_per_call")):
-            self.R.put(f"{dst}.{key}", *H.busy(r, k))
+        for k in ("gpu_busy_ms", "kernels_per_call"):
+            self.R.put(f"{k}.{key}", *H.busy(r, k))
         self.R.d["details"][key] = r
         self.R.put(f"report_summary.{key}", H.summary(rep))
         self.R.put(f"runtime_fallbacks.{key}", H.fallbacks(rep))
@@ -160,9 +151,9 @@ class Bench(H.Bench):
     def reference(self) -> None:
         """The fp32 twin: a deep copy with the seeded LoRA, upcast, one forward; deleted after."""
         twin = copy.deepcopy(self.model)
-        twin.add_adapter(lora_config(self.a.rank))
-        seed_lora(twin, self.a.rank, self.a.seed)
-        self.lora_sd = {n: p.detach().clone() for n, p in lora_params(twin).items()}
+        twin.add_adapter(H.lora_config(self.a.rank))
+        H.seed_lora(twin, self.a.rank, self.a.seed)
+        self.lora_sd = {n: p.detach().clone() for n, p in H.lora_params(twin).items()}
         self.R.put("details.lora_parameters", sum(p.numel() for p in self.lora_sd.values()))
         self.R.put("details.lora_layers", sum(1 for n in self.lora_sd if n.endswith("lora_A.default.weight")))
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -206,10 +197,10 @@ class Bench(H.Bench):
 
     def lora(self) -> None:
         self.patch("fp8_before_lora")  # patched when the user adds the LoRA: patch() again must see the change
-        self.model.add_adapter(lora_config(self.a.rank))
-        got = lora_params(self.model)
+        self.model.add_adapter(H.lora_config(self.a.rank))
+        got = H.lora_params(self.model)
         if self.lora_sd is None:  # no twin (its step failed): the same seeded weights, no reference
-            seed_lora(self.model, self.a.rank, self.a.seed)
+            H.seed_lora(self.model, self.a.rank, self.a.seed)
         elif set(got) != set(self.lora_sd):
             raise RuntimeError(f"LoRA parameters differ from the twin's: {sorted(set(got) ^ set(self.lora_sd))[:4]}")
         else:
@@ -318,7 +309,7 @@ def markdown(d: dict[str, Any]) -> str:
     lines = H.md_head("Real FP8 + LoRA, memory and offload with CUDA graphs (issue 18)", d,
                       f"{cfg.get('num_layers')} layers, {cfg.get('image_tokens')} image + {cfg.get('text_tokens')} "
                       f"text tokens, B = 1, bf16, ModelOpt FP8_DEFAULT_CFG; LoRA rank {cfg.get('rank')} on "
-                      f"{len(TARGET_MODULES)} linears per block; median of {cfg.get('iters')} calls after "
+                      f"{len(H.LORA_TARGETS)} linears per block; median of {cfg.get('iters')} calls after "
                       f"{cfg.get('warmup')} warm-up continued to {cfg.get('warmup_s')} s (steady clocks; CUDA events), "
                       "wall = perf_counter, GPU busy = sum of kernel "
                       "durations of one call (torch.profiler)")
@@ -342,7 +333,7 @@ def markdown(d: dict[str, Any]) -> str:
     return H.md_document(lines, d)
 
 
-MODEL = {"layers": (60, 2), "side": (64, 4)}  # (default, --tiny)
+MODEL = {"num_layers": (60, 2), "side": (64, 4), "text_tokens": (128, 8), "rank": (64, 4)}  # (default, --tiny)
 # Variants of the LoRA call timed after the default one: the Tuning fields each sets
 LORA_VARIANTS = {
     "fp8_lora_addmm": {"lora_gelu_kernel": False},  # every branch by cuBLAS's addmm_
@@ -367,8 +358,7 @@ def _tile_configs(text: str) -> list[tuple[int, int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = H.parser(__doc__, budget_s=420.0)
-    H.add_model_args(ap, **MODEL)
-    ap.add_argument("--rank", type=int, default=None, help="LoRA rank (default 64; --tiny: 4)")
+    H.add_int_args(ap, MODEL)
     ap.add_argument("--warmup", type=int, default=2)
     H.add_steady_warmup_arg(ap)
     ap.add_argument("--iters", type=int, default=7, help="timed calls per case (>= 5)")
@@ -382,10 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.iters < 5 or a.warmup < 1:
         ap.error("--iters >= 5 and --warmup >= 1 (medians of at least 5 calls after warm-up)")
-    a = H.finish_args(ap, a, tiny_prefix="fp8_lora")
+    a = H.finish_args(ap, a, tiny_prefix="fp8_lora", defaults=MODEL)
     a.warmup_s = H.steady_warmup_s(a)
-    H.resolve_model_args(a, **MODEL)
-    a.rank = a.rank or (4 if a.tiny else 64)
     return Bench(a).run()
 
 

@@ -1,19 +1,13 @@
-"""The one harness of the benchmarks: timing, GPU busy, memory, models, the patch (and, re-exported from
-:mod:`harness_io`, provenance, result files, steps and common arguments).
-
-Every script in ``benchmarks/`` imports this module (``import harness as H``; the scripts put their own folder on
-``sys.path``, nothing else) and nothing from ``examples/``:
-
-- :func:`time_calls` / :func:`measure` wall (perf_counter) and CUDA-event times of single calls, medians after a
-  warm-up; :func:`profile_call` one call under ``torch.profiler``: GPU busy = the sum of its kernels' durations,
-  their count, the NCCL part and the kernel table by name; :func:`memory_gib` (after gc);
-- model helpers over ``tests/builders.py`` (:func:`builders`): :func:`build_transformer`, :func:`inputs`,
-  :func:`fp8_quantize`, :func:`flow_match_denoise` (the step runner), :func:`tiny_vae`, :func:`prompt_kwargs`,
-  :func:`rel_err`.
+"""The one harness of the benchmarks: timing (:func:`measure`, :func:`time_calls`), the profiler's GPU busy
+(:func:`profile_call`), memory, models over ``tests/builders.py``, the patch, the LoRA; re-exported from
+:mod:`harness_io`: provenance, result files, steps and common arguments. Every script in ``benchmarks/`` imports
+this module (``import harness as H``; the scripts put their own folder on ``sys.path``) and nothing from
+``examples/``.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import gc
@@ -31,10 +25,9 @@ from typing import Any
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/qwen_absorb_torch_extensions")
 
 from harness_io import (  # noqa: E402,F401 - re-exported: scripts use ``H.<name>``
-    RESULTS, ROOT, STEADY_WARMUP_S, T0, VERSION_KEYS, Bench, Results, Steps, add_common_args, add_model_args,
-    add_steady_warmup_arg, dotted_get, environment, finish_args, fmt, git_commit, gpu_file_tag, head, json_safe, log,
-    md_document, md_footer, md_head, md_table, parser, resolve_model_args, sources_sha256, steady_warmup_s,
-    write_atomic,
+    RESULTS, ROOT, STEADY_WARMUP_S, T0, VERSION_KEYS, Bench, Results, Steps, add_int_args, add_steady_warmup_arg,
+    dotted_get, environment, finish_args, fmt, git_commit, gpu_file_tag, head, json_safe, log, md_document, md_head,
+    md_table, parser, sources_sha256, steady_warmup_s, write_atomic,
 )
 
 import torch  # noqa: E402
@@ -98,25 +91,20 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
     return r
 
 
-def kernel_events(prof: Any) -> Iterator[tuple[str, float]]:
-    """``(name, us)`` of every kernel of a finished profiler session: device-side events only, GPU user
-    annotations (ranges, not kernels) and memcpy/memset left out."""
+def kernel_summary(prof: Any, top: int = 12) -> dict[str, Any]:
+    """The kernels of a finished profiler session: device-side events only, GPU user annotations (ranges, not
+    kernels) and memcpy/memset left out."""
     from torch.autograd import DeviceType  # noqa: PLC0415
 
+    rows: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         if "memcpy" in e.name.lower() or "memset" in e.name.lower():
             continue
-        yield e.name, float(e.time_range.elapsed_us())
-
-
-def kernel_summary(prof: Any, top: int = 12) -> dict[str, Any]:
-    rows: dict[str, list[float]] = {}
-    for name, us in kernel_events(prof):
-        r = rows.setdefault(name, [0, 0.0])
+        r = rows.setdefault(e.name, [0, 0.0])
         r[0] += 1
-        r[1] += us
+        r[1] += float(e.time_range.elapsed_us())
     busy = sum(v[1] for v in rows.values())
     table = sorted(rows.items(), key=lambda kv: -kv[1][1])
     return {
@@ -260,7 +248,6 @@ def build_transformer(tiny: bool, num_layers: int, device: torch.device, dtype: 
                       seed: int = 0) -> torch.nn.Module:
     """``tests/builders.py``'s tiny (CPU) or full-size random transformer, eval mode, on ``device``."""
     T = builders()
-
     if tiny:
         return T.tiny_transformer(dtype=dtype, num_layers=num_layers, seed=seed).to(device).eval()
     return T.full_size_transformer(num_layers=num_layers, dtype=dtype, device=device, seed=seed).eval()
@@ -269,17 +256,26 @@ def build_transformer(tiny: bool, num_layers: int, device: torch.device, dtype: 
 def inputs(model: torch.nn.Module, side: int, text: int, device: torch.device, dtype: torch.dtype,
            seed: int = 0, timestep: float = 0.5) -> dict[str, Any]:
     """Transformer kwargs: ``side`` x ``side`` image tokens (1024^2 = 64 x 64), ``text`` tokens, B = 1, no mask."""
-    T = builders()
+    return builders().transformer_inputs(model, batch_size=1, height=side, width=side, text_len=text, masked_tail=0,
+                                         seed=seed, timestep=timestep, device=device, dtype=dtype)
 
-    return T.transformer_inputs(model, batch_size=1, height=side, width=side, text_len=text, masked_tail=0,
-                                seed=seed, timestep=timestep, device=device, dtype=dtype)
+
+@contextlib.contextmanager
+def in_fp32(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """``model`` upcast to fp32 with TF32 off (for a reference), cast back to bf16 after."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            model.float()  # bf16 -> fp32 -> bf16 is exact
+        yield
+    finally:
+        with torch.no_grad():
+            model.to(torch.bfloat16)
+        memory_gib(device)
 
 
 def as_dtype(kw: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    out = dict(kw)
-    for k in ("hidden_states", "encoder_hidden_states", "timestep"):
-        out[k] = kw[k].to(dtype)
-    return out
+    return {**kw, **{k: kw[k].to(dtype) for k in ("hidden_states", "encoder_hidden_states", "timestep")}}
 
 
 @contextlib.contextmanager
@@ -299,12 +295,10 @@ def load_modelopt() -> Any:
 
 def fp8_quantize(model: torch.nn.Module, calib: dict[str, Any] | list[dict[str, Any]]) -> float:
     """ModelOpt ``FP8_DEFAULT_CFG`` (fake quant), calibrated on ``calib``, in place; returns the seconds."""
-    T = builders()
-
     load_modelopt()
     t0 = time.perf_counter()
     with quiet():
-        T.fp8_quantize(model, calib)
+        builders().fp8_quantize(model, calib)
     sync(next(model.parameters()).device)
     return round(time.perf_counter() - t0, 1)
 
@@ -363,13 +357,11 @@ def prompt_kwargs(dim: int, device: torch.device, dtype: torch.dtype, seed: int 
 
 
 def _clone(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.clone()
     if isinstance(x, (tuple, list)):
         return type(x)(_clone(v) for v in x)
     if isinstance(x, dict):
         return {k: _clone(v) for k, v in x.items()}
-    return x
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 @contextlib.contextmanager
@@ -408,6 +400,14 @@ def patch(model: torch.nn.Module, fresh: bool = True, **kw: Any) -> tuple[Any, s
                      f"{type(e).__name__}: {e}"
 
 
+def patched(model: torch.nn.Module, **kw: Any) -> Any:
+    """:func:`patch` raising its reason (a RuntimeError) instead of returning it."""
+    rep, why = patch(model, **kw)
+    if rep is None:
+        raise RuntimeError(why)
+    return rep
+
+
 def summary(rep: Any) -> dict[str, Any] | None:
     if rep is None:
         return None
@@ -419,6 +419,13 @@ def summary(rep: Any) -> dict[str, Any] | None:
 
 def fallbacks(rep: Any) -> dict[str, int]:
     return {str(k): int(v) for k, v in dict(getattr(rep, "runtime_fallbacks", None) or {}).items()}
+
+
+def rep_info(rep: Any) -> dict[str, Any]:
+    """A patch report's summary, fallbacks and CUDA-graph state, as plain data."""
+    return json_safe({"summary": summary(rep), "graph_fallbacks": dict(rep.graph_fallbacks),
+                      "runtime_fallbacks": fallbacks(rep), "cuda_graph_mode": rep.cuda_graph_mode,
+                      "cuda_graph": rep.cuda_graph})
 
 
 def dynamo_counters() -> dict[str, Any]:
@@ -442,6 +449,22 @@ def peak_memory_gib(device: torch.device, reset: bool = True) -> float | None:
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+def mag_ratios(model: Any, steps: int, run: Callable[[], Any]) -> list[float]:
+    """MagCache's own calibration (eager: it reads tensor values): ``run()`` with ``MagCacheConfig(calibrate=True)``
+    on ``model``; the ratios it prints for the "cond" calls."""
+    from diffusers.hooks import MagCacheConfig  # noqa: PLC0415
+
+    model.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            run()
+    finally:
+        model.disable_cache()
+    printed = [ln for ln in buf.getvalue().splitlines() if ln.startswith("[") and not ln.startswith("[Mag")]
+    return [round(float(x), 5) for x in ast.literal_eval(printed[0])]
 
 
 # ------------------------------------------------------------------------------------------ the LoRA

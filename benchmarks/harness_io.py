@@ -1,15 +1,9 @@
-"""The benchmarks' provenance, result documents, markdown and common arguments (no timing, no models).
+"""The benchmarks' provenance, result documents, markdown and common arguments (no timing, no models);
+:mod:`harness` re-exports its names, so scripts use ``import harness as H`` only.
 
-:mod:`harness` re-exports every public name here, so scripts use ``import harness as H`` only:
-
-- :func:`environment` GPU, driver, versions, date, the qwen_absorb commit (package metadata where there is no
-  git) and a hash of the ``qwen_absorb`` sources run; :func:`head` the first keys of every document;
-- :class:`Results` one JSON + markdown document, rewritten atomically after every measurement (a killed run keeps
-  what was done); a value not measured stays ``null`` with its reason under ``skipped``;
-- :class:`Steps` runs named steps under a time budget, records errors and run times, and writes after each;
-- :func:`parser` / :func:`add_common_args` / :func:`finish_args` ``--tiny`` (CPU smoke mode, never writes into
-  ``benchmarks/results`` unless ``--out`` says so), ``--out``, ``--sections``, ``--budget-s``, ``--device``,
-  ``--seed``.
+:class:`Results` is rewritten atomically after every measurement (a killed run keeps what was done; a value not
+measured stays ``null`` with its reason under ``skipped``); :class:`Steps` runs named steps under a time budget;
+``--tiny`` (:func:`finish_args`) never writes into ``benchmarks/results`` unless ``--out`` says so.
 """
 
 from __future__ import annotations
@@ -189,12 +183,13 @@ def dotted_get(d: Any, path: str) -> Any:
 
 class Bench:
     """What every benchmark's runner starts from: its arguments ``a``, device, environment (provenance of
-    the result files) and the GPU's L2 size in bytes (0 where unknown)."""
+    the result files), ``cfg`` (the arguments as recorded) and the GPU's L2 size in bytes (0 where unknown)."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a, self.dev = a, a.device
         self.cuda = self.dev.type == "cuda"
         self.env = environment(self.dev)
+        self.cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
         self.l2 = int(self.env.get("l2_mb", 0) * 2**20)
 
 
@@ -299,9 +294,7 @@ class Steps:
 def fmt(v: Any, nd: int = 3) -> str:
     if v is None:
         return "-"
-    if isinstance(v, bool) or not isinstance(v, float):
-        return str(v)
-    if not math.isfinite(v):
+    if not isinstance(v, float) or not math.isfinite(v):
         return str(v)
     return f"{v:.{nd}f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
 
@@ -327,12 +320,8 @@ def md_head(title: str, d: dict[str, Any], method: str | None = None) -> list[st
 
 
 def md_document(lines: list[str], d: dict[str, Any]) -> str:
-    """A result document's markdown: its lines, then :func:`md_footer`."""
-    return "\n".join(lines + md_footer(d)) + "\n"
-
-
-def md_footer(d: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
+    """A result document's markdown: its lines, then what was not measured, the errors, the budget, the step times."""
+    lines = list(lines)
     if d.get("skipped"):
         lines += ["", "Not measured:"] + [f"- `{k}`: {v}" for k, v in d["skipped"].items()]
     if d.get("errors"):
@@ -341,7 +330,7 @@ def md_footer(d: dict[str, Any]) -> list[str]:
         lines += ["", f"Time budget: {d['time_budget_reached']}"]
     if d.get("timings_s"):
         lines += ["", f"Run time per step (s): `{json.dumps(d['timings_s'])}`"]
-    return lines
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -349,15 +338,11 @@ def md_footer(d: dict[str, Any]) -> list[str]:
 
 def parser(doc: str, sections: tuple[str, ...] = (), budget_s: float = 0.0,
            description: str | None = None) -> argparse.ArgumentParser:
-    """A script's argument parser: its docstring as help (first line as description, unless given) and
-    :func:`add_common_args`."""
+    """A script's argument parser: its docstring as help (first line as description, unless given) and the
+    common arguments ``--tiny``, ``--out``, ``--sections`` (where there are sections), ``--budget-s``,
+    ``--device``, ``--seed``."""
     ap = argparse.ArgumentParser(description=description or doc.split("\n")[0], epilog=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, sections, budget_s)
-    return ap
-
-
-def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (), budget_s: float = 0.0) -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run on a tiny model (seconds; never writes into benchmarks/results unless --out)")
     ap.add_argument("--out", type=Path, default=None,
@@ -368,6 +353,13 @@ def add_common_args(ap: argparse.ArgumentParser, sections: tuple[str, ...] = (),
                     help=f"do not start a new step after this many seconds (0: no limit; default {budget_s:.0f})")
     ap.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def add_int_args(ap: argparse.ArgumentParser, defaults: dict[str, tuple[int, int]], tiny: str = "--tiny") -> None:
+    """``--<name>`` integers of ``{name: (default, --tiny default)}``; :func:`finish_args` fills them in."""
+    for k, (full, small) in defaults.items():
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} ({tiny}: {small})")
 
 
 STEADY_WARMUP_S = 3.0
@@ -386,29 +378,10 @@ def steady_warmup_s(a: argparse.Namespace) -> float:
     return float(v) if v is not None else (0.0 if getattr(a, "tiny", False) else STEADY_WARMUP_S)
 
 
-def add_model_args(ap: argparse.ArgumentParser, layers: tuple[int, int], side: tuple[int, int] | None = None,
-                   text: tuple[int, int] = (128, 8)) -> None:
-    """--num-layers, --side (image tokens per side; omitted where ``side`` is None) and --text-tokens, each
-    given as (default, --tiny default); :func:`resolve_model_args` fills them in after parsing."""
-    ap.add_argument("--num-layers", type=int, default=None, help=f"blocks (default {layers[0]}; --tiny: {layers[1]})")
-    if side is not None:
-        ap.add_argument("--side", type=int, default=None, help=f"image tokens per side (default {side[0]} = "
-                                                               f"{16 * side[0]}^2; --tiny: {side[1]})")
-    ap.add_argument("--text-tokens", type=int, default=None, help=f"default {text[0]} (--tiny: {text[1]})")
-
-
-def resolve_model_args(a: argparse.Namespace, layers: tuple[int, int], side: tuple[int, int] | None = None,
-                       text: tuple[int, int] = (128, 8)) -> None:
-    """The defaults of :func:`add_model_args` (the same arguments) where the command line left them out."""
-    a.num_layers = a.num_layers or layers[a.tiny]
-    if side is not None:
-        a.side = a.side or side[a.tiny]
-    a.text_tokens = a.text_tokens or text[a.tiny]
-
-
 def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, sections: tuple[str, ...] = (),
-                tiny_prefix: str = "bench") -> argparse.Namespace:
-    """Resolve --sections, --device (exit 2 with a clear line where CUDA is missing) and --out."""
+                tiny_prefix: str = "bench", defaults: dict[str, tuple[int, int]] | None = None) -> argparse.Namespace:
+    """Resolve --sections, --device (exit 2 with a clear line where CUDA is missing), --out and the
+    :func:`add_int_args` ``defaults`` the command line left out."""
     if sections:
         asked = {s.strip() for s in a.sections.split(",") if s.strip()}
         bad = asked - set(sections)
@@ -426,4 +399,7 @@ def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, sections: tu
     a.out = Path(a.out).resolve()
     if a.tiny and a.device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes: threads only contend on a shared host
+    for k, v in (defaults or {}).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v[a.tiny])
     return a

@@ -60,13 +60,12 @@ TARGETS = {"fp8_default_model_gib": ("<=", 21), "fp8_default_over_prev_default":
 class Journey(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
         part = {}  # an earlier part's keys (another device call), kept where this part does not measure them
         if a.merge_json is not None and Path(a.merge_json).is_file():
             old = json.loads(Path(a.merge_json).read_text())
             part = {k: old[k] for k in (*KEYS, "details") if old.get(k) is not None}
         self.R = H.Results(a.out, "journey_tiny" if a.tiny else "journey_h200", {
-            **H.head("benchmarks/journey.py (issue 39)", self.env, cfg), **dict.fromkeys(KEYS),
+            **H.head("benchmarks/journey.py (issue 39)", self.env, self.cfg), **dict.fromkeys(KEYS),
             **dict.fromkeys(OFFLOAD_KEYS), "ratios": {}, "targets": {}, "details": {}, **part}, markdown)
         self.steps = H.Steps([self.R], a.budget_s, cleanup=self.cleanup)
         self.model: torch.nn.Module | None = None
@@ -146,10 +145,9 @@ class Journey(H.Bench):
                      num_inference_steps=a.pipeline_steps, generator=torch.Generator("cpu").manual_seed(a.seed))
         P.call(self.pipe, self.dev, **call)  # warm-up: captures, allocator
         H.memory_gib(self.dev)
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.dev)
+        H.peak_memory_gib(self.dev)  # reset
         wall, stages, _ = P.call(self.pipe, self.dev, **call)
-        peak = torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.cuda else None
+        peak = H.peak_memory_gib(self.dev, reset=False)
         self.R.put("pipeline_resident_peak_gib", peak and round(peak, 3), H.NEEDS_CUDA)
         self.R.put("details.pipeline", H.json_safe({
             "wall_s": wall, "stages": stages, "steps": a.pipeline_steps, "size": a.size,
@@ -254,16 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     p = H.parser(__doc__, SECTIONS, budget_s=540.0)
     defaults = {"num_layers": (60, 4), "side": (64, 4), "text_tokens": (128, 8), "warmup": (2, 1), "iters": (7, 2),
                 "fake_iters": (5, 2), "calib": (1, 1), "size": (1024, 64), "pipeline_steps": (4, 2)}
-    for k, (full, tiny) in defaults.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
+    H.add_int_args(p, defaults)
     H.add_steady_warmup_arg(p)
     p.add_argument("--merge-json", type=Path, default=None, help="an earlier part's journey_h200.json to extend")
     p.add_argument("--offload-json", type=Path, default=None, help="journey_offload.py's JSON to merge")
     p.add_argument("--export-dir", default=None, help="where the NVFP4 export is written (default: the temp dir)")
-    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "journey")
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[1] if a.tiny else v[0])
+    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "journey", defaults)
     a.warmup_s = 1.0 if a.warmup_s is None and not a.tiny else H.steady_warmup_s(a)
     if not a.tiny and min(a.iters, a.fake_iters) < 5:
         p.error("--iters and --fake-iters must be >= 5 (issue 39: medians of at least 5)")

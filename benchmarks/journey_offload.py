@@ -55,14 +55,18 @@ SECTIONS = ("resident", "offload_model", "offload_model_redecide", "offload_mode
             "offload_group")
 KEYS = ("offload_model_8step_s", "offload_model_graph_replays", "offload_model_peak_gib", "offload_group_8step_s",
         "resident_8step_s")
+VARIANTS = {  # the Tuning of the model-offload sections patched again
+    "offload_model_redecide": {"move_keeps_decisions": False},  # each return decides every block anew (< round 35)
+    "offload_model_host_codes": {"host_fp8_codes": True},  # each return copies the FP8 codes back from the host
+    "offload_model_pageable": {"pinned_staging": False},  # the originals cross from pageable memory at a rebuild
+}
 
 
 class OffloadJourney(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out)}
         self.R = H.Results(a.out, "journey_offload_tiny" if a.tiny else f"journey_offload_{H.gpu_file_tag(a.device)}", {
-            **H.head("benchmarks/journey_offload.py (issue 39)", self.env, cfg), **dict.fromkeys(KEYS),
+            **H.head("benchmarks/journey_offload.py (issue 39)", self.env, self.cfg), **dict.fromkeys(KEYS),
             "details": {}}, markdown)
         self.steps = H.Steps([self.R], a.budget_s)
         self.pipe: Any = None
@@ -77,7 +81,10 @@ class OffloadJourney(H.Bench):
         calib = [H.inputs(model, a.side, a.text_tokens, self.dev, torch.bfloat16, a.seed + 10 + i) for i in range(2)]
         self.R.put("details.fp8_quantize_s", H.fp8_quantize(model, calib))
         del calib
-        self.pipe = self._pipeline(model)
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline  # noqa: PLC0415
+        # Qwen-Image's scheduler config and the VAE, no text encoder (embeddings given)
+        self.pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**P.SCHEDULER), transformer=model,
+                                      vae=P.build_vae(a.tiny, self.dev), text_encoder=None, tokenizer=None)
         self.pipe.set_progress_bar_config(disable=True)
         self.report = qwen_absorb.patch(self.pipe)
         self.R.put("details.patch_gib", H.memory_gib(self.dev))
@@ -85,14 +92,6 @@ class OffloadJourney(H.Bench):
         prompts = H.prompt_kwargs(dim, self.dev, torch.bfloat16, a.seed, a.text_tokens, max(4, a.text_tokens // 4))
         self.call_kw = {**prompts,
                         "height": a.size, "width": a.size, "num_inference_steps": a.pipeline_steps, "output_type": "pt"}
-
-    def _pipeline(self, model: torch.nn.Module) -> Any:
-        """``QwenImagePipeline`` with Qwen-Image's scheduler config and the VAE, no text encoder (embeddings given)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline  # noqa: PLC0415
-
-        return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**P.SCHEDULER),
-                                 vae=P.build_vae(self.a.tiny, self.dev), text_encoder=None, tokenizer=None,
-                                 transformer=model)
 
     # ------------------------------------------------------------------ measuring
 
@@ -103,7 +102,7 @@ class OffloadJourney(H.Bench):
             self.pipe(**self.call_kw, generator=torch.Generator().manual_seed(self.a.seed))
         H.sync(self.dev)
         wall = time.perf_counter() - t0
-        if self.a.tiny:  # the hooks diffusers made anew at the end of the run (see _tiny_model_offload)
+        if self.a.tiny:  # the hooks diffusers made anew at the end of the run (see _tiny_hooks)
             self._tiny_hooks()
         return wall
 
@@ -124,12 +123,11 @@ class OffloadJourney(H.Bench):
         for _ in range(warmup):
             self.run_once()
         gc.collect()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.dev)
+        H.peak_memory_gib(self.dev)  # reset
         before = self.graph()
         walls = [self.run_once() for _ in range(runs)]
         after = self.graph()
-        peak = torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.cuda else None
+        peak = H.peak_memory_gib(self.dev, reset=False)
         d = {"runs_s": [round(w, 3) for w in walls], "median_s": round(statistics.median(walls), 3),
              "peak_gib": peak and round(peak, 3),
              "graph_replays": after.get("replays", 0) - before.get("replays", 0),
@@ -153,40 +151,28 @@ class OffloadJourney(H.Bench):
         self.R.put("resident_8step_s", d["median_s"])
 
     def offload_model(self) -> None:
-        self.pipe.enable_model_cpu_offload(device=self.dev) if not self.a.tiny else self._tiny_model_offload()
+        self.pipe.enable_model_cpu_offload(device="cpu" if self.a.tiny else self.dev)
+        if self.a.tiny:
+            self._tiny_hooks()
         gc.collect()
         self.R.put("details.offload_model_idle_gib", H.memory_gib(self.dev))  # between runs: nothing on the GPU
         d = self.timed("offload_model", self.a.runs, 1)
         self.R.put("offload_model_8step_s", d["median_s"])
         self.R.put("offload_model_graph_replays", d["graph_replays"])
         self.R.put("offload_model_peak_gib", d["peak_gib"], H.NEEDS_CUDA)
-        self.R.put("details.offload_model_profile", self.profiled_run())
+        # two more runs under cProfile: where the host spends a run, functions by own and by cumulative time
+        self.R.put("details.offload_model_profile", {"self": H.python_top(self.run_once, by=2, n=25),
+                                                     "cumulative": H.python_top(self.run_once, by=3, n=60)})
         if self.cuda:
             self.R.put("details.h2d_gb_per_s", h2d_rates(self.dev))
 
-    def profiled_run(self) -> dict[str, list[dict[str, Any]]]:
-        """Two more runs under cProfile: where the host spends a run, functions by own and by cumulative time."""
-        return {"self": H.python_top(self.run_once, by=2, n=25), "cumulative": H.python_top(self.run_once, by=3, n=60)}
-
-    def _variant(self, name: str, tuning: Any) -> None:
-        """The model-offload mode with another ``Tuning`` (patch() again: decided anew), then the default back."""
-        self.report = qwen_absorb.patch(self.pipe, tuning=tuning)
+    def variant(self, name: str) -> None:
+        """The model-offload mode with the ``Tuning`` of :data:`VARIANTS` (patch() again: decided anew), then the
+        default back."""
+        self.report = qwen_absorb.patch(self.pipe, tuning=qwen_absorb.Tuning(**VARIANTS[name]))
         d = self.timed(name, self.a.runs, 1)
         self.R.put(f"details.{name}_8step_s", d["median_s"])
         self.report = qwen_absorb.patch(self.pipe)
-
-    def offload_model_redecide(self) -> None:  # each return decides every block anew (before round 35)
-        self._variant("offload_model_redecide", qwen_absorb.Tuning(move_keeps_decisions=False))
-
-    def offload_model_pageable(self) -> None:  # the originals cross from pageable memory at a rebuild
-        self._variant("offload_model_pageable", qwen_absorb.Tuning(pinned_staging=False))
-
-    def offload_model_host_codes(self) -> None:  # each return copies the FP8 codes back from the host (opt-in)
-        self._variant("offload_model_host_codes", qwen_absorb.Tuning(host_fp8_codes=True))
-
-    def _tiny_model_offload(self) -> None:
-        self.pipe.enable_model_cpu_offload(device="cpu")
-        self._tiny_hooks()
 
     def _tiny_hooks(self) -> None:
         """diffusers says "cpu:0", which the hook's "already there" check never matches (a GPU's "cuda:0" does):
@@ -207,11 +193,10 @@ class OffloadJourney(H.Bench):
         s, R = self.steps, self.R
         if not s("build", self.build, [(R, k) for k in KEYS]):
             return 1
-        fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]),
-                 "offload_model_redecide": [], "offload_model_host_codes": [], "offload_model_pageable": [],
-                 "offload_group": [KEYS[3]]}
+        fills = {"resident": ["resident_8step_s"], "offload_model": list(KEYS[:3]), "offload_group": [KEYS[3]]}
         for sec in self.a.sections:
-            s(sec, getattr(self, sec), [(R, k) for k in fills[sec]])
+            fn = functools.partial(self.variant, sec) if sec in VARIANTS else getattr(self, sec)
+            s(sec, fn, [(R, k) for k in fills.get(sec, [])])
         R.put("details.report", str(self.report)[:3000])
         R.write()
         return 1 if R.d["errors"] else 0
@@ -250,13 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p = H.parser(__doc__, SECTIONS, budget_s=220.0)
     defaults = {"num_layers": (60, 2), "side": (64, 4), "text_tokens": (128, 8), "size": (1024, 64),
                 "pipeline_steps": (8, 3), "runs": (3, 1)}
-    for k, (full, tiny) in defaults.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
-    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "journey")
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[1] if a.tiny else v[0])
-    return OffloadJourney(a).run()
+    H.add_int_args(p, defaults)
+    return OffloadJourney(H.finish_args(p, p.parse_args(argv), SECTIONS, "journey", defaults)).run()
 
 
 if __name__ == "__main__":

@@ -58,13 +58,12 @@ def timed_patched(model: torch.nn.Module, kw: dict[str, Any], a: argparse.Namesp
 
     dev = a.device
     gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    H.peak_memory_gib(dev)  # reset
     rep = qwen_absorb.patch(model)
     try:
         r = H.measure(label, lambda: model(**kw)[0], dev, a.warmup, a.iters, warmup_s=a.warmup_s)
         mem = H.memory_gib(dev)
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+        peak = H.peak_memory_gib(dev, reset=False)
         summary = H.summary(rep)
     finally:
         qwen_absorb.unpatch(model)
@@ -212,13 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-timeout-s", type=float, default=280.0, help="kill a tree's worker after this long")
     defaults = {"num_layers": (60, 2), "num_layers21": (32, 2), "side": (64, 4), "text_tokens": (128, 8),
                 "warmup": (2, 1), "iters": (7, 2), "calib": (1, 1), "rank": (64, 4)}
-    for k, (full, tiny) in defaults.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
+    H.add_int_args(p, defaults)
     H.add_steady_warmup_arg(p)
-    a = H.finish_args(p, p.parse_args(argv), tiny_prefix="one_owner")
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[1] if a.tiny else v[0])
+    a = H.finish_args(p, p.parse_args(argv), tiny_prefix="one_owner", defaults=defaults)
     a.warmup_s = 1.0 if a.warmup_s is None and not a.tiny else H.steady_warmup_s(a)
     if not a.tiny and a.iters < 5:
         p.error("--iters must be >= 5 (medians of at least 5 calls)")

@@ -76,7 +76,6 @@ def case_args(case: str, a: argparse.Namespace) -> dict[str, Any]:
 class E2E(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "prompt": P.PROMPT}
         seed_doc = {}
         if a.merge_json and not Path(a.merge_json).is_file():
             H.log(f"--merge-json {a.merge_json}: no such file; this part is written alone")
@@ -84,8 +83,8 @@ class E2E(H.Bench):
             old = json.loads(Path(a.merge_json).read_text())
             seed_doc = {k: old[k] for k in (*KEYS, "stage_split", "peak_gib", "details", "parts") if k in old}
         self.R = H.Results(a.out, "pipeline_tiny" if a.tiny else f"pipeline_{H.gpu_file_tag(a.device)}", {
-            **H.head("benchmarks/pipeline_e2e.py (issue 40)", self.env, cfg), **dict.fromkeys(KEYS),
-            "stage_split": {}, "peak_gib": {}, "details": {}, "parts": [], **seed_doc}, markdown)
+            **H.head("benchmarks/pipeline_e2e.py (issue 40)", self.env, {**self.cfg, "prompt": P.PROMPT}),
+            **dict.fromkeys(KEYS), "stage_split": {}, "peak_gib": {}, "details": {}, "parts": [], **seed_doc}, markdown)
         self.R.d["parts"] = [*self.R.d.get("parts", []), {"cases": a.cases, "sections": a.sections,
                                                           "date": self.env["date"]}]
         self.steps = H.Steps([self.R], a.budget_s, cleanup=lambda: P.unpatch_pipeline(self.pipe))
@@ -255,23 +254,9 @@ class E2E(H.Bench):
             self.R.put("cache_name", f"{self.a.cache}: {type(cfg).__name__}({shown})"[:200])
 
     def calibrate_mag(self) -> None:
-        """MagCache's calibration run (eager: it reads tensor values); the ratios it prints for the "cond" calls."""
-        import ast  # noqa: PLC0415
-        import contextlib  # noqa: PLC0415
-        import io  # noqa: PLC0415
-
-        from diffusers import MagCacheConfig  # noqa: PLC0415
-
-        m, steps = self.pipe.transformer, case_args("50step_cfg", self.a)["num_inference_steps"]
-        m.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
-        buf = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(buf):
-                self.gen("50step_cfg_fp8", "latent", same_prompt=True)
-        finally:
-            m.disable_cache()
-        printed = [ln for ln in buf.getvalue().splitlines() if ln.startswith("[") and not ln.startswith("[Mag")]
-        self.R.put("details.mag_ratios", [round(float(x), 5) for x in ast.literal_eval(printed[0])])
+        steps = case_args("50step_cfg", self.a)["num_inference_steps"]
+        self.R.put("details.mag_ratios", H.mag_ratios(self.pipe.transformer, steps,
+                                                      lambda: self.gen("50step_cfg_fp8", "latent", same_prompt=True)))
 
     def cache_error(self) -> None:
         """The cache's error on the final latents against the uncached run (same seed, same patched model)."""
@@ -409,11 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", choices=("magcache", "taylorseer", "fbc"), default="magcache")
     p.add_argument("--profile", default="", help="comma-separated cases to profile once more after their timing")
     p.add_argument("--merge-json", type=Path, default=None, help="an earlier part's pipeline_<card>.json")
-    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "pipeline")
+    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "pipeline",
+                      {"num_layers": (60, 2), "size": (1024, 64), "runs": (3, 1), "iters": (10, 2)})
     a.cases, a.profile = pick(a.cases, CASES), pick(a.profile, CASES)
-    for k, full, tiny in (("num_layers", 60, 2), ("size", 1024, 64), ("runs", 3, 1), ("iters", 10, 2)):
-        if getattr(a, k) is None:
-            setattr(a, k, tiny if a.tiny else full)
     if not a.tiny and a.runs < 3:
         p.error("--runs must be >= 3 (issue 40: medians of at least 3 pipeline calls)")
     return E2E(a).run()

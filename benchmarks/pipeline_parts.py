@@ -218,27 +218,20 @@ def call(pipe: Any, device: torch.device, **kw: Any) -> tuple[float, dict[str, A
     return wall, st, out
 
 
-def _part_modules() -> list[tuple[str, Any]]:
-    """qwen_absorb's pipeline parts beside the transformer (``vae``, ``text_encoder``), those this build has."""
-    import importlib  # noqa: PLC0415
+def _parts(pipe: Any) -> list[tuple[str, Any, Any]]:
+    """qwen_absorb's pipeline parts beside the transformer: ``(name, module, what it patches)``."""
+    from qwen_absorb import text_encoder, vae  # noqa: PLC0415
 
-    mods = []
-    for name in ("vae", "text_encoder"):
-        try:
-            mods.append((name, importlib.import_module(f"qwen_absorb.{name}")))
-        except ImportError:
-            pass
-    return mods
+    return [("vae", vae, pipe.vae), ("text_encoder", text_encoder, pipe)]
 
 
 def patch_pipeline(pipe: Any, **kw: Any) -> dict[str, Any]:
-    """``qwen_absorb.patch(pipe, **kw)``, then the VAE's and the text encoder's patches where this build has them
-    and ``patch`` did not install them: ``{part: report}``."""
+    """``qwen_absorb.patch(pipe, **kw)``, then the VAE's and the text encoder's patches where ``patch`` did not
+    install them: ``{part: report}``."""
     import qwen_absorb  # noqa: PLC0415
 
     reps: dict[str, Any] = {"transformer": qwen_absorb.patch(pipe, **kw)}
-    for name, mod in _part_modules():
-        target = pipe.vae if name == "vae" else pipe
+    for name, mod, target in _parts(pipe):
         reps[name] = mod.report_of(target) or mod.patch(target)
     return reps
 
@@ -247,5 +240,5 @@ def unpatch_pipeline(pipe: Any) -> None:
     import qwen_absorb  # noqa: PLC0415
 
     qwen_absorb.unpatch(pipe)
-    for name, mod in _part_modules():
-        mod.unpatch(pipe.vae if name == "vae" else pipe)
+    for _, mod, target in _parts(pipe):
+        mod.unpatch(target)

@@ -76,10 +76,6 @@ KEYS = ("bf16_bit_identical", "bf16_bit_identical_1024", "bf16_bit_identical_204
         *(k.replace("_ms", "_gpu_busy_ms") for k in TIMED), *RATIOS)
 
 
-def _met(m: Any, op: str, target: Any) -> bool:
-    return m == target if op == "==" else (m >= target if op == ">=" else m <= target)
-
-
 class Doc(H.Results):
     def write(self) -> None:  # ratios and verdicts follow every measurement
         d = self.d
@@ -87,8 +83,10 @@ class Doc(H.Results):
             d[k] = H.ratio(d.get(a), d.get(b))
         for k, (key, op, target) in TARGETS.items():
             m = d.get(key)
-            d["targets"][k] = {"measured": m, "target": f"{op} {target}",
-                               "met": None if m is None or d["tiny"] else _met(m, op, target)}
+            met = None
+            if m is not None and not d["tiny"]:
+                met = m == target if op == "==" else (m >= target if op == ">=" else m <= target)
+            d["targets"][k] = {"measured": m, "target": f"{op} {target}", "met": met}
         super().write()
 
 
@@ -98,19 +96,11 @@ def quantized_linears(model: torch.nn.Module) -> int:
                if isinstance(m, torch.nn.Linear) and getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
 
 
-def rep_info(rep: Any) -> dict[str, Any]:
-    return H.json_safe({"summary": H.summary(rep), "runtime_fallbacks": H.fallbacks(rep),
-                        "graph_fallbacks": dict(getattr(rep, "graph_fallbacks", None) or {}),
-                        "cuda_graph_mode": getattr(rep, "cuda_graph_mode", None),
-                        "cuda_graph": getattr(rep, "cuda_graph", None)})
-
-
 class Bench(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
         self.side = dict(zip(SIZES, a.sides))
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "batch": 1,
-               "image_tokens": {s: n * n for s, n in self.side.items()},
+        cfg = {**self.cfg, "batch": 1, "image_tokens": {s: n * n for s, n in self.side.items()},
                "patch_kwargs": "none (library defaults: qwen_absorb.patch(model))",
                "attention_processor": "diffusers' default (QwenImage21AttnProcessor, per-segment SDPA)"}
         self.R = Doc(a.out, a.name, {
@@ -161,7 +151,7 @@ class Bench(H.Bench):
             **{k: r[k] for k in ("first_call_s", "wall_median_ms", "min_ms", "max_ms", "samples_ms", "warmup", "iters",
                                  "timer")},
             "kernels_per_call": p.get("kernels_per_call"), "top_kernels": (p.get("top_kernels_by_time") or [])[:8],
-            **({"report": rep_info(rep)} if rep is not None else {})}))
+            **({"report": H.rep_info(rep)} if rep is not None else {})}))
         self.outs[key[:-3]] = self.output(size)
         self.memory(key[:-3])
 
@@ -170,7 +160,7 @@ class Bench(H.Bench):
         rep = qwen_absorb.patch(self.model, **kw)  # the library defaults unless a case names an option
         H.sync(self.dev)
         self.R.put(f"details.patch_s.{label}", round(time.perf_counter() - t0, 3))
-        self.R.put(f"reports.{label}", rep_info(rep))
+        self.R.put(f"reports.{label}", H.rep_info(rep))
         H.log(f"  patched ({label}): {H.summary(rep)}")
         return rep
 
@@ -379,17 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="file name stem (default qwenimage21_h200; tiny: qwenimage21_tiny)")
     p.add_argument("--sides", default=None,
                    help="target latent tokens per side of the '1024' and '2048' cases (default 64,128; tiny: 4,8)")
-    for k, (full, tiny) in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (tiny: {tiny})")
+    H.add_int_args(p, DEFAULTS, "tiny")
     H.add_steady_warmup_arg(p)
     a = p.parse_args(argv)
     a.tiny = a.tiny or a.size == "tiny"
     a.size = "tiny" if a.tiny else "full"
-    a = H.finish_args(p, a, tiny_prefix="qwenimage21")
+    a = H.finish_args(p, a, tiny_prefix="qwenimage21", defaults=DEFAULTS)
     a.warmup_s = H.steady_warmup_s(a)
-    for k, v in DEFAULTS.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[a.tiny])
     a.name = a.name or ("qwenimage21_tiny" if a.tiny else "qwenimage21_h200")
     try:
         a.sides = [int(x) for x in (a.sides or ("4,8" if a.tiny else "64,128")).split(",")]

@@ -64,6 +64,7 @@ RATIOS = {"fp8_patched_eager_over_bf16_eager": ("fp8_patched_eager_ms", "bf16_ea
           "bf16_patched_eager_over_bf16_patched": ("bf16_patched_eager_ms", "bf16_patched_ms"),
           "pipe_bf16_cache_over_bf16_50step": ("pipe_bf16_cache_s", "pipe_bf16_50step_s"),
           "pipe_fp8_cache_over_fp8_50step": ("pipe_fp8_cache_s", "pipe_fp8_50step_s")}
+IDLE = ("profiled_wall_ms", "idle_in_span_ms", "idle_outside_span_ms")  # harness.idle_summary
 
 
 class Doc(H.Results):
@@ -85,16 +86,10 @@ def uncompile(model: torch.nn.Module) -> None:
     torch._dynamo.reset()
 
 
-def rep_info(rep: Any) -> dict[str, Any]:
-    return H.json_safe({"summary": H.summary(rep), "graph_fallbacks": dict(rep.graph_fallbacks),
-                        "runtime_fallbacks": H.fallbacks(rep), "cuda_graph_mode": rep.cuda_graph_mode,
-                        "cuda_graph": rep.cuda_graph})
-
-
 class Speed(H.Bench):
     def __init__(self, a: argparse.Namespace) -> None:
         super().__init__(a)
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": a.side ** 2, "batch": 1}
+        cfg = {**self.cfg, "image_tokens": a.side ** 2, "batch": 1}
         self.R = Doc(a.out, "speed_tiny" if a.tiny else "speed_h200", {
             **H.head("benchmarks/speed.py (issue 19)", self.env, cfg), **dict.fromkeys(CALLS),
             **dict.fromkeys(k.replace("_ms", "_gpu_busy_ms") for k in CALLS), "fidelity_ratio_forward": None,
@@ -113,12 +108,6 @@ class Speed(H.Bench):
                 if getattr(m, "_cache_config", None) is not None:
                     m.disable_cache()
 
-    def patched(self, model: torch.nn.Module, graph: Any = "auto") -> Any:
-        rep, why = H.patch(model, cuda_graph=graph)
-        if rep is None:
-            raise RuntimeError(why)
-        return rep
-
     def case(self, key: str, model: torch.nn.Module, rep: Any = None, keep: str | None = None, **extra: Any) -> None:
         a, kw, fake = self.a, self.kw, key == "fp8_fake_ms"
         r = H.measure(key[:-3], lambda: model(**kw)[0], self.dev, 1 if fake else a.warmup, a.fake_iters if fake
@@ -131,7 +120,7 @@ class Speed(H.Bench):
             **{k: r[k] for k in ("first_call_s", "wall_median_ms", "min_ms", "max_ms", "samples_ms", "warmup", "iters")},
             "kernels_per_call": p.get("kernels_per_call"), "top_kernels": (p.get("top_kernels_by_time") or [])[:8],
             "warmup_calls": r.get("warmup_calls"), "idle": p.get("idle"),
-            **({"report": rep_info(rep)} if rep is not None else {}), **extra}))
+            **({"report": H.rep_info(rep)} if rep is not None else {}), **extra}))
         if keep:
             with torch.inference_mode():
                 self.outs[keep] = model(**kw)[0].float()
@@ -164,27 +153,19 @@ class Speed(H.Bench):
             return self.compiled(key, m, fullgraph=True)
         if key == "bf16_patched_compiled_ms":  # each patched block one opaque op (kernels_under_compile="auto")
             try:
-                return self.compiled(key, m, self.patched(m, "auto"), fullgraph=True)
+                return self.compiled(key, m, H.patched(m, cuda_graph="auto"), fullgraph=True)
             finally:
                 qwen_absorb.unpatch(m)
-        rep = None if key == "bf16_eager_ms" else self.patched(m, key == "bf16_patched_ms" and "auto")
+        rep = None if key == "bf16_eager_ms" else H.patched(m, cuda_graph=key == "bf16_patched_ms" and "auto")
         self.case(key, m, rep)
         if key == "bf16_patched_ms":
-            self.R.put("reports.bf16_patched", rep_info(rep))
+            self.R.put("reports.bf16_patched", H.rep_info(rep))
         qwen_absorb.unpatch(m)
 
     def fp32_reference(self) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         qwen_absorb.unpatch(self.model)
-        try:
-            with torch.no_grad():
-                self.model.float()  # bf16 -> fp32 -> bf16 is exact
-            with torch.inference_mode():
-                self.ref = self.model(**self.kw32)[0].float()
-        finally:
-            with torch.no_grad():
-                self.model.to(torch.bfloat16)
-            H.memory_gib(self.dev)
+        with H.in_fp32(self.model, self.dev), torch.inference_mode():
+            self.ref = self.model(**self.kw32)[0].float()
 
     def fp8_quantize(self) -> None:
         self.q = copy.deepcopy(self.model)
@@ -198,13 +179,13 @@ class Speed(H.Bench):
         qwen_absorb.unpatch(q)
         if key == "fp8_fake_ms":
             return self.case(key, q, keep="fake")
-        rep = self.patched(q, key != "fp8_patched_eager_ms" and "auto")
+        rep = H.patched(q, cuda_graph=key != "fp8_patched_eager_ms" and "auto")
         if key == "fp8_patched_compiled_ms":
             self.compiled(key, q, rep, fullgraph=True)
         else:
             self.case(key, q, rep, keep="patched" if key == "fp8_patched_ms" else None)
         if key == "fp8_patched_ms":
-            self.R.put("reports.fp8_patched", rep_info(rep))
+            self.R.put("reports.fp8_patched", H.rep_info(rep))
             if self.ref is not None and "fake" in self.outs:
                 ep, ef = (H.rel_err(self.outs[k], self.ref) for k in ("patched", "fake"))
                 self.R.put("fidelity", {"rel_err_forward_fp8_patched": ep, "rel_err_forward_fp8_fake": ef,
@@ -240,8 +221,7 @@ class Speed(H.Bench):
         kw = dict(pr) if cfg else {"prompt_embeds": pr["prompt_embeds"], "prompt_embeds_mask": pr["prompt_embeds_mask"],
                                    "true_cfg_scale": 1.0}
         gc.collect()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
+        H.peak_memory_gib(dev)  # reset
         H.sync(dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -301,7 +281,7 @@ class Speed(H.Bench):
                 "runs_s": [round(t, 4) for t in times], "steps": steps, "true_cfg_scale": 4.0 if cfg else 1.0,
                 "cache": how, "warmup": f"one {steps if cache else a.warmup_steps}-step run" if warm else "none",
                 "first_run_s": round(first, 4) if first is not None and cache else None,
-                "model": "FP8 patched (defaults)" if rep else "bf16 unpatched", "report": rep and rep_info(rep)}))
+                "model": "FP8 patched (defaults)" if rep else "bf16 unpatched", "report": rep and H.rep_info(rep)}))
         finally:
             self.set_cache(False)
 
@@ -310,7 +290,7 @@ class Speed(H.Bench):
         qwen_absorb.unpatch(self.model)
         s = H.fp8_quantize(self.model, self.kw)  # in place: the bf16 pipeline runs are done
         t0 = time.perf_counter()
-        self.patched(self.model)
+        H.patched(self.model, cuda_graph="auto")
         self.fp8_pipe = True
         self.R.put("pipe_fp8_model", {"quantize_s": s, "patch_s": round(time.perf_counter() - t0, 3), "how":
                                       "transformer quantized in place (same calibration), qwen_absorb.patch(pipe)"})
@@ -351,12 +331,6 @@ class Speed(H.Bench):
         return 1 if s.failed else 0
 
 
-def idle_cells(idle: dict[str, Any] | None) -> list[Any]:
-    """The profiled call's own wall and where its GPU idled (harness.idle_summary)."""
-    idle = idle or {}
-    return [idle.get("profiled_wall_ms"), idle.get("idle_in_span_ms"), idle.get("idle_outside_span_ms")]
-
-
 def markdown(d: dict[str, Any]) -> str:
     c, det, mem = d.get("config") or {}, d.get("details") or {}, d.get("peak_memory_gib") or {}
     lines = H.md_head("Speed of the library defaults vs peers (issue 19)", d,
@@ -367,7 +341,8 @@ def markdown(d: dict[str, Any]) -> str:
                       "qwen_absorb.patch(model), cuda_graph='auto'")
     rows = [[k[:-3], d.get(k), d.get(k[:-3] + "_gpu_busy_ms"), H.ratio(d.get(k), d.get(k[:-3] + "_gpu_busy_ms")),
              (det.get(k) or {}).get("kernels_per_call"), (det.get(k) or {}).get("first_call_s"),
-             H.ratio(d.get("bf16_eager_ms"), d.get(k)), *idle_cells((det.get(k) or {}).get("idle"))] for k in CALLS]
+             H.ratio(d.get("bf16_eager_ms"), d.get(k)),  # the profiled call's wall, where its GPU idled
+             *(((det.get(k) or {}).get("idle") or {}).get(i) for i in IDLE)] for k in CALLS]
     f = d.get("fidelity") or {}
     lines += ["", *H.md_table(["case", "ms", "GPU busy ms", "wall/busy", "kernels", "first call s", "vs bf16 eager",
                                "profiled: wall ms", "idle in span", "idle outside span"], rows), "",
@@ -393,17 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     defaults = {"num_layers": (60, 2), "side": (64, 8), "text_tokens": (128, 8), "neg_text_tokens": (32, 4),
                 "warmup": (2, 1), "iters": (7, 2), "fake_iters": (3, 1), "pipeline_size": (1024, 64), "steps": (50, 3),
                 "fast_steps": (8, 2), "warmup_steps": (3, 1)}
-    for k, (full, tiny) in defaults.items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {full} (--tiny: {tiny})")
+    H.add_int_args(p, defaults)
     H.add_steady_warmup_arg(p)
     p.add_argument("--pipeline-runs", type=int, default=2, help="timed runs of the 50-step modes, budget allowing")
     p.add_argument("--cache", choices=("taylorseer", "fbc"), default="taylorseer",
                    help="taylorseer: TaylorSeerCacheConfig() (diffusers' defaults: a fixed schedule, no host sync, the "
                         "same skips in bf16 and FP8); fbc: FirstBlockCacheConfig(threshold=0.2) (decides on the host)")
-    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "speed")
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v[1] if a.tiny else v[0])
+    a = H.finish_args(p, p.parse_args(argv), SECTIONS, "speed", defaults)
     a.warmup_s = H.steady_warmup_s(a)
     if not a.tiny and a.iters < 5:
         p.error("--iters must be >= 5 (medians of at least 5 timed calls)")

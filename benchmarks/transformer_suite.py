@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import qwen_absorb  # noqa: E402
 
 SECTIONS = ("host", "fp8", "fidelity")
+MODEL = {"num_layers": (60, 2), "text_tokens": (128, 8)}  # (default, --tiny)
 PASS_RATIO = 1.05
 
 
@@ -72,9 +73,8 @@ class Suite(H.Bench):
         super().__init__(a)
         side = {"1024": 8, "512": 4} if a.tiny else {"1024": 64, "512": 32}
         self.side, n = side, {r: s * s for r, s in side.items()}
-        env = self.env
-        cfg = {**vars(a), "device": str(a.device), "out": str(a.out), "image_tokens": n, "batch": 1, "dtype": "bf16"}
-        meta = H.head("benchmarks/transformer_suite.py", env, cfg)
+        cfg = {**self.cfg, "image_tokens": n, "batch": 1, "dtype": "bf16"}
+        meta = H.head("benchmarks/transformer_suite.py", self.env, cfg)
         self.HC = self.F = self.FD = None
         docs = []
         if "host" in a.sections:
@@ -104,17 +104,14 @@ class Suite(H.Bench):
         return bool(set(sections) & set(self.a.sections))
 
     # ------------------------------------------------------------------ measurement helpers
-    def call(self, kw: dict[str, Any]) -> Any:
-        m = self.model
-        return lambda: m(**kw)[0]
-
     def measure(self, label: str, kw: dict[str, Any], iters: int | None = None, capture: str | None = None):
         store = self.cap.setdefault(capture, {}) if capture else None
         ctx = H.capture_block_inputs(self.model, self.block_idx, store) if capture else None
         if ctx is not None:  # the first call of the configuration captures one block's inputs
             with ctx, torch.inference_mode():
                 self.model(**kw)
-        return H.measure(label, self.call(kw), self.dev, self.a.warmup, iters or self.a.iters)
+        m = self.model
+        return H.measure(label, lambda: m(**kw)[0], self.dev, self.a.warmup, iters or self.a.iters)
 
     def block(self, label: str, capture: str) -> dict[str, Any] | None:
         st = self.cap.pop(capture, {})
@@ -224,10 +221,7 @@ class Suite(H.Bench):
     def patched(self, label: str, **kw: Any) -> Any:
         if kw.get("fp8_gemm") is True and not self.cuda:  # --tiny: the real-FP8 path through the CPU capability
             kw.setdefault("capabilities", {"cpu"})
-        rep, why = H.patch(self.model, **kw)
-        if rep is None:
-            raise RuntimeError(why)
-        return rep
+        return H.patched(self.model, **kw)
 
     # ------------------------------------------------------------------ steps
     def setup(self) -> None:
@@ -258,15 +252,8 @@ class Suite(H.Bench):
             H.log(f"  ModelOpt FP8 ready in {H.fp8_quantize(tiny, kw)} s")
 
     def fp32_reference(self) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
-            with torch.no_grad():
-                self.model.float()  # bf16 -> fp32 -> bf16 is exact
+        with H.in_fp32(self.model, self.dev):
             self.ref = self.outputs(torch.float32)
-        finally:
-            with torch.no_grad():
-                self.model.to(torch.bfloat16)
-            H.memory_gib(self.dev)
 
     def bf16_unpatched(self) -> None:
         qwen_absorb.unpatch(self.model)
@@ -275,9 +262,6 @@ class Suite(H.Bench):
         self.put_fp8("bf16_eager", r)
         if self.wants("host"):
             self.put_host("512", "unpatched", self.measure("bf16 unpatched 512", self.in512))
-
-    def bf16_unpatched_block_fid(self) -> None:
-        self.unpatched_block_fid("bf16_unpatched", "bf16 unpatched", "bf16", "bf16 unpatched")
 
     def unpatched_block_fid(self, block_key: str, block_label: str, fid_key: str, fid_label: str) -> None:
         """The unpatched model's single-block time (with the fusion document) and its fidelity run."""
@@ -314,9 +298,6 @@ class Suite(H.Bench):
         r = self.measure("fp8 fake unpatched 1024", self.in1024, self.a.fp8_fake_iters, capture="fp8_fake")
         self.put_host("fp8_1024", "unpatched", r)
         self.put_fp8("fp8_fake", r)
-
-    def fp8_fake_block_fid(self) -> None:
-        self.unpatched_block_fid("fp8_fake", "fp8 fake unpatched", "fp8_fake", "fp8 unpatched")
 
     def fp8_real(self) -> None:
         F, a = self.F, self.a
@@ -409,14 +390,16 @@ class Suite(H.Bench):
         if self.wants("host", "fp8"):
             s("bf16_unpatched", self.bf16_unpatched, [(HC, "1024.unpatched_ms"), (F, "bf16_eager_ms")])
         if self.wants("fp8", "fidelity"):
-            s("bf16_unpatched_block_and_fidelity", self.bf16_unpatched_block_fid)
+            s("bf16_unpatched_block_and_fidelity",
+              lambda: self.unpatched_block_fid("bf16_unpatched", "bf16 unpatched", "bf16", "bf16 unpatched"))
         s("bf16_patched", self.bf16_patched, [(HC, "1024.patched_ms"), (HC, "512.patched_ms")])
         if not s("fp8_quantize", self.fp8_quantize):
             return self.finish()
         if self.wants("host", "fp8"):
             s("fp8_fake_unpatched", self.fp8_fake, [(HC, "fp8_1024.unpatched_ms"), (F, "fp8_fake_ms")])
         if self.wants("fp8", "fidelity"):
-            s("fp8_fake_block_and_fidelity", self.fp8_fake_block_fid)
+            s("fp8_fake_block_and_fidelity",
+              lambda: self.unpatched_block_fid("fp8_fake", "fp8 fake unpatched", "fp8_fake", "fp8 unpatched"))
         if F is not None and s("fp8_real", self.fp8_real, [(F, k) for k in FP8_KEYS if "real" in k]):
             s("fp8_real_fast_accum", self.fp8_real_fast_accum, [(F, "fast_accum.fp8_real_ms")])
         if FD is not None:
@@ -533,7 +516,7 @@ def fidelity_markdown(d: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = H.parser(__doc__, SECTIONS, budget_s=420.0)
-    H.add_model_args(ap, layers=(60, 2))
+    H.add_int_args(ap, MODEL)
     ap.add_argument("--warmup", type=int, default=2, help="warm-up calls after the first call (>= 2)")
     ap.add_argument("--iters", type=int, default=7, help="timed calls (bf16 and real FP8), >= 5")
     ap.add_argument("--fp8-fake-iters", type=int, default=5, help="timed calls of fake quant (~0.8 s each), >= 5")
@@ -543,8 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.warmup < 2 or min(a.iters, a.fp8_fake_iters, a.block_iters) < 5 or not 1 <= a.calib <= 3:
         ap.error("method: --warmup >= 2, --iters / --fp8-fake-iters / --block-iters >= 5, --calib 1-3")
-    a = H.finish_args(ap, a, SECTIONS, "transformer_suite")
-    H.resolve_model_args(a, layers=(60, 2))
+    a = H.finish_args(ap, a, SECTIONS, "transformer_suite", MODEL)
     if a.tiny:
         a.iters = a.fp8_fake_iters = a.block_iters = 5
     return Suite(a).run()

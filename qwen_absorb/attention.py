@@ -2,8 +2,6 @@
 the four RMSNorm + RoPE chains are one ``qk_norm_rope`` launch; at batch 1 on kernels q/k/v are written straight into
 the joint tensors (``Tuning.joint_outputs``); each planned linear is an FP8 GEMM fed by e4m3 codes."""
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 
@@ -44,8 +42,7 @@ def _shared_lora(attn: nn.Module, plan, paths: tuple[str, ...], act: torch.Tenso
     dtypes = {plan.linears[p].weight.out_dtype for p in lora_paths}
     if len(dtypes) != 1:
         return None
-    out_dtype, layers = dtypes.pop(), [_module(attn, p) for p in lora_paths]
-    rows = lora.shared_input_branches(layers, act, out_dtype)
+    rows = lora.shared_input_branches([_module(attn, p) for p in lora_paths], act, dtypes.pop())
     return None if rows is None else dict(zip(lora_paths, rows))
 
 
@@ -65,7 +62,6 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
     if encoder_hidden_states_mask is not None:
         image_mask = torch.ones((B, seq_img), dtype=torch.bool, device=dev)
         attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
-
     head_dim = attn.inner_dim // attn.heads
     works: list = []  # row-wise all-reduces in flight (tensor parallelism)
     # B = 1 on kernels: q/k/v written straight into the joint tensors (saves three copies per block)
@@ -98,8 +94,7 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
                 add_deferred(own)
             r.give(*ys)
         qkv[name] = ys
-    if deferred:
-        add_deferred(deferred)
+    add_deferred(deferred)
     if txt_lane:
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
@@ -150,8 +145,7 @@ def _qk_ok(img_q, txt_q, rope, min_rows: int) -> bool:
     f_img, f_txt = rope
     if any(type(t) is not torch.Tensor for t in (img_q, txt_q, f_img, f_txt)):
         return False
-    half, dev = img_q.shape[-1] // 2, img_q.device
-    rows = min(img_q.numel(), txt_q.numel()) // img_q.shape[-1]
+    half, dev, rows = img_q.shape[-1] // 2, img_q.device, min(img_q.numel(), txt_q.numel()) // img_q.shape[-1]
     return (rows >= min_rows and img_q.dtype == txt_q.dtype
             and rope_fits(img_q, f_img, dev, half) and rope_fits(txt_q, f_txt, dev, half))
 
@@ -171,5 +165,4 @@ def _out_projection(attn, plan, path, x, mode, compiling, works):
         return nvfp4_linear(R.quantize_nvfp4(mode, x.contiguous(), lp.nvfp4.input_amax32()), lp)
     if not lp.fp8_gemm:
         return _linear(attn, plan, path, x.contiguous(), None, compiling, works)
-    codes = R.quantize_fp8(mode, x, lp.weight.input_amax)[0]
-    return fp8_linear(codes, lp, plan, works, x, _module(attn, path))
+    return fp8_linear(R.quantize_fp8(mode, x, lp.weight.input_amax)[0], lp, plan, works, x, _module(attn, path))

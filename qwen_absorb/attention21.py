@@ -2,16 +2,13 @@
 called as modules: their hooks and real-FP8 forwards run), ``norm_q`` / ``norm_k`` and both RoPE calls (~22 eager
 kernels) as one ``qk_norm_rope`` launch. Used where :func:`reasons` and, per call, :func:`call_ok` find nothing."""
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from . import hooks
-from .ops.qk_norm_rope import HEAD_DIM, probe_variance_order
-from .ops.qk_norm_rope import launch as qkr_launch
+from .ops.qk_norm_rope import HEAD_DIM, launch as qkr_launch, probe_variance_order
 from .sites import attention21_functions
 
 NORMS = ("norm_q", "norm_k")
@@ -52,14 +49,12 @@ def reasons(attn: nn.Module, kernels: bool, device: torch.device) -> tuple[list[
     r += [f"attn.{name}: missing" for name in LINEARS if not isinstance(attn._modules.get(name), nn.Module)]
     if r:
         return r, _NO_QK
-    nq, nk = attn.norm_q, attn.norm_k
-    why: list[str] = []
-    if not kernels:
-        why.append("the fused kernels cannot run here")
-    if attn.inner_dim // attn.heads != HEAD_DIM:
-        why.append(f"head_dim {attn.inner_dim // attn.heads} != {HEAD_DIM}")
-    if nq.weight.dtype != nk.weight.dtype or any(type(n.weight.data) is not torch.Tensor for n in (nq, nk)):
-        why.append("attn.norm_q / norm_k weights differ in dtype or are not plain tensors")
+    nq, nk, head_dim = attn.norm_q, attn.norm_k, attn.inner_dim // attn.heads
+    why = [msg for bad, msg in (
+        (not kernels, "the fused kernels cannot run here"),
+        (head_dim != HEAD_DIM, f"head_dim {head_dim} != {HEAD_DIM}"),
+        (nq.weight.dtype != nk.weight.dtype or any(type(n.weight.data) is not torch.Tensor for n in (nq, nk)),
+         "attn.norm_q / norm_k weights differ in dtype or are not plain tensors")) if bad]
     min_rows = 0
     if not why:
         vo = probe_variance_order(device)  # once per device (cached)
@@ -87,9 +82,8 @@ def rope_fits(q: torch.Tensor, f: torch.Tensor, device: torch.device, half: int)
 def _kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, attn: nn.Module, min_rows: int) -> bool:
     """Per call: plain tensors of the norms' dtype (``.to(value.dtype)`` is then the identity), rope as needed."""
     w = attn.norm_q.weight
-    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor):
-        return False
-    return (q.dtype == w.dtype == k.dtype == v.dtype == attn.norm_k.weight.dtype and q.device == w.device
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(rope) is torch.Tensor
+            and q.dtype == w.dtype == k.dtype == v.dtype == attn.norm_k.weight.dtype and q.device == w.device
             and rope_fits(q, rope, q.device, HEAD_DIM // 2) and k.stride(-1) == 1 and q.shape == k.shape
             and q.numel() // HEAD_DIM >= min_rows and q.numel() // HEAD_DIM < 2**31)
 
@@ -101,10 +95,8 @@ def run(attn: nn.Module, plan: Any, use_kernel: bool, hidden_states: torch.Tenso
     """``QwenImage21AttnProcessor()(attn, hidden_states, ...)`` bit for bit; ``qkv`` / ``codes``: q/k/v as GEMMs
     from the e4m3 codes of ``hidden_states``."""
     dispatch_attention_fn, apply_rotary_emb_qwen = attention21_functions()[:2]
-    if codes is not None:
-        projected = [f.gemm(codes) for f in qkv]
-    else:  # to_q, to_k, to_v in diffusers' order
-        projected = [getattr(attn, n)(hidden_states) for n in LINEARS]
+    projected = ([f.gemm(codes) for f in qkv] if codes is not None
+                 else [getattr(attn, n)(hidden_states) for n in LINEARS])  # to_q, to_k, to_v in diffusers' order
     query, key, value = (t.unflatten(-1, (-1, attn.inner_dim // attn.heads)) for t in projected)
     if use_kernel and plan.qk_fused and rotary_emb is not None \
             and _kernel_ok(query, key, value, rotary_emb, attn, plan.qk_min_rows):

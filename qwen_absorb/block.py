@@ -5,8 +5,6 @@ report. A deferred bias ``Parameter`` never moves: only during the attention / F
 instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``); not one on meta.
 """
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import threading
@@ -214,7 +212,7 @@ class _Mod:
     index: torch.Tensor | None
 
     @classmethod
-    def of(cls, half: torch.Tensor, index: torch.Tensor | None) -> _Mod:
+    def of(cls, half: torch.Tensor, index: torch.Tensor | None) -> "_Mod":
         return cls(*half.chunk(3, dim=-1), half, index)
 
 

@@ -4,10 +4,7 @@ Traced by Dynamo, a patched block loses what makes it fast and exact: Inductor r
 eager) without eager's roundings (flipping FP8 codes), and the per-call checks are not traced. So by default the
 traced forward is one call of ``qwen_absorb::qwen_image_block`` running the eager patched forward (registered by
 :mod:`qwen_absorb.block`, above this module). The op takes the block's ``attn.norm_q.weight`` (a graph input: one
-graph serves all blocks) and finds the block by its storage.
-"""
-
-from __future__ import annotations
+graph serves all blocks) and finds the block by its storage."""
 
 import threading
 import weakref
@@ -50,24 +47,21 @@ def call(block: nn.Module, hidden_states: Any, encoder_hidden_states: Any, encod
     h, rope = handle(block), image_rotary_emb
     if (joint_attention_kwargs or h is None
             or not all(isinstance(t, torch.Tensor) for t in (hidden_states, encoder_hidden_states, temb))
-            or any(t is not None and not isinstance(t, torch.Tensor) for t in (encoder_hidden_states_mask,
-                                                                                modulate_index))
+            or not all(t is None or isinstance(t, torch.Tensor) for t in (encoder_hidden_states_mask, modulate_index))
             or not (rope is None or isinstance(rope, (tuple, list)) and len(rope) == 2
                     and all(isinstance(f, torch.Tensor) for f in rope))):
         return None
     if encoder_hidden_states.dtype != hidden_states.dtype or temb.dtype != hidden_states.dtype:
         return None  # the outputs' dtype would follow diffusers' type promotion: traced instead
     f_img, f_txt = (None, None) if rope is None else rope
-    txt, img = torch.ops.qwen_absorb.qwen_image_block(h, hidden_states, encoder_hidden_states,
-                                                      encoder_hidden_states_mask, temb, f_img, f_txt, modulate_index)
-    return txt, img
+    return torch.ops.qwen_absorb.qwen_image_block(h, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                                  temb, f_img, f_txt, modulate_index)
 
 
 def _find(h: torch.Tensor) -> nn.Module:
     """The tracked block holding ``h``; a patched one where an unpatched copy shares it."""
     ptr = h.data_ptr()
-    ref = _by_ptr.get(ptr)
-    b = ref() if ref is not None else None
+    b = ref() if (ref := _by_ptr.get(ptr)) is not None else None
     if b is not None and _ptr(b) == ptr:
         return b
     with _lock:

@@ -1,8 +1,6 @@
 """What the VAE and prompt-encoding patches share: a report section, and a callable in an instance slot of a
 pipeline component (graphs per shape) that puts back, when removed, the instance attribute it found there."""
 
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +57,7 @@ def current(owner: Any, cls: type) -> Any:
 def install(owner: Any, cls: type[Slot], reasons_of: Any, what: str, cuda_graph: str | bool, **settings: Any) -> Any:
     """``cls`` in ``owner``'s slot, and its report (``on`` False with reasons, nothing installed, where
     ``reasons_of(owner)`` gives some). The same settings again renew the installed one; others replace it."""
-    cur = current(owner, cls)
-    if cur is not None:
+    if (cur := current(owner, cls)) is not None:
         if cur.mode == cuda_graph and all(getattr(cur.report, k) == v for k, v in settings.items()):
             cur.renew()  # patch() again catches up with writes no watch sees (a user's in-place .data write)
             return cur.report
@@ -76,8 +73,7 @@ def install(owner: Any, cls: type[Slot], reasons_of: Any, what: str, cuda_graph:
 
 def remove(owner: Any, cls: type) -> Any:
     """Undo :func:`install` (also a :class:`vae.FastPostprocess`'s); the object removed, or None."""
-    cur = current(owner, cls)
-    if cur is not None:
+    if (cur := current(owner, cls)) is not None:
         del owner.__dict__[cls.ATTR]
         if cur.had_instance is not None:
             owner.__dict__[cls.ATTR] = cur.had_instance

@@ -1,8 +1,5 @@
 """What a block's decisions depend on: user hooks, the modules the fused path skips (checked per call), and the
-:class:`~qwen_absorb.watch.Watch` of what decisions and derived state were made from.
-"""
-
-from __future__ import annotations
+:class:`~qwen_absorb.watch.Watch` of what decisions and derived state were made from."""
 
 import threading
 import weakref
@@ -27,8 +24,7 @@ _BLOCK_LOCKS_GUARD = threading.Lock()
 
 
 def _layers(block: nn.Module, path: str) -> list[tuple[nn.Module, int]]:
-    """The module at ``path``, its PEFT wrappers and base, each with its count of torch's tensor-parallel style
-    hooks (1: exactly one pre-hook and one hook)."""
+    """``path``'s PEFT wrappers and base module, each with its count of TP style hooks (1: one pre-hook, one hook)."""
     base, wrappers = unwrap_peft(resolve(block, path))
     return [(x, int(isinstance(x, nn.Linear) and parallel.is_dtensor(x._parameters.get("weight"))
                     and parallel.tp_shard_reasons(x, own_forward=False)[0] is not None))
@@ -42,8 +38,7 @@ def hooked(block: nn.Module, *paths: str) -> str | None:
 
 def hook_refusal(block: nn.Module, what: str, *paths: str) -> list[str]:
     """A user's hook on a module ``what`` would skip or change: that part runs as its module instead."""
-    h = hooked(block, *paths)
-    return [f"a forward hook on {h}: {what}"] if h is not None else []
+    return [f"a forward hook on {h}: {what}"] if (h := hooked(block, *paths)) is not None else []
 
 
 def attention_cache_kind(block: nn.Module) -> str | None:
@@ -75,11 +70,8 @@ def bypassed(plan: Any, block: nn.Module) -> tuple[tuple[dict, int, int], ...]:
     """The modules whose hooks the fused path would skip or show other values to."""
     paths: list[str] = [s.norm for s in SITE_TABLE.values() if s.norm and plan.site_plan(s.key).fused]
     for proj in plan.deferred_paths():
-        paths += ["attn"] if proj.startswith("attn.") else [proj.split(".")[0]]
-        paths.append(proj)
-    for p, lp in plan.linears.items():
-        if lp.fp8_gemm:
-            paths += [p, *containers(p)]
+        paths += ["attn" if proj.startswith("attn.") else proj.split(".")[0], proj]
+    paths += [q for p, lp in plan.linears.items() if lp.fp8_gemm for q in (p, *containers(p))]
     if plan.own_attention:
         if not plan.attn_cache:  # a TaylorSeer / PAB hook on attn runs inside the block (its cache's run)
             paths.append("attn")
@@ -97,8 +89,7 @@ def derived_only_sources(plan: Any, block: nn.Module) -> list[torch.Tensor]:
         if not lp.fp8_gemm or w is None:
             continue
         derived.update(map(_storage_ptr, (w.codes, w.scale, w.input_amax, lp.input_scale, lp.bias)))
-        base = unwrap_peft(resolve(block, p))[0]
-        if base is None:
+        if (base := unwrap_peft(resolve(block, p))[0]) is None:
             continue
         wq = getattr(base, "weight_quantizer", None)
         sources += [base._parameters.get("weight"), quant.input_amax(base), getattr(wq, "_amax", None),
@@ -124,10 +115,7 @@ def block_lock(block: nn.Module) -> threading.RLock:
 
 def watch(block: nn.Module) -> Watch:
     """Everything the decisions and the derived state depend on (see :mod:`qwen_absorb.watch`)."""
-    entries: dict[tuple[int, str, str], tuple] = {}
-    tensors: dict[tuple[int, str, str], tuple] = {}
-    modules: dict[int, nn.Module] = {}
-    stateful: list = []
+    entries, tensors, sized, modules, stateful = {}, {}, {}, {}, []  # (id, dict, key) -> watched entry; id -> module
 
     def add(into: dict, *es: tuple) -> None:
         for e in es:
@@ -136,35 +124,29 @@ def watch(block: nn.Module) -> Watch:
     for path in _WATCHED_PATHS:
         m: nn.Module | None = block
         for part in path.split("."):  # the chain of _modules entries down to it: replacement is seen
-            if m is None or "_modules" not in m.__dict__:
+            if m is not None and "_modules" in m.__dict__:
+                add(entries, (m, "_modules", part))
+                m = m._modules.get(part)
+            else:
                 m = None
-                break
-            add(entries, (m, "_modules", part))
-            m = m._modules.get(part)
         if m is None:
             continue
         base, wrappers = unwrap_peft(m)
         for x in (*wrappers, base):
-            modules[id(x)] = x
-            add(entries, (x, "__dict__", "forward"))
+            modules[id(x)] = x  # (its forward and hook dicts: below)
             # a norm's eps set anew (the fused ops take the decided one)
             add(entries, *((x, "__dict__", k) for k in _PLAIN_ATTRS if k in x.__dict__))
             add(tensors, (x, "_parameters", "weight"), (x, "_parameters", "bias"))
-            sw, ts = quant.watch_pairs(x)
-            add(entries, *sw)
-            add(tensors, *ts)
+            for into, es in zip((entries, tensors), quant.watch_pairs(x)):
+                add(into, *es)
             if "base_layer" in x._modules:
                 add(entries, (x, "_modules", "base_layer"))
         stateful += [(w, lora.state) for w in wrappers if lora.is_lora_layer(w)]
-    attn = block._modules.get("attn")
-    if attn is not None:
+    if (attn := block._modules.get("attn")) is not None:
         add(entries, (attn, "__dict__", "processor"), (attn, "__dict__", "heads"))  # heads: the fused head split
-        sw, ts = quant.watch_pairs(attn, quant.ATTENTION_QUANTIZERS)  # ModelOpt's QuantAttention: enabled after
-        add(entries, *sw)
-        add(tensors, *ts)
-    holders = [m for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None]
-    modules.update((id(m), m) for m in holders)
-    sized: dict[tuple[int, str, str], tuple] = {}
+        for into, es in zip((entries, tensors), quant.watch_pairs(attn, quant.ATTENTION_QUANTIZERS)):
+            add(into, *es)  # ModelOpt's QuantAttention: enabled after
+    modules.update((id(m), m) for p in _HOOK_HOLDERS if (m := resolve(block, p)) is not None)
     for m in modules.values():  # a hook added or removed: decide again
         add(entries, (m, "__dict__", "forward"))
         add(sized, *((m, "__dict__", name) for name in hooks.HOOK_DICTS))

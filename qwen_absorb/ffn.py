@@ -1,8 +1,6 @@
 """How a patched Qwen-Image block's FeedForward runs: as its module, on its tensor-parallel shards, or with its
 linears as real FP8 GEMMs, net[0]'s GELU fused with the e4m3 quantization that feeds net[2]."""
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 
@@ -34,8 +32,7 @@ def _tp_ffn(plan, mlp_name, mlp, x, works):
 def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: list, compiling: bool,
         mode: int) -> torch.Tensor:
     """The FeedForward ``mlp_name`` of ``block``; ``x_in``: ``(input, activation or None)`` from the producing site."""
-    x, act = x_in
-    mlp = block._modules[mlp_name]
+    (x, act), mlp = x_in, block._modules[mlp_name]
     up, down = plan.linears[f"{mlp_name}.net.0.proj"], plan.linears[f"{mlp_name}.net.2"]
     q4 = not compiling and (up.nvfp4 is not None or down.nvfp4 is not None)  # NVFP4 rows (eager only)
     if not up.fp8_gemm and not down.fp8_gemm and not q4:
@@ -43,8 +40,7 @@ def run(plan: BlockPlan, block: nn.Module, mlp_name: str, x_in: tuple, works: li
         return y if y is not None else run_module(plan, compiling, mlp, x)
     net = mlp.net
     # net[0]'s LoRA inside the GELU quantization (and net[2]'s lora_A products with it, where they fold)
-    fused = fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj, net[2])
-    if fused is not None:
+    if (fused := fp8_linear_gelu_fp8(x, up, down, plan, act, net[0].proj, net[2])) is not None:
         codes, g, branches = fused
         return fp8_linear(codes, down, plan, works, g, net[2], branches)
     if up.fp8_gemm:

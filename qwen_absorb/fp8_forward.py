@@ -3,8 +3,6 @@ gets an :class:`Fp8LinearForward` as instance ``forward`` (torch hooks still run
 sees a change; a linear wrapped, replaced or converted since runs as ModelOpt runs it. *Gated* forwards run ModelOpt's
 forward except for the thread their gate is open for (``block._gated_forwards``)."""
 
-from __future__ import annotations
-
 import logging
 import threading
 from collections import Counter
@@ -33,7 +31,6 @@ PEFT_REFUSAL = "PEFT LoRA layer on a Qwen-Image-2.1 linear: runs as PEFT and Mod
 INFERENCE_REFUSAL = ("its weight or amax is an inference tensor (made under torch.inference_mode, so a load into "
                      "it cannot be seen): runs as its module")
 WRAPPED_REFUSAL = "its forward is replaced on the instance (a hook library or user code): runs as its module"
-
 TP_REFUSAL = "tensor parallelism (DTensor weight): the module runs it"
 OnState = Callable[[int, str, bool, list], None]  # block index, path, real FP8, reasons
 
@@ -73,7 +70,7 @@ class Fp8LinearForward:
     __qwen_absorb__ = True
 
     def __init__(self, linear: nn.Module, slot: tuple[dict, str, nn.Module], path: str, index: int, options: Options,
-                 counter: Counter, rebuilds: Counter, on_state: OnState | None, gated: bool = False) -> None:
+                 counter: Counter, rebuilds: Counter, on_state: OnState, gated: bool = False) -> None:
         self.__setstate__((linear, slot, path, index, options, counter, rebuilds, on_state, gated))
 
     def _clear(self) -> None:
@@ -144,8 +141,7 @@ class Fp8LinearForward:
             d["forward"] = self
 
     def _tell(self) -> None:
-        if self.on_state is not None:
-            self.on_state(self.index, self.path, self.lp.fp8_gemm, list(self.lp.fp8_reasons))
+        self.on_state(self.index, self.path, self.lp.fp8_gemm, list(self.lp.fp8_reasons))
 
     def _displaced(self, why: str) -> None:  # runs as ModelOpt's from now on: derived state goes, the report hears it
         self.counter[why] += 1
@@ -212,7 +208,7 @@ class Fp8LinearForward:
 
 
 def install(block: nn.Module, index: int, options: Options, counter: Counter, rebuilds: Counter,
-            on_state: OnState | None, paths: Sequence[str] = LINEARS, gated: bool = False,
+            on_state: OnState, paths: Sequence[str] = LINEARS, gated: bool = False,
             ) -> dict[str, Fp8LinearForward]:
     """An :class:`Fp8LinearForward` on each eligible ModelOpt linear at ``paths``, by path."""
     installed: dict[str, Fp8LinearForward] = {}
@@ -225,8 +221,7 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
                else [WRAPPED_REFUSAL] if "forward" in m.__dict__
                else [TP_REFUSAL] if gated and is_dtensor(m._parameters.get("weight")) else [])
         if why:
-            if on_state is not None:
-                on_state(index, path, False, why)
+            on_state(index, path, False, why)
             continue
         parent_path, _, name = path.rpartition(".")
         parent = resolve(block, parent_path)
@@ -236,8 +231,7 @@ def install(block: nn.Module, index: int, options: Options, counter: Counter, re
         installed[path] = fwd
         if gated:  # no FP8 weight until it runs; what it would decide now, for the report
             r = refusals(m, _device_of(m), options)
-            if on_state is not None:
-                on_state(index, path, not r, list(r))
+            on_state(index, path, not r, list(r))
         else:
             fwd.ready(_device_of(m))  # decide now, so the report says what runs
     return installed

@@ -4,8 +4,6 @@ is added in fp32 inside the fused op), so ``"auto"`` defers only where ``benchma
 1.05x unpatched) passed. Capabilities are ``(major, minor)`` for CUDA, else the device type (``{"cpu"}`` lets CPU tests
 exercise deferral on the ops' torch references)."""
 
-from __future__ import annotations
-
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 
@@ -101,9 +99,8 @@ def capability_key(device: torch.device) -> CapabilityKey:
 _DEVICE_TYPES = ("cpu", "cuda", "meta", "mps", "xpu", "hip")
 
 
-def normalize_capabilities(
-    capabilities: Collection[CapabilityKey] | None, validated: dict | None = None,
-) -> frozenset[CapabilityKey]:
+def normalize_capabilities(capabilities: Collection[CapabilityKey] | None,
+                           validated: dict | None = None) -> frozenset[CapabilityKey]:
     """``capabilities`` if given, else the validated set (deferral's unless another is named), checked."""
     if capabilities is None:
         return frozenset(VALIDATED_DEFER_CAPABILITIES if validated is None else validated)
@@ -122,10 +119,8 @@ def _is_cap_tuple(c: object) -> bool:
                                                         for v in c)
 
 
-def defer_refusals(
-    info: ProjectionInfo, *, mode: str | bool, consumer_fused: bool, device: torch.device,
-    capabilities: frozenset[CapabilityKey], kernel_reasons: list[str],
-) -> list[str]:
+def defer_refusals(info: ProjectionInfo, *, mode: str | bool, consumer_fused: bool, device: torch.device,
+                   capabilities: frozenset[CapabilityKey], kernel_reasons: list[str]) -> list[str]:
     """Why this projection's bias is not deferred under ``defer_bias=mode`` (empty: it is)."""
     if mode is False:
         return ["defer_bias=False"]
@@ -171,10 +166,8 @@ def tp_bias_refusals(base: nn.Module | None, mode: str | bool) -> list[str]:
     b = getattr(base, "_parameters", {}).get("bias") if base is not None else None
     if b is None or type(b) is torch.nn.Parameter or type(b.data) is torch.Tensor:
         return []
-    why = tp_defer_refusals(base)
-    if not why and mode == "auto":
-        why = ["tensor parallelism: defer_bias='auto' leaves row-wise biases in the GEMM"]
-    return why
+    return tp_defer_refusals(base) or (["tensor parallelism: defer_bias='auto' leaves row-wise biases in the GEMM"]
+                                       if mode == "auto" else [])
 
 
 def check_tristate(name: str, mode: object) -> str | bool:

@@ -4,8 +4,6 @@ Safe only if nothing touches ``hidden_states`` in between: no forward hooks on e
 transformer's forward loop frame, block i+1 with the very tensors block i returned and the same ``temb`` and
 ``modulate_index``; else it computes its norm1 itself (counted). The record is thread-local."""
 
-from __future__ import annotations
-
 import functools
 import inspect
 import sys
@@ -43,11 +41,10 @@ class Handoff:
 def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module) -> None:
     """Point each patched block at the next one (structure only; the rest is checked per call)."""
     loop_code = _loop_code(type(transformer))
-    for i, plan in enumerate(plans):
+    for i, (plan, nxt) in enumerate(zip(plans, [*plans[1:], None])):
         plan.rt.handoff_to, plan.handoff_reasons = None, []
         if not plan.patched:
             continue
-        nxt = plans[i + 1] if i + 1 < len(plans) else None
         if not plan.options.cross_block:
             plan.handoff_reasons.append("cross_block=False")
         elif nxt is None:
@@ -57,8 +54,7 @@ def link(plans: list[BlockPlan], blocks: list[nn.Module], transformer: nn.Module
         elif loop_code is None:
             plan.handoff_reasons.append(f"{type(transformer).__name__}.forward is not a Python function")
         else:
-            plan.rt.handoff_to = blocks[i + 1]
-            plan.rt.loop_owner = type(transformer)
+            plan.rt.handoff_to, plan.rt.loop_owner = blocks[i + 1], type(transformer)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +72,7 @@ def receive_reasons(plan: BlockPlan, block: nn.Module) -> list[str]:  # why it c
             r.append(f"{stream}.norm1's input quantizer runs as a ModelOpt module before the op")
     if plan.modelopt and not all(plan.linears[f"{m}.1"].quant for m in ("img_mod", "txt_mod")):
         r.append("the modulation linears run as ModelOpt modules (called by this block only)")
-    p0 = next(block.parameters(), None)
-    if p0 is not None and p0.dtype == torch.float16:
+    if (p0 := next(block.parameters(), None)) is not None and p0.dtype == torch.float16:
         r.append("float16: diffusers clips the block output after the residual")
     return r
 
@@ -86,18 +81,15 @@ def _caller_frame(code: Any) -> int | None:
     """id() of the nearest enclosing frame running ``code``, the forward loop (deeper under torch.compile)."""
     f = sys._getframe(2)
     for _ in range(40):
-        if f is None:
-            return None
-        if f.f_code is code:
-            return id(f)
+        if f is None or f.f_code is code:
+            return None if f is None else id(f)
         f = f.f_back
     return None
 
 
 def target(plan: BlockPlan, block: nn.Module, h: torch.Tensor) -> tuple[nn.Module, BlockPlan, int, Any] | None:
     """The next block, its plan, the loop frame and its code, if this call can hand over (else None; counted)."""
-    nb = plan.rt.handoff_to
-    if nb is None:
+    if (nb := plan.rt.handoff_to) is None:
         return None
     np_: BlockPlan | None = nb.__dict__.get(PLAN_ATTR)
     if (np_ is None or np_.rt.stale is not None or np_.rt.device != h.device or np_.rt.codes_gone
@@ -133,9 +125,8 @@ def take(plan: BlockPlan, h: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
             and _caller_frame(rec.code) == rec.frame):
         plan.rt.handoffs[plan.index] += 1
         return rec
-    plan.count("cross-block hand-off refused: this block did not receive the tensors the previous block "
-               "returned, from the same forward loop (a ControlNet residual or the caller changed them); "
-               "norm1 recomputed")
+    plan.count("cross-block hand-off refused: this block did not receive the tensors the previous block returned, "
+               "from the same forward loop (a ControlNet residual or the caller changed them); norm1 recomputed")
     return None
 
 

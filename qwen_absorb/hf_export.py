@@ -5,8 +5,6 @@ Per linear: **FP8** ``weight`` float8_e4m3fn, fp32 per-tensor ``weight_scale`` =
 ``weight_scale`` float8_e4m3fn [out, in / 16], ``weight_scale_2`` = amax / (6 * 448), ``input_scale`` likewise.
 Why a loader: diffusers 0.42.1's ``NVIDIAModelOptConfig`` raises with ModelOpt >= 0.44 and has no place for scales."""
 
-from __future__ import annotations
-
 import copy
 import importlib
 import json
@@ -119,8 +117,7 @@ def _amax_from_scale(scale: torch.Tensor, dtype: torch.dtype, maxbound: float, c
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 codes [..., n / 2] -> one code a byte [..., n], "-0" (8) as +0: a dequantized weight cannot tell
-    them apart."""
+    """Packed e2m1 codes [..., n / 2] -> one a byte [..., n]; "-0" (8) as +0 (both dequantize to zero)."""
     p = packed.view(torch.uint8)
     codes = torch.stack(((p & 0x0F), (p >> 4)), dim=-1).flatten(-2)
     return torch.where(codes == 8, torch.zeros_like(codes), codes)

@@ -1,10 +1,7 @@
 """The one reader of forward slots and hook chains: torch's, diffusers' ``HookRegistry`` and accelerate's.
 
 diffusers and accelerate hooks wrap ``module.forward`` by keeping the then-current bound forward and assigning an
-instance attribute: patching must put its forward where the *original* one is kept.
-"""
-
-from __future__ import annotations
+instance attribute: patching must put its forward where the *original* one is kept."""
 
 import functools
 import sys
@@ -18,16 +15,11 @@ import torch
 from torch import nn
 
 Slot = tuple[str, Callable[[], Any], Callable[[Any], None]]
-
-_global = nn.modules.module
-
 # Instance attributes where a wrapper of a module's forward lives (torch.compile's ``module.compile()``,
 # diffusers' registry, accelerate's hook): their identity decides what calling the module runs.
 WRAPPER_ATTRS = ("forward", "_old_forward", "_compiled_call_impl", "_diffusers_hook", "_hf_hook")
-# torch's per-module forward hook dicts (the per-call checks below spell them out)
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
-# diffusers hook kinds that move or cast weights around a module's call and never look at its values
-_TRANSPARENT = ("offloading hook", "layerwise casting hook")
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")  # torch's per-module ones (the per-call checks spell them out)
+_TRANSPARENT = ("offloading hook", "layerwise casting hook")  # diffusers' that move or cast weights, reading no values
 # torch's functions that walk the global registration hook dicts (Module.__setattr__ walks the module ones inline)
 _REGISTERING = frozenset(f.__code__ for f in (nn.Module.__setattr__, nn.Module.register_module, nn.Module.add_module,
                                               nn.Module.register_parameter, nn.Module.register_buffer))
@@ -50,8 +42,7 @@ def forward_slots(module: nn.Module) -> Iterator[Slot]:
 
 
 def put_back(module: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool:
-    """Put ``inner`` back in the slot of ``module`` holding ``me`` (``forward`` deleted where there was none, the
-    class forward running again); False where no slot holds ``me``."""
+    """Put ``inner`` where ``module`` holds ``me`` (``forward`` deleted where there was none); False: held nowhere."""
     for where, get, set_ in forward_slots(module):
         if get() is me:
             if where == "forward" and not prev_present:
@@ -64,8 +55,7 @@ def put_back(module: nn.Module, me: Any, inner: Any, prev_present: bool) -> bool
 
 def registry_hooks(module: nn.Module) -> dict[str, Any]:
     """diffusers' hooks on ``module`` by name (empty when it has no ``HookRegistry``)."""
-    reg = module.__dict__.get("_diffusers_hook")
-    hooks = getattr(reg, "hooks", None)
+    hooks = getattr(module.__dict__.get("_diffusers_hook"), "hooks", None)
     return dict(hooks) if hooks else {}
 
 
@@ -73,11 +63,10 @@ def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
     """The diffusers hook registered on ``module`` under ``name`` when it is the module's only hook of any kind and
     nothing wraps the registry's forward: then a patched block may run that hook's logic around its own computation."""
     d = module.__dict__
-    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None:
-        return None
     named, fwd = getattr(d.get("_diffusers_hook"), "hooks", None), d.get("forward")
-    # the instance forward diffusers' HookRegistry installs: a partial of its new_forward
-    if not named or len(named) != 1 or not isinstance(fwd, functools.partial) \
+    # no torch or accelerate hook; the instance forward diffusers' HookRegistry installs: a partial of its new_forward
+    if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_hf_hook") is not None or not named \
+            or len(named) != 1 or not isinstance(fwd, functools.partial) \
             or "create_new_forward" not in getattr(fwd.func, "__qualname__", ""):
         return None
     return named.get(name)
@@ -85,13 +74,12 @@ def sole_registry_hook(module: nn.Module, name: str) -> Any | None:
 
 def torch_hook_dicts(module: nn.Module) -> list[dict]:
     """The dicts of ``module``'s forward hooks and pre-hooks (their lengths: a cheap per-call check)."""
-    d = module.__dict__
-    return [hd for n in HOOK_DICTS if isinstance(hd := d.get(n), dict)]
+    return [hd for n in HOOK_DICTS if isinstance(hd := module.__dict__.get(n), dict)]
 
 
 def global_hook_count() -> int:
     """Global module forward (pre-)hooks registered (any: each would run inside a module call skipped)."""
-    return len(_global._global_forward_hooks) + len(_global._global_forward_pre_hooks)
+    return len(nn.modules.module._global_forward_hooks) + len(nn.modules.module._global_forward_pre_hooks)
 
 
 def has_hooks(module: nn.Module) -> bool:
@@ -116,23 +104,18 @@ def user_hooked(d: dict, allowed_pre: int = 0, allowed_post: int = 0) -> bool:
     """Whether a module (its ``__dict__``) has a hook that may read or edit its inputs or outputs: more torch
     (pre-)hooks than ``allowed`` (TP style hooks), a diffusers hook other than offloading / casting, or an instance
     ``forward`` neither ours nor explained by a weight-moving hook."""
-    pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
-    if (pre is not None and len(pre) > allowed_pre) or (post is not None and len(post) > allowed_post):
+    if len(d.get("_forward_pre_hooks") or ()) > allowed_pre or len(d.get("_forward_hooks") or ()) > allowed_post:
         return True
     if "forward" not in d or ours(d["forward"]):
         return False
-    reg = d.get("_diffusers_hook")
-    if reg is not None:
-        named = getattr(reg, "hooks", None) or {}
-        return any(hook_category(n, h) not in _TRANSPARENT for n, h in named.items())
+    if (reg := d.get("_diffusers_hook")) is not None:
+        return any(hook_category(n, h) not in _TRANSPARENT for n, h in (getattr(reg, "hooks", None) or {}).items())
     return d.get("_hf_hook") is None
 
 
 def offload_hooked(module: nn.Module) -> bool:
     """An offload hook (diffusers group offloading, accelerate) onloads the parameters only inside the forward."""
-    if module.__dict__.get("_hf_hook") is not None:
-        return True
-    return any("offload" in str(name) for name in registry_hooks(module))
+    return module.__dict__.get("_hf_hook") is not None or any("offload" in str(n) for n in registry_hooks(module))
 
 
 def weight_moving(module: nn.Module) -> str | None:
@@ -158,13 +141,11 @@ def hook_category(name: str, hook: Any) -> str:
 
 def execution_device(transformer: nn.Module, blocks: list[nn.Module]) -> torch.device | None:
     """The device an offloading hook runs the model on, or None."""
-    hook = transformer.__dict__.get("_hf_hook")  # accelerate / enable_model_cpu_offload
-    dev = getattr(hook, "execution_device", None)
+    dev = getattr(transformer.__dict__.get("_hf_hook"), "execution_device", None)  # accelerate / model CPU offload
     if dev is not None:
         return as_device(dev)
     for m in (transformer, *blocks[:1]):
-        hook = registry_hooks(m).get("group_offloading")
-        dev = getattr(getattr(hook, "group", None), "onload_device", None)
+        dev = getattr(getattr(registry_hooks(m).get("group_offloading"), "group", None), "onload_device", None)
         if dev is not None:
             return torch.device(dev)
     return None
@@ -194,9 +175,7 @@ class HeldGlobalHooks:
     one holder lives (``unpatch`` leaves torch's global hook dicts as it found them)."""
 
     def __init__(self, register: Callable[[], list[Any]]) -> None:
-        self._register = register
-        self._handles: list[Any] = []
-        self._holders: set[int] = set()
+        self._register, self._handles, self._holders = register, [], set()  # handles; holders' ids
         self._lock = threading.RLock()  # a holder's finalizer may run inside a locked section (garbage collection)
 
     def hold(self, holder: Any) -> None:

@@ -3,23 +3,15 @@
 Under ``enable_model_cpu_offload()`` the transformer leaves the GPU after every pipeline call. Each return is a
 decision, which made every FP8 weight again from its host-kept original: for the 60-layer model, 38 GiB across the
 bus, a content fingerprint and a quantization per linear. The codes depend only on the original and the weight
-quantizer's amax. So, with ``Tuning(host_fp8_codes=True)`` (opt-in, see below), the first departure copies them to
-the host (19 GiB, once), and a return whose sources are unchanged copies them back (half the bytes, nothing
-computed); with the option off, :func:`keep` and :func:`take` only clear the store.
-
-Unchanged means two things:
-- the same original data: its identity, version counter, address and dtype. Every in-place write,
-  ``load_state_dict``, dtype move or new ``.data`` shows there;
-- the same amax value.
-
-A write through ``weight.data`` shows in neither, just as it does not show to a resident model's codes between
-decisions (PEFT's merges do show: a LoRA wrap or unwrap since the last decision forgets the block's codes).
-``patch()`` again catches up: it forgets these codes. Opt-in (``Tuning(host_fp8_codes=True)``): measured on an
-H100 it saved the GPU work but not the run's time, which the blocks' decisions at each return bound, for 19 GiB
-more host memory (``benchmarks/NOTES.md``, "Tuning defaults"); by default each return rebuilds the codes.
-"""
-
-from __future__ import annotations
+quantizer's amax. So, with ``Tuning(host_fp8_codes=True)``, the first departure copies them to the host (19 GiB,
+once), and a return whose sources are unchanged copies them back (half the bytes, nothing computed); with the option
+off, :func:`keep` and :func:`take` only clear the store. Unchanged: the same amax value and the same original data
+(identity, version counter, address, dtype: every in-place write, ``load_state_dict``, dtype move or new ``.data``
+shows there). A write through ``weight.data`` shows in neither, just as it does not show to a resident model's codes
+between decisions (PEFT's merges do show: a LoRA wrap or unwrap since the last decision forgets the block's codes);
+``patch()`` again forgets these codes. Opt-in: measured on an H100 it saved the GPU work but not the run's time,
+which the blocks' decisions at each return bound, for 19 GiB more host memory (``benchmarks/NOTES.md``, "Tuning
+defaults"); by default each return rebuilds the codes."""
 
 from dataclasses import dataclass
 from typing import Any

@@ -4,10 +4,7 @@ The original weight serves only what the plan does not run (a fallback, a rebuil
 ``unpatch``); on the GPU it would double the model's memory. So after every decision of a block (:func:`place`), a
 real-FP8 linear keeps its weight ``Parameter`` (same object) with its data on the host; its :class:`HostWeight`
 ``_apply`` keeps it there on ``Module.to`` and drops the FP8 codes when the model leaves their device. A call of the
-original forward brings the weights over for that call only (:func:`onloaded`). Hooked linears are left to the hook.
-"""
-
-from __future__ import annotations
+original forward brings the weights over for that call only (:func:`onloaded`); hooked linears are left to the hook."""
 
 import contextlib
 from collections.abc import Iterator
@@ -86,9 +83,8 @@ class BlockMove:
     """A patched Qwen-Image block's ``_apply``. A device move alone (``.to(device)``, model offload's hook) with
     nothing changed since the block's last decision keeps the decisions: leaving the device they were made for drops
     the FP8 codes (:func:`plan.rebuild_codes` makes them again at the first call back there); only the watch is
-    taken anew. Anything else (a dtype, a change before the move,
-    NVFP4, tensor-parallel or hooked-attention state, ``Tuning(move_keeps_decisions=False)``) releases the block as
-    before: it decides anew at its next call."""
+    taken anew. Anything else (a dtype, a change before the move, NVFP4, tensor-parallel or hooked-attention state,
+    ``Tuning(move_keeps_decisions=False)``) releases the block as before: it decides anew at its next call."""
 
     __slots__ = ("block", "__weakref__")
 
@@ -152,7 +148,7 @@ def wanted(mode: str | bool, plan: BlockPlan, block: nn.Module, path: str) -> bo
     if dev.type in ACCELERATOR_TYPES:
         return bool(lp.fp8_gemm and lp.weight is not None and not lp.weight.reused_storage)
     # not on an accelerator yet: keep a weight that is on the host there if it would run as an FP8 GEMM
-    return (plan.options.fp8_gemm is not False and w is not None and w.device == HOST
+    return (plan.options.fp8_gemm is not False and w.device == HOST
             and type(w).__name__ != "QTensorWrapper" and not quant.fp8_gemm_reasons(m))
 
 
@@ -171,10 +167,9 @@ def place(plan: BlockPlan, block: nn.Module) -> None:
         h = by_module.pop(id(base), None)
         if not managed and wanted(mode, plan, block, path):
             w = base._parameters["weight"]
-            if h is None:
+            if h is None:  # else it is in kept already (by_module was made from it)
                 h = HostWeight(base, w.device, block)
                 object.__setattr__(base, "_apply", h)
-            if not any(x is h for x in kept):
                 kept.append(h)
             if w.device != HOST:
                 with torch.inference_mode(False):  # a tensor with a version counter: watched without reading it

@@ -4,8 +4,6 @@ PEFT adds ``lora_B(lora_A(dropout(x))) * scaling`` per active adapter to ``base_
 its GEMM's output as ``y.addmm_(lora_A(x), lora_B.weight.T, alpha=scaling)`` (one dtype, identity dropout), else as
 PEFT's expression op for op."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
@@ -103,13 +101,10 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor, out_dtype: t
     fewer than two branches or no fast path. Never cached: hotswap writes through ``.data``."""
     per = [active_branches(layer) for layer in layers]
     flat = [br for bs in per for br in bs]
-    if len(flat) < 2:
+    if len(flat) < 2 or not all(x.dtype == out_dtype and _plain_branch(a, b, drop, x.dtype, x.device)
+                                and type(a.weight.data) is torch.Tensor for a, b, drop, _ in flat):
         return None
-    if not all(x.dtype == out_dtype and _plain_branch(a, b, drop, x.dtype, x.device)
-               and type(a.weight.data) is torch.Tensor for a, b, drop, _ in flat):
-        return None
-    w = torch.cat([a.weight for a, _, _, _ in flat], 0)
-    t = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w)
+    t = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), torch.cat([a.weight for a, _, _, _ in flat], 0))
     parts = iter(t.split([a.weight.shape[0] for a, _, _, _ in flat], dim=1))
     return [[(next(parts), b.weight, s) for _, b, _, s in bs] for bs in per]
 
@@ -117,8 +112,7 @@ def shared_input_branches(layers: list[nn.Module], x: torch.Tensor, out_dtype: t
 def foldable_branch(layer: nn.Module, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
     """``(lora_A weight, lora_B weight, scaling)`` of a layer's one active plain branch (``ops.lora_fold``), or None."""
-    branches = active_branches(layer)
-    if len(branches) != 1:
+    if len(branches := active_branches(layer)) != 1:
         return None
     a, b, drop, s = branches[0]
     ok = _plain_branch(a, b, drop, dtype, device) and type(a.weight.data) is torch.Tensor
@@ -135,8 +129,7 @@ def add_products(y: torch.Tensor, branches: Products) -> torch.Tensor:
 
 def products(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> Products | None:
     """``[(x @ A.T, lora_B.weight, scaling)]`` of the active branches, or None where PEFT's own expression must run."""
-    branches = active_branches(layer)
-    if not branches:
+    if not (branches := active_branches(layer)):
         return []
     if x.dtype != out_dtype or not all(_plain_branch(a, b, drop, x.dtype, x.device) for a, b, drop, _ in branches):
         return None

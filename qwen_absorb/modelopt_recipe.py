@@ -7,8 +7,6 @@
 
 Quantizing, calibrating, saving and exporting are ModelOpt's; this module builds the config and the calibration loop."""
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path

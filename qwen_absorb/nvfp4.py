@@ -5,10 +5,7 @@ Triton fake quantization (:mod:`qwen_absorb.ops.quantize_nvfp4`). :class:`Nvfp4L
 ``fq(W)`` cached (not held where it equals ``W``); in a patched model the fused op producing a linear's input emits
 ``fq(x)`` where it can (:func:`decide_rows`)."""
 
-from __future__ import annotations
-
 import contextlib
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -17,12 +14,9 @@ from torch import nn
 
 from . import quant
 from .hf_export import import_modelopt
-from .ops.quantize_nvfp4 import launch as launch_nvfp4
-from .ops.quantize_nvfp4 import emit_reasons, quantize_nvfp4, quantize_nvfp4_reference
+from .ops.quantize_nvfp4 import emit_reasons, launch as launch_nvfp4, quantize_nvfp4, quantize_nvfp4_reference
 from .sites import LINEAR_TABLE, SITE_TABLE, containers, resolve
-from .watch import fingerprint_parts
-
-logger = logging.getLogger("qwen_absorb")
+from .watch import fingerprint_parts, tensor_version
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # where ModelOpt's NVFP4 fake quantization is the Triton kernel reproduced here
@@ -73,11 +67,8 @@ def nvfp4_linear_names(model: nn.Module) -> list[str]:
 
 
 def _tensor_key(t: torch.Tensor, watched: bool = False) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor: its content is watched by the plan (watched), else unknowable
-        version = "inference" if watched else object()  # object(): equal to nothing, remade at every call
-    return (id(t), t.data_ptr(), version, t.dtype)
+    v = tensor_version(t)  # -1: an inference tensor, whose content the plan watches (watched), else unknowable
+    return (id(t), t.data_ptr(), v if v >= 0 or watched else object(), t.dtype)  # object(): remade at every call
 
 
 def _fake_quant(t: torch.Tensor, amax: torch.Tensor, use_kernel: bool) -> torch.Tensor:
@@ -92,8 +83,7 @@ class Nvfp4Linear:
                  "_weight_amax")
 
     def __init__(self, lin: nn.Linear, use_kernel: bool, watched: bool = False) -> None:
-        reasons = nvfp4_linear_reasons(lin)
-        if reasons:
+        if reasons := nvfp4_linear_reasons(lin):
             raise ValueError("not a ModelOpt W4A4 NVFP4 linear: " + "; ".join(reasons))
         self.lin, self.use_kernel, self.watched, self.shares_weight = lin, use_kernel, watched, False
         # _parts: the content fingerprint of the weight fq(W) was made from; _weight_amax: a copy of its amax's value

@@ -4,8 +4,6 @@
 **before** the all-reduce) get DTensor Parameters; attention and FFN outputs are ``AsyncCollectiveTensor``s
 (``data_ptr()`` 0). **CP**: inputs split on dim 1, all plain. Nothing here imports ``torch.distributed.tensor``."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import sys
@@ -22,16 +20,13 @@ from .sites import unwrap_peft
 
 
 def _is_loaded_instance(t: Any, module: str, name: str) -> bool:  # never imports module: unloaded, t cannot be one
-    if is_plain_tensor(t):
-        return False
-    cls = getattr(sys.modules.get(module), name, None)
+    cls = None if is_plain_tensor(t) else getattr(sys.modules.get(module), name, None)
     return cls is not None and isinstance(t, cls)
 
 
 def is_plain_tensor(t: Any) -> bool:
     """``t`` is a ``torch.Tensor`` or ``nn.Parameter``: only those own their storage (subclasses: ``data_ptr()`` 0)."""
-    tp = type(t)
-    return tp is torch.Tensor or tp is nn.Parameter
+    return type(t) in (torch.Tensor, nn.Parameter)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -46,8 +41,7 @@ def _placements(t: Any) -> tuple:
     return tuple(getattr(t, "placements", ()))
 
 
-def _shard_dim(p: Any, ndim: int) -> int:
-    """The non-negative dim of a ``Shard`` placement on a tensor of ``ndim`` dims."""
+def _shard_dim(p: Any, ndim: int) -> int:  # a Shard placement's dim, non-negative
     return p.dim % ndim if ndim else p.dim
 
 
@@ -74,12 +68,10 @@ def local_view(t: Any, *, shard_ok_dims: tuple[int, ...] = ()) -> tuple[torch.Te
     if is_dtensor(t):
         ndim = t.dim()
         for p in _placements(t):
-            if p.is_replicate():
+            d = _shard_dim(p, ndim) if p.is_shard() else None
+            if p.is_replicate() or d is not None and ndim and d in {k % ndim for k in shard_ok_dims}:
                 continue
-            if p.is_shard():
-                d = _shard_dim(p, ndim)
-                if ndim and d in {k % ndim for k in shard_ok_dims}:
-                    continue
+            if d is not None:
                 return None, (f"DTensor sharded on dim {d} (global {list(t.shape)}, local "
                               f"{list(t.to_local().shape)}): the rank-local tensor is a slice")
             if p.is_partial():
@@ -120,13 +112,12 @@ def tp_defer_refusals(linear: nn.Module) -> list[str]:
         out.append(f"row-wise TP projection with a non-DTensor bias ({describe_tensor(b)})")
     elif b is not None and not all(p.is_replicate() for p in _placements(b)):
         out.append(f"row-wise TP projection whose bias is not replicated ({_placements(b)})")
-    for hook in getattr(m, "_forward_hooks", {}).values():  # a torch ParallelStyle's partial(_prepare_output_fn, ...)
-        pout = _hook_partial(hook, "_prepare_output_fn")
-        if pout is not None and len(pout.args) >= 2:
-            layouts = tuple(pout.args[0]) if isinstance(pout.args[0], (tuple, list)) else (pout.args[0],)
-            if not all(p.is_replicate() for p in layouts):
-                out.append(f"row-wise TP projection whose output stays {layouts} (not reduced to Replicate)")
-            break
+    pouts = (_hook_partial(h, "_prepare_output_fn") for h in getattr(m, "_forward_hooks", {}).values())
+    pout = next((p for p in pouts if p is not None and len(p.args) >= 2), None)  # a torch ParallelStyle's partial
+    if pout is not None:
+        layouts = tuple(pout.args[0]) if isinstance(pout.args[0], (tuple, list)) else (pout.args[0],)
+        if not all(p.is_replicate() for p in layouts):
+            out.append(f"row-wise TP projection whose output stays {layouts} (not reduced to Replicate)")
     return out
 
 
@@ -201,8 +192,7 @@ def tp_shard_reasons(linear: nn.Module, *, own_forward: bool = True) -> tuple[Tp
     w, b = linear._parameters.get("weight"), linear._parameters.get("bias")
     if not is_dtensor(w):
         return None, ["weight is not a DTensor"]
-    mesh = w.device_mesh
-    if mesh.ndim != 1:
+    if (mesh := w.device_mesh).ndim != 1:
         r.append(f"{mesh.ndim}-dimensional device mesh")
     if len(linear._forward_pre_hooks) != 1 or len(linear._forward_hooks) != 1:
         r.append(f"{len(linear._forward_pre_hooks)} forward pre-hooks and {len(linear._forward_hooks)} forward "
@@ -239,8 +229,7 @@ def tp_shard(linear: nn.Module) -> tuple[TpShard | None, str | None]:
     w = linear._parameters.get("weight") if hasattr(linear, "_parameters") else None
     if w is None or is_plain_tensor(w):
         return None, None
-    rec = _SHARDS.get(linear)
-    if rec is not None and rec.current(linear):
+    if (rec := _SHARDS.get(linear)) is not None and rec.current(linear):
         return rec, None
     rec, why = tp_shard_reasons(linear)
     if rec is None:

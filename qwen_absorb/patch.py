@@ -5,8 +5,6 @@ intact; block class, signature and return order never change. All blocks are pla
 (or Ctrl-C) while installing undoes what was installed.
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import logging
@@ -52,7 +50,7 @@ class _Patched(weakref.ref):
     def __reduce__(self) -> tuple:
         return type(None), ()
 
-    def __deepcopy__(self, memo: dict) -> _Patched | None:
+    def __deepcopy__(self, memo: dict) -> "_Patched | None":
         # only a part this deep copy copied: one swapped out before it belongs to the original, not to the copy
         part = self()
         copied = memo.get(id(part)) if part is not None else None

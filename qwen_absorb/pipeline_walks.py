@@ -5,10 +5,7 @@ A diffusers pipeline call walks every module of every component three to five ti
 an ``AttributeError`` (through ModelOpt's Python ``__getattr__`` for quantized modules). :func:`patch` gives the
 pipeline a subclass of its class (same name and module) whose two methods give the same answers with the same side
 effects, walking each component once and reading hook attributes from ``module.__dict__``. The mirrored diffusers
-code is pinned by a hash of its source: where it changed, the pipeline keeps its class and the report says why.
-"""
-
-from __future__ import annotations
+code is pinned by a hash of its source: where it changed, the pipeline keeps its class and the report says why."""
 
 import functools
 import hashlib
@@ -45,19 +42,17 @@ def source_hash(functions: Iterable[Any]) -> str | None:
 
 @functools.cache
 def source_sha256() -> str:
-    """The :func:`source_hash` of this diffusers' functions whose behaviour :class:`FastWalks` reproduces ("" where
-    they cannot be read)."""
+    """The :func:`source_hash` of this diffusers' functions that :class:`FastWalks` mirrors ("": unreadable)."""
     try:
         from diffusers import DiffusionPipeline  # noqa: PLC0415
         from diffusers.hooks import HookRegistry, group_offloading  # noqa: PLC0415
         from diffusers.models import cache_utils, modeling_utils  # noqa: PLC0415
 
-        return source_hash([
-            DiffusionPipeline._execution_device.fget, DiffusionPipeline.device.fget,
-            DiffusionPipeline.maybe_free_model_hooks, cache_utils.CacheMixin._reset_stateful_cache,
-            HookRegistry.reset_stateful_hooks, HookRegistry.check_if_exists_or_initialize,
-            group_offloading._get_top_level_group_offload_hook, group_offloading._get_group_onload_device,
-            modeling_utils.get_parameter_device]) or ""
+        return source_hash([DiffusionPipeline._execution_device.fget, DiffusionPipeline.device.fget,
+                            DiffusionPipeline.maybe_free_model_hooks, cache_utils.CacheMixin._reset_stateful_cache,
+                            HookRegistry.reset_stateful_hooks, HookRegistry.check_if_exists_or_initialize,
+                            group_offloading._get_top_level_group_offload_hook,
+                            group_offloading._get_group_onload_device, modeling_utils.get_parameter_device]) or ""
     except (ImportError, AttributeError):
         return ""
 
@@ -73,10 +68,9 @@ def _kind(cls: type, kinds: dict[type, int]) -> int:
     return got
 
 
-def _own(module: nn.Module, name: str, kinds: dict[type, int]) -> Any:
+def _own(module: nn.Module, name: str) -> Any:
     """``getattr(module, name, _MISSING)`` without the exception a miss costs."""
-    return module.__dict__.get(name, _MISSING) if _kind(type(module), kinds) == _DICT else \
-        getattr(module, name, _MISSING)
+    return module.__dict__.get(name, _MISSING) if _kind(type(module), {}) == _DICT else getattr(module, name, _MISSING)
 
 
 def _walk(root: nn.Module, name: str, skip_root: bool = False, unwrap: bool = False) -> list[tuple[nn.Module, Any]]:
@@ -135,10 +129,10 @@ def execution_device(pipe: Any) -> torch.device:
     for name, model in comps.items():
         if not isinstance(model, nn.Module) or name in pipe._exclude_from_cpu_offload:
             continue
-        if _own(model, "_hf_hook", {}) is _MISSING:
+        if _own(model, "_hf_hook") is _MISSING:
             return _pipe_device(pipe, clean)
         for module in model.modules():  # accelerate's hooks: rare, walked as diffusers walks
-            hook = _own(module, "_hf_hook", {})
+            hook = _own(module, "_hf_hook")
             if hook is not _MISSING and getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
     return _pipe_device(pipe, clean)
@@ -168,9 +162,7 @@ def reset_stateful_hooks(component: nn.Module) -> None:
 class FastWalks:
     """Mixed in before a pipeline's class by :func:`patch`."""
 
-    @property
-    def _execution_device(self) -> torch.device:
-        return execution_device(self)
+    _execution_device = property(execution_device)
 
     def maybe_free_model_hooks(self) -> None:
         from diffusers.models.cache_utils import CacheMixin  # noqa: PLC0415
@@ -207,9 +199,8 @@ class WalksReport(PartReport):
     reason: str = ""
 
     def line(self) -> str:
-        if self.on:
-            return "pipeline call: diffusers' module walks done once each (_execution_device, maybe_free_model_hooks)"
-        return f"pipeline call: diffusers' module walks ({self.reason})"
+        return ("pipeline call: diffusers' module walks done once each (_execution_device, maybe_free_model_hooks)"
+                if self.on else f"pipeline call: diffusers' module walks ({self.reason})")
 
 
 def original_class(pipe: Any) -> type:
@@ -235,8 +226,7 @@ def refusal(pipe: Any) -> str:
 
 
 def patch(pipe: Any) -> WalksReport:
-    why = refusal(pipe)
-    if why:
+    if why := refusal(pipe):
         log.info("pipeline call: keeping diffusers' module walks: %s", why)
         return WalksReport(False, why)
     if not isinstance(pipe, FastWalks):

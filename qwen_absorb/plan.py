@@ -2,8 +2,6 @@
 model decides anew). Decisions with their reasons, derived state (FP8 weights, scales, amaxes) and runtime
 (:class:`BlockRuntime`, whose watch of what the decisions depend on decides again on a change) are kept apart."""
 
-from __future__ import annotations
-
 import threading
 from collections import Counter
 from dataclasses import dataclass, field

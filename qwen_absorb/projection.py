@@ -3,8 +3,6 @@ branches (:func:`fp8_linear`), or on this rank's tensor-parallel shards (:func:`
 ``scale_a * scale_b * (a @ b) + bias`` in fp32, the scales ``amax / 448`` as one-element fp32 device tensors (no host
 sync). The bias rides in the epilogue when it has the output's dtype, else is added after."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
@@ -25,8 +23,7 @@ def _opaque(module: nn.Module, *args: Any) -> Any:
 
 def run_module(plan: BlockPlan, compiling: bool, module: nn.Module, *args: Any) -> Any:
     """``module(*args)``: outside a compiled graph for ModelOpt modules; an NVFP4 linear's runner when eager."""
-    runner = plan.nvfp4.get(module) if plan.nvfp4 and not compiling else None
-    if runner is not None:
+    if plan.nvfp4 and not compiling and (runner := plan.nvfp4.get(module)) is not None:
         return runner(*args)
     if compiling and plan.modelopt:
         return _opaque(module, *args)
@@ -47,16 +44,12 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
     w, lead = lp.weight, codes.shape[:-1]
     if (lp.lora or branches is not None) and writes_into(lp) and codes.numel():
         # the LoRA tail is fp8_linear_into's; a plain GEMM lets torch._scaled_mm allocate (cheaper on the host)
-        out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype,
-                          device=codes.device)
+        out = torch.empty((codes.numel() // codes.shape[-1], w.codes.shape[0]), dtype=w.out_dtype, device=codes.device)
         return fp8_linear_into(codes, lp, plan, out, x, module, branches, defer).view(*lead, out.shape[-1])
-    a = codes.reshape(-1, codes.shape[-1])
     bias = lp.bias
     fuse_bias = bias is not None and bias.dtype == w.out_dtype and w.out_dtype != torch.float32
-    out = torch._scaled_mm(
-        a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale, bias=bias if fuse_bias else None,
-        out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum,
-    )
+    out = torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
+                           bias=bias if fuse_bias else None, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum)
     if bias is not None and not fuse_bias:
         out = out + bias.to(out.dtype)
     out = out.reshape(*lead, out.shape[-1])
@@ -64,8 +57,7 @@ def fp8_linear(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, works: list
         out = lora.add_products(out.contiguous(), branches)
     elif lp.lora:
         out = lora.add_branches(module, out, x)
-    tp = lp.tp
-    if tp is not None and tp.style == "rowwise":
+    if (tp := lp.tp) is not None and tp.style == "rowwise":
         work = torch.distributed.all_reduce(out, group=tp.group, async_op=True)
         if works is None:
             work.wait()
@@ -87,9 +79,8 @@ def fp8_linear_into(codes: torch.Tensor, lp: LinearPlan, plan: BlockPlan, out: t
     """:func:`fp8_linear` of a :func:`writes_into` linear into ``out`` (a contiguous [M, N] view: no concatenation
     copy); the LoRA branches are added after the GEMM, or handed to ``defer``."""
     w = lp.weight
-    a = codes.reshape(-1, codes.shape[-1])
     prods = lora.products(module, x, w.out_dtype) if branches is None and lp.lora else branches
-    torch._scaled_mm(a, w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
+    torch._scaled_mm(codes.reshape(-1, codes.shape[-1]), w.codes.t(), scale_a=lp.input_scale, scale_b=w.scale,
                      bias=lp.bias, out_dtype=w.out_dtype, use_fast_accum=plan.fast_accum, out=out)
     if prods is not None:
         if defer is not None:
@@ -116,17 +107,15 @@ def fp8_linear_gelu_fp8(codes: torch.Tensor, lp: LinearPlan, down: LinearPlan, p
     """net[0].proj with its last LoRA branch added inside the GELU(tanh) + e4m3 quantization for a real-FP8 net[2]:
     ``(codes, g, branches)``; None (nothing computed: the caller runs the steps) where the switch or kernels refuse."""
     tuning = plan.options.tuning
-    if not (tuning.lora_gelu_kernel and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp) and codes.numel()) \
-            or torch.compiler.is_compiling():
+    if not (tuning.lora_gelu_kernel and plan.kernels and lp.lora and down.fp8_gemm and writes_into(lp)
+            and codes.numel()) or torch.compiler.is_compiling():
         return None
     amax, act_out = down.weight.input_amax, down.lora and down.lora_active
-    w, lead = lp.weight, codes.shape[:-1]
-    n = w.codes.shape[0]
-    out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=w.out_dtype, device=codes.device)
-    prods = lora.products(module, x, w.out_dtype)
+    dtype, lead, n = lp.weight.out_dtype, codes.shape[:-1], lp.weight.codes.shape[0]
+    out = torch.empty((codes.numel() // codes.shape[-1], n), dtype=dtype, device=codes.device)
+    prods = lora.products(module, x, dtype)
     if not prods or any(type(s) is not float or lora_add.reasons(out, t, b) for t, b, s in prods):
-        # the two steps, on the products computed
-        fp8_linear_into(codes, lp, plan, out, x, module, prods)
+        fp8_linear_into(codes, lp, plan, out, x, module, prods)  # the two steps, on the products computed
         _, c, g = qf8_launch(out.view(*lead, n), 0, None, amax, "gelu_tanh", act_out=act_out)
         return c, g, None
     fp8_linear_into(codes, lp, plan, out, x, module, prods[:-1])

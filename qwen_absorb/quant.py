@@ -2,13 +2,11 @@
 is per module, never per model (configs exclude layers, AutoQuantize mixes formats): a module is ModelOpt-quantized
 when it carries a ModelOpt quantizer, however it was made (quantize, compress, restore)."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,11 +45,8 @@ is_modelopt_quantizer = is_modelopt_object
 def hook_attrs_in_dict(cls: type) -> bool:
     """A module of class ``cls`` keeps attributes set on it (hook attributes among them) in its ``__dict__`` alone:
     its ``__getattr__`` is ``nn.Module``'s, or ModelOpt's ``DynamicModule`` one (adding only hparams and tensors)."""
-    ga = cls.__getattr__
-    if ga is nn.Module.__getattr__:
-        return True
-    mod = sys.modules.get("modelopt.torch.opt.dynamic")
-    return ga is getattr(getattr(mod, "DynamicModule", None), "__getattr__", None)
+    dynamic = getattr(sys.modules.get("modelopt.torch.opt.dynamic"), "DynamicModule", None)
+    return cls.__getattr__ in (nn.Module.__getattr__, getattr(dynamic, "__getattr__", None))
 
 
 def _first_quantizer(q: Any) -> Any:
@@ -60,9 +55,8 @@ def _first_quantizer(q: Any) -> Any:
 
 
 def quantizer_enabled(q: Any) -> bool:
-    if not is_modelopt_quantizer(q):
-        return False
-    return any(bool(getattr(s, "is_enabled", False)) for s in (q if isinstance(q, nn.Sequential) else [q]))
+    subs = q if isinstance(q, nn.Sequential) else [q]
+    return is_modelopt_quantizer(q) and any(bool(getattr(s, "is_enabled", False)) for s in subs)
 
 
 def quantizer_format(q: Any) -> str | None:
@@ -75,10 +69,9 @@ def quantizer_format(q: Any) -> str | None:
     if bits == (4, 3):
         return FP8_E4M3
     if bits == (2, 1):
-        scale_bits = blocks.get("scale_bits")
-        if blocks.get(-1) == 16 and scale_bits == (4, 3):
+        if blocks.get(-1) == 16 and blocks.get("scale_bits") == (4, 3):
             return NVFP4
-        return MXFP4 if scale_bits == (8, 0) else OTHER
+        return MXFP4 if blocks.get("scale_bits") == (8, 0) else OTHER
     return INT8 if bits == 8 else INT4 if bits == 4 else OTHER
 
 
@@ -95,12 +88,10 @@ _FP8_REFUSED = (("axis", lambda v: v is not None, "not per-tensor (axis is set)"
 
 def fp8_quantizer_reasons(quantizer: Any) -> list[str]:
     """Why a ModelOpt quantizer is not an FP8 e4m3 per-tensor static fake quantizer (empty: it is)."""
-    r = []
     cls = type(quantizer)
     if not cls.__module__.startswith("modelopt."):
         return [f"{cls.__name__} is not a ModelOpt quantizer"]
-    if cls.__name__ != "TensorQuantizer":
-        r.append(f"{cls.__name__} is not a plain TensorQuantizer")
+    r = [f"{cls.__name__} is not a plain TensorQuantizer"] if cls.__name__ != "TensorQuantizer" else []
     if not getattr(quantizer, "is_enabled", False):
         r.append("quantizer is disabled")
     if getattr(quantizer, "num_bits", None) != (4, 3):
@@ -174,30 +165,23 @@ class ProjectionInfo:
 
 def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:
     base, wrappers = unwrap_peft(module)
-    info = ProjectionInfo(name=name, cls=type(module).__name__, peft_wrapped=bool(wrappers))
-    # a biased adapter: deferring only the base bias would stay correct, but deferral refuses such (rare) adapters
-    info.lora_bias = any(has_lora_bias(w) for w in wrappers)
+    params = getattr(base, "_parameters", {})
+    # lora_bias: deferring only the base bias would stay correct, but deferral refuses such (rare) adapters
+    info = ProjectionInfo(name=name, cls=type(module).__name__, peft_wrapped=bool(wrappers),
+                          lora_bias=any(has_lora_bias(w) for w in wrappers), bias_holder_ok="bias" in params,
+                          has_bias=params.get("bias") is not None)
     # the quantizers sit on the base layer (LoRA added after quantization) or on a ModelOpt-converted PEFT
     # wrapper (LoRA present at quantize time): the outermost that has them
     qmod = next((m for m in [*wrappers, base] if is_modelopt_quantizer(getattr(m, "weight_quantizer", None))), None)
-    params = getattr(base, "_parameters", {})
-    info.bias_holder_ok = "bias" in params
-    info.has_bias = params.get("bias") is not None
     if qmod is None:
         return info
     wq, iq, oq = (getattr(qmod, f"{n}_quantizer", None) for n in ("weight", "input", "output"))
-    info.modelopt = True
-    info.cls = type(qmod).__name__ if qmod is module else f"{type(module).__name__}({type(qmod).__name__})"
-    info.weight_format = quantizer_format(wq)
-    info.input_format = quantizer_format(iq)
-    info.input_quantizer_enabled = quantizer_enabled(iq)
-    info.output_quantizer_enabled = quantizer_enabled(oq)
-    info.pre_quant_scale = getattr(_first_quantizer(iq), "pre_quant_scale", None) is not None
-    w = getattr(qmod, "_parameters", {}).get("weight")
-    info.compressed = type(w).__name__ == "QTensorWrapper"
-    if not quantizer_enabled(wq):
-        info.notes.append("weight quantizer disabled")
-    return info
+    cls = type(qmod).__name__ if qmod is module else f"{type(module).__name__}({type(qmod).__name__})"
+    return replace(info, cls=cls, modelopt=True, weight_format=quantizer_format(wq), input_format=quantizer_format(iq),
+                   input_quantizer_enabled=quantizer_enabled(iq), output_quantizer_enabled=quantizer_enabled(oq),
+                   pre_quant_scale=getattr(_first_quantizer(iq), "pre_quant_scale", None) is not None,
+                   compressed=type(getattr(qmod, "_parameters", {}).get("weight")).__name__ == "QTensorWrapper",
+                   notes=[] if quantizer_enabled(wq) else ["weight quantizer disabled"])
 
 
 @dataclass
@@ -217,21 +201,18 @@ class NormInfo:
 
 
 def inspect_norm(name: str, norm: nn.Module) -> NormInfo:
-    info = NormInfo(name=name, cls=type(norm).__name__)
+    cls = type(norm).__name__
     if not isinstance(norm, nn.LayerNorm):
-        info.unsupported.append(f"{name} is a {type(norm).__name__}, not an nn.LayerNorm")
-        return info
-    info.eps = float(norm.eps)
-    info.affine = norm.weight is not None or norm.bias is not None
+        return NormInfo(name=name, cls=cls, unsupported=[f"{name} is a {cls}, not an nn.LayerNorm"])
+    iq, oq = getattr(norm, "input_quantizer", None), getattr(norm, "output_quantizer", None)
+    info = NormInfo(name=name, cls=cls, eps=float(norm.eps), affine=norm.weight is not None or norm.bias is not None,
+                    modelopt=is_modelopt_quantizer(iq) or is_modelopt_quantizer(oq),
+                    input_quantizer_enabled=quantizer_enabled(iq), input_format=quantizer_format(iq),
+                    output_quantizer_enabled=quantizer_enabled(oq))
     if info.affine:
         info.unsupported.append(f"{name} has an elementwise affine (the fused ops have none)")
     if len(norm.normalized_shape) != 1:
         info.unsupported.append(f"{name} normalises over {tuple(norm.normalized_shape)}, not the last dim")
-    iq, oq = getattr(norm, "input_quantizer", None), getattr(norm, "output_quantizer", None)
-    info.modelopt = is_modelopt_quantizer(iq) or is_modelopt_quantizer(oq)
-    info.input_quantizer_enabled = quantizer_enabled(iq)
-    info.input_format = quantizer_format(iq)
-    info.output_quantizer_enabled = quantizer_enabled(oq)
     if info.output_quantizer_enabled:
         info.unsupported.append(f"{name} has an enabled output quantizer")
     if info.input_quantizer_enabled:
@@ -254,9 +235,8 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
     iq, wq = getattr(base, "input_quantizer", None), getattr(base, "weight_quantizer", None)
     if not is_modelopt_quantizer(wq):
         return ["not ModelOpt-quantized"]
-    r = []
-    if type(base).__name__ not in ("QuantLinear", "RealQuantQuantLinear"):
-        r.append(f"{type(base).__name__} is not a ModelOpt QuantLinear")
+    cls = type(base).__name__
+    r = [f"{cls} is not a ModelOpt QuantLinear"] if cls not in ("QuantLinear", "RealQuantQuantLinear") else []
     r += [f"input quantizer: {x}" for x in fp8_quantizer_reasons(iq)]
     r += [f"weight quantizer: {x}" for x in fp8_quantizer_reasons(wq)]
     if quantizer_enabled(getattr(base, "output_quantizer", None)):
@@ -273,9 +253,8 @@ def fp8_gemm_reasons(module: nn.Module) -> list[str]:
         local = tuple(w.to_local().shape)
         if local[0] % 16 or local[1] % 16:
             r.append(f"tensor-parallel shard {local[0]}x{local[1]}: _scaled_mm needs both dims multiples of 16")
-        for q, name in ((iq, "input"), (wq, "weight")):
-            if is_dtensor(getattr(q, "_amax", None)):
-                r.append(f"{name} quantizer amax is a DTensor")
+        r += [f"{name} quantizer amax is a DTensor" for q, name in ((iq, "input"), (wq, "weight"))
+              if is_dtensor(getattr(q, "_amax", None))]
     if type(w).__name__ == "QTensorWrapper" and w.dtype != torch.float8_e4m3fn:
         r.append(f"compressed weight stored as {w.dtype}, not float8_e4m3fn")
     if getattr(wq, "fake_quant", True) and type(w).__name__ == "QTensorWrapper":
@@ -289,8 +268,7 @@ def fp8_linear_refusals(module: nn.Module, device_reasons: list[str]) -> list[st
     if r == ["not ModelOpt-quantized"]:
         return r
     r += device_reasons
-    base = unwrap_peft(module)[0]
-    w = base._parameters.get("weight")
+    w = unwrap_peft(module)[0]._parameters.get("weight")
     if isinstance(w, torch.Tensor):
         if not is_dtensor(w) and type(w.data) is not torch.Tensor and type(w).__name__ != "QTensorWrapper":
             r.append(f"weight is a {type(w.data).__name__}: the GEMM must stay the module's")
@@ -393,9 +371,8 @@ def watch_pairs(module: nn.Module | None, names: tuple[str, ...] = _QUANTIZERS,
     ``names`` (a tensor registered later, as a ``pre_quant_scale``, is watched as an empty slot)."""
     switches: list[tuple[Any, str, str]] = []
     tensors: list[tuple[Any, str, str]] = []
-    if module is None:
-        return switches, tensors
-    d = module.__dict__.get("_modules") or {}
+    md = module.__dict__ if module is not None else {}
+    d = md.get("_modules") or {}
     for name in names:
         q = d.get(name)
         if not is_modelopt_quantizer(q):
@@ -404,7 +381,7 @@ def watch_pairs(module: nn.Module | None, names: tuple[str, ...] = _QUANTIZERS,
             switches += [(sub, "__dict__", k) for k in _SWITCHES]
             if "_buffers" in sub.__dict__:
                 tensors += [(sub, "_buffers", k) for k in _QUANTIZER_TENSORS]
-    if "_modules" in module.__dict__:
+    if "_modules" in md:
         switches += [(module, "_modules", n) for n in names]  # a quantizer replaced
     return switches, tensors
 

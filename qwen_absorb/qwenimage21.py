@@ -14,8 +14,6 @@ Only ``img_norm1``, ``img_norm2`` (a ModelOpt ``QuantLayerNorm`` too) and ``img_
 unhooked; a site whose consumers are real-FP8 GEMMs under one input amax also writes the codes they read. What the
 plan cannot vouch for per call runs diffusers' forward or the eager expression, counted in ``runtime_fallbacks``."""
 
-from __future__ import annotations
-
 import logging
 from typing import Any
 
@@ -80,8 +78,7 @@ def patched_forward(
     """``QwenImage21TransformerBlock.forward``, same signature (after ``block, plan``), same output bit for bit."""
     args = (hidden_states, modulation, rotary_emb, attention_mask, target_token_mask, layer_cache, kv_cache_mode,
             cache_write_slice, segments, key_valid)
-    why = _call_reason(plan, hidden_states, modulation, target_token_mask)
-    if why is not None:
+    if (why := _call_reason(plan, hidden_states, modulation, target_token_mask)) is not None:
         plan.count(why)  # (BlockPlan.count counts nothing while torch.compile traces)
         return type(block).forward(block, *args)
     mode = R.COMPILED if torch.compiler.is_compiling() else plan.mode  # the sites' planned mode (by their rows)
@@ -94,7 +91,6 @@ def patched_forward(
     scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)  # rows checked to be [.., 4 * D]
     site_norm1, site_res1, site_norm2, site_swiglu, site_res2 = plan.sites
     eps1, eps2 = plan.norms["img_norm1"].eps, plan.norms["img_norm2"].eps
-
     fp8, dev, attn = mode != R.COMPILED, x.device, block.attn  # under torch.compile the linears are ModelOpt's
 
     # norm1 + (1 + scale1), with the e4m3 codes of its output for to_q/to_k/to_v where the block calls them itself
@@ -151,7 +147,8 @@ def patched_forward(
     else:
         y = mlp(img_modulated2)
     if swiglu:
-        smode = mode if _pair_ok(a, b) else R.REFERENCE
+        pair_ok = type(a) is torch.Tensor and _like(b, a) and a.dim() >= 1 and a.dtype in _SUPPORTED
+        smode = mode if pair_ok else R.REFERENCE
         o = fp8_forward.group(mlp, ("out",), dev) if fp8 else None
         s, codes3 = site_swiglu.run(smode, a, b, _amax(o), o is None)
         y = o[0].gemm(codes3) if o is not None else mlp.out(s)
@@ -216,10 +213,6 @@ def _amax(fwds) -> torch.Tensor | None:
 
 def _like(t: Any, ref: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device
-
-
-def _pair_ok(a: Any, b: Any) -> bool:
-    return type(a) is torch.Tensor and _like(b, a) and a.dim() >= 1 and a.dtype in _SUPPORTED
 
 
 def _norm_input(norm: nn.Module, x: torch.Tensor, mode: int) -> torch.Tensor:

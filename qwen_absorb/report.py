@@ -5,8 +5,6 @@ counting, dtype and graph are read through a weak reference to the active patch 
 ``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
 """
 
-from __future__ import annotations
-
 import functools
 import itertools
 import json
@@ -110,7 +108,7 @@ class BlockReport:
     attn_cache_kind: str = ""  # which: "TaylorSeer" (taylorseer) or "PyramidAttentionBroadcast" (step_caches)
 
     @classmethod
-    def of(cls, p: BlockPlan) -> BlockReport:
+    def of(cls, p: BlockPlan) -> "BlockReport":
         return _copied(
             cls, p, sites=[_copied(SiteReport, s) for s in p.sites],
             linears={k: _copied(LinearReport, v, original_weight_offloaded=v.offloaded, reused_compressed_storage=bool(
@@ -142,7 +140,7 @@ def _replaced_blocks(state: Any) -> set[int]:
     return {i for i, b in enumerate(state.blocks) if i >= len(now) or now[i] is not b}
 
 
-def _as_replaced(b: BlockReport) -> BlockReport:
+def _as_replaced(b: BlockReport) -> "BlockReport":
     """What runs at a replaced block's place: diffusers' forward, every site eager, every linear its module."""
     why = [REPLACED]
     return replace(b, patched=False, reasons=why, install="", qk_fused=False, handoff=False, attn_forwards=False,

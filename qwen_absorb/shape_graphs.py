@@ -2,10 +2,7 @@
 
 The owner keys the calls (whatever a replay could not survive), drops the graphs when what they read changes
 (:meth:`ShapeGraphs.clear`), and runs eager where a call answers None. The transformer has its own runner
-(:mod:`qwen_absorb.cuda_graph`), which also checks hooks, RoPE caches and host constants.
-"""
-
-from __future__ import annotations
+(:mod:`qwen_absorb.cuda_graph`), which also checks hooks, RoPE caches and host constants."""
 
 import contextlib
 import logging
@@ -61,17 +58,13 @@ class ShapeGraphs:
                  aid: Callable[[], Any] | None = None) -> None:
         self.fn, self.capture_after, self.limit, self.aid = fn, int(capture_after), int(limit), aid
         self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
-        self.seen: Counter = Counter()
-        self.refused: dict[Hashable, str] = {}
-        self.counts: Counter = Counter()  # captures, replays
-        self.lock = threading.Lock()
-        self.pool: Any = None
+        self.seen, self.refused, self.counts = Counter(), {}, Counter()  # refused: key -> why; captures, replays
+        self.lock, self.pool = threading.Lock(), None
 
     def clear(self) -> None:  # drop every graph (what they read moved or changed); the next calls count again
         with self.lock:
-            self.graphs.clear()
-            self.seen.clear()
-            self.refused.clear()
+            for d in (self.graphs, self.seen, self.refused):
+                d.clear()
             self.pool = None
 
     def describe(self) -> dict[str, Any]:
@@ -81,8 +74,7 @@ class ShapeGraphs:
     def __call__(self, key: Hashable, args: tuple[torch.Tensor, ...]) -> Any:
         """The outputs of ``fn(*args)`` from a replay (cloned), or None: the caller runs eager."""
         with self.lock:
-            g = self.graphs.get(key)
-            if g is None:
+            if (g := self.graphs.get(key)) is None:
                 if key in self.refused:
                     return None
                 self.seen[key] += 1
@@ -98,9 +90,8 @@ class ShapeGraphs:
 
     def _capture(self, key: Hashable, args: tuple[torch.Tensor, ...]) -> _Graph | None:
         # static inputs with the inputs' shapes, strides and dtypes: the graph reads these strides
-        statics = [torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device) for a in args]
-        for s, a in zip(statics, args):
-            s.copy_(a)
+        statics = [torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device).copy_(a)
+                   for a in args]
         side = torch.cuda.Stream(device=args[0].device)
         side.wait_stream(torch.cuda.current_stream(args[0].device))
         aid = self.aid() if self.aid is not None else None

@@ -1,8 +1,6 @@
-"""The fused ops of both families' sites, each run as ``KERNEL``, ``COMPILED`` (its custom op under
-``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit for bit), named as ``sites.Site.op``;
-given ``fp8_amax`` an op also returns its output's e4m3 codes. Only the ops are imported here."""
-
-from __future__ import annotations
+"""The fused ops of both families' sites (Qwen-Image's, then Qwen-Image-2.1's), each run as ``KERNEL``, ``COMPILED``
+(its custom op under ``torch.compile``: Qwen-Image-2.1) or ``REFERENCE`` (the diffusers expression bit for bit), named
+as ``sites.Site.op``; given ``fp8_amax`` an op also returns its output's e4m3 codes. Only the ops are imported here."""
 
 import torch
 
@@ -30,10 +28,6 @@ def _codes(out: torch.Tensor, amax: torch.Tensor | None, nvfp4_amax: torch.Tenso
     if nvfp4_amax is not None:
         return quantize_nvfp4_reference(out, nvfp4_amax)
     return quantize_fp8_reference(out, amax) if amax is not None else None
-
-
-# ---------------------------------------------------------------------------- Qwen-Image
-
 
 def layer_norm_scale_shift(mode, x, shift, scale, eps, index, fp8_amax=None, want_out=True, nq=None, nvfp4_amax=None):
     """norm1 + modulation: ``(out or None, codes / NVFP4 or None)``; ``nq``: the norm-input quantizer (kernels only)."""
@@ -69,8 +63,7 @@ def bias_gate_residual(mode, h, y, bias, gate, index):
 def quantize_fp8(mode, x, amax, act=None, act_out=False, eager_act=None):
     """``(codes of act(x), act(x) or None)``; ``eager_act``: the module method the reference calls for ``act``."""
     if mode == KERNEL:
-        _, codes, a = qf8_launch(x, 0, None, amax, act, act_out=act_out)
-        return codes, a
+        return qf8_launch(x, 0, None, amax, act, act_out=act_out)[1:]
     a = eager_act(x) if eager_act is not None else activation_reference(x, act)
     return quantize_fp8_reference(a, amax), a
 
@@ -87,10 +80,6 @@ def quantize_fp8_split(mode, x, split, amax_a, amax_b):
     if mode == KERNEL:
         return qf8_launch(x, split, amax_a, amax_b)[:2]
     return split_reference(x.flatten(2, 3), split, amax_a, amax_b)
-
-
-# ---------------------------------------------------------------------------- Qwen-Image-2.1
-
 
 def layer_norm_scale(mode, x, scale, eps, mask, fp8_amax=None, want_out=True, nq=None):
     """``(out or None, codes or None)``; ``nq`` (kernels only): the norm-input fake quantizer, applied in the kernel."""
@@ -111,8 +100,7 @@ def tanh_gate_residual_layer_norm_scale(mode, h, y, gate, scale, eps, mask, fp8_
     if mode == COMPILED:
         out = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale(h, y, gate, scale, eps, mask, False, None)
         return out[0], out[1], None
-    nh, m = tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps,
-                                                          target_token_mask=mask)
+    nh, m = tanh_gate_residual_layer_norm_scale_reference(h, y, gate=gate, scale=scale, eps=eps, target_token_mask=mask)
     return nh, m, _codes(m, fp8_amax)
 
 

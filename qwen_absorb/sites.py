@@ -2,8 +2,6 @@
 names diffusers' Qwen-Image classes and looks through PEFT wrappers. Paths (``"attn.to_out.0"``) are resolved at call
 time (:func:`resolve`): a copied block or a replaced linear is never confused with the old one."""
 
-from __future__ import annotations
-
 import functools
 from dataclasses import dataclass
 
@@ -23,9 +21,7 @@ class Site:
     norm: str | None  # the block LayerNorm it replaces
     takes_bias_of: str | None  # the projection whose bias it can consume (deferral)
     feeds: tuple[str, ...]  # the linears whose input it produces (FP8 emission)
-    next: tuple[int, str] | None = None  # (block offset, site key) that follows: the residual stream's next reader
-    # the op that runs it together with the residual before it (the cross-block hand-off; None: ``op`` does)
-    with_residual: str | None = None
+    with_residual: str | None = None  # the op running it with the residual before it (hand-off); None: ``op``
 
     @property
     def key(self) -> str:
@@ -41,34 +37,23 @@ class Linear:
     input_from: str  # a site key, "attention" (the attention output), "gelu" (GELU of net[0]) or "temb" (SiLU of temb)
 
 
-def _stream_sites(s: str, attn_q: tuple[str, ...], out: str, mlp: str) -> tuple[Site, ...]:
-    return (
-        Site(s, "norm1", "layer_norm_scale_shift", f"{s}_norm1", None, attn_q, (0, f"{s}.attn_residual"),
-             "bias_residual_layer_norm_scale_shift"),
-        Site(s, "attn_residual", "bias_residual_layer_norm_scale_shift", f"{s}_norm2", out,
-             (f"{mlp}.net.0.proj",), (0, f"{s}.ffn_residual")),
-        Site(s, "ffn_residual", "bias_gate_residual", None, f"{mlp}.net.2", (), (1, f"{s}.norm1")),
-    )
+def _stream_sites(s: str, qkv: tuple[str, ...], out: str, mlp: str) -> tuple[Site, ...]:
+    return (Site(s, "norm1", "layer_norm_scale_shift", f"{s}_norm1", None, qkv, "bias_residual_layer_norm_scale_shift"),
+            Site(s, "attn_residual", "bias_residual_layer_norm_scale_shift", f"{s}_norm2", out, (f"{mlp}.net.0.proj",)),
+            Site(s, "ffn_residual", "bias_gate_residual", None, f"{mlp}.net.2", ()))
 
 
 IMG_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
-SITE_TABLE: dict[str, Site] = {
-    s.key: s
-    for s in (*_stream_sites("img", IMG_QKV, "attn.to_out.0", "img_mlp"),
-              *_stream_sites("txt", TXT_QKV, "attn.to_add_out", "txt_mlp"))
-}
+SITE_TABLE: dict[str, Site] = {s.key: s for s in (*_stream_sites("img", IMG_QKV, "attn.to_out.0", "img_mlp"),
+                                                  *_stream_sites("txt", TXT_QKV, "attn.to_add_out", "txt_mlp"))}
 
-LINEAR_TABLE: dict[str, Linear] = {
-    **{p: Linear(p, "img", "img.norm1") for p in IMG_QKV},
-    **{p: Linear(p, "txt", "txt.norm1") for p in TXT_QKV},
-    "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
-    "attn.to_add_out": Linear("attn.to_add_out", "txt", "attention"),
-    **{f"{s}_mlp.net.0.proj": Linear(f"{s}_mlp.net.0.proj", s, f"{s}.attn_residual") for s in STREAMS},
-    **{f"{s}_mlp.net.2": Linear(f"{s}_mlp.net.2", s, "gelu") for s in STREAMS},
-    **{f"{s}_mod.1": Linear(f"{s}_mod.1", s, "temb") for s in STREAMS},
-}
+LINEAR_TABLE: dict[str, Linear] = {lin.path: lin for lin in (
+    *(Linear(p, "img", "img.norm1") for p in IMG_QKV), *(Linear(p, "txt", "txt.norm1") for p in TXT_QKV),
+    Linear("attn.to_out.0", "img", "attention"), Linear("attn.to_add_out", "txt", "attention"),
+    *(Linear(f"{s}_mlp.net.0.proj", s, f"{s}.attn_residual") for s in STREAMS),
+    *(Linear(f"{s}_mlp.net.2", s, "gelu") for s in STREAMS), *(Linear(f"{s}_mod.1", s, "temb") for s in STREAMS))}
 
 NORMS = tuple(s.norm for s in SITE_TABLE.values() if s.norm)
 # The attention linears, called by diffusers' processor when the attention runs as its module (gated forwards).
@@ -81,14 +66,10 @@ SITE21_TABLE: dict[str, Site] = {s.key: s for s in (
     Site("img", "attn_residual", "tanh_gate_residual", None, None, ()),
     Site("img", "norm2", "tanh_gate_residual_layer_norm_scale", "img_norm2", None, _AB21),
     Site("img", "swiglu", "swiglu", None, None, ("img_mlp.out",)),
-    Site("img", "ffn_residual", "tanh_gate_residual", None, None, ()),
-)}
-LINEAR21_TABLE: dict[str, Linear] = {
-    **{p: Linear(p, "img", "img.norm1") for p in IMG_QKV},
-    "attn.to_out.0": Linear("attn.to_out.0", "img", "attention"),
-    **{p: Linear(p, "img", "img.norm2") for p in _AB21},
-    "img_mlp.out": Linear("img_mlp.out", "img", "img.swiglu"),
-}
+    Site("img", "ffn_residual", "tanh_gate_residual", None, None, ()))}
+LINEAR21_TABLE: dict[str, Linear] = {lin.path: lin for lin in (
+    *(Linear(p, "img", "img.norm1") for p in IMG_QKV), Linear("attn.to_out.0", "img", "attention"),
+    *(Linear(p, "img", "img.norm2") for p in _AB21), Linear("img_mlp.out", "img", "img.swiglu"))}
 
 
 @dataclass(frozen=True)
@@ -129,12 +110,10 @@ def classes() -> tuple[type, type, type]:
 def classes21() -> tuple[type, type] | None:
     """diffusers' ``(QwenImage21Transformer2DModel, QwenImage21TransformerBlock)``."""
     try:
-        from diffusers.models.transformers.transformer_qwenimage21 import (  # noqa: PLC0415
-            QwenImage21Transformer2DModel, QwenImage21TransformerBlock,
-        )
-    except ImportError:
+        from diffusers.models.transformers import transformer_qwenimage21 as m  # noqa: PLC0415
+        return m.QwenImage21Transformer2DModel, m.QwenImage21TransformerBlock
+    except (ImportError, AttributeError):  # this diffusers has no Qwen-Image-2.1
         return None
-    return QwenImage21Transformer2DModel, QwenImage21TransformerBlock
 
 
 def model_classes() -> tuple[type, ...]:
@@ -196,8 +175,7 @@ def resolve(block: nn.Module, path: str) -> nn.Module | None:
 def swiglu21_refusals(block: nn.Module) -> list[str]:
     """Why ``block.img_mlp`` is not diffusers' SwiGLU feed-forward the fused op reproduces (hooks: per call)."""
     mlp, name = block._modules.get("img_mlp"), "QwenImage21SwiGLUFeedForward"
-    own = next((c.forward for c in type(mlp).__mro__ if c.__name__ == name), None)
-    if own is None:
+    if (own := next((c.forward for c in type(mlp).__mro__ if c.__name__ == name), None)) is None:
         return [f"img_mlp is a {type(mlp).__name__}, not diffusers' {name}"]
     if type(mlp).forward is not own:
         return ["img_mlp's class overrides forward"]

@@ -6,10 +6,7 @@ host-kept originals cross every run (38 GiB for the 60-layer model: 5.8 s of a 9
 where they live is not an option: torch's pinned allocator rounds each allocation up to a power of two (up to 2x
 the host memory), and packing them into shared pinned blocks would make ``state_dict`` tensors share storage. So
 the CPU copies each chunk into one of two pinned buffers (torch's copy is multithreaded) while the other crosses.
-The bits are the same as ``tensor.to(device)``'s.
-"""
-
-from __future__ import annotations
+The bits are the same as ``tensor.to(device)``'s."""
 
 import torch
 

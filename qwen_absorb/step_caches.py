@@ -1,14 +1,10 @@
-"""diffusers' PyramidAttentionBroadcast and MagCache under whole-model CUDA graphs; why FasterCache and
-FirstBlockCache are not whole-model graphed (:func:`refusal`).
+"""diffusers' PAB and MagCache under whole-model CUDA graphs; why FasterCache and FirstBlockCache are not (refusal).
 
 Both decide each call's work on the host from their own counters: :func:`begin` predicts each state's decision on a
 copy of it (diffusers' expressions on the same values), which keys the graph. The tensor a state carries between
 calls is kept in place per (hook, cache context). A warm-up and a capture run the hooks with the timestep callback
 answering the decided comparison (no device read inside a capture); a replay runs no hook: the predicted state is
-applied after it. :class:`CallSteps`: the runner's view of one call's steps (also TaylorSeer's).
-"""
-
-from __future__ import annotations
+applied after it. :class:`CallSteps`: the runner's view of one call's steps (also TaylorSeer's)."""
 
 import itertools
 import weakref
@@ -24,8 +20,8 @@ from . import hooks
 PAB, MAG = "PyramidAttentionBroadcast", "MagCache"
 _HOOKS = {"PyramidAttentionBroadcastHook": PAB, "MagCacheHeadHook": MAG, "MagCacheBlockHook": MAG}
 _CONFIGS = {"PyramidAttentionBroadcastConfig": PAB, "MagCacheConfig": MAG}
-# Caches whose calls run eager under graphs: (refusal, detail)
-_EAGER = {
+PAB_HOOK_NAME = "pyramid_attention_broadcast"  # the name diffusers registers its PAB hook under
+_EAGER = {  # caches whose calls run eager under graphs: (refusal, detail)
     "FirstBlockCacheConfig": (
         "FirstBlockCache: per-block CUDA graphs (the model call runs eager around them)",
         "diffusers compares the first block's residual with the last one (.item()) inside every call, which no "
@@ -76,9 +72,6 @@ def owned(module: nn.Module) -> list[Any]:
     return list(named.values()) if named and all(_diffusers(h, _HOOKS) for h in named.values()) else []
 
 
-PAB_HOOK_NAME = "pyramid_attention_broadcast"  # the name diffusers registers its PAB hook under
-
-
 def attention_hook(module: nn.Module) -> Any | None:
     """The PAB hook of ``module`` when a patched block may run it around its own attention: diffusers' own, the
     module's only hook, wrapping the class forward, with the identity pre/post steps (the block calls neither)."""
@@ -110,8 +103,7 @@ class _Around:
 def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
     """What calling the PAB-hooked ``module`` returns, with ``compute()`` (the block's attention) as its forward:
     diffusers' ``new_forward`` on a stand-in of the hook (its ``fn_ref`` is shared with the module's other callers)."""
-    hook = attention_hook(module)
-    if hook is None:
+    if (hook := attention_hook(module)) is None:
         raise RuntimeError("qwen_absorb: the PyramidAttentionBroadcast hook this block was decided for is gone")
     return type(hook).new_forward(_Around(hook, compute), module)
 
@@ -146,8 +138,7 @@ class _Kept:  # the tensors a state carries from call to call, kept in place for
 
 
 class _Step:
-    """One state's decision for one call: ``field`` holds its tensor, ``post`` the predicted plain attributes after
-    the call, ``reset`` a MagCache run ending."""
+    """One state's decision for one call (``post``: its plain attributes after the call; ``reset``: a run ends)."""
 
     __slots__ = ("hook", "state", "name", "field", "compute", "post", "reset", "kept", "changed", "before", "after")
 
@@ -242,9 +233,8 @@ def _mag(head: Any) -> _Step | str:
     st = mgr.get_state()
     ratio, n, err = _copy(st.accumulated_ratio), st.accumulated_steps, _copy(st.accumulated_err)
     cur, compute = st.step_index, True
-    scale = 1.0 if cur >= len(cfg.mag_ratios) else cfg.mag_ratios[cur]
     if cur >= int(cfg.retention_ratio * cfg.num_inference_steps + 0.5):
-        ratio *= scale
+        ratio *= 1.0 if cur >= len(cfg.mag_ratios) else cfg.mag_ratios[cur]
         n += 1
         err += abs(1.0 - ratio)
         if st.previous_residual is not None and err <= cfg.threshold and n <= cfg.max_skip_steps:
@@ -260,16 +250,14 @@ def _mag(head: Any) -> _Step | str:
     return _Step(head, st, mgr._context.name, "previous_residual", compute, post, reset)
 
 
-def begin(config: Any, hook_list: list[Any]) -> Steps | str | None:
+def begin(config: Any, hook_list: list[Any]) -> "Steps | str | None":
     """This call's steps, decided without touching the states' counters; a refusal (eager); None: none of its hooks."""
     if kind(config) == PAB:
         pab = [h for h in hook_list if _diffusers(h, _HOOKS) == PAB]
         return Steps(*_pab(pab), PAB) if pab else None
     heads = [h for h in hook_list if type(h).__name__ == "MagCacheHeadHook"]
-    if not heads:
-        return None
-    step = _mag(heads[0])
-    return step if isinstance(step, str) else Steps([step], [], MAG)
+    step = _mag(heads[0]) if heads else None
+    return Steps([step], [], MAG) if isinstance(step, _Step) else step
 
 
 class CallSteps:
@@ -296,7 +284,7 @@ class CallSteps:
     def decided_for(self, scan: Any) -> bool:  # the hooks of the runner's current snapshot
         return {id(s.hook) for s in self.steps} <= set(map(id, getattr(scan, self.HOOKS)))
 
-    def __enter__(self) -> CallSteps:
+    def __enter__(self) -> "CallSteps":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -319,13 +307,11 @@ class Steps(CallSteps):  # one call's PAB or MagCache decisions
         self.first = f"{name} cache: first computed step of its state"
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        """``inner`` for a warm-up (first call) and a capture (second, from the state of before the call, put back
-        after): the hooks run with the decided timestep comparison."""
-        runs: list[None] = []
+        """``inner`` for a warm-up (first call) and a capture (second: from the pre-call state, put back after)."""
+        runs = itertools.count()
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            capturing = len(runs) == 1
-            runs.append(None)
+            capturing = next(runs) == 1
             for s in self.steps:
                 if capturing:
                     s.after = s.snapshot()

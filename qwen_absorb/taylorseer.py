@@ -4,10 +4,7 @@ Each step (update the Taylor factors, or extrapolate) is decided on the host fro
 A patched block's :func:`run` wraps its own attention in diffusers' decision, update and prediction. In CUDA-graph
 mode the runner decides every step first (:class:`GraphSteps`) and keys its graphs by them; the factors live in
 place per (hook, cache context) and the kernels read the step sizes from device memory (one graph for every
-offset). Anything else stays diffusers' hooked module, which graph mode refuses.
-"""
-
-from __future__ import annotations
+offset). Anything else stays diffusers' hooked module, which graph mode refuses."""
 
 import logging
 import threading
@@ -38,14 +35,10 @@ def supported_hook(module: nn.Module) -> Any | None:
     """The TaylorSeer hook of ``module`` when a patched block may run it: the only hook, active mode, at most
     ``ts_ops.MAX_ORDER`` orders, factors in bf16 / fp16 / fp32."""
     hook = hooks.sole_registry_hook(module, "taylorseer_cache")
-    if step_caches._diffusers(hook, {"TaylorSeerCacheHook": True}) is None:
-        return None
     kw = getattr(getattr(hook, "state_manager", None), "_init_kwargs", None)
-    if not isinstance(kw, dict) or kw.get("is_inactive", False):
-        return None
-    if not 0 <= int(kw.get("max_order", 1)) <= ts_ops.MAX_ORDER:
-        return None
-    if kw.get("taylor_factors_dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16, torch.float32):
+    if step_caches._diffusers(hook, {"TaylorSeerCacheHook": True}) is None or not isinstance(kw, dict) \
+            or kw.get("is_inactive", False) or not 0 <= int(kw.get("max_order", 1)) <= ts_ops.MAX_ORDER \
+            or kw.get("taylor_factors_dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16, torch.float32):
         return None
     return hook
 
@@ -69,8 +62,7 @@ class _Record:
 
 
 def _record(hook: Any, name: str) -> _Record | None:  # in step_caches' per-hook store (its release forgets it)
-    per = step_caches._kept.get(hook)
-    return per.get(name) if per is not None else None
+    return step_caches._kept.get(hook, {}).get(name)
 
 
 def _new_record(hook: Any, name: str, like: list[torch.Tensor], dtype: torch.dtype, orders: int) -> _Record:
@@ -87,8 +79,7 @@ class Step:  # one hook's step in one call, decided before the call (graph mode)
     def __init__(self, hook: Any, state: Any, compute: bool) -> None:
         self.hook, self.state, self.compute = hook, state, compute
         self.entered = self.ran = False  # the block reached this step / finished it (see Steps.abandon)
-        self.name = hook.state_manager._context.name
-        self.orders = int(state.max_order) + 1
+        self.name, self.orders = hook.state_manager._context.name, int(state.max_order) + 1
         self.delta = self.offset = 0
         self.coef: torch.Tensor | None = None  # this step's row of the device coefficients
         self.changed = False  # the factors were reallocated while running: no graph of this call
@@ -150,8 +141,7 @@ class Step:  # one hook's step in one call, decided before the call (graph mode)
             return outs[0] if len(outs) == 1 else tuple(outs)
         out = compute()
         feats = [out] if isinstance(out, torch.Tensor) else list(out)
-        fdtype = st.taylor_factors_dtype
-        rec = self.kept
+        rec, fdtype = self.kept, st.taylor_factors_dtype
         if rec is None or not rec.fits(feats, fdtype):
             if capturing():
                 raise RuntimeError("TaylorSeer factors reallocated during a CUDA-graph capture")
@@ -173,14 +163,12 @@ class Step:  # one hook's step in one call, decided before the call (graph mode)
         st = self.state
         for i, b in enumerate(self.kept.bufs):
             st.taylor_factors[i] = {k: b[k] for k in range(self.n + 1)}
-        st.module_dtypes = self.kept.dtypes
-        st.device = self.kept.bufs[0][0].device
+        st.module_dtypes, st.device = self.kept.dtypes, self.kept.bufs[0][0].device
         st.last_update_step = st.current_step
 
 
 class GraphSteps:
-    """A runner's TaylorSeer steps: each hook's step decided before a call, and the device coefficients the
-    kernels read (a row of ``MAX_ORDER`` floats per hook, copied from a pinned ring)."""
+    """A runner's step decisions, and the coefficients the kernels read (``MAX_ORDER`` a hook, from a pinned ring)."""
 
     RING = 4
 
@@ -189,15 +177,14 @@ class GraphSteps:
         self._host, self._events, self._next = [], [], 0  # the pinned ring, its copies' events, the next slot
 
     def _rows(self, n: int, device: torch.device) -> torch.Tensor:
-        dev = self._dev
-        if dev is None or dev.shape[0] < n or dev.device != device:
+        if (dev := self._dev) is None or dev.shape[0] < n or dev.device != device:
             self._dev = dev = torch.zeros(max(n, 1), ts_ops.MAX_ORDER, dtype=torch.float32, device=device)
             self._host = [torch.zeros(dev.shape, dtype=torch.float32, pin_memory=device.type == "cuda")
                           for _ in range(self.RING)]
             self._events = [None] * self.RING
         return dev
 
-    def begin(self, hooks: list[Any], device: torch.device) -> Steps:
+    def begin(self, hooks: list[Any], device: torch.device) -> "Steps":
         """Each hook's step for this call (the hooks' own counters advance, as their eager calls would)."""
         steps = [Step(h, state, bool(should)) for h in hooks for should, state in [h._measure_should_compute()]]
         dev = self._rows(len(steps), device)
@@ -205,20 +192,15 @@ class GraphSteps:
         if (ev := self._events[r]) is not None:
             ev.synchronize()  # the copy that last read this pinned slot has run (never waits in practice)
         m = ts_ops.MAX_ORDER
-        flat = []
+        flat = [x for c in map(Step.coefficients, steps) for x in c + [0.0] * (m - len(c))]
         for i, s in enumerate(steps):
-            c = s.coefficients()
-            flat += c + [0.0] * (m - len(c))
             s.coef = dev[i]
-        host = self._host[r]
         if flat:
-            host[: len(steps)].copy_(torch.tensor(flat, dtype=torch.float32).view(len(steps), m))
+            self._host[r][: len(steps)].copy_(torch.tensor(flat, dtype=torch.float32).view(len(steps), m))
+        dev.copy_(self._host[r], non_blocking=device.type == "cuda")
         if device.type == "cuda":
-            dev.copy_(host, non_blocking=True)
             ev = self._events[r] = torch.cuda.Event()
             ev.record()
-        else:
-            dev.copy_(host)
         return Steps(steps, self)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -240,7 +222,7 @@ class Steps(step_caches.CallSteps):
     def tensors(self) -> list[torch.Tensor]:  # the factors, and the step sizes the kernels read
         return super().tensors() + self.owner.tensors()
 
-    def __enter__(self) -> Steps:
+    def __enter__(self) -> "Steps":
         self._prev = getattr(_local, "steps", None)
         _local.steps = self
         return self
@@ -268,16 +250,14 @@ class Steps(step_caches.CallSteps):
 
 
 def replayed() -> None:  # the runner launched a graph for the call whose steps are current in this thread (if any)
-    steps = getattr(_local, "steps", None)
-    if steps is not None:
+    if (steps := getattr(_local, "steps", None)) is not None:
         steps.replayed()
 
 
 def run(module: nn.Module, compute: Callable[[], Any]) -> Any:
     """What calling the TaylorSeer-hooked ``module`` returns, with ``compute()`` as its forward: the step decided
     for this call in graph mode (:class:`Steps`), else diffusers' own decision, update and prediction."""
-    hook = supported_hook(module)
-    if hook is None:
+    if (hook := supported_hook(module)) is None:
         raise RuntimeError("qwen_absorb: the TaylorSeer hook this block was decided for is gone")
     steps = getattr(_local, "steps", None)
     step = steps.by_hook.get(id(hook)) if steps is not None else None

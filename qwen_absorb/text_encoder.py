@@ -1,7 +1,6 @@
 """Qwen-Image's prompt encoding off the host: a cache of prompt embeddings and CUDA graphs of the text encoder.
 
-:class:`PromptEncoder`, the pipeline's instance ``_get_qwen_prompt_embeds``, computes what diffusers 0.42.1's
-method computes, bit for bit, moving where the work runs:
+:class:`PromptEncoder` (the pipeline's instance ``_get_qwen_prompt_embeds``) is diffusers 0.42.1's method, bit for bit:
 - exact inputs encoded before (host tokens and mask, template, drop index, dtype, device; the encoder by a watch)
   return clones of the kept embeddings (true CFG's empty negative prompt is encoded once);
 - on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232 kernels
@@ -10,12 +9,9 @@ method computes, bit for bit, moving where the work runs:
 - an unhooked stock encoder runs as its base model: ``lm_head``'s logits (1.1 GB of weights read) go unused;
 - the rows are planned on the host mask and copied with the inputs (diffusers reads the device mask after the
   encoder): nothing after the replay's launch waits for the device.
-The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) of the modules a text
-prompt runs (not the vision tower) empties the cache and drops the graphs. Hooked encoders (offloading) run eager,
-whole; the cache still applies.
-"""
-
-from __future__ import annotations
+The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) of the modules a text prompt
+runs (not the vision tower) empties the cache and drops the graphs. Hooked encoders (offloading) run eager, whole; the
+cache still applies."""
 
 import contextlib
 import sys
@@ -39,8 +35,7 @@ CONTRACT = "bit-identical to diffusers' _get_qwen_prompt_embeds (its logits not 
 # source_hash of diffusers 0.42.1's QwenImagePipeline._get_qwen_prompt_embeds (copied in Img2Img, Inpaint,
 # ControlNet). Edit and Layered pipelines and other versions' are left alone.
 REPLICATED = frozenset({"a4173bdc2ad8840d"})
-# plain attributes the encoder's arithmetic reads (RMSNorm eps, RoPE and attention scales, causality): set anew,
-# the kept embeddings and graphs were made with the old values
+# plain attributes the encoder's arithmetic reads (RMSNorm eps, RoPE and attention scales, causality): set anew, renew
 _PLAIN_ATTRS = ("eps", "variance_epsilon", "attention_scaling", "scaling", "is_causal")
 # hooks that run inside the captured call and only keep its tensors: transformers 5's output recording (each
 # decoder layer's output for ``output_hidden_states``), installed at the encoder's first call
@@ -72,17 +67,12 @@ class TextEncoderReport(ComponentReport):
 
 
 def _static_reasons(pipe: Any) -> list[str]:
-    te = getattr(pipe, "text_encoder", None)
-    reasons = []
-    if not isinstance(te, nn.Module):
-        reasons.append("the pipeline has no text encoder")
+    reasons = [] if isinstance(getattr(pipe, "text_encoder", None), nn.Module) else ["the pipeline has no text encoder"]
     if getattr(pipe, "tokenizer", None) is None:
         reasons.append("the pipeline has no tokenizer")
-    for attr in ("prompt_template_encode", "prompt_template_encode_start_idx", "tokenizer_max_length"):
-        if not hasattr(pipe, attr):
-            reasons.append(f"the pipeline has no {attr} (not a QwenImagePipeline-like prompt encoding)")
-    method = getattr(type(pipe), "_get_qwen_prompt_embeds", None)
-    if not callable(method):
+    reasons += [f"the pipeline has no {a} (not a QwenImagePipeline-like prompt encoding)" for a in (
+        "prompt_template_encode", "prompt_template_encode_start_idx", "tokenizer_max_length") if not hasattr(pipe, a)]
+    if not callable(method := getattr(type(pipe), "_get_qwen_prompt_embeds", None)):
         reasons.append("the pipeline has no _get_qwen_prompt_embeds")
     elif source_hash([method]) not in REPLICATED:
         reasons.append(f"{type(pipe).__name__}._get_qwen_prompt_embeds is not the one PromptEncoder replicates "
@@ -122,11 +112,9 @@ def _hooked(mods: list[nn.Module]) -> str | None:
 
 
 class MaskConstants:
-    """transformers' mask builders answered under capture with their warm-up answers. Under stream capture
-    transformers never skips the causal mask (``is_tracing`` sees the capture), so a captured encoder would
-    attend with an explicit mask where eager passes SDPA its causal flag: other kernels, other bits. The answers
-    depend only on the mask and shapes, which key the graph; their tensors are kept with the graph. Only for the
-    capturing thread; a call out of the warm-up's order fails the capture (eager)."""
+    """transformers' mask builders answered under capture (capturing thread only) with their warm-up answers: under
+    capture ``is_tracing`` is true and an explicit mask would replace SDPA's causal flag (other kernels, other bits).
+    The answers depend only on the mask and shapes, which key the graph; their tensors are kept with the graph."""
 
     NAMES = ("create_causal_mask", "create_sliding_window_causal_mask")
 
@@ -136,15 +124,12 @@ class MaskConstants:
                         and any(callable(sys.modules[n].__dict__.get(f)) for f in self.NAMES)]
         self.recorded: list[tuple[str, Any]] = []
 
-    def warmup(self) -> Any:
-        return self._swap(None)
-
     def capture(self) -> Any:
-        return self._swap(iter(list(self.recorded)))
+        return self.warmup(iter(list(self.recorded)))
 
     @contextlib.contextmanager
-    def _swap(self, answers: Any) -> Any:
-        """The mask builders replaced, for this thread: recording their answers (``answers`` None) or giving them."""
+    def warmup(self, answers: Any = None) -> Any:
+        """The mask builders replaced, for this thread: recording their answers (the warm-up) or giving ``answers``."""
         owner = threading.get_ident()
 
         def wrap(name: str, real: Any) -> Any:
@@ -152,17 +137,15 @@ class MaskConstants:
                 if threading.get_ident() != owner:
                     return real(*a, **k)
                 if answers is None:
-                    out = real(*a, **k)
-                    self.recorded.append((name, out))
-                    return out
+                    self.recorded.append((name, real(*a, **k)))
+                    return self.recorded[-1][1]
                 got, out = next(answers, (None, None))
                 if got != name:
                     raise RuntimeError(f"{name} called out of the warm-up's order under capture")
                 return out
             return builder
 
-        saved = [(mod, name, mod.__dict__.get(name)) for mod in self.modules for name in self.NAMES]
-        saved = [x for x in saved if callable(x[2])]
+        saved = [(mod, n, real) for mod in self.modules for n in self.NAMES if callable(real := mod.__dict__.get(n))]
         for mod, name, real in saved:
             mod.__dict__[name] = wrap(name, real)
         try:
@@ -204,8 +187,7 @@ class PromptEncoder(Slot):
         report.graphs_off = "cuda_graph=False" if self.mode is False else None
 
     def _uncopied(self) -> dict[str, Any]:
-        # the kept embeddings may be autograd non-leaves, which deepcopy refuses
-        return {"cache": OrderedDict()}
+        return {"cache": OrderedDict()}  # the kept embeddings may be autograd non-leaves, which deepcopy refuses
 
     def _aid(self) -> MaskConstants:
         return MaskConstants(self.encoder)
@@ -257,8 +239,7 @@ class PromptEncoder(Slot):
             return self._encode(ids, mask, device, dtype, drop_idx)  # their graph, nothing kept (eager: _encode)
         key = (template, drop_idx, _key_of(ids), _key_of(mask), str(torch.device(device)), dtype, te.training,
                getattr(getattr(te, "config", None), "_attn_implementation", None))
-        hit = self.cache.get(key)
-        if hit is not None:
+        if (hit := self.cache.get(key)) is not None:
             self.cache.move_to_end(key)
             self.report.cache_hits += 1
             return hit[0].clone(), hit[1].clone()

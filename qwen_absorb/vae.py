@@ -5,10 +5,7 @@ each kernel meets data: a 2-D convolution at a third of the work. :class:`FastDe
 ``_decode``: ``decode``'s hooks, slicing and accelerate keep working) runs it channels-last, on CUDA from a graph per
 shape. Contract: other cuDNN kernels reorder the convolutions' sums (gated by :func:`fidelity`); each RMS norm +
 SiLU is one kernel with eager's rounding points; every other op is the same torch op on the same values. The
-replicated diffusers code is pinned by :data:`REPLICATED`; a watch of the decoder remakes the 2-D weights (copies).
-"""
-
-from __future__ import annotations
+replicated diffusers code is pinned by :data:`REPLICATED`; a watch of the decoder remakes the 2-D weights (copies)."""
 
 import functools
 import sys
@@ -22,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hooks
 from .component_patch import ComponentReport, Slot, current, install, remove
-from .hooks import HOOK_DICTS
+from .hooks import HOOK_DICTS, global_hook_count
 from .gating import check_tristate
 from .ops import rms_norm_silu as norm_op
 from .pipeline_walks import source_hash
@@ -42,18 +38,16 @@ _KNOWN = {*_DECODER, "ModuleList", "Sequential", "Identity", "Dropout", "Conv2d"
 # plain attributes the 2-D path reads, by class (and each convolution's geometry, kept by Weights2d)
 _PLAIN_ATTRS = {"QwenImageRMS_norm": ("scale", "bias", "channel_first"), "QwenImageResample": ("mode",),
                 "Dropout": ("training", "p")}
-# source_hash of the diffusers 0.42.1 methods the 2-D path computes
-REPLICATED = frozenset({"7f9c2b764c273595"})
+REPLICATED = frozenset({"7f9c2b764c273595"})  # source_hash of the diffusers 0.42.1 methods the 2-D path computes
 _REPLICATED_METHODS = (("AutoencoderKLQwenImage", "_decode"), *((c, "forward") for c in _DECODER))
-_CONV = ("QwenImageCausalConv3d",)
+_CONV, _NORM = ("QwenImageCausalConv3d",), ("QwenImageRMS_norm",)
 _CONV_GEOMETRY = ("stride", "padding", "_padding", "dilation", "groups")
 # what the 2-D path reads in each slot (Weights2d.decode): any other module there runs diffusers' decode
 _SLOTS = {
-    "QwenImageResidualBlock": {"norm1": ("QwenImageRMS_norm",), "norm2": ("QwenImageRMS_norm",), "conv1": _CONV,
-                               "conv2": _CONV, "conv_shortcut": (*_CONV, "Identity")},
-    "QwenImageAttentionBlock": {"norm": ("QwenImageRMS_norm",), "to_qkv": ("Conv2d",), "proj": ("Conv2d",)},
-    "QwenImageDecoder3d": {"conv_in": _CONV, "norm_out": ("QwenImageRMS_norm",), "conv_out": _CONV,
-                           "mid_block": ("QwenImageMidBlock",)},
+    "QwenImageResidualBlock": {"norm1": _NORM, "norm2": _NORM, "conv1": _CONV, "conv2": _CONV,
+                               "conv_shortcut": (*_CONV, "Identity")},
+    "QwenImageAttentionBlock": {"norm": _NORM, "to_qkv": ("Conv2d",), "proj": ("Conv2d",)},
+    "QwenImageDecoder3d": {"conv_in": _CONV, "norm_out": _NORM, "conv_out": _CONV, "mid_block": ("QwenImageMidBlock",)},
     "QwenImageUpBlock": {"resnets": ("ModuleList",)},
     "QwenImageMidBlock": {"resnets": ("ModuleList",), "attentions": ("ModuleList",)},
 }
@@ -89,7 +83,6 @@ class VaeReport(ComponentReport):
 
 @functools.cache
 def _code_key(module: str) -> str | None:
-    """The hash of the VAE module's sources of :data:`_REPLICATED_METHODS`."""
     return source_hash(getattr(getattr(sys.modules.get(module), c), m) for c, m in _REPLICATED_METHODS)
 
 
@@ -99,8 +92,7 @@ def _static_reasons(vae: nn.Module) -> list[str]:
         return [f"{type(vae).__name__} is not AutoencoderKLQwenImage"]
     if _code_key(type(vae).__module__) not in REPLICATED:
         return ["this diffusers' Qwen-Image VAE code is not the one the 2-D path replicates (diffusers 0.42.1)"]
-    dec = getattr(vae, "decoder", None)
-    if dec is None or type(dec).__name__ != "QwenImageDecoder3d":
+    if (dec := getattr(vae, "decoder", None)) is None or type(dec).__name__ != "QwenImageDecoder3d":
         return ["the VAE has no QwenImageDecoder3d"]
     reasons = []
     for name, m in [("post_quant_conv", vae.post_quant_conv), *(("decoder." + n, m) for n, m in dec.named_modules())]:
@@ -109,40 +101,29 @@ def _static_reasons(vae: nn.Module) -> list[str]:
             reasons.append(f"{name}: {cls} is not a module the 2-D path knows")
         if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
             reasons.append(f"{name}: carries hooks or a replaced forward")
-        if cls == "QwenImageCausalConv3d":
-            kt = m.kernel_size[0]
-            if m.stride[0] != 1 or m.dilation != (1, 1, 1) or m.groups != 1 or kt != m._padding[4] + 1 or m._padding[5]:
-                reasons.append(f"{name}: not a causal convolution whose last time slice alone meets one frame")
+        if cls == "QwenImageCausalConv3d" and (m.stride[0] != 1 or m.dilation != (1, 1, 1) or m.groups != 1
+                                               or m.kernel_size[0] != m._padding[4] + 1 or m._padding[5]):
+            reasons.append(f"{name}: not a causal convolution whose last time slice alone meets one frame")
         if cls == "QwenImageResample" and m.mode not in ("upsample2d", "upsample3d", "none"):
             reasons.append(f"{name}: resample mode {m.mode!r}")
         if cls == "QwenImageRMS_norm" and not m.channel_first:
             reasons.append(f"{name}: a channel-last RMS norm")
         if cls == "Dropout" and m.p and m.training:
             reasons.append(f"{name}: dropout active")
-        reasons += _slot_reasons(name, m)
-    for m in (dec, *dec.mid_block.resnets, *(r for u in dec.up_blocks for r in u.resnets)):
-        if type(getattr(m, "nonlinearity", None)).__name__ != "SiLU":
-            reasons.append(f"{type(m).__name__}: non-linearity is not SiLU")
-            break
-    return reasons
-
-
-def _slot_reasons(name: str, m: nn.Module) -> list[str]:
-    """The slots of ``m`` holding a module other than the one the 2-D path computes."""
-    want = _SLOTS.get(type(m).__name__, {})
-    bad = [k for k, classes in want.items() if type(m._modules.get(k)).__name__ not in classes]
-    if type(m).__name__ == "QwenImageResample" and m.mode != "none":
-        seq = m._modules.get("resample")
-        if not (type(seq).__name__ == "Sequential" and len(seq) == 2 and type(seq[1]).__name__ == "Conv2d"
-                and type(seq[0]).__name__ == "QwenImageUpsample"):
-            bad.append("resample")
-    return [f"{name}.{k}: not the module the 2-D path computes" for k in bad]
+        bad = [k for k, classes in _SLOTS.get(cls, {}).items() if type(m._modules.get(k)).__name__ not in classes]
+        if cls == "QwenImageResample" and m.mode != "none":
+            seq = m._modules.get("resample")
+            if type(seq).__name__ != "Sequential" or [type(x).__name__ for x in seq] != ["QwenImageUpsample", "Conv2d"]:
+                bad.append("resample")
+        reasons += [f"{name}.{k}: not the module the 2-D path computes" for k in bad]
+    acts = (dec, *dec.mid_block.resnets, *(r for u in dec.up_blocks for r in u.resnets))
+    off = next((m for m in acts if type(getattr(m, "nonlinearity", None)).__name__ != "SiLU"), None)
+    return reasons + ([f"{type(off).__name__}: non-linearity is not SiLU"] if off is not None else [])
 
 
 def _modules(vae: nn.Module) -> list[nn.Module]:
     """The VAE, its post_quant_conv and every decoder module (those present: a VAE edited since may lack one)."""
-    d = vae._modules
-    pq, dec = d.get("post_quant_conv"), d.get("decoder")
+    pq, dec = vae._modules.get("post_quant_conv"), vae._modules.get("decoder")
     return [vae, *([pq] if pq is not None else []), *(dec.modules() if dec is not None else ())]
 
 
@@ -162,8 +143,7 @@ class Weights2d:
 
     def __init__(self, vae: nn.Module, fuse: bool = True) -> None:
         self.fused_reasons: list[str] = []  # why the norm + SiLU chains run as torch ops (empty: one kernel each)
-        self.conv: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], tuple[int, int]]] = {}
-        self.gamma: dict[int, torch.Tensor] = {}
+        self.conv, self.gamma = {}, {}  # by id(module): (2-D weight, bias, stride, padding); gamma as (C, 1, 1)
         with torch.no_grad():
             for m in _modules(vae)[1:]:
                 cls = type(m).__name__
@@ -180,27 +160,24 @@ class Weights2d:
         self.fused_reasons += [] if fuse else ["fuse_norm=False"]
         if not self.fused_reasons:  # the fused kernel where it runs (compiled here, outside any graph capture)
             norm = vae.decoder.norm_out
-            probe = torch.randn(1, norm.gamma.numel(), 2, 2, device=norm.gamma.device).to(norm.gamma.dtype)
-            probe = probe.contiguous(memory_format=torch.channels_last)
-            gamma = self.gamma[id(norm)].reshape(-1)
-            self.fused_reasons += norm_op.not_supported_reasons(probe, gamma)
+            g = self.gamma[id(norm)].reshape(-1)
+            probe = torch.randn(1, g.numel(), 2, 2, device=g.device).to(g.dtype, memory_format=torch.channels_last)
+            self.fused_reasons += norm_op.not_supported_reasons(probe, g)
             if not self.fused_reasons:
                 try:
-                    norm_op.launch(probe, gamma, norm.scale)
+                    norm_op.launch(probe, g, norm.scale)
                 except Exception as e:  # noqa: BLE001  (a kernel that does not compile leaves the torch ops)
                     self.fused_reasons.append(f"the kernel failed: {type(e).__name__}: {e}"[:200])
 
     def norm_silu(self, x: torch.Tensor, m: nn.Module, silu: bool = True) -> torch.Tensor:
-        gamma = self.gamma[id(m)]
         if not self.fused_reasons and x.shape[1] % 2 == 0 and x.shape[1] <= norm_op.MAX_C \
                 and x.is_contiguous(memory_format=torch.channels_last):
-            return norm_op.launch(x, gamma.reshape(-1), m.scale, silu)
+            return norm_op.launch(x, self.gamma[id(m)].reshape(-1), m.scale, silu)
         y = self.norm(x, m)
         return F.silu(y) if silu else y
 
     def conv2d(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-        w, b, stride, pad = self.conv[id(m)]
-        return F.conv2d(x, w, b, stride, pad)
+        return F.conv2d(x, *self.conv[id(m)])  # weight, bias, stride, padding
 
     def norm(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         # diffusers' QwenImageRMS_norm: normalize in fp32 (16-bit and narrower dtypes; others in their own), round
@@ -224,8 +201,7 @@ class Weights2d:
         qkv = self.conv2d(self.norm_silu(x, blk.norm, silu=False), blk.to_qkv)
         # channels-last (bt, 3c, h, w) is (bt, h*w, 3c) in memory: diffusers' permuted copy, as a view
         qkv = qkv.permute(0, 2, 3, 1).reshape(bt, 1, h * w, 3 * c)
-        q, k, v = qkv.chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v)
+        y = F.scaled_dot_product_attention(*qkv.chunk(3, dim=-1))  # q, k, v
         y = y.squeeze(1).permute(0, 2, 1).reshape(bt, c, h, w)  # channels-last view
         return self.conv2d(y, blk.proj) + x
 
@@ -266,12 +242,9 @@ class FastDecode(Slot):
     ATTR, REPORT = "_decode", VaeReport
 
     def __init__(self, vae: nn.Module, report: VaeReport, had_instance: Any) -> None:
-        self.vae = vae
-        self.original = type(vae)._decode.__get__(vae)
+        self.vae, self.watch, self.weights = vae, _watch(vae), None
         # diffusers' DecoderOutput, as the VAE's own module names it (no diffusers import here)
         self.output_class = getattr(sys.modules[type(vae).__module__], "DecoderOutput")
-        self.watch = _watch(vae)
-        self.weights: Weights2d | None = None
         super().__init__(report, had_instance)
 
     def _run(self, z: torch.Tensor) -> torch.Tensor:
@@ -283,7 +256,7 @@ class FastDecode(Slot):
             return "input is not a 5-D latent tensor"
         if z.numel() == 0:
             return "an empty latent (diffusers decides what it gives)"
-        if hooks.global_hook_count():
+        if global_hook_count():
             return "torch's global module forward hooks are registered (they run on every module diffusers calls)"
         if z.shape[2] != 1:
             return "several frames (video): the causal time path"
@@ -303,18 +276,16 @@ class FastDecode(Slot):
     def __call__(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         if self.watch.changed():
             self.renew()
-        why = self.report.reasons[0] if self.report.reasons else self._why_not(z)
-        if why is not None:
+        if (why := self.report.reasons[0] if self.report.reasons else self._why_not(z)) is not None:
             self.report.fallbacks[why] += 1
-            return self.original(z, return_dict=return_dict)
+            return type(self.vae)._decode(self.vae, z, return_dict=return_dict)
         if self.weights is None:
             self.weights = Weights2d(self.vae, self.report.fuse_norm)
             self.report.norm_silu_kernel = not self.weights.fused_reasons
             self.report.norm_silu_reasons = list(self.weights.fused_reasons)
         z2 = z[:, :, 0].contiguous(memory_format=torch.channels_last)
-        out = None
-        if z.device.type == "cuda" and self.mode is not False:
-            out = self.graphs((tuple(z2.shape), z2.dtype, z2.device), (z2,))
+        graphed = z.device.type == "cuda" and self.mode is not False
+        out = self.graphs((tuple(z2.shape), z2.dtype, z2.device), (z2,)) if graphed else None
         if out is None:
             with torch.no_grad():
                 out = self._run(z2)
@@ -332,10 +303,6 @@ class FastDecode(Slot):
 
     def _uncopied(self) -> dict[str, Any]:
         return {"weights": None}
-
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        super().__setstate__(d)
-        self.original = type(self.vae)._decode.__get__(self.vae)
 
 
 def patch(vae: nn.Module, *, cuda_graph: str | bool = "auto", cpu: bool = False, fuse_norm: bool = True) -> VaeReport:
@@ -369,8 +336,7 @@ def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
         del twin  # its memory back before the two decodes
         fast = vae._decode(z).sample.double()
         eager = type(vae)._decode(vae, z).sample.double()
-    err_fast = (fast - ref).abs().mean().item()
-    err_eager = (eager - ref).abs().mean().item()
+    err_fast, err_eager = ((x - ref).abs().mean().item() for x in (fast, eager))
     return {"err_patched": err_fast, "err_unpatched": err_eager,
             "ratio": err_fast / err_eager if err_eager else (1.0 if err_fast == 0 else float("inf")),
             "bit_identical": bool(torch.equal(fast, eager)),
@@ -379,9 +345,8 @@ def fidelity(vae: nn.Module, z: torch.Tensor) -> dict[str, float]:
 
 class FastPostprocess:
     """The pipeline's ``image_processor.postprocess`` for ``output_type="pil"`` on a CUDA image: the fp32 product by
-    255, round-half-even and cast run on the device, not the host, and only uint8 pixels travel (the same bytes).
-    Other output types, host images, grayscale and non-finite values (numpy's and torch's uint8 casts of NaN differ)
-    run diffusers' method."""
+    255, round-half-even and cast run on the device and only uint8 pixels travel (the same bytes). Other output types,
+    host images, grayscale and non-finite values (numpy's and torch's uint8 casts of NaN differ) run diffusers'."""
 
     ATTR = "postprocess"
 
@@ -390,15 +355,13 @@ class FastPostprocess:
         self.original = type(processor).postprocess.__get__(processor)
 
     def __call__(self, image: torch.Tensor, output_type: str = "pil", do_denormalize: list[bool] | None = None) -> Any:
-        images = None
         if (output_type == "pil" and isinstance(image, torch.Tensor) and image.device.type == "cuda"
-                and image.dim() == 4 and image.shape[1] == 3):
-            images = self.pil_images(image, do_denormalize)
-        if images is None:
-            self.calls["diffusers"] += 1
-            return self.original(image, output_type=output_type, do_denormalize=do_denormalize)
-        self.calls["device"] += 1
-        return images
+                and image.dim() == 4 and image.shape[1] == 3
+                and (images := self.pil_images(image, do_denormalize)) is not None):
+            self.calls["device"] += 1
+            return images
+        self.calls["diffusers"] += 1
+        return self.original(image, output_type=output_type, do_denormalize=do_denormalize)
 
     def pil_images(self, image: torch.Tensor, do_denormalize: list[bool] | None) -> list[PIL.Image.Image] | None:
         """The conversion where ``image`` lies (None: a non-finite value, left to diffusers)."""
@@ -406,15 +369,13 @@ class FastPostprocess:
         pixels = (x * 255).round_()
         finite = torch.isfinite(pixels).all()
         pixels = pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()  # the one sync: the copy
-        if not bool(finite):  # read after the copy: no further wait
-            return None
-        return [PIL.Image.fromarray(p) for p in np.asarray(pixels.numpy())]
+        # ``finite`` read after the copy: no further wait
+        return [PIL.Image.fromarray(p) for p in np.asarray(pixels.numpy())] if bool(finite) else None
 
 
 def patch_postprocess(proc: Any) -> bool:
     """Install :class:`FastPostprocess` on a pipeline's ``image_processor`` (True when installed or already there)."""
-    if proc is None or not callable(getattr(type(proc), "postprocess", None)) \
-            or not hasattr(proc, "_denormalize_conditionally"):
+    if not callable(getattr(type(proc), "postprocess", None)) or not hasattr(proc, "_denormalize_conditionally"):
         return False
     cur = proc.__dict__.get("postprocess")
     if not isinstance(cur, FastPostprocess):

@@ -4,10 +4,7 @@ A :class:`Watch` holds ``(owner, holder, key)`` entries (``holder``: ``"__dict__
 rebuilt on the copy's own objects). It compares ``entries`` by identity; ``tensors`` also by ``_version`` and
 ``data_ptr`` (inference tensors by :func:`content_fingerprint`); ``sized`` by length (hooks); ``typed`` by class;
 ``stateful`` ``(object, fn)`` by ``fn(object)``; and sees any registration into a watched ``_modules`` slot. C-level
-``map`` loops: 60 blocks ask ~700 values each per eager call.
-"""
-
-from __future__ import annotations
+``map`` loops: 60 blocks ask ~700 values each per eager call."""
 
 import contextlib
 import threading
@@ -54,16 +51,12 @@ def content_fingerprints(ts: Sequence[Any]) -> list[tuple[int, ...] | None]:
     out: list[tuple[int, ...] | None] = [None] * len(ts)
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(ts):
-        parts = fingerprint_parts(t)
-        if parts is not None:
+        if (parts := fingerprint_parts(t)) is not None:
             by_device.setdefault(parts.device, []).append((i, parts))
     for group in by_device.values():
-        try:
-            values = torch.stack([p for _, p in group]).tolist()
-        except Exception:  # noqa: BLE001 - unreadable (a sticky device error): no fingerprints, as one at a time
-            continue
-        for (i, _), v in zip(group, values):
-            out[i] = tuple(v)
+        with contextlib.suppress(Exception):  # unreadable (a sticky device error): no fingerprints, as one at a time
+            for (i, _), v in zip(group, torch.stack([p for _, p in group]).tolist()):
+                out[i] = tuple(v)
     return out
 
 
@@ -107,16 +100,6 @@ _REGISTRATIONS = HeldGlobalHooks(
     lambda: [nn.modules.module.register_module_module_registration_hook(_on_module_registered)])
 
 
-def _watch_slots(watch: Watch, owners: Iterable[Any]) -> None:
-    owners = [o for o in owners if isinstance(o, nn.Module)]
-    if not owners:
-        return
-    _REGISTRATIONS.hold(watch)  # the hook lives while a watch of a slot does
-    with _slots_lock:
-        for o in owners:
-            _SLOT_WATCHES.setdefault(o, weakref.WeakSet()).add(watch)
-
-
 class Watch:
     __slots__ = ("entries", "tentries", "dicts", "keys", "ids", "rdicts", "rkeys", "rvals", "tdicts", "tkeys", "tids",
                  "vers", "ptrs", "vless", "fps", "sentries", "sdicts", "skeys", "lens", "typed", "types", "stateful",
@@ -144,11 +127,16 @@ class Watch:
         self.tdicts, self.tkeys = [_dict(e) for e in self.tentries], [e[2] for e in self.tentries]
         self.sdicts, self.skeys = [_dict(e) for e in self.sentries], [e[2] for e in self.sentries]
         self.take()
-        _watch_slots(self, {id(e[0]): e[0] for e in by_id if e[1] == "_modules"}.values())
+        owners = {id(e[0]): e[0] for e in by_id if e[1] == "_modules" and isinstance(e[0], nn.Module)}
+        if owners:
+            _REGISTRATIONS.hold(self)  # the hook lives while a watch of a slot does
+            with _slots_lock:
+                for o in owners.values():
+                    _SLOT_WATCHES.setdefault(o, weakref.WeakSet()).add(self)
 
     @classmethod
     def _restored(cls, entries: list[Entry], tentries: list[Entry], stateful: list, sentries: list[Entry] = (),
-                  typed: list = ()) -> Watch:
+                  typed: list = ()) -> "Watch":
         """A copy whose owners are still being rebuilt (deepcopy, unpickling): resolved at its first use."""
         w = cls.__new__(cls)
         w.entries, w.tentries, w.stateful, w.pending = entries, tentries, stateful, True

@@ -1,5 +1,4 @@
 """CUDA-graph mode for the Qwen-Image transformer call: capture the call once per input signature, then replay it.
-
 Eager Qwen-Image is host-bound (thousands of launches per call); a replayed graph runs the same kernels with no
 Python in between. :func:`install` puts a :class:`GraphedCall` where the transformer's forward is called from
 (``remove()`` restores it). Per call it **refuses** (runs the wrapped forward, counted in ``fallbacks`` as
@@ -9,10 +8,7 @@ every graph when what they baked in changed (:mod:`.fingerprint`); **captures** 
 **replays** its graph and returns a clone of the static output (graphs share one pool). Outputs are bit-identical
 to eager. Not seen by the fingerprint (call ``invalidate()`` after them): ``del`` of a submodule or parameter, direct
 writes into ``_parameters`` / ``_modules``. Per block (Qwen-Image-2.1): :func:`install_blocks`; under diffusers'
-FirstBlockCache: :mod:`.first_block_cache`.
-"""
-
-from __future__ import annotations
+FirstBlockCache: :mod:`.first_block_cache`."""
 
 from .attach import FirstUse, install, install_blocks
 from .runner import GraphedCall

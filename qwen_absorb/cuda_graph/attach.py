@@ -2,10 +2,7 @@
 it); :func:`install_blocks` on each block (Qwen-Image-2.1: diffusers' ``QwenImage21Transformer2DModel.forward`` syncs
 with the host before its block loop, ``tolist()`` on the token masks, so only its blocks can be captured);
 :class:`FirstUse`: graphs decided at the first call on a GPU, not where the model sat when patched (a model patched
-on the CPU is usually moved next).
-"""
-
-from __future__ import annotations
+on the CPU is usually moved next)."""
 
 import collections
 import inspect
@@ -54,8 +51,7 @@ def install(transformer: nn.Module, *, fallbacks: collections.Counter, max_graph
     runner = GraphedCall(t, fallbacks, max_graphs, host_tensors, capture_after, shared)
     runner.warn_first = bool(warn_first)
     if shared is None and under_model_offload(t):
-        inner = t.__dict__["_old_forward"]
-        runner._inner, runner._prev_present = inner, True
+        runner._inner, runner._prev_present = t.__dict__["_old_forward"], True
         object.__setattr__(t, "_old_forward", runner)
     else:
         object.__setattr__(t, "forward", runner)
@@ -98,8 +94,7 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
 
 class FirstUse:  # passes calls off a graph device through, uncounted; the first on one installs the runner
     __qwen_absorb_graph__ = False  # not a per-block runner: qwen_absorb.patch's _strip leaves it
-    __slots__ = ("__weakref__", "_transformer", "_inner", "_prev_present", "_slot", "_options", "runner",
-                 "_removed")
+    __slots__ = ("__weakref__", "_transformer", "_inner", "_prev_present", "_slot", "_options", "runner", "_removed")
 
     def __init__(self, transformer: nn.Module, *, fallbacks: collections.Counter, max_graphs: int = 8,
                  host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0) -> None:
@@ -108,10 +103,8 @@ class FirstUse:  # passes calls off a graph device through, uncounted; the first
                              capture_after=capture_after)
         self.runner: GraphedCall | None = None
         self._removed = False
-        d = t.__dict__
         self._slot = "_old_forward" if under_model_offload(t) else "forward"
-        self._prev_present = self._slot in d
-        self._inner = d[self._slot] if self._prev_present else type(t).forward.__get__(t)
+        self._prev_present, self._inner = self._slot in t.__dict__, getattr(t, self._slot)  # (else the class forward)
         object.__setattr__(t, self._slot, self)
         log.info("CUDA graphs for %s: decided at its first call on a GPU", type(t).__name__)
 

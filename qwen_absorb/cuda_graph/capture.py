@@ -2,8 +2,6 @@
 answers the call), host constants (:class:`HostConstants`), RoPE tables kept (:class:`KeepRope`), the graph.
 Both run with :mod:`qwen_absorb.ops.lane` active (the warm-up sets the lane's stream up outside the graph)."""
 
-from __future__ import annotations
-
 import collections
 import contextlib
 import gc
@@ -43,12 +41,11 @@ def freeze_data(x: Any) -> Any:
 
 
 class HostConstants:
-    """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable: such a call
-    (diffusers' ``modulate_index`` of ``zero_cond_t`` models, the text length next to a mask) is a pageable copy and a
-    sync, which a capture refuses. ``"record"`` (the warm-up) keeps a copy of each result under an exact key;
-    ``"replay"`` (the capture) answers the same call with a device clone of it. Swapped on the ``torch`` module
-    itself, for the warm-up and the capture only (swapping a module's ``torch`` global breaks torch.compile's guards).
-    """
+    """``torch.tensor`` / ``torch.as_tensor`` of host data onto a CUDA device, made capturable: such a call (diffusers'
+    ``modulate_index`` of ``zero_cond_t`` models, the text length next to a mask) is a pageable copy and a sync, which a
+    capture refuses. ``"record"`` (the warm-up) keeps a copy of each result under an exact key; ``"replay"`` (the
+    capture) answers the same call with a device clone of it. Swapped on the ``torch`` module itself, for the warm-up
+    and the capture only (swapping a module's ``torch`` global breaks torch.compile's guards)."""
 
     _lock = threading.RLock()
     device_types: tuple[str, ...] = ("cuda",)
@@ -67,8 +64,7 @@ class HostConstants:
             return None  # no host copy involved
         if len(args) > (2 if fname == "as_tensor" else 0):  # as_tensor(data, dtype, device); tensor's are keywords
             return None
-        kw = dict(zip(("dtype", "device"), args))
-        kw.update(kwargs)
+        kw = {**dict(zip(("dtype", "device"), args)), **kwargs}
         if kw.get("device") is None:
             return None
         dev = hooks.as_device(kw["device"])
@@ -87,10 +83,8 @@ class HostConstants:
         def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             key = None
             if self.mode is not None and not torch.compiler.is_compiling():
-                try:
+                with contextlib.suppress(Exception):  # an unusual call: not ours to answer
                     key = self._key(fname, data, args, kwargs)
-                except Exception:  # noqa: BLE001 - an unusual call: not ours to answer
-                    key = None
             if key is not None and self.mode == "replay":
                 lst = self.recorded.get(key)
                 i = self.used[key]

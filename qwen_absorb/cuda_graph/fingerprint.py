@@ -1,14 +1,11 @@
 """What the graphs of a runner baked in, and whether it changed: the per-call fingerprint and its verdict.
-
 A :class:`Scan` walks the transformer once and records what a replay depends on: parameters and buffers
 (``data_ptr``, ``_version``), tensor attributes, the attributes holding forwards, hooks, processors, ModelOpt and
 PEFT switches (plain values by value, the rest by identity), dict lengths, and PEFT LoRA state. It is compared per
 call with C-level ``map``s: a Python loop per item would cost more than a replay saves (a 60-block FP8 model has
-~20,000 quantizer switches). torch's registration hooks (:func:`watch`) drop a snapshot on an assignment inside it.
-"""
+~20,000 quantizer switches). torch's registration hooks (:func:`watch`) drop a snapshot on an assignment inside it."""
 
-from __future__ import annotations
-
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable
@@ -27,11 +24,8 @@ from .signature import patch_tuning
 
 # Instance attributes that decide what a call runs: hook chains and compiled wrappers, processors, ModelOpt and
 # PEFT switches, and a norm's eps (baked into a graph's launches; ``norm.eps = ...`` moves no tensor).
-WATCH_KEYS = (
-    *hooks.WRAPPER_ATTRS, "processor",
-    "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize", "_num_bits",
-    "_disable_adapters", "_active_adapter", "eps", "approximate", "scale_rope",
-)
+WATCH_KEYS = (*hooks.WRAPPER_ATTRS, "processor", "_disabled", "_if_quant", "_if_calib", "_fake_quant", "_dequantize",
+              "_num_bits", "_disable_adapters", "_active_adapter", "eps", "approximate", "scale_rope")
 
 SWITCHED = "forward, hook, processor, quantizer or adapter switch replaced"
 
@@ -55,12 +49,9 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:  # every watched runner is told
-    try:
-        mid = id(module)
+    with contextlib.suppress(Exception):  # a registration must never fail because of us
         for runner in list(_LIVE):
-            runner.module_assigned(mid, f"{type(module).__name__}.{name} assigned")
-    except Exception:  # noqa: BLE001 - a registration must never fail because of us
-        pass
+            runner.module_assigned(id(module), f"{type(module).__name__}.{name} assigned")
 
 
 # registered while a runner is watched: removed with the last one (unpatch, or the model collected)
@@ -123,11 +114,9 @@ def root_reason(t: nn.Module, cache_steps: bool = True, runner: Any = None,
     cfg = getattr(t, "_cache_config", None)
     if fbc_outside and step_caches.is_fbc_config(cfg):
         cfg = None  # its hooks sit on the blocks, outside their runners
-    why = step_caches.refusal(cfg) if cfg is not None else None
-    if why is not None:  # said before the hook on the transformer FasterCache puts there
+    if cfg is not None and (why := step_caches.refusal(cfg)) is not None:  # before FasterCache's transformer hook
         return why
-    r = fbc_block_reason(t) if fbc_block else registry_reason(t)
-    if r is not None:
+    if (r := fbc_block_reason(t) if fbc_block else registry_reason(t)) is not None:
         return r
     if cfg is not None and not (cache_steps and (taylorseer.is_config(cfg) or step_caches.kind(cfg))):
         return "cache hook active (enable_cache)", f"_cache_config {type(cfg).__name__}"
@@ -173,17 +162,15 @@ class Scan:
     """What the graphs of a runner baked in, and the verdict. ``host``: tensors allowed off the graph device
     (originals kept on the host), left out of the device verdict, fingerprinted like the others."""
 
-    __slots__ = (
-        "module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watched",
-        "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys", "plain_getters",
-        "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs", "sindices", "vtensors",
-        "vnames", "vers", "peft", "peft_dicts", "peft_names", "peft_state", "global_hooks", "refusal", "detail",
-        "device", "sticky", "host_count", "owners", "gens", "cache_hooks", "step_hooks", "plans", "facts", "types",
-    )
+    __slots__ = ("module_ids", "modules", "len_dicts", "lens", "hook_dicts", "hook_lens", "handle_id", "watched",
+                 "ident_dicts", "ident_keys", "watch_objs", "watch_ids", "plain_dicts", "plain_keys", "plain_getters",
+                 "plain_vals", "tensors", "names", "ptrs", "indices", "stensors", "snames", "sptrs", "sindices",
+                 "vtensors", "vnames", "vers", "peft", "peft_dicts", "peft_names", "peft_state", "global_hooks",
+                 "refusal", "detail", "device", "sticky", "host_count", "owners", "gens", "cache_hooks", "step_hooks",
+                 "plans", "facts", "types")
 
     def __init__(self, t: nn.Module, host: Iterable[torch.Tensor] = (), runner: Any = None) -> None:
-        self.refusal: str | None = None
-        self.detail, self.sticky = "", False  # sticky: a refusal that weight moves cannot lift (hooks, calibration)
+        self.refusal, self.detail, self.sticky = None, "", False  # sticky: outlasts weight moves (hooks, calibration)
         self.modules, self.len_dicts, self.hook_dicts = [], [], []
         self.watched: list[tuple[dict, str]] = []  # (dict, key): compared by value or identity (see take())
         watched, self.host_count = self.watched, 0
@@ -228,11 +215,6 @@ class Scan:
             if "_modules" in d:  # a ModuleList's del (a new dict) or insert (this one longer): no hook is called
                 self.len_dicts.append(d["_modules"])
                 watched.append((d, "_modules"))
-            if not root:  # the transformer's own hooks run outside the forward we wrap
-                for hd in hooks.torch_hook_dicts(m):
-                    self.hook_dicts.append(hd)
-                    if hd:
-                        refuse("forward hook on a submodule", f"forward hook or pre-hook on {label}")
             peft_layer = isinstance(d.get("merged_adapters"), list) and isinstance(d.get("scaling"), dict)
             watched.extend((d, k) for k in WATCH_KEYS
                            if k in d and not (root and k == "forward") and not (peft_layer and k in _PEFT_KEYS))
@@ -241,7 +223,11 @@ class Scan:
                     watched.append((d, k))
                     if isinstance(v, torch.Tensor):
                         add_tensor(v, f"{label}.{k}")
-            if not root:
+            if not root:  # the transformer's own hooks run outside the forward we wrap
+                for hd in hooks.torch_hook_dicts(m):
+                    self.hook_dicts.append(hd)
+                    if hd:
+                        refuse("forward hook on a submodule", f"forward hook or pre-hook on {label}")
                 r = registry_reason(m)
                 if r is not None:
                     h = taylorseer.supported_hook(m) if id(m) in cache_ok else None
@@ -380,12 +366,8 @@ class Scan:
             return "weights moved or replaced"
         if list(map(_version_of, self.vtensors)) != self.vers:
             return "weights modified in place"
-        if self.peft_dicts:
-            try:
-                if lora_state(self.peft_dicts) != self.peft_state:
-                    return "LoRA adapter state changed"
-            except Exception:  # noqa: BLE001 - PEFT's attributes deleted
-                return "LoRA adapter state changed"
+        if self.peft_dicts and not _equal(self.peft_dicts, self.peft_state, lora_state):  # (or attributes deleted)
+            return "LoRA adapter state changed"
         return None
 
     def which(self) -> str:  # the first changed item, by name (slow; for the log only)

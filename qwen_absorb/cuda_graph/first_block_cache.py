@@ -1,10 +1,7 @@
 """diffusers' FirstBlockCache under CUDA graphs per block: its head hook decides on the host (``.item()``) whether
 the blocks after block 0 run, which no graph of the whole call can take. The whole-model runner runs the call eager
 (counted) and keeps a :class:`~.shared.BlockGraphs` (:func:`follow`) whose runners are the hooks' ``original_forward``:
-the hooks run on the host, each computed block replays its graph. A cache disabled or replaced removes the group.
-"""
-
-from __future__ import annotations
+the hooks run on the host, each computed block replays its graph. A cache disabled or replaced removes the group."""
 
 import functools
 import logging

@@ -1,12 +1,7 @@
-""":class:`GraphedCall`: per call, refuse (eager, counted), replay or capture.
-
-Around a replay the fingerprint is asked ``Scan.moved`` before the launch (memory the graph reads may be gone) and
-``Scan.stale`` while the GPU runs it: a change found after the launch discards the replay (``discarded_replays``),
-drops the graphs and runs the call eager. With ``shared=`` (:mod:`.shared`) the group's lock, pools, streams and
-static inputs are used.
-"""
-
-from __future__ import annotations
+""":class:`GraphedCall`: per call, refuse (eager, counted), replay or capture. Around a replay the fingerprint is
+asked ``Scan.moved`` before the launch (memory the graph reads may be gone) and ``Scan.stale`` while the GPU runs it:
+a change found after the launch discards the replay (``discarded_replays``), drops the graphs and runs the call
+eager. With ``shared=`` (:mod:`.shared`) the group's lock, pools, streams and static inputs are used."""
 
 import collections
 import contextlib
@@ -34,8 +29,7 @@ _MISS = object()  # _fast_replay: no replay served
 
 
 def _weak_forward(fn: Any, owner: nn.Module, held_elsewhere: bool) -> Callable[[], Any]:
-    """A reference to ``fn`` that does not keep ``owner`` alive where safe: weak for a method of ``owner``, or
-    when something else (a hook slot) holds it."""
+    """A reference to ``fn`` not keeping ``owner`` alive where safe: weak for its method, or where a slot holds it."""
     if inspect.ismethod(fn) and fn.__self__ is owner:
         return weakref.WeakMethod(fn)
     if held_elsewhere:
@@ -55,14 +49,12 @@ class GraphedCall:
     """The transformer's ``forward`` in CUDA-graph mode, made by :func:`install`; removed, only counters."""
 
     __qwen_absorb_graph__ = True  # qwen_absorb.patch recognises its per-block runners by it (not a hook library's)
-    __slots__ = (
-        "__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev_present", "_positional",
-        "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
-        "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged", "captures",
-        "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations", "warn_first",
-        "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us", "discarded_replays", "_shared", "_cache",
-        "_gens", "_fbc",
-    )
+    __slots__ = ("__weakref__", "_transformer", "_name", "_inner", "_weak_inner", "_prev_present", "_positional",
+                 "_host_tensors", "fallbacks", "max_graphs", "capture_after", "_graphs", "_pools", "_streams", "_scan",
+                 "_dirty", "_failed", "_seen", "_removed", "_busy", "_lock", "_unstable", "_unreplayed", "_logged",
+                 "captures", "replays", "eager_calls", "new_signature_calls", "evictions", "refusals", "invalidations",
+                 "warn_first", "capture_failures", "_host_us", "_host_n", "_check_us", "_launch_us",
+                 "discarded_replays", "_shared", "_cache", "_gens", "_fbc")
 
     def __init__(self, transformer: nn.Module, fallbacks: collections.Counter, max_graphs: int,
                  host_tensors: Callable[[], Iterable[torch.Tensor]] | None = None, capture_after: int = 0,
@@ -70,9 +62,8 @@ class GraphedCall:
         self._transformer, self._shared, self._name = transformer, shared, type(transformer).__name__
         self.fallbacks, self.max_graphs, self.capture_after = fallbacks, int(max_graphs), int(capture_after)
         self._host_tensors = host_tensors
-        d = transformer.__dict__
-        self._prev_present = "forward" in d  # _inner is also what remove() puts back
-        self._inner = d["forward"] if self._prev_present else type(transformer).forward.__get__(transformer)
+        self._prev_present = "forward" in transformer.__dict__
+        self._inner = transformer.forward  # the instance's, else the class forward bound; what remove() puts back
         self._setup()
 
     def _setup(self) -> None:
@@ -84,9 +75,8 @@ class GraphedCall:
         sh = self._shared
         self._pools, self._streams = (sh.pools, sh.streams) if sh is not None else ({}, {})  # by device
         self._scan: Scan | None = None
-        self._dirty: str | None = None
-        self._failed: dict[Any, str] = {}
-        self._seen: collections.OrderedDict[Any, int] = collections.OrderedDict()
+        self._dirty: str | None = None  # why the snapshot was dropped (the next scan's reason)
+        self._failed, self._seen = {}, collections.OrderedDict()  # key -> why its capture failed / its eager calls
         self._removed = self._busy = self._unstable = False
         self._lock = sh.lock if sh is not None else threading.Lock()  # one caller in the static buffers at a time
         self._logged: set[str] = sh.logged if sh is not None else set()
@@ -171,8 +161,7 @@ class GraphedCall:
 
     def _keyed(self, call: Call, args: tuple, kwargs: dict, t0: float,
                steps: taylorseer.Steps | step_caches.Steps | None) -> Any:
-        writes = steps is not None and steps.writes
-        out = self._fast_replay(call, t0, writes)
+        out = self._fast_replay(call, t0, steps is not None and steps.writes)
         if out is not _MISS:
             return out
         scan = self._current_scan()
@@ -187,13 +176,7 @@ class GraphedCall:
             return self._eager(f"{what} cache: steps not decided for this call", "", args, kwargs)  # hooks replaced
         if steps is not None and not steps.capturable:
             return self._eager(steps.first, "", args, kwargs)
-        entry = self._graphs.get(call.key)
-        if entry is not None:
-            self._launch(entry, call)
-            out = self._served(entry, call)
-            self._host_us += (time.perf_counter() - t0) * 1e6
-            return out
-        if call.key in self._failed:
+        if call.key in self._failed:  # (no graph for the key here: _fast_replay served it, or the scan dropped it)
             return self._eager("capture failed (this signature runs eager)", self._failed[call.key], args, kwargs)
         self.warn_first = False  # graphs can take this call: decided
         # capture_after holds until the first replay: after it the runner is in a loop, where an eager call for a
@@ -208,18 +191,28 @@ class GraphedCall:
         if scan is None or scan.refusal is not None or self._unstable or scan.device != call.device:
             return _MISS
         entry = self._graphs.get(call.key)
-        if entry is None or scan.moved() is not None:
+        # (a replay that updates cache factors in place cannot be discarded: ``writes`` checks first)
+        if entry is None or scan.moved() is not None or (writes and scan.stale() is not None):
             return _MISS
-        if writes and scan.stale() is not None:
-            return _MISS  # a replay that updates cache factors in place cannot be discarded: check first
         tl = time.perf_counter()
-        self._launch(entry, call)
+        if self._shared is not None:
+            self._shared.order(call.device)  # the shared buffers' last stream first
+        for s, x in zip(entry.statics, call.tensors):
+            s.copy_(x)
+        entry.graph.replay()
+        taylorseer.replayed()
         t1 = time.perf_counter()
         self._launch_us += (t1 - tl) * 1e6
         if not writes and scan.stale() is not None:
             self.discarded_replays += 1  # its output is never read; _current_scan drops the graphs after it ran
             return _MISS
-        out = self._served(entry, call)
+        self._graphs.move_to_end(call.key)
+        self.warn_first = False
+        entry.replays += 1
+        self.replays += 1
+        self._host_n += 1
+        self._unreplayed = 0
+        out = map_tensors(entry.out, torch.Tensor.clone)
         self._host_us += (t1 - t0) * 1e6
         self._check_us += (time.perf_counter() - t1) * 1e6
         return out
@@ -293,23 +286,6 @@ class GraphedCall:
         if scan is not None and module_id in scan.module_ids:
             self._scan, self._dirty = None, f"module structure changed ({what})"
 
-    def _launch(self, entry: Graph, call: Call) -> None:
-        if self._shared is not None:
-            self._shared.order(call.device)  # the shared buffers' last stream first
-        for s, x in zip(entry.statics, call.tensors):
-            s.copy_(x)
-        entry.graph.replay()
-        taylorseer.replayed()
-
-    def _served(self, entry: Graph, call: Call) -> Any:
-        self._graphs.move_to_end(call.key)
-        self.warn_first = False
-        entry.replays += 1
-        self.replays += 1
-        self._host_n += 1
-        self._unreplayed = 0
-        return map_tensors(entry.out, torch.Tensor.clone)
-
     def _capture(self, call: Call, steps: taylorseer.Steps | step_caches.Steps | None = None) -> Any:
         desc = call.describe(self._positional)
         sh = self._shared
@@ -380,7 +356,8 @@ class GraphedCall:
     def _only(self, key: Any, rescan: bool = True) -> None:
         """The model changed under a capture: every graph but ``key``'s dropped, and (``rescan``) a new snapshot."""
         for k in [k for k in self._graphs if k != key]:
-            self._evict(k, count=False)
+            self._sync()
+            del self._graphs[k]
         if rescan:
             self._scan, self._dirty = Scan(self._transformer, self._host(), self), None
 
@@ -396,7 +373,9 @@ class GraphedCall:
 
     def _insert(self, key: Any, entry: Graph) -> None:
         while len(self._graphs) >= self.max_graphs:
-            self._evict(next(iter(self._graphs)), count=True)
+            self._sync()
+            self._graphs.popitem(last=False)
+            self.evictions += 1
         self._graphs[key] = entry
 
     def _sync(self) -> None:
@@ -404,11 +383,6 @@ class GraphedCall:
         if self._graphs and torch.cuda.is_available() and torch.cuda.is_initialized():
             for dev in {s.device for g in self._graphs.values() for s in g.statics[:1]}:
                 torch.cuda.synchronize(dev)
-
-    def _evict(self, key: Any, count: bool) -> None:
-        self._sync()
-        del self._graphs[key]
-        self.evictions += int(count)
 
     def _drop(self, reason: str, count: bool = True, track: bool = True) -> None:
         """Drop every graph and the pools. ``track``: a state change; if such drops keep hitting graphs never
@@ -437,10 +411,9 @@ class GraphedCall:
         return logging.INFO if self._shared is None or self._first(what) else logging.DEBUG
 
     def _first(self, what: str) -> bool:  # True the first time ``what`` is logged (per group)
-        if what in self._logged:
-            return False
+        new = what not in self._logged
         self._logged.add(what)
-        return True
+        return new
 
     def invalidate(self, reason: str = "invalidate() called") -> None:
         """Drop all graphs; the next call of each signature captures anew (also re-enables an unstable runner)."""
@@ -477,8 +450,7 @@ class GraphedCall:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able status: graphs held, captures, replays, refusals, invalidations, limits."""
-        n = self._host_n
-        g = self._graphs.values()
+        n, g = self._host_n, self._graphs.values()
         return {
             "installed": not self._removed, "max_graphs": self.max_graphs, "capture_after": self.capture_after,
             "graphs": len(self._graphs), "signatures": [e.desc for e in g], "captures": self.captures,
@@ -504,13 +476,11 @@ class GraphedCall:
                 f"{self.captures} captures, {self.replays} replays{', removed' if self._removed else ''}>")
 
     def __getstate__(self) -> dict[str, Any]:  # (deepcopy too: the copy is in the memo before its state is copied)
-        t = self._transformer
-        return {
-            "transformer": t, "name": self._name, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
-            "capture_after": self.capture_after,  # host_tensors: a closure over this model, neither copied nor saved
-            "prev_present": self._prev_present, "inner": bound_inner(t, self._inner),
-            "removed": self._removed, "shared": self._shared,  # a Shared copies fresh and empty, once per group
-        }
+        t = self._transformer  # (host_tensors: a closure over this model, neither copied nor saved)
+        return {"transformer": t, "name": self._name, "fallbacks": self.fallbacks, "max_graphs": self.max_graphs,
+                "capture_after": self.capture_after, "prev_present": self._prev_present,
+                "inner": bound_inner(t, self._inner), "removed": self._removed,
+                "shared": self._shared}  # a Shared copies fresh and empty, once per group
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         t = self._transformer = state["transformer"]

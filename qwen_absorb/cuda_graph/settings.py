@@ -1,10 +1,6 @@
-"""The tunables of CUDA-graph mode, in one place.
-
-Every module of the package reads them as ``settings.NAME`` at call time, so that the CPU tests can drive the
-capture logic with fake CUDA-graph objects by monkeypatching this module alone.
-"""
-
-from __future__ import annotations
+"""The tunables of CUDA-graph mode, in one place: every module of the package reads them as ``settings.NAME`` at
+call time, so that the CPU tests can drive the capture logic with fake CUDA-graph objects by monkeypatching this
+module alone."""
 
 # The prefix of every reason counted in the ``fallbacks`` counter.
 PREFIX = "cuda_graph: "

@@ -1,16 +1,12 @@
 """What a group of CUDA-graph runners shares (:class:`Shared`): per device a graph memory pool and a side stream, one
 lock, the static input buffers, and the stream the buffers were last used on; and the group as one
-(:class:`BlockGraphs`), for :func:`.attach.install_blocks` and :mod:`.first_block_cache`.
-
-The runners of a group run one after another on one stream, never inside each other, so their graphs share what a
-graph needs only while it runs: the pool (outputs are cloned right after a replay; a handle is reused only while some
-runner holds a graph, as the allocator refuses a handle whose graphs are all gone), one static input per (position,
-tensor metadata, inference mode), held weakly, and the lock (a second thread runs eager, counted). ``parent``: its
-O(1) refusals refuse the group's calls too. ``fbc``: a FirstBlockCache group, made by the whole-model runner ``outer``
-(the parent is judged under its model-offload hook). Copies and pickles are fresh and empty (``fbc`` kept).
-"""
-
-from __future__ import annotations
+(:class:`BlockGraphs`), for :func:`.attach.install_blocks` and :mod:`.first_block_cache`. The runners of a group run one
+after another on one stream, never inside each other, so their graphs share what a graph needs only while it runs: the
+pool (outputs are cloned right after a replay; a handle is reused only while some runner holds a graph, as the allocator
+refuses a handle whose graphs are all gone), one static input per (position, tensor metadata, inference mode), held
+weakly, and the lock (a second thread runs eager, counted). ``parent``: its O(1) refusals refuse the group's calls too.
+``fbc``: a FirstBlockCache group, made by the whole-model runner ``outer`` (the parent is judged under its model-offload
+hook). Copies and pickles are fresh and empty (``fbc`` kept)."""
 
 import collections
 import logging
@@ -126,7 +122,7 @@ class BlockGraphs:  # the per-block runners of one model and what they share; re
 
     @classmethod
     def install(cls, shared: Shared, blocks: Iterable[tuple[int, nn.Module]], put: Callable[[int, nn.Module], Any],
-                parent: nn.Module | None, max_graphs: int, capture_after: int) -> BlockGraphs:
+                parent: nn.Module | None, max_graphs: int, capture_after: int) -> "BlockGraphs":
         """The group of what ``put`` installs on ``blocks`` (None: left out); an exception undoes it all."""
         runners: list[Any] = []
         kept: list[int] = []

@@ -2,8 +2,6 @@
 type), the metadata of every tensor (shape, strides, dtype, device, address alignment) and the process-wide
 switches that change which kernels a call picks, as one hashable key; and the refusals found on the way."""
 
-from __future__ import annotations
-
 import enum
 import inspect
 import os
@@ -112,10 +110,7 @@ def tensor_meta(x: torch.Tensor) -> tuple:
 def global_flags() -> tuple:
     """Process-wide switches that change which kernels a call picks (and so what a graph baked in)."""
     m = torch.backends.cuda.matmul
-    try:
-        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    except TypeError:  # older signature
-        autocast = torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     return (
         torch.is_inference_mode_enabled(), autocast, m.allow_tf32,
         getattr(m, "allow_bf16_reduced_precision_reduction", None),
@@ -171,8 +166,7 @@ class Call:  # one call's arguments, read once: tensors, their frozen structure,
         self.spec, self.tensors, self.key = signature(args, kwargs, positional)
         if not self.tensors:
             raise Refusal("no tensor argument", "")
-        dev = self.tensors[0].device
-        types = settings.GRAPH_DEVICE_TYPES
+        dev, types = self.tensors[0].device, settings.GRAPH_DEVICE_TYPES
         for x in self.tensors:
             if x.device.type not in types:
                 raise Refusal(f"input on {x.device.type}", "")

@@ -5,38 +5,30 @@ One op is one module (reference, checked-once ``launch`` for the block runners, 
 ``torch.compile``) and one ``.cu``; its docstring says what it fuses (``lora_add`` / ``lora_fold``, ``taylor_seer``,
 ``rms_norm_silu`` are called directly). ``*_fp8`` variants also emit the e4m3 codes of their output; the LayerNorm
 ops' and ``swiglu``'s launchers take ``nvfp4_amax`` instead to emit its NVFP4 fake quantization. Force the
-references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``.
-"""
+references with ``force_reference=True`` or ``QWEN_ABSORB_FORCE_REFERENCE=1``."""
 
 from types import ModuleType as _ModuleType
 
 from ._eligibility import FORCE_REFERENCE_ENV, kernel_runtime_reasons
-from .bias_gate_residual import (
-    bias_gate_residual, bias_gate_residual_not_supported_reasons, bias_gate_residual_reference,
-)
+from .bias_gate_residual import (bias_gate_residual, bias_gate_residual_not_supported_reasons,
+                                 bias_gate_residual_reference)
 from .bias_residual_layer_norm_scale_shift import (
     bias_residual_layer_norm_scale_shift, bias_residual_layer_norm_scale_shift_fp8,
-    bias_residual_layer_norm_scale_shift_not_supported_reasons, bias_residual_layer_norm_scale_shift_reference,
-)
+    bias_residual_layer_norm_scale_shift_not_supported_reasons, bias_residual_layer_norm_scale_shift_reference)
 from .fp8 import Fp8PerTensorQuant, dequant_scale, quant_scale, quantize_fp8_reference
-from .layer_norm_scale import (
-    layer_norm_scale, layer_norm_scale_fp8, layer_norm_scale_not_supported_reasons, layer_norm_scale_reference,
-)
-from .layer_norm_scale_shift import (
-    layer_norm_scale_shift, layer_norm_scale_shift_fp8, layer_norm_scale_shift_not_supported_reasons,
-    layer_norm_scale_shift_reference,
-)
+from .layer_norm_scale import (layer_norm_scale, layer_norm_scale_fp8, layer_norm_scale_not_supported_reasons,
+                               layer_norm_scale_reference)
+from .layer_norm_scale_shift import (layer_norm_scale_shift, layer_norm_scale_shift_fp8,
+                                     layer_norm_scale_shift_not_supported_reasons, layer_norm_scale_shift_reference)
 from .quantize_fp8 import quantize_fp8, quantize_fp8_split
 from .quantize_nvfp4 import quantize_nvfp4, quantize_nvfp4_not_supported_reasons, quantize_nvfp4_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_multi, qk_norm_rope_not_supported_reasons, qk_norm_rope_reference
 from .swiglu import swiglu, swiglu_fp8, swiglu_not_supported_reasons, swiglu_reference
-from .tanh_gate_residual import (
-    tanh_gate_residual, tanh_gate_residual_not_supported_reasons, tanh_gate_residual_reference,
-)
+from .tanh_gate_residual import (tanh_gate_residual, tanh_gate_residual_not_supported_reasons,
+                                 tanh_gate_residual_reference)
 from .tanh_gate_residual_layer_norm_scale import (
     tanh_gate_residual_layer_norm_scale, tanh_gate_residual_layer_norm_scale_fp8,
-    tanh_gate_residual_layer_norm_scale_not_supported_reasons, tanh_gate_residual_layer_norm_scale_reference,
-)
+    tanh_gate_residual_layer_norm_scale_not_supported_reasons, tanh_gate_residual_layer_norm_scale_reference)
 
 
 def all_kernel_expressions() -> list[tuple[str, str]]:

@@ -1,9 +1,6 @@
 """Why the CUDA kernel of a fused op cannot run, as readable reasons (empty: it runs); any sends the call to the op's
 torch reference. Machine reasons are cached per device; the public ops add the per-call ones. Also the dispatch the
-public ops and their custom ops share.
-"""
-
-from __future__ import annotations
+public ops and their custom ops share."""
 
 import os
 
@@ -16,7 +13,6 @@ from .fp8 import quantize_fp8_reference
 FORCE_REFERENCE_ENV = "QWEN_ABSORB_FORCE_REFERENCE"
 MAX_D = 1 << 24  # the Welford count is a float, exact up to 2^24 (PyTorch has the same bound)
 MAX_ROWS = (1 << 31) - 1  # one block per row, grid.x limit
-
 _machine: dict[torch.device, tuple[str, ...]] = {}
 
 
@@ -46,8 +42,7 @@ def _machine_reasons(device: torch.device) -> list[str]:
 
 def common_reasons(tensors: list[torch.Tensor | None], force_reference: bool = False) -> list[str]:
     """The per-call reasons of the public ops (inputs already validated)."""
-    x = tensors[0]
-    reasons = []
+    x, reasons = tensors[0], []
     if force_reference_requested(force_reference):
         reasons.append(f"reference forced (force_reference=True or {FORCE_REFERENCE_ENV}=1)")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -58,9 +53,8 @@ def common_reasons(tensors: list[torch.Tensor | None], force_reference: bool = F
         reasons.append(f"{x.numel() // x.shape[-1]} rows > {MAX_ROWS}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         reasons.append("autograd: an input requires grad and the kernels have no backward")
-    if torch.compiler.is_compiling():
-        return reasons  # the custom op checks the machine when it runs
-    reasons.extend(kernel_runtime_reasons(x.device))
+    if not torch.compiler.is_compiling():  # under compile the custom op checks the machine when it runs
+        reasons.extend(kernel_runtime_reasons(x.device))
     return reasons
 
 
@@ -68,9 +62,7 @@ def dispatch(reasons: list[str], reference, custom_op, kernel):
     """Every public op's dispatch: reference if any reason, custom op under compile, else the kernel (callables)."""
     if reasons:
         return reference()
-    if torch.compiler.is_compiling():
-        return custom_op()
-    return kernel()
+    return custom_op() if torch.compiler.is_compiling() else kernel()
 
 
 def kernel_usable_now(x: torch.Tensor) -> bool:

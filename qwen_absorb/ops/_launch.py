@@ -1,10 +1,7 @@
 """What the checked-once ``launch`` of every row-wise fused op shares (one block per [B, L] row): :class:`Kernels`.
 
 The launches compute the structs' ``vec_flags`` inline and stay small (host cost), the same bits everywhere (1:
-activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned).
-"""
-
-from __future__ import annotations
+activation rows, 2: shift rows, 4: scale rows, 8: gate rows, 16: bias vector-aligned)."""
 
 import math
 
@@ -145,5 +142,4 @@ class Kernels:
         """Every template instance :meth:`ln` or :meth:`vec` can ask for (the compile test builds them)."""
         return [(self.cu, rt.template(self.name, t, a, nv, optional=q)) for d, t in rt.TRAITS.items()
                 for q in (0, 1)[:1 + self.nvfp4]
-                for a in (LN_MODES if not self.threads else (1, 16 // torch.empty(0, dtype=d).element_size()))
-                for nv in (*self.nv_choices, 0)]
+                for a in (LN_MODES if not self.threads else (1, 16 // d.itemsize)) for nv in (*self.nv_choices, 0)]

@@ -4,10 +4,7 @@ Sources in ``csrc/`` are compiled by CuPy's ``RawModule`` (NVRTC) on first use, 
 device) and on disk by CuPy (keyed by the source text: headers are inlined). Host cost decides whether the patched
 model is faster at all and CuPy boxes every kernel argument: so every kernel takes ONE by-value ``struct``, packed by
 a :class:`Launcher` into a per-thread host buffer, launched on torch's current raw stream. Launches allocate nothing
-on the device and never synchronise.
-"""
-
-from __future__ import annotations
+on the device and never synchronise."""
 
 import ctypes
 import functools
@@ -22,7 +19,6 @@ from types import SimpleNamespace
 import torch
 
 log = logging.getLogger("qwen_absorb")
-
 CSRC = Path(__file__).resolve().parent / "csrc"
 MIN_CAPABILITY = (8, 0)  # cvt.rn.bf16.f32 needs sm_80
 TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16", torch.float32: "QaF32"}
@@ -41,9 +37,7 @@ def _env_defines() -> dict[str, int]:
 
 
 NVRTC_OPTIONS = ("-std=c++17", *(f"-D{k}={v}" for k, v in _env_defines().items()))
-
-_cupy = None
-_cpointer = None
+_cupy = _cpointer = None  # set by cupy_unavailable_reason
 _functions: dict[tuple[str, str, int], object] = {}
 _caches: list[dict] = [_functions]  # every per-signature kernel cache (cleared by set_defines)
 _streams: dict[int, object] = {}
@@ -72,26 +66,22 @@ def device_index(device: torch.device) -> int:
 
 def device_capability(device: torch.device) -> tuple[int, int]:
     idx = device_index(device)
-    if idx not in _capability:
-        _capability[idx] = torch.cuda.get_device_capability(idx)
-    return _capability[idx]
+    return _capability.get(idx) or _capability.setdefault(idx, torch.cuda.get_device_capability(idx))
 
 
 def kernel_source(filename: str) -> str:
     """The .cu file with its local #include "x.cuh" lines replaced by the header text (once each)."""
     seen: set[str] = set()
 
+    def repl(m: re.Match) -> str:
+        inc = m.group(1)
+        if inc in seen:
+            return ""
+        seen.add(inc)
+        return expand(inc)
+
     def expand(name: str) -> str:
-        text = (CSRC / name).read_text()
-
-        def repl(m: re.Match) -> str:
-            inc = m.group(1)
-            if inc in seen:
-                return ""
-            seen.add(inc)
-            return expand(inc)
-
-        text = re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
+        text = re.sub(r"^#pragma once\s*$", "", (CSRC / name).read_text(), flags=re.M)
         return re.sub(r'^#include "([^"]+)"\s*$', repl, text, flags=re.M)
 
     return expand(filename)
@@ -122,7 +112,7 @@ def template(name: str, *args, optional: int = 0) -> str:
 
 
 def launcher(cache: dict, key: tuple, filename: str, expr: str, device_idx: int, block: int, layout: str,
-             smem: int = 0) -> Launcher:
+             smem: int = 0) -> "Launcher":
     """A cache miss: the :class:`Launcher` of :func:`function` ``(filename, expr)``, stored under ``key``."""
     return cache.setdefault(key, Launcher(function(filename, expr, device_idx, smem), block, layout, device_idx, smem))
 
@@ -146,10 +136,7 @@ def set_defines(defines: dict[str, int] | None = None) -> None:
 def _stream(device_idx: int) -> SimpleNamespace:
     """What CuPy's low-level launch needs of torch's current stream: an object with its ``ptr``."""
     ptr = torch._C._cuda_getCurrentRawStream(device_idx)
-    s = _streams.get(ptr)
-    if s is None:
-        s = _streams[ptr] = SimpleNamespace(ptr=ptr)
-    return s
+    return _streams.get(ptr) or _streams.setdefault(ptr, SimpleNamespace(ptr=ptr))
 
 
 class Launcher:
@@ -174,11 +161,10 @@ class Launcher:
         self._pack(buf, 0, *values)
         dev = self.dev
         if torch._C._cuda_getDevice() == dev:
+            return self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
+        # CuPy launches in the current context: a kernel of cuda:1 launched from cuda:0 has an invalid handle
+        with torch.cuda.device(dev):
             self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
-        else:
-            # CuPy launches in the current context: a kernel of cuda:1 launched from cuda:0 has an invalid handle
-            with torch.cuda.device(dev):
-                self.fn((grid, 1, 1), self.block, tls.arg, self.smem, _stream(dev))
 
 
 def ptr(t: torch.Tensor | None) -> int:

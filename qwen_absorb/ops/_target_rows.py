@@ -4,10 +4,7 @@ Qwen-Image (:func:`expand_param`): each sample's row, or with ``index`` (2B rows
 Qwen-Image-2.1 (:func:`select_rows`), diffusers' ``_select_modulation_rows(params, target_token_mask)``: without a
 mask every token uses its sample's row (``[B, D]``); with the mask (``[L]`` bool, True at target-image tokens)
 ``params`` has ``B + 1`` rows: target tokens use their sample's row, all others the trailing ``t = 0`` row ``B``. The
-kernels choose per token, without building the ``[B, L, D]`` tensor.
-"""
-
-from __future__ import annotations
+kernels choose per token, without building the ``[B, L, D]`` tensor."""
 
 import torch
 
@@ -39,15 +36,13 @@ def select_rows(params: torch.Tensor, target_token_mask: torch.Tensor | None) ->
 
 def check_target_token_mask(mask: torch.Tensor | None, x: torch.Tensor) -> None:
     """None, or a bool ``[L]`` tensor on x's device (diffusers' ``torch.where`` needs bool)."""
-    if mask is None:
-        return
-    check_tensor("target_token_mask", mask)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"target_token_mask must be a bool tensor, got dtype {mask.dtype}")
-    L = x.shape[1]
-    if tuple(mask.shape) != (L,):
-        raise ValueError(f"target_token_mask must have shape [L] = [{L}], got {tuple(mask.shape)}")
-    check_device("target_token_mask", mask, x)
+    if mask is not None:
+        check_tensor("target_token_mask", mask)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"target_token_mask must be a bool tensor, got dtype {mask.dtype}")
+        if tuple(mask.shape) != (x.shape[1],):
+            raise ValueError(f"target_token_mask must have shape [L] = [{x.shape[1]}], got {tuple(mask.shape)}")
+        check_device("target_token_mask", mask, x)
 
 
 def check_rows(name: str, p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -70,9 +65,7 @@ def check_clip(clip_fp16: object) -> bool:
 
 def clip_reference(h: torch.Tensor, clip_fp16: bool) -> torch.Tensor:
     """The block's ``if hidden_states.dtype == torch.float16: hidden_states.clip(-65504, 65504)``."""
-    if clip_fp16 and h.dtype == torch.float16:
-        return h.clip(-65504, 65504)
-    return h
+    return h.clip(-65504, 65504) if clip_fp16 and h.dtype == torch.float16 else h
 
 
 def row_stride(p: torch.Tensor) -> int:

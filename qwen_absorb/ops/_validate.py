@@ -1,7 +1,5 @@
 """Argument checks shared by the fused ops, before choosing a path: kernel and reference see the same arguments."""
 
-from __future__ import annotations
-
 import os
 
 import torch
@@ -23,12 +21,16 @@ def check_tensor(name: str, t: object, dtensor_hint: str = "") -> None:
         raise TypeError(f"{name} is a DTensor; pass its local tensor (t.to_local()){dtensor_hint}")
 
 
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+
+
 def check_activation(name: str, t: torch.Tensor) -> None:
     check_tensor(name, t, " where the math is token-local")
     if t.dim() != 3:
         raise ValueError(f"{name} must have shape [B, L, D], got {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    check_dtype(name, t)
     if t.shape[0] < 1 or t.shape[2] < 1:
         raise ValueError(f"{name} needs B >= 1 and D >= 1, got {tuple(t.shape)}")
 
@@ -86,11 +88,10 @@ def check_param(name: str, p: torch.Tensor, x: torch.Tensor, index: torch.Tensor
 
 
 def check_bias(bias: torch.Tensor | None, x: torch.Tensor) -> None:
-    if bias is None:
-        return
-    check_same("bias", bias, x, "x")
-    if bias.dim() != 1 or bias.shape[0] != x.shape[2]:
-        raise ValueError(f"bias must have shape [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
+    if bias is not None:
+        check_same("bias", bias, x, "x")
+        if bias.dim() != 1 or bias.shape[0] != x.shape[2]:
+            raise ValueError(f"bias must have shape [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
 
 
 def check_amax(name: str, amax: torch.Tensor, x: torch.Tensor) -> None:

@@ -1,8 +1,6 @@
 """bias_gate_residual: ``residual + gate * (x + bias)`` (the FFN residual site), one kernel. ``x`` is ``net[2]``'s
 output without its bias when the bias is deferred (``bias`` given), or with it (``bias=None``)."""
 
-from __future__ import annotations
-
 import torch
 
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
@@ -38,11 +36,12 @@ def launch(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, g
     return out
 
 
-def _validate(residual, x, bias, gate, index) -> None:
+def _checked(residual, x, bias, gate, index, force_reference) -> list[str]:
     check_residual(residual, x)
     check_index(index, x)
     check_bias(bias, x)
     check_param("gate", gate, x, index)
+    return common_reasons([x, residual, bias, gate], force_reference)
 
 
 def _kernel(residual, x, bias, gate, index):
@@ -53,8 +52,7 @@ def bias_gate_residual_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, bias: torch.Tensor | None, gate: torch.Tensor,
     index: torch.Tensor | None = None, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(residual, x, bias, gate, index)
-    return common_reasons([x, residual, bias, gate], force_reference)
+    return _checked(residual, x, bias, gate, index, force_reference)
 
 
 def bias_gate_residual(
@@ -62,8 +60,7 @@ def bias_gate_residual(
     index: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``residual + gate * (x + bias)``, fused on CUDA; bit-identical to the eager expression. residual, x:
     [B, L, D]; bias: [D] or None; gate: [B, D] or [B, 1, D] (2B rows with ``index``)."""
-    _validate(residual, x, bias, gate, index)
-    return dispatch(common_reasons([x, residual, bias, gate], force_reference),
+    return dispatch(_checked(residual, x, bias, gate, index, force_reference),
                     lambda: bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index),
                     lambda: torch.ops.qwen_absorb.bias_gate_residual(residual, x, bias, gate, index),
                     lambda: _kernel(residual, x, bias, gate, index))
@@ -72,9 +69,8 @@ def bias_gate_residual(
 @torch.library.custom_op("qwen_absorb::bias_gate_residual", mutates_args=())
 def _custom_op(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
                index: torch.Tensor | None) -> torch.Tensor:
-    if kernel_usable_now(x):
-        return _kernel(residual, x, bias, gate, index)
-    return bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
+    return (_kernel(residual, x, bias, gate, index) if kernel_usable_now(x)
+            else bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index))
 
 
 _custom_op.register_fake(

@@ -6,21 +6,17 @@
 ``x`` is ``to_out[0]`` / ``to_add_out``'s output without its bias when the bias is deferred (``bias`` given), or with
 it (``bias=None``). ``Q`` is the identity, or the FP8 fake quantization of ModelOpt's ``QuantLayerNorm`` before the
 norm (``norm_input_quant``, an :class:`~.fp8.Fp8PerTensorQuant`); ``new_residual`` is never quantized. The ``_fp8``
-variant also (or only) writes the e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``.
-"""
-
-from __future__ import annotations
+variant also (or only) writes the e4m3 codes of ``modulated`` for a real FP8 ``net[0].proj``."""
 
 import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import Kernels, amax_fp32, contiguous_or_none, index_kind, ptr
-from ._target_rows import expand_param, layer_norm
 from ._validate import check_bias, check_eps, check_fp8_amax, check_index, check_param, check_residual
 from ._validate import param_rows as _rows
-from .fp8 import Fp8PerTensorQuant, check_norm_input_quant, quant_args
-
-_FORMULA = {1: "cuda_ext", 2: "eager"}
+from .bias_gate_residual import bias_gate_residual_reference
+from .fp8 import FORMULAS, Fp8PerTensorQuant, check_norm_input_quant, quant_args
+from .layer_norm_scale_shift import layer_norm_scale_shift_reference
 
 # BiasResidualLayerNormScaleShiftParams in the .cu: residual, x, bias, gate, shift, scale, new_residual, out, out2,
 # index, amax, out2_amax (pointers); gate_rs, shift_rs, scale_rs, B, L (int64); D (int32), eps (float), index_kind,
@@ -35,11 +31,9 @@ def bias_residual_layer_norm_scale_shift_reference(
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
     norm_input_quant: Fp8PerTensorQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The diffusers eager expressions, op for op (the bias added the way a separate add would)."""
-    y = x + bias if bias is not None else x
-    new_residual = residual + expand_param(gate, index) * y
+    new_residual = bias_gate_residual_reference(residual, x, bias=bias, gate=gate, index=index)
     normed_in = norm_input_quant.reference(new_residual) if norm_input_quant is not None else new_residual
-    modulated = layer_norm(normed_in, eps) * (1 + expand_param(scale, index)) + expand_param(shift, index)
-    return new_residual, modulated
+    return new_residual, layer_norm_scale_shift_reference(normed_in, shift=shift, scale=scale, eps=eps, index=index)
 
 
 def launch(
@@ -55,10 +49,8 @@ def launch(
         return h, o, f8
     launcher, a, amax2 = run
     B, L, D = x.shape
-    esize = x.element_size()
-    grs, srs, crs = gate.stride(0), shift.stride(0), scale.stride(0)
+    esize, grs, srs, crs, bp = x.element_size(), gate.stride(0), shift.stride(0), scale.stride(0), ptr(bias)
     xp, rp, gp, sp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), shift.data_ptr(), scale.data_ptr()
-    bp = ptr(bias)
     flags = (((xp | rp) % a == 0) | (((sp | srs * esize) % a == 0) << 1) | (((cp | crs * esize) % a == 0) << 2)
              | (((gp | grs * esize) % a == 0) << 3) | ((bp % a == 0) << 4))
     launcher(B * L, rp, xp, bp, gp, sp, cp, h.data_ptr(), ptr(o), ptr(f8), ptr(index), ptr(amax), ptr(amax2),
@@ -66,7 +58,7 @@ def launch(
     return h, o, f8
 
 
-def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax=None):
+def _checked(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference, fp8_amax=None):
     check_residual(residual, x)
     eps = check_eps(eps)
     check_index(index, x)
@@ -78,7 +70,7 @@ def _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quan
     if quant is not None and quant.amax.device != x.device:
         raise ValueError(f"norm_input_quant.amax is on {quant.amax.device} but x is on {x.device}")
     check_fp8_amax(fp8_amax, x)
-    return eps, quant
+    return eps, quant, common_reasons([x, residual, bias, gate, shift, scale], force_reference)
 
 
 def _kernel(residual, x, bias, gate, shift, scale, eps, index, amax, mode, out=True, fp8_amax=None):
@@ -91,8 +83,7 @@ def bias_residual_layer_norm_scale_shift_not_supported_reasons(
     shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, index: torch.Tensor | None = None,
     norm_input_quant: Fp8PerTensorQuant | None = None, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant)
-    return common_reasons([x, residual, bias, gate, shift, scale], force_reference)
+    return _checked(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference)[2]
 
 
 def bias_residual_layer_norm_scale_shift(
@@ -118,8 +109,8 @@ def bias_residual_layer_norm_scale_shift_fp8(
 
 def _dispatch(fp8, residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, force_reference,
               fp8_amax=None, also_output=False):
-    eps, quant = _validate(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant, fp8_amax)
-    reasons = common_reasons([x, residual, bias, gate, shift, scale], force_reference)
+    eps, quant, reasons = _checked(residual, x, bias, gate, shift, scale, eps, index, norm_input_quant,
+                                   force_reference, fp8_amax)
     op = torch.ops.qwen_absorb.bias_residual_layer_norm_scale_shift
 
     def args(*more):  # the custom op's and _kernel's leading arguments (no amax conversion on the reference path)
@@ -145,7 +136,7 @@ def _custom_op(
         lambda: _kernel(residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax=fp8_amax),
         lambda: bias_residual_layer_norm_scale_shift_reference(
             residual, x, bias=bias, gate=gate, shift=shift, scale=scale, eps=eps, index=index,
-            norm_input_quant=Fp8PerTensorQuant(amax, formula=_FORMULA[quant_mode]) if quant_mode else None))
+            norm_input_quant=Fp8PerTensorQuant(amax, formula=FORMULAS[quant_mode]) if quant_mode else None))
 
 
 _custom_op.register_fake(lambda residual, x, bias, gate, shift, scale, eps, index, amax, quant_mode, fp8_amax:

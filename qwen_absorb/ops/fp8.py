@@ -7,10 +7,7 @@
   ``"cuda_ext"`` formula; the GEMM dequantizes by :func:`dequant_scale`.
 
 Everywhere ``amax <= 2**-24`` counts as 1; codes are ``e4m3(x * scale)`` in fp32, round to nearest even, clamped to
-+-448 first (PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN.
-"""
-
-from __future__ import annotations
++-448 first (PyTorch's conversion turns out-of-range values into NaN), NaN stays NaN."""
 
 from dataclasses import dataclass, field
 
@@ -65,9 +62,6 @@ class Fp8PerTensorQuant:
         (:func:`qwen_absorb.quant.norm_input_fp8` passes the one ModelOpt really uses)."""
         return self.formula if self.formula != "auto" else "cuda_ext" if device.type == "cuda" else "eager"
 
-    def mode_for(self, device: torch.device) -> int:
-        return QUANT_MODE[self.formula_for(device)]
-
     def amax_fp32(self, device: torch.device) -> torch.Tensor:
         """The amax as the kernels read it: a 0-d fp32 tensor on ``device``. Another dtype or device is converted
         once per value: the copy is kept while the amax keeps its version and address (an in-place recalibration
@@ -78,14 +72,11 @@ class Fp8PerTensorQuant:
         try:
             key = (a._version, a.data_ptr(), device)
         except RuntimeError:  # inference tensors have no version counter
-            key = None
+            return a.to(device=device, dtype=torch.float32).reshape(())
         c = self._fp32
-        if key is not None and c and c[0] == key:
-            return c[1]
-        v = a.to(device=device, dtype=torch.float32).reshape(())
-        if key is not None:
-            c[:] = [key, v]
-        return v
+        if not c or c[0] != key:
+            c[:] = [key, a.to(device=device, dtype=torch.float32).reshape(())]
+        return c[1]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Exactly what ModelOpt's quantizer returns for ``x`` (torch ops)."""
@@ -101,7 +92,7 @@ class Fp8PerTensorQuant:
 
 def quant_args(quant: Fp8PerTensorQuant | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
     """A norm-input quantizer as the kernels take it: ``(amax_fp32, quant_mode)``, ``(None, 0)`` without one."""
-    return (quant.amax_fp32(device), quant.mode_for(device)) if quant is not None else (None, 0)
+    return (quant.amax_fp32(device), QUANT_MODE[quant.formula_for(device)]) if quant is not None else (None, 0)
 
 
 def check_norm_input_quant(norm_input_quant: object) -> Fp8PerTensorQuant | None:

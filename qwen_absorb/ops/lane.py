@@ -8,10 +8,7 @@ Same kernels, same inputs: the same bits. Work inside a lane runs any other lane
 captured (and its eager warm-up, :func:`active` entered by ``cuda_graph.capture``): in a graph a fork and a join are
 free edges, eagerly each costs host time. Memory: the caching allocator reuses a freed block on its stream without
 waiting for others, so a caller tensor a lane reads is held until the join, a lane tensor the caller reads until the
-next fork after it.
-"""
-
-from __future__ import annotations
+next fork after it."""
 
 import contextlib
 import threading
@@ -69,12 +66,9 @@ _local = _State()  # each thread gets its own on first use
 
 
 @contextlib.contextmanager
-def active(enabled: bool = True) -> Iterator[None]:
+def active() -> Iterator[None]:
     """Within: :func:`aside` and :func:`region` use the lanes of their inputs' device (this thread only). On exit
     every lane joins the caller's stream (a capture must end with its forks joined) and drops what it held."""
-    if not enabled:
-        yield
-        return
     _local.depth += 1
     try:
         yield

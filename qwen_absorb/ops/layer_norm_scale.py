@@ -2,10 +2,7 @@
 
 Rounding points reproduced, each in the tensor dtype: the LayerNorm output (PyTorch's CUDA order), ``1 + scale``, the
 product. ``scale``: [B, D], or [B + 1, D] with ``target_token_mask`` (:mod:`._target_rows`). The ``_fp8`` variant
-also (or only) writes the e4m3 codes of that output for the FP8 GEMMs of to_q/to_k/to_v (:mod:`.fp8`).
-"""
-
-from __future__ import annotations
+also (or only) writes the e4m3 codes of that output for the FP8 GEMMs of to_q/to_k/to_v (:mod:`.fp8`)."""
 
 import torch
 
@@ -47,21 +44,20 @@ def launch(
     return o, f8
 
 
-def _validate(x, scale, eps, mask, fp8_amax=None) -> float:
+def _checked(x, scale, eps, mask, force_reference, fp8_amax=None) -> tuple[float, list[str]]:
     check_activation("x", x)
     eps = check_eps(eps)
     check_target_token_mask(mask, x)
     check_rows("scale", scale, x, mask)
     check_fp8_amax(fp8_amax, x)
-    return eps
+    return eps, common_reasons([x, scale], force_reference)
 
 
 def layer_norm_scale_not_supported_reasons(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
                                           target_token_mask: torch.Tensor | None = None,
                                           force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(x, scale, eps, target_token_mask)
-    return common_reasons([x, scale], force_reference)
+    return _checked(x, scale, eps, target_token_mask, force_reference)[1]
 
 
 def _kernel(x, scale, eps, mask, out=True, fp8_amax=None):
@@ -72,10 +68,9 @@ def layer_norm_scale(x: torch.Tensor, *, scale: torch.Tensor, eps: float = 1e-6,
                      target_token_mask: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale)``, fused on CUDA; bit-identical to the eager expression.
     x: [B, L, D]; scale: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L])."""
-    eps = _validate(x, scale, eps, target_token_mask)
     m = target_token_mask
-    return dispatch(common_reasons([x, scale], force_reference),
-                    lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
+    eps, reasons = _checked(x, scale, eps, m, force_reference)
+    return dispatch(reasons, lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
                     lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, None)[0],
                     lambda: _kernel(x, scale, eps, m)[0])
 
@@ -86,9 +81,9 @@ def layer_norm_scale_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale`'s output under ``fp8_amax`` (as the reference
     quantizer's), and the output itself with ``also_output`` (else None: the kernel skips writing it)."""
-    eps = _validate(x, scale, eps, target_token_mask, fp8_amax)
     m = target_token_mask
-    return dispatch_fp8(common_reasons([x, scale], force_reference), fp8_amax, also_output,
+    eps, reasons = _checked(x, scale, eps, m, force_reference, fp8_amax)
+    return dispatch_fp8(reasons, fp8_amax, also_output,
                         lambda: layer_norm_scale_reference(x, scale=scale, eps=eps, target_token_mask=m),
                         lambda: torch.ops.qwen_absorb.layer_norm_scale(x, scale, eps, m, fp8_amax),
                         lambda out: _kernel(x, scale, eps, m, out, fp8_amax))

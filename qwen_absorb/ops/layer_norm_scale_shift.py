@@ -1,8 +1,6 @@
 """layer_norm_scale_shift: ``LayerNorm(x) * (1 + scale) + shift`` (norm1 + ``_modulate`` of
 QwenImageTransformerBlock), one kernel; the ``_fp8`` variant also (or only) writes the e4m3 codes of that output."""
 
-from __future__ import annotations
-
 import torch
 
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
@@ -43,22 +41,21 @@ def launch(
     return o, f8
 
 
-def _validate(x, shift, scale, eps, index, fp8_amax=None) -> float:
+def _checked(x, shift, scale, eps, index, force_reference, fp8_amax=None) -> tuple[float, list[str]]:
     check_activation("x", x)
     eps = check_eps(eps)
     check_index(index, x)
     check_param("shift", shift, x, index)
     check_param("scale", scale, x, index)
     check_fp8_amax(fp8_amax, x)
-    return eps
+    return eps, common_reasons([x, shift, scale], force_reference)
 
 
 def layer_norm_scale_shift_not_supported_reasons(x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor,
                                                 eps: float = 1e-6, index: torch.Tensor | None = None,
                                                 force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(x, shift, scale, eps, index)
-    return common_reasons([x, shift, scale], force_reference)
+    return _checked(x, shift, scale, eps, index, force_reference)[1]
 
 
 def _kernel(x, shift, scale, eps, index, out=True, fp8_amax=None):
@@ -70,8 +67,8 @@ def layer_norm_scale_shift(x: torch.Tensor, *, shift: torch.Tensor, scale: torch
                            index: torch.Tensor | None = None, force_reference: bool = False) -> torch.Tensor:
     """``LayerNorm(x, eps, no affine) * (1 + scale) + shift``, fused on CUDA. x: [B, L, D]; shift, scale: [B, D]
     or [B, 1, D] (2B rows with ``index`` [B, L] of 0/1)."""
-    eps = _validate(x, shift, scale, eps, index)
-    return dispatch(common_reasons([x, shift, scale], force_reference),
+    eps, reasons = _checked(x, shift, scale, eps, index, force_reference)
+    return dispatch(reasons,
                     lambda: layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index),
                     lambda: torch.ops.qwen_absorb.layer_norm_scale_shift(x, shift, scale, eps, index, None)[0],
                     lambda: _kernel(x, shift, scale, eps, index)[0])
@@ -83,8 +80,8 @@ def layer_norm_scale_shift_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(codes, out)``: the e4m3 codes of :func:`layer_norm_scale_shift`'s output under ``fp8_amax`` (as the
     reference quantizer's), and the output itself with ``also_output`` (else None: the kernel skips writing it)."""
-    eps = _validate(x, shift, scale, eps, index, fp8_amax)
-    return dispatch_fp8(common_reasons([x, shift, scale], force_reference), fp8_amax, also_output,
+    eps, reasons = _checked(x, shift, scale, eps, index, force_reference, fp8_amax)
+    return dispatch_fp8(reasons, fp8_amax, also_output,
                         lambda: layer_norm_scale_shift_reference(x, shift=shift, scale=scale, eps=eps, index=index),
                         lambda: torch.ops.qwen_absorb.layer_norm_scale_shift(x, shift, scale, eps, index, fp8_amax),
                         lambda out: _kernel(x, shift, scale, eps, index, out, fp8_amax))

@@ -7,10 +7,7 @@ The sum is accumulated in fp32 and rounded once (``torch.addmm_``'s expression; 
 :data:`MAX_PROBLEMS` outputs a launch) runs in no library path (it lost to ``addmm_`` in the call: NOTES.md), only
 in the GPU tests, which check the sums by it (``tests/ops_helpers.lora_add_``). ``lora_add_tiles.cu`` (16-byte
 aligned rows, widths and ranks multiples of 8; faster) and ``lora_add.cu`` (any layout) compute the same sums bit for
-bit. Where :func:`reasons` refuses, callers run the torch expressions.
-"""
-
-from __future__ import annotations
+bit. Where :func:`reasons` refuses, callers run the torch expressions."""
 
 from collections.abc import Sequence
 
@@ -27,10 +24,20 @@ KSTEPS = (1, 2, 4, 8)  # rank / 16 rounded up to one of these: the kernel's temp
 MAX_RANK = 16 * KSTEPS[-1]
 _PROBLEM = "PPPqqqiiiiiiif"  # y, t, b; strides; M, N, R, tiles_n, tile_begin, vec, bnb; alpha
 _LAYOUT = _PROBLEM * MAX_PROBLEMS + "iiiPPP"  # nprob, units, per_block; codes, act_out, amax
+_EMPTY = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 << 30, 0, 64, 0.0]  # an unused problem's fields (tile_begin past all)
 DTYPE_TRAITS = {torch.bfloat16: "QaBF16", torch.float16: "QaF16"}
+SMEM_ELEMENTS = 256 * 72  # QA_LA_SMEM: lora_B's staged rows, bnb * (16 ks + 8) elements at most
 _cache: dict[tuple, rt.Launcher] = rt.register_cache({})
-
 Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]  # (y, t, B, alpha)
+
+# lora_add_tiles.cu: the same sums laid out for the copy rate (cp.async ring of y / t tiles, lora_B staged once
+# per column range, a balanced run of tiles per block). tiles=False: every launch takes lora_add_kernel.
+TILES_CU = "lora_add_tiles.cu"
+TILE_COLS = 128  # QA_LT_BN
+_TILE_Y_PITCH = TILE_COLS + 32  # QA_LT_YP
+TILE_DEFAULTS = {"rows": 64, "stages": 3, "min_blocks": 2}  # QA_LT_BM, QA_LT_STAGES, QA_LT_MIN_BLOCKS
+TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = TILE_DEFAULTS.values()
+_slots: dict[tuple[int, int], int] = {}  # tile_slots' memo
 
 
 def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]:
@@ -66,15 +73,6 @@ def _launcher(act: int, dtype: torch.dtype, ks: int, device: torch.device, tiles
     return hit
 
 
-# lora_add_tiles.cu: the same sums laid out for the copy rate (cp.async ring of y / t tiles, lora_B staged once
-# per column range, a balanced run of tiles per block). tiles=False: every launch takes lora_add_kernel.
-TILES_CU = "lora_add_tiles.cu"
-TILE_COLS = 128  # QA_LT_BN
-_TILE_Y_PITCH = TILE_COLS + 32  # QA_LT_YP
-TILE_DEFAULTS = {"rows": 64, "stages": 3, "min_blocks": 2}  # QA_LT_BM, QA_LT_STAGES, QA_LT_MIN_BLOCKS
-TILE_ROWS, TILE_STAGES, TILE_MIN_BLOCKS = TILE_DEFAULTS.values()
-
-
 def configure_tiles(rows: int | None = None, stages: int | None = None, min_blocks: int | None = None) -> None:
     """Recompile the tiled kernel with another geometry (rows per tile 32 or 64, ring stages, blocks per SM the
     registers must allow), for measurements; no arguments: the defaults. Resets every op's compile-time defines."""
@@ -106,9 +104,6 @@ def tile_reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> list[str]
     return r
 
 
-_slots: dict[tuple[int, int], int] = {}
-
-
 def tile_slots(device: torch.device, ks: int) -> int:
     """Blocks of a tiled launch resident at once on ``device`` (SMs x blocks per SM by shared memory, at most
     the ``TILE_MIN_BLOCKS`` the kernel's register bound guarantees); 0 where one block does not fit."""
@@ -130,9 +125,6 @@ def tile_grid(units: int, slots: int) -> tuple[int, int]:
     return -(-units // per), per
 
 
-SMEM_ELEMENTS = 256 * 72  # QA_LA_SMEM: lora_B's staged rows, bnb * (16 ks + 8) elements at most
-
-
 def columns_per_block(m: int, ks: int) -> int:
     """Columns per block: lora_B's staged rows must fit ``SMEM_ELEMENTS`` at the launch's pitch (a grouped launch
     pads every problem to its largest rank); a short problem (the text stream) wants blocks more than reuse."""
@@ -145,20 +137,15 @@ def columns_per_block(m: int, ks: int) -> int:
 def _fields(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: float, begin: int, ks: int,
             tiled: bool = False) -> tuple[list, int]:
     """One problem's struct fields and tile count, for the tiled kernel (its fixed geometry) or lora_add_kernel."""
-    m, n = y.shape
-    r = t.shape[1]
+    (m, n), r = y.shape, t.shape[1]
     if tiled:
         bnb, rows, vec = TILE_COLS, TILE_ROWS, 3
     else:
         bnb, rows = columns_per_block(m, ks), _BM
-        vec = int(r % 8 == 0 and rt.aligned(b, 16))
-        vec |= 2 * int(n % 8 == 0 and rt.aligned(y, 16))
+        vec = int(r % 8 == 0 and rt.aligned(b, 16)) | 2 * int(n % 8 == 0 and rt.aligned(y, 16))
     tiles_n = -(-n // bnb)
     return [y.data_ptr(), t.data_ptr(), b.data_ptr(), y.stride(0), t.stride(0), b.stride(0), m, n, r, tiles_n,
             begin, vec, bnb, float(alpha)], -(-m // rows) * tiles_n
-
-
-_EMPTY = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 << 30, 0, 64, 0.0]
 
 
 def _launch(act: int, chunk: Sequence[Problem], ks: int, tiles: bool, codes: int = 0, act_out: int = 0,

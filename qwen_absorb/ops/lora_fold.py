@@ -4,11 +4,7 @@ net[2]'s ``lora_A`` product folded in, one pass over net[0]'s output.
 Without it, net[2]'s LoRA branch needs the GELU output ``g`` written and read back by a GEMM. Here the kernel
 multiplies ``g`` by net[2]'s lora_A weight while it is in registers and returns ``t2 = g @ A2.T`` (rounded once;
 PEFT's ``lora_A(g)`` summed in another order than cuBLAS's: it may differ in its last bit), the codes bit for bit
-add_gelu_fp8's. Blocks walk row bands, each split into ``S`` column segments whose fp32 partial sums a second kernel
-adds.
-"""
-
-from __future__ import annotations
+add_gelu_fp8's. Blocks walk row bands split into ``S`` column segments; a second kernel adds their fp32 sums."""
 
 import torch
 
@@ -79,9 +75,8 @@ def reasons(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, a2: torch.Tensor)
 def size_reasons(m: int, sms: int) -> list[str]:
     """Why the fold does not pay at ``m`` rows on a GPU of ``sms`` SMs (empty: it does): row bands split into
     :data:`MAX_SEGMENTS` segments at most must keep at least half the SMs busy."""
-    if -(-m // _BM) * MAX_SEGMENTS * 2 < sms:
-        return [f"{m} rows: the fold's row bands would keep fewer than half the SMs busy"]
-    return []
+    busy = -(-m // _BM) * MAX_SEGMENTS * 2 >= sms
+    return [] if busy else [f"{m} rows: the fold's row bands would keep fewer than half the SMs busy"]
 
 
 def segments(tiles_m: int, tiles_n: int, sms: int) -> int:
@@ -104,8 +99,7 @@ def add_gelu_fp8_fold(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, alpha: 
                       a2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernels: ``(codes, t2)``: the codes of :func:`qwen_absorb.ops.lora_add.add_gelu_fp8` and ``t2 = g @ a2.T``
     ([M, R2], y's dtype) of its GELU output ``g``; :func:`reasons` must be empty. ``y`` is only read."""
-    m, n = y.shape
-    r2 = a2.shape[0]
+    (m, n), r2 = y.shape, a2.shape[0]
     codes = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=y.device)
     t2 = torch.empty((m, r2), dtype=y.dtype, device=y.device)
     if not m:

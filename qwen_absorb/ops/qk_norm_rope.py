@@ -9,10 +9,7 @@ squares rounds by the order PyTorch's reduction adds them in, which differs betw
 the candidate orders and :func:`probe_variance_order` finds, once per device, the one in use (none: the reference
 runs, with a reason). The kernel needs DH == 128, complex64 freqs, weight.dtype == x.dtype and ``min_rows`` rows.
 Two forms give the same bits: a row per warp, 4 elements per lane (every order), and the wide form, a row per
-half-warp, 8 elements per lane with 16-byte loads (``WIDE_ORDERS``).
-"""
-
-from __future__ import annotations
+half-warp, 8 elements per lane with 16-byte loads (``WIDE_ORDERS``)."""
 
 import logging
 from collections.abc import Sequence
@@ -24,7 +21,7 @@ import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
-from ._validate import SUPPORTED_DTYPES, check_device, check_eps, check_tensor
+from ._validate import check_device, check_dtype, check_eps, check_tensor
 
 log = logging.getLogger("qwen_absorb")
 CU = "qk_norm_rope.cu"
@@ -34,11 +31,20 @@ WIDE_ORDERS = (0, 10)  # the orders the wide form implements (groups of 4 elemen
 MAX_JOBS = 4  # QA_QKR_MAX_JOBS
 HEAD_DIM = 128  # the kernel's row width (32 lanes x 4 elements)
 _FLT_MAX = torch.finfo(torch.float32).max
-
 # QkNormRopeJob in the .cu: x, weight, freqs, out (pointers); stride_b, stride_l, stride_h, freqs_stride (int64);
 # L, H, rows, block_start (int32), eps (float), vec_flags (int32). QkNormRopeParams: MAX_JOBS jobs, then njobs.
 JOB_LAYOUT = "4P4q4ifi"
 LAYOUT = JOB_LAYOUT * MAX_JOBS + "i"
+_fns: dict[tuple, object] = rt.register_cache({})
+
+# The kernel's ORDER: per-lane grouping (ORDER % 10; each lane sums its groups in sequence) and lane tree (shfl_down
+# at offsets 1, 2, 4, ... for ORDER < 10, PyTorch's Reduce.cuh before 2.10; ..., 4, 2, 1 for ORDER >= 10).
+_GROUPINGS = {0: "vectorized by 4, 32 lanes", 1: "not vectorized, 32 lanes, stride 32", 2: "vectorized by 8, 16 lanes",
+              3: "vectorized by 2, 32 lanes, two steps", 4: "vectorized by 16, 8 lanes"}
+ORDERS = {**{g: f"{d}, lane offsets increasing" for g, d in _GROUPINGS.items()},
+          **{10 + g: f"{d}, lane offsets decreasing" for g, d in _GROUPINGS.items()}}
+_PROBE_ROWS = (1, 2, 3, 5, 8, 16, 24, 64, 4096)
+_orders: "dict[int, VarianceOrder]" = rt.register_cache({})
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,23 +69,13 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, freqs: torch.T
     return rope_reference(rms_norm_reference(x, weight, eps), freqs)
 
 
-# The kernel's ORDER: per-lane grouping (ORDER % 10; each lane sums its groups in sequence) and lane tree (shfl_down
-# at offsets 1, 2, 4, ... for ORDER < 10, PyTorch's Reduce.cuh before 2.10; ..., 4, 2, 1 for ORDER >= 10).
-_GROUPINGS = {0: "vectorized by 4, 32 lanes", 1: "not vectorized, 32 lanes, stride 32", 2: "vectorized by 8, 16 lanes",
-              3: "vectorized by 2, 32 lanes, two steps", 4: "vectorized by 16, 8 lanes"}
-ORDERS = {**{g: f"{d}, lane offsets increasing" for g, d in _GROUPINGS.items()},
-          **{10 + g: f"{d}, lane offsets decreasing" for g, d in _GROUPINGS.items()}}
-
-
 def _lane_groups(grouping: int) -> tuple[int, list[list[list[int]]]]:
     """(lanes, per lane its accumulators' element indices) of a grouping (ORDER % 10)."""
-    if grouping == 0:
-        return 32, [[[4 * u + i] for i in range(4)] for u in range(32)]
     if grouping == 1:
         return 32, [[[u + 32 * i] for i in range(4)] for u in range(32)]
     if grouping == 3:
         return 32, [[[2 * u + i, 2 * u + 64 + i] for i in range(2)] for u in range(32)]
-    v = 8 if grouping == 2 else 16
+    v = {0: 4, 2: 8, 4: 16}[grouping]  # v consecutive elements per lane
     return 128 // v, [[[v * u + i] for i in range(v)] for u in range(128 // v)]
 
 
@@ -105,10 +101,6 @@ class VarianceOrder(NamedTuple):
     order: int | None  # the kernel ORDER equal to PyTorch's on every probed batch (None: none)
     min_rows: int  # the smallest probed row count from which on that holds
     detail: str  # which candidates matched, for the reasons and the logs
-
-
-_PROBE_ROWS = (1, 2, 3, 5, 8, 16, 24, 64, 4096)
-_orders: dict[int, VarianceOrder] = rt.register_cache({})
 
 
 def probe_variance_order(device: torch.device | int) -> VarianceOrder:
@@ -156,9 +148,6 @@ def order_reasons(device: torch.device, rows: int) -> list[str]:
     return []
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], freqs: Sequence[torch.Tensor],
     eps: Sequence[float], into: Sequence[torch.Tensor] | None = None, wide: bool = True) -> list[torch.Tensor]:
@@ -168,9 +157,8 @@ def launch(
     n = len(xs)
     if n > MAX_JOBS:
         raise ValueError(f"qk_norm_rope.launch takes at most {MAX_JOBS} tensors, got {n}")
-    x0 = xs[0]
+    x0, rpw = xs[0], ROWS_PER_WARP
     dev = x0.get_device()
-    rpw = ROWS_PER_WARP
     key = (x0.dtype, dev, rpw, wide)
     entry = _fns.get(key)
     if entry is None:
@@ -180,12 +168,9 @@ def launch(
         form = wide and order in WIDE_ORDERS and rpw % 2 == 0
         fn = rt.function(CU, _expression(rt.TRAITS[x0.dtype], order, rpw, form), dev)
         entry = _fns[key] = (rt.Launcher(fn, WARPS * 32, LAYOUT, dev), 8 if form else 4)
-    launcher, per_lane = entry
-    esize = x0.element_size()
+    (launcher, per_lane), esize = entry, x0.element_size()
     a = per_lane * esize  # one lane's elements: the vector loads' alignment
-    vals: list = []
-    outs = []
-    blocks = 0
+    vals, outs, blocks = [], [], 0
     for i, (x, w, f) in enumerate(zip(xs, weights, freqs, strict=True)):
         if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
                 or type(f) is not torch.Tensor):  # a DTensor / AsyncCollectiveTensor: its data_ptr is not the data
@@ -196,8 +181,7 @@ def launch(
         outs.append(out)
         rows = B * L * H
         sb, sl, sh, _ = x.stride()
-        xp, wp, fp = x.data_ptr(), w.data_ptr(), f.data_ptr()
-        fs = 2 * f.stride(0)
+        xp, wp, fp, fs = x.data_ptr(), w.data_ptr(), f.data_ptr(), 2 * f.stride(0)
         flags = (((xp | sb * esize | sl * esize | sh * esize) % a == 0)
                  | ((wp % a == 0) << 1) | (((fp | fs * 4) % 16 == 0) << 2))
         vals += (xp, wp, fp, out.data_ptr(), sb, sl, sh, fs, L, H, rows, blocks, eps[i], flags)
@@ -217,19 +201,17 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
             for t in rt.TRAITS.values() for o in orders]
 
 
-def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
+def _validate(x, weight, freqs, eps, i: int | None = None) -> float:
     name, wn, fn = ("x", "weight", "freqs") if i is None else (f"xs[{i}]", f"weights[{i}]", f"freqs[{i}]")
     check_tensor(name, x, ": the op is token-local")
     if x.dim() != 4:
         raise ValueError(f"{name} must have shape [B, L, H, DH], got {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    check_dtype(name, x)
     DH = x.shape[3]
     if DH < 2 or DH % 2:
         raise ValueError(f"{name} needs an even head dim DH >= 2 (RoPE pairs), got {tuple(x.shape)}")
     check_tensor(wn, weight)
-    if weight.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{wn} has dtype {weight.dtype}; supported: bfloat16, float16, float32")
+    check_dtype(wn, weight)
     if tuple(weight.shape) != (DH,):
         raise ValueError(f"{wn} must have shape [DH] = [{DH}], got {tuple(weight.shape)}")
     check_device(wn, weight, x, name)
@@ -237,11 +219,10 @@ def _validate(x, weight, freqs, eps, i: int | None = None) -> None:
     if not freqs.is_complex():
         raise TypeError(f"{fn} must be a complex tensor (torch.polar(...), as diffusers' QwenEmbedRope makes it), "
                         f"got dtype {freqs.dtype}")
-    L = x.shape[1]
-    if tuple(freqs.shape) != (L, DH // 2):
-        raise ValueError(f"{fn} must have shape [L, DH/2] = [{L}, {DH // 2}], got {tuple(freqs.shape)}")
+    if tuple(freqs.shape) != (x.shape[1], DH // 2):
+        raise ValueError(f"{fn} must have shape [L, DH/2] = [{x.shape[1]}, {DH // 2}], got {tuple(freqs.shape)}")
     check_device(fn, freqs, x, name)
-    check_eps(eps)
+    return check_eps(eps)
 
 
 def _kernel_reasons(x, weight, freqs, eps, force_reference: bool) -> list[str]:
@@ -286,8 +267,7 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, *, 
                  force_reference: bool = False) -> torch.Tensor:
     """``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)``, fused on CUDA: x [B, L, H, DH], weight [DH],
     freqs complex [L, DH/2] (one of diffusers' QwenEmbedRope pair); a contiguous [B, L, H, DH] in weight's dtype."""
-    _validate(x, weight, freqs, eps)
-    eps = float(eps)
+    eps = _validate(x, weight, freqs, eps)
     return dispatch(_kernel_reasons(x, weight, freqs, eps, force_reference),
                     lambda: qk_norm_rope_reference(x, weight, freqs, eps),
                     lambda: torch.ops.qwen_absorb.qk_norm_rope([x], [weight], [freqs], [eps])[0],
@@ -318,8 +298,7 @@ def qk_norm_rope_multi(
                                  for r in _kernel_reasons(xs[i], weights[i], freqs[i], eps_l[i], force_reference)))
     if any(x.dtype != xs[0].dtype for x in xs):
         reasons.append("one launch needs all tensors in one dtype")
-    return dispatch(reasons,
-                    lambda: _reference_multi(xs, weights, freqs, eps_l),
+    return dispatch(reasons, lambda: _reference_multi(xs, weights, freqs, eps_l),
                     lambda: list(torch.ops.qwen_absorb.qk_norm_rope(xs, weights, freqs, eps_l)),
                     lambda: launch(xs, weights, freqs, eps_l))
 
@@ -328,14 +307,12 @@ def qk_norm_rope_multi(
 def _custom_op(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: list[torch.Tensor],
                eps: list[float]) -> list[torch.Tensor]:
     if kernel_usable_now(xs[0]) and not any(
-        x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) or order_reasons(x.device, x.numel() // HEAD_DIM)
-        for x, w, f, e in zip(xs, weights, freqs, eps)
-    ):
+            x.dtype != xs[0].dtype or _input_reasons(x, w, f, e) or order_reasons(x.device, x.numel() // HEAD_DIM)
+            for x, w, f, e in zip(xs, weights, freqs, eps)):
         return launch(xs, weights, freqs, eps)
     return _reference_multi(xs, weights, freqs, eps)
 
 
-@_custom_op.register_fake
-def _(xs, weights, freqs, eps):
-    # RMSNorm returns the weight's dtype whatever x's, and RoPE's type_as keeps it
-    return [x.new_empty(x.shape, dtype=w.dtype) for x, w in zip(xs, weights)]
+# RMSNorm returns the weight's dtype whatever x's, and RoPE's type_as keeps it
+_custom_op.register_fake(lambda xs, weights, freqs, eps: [x.new_empty(x.shape, dtype=w.dtype)
+                                                          for x, w in zip(xs, weights)])

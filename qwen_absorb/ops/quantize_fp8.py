@@ -2,17 +2,14 @@
 linears' input) rounded to x's dtype, for the real FP8 GEMM that consumes it. :func:`quantize_fp8_split` codes the
 joint attention output's two row ranges (the inputs of ``to_add_out`` and ``to_out[0]``) under two scales in one
 launch, from the [B, S, H, DH] tensor the attention returns (no flatten copy). Codes are bit-identical to
-:func:`~.fp8.quantize_fp8_reference` of the (activated, rounded) value.
-"""
-
-from __future__ import annotations
+:func:`~.fp8.quantize_fp8_reference` of the (activated, rounded) value."""
 
 import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import amax_fp32, ptr, require_plain
-from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
+from ._validate import check_amax, check_dtype, is_dtensor
 from .fp8 import quantize_fp8_reference
 
 CU = "quantize_fp8.cu"
@@ -21,17 +18,13 @@ ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 # QuantizeFp8Params in the .cu: x, out_a, out_b, act_out, amax_a, amax_b (pointers); stride_b, stride_s, stride_h,
 # B, S, split (int64); H, DH, vec (int32)
 LAYOUT = "6P6qiii"
+_fns: dict[tuple, object] = rt.register_cache({})
 
 
 def activation_reference(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return x
-    if activation == "silu":
-        return torch.nn.functional.silu(x)
-    return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-_fns: dict[tuple, object] = rt.register_cache({})
+    return torch.nn.functional.silu(x) if activation == "silu" else torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def launch(
@@ -43,19 +36,15 @@ def launch(
     B, S, H, DH = x.shape if x.dim() == 4 else (*x.shape[:2], 1, x.shape[2])  # [B, S, D]: one head of D
     D = H * DH
     sb, ss, sh = x.stride(0), x.stride(1), x.stride(2) if x.dim() == 4 else D
-    dev = x.get_device()
-    e4m3 = torch.float8_e4m3fn
+    dev, e4m3 = x.get_device(), torch.float8_e4m3fn
     out_a = torch.empty((B, split, D), dtype=e4m3, device=x.device) if split else None
     out_b = torch.empty((B, S - split, D), dtype=e4m3, device=x.device)
     out_a = out_b[:, :0] if out_a is None else out_a  # no rows: its pointer is out_b's
     act = torch.empty((B, S, D), dtype=x.dtype, device=x.device) if act_out else None
     if B * S * D == 0:
         return out_a, out_b, act
-    esize = x.element_size()
-    xp = x.data_ptr()
-    vec = 16 // esize
-    if DH % vec or (xp | sb * esize | ss * esize | sh * esize) % 16:
-        vec = 1
+    esize, xp = x.element_size(), x.data_ptr()
+    vec = 1 if DH % (16 // esize) or (xp | sb * esize | ss * esize | sh * esize) % 16 else 16 // esize
     key = (x.dtype, ACTIVATIONS[activation], vec, dev)
     launcher = _fns.get(key) or rt.launcher(
         _fns, key, CU, f"quantize_fp8_kernel<{rt.TRAITS[x.dtype]}, {key[1]}, {vec}>", dev, THREADS, LAYOUT)
@@ -74,8 +63,7 @@ def _check_x(x: torch.Tensor) -> None:
         raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (3, 4):
         raise ValueError(f"x must be [B, S, D] or [B, S, H, DH], got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    check_dtype("x", x)
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"x must have unit stride in its last dimension, got strides {x.stride()}")
 

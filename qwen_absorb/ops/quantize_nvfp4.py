@@ -9,10 +9,7 @@ The target is ModelOpt 0.47's Triton kernel ``fp4_fake_quant_block``: its fp32 d
 not correctly rounded; the CUDA kernel issues the same instruction and is bit-identical. The reference divides with
 IEEE rounding: equal except where a quotient lies within 2 ulp of a rounding boundary (a few elements per million).
 NaN / inf policy (ModelOpt's): a block's max skips NaN; inf saturates the block scale to 448 * gs; a NaN element
-becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (Triton negates as ``0 - v``).
-"""
-
-from __future__ import annotations
+becomes ``-6 * scale``, an inf ``+-6 * scale``; zero is always ``+0`` (Triton negates as ``0 - v``)."""
 
 import torch
 
@@ -20,7 +17,7 @@ from . import _runtime as rt
 from ._eligibility import common_reasons, dispatch, kernel_usable_now
 from ._launch import NVFP4_BLOCK as BLOCK
 from ._launch import amax_fp32, emit_reasons, require_plain  # noqa: F401  (emit_reasons: re-exported)
-from ._validate import SUPPORTED_DTYPES, check_amax, is_dtensor
+from ._validate import check_amax, check_dtype, is_dtensor
 from .quantize_fp8 import ACTIVATIONS, activation_reference  # the kernel's ACT: quantize_fp8.cu's numbering
 
 CU = "quantize_nvfp4.cu"
@@ -30,6 +27,7 @@ GLOBAL_DIVISOR = 6.0 * 448.0  # e2m1 max x e4m3 max
 INV_GLOBAL_DIVISOR = float(torch.tensor(1.0 / GLOBAL_DIVISOR, dtype=torch.float32))  # exact in float32
 # QuantizeNvfp4Params in the .cu: x, y, amax (pointers); rows, stride_row (int64); D, nblk (int32)
 LAYOUT = "3P2qii"
+_fns: dict[tuple, object] = rt.register_cache({})
 
 # e2m1 rounding of |x| / scale (ModelOpt's fp4_round_magnitude): (bound, inclusive, value below it)
 _E2M1_STEPS = ((0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5),
@@ -69,9 +67,6 @@ def quantize_nvfp4_reference(x: torch.Tensor, amax: torch.Tensor) -> torch.Tenso
     return y[:, :D].to(dtype).reshape(shape)
 
 
-_fns: dict[tuple, object] = rt.register_cache({})
-
-
 def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch.Tensor:
     """Checked-once entry: ``x`` [..., D] with unit last stride and one row stride on a usable CUDA device;
     ``amax`` a one-element fp32 tensor there. Returns the fake quantization of ``act(x)`` (None, ``"gelu_tanh"`` or
@@ -86,8 +81,7 @@ def launch(x: torch.Tensor, amax: torch.Tensor, act: str | None = None) -> torch
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     if rows * D == 0:
         return y.view(x.shape)
-    esize = x.element_size()
-    stride = x2.stride(0)
+    esize, stride = x.element_size(), x2.stride(0)
     vec = 1 if (x2.data_ptr() | stride * esize | D * esize) % 16 else 16 // esize
     dev = x.get_device()
     key = (x.dtype, vec, a, dev)
@@ -132,8 +126,7 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | Non
         raise TypeError(f"x must be a (local) torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    check_dtype("x", x)
     check_amax("amax", amax, x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
@@ -146,9 +139,8 @@ def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor, *, activation: str | Non
 
 @torch.library.custom_op("qwen_absorb::quantize_nvfp4", mutates_args=())
 def _custom_op(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    if kernel_usable_now(x) and x.stride(-1) == 1 and _rows_uniform(x):
-        return launch(x, amax_fp32(amax))
-    return quantize_nvfp4_reference(x, amax)
+    usable = kernel_usable_now(x) and x.stride(-1) == 1 and _rows_uniform(x)
+    return launch(x, amax_fp32(amax)) if usable else quantize_nvfp4_reference(x, amax)
 
 
 _custom_op.register_fake(lambda x, amax: torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -2,10 +2,7 @@
 
 The rounding points of ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma``, then ``F.silu``, are kept; the
 norm's sum of squares runs in the kernel's own order, so an output may differ from eager's by one rounding: not
-bit-identical, covered by the VAE's fidelity gate (:mod:`qwen_absorb.vae`). bf16/fp16, C even, C <= 1024.
-"""
-
-from __future__ import annotations
+bit-identical, covered by the VAE's fidelity gate (:mod:`qwen_absorb.vae`). bf16/fp16, C even, C <= 1024."""
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +14,6 @@ CU = "rms_norm_silu.cu"
 WARPS = 8  # QA_RNS_WARPS: rows per block
 MAX_C = 64 * 16  # 64 * QA_RNS_MAXP
 EPS = 1e-12  # F.normalize's default
-
 # RmsNormSiluParams in the .cu: x, gamma, out (pointers); rows (int64); pairs (int32); scale, eps (float); silu
 LAYOUT = "3Pqiffi"
 _fns: dict[tuple, object] = rt.register_cache({})

@@ -2,33 +2,27 @@
 
 Rounding points reproduced, each in the tensor dtype: ``silu(a)`` (PyTorch's CUDA SiLU: ``x / (1 + exp(-x))`` in
 fp32) and the product. :func:`swiglu_fp8` also (or only) writes the e4m3 codes of the product (as
-:func:`~qwen_absorb.ops.fp8.quantize_fp8_reference`). Any shape, ``a`` and ``b`` of one shape, dtype and device.
-"""
-
-from __future__ import annotations
+:func:`~qwen_absorb.ops.fp8.quantize_fp8_reference`). Any shape, ``a`` and ``b`` of one shape, dtype and device."""
 
 import torch
 
 from . import _runtime as rt
 from ._eligibility import common_reasons, custom_op_result, dispatch, dispatch_fp8, fake_outputs
 from ._launch import amax_fp32, check_emit, outputs, ptr
-from ._validate import SUPPORTED_DTYPES, check_fp8_amax, check_same, check_tensor
+from ._validate import check_dtype, check_fp8_amax, check_same, check_tensor
 
 CU = "swiglu.cu"
 THREADS = 256  # QA_SWIGLU_THREADS
 UNROLL = 1  # the kernel's UNROLL: 16-byte vectors per thread, all loaded before the first store
 MAX_ELEMENTS = ((1 << 31) - 1) * THREADS  # grid.x limit at one element per thread (VEC >= 1)
-
 # SwigluParams in the .cu: a, b, out, out2, out2_amax (pointers); n (int64); vec (int32)
 LAYOUT = "5Pqi"
+_fns: dict[tuple, object] = rt.register_cache({})
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The diffusers eager expression: ``self.activation_fn(gate) * proj`` with ``nn.SiLU``."""
     return torch.nn.functional.silu(a) * b
-
-
-_fns: dict[tuple, object] = rt.register_cache({})
 
 
 def launch(a: torch.Tensor, b: torch.Tensor, *, out: bool = True, fp8_amax: torch.Tensor | None = None,
@@ -63,19 +57,15 @@ def all_kernel_expressions() -> list[tuple[str, str]]:
             for d, t in rt.TRAITS.items() for q4 in (0, 1)]
 
 
-def _validate(a, b, fp8_amax=None) -> None:
+def _checked(a, b, force_reference, fp8_amax=None) -> list[str]:
     check_tensor("a", a)
     if a.dim() < 1:
         raise ValueError("a must have at least one dimension")
-    if a.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"a has dtype {a.dtype}; supported: bfloat16, float16, float32")
+    check_dtype("a", a)
     check_same("b", b, a, "a")
     if b.shape != a.shape:
         raise ValueError(f"b has shape {tuple(b.shape)} but a has {tuple(a.shape)}")
     check_fp8_amax(fp8_amax, a)
-
-
-def _reasons(a, b, force_reference) -> list[str]:
     reasons = common_reasons([a, b], force_reference)
     if a.numel() > MAX_ELEMENTS:
         reasons.append(f"{a.numel()} elements > {MAX_ELEMENTS}")
@@ -84,8 +74,7 @@ def _reasons(a, b, force_reference) -> list[str]:
 
 def swiglu_not_supported_reasons(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(a, b)
-    return _reasons(a, b, force_reference)
+    return _checked(a, b, force_reference)
 
 
 def _kernel(a, b, out=True, fp8_amax=None):
@@ -94,8 +83,7 @@ def _kernel(a, b, out=True, fp8_amax=None):
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, force_reference: bool = False) -> torch.Tensor:
     """``silu(a) * b``, fused on CUDA; bit-identical to the eager expression."""
-    _validate(a, b)
-    return dispatch(_reasons(a, b, force_reference), lambda: swiglu_reference(a, b),
+    return dispatch(_checked(a, b, force_reference), lambda: swiglu_reference(a, b),
                     lambda: torch.ops.qwen_absorb.swiglu(a, b, None)[0], lambda: _kernel(a, b)[0])
 
 
@@ -103,9 +91,8 @@ def swiglu_fp8(a: torch.Tensor, b: torch.Tensor, *, fp8_amax: torch.Tensor, also
                force_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(codes, out)``: the e4m3 codes of :func:`swiglu`'s output under a per-tensor ``fp8_amax``, and the output
     itself when ``also_output`` (else None: the kernel skips writing it)."""
-    _validate(a, b, fp8_amax)
-    return dispatch_fp8(_reasons(a, b, force_reference), fp8_amax, also_output, lambda: swiglu_reference(a, b),
-                        lambda: torch.ops.qwen_absorb.swiglu(a, b, fp8_amax),
+    return dispatch_fp8(_checked(a, b, force_reference, fp8_amax), fp8_amax, also_output,
+                        lambda: swiglu_reference(a, b), lambda: torch.ops.qwen_absorb.swiglu(a, b, fp8_amax),
                         lambda out: _kernel(a, b, out, fp8_amax))
 
 

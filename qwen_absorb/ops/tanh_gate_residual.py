@@ -1,10 +1,7 @@
 """tanh_gate_residual: ``residual + tanh(gate) * x`` (Qwen-Image-2.1's FFN residual site, ``x = img_mlp.out``).
 
 Rounding points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum; with ``clip_fp16=True``
-and float16 tensors the block's final ``clip(-65504, 65504)``. ``gate``: [B, D], or [B + 1, D] (``_target_rows``).
-"""
-
-from __future__ import annotations
+and float16 tensors the block's final ``clip(-65504, 65504)``. ``gate``: [B, D], or [B + 1, D] (``_target_rows``)."""
 
 import torch
 
@@ -42,12 +39,12 @@ def launch(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_t
     return out
 
 
-def _validate(residual, x, gate, mask, clip_fp16) -> bool:
+def _checked(residual, x, gate, mask, clip_fp16, force_reference) -> tuple[bool, list[str]]:
     check_residual(residual, x)
     clip_fp16 = check_clip(clip_fp16)
     check_target_token_mask(mask, x)
     check_rows("gate", gate, x, mask)
-    return clip_fp16
+    return clip_fp16, common_reasons([x, residual, gate], force_reference)
 
 
 def _kernel(residual, x, gate, mask, clip_fp16):
@@ -58,8 +55,7 @@ def tanh_gate_residual_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, target_token_mask: torch.Tensor | None = None,
     clip_fp16: bool = False, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(residual, x, gate, target_token_mask, clip_fp16)
-    return common_reasons([x, residual, gate], force_reference)
+    return _checked(residual, x, gate, target_token_mask, clip_fp16, force_reference)[1]
 
 
 def tanh_gate_residual(
@@ -67,23 +63,20 @@ def tanh_gate_residual(
     clip_fp16: bool = False, force_reference: bool = False) -> torch.Tensor:
     """``residual + tanh(gate) * x`` (then the fp16 clip if asked), fused on CUDA; bit-identical to the eager
     expression. residual, x: [B, L, D]; gate: [B, D], or [B + 1, D] with ``target_token_mask`` (bool [L])."""
-    clip_fp16 = _validate(residual, x, gate, target_token_mask, clip_fp16)
     m = target_token_mask
-    return dispatch(
-        common_reasons([x, residual, gate], force_reference),
-        lambda: tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=m, clip_fp16=clip_fp16),
-        lambda: torch.ops.qwen_absorb.tanh_gate_residual(residual, x, gate, m, clip_fp16),
-        lambda: _kernel(residual, x, gate, m, clip_fp16),
-    )
+    clip, reasons = _checked(residual, x, gate, m, clip_fp16, force_reference)
+    return dispatch(reasons,
+                    lambda: tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=m, clip_fp16=clip),
+                    lambda: torch.ops.qwen_absorb.tanh_gate_residual(residual, x, gate, m, clip),
+                    lambda: _kernel(residual, x, gate, m, clip))
 
 
 @torch.library.custom_op("qwen_absorb::tanh_gate_residual", mutates_args=())
 def _custom_op(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, target_token_mask: torch.Tensor | None,
                clip_fp16: bool) -> torch.Tensor:
-    if kernel_usable_now(x):
-        return _kernel(residual, x, gate, target_token_mask, clip_fp16)
-    return tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=target_token_mask,
-                                        clip_fp16=clip_fp16)
+    m = target_token_mask
+    return (_kernel(residual, x, gate, m, clip_fp16) if kernel_usable_now(x)
+            else tanh_gate_residual_reference(residual, x, gate=gate, target_token_mask=m, clip_fp16=clip_fp16))
 
 
 _custom_op.register_fake(

@@ -6,10 +6,7 @@
 ``x`` is the attention output (``to_out``). ``C`` is the identity, or with ``clip_fp16=True`` and float16 tensors
 the block's final ``clip(-65504, 65504)`` (the op then runs the FFN residual and the next block's norm1). Rounding
 points reproduced, each in the tensor dtype: ``tanh(gate)``, the product, the sum (then the clip), the LayerNorm
-output, ``1 + scale`` and the product. The ``_fp8`` variant also (or only) writes the codes of ``modulated``.
-"""
-
-from __future__ import annotations
+output, ``1 + scale`` and the product. The ``_fp8`` variant also (or only) writes the codes of ``modulated``."""
 
 import torch
 
@@ -49,8 +46,7 @@ def launch(
         return h, o, f8
     launcher, a, amax2 = run
     B, L, D = x.shape
-    esize = x.element_size()
-    grs, crs = row_stride(gate), row_stride(scale)
+    esize, grs, crs = x.element_size(), row_stride(gate), row_stride(scale)
     xp, rp, gp, cp = x.data_ptr(), residual.data_ptr(), gate.data_ptr(), scale.data_ptr()
     flags = ((xp | rp) % a == 0) | (((cp | crs * esize) % a == 0) << 2) | (((gp | grs * esize) % a == 0) << 3)
     clip = int(bool(clip_fp16) and x.dtype == torch.float16)
@@ -60,7 +56,7 @@ def launch(
     return h, o, f8
 
 
-def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> tuple[float, bool]:
+def _checked(residual, x, gate, scale, eps, mask, clip_fp16, force_reference, fp8_amax=None):
     check_residual(residual, x)
     eps = check_eps(eps)
     clip_fp16 = check_clip(clip_fp16)
@@ -68,7 +64,7 @@ def _validate(residual, x, gate, scale, eps, mask, clip_fp16, fp8_amax=None) -> 
     check_rows("gate", gate, x, mask)
     check_rows("scale", scale, x, mask)
     check_fp8_amax(fp8_amax, x)
-    return eps, clip_fp16
+    return eps, clip_fp16, common_reasons([x, residual, gate, scale], force_reference)
 
 
 def _kernel(residual, x, gate, scale, eps, mask, clip_fp16, out=True, fp8_amax=None):
@@ -80,8 +76,7 @@ def tanh_gate_residual_layer_norm_scale_not_supported_reasons(
     residual: torch.Tensor, x: torch.Tensor, *, gate: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
     target_token_mask: torch.Tensor | None = None, clip_fp16: bool = False, force_reference: bool = False) -> list[str]:
     """Why the CUDA kernel would not run for these inputs (empty list: it runs)."""
-    _validate(residual, x, gate, scale, eps, target_token_mask, clip_fp16)
-    return common_reasons([x, residual, gate, scale], force_reference)
+    return _checked(residual, x, gate, scale, eps, target_token_mask, clip_fp16, force_reference)[2]
 
 
 def tanh_gate_residual_layer_norm_scale(
@@ -104,8 +99,7 @@ def tanh_gate_residual_layer_norm_scale_fp8(
 
 
 def _dispatch(fp8, residual, x, gate, scale, eps, m, clip_fp16, force_reference, fp8_amax=None, also_output=False):
-    eps, clip_fp16 = _validate(residual, x, gate, scale, eps, m, clip_fp16, fp8_amax)
-    reasons = common_reasons([x, residual, gate, scale], force_reference)
+    eps, clip_fp16, reasons = _checked(residual, x, gate, scale, eps, m, clip_fp16, force_reference, fp8_amax)
     op, args = torch.ops.qwen_absorb.tanh_gate_residual_layer_norm_scale, (residual, x, gate, scale, eps, m, clip_fp16)
 
     def reference():

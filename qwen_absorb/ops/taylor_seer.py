@@ -5,10 +5,7 @@ offset^k / k!``) take host scalars, which a CUDA graph cannot replay. These kern
 diffusers' rounding points, in place on caller-owned factors, coefficients read from device memory: :func:`update_`
 (``coef[0] = 1 / delta_step`` in fp32, as PyTorch's CUDA division by a host scalar uses it) and :func:`predict`
 (``sum_k D(D(f_k) * c_k)`` from zero in the output dtype ``D``, ``c_0 = 1``, ``c_k = coef[k - 1]``). The references,
-diffusers' expressions op for op, run wherever the kernels cannot.
-"""
-
-from __future__ import annotations
+diffusers' expressions op for op, run wherever the kernels cannot."""
 
 import math
 
