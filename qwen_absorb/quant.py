@@ -6,7 +6,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -158,9 +158,6 @@ class ProjectionInfo:
     has_bias: bool = False
     bias_holder_ok: bool = True  # the innermost module keeps its bias in _parameters["bias"]
     notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def inspect_projection(name: str, module: nn.Module) -> ProjectionInfo:

@@ -13,6 +13,7 @@ input quantizers included.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def test_gating_functions_are_data():
     assert any("no CUDA" in x for x in r) and any("validated on GPUs only" in x for x in r)
     bad = copy.replace(info, output_quantizer_enabled=True, lora_bias=True) if hasattr(copy, "replace") else None
     if bad is None:
-        bad = ProjectionInfo(**{**info.to_dict(), "output_quantizer_enabled": True, "lora_bias": True})
+        bad = ProjectionInfo(**{**dataclasses.asdict(info), "output_quantizer_enabled": True, "lora_bias": True})
     r = gating.defer_refusals(bad, mode=True, consumer_fused=False, device=cpu, capabilities=caps, kernel_reasons=[])
     assert len(r) == 3
     plain = ProjectionInfo(name="p", cls="Linear", has_bias=True)
