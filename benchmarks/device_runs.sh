@@ -12,7 +12,9 @@
 #   run(command="bash benchmarks/device_runs.sh pipeline_2",  carry=[".whl"])                       # ~5 min
 #
 # Round 35's calls: round35_a (round 34's tree: the suite + the few-step cases), then on the final tree round35_b
-# (the suite, ~5 min) and round35_c (the offload A/B + the text encoder, ~5 min), back to back.
+# (the suite, ~5 min) and round35_c (the offload A/B + the text encoder, ~5 min), back to back. Round 36 got no
+# machine (five failed starts, then loans paused): the next session runs round35_b and round35_c on its final tree
+# (round35_bc in one call where minutes are short); they name no round-35-only code.
 # Earlier rounds' one-off calls are in git history (git log -p benchmarks/device_runs.sh).
 #
 # The before tree: `git worktree add .devrun/before 69357ce` (an ignored path) before the one_owner call.
