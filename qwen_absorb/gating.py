@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from .ops.lane import NAMES as LANES
 from .parallel import tp_defer_refusals
 from .quant import FP8_E4M3, FP8_GEMM_MIN_CAPABILITY, ProjectionInfo
 
@@ -24,8 +25,6 @@ VALIDATED_FP8_CAPABILITIES: dict[tuple[int, int], str] = {(9, 0): _H200}
 # torch._scaled_mm's fast accumulation (use_fast_accum="auto"), the same run: error against fp32 1.0025x (forward)
 # and 0.9999x (4-step latents) of ModelOpt fake quant's: fp8_gemm.json, "fast_accum"
 VALIDATED_FAST_ACCUM_CAPABILITIES: dict[tuple[int, int], str] = {(9, 0): _H200}
-
-LANES = ("branch", "txt")  # qwen_absorb.ops.lane's lanes
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def take(plan: Any, block: nn.Module, device: torch.device) -> dict[str, tuple[t
     pinned = plan.options.tuning.pinned_staging
     for (p, hc, _), amax in zip(todo, now.split(1)):
         if torch.equal(amax, hc.amax):
-            out[p] = (staging.to_device(hc.codes, device) if pinned else hc.codes.to(device), hc.source[4])
+            out[p] = (staging.to_device(hc.codes, device, pinned=pinned), hc.source[4])
         else:
             del store[p]
     return out

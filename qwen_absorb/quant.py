@@ -306,7 +306,7 @@ def staged_weight(module: nn.Module, device: torch.device, pinned: bool = False)
     if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device == device \
             or w.device.type == "meta":
         return None
-    return staging.to_device(w.detach(), device) if pinned else w.detach().to(device, non_blocking=w.is_pinned())
+    return staging.to_device(w.detach(), device, pinned=pinned)
 
 
 def make_fp8_weight(module: nn.Module, device: torch.device, staged: torch.Tensor | None = None,

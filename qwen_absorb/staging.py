@@ -14,11 +14,12 @@ import torch
 CHUNK = 1 << 26
 
 
-def to_device(src: torch.Tensor, device: torch.device, chunk: int = CHUNK) -> torch.Tensor:
-    """``src`` (a plain host tensor) on ``device``: through pinned chunks where ``device`` is a CUDA device and
-    ``src`` is larger than one chunk and not pinned already, else ``src.to(device)``."""
+def to_device(src: torch.Tensor, device: torch.device, chunk: int = CHUNK, pinned: bool = True) -> torch.Tensor:
+    """``src`` (a plain host tensor) on ``device``: through pinned chunks where ``pinned`` (the caller's
+    ``Tuning.pinned_staging``), ``device`` is a CUDA device and ``src`` is larger than one chunk and not pinned
+    already, else ``src.to(device)``."""
     n = src.numel() * src.element_size()
-    if device.type != "cuda" or src.device.type != "cpu" or src.is_pinned() or n <= chunk:
+    if not pinned or device.type != "cuda" or src.device.type != "cpu" or src.is_pinned() or n <= chunk:
         return src.to(device, non_blocking=src.is_pinned())
     src = src.contiguous()
     dst = torch.empty(src.shape, dtype=src.dtype, device=device)
