@@ -2,8 +2,7 @@
 :class:`~qwen_absorb.plan.BlockPlan` (its watch asked first). What the plan cannot vouch for in a call (grad,
 calibration, a user hook on a skipped module, a PEFT layer that must unmerge) runs diffusers' forward, counted in the
 report. A deferred bias ``Parameter`` never moves: only during the attention / FFN call, under the plan's lock, does an
-instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``); not one on meta.
-"""
+instance-``__dict__`` ``bias = None`` shadow it (``F.linear``, ModelOpt and PEFT read ``self.bias``); not one on meta."""
 
 import contextlib
 import logging

@@ -2,8 +2,7 @@
 
 The patched forward goes where the *original* bound forward is kept (:mod:`qwen_absorb.hooks`), so hook chains stay
 intact; block class, signature and return order never change. All blocks are planned, then installed; an exception
-(or Ctrl-C) while installing undoes what was installed.
-"""
+(or Ctrl-C) while installing undoes what was installed."""
 
 import contextlib
 import functools

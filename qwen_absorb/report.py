@@ -2,8 +2,7 @@
 
 It holds no module, tensor or graph (a kept report never keeps a model alive): decisions are copied in, counters keep
 counting, dtype and graph are read through a weak reference to the active patch state (then kept as last seen).
-``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people.
-"""
+``to_dict()`` is complete and JSON-able, for tools; ``str()`` is for people."""
 
 import functools
 import itertools

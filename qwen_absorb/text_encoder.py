@@ -6,7 +6,8 @@
 - on CUDA the encoder replays a graph per (token shape, exact mask): the 7B encoder is host-bound (1,232 kernels
   for 7.4 ms of GPU work at 110 tokens). Under capture transformers would build an explicit attention mask instead
   of SDPA's causal flag, so the warm-up's masks are replayed there (:class:`MaskConstants`);
-- an unhooked stock encoder runs as its base model: ``lm_head``'s logits (1.1 GB of weights read) go unused;
+- an unhooked stock encoder runs as its base model (``lm_head``'s logits, 1.1 GB of weights read, go unused), any
+  stock one without a KV cache (``use_cache=False``: two concatenations a layer, which the pipeline never reads);
 - the rows are planned on the host mask and copied with the inputs (diffusers reads the device mask after the
   encoder): nothing after the replay's launch waits for the device.
 The watch (weights replaced or given new ``.data``, a norm's eps, a PEFT adapter's state) of the modules a text prompt
@@ -193,7 +194,7 @@ class PromptEncoder(Slot):
         return MaskConstants(self.encoder)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        return self.body(input_ids=ids, attention_mask=mask, output_hidden_states=True, **self.run_kw).hidden_states[-1]
 
     def _take_encoder(self) -> None:
         te = self.encoder = self.pipe.text_encoder
@@ -209,6 +210,7 @@ class PromptEncoder(Slot):
         stock = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _STOCK_FORWARD
         base = getattr(te, "model", None)
         self.body = base if stock and not self.hooked and "language_model" in getattr(base, "_modules", ()) else te
+        self.run_kw = {"use_cache": False} if stock else {}
 
     def renew(self) -> None:
         """Forget what was made from the encoder (kept embeddings, graphs) and watch the pipeline's encoder anew."""

@@ -432,6 +432,25 @@ def test_the_stock_encoder_runs_without_its_lm_head(pipe):
     assert te.lm_head.calls == 1
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+@torch.no_grad()
+def test_the_stock_encoder_keeps_no_kv_cache(pipe, monkeypatch, hooked):
+    """The pipeline never reads the encoder's KV cache: a stock encoder (hooked or not) runs with
+    ``use_cache=False`` (no cache made, none of its per-layer concatenations), its embeddings bit for bit."""
+    import transformers.cache_utils as cu  # noqa: PLC0415
+    made = []
+    real = cu.DynamicCache.__init__
+    monkeypatch.setattr(cu.DynamicCache, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
+    if hooked:
+        pipe.text_encoder.register_forward_pre_hook(lambda m, args: None)
+    ref = pipe.encode_prompt("a red fox on a mossy rock", device="cpu")
+    assert made  # diffusers' call makes one
+    made.clear()
+    te_room.patch(pipe, cache_size=0)
+    assert _same(pipe.encode_prompt("a red fox on a mossy rock", device="cpu"), ref)
+    assert not made
+
+
 @pytest.mark.parametrize("how", ["hook", "subclass"])
 @torch.no_grad()
 def test_a_hooked_or_subclassed_encoder_runs_whole(pipe, how):
