@@ -94,7 +94,8 @@ def run(attn: nn.Module, plan, img_in, txt_in, encoder_hidden_states_mask: torch
                 add_deferred(own)
             r.give(*ys)
         qkv[name] = ys
-    add_deferred(deferred)
+    if deferred:  # (a call per block per eager call saved where nothing was deferred)
+        add_deferred(deferred)
     if txt_lane:
         lane.settle(dev, "txt")
     (img_q, img_k, img_v), (txt_q, txt_k, txt_v) = qkv["img"], qkv["txt"]
